@@ -1,0 +1,55 @@
+"""Base config: the seeds' reference ViT on CIFAR-10 in float32.
+
+Variants import this file and change only what differs. Every field can be
+overridden from the command line, e.g. `--config.batch_size=256`.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.batch_size = 128
+  config.num_epochs = 10
+  config.num_train_steps = -1  # -1: derived from num_epochs.
+  config.learning_rate = 1e-3
+  config.weight_decay = 0.0
+  config.warmup_steps = 0
+  config.grad_clip_norm = 0.0  # 0: no clipping.
+  config.log_every_steps = 50
+  config.eval_every_steps = 1000
+
+  config.model = ml_collections.ConfigDict(dict(
+      image_size=32,
+      patch_size=4,
+      num_classes=10,
+      embed_dim=384,
+      mlp_dim=1536,
+      num_heads=8,
+      num_layers=6,
+      dropout_rate=0.1,
+  ))
+
+  config.precision = ml_collections.ConfigDict(dict(
+      # jmp policy of the model class; its compute dtype is the activations'.
+      policy='params=float32,compute=float32,output=float32',
+      # 'TARGET:POLICY;...': TARGET is a module class name or a path glob.
+      overrides='',
+      float32_layer_norm=True,
+  ))
+
+  config.loss_scale = ml_collections.ConfigDict(dict(
+      kind='none',  # 'none' | 'static' | 'dynamic'
+      initial=2.0**15,  # the static scale, or the dynamic scale's start.
+      period=2000,  # dynamic: finite steps before the scale grows.
+      factor=2.0,  # dynamic: growth and back-off factor.
+      minimum=1.0,  # dynamic: the scale never falls below this floor.
+  ))
+
+  config.data = ml_collections.ConfigDict(dict(
+      source='tfds',  # 'tfds' | 'synthetic'
+      data_dir='',  # empty: the TFDS default (or TFDS_DATA_DIR).
+  ))
+  config.lock()
+  return config

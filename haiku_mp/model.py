@@ -1,0 +1,67 @@
+"""The model as pure functions: a ViT forward pass under a precision policy."""
+
+from typing import Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from haiku_mp import precision as precision_lib
+from haiku_mp.models import vit
+
+MODEL_FIELDS = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
+                'mlp_dim', 'num_heads', 'num_layers', 'dropout_rate')
+
+
+def make_precision(config: ml_collections.ConfigDict) -> precision_lib.Precision:
+  """The `Precision` that `config.precision` describes for the ViT."""
+  return precision_lib.make_precision(
+      config.precision.policy, config.precision.overrides,
+      model_class=vit.MODEL_CLASS,
+      float32_layer_norm=config.precision.float32_layer_norm)
+
+
+def make_forward(model_config: ml_collections.ConfigDict,
+                 precision: precision_lib.Precision,
+                 observer: Optional[precision_lib.Observer] = None
+                 ) -> hk.Transformed:
+  """`forward(images, is_training) -> logits` transformed, with `precision` applied."""
+  kwargs = {k: model_config[k] for k in MODEL_FIELDS}
+
+  def forward(images: jax.Array, is_training: bool) -> jax.Array:
+    with precision_lib.apply(precision, observer):
+      return vit.VisionTransformer(**kwargs)(images, is_training)
+
+  return hk.transform(forward)
+
+
+def dummy_images(model_config: ml_collections.ConfigDict,
+                 batch_size: int = 1) -> jax.Array:
+  size = model_config.image_size
+  return jnp.zeros((batch_size, size, size, 3), jnp.float32)
+
+
+def trace_modules(model_config: ml_collections.ConfigDict,
+                  precision: precision_lib.Precision,
+                  batch_size: int = 1
+                  ) -> tuple[list[precision_lib.ModuleCall], hk.Params]:
+  """Every module call of one forward pass and the params' shapes and dtypes.
+
+  Traced abstractly with `jax.eval_shape`: no FLOPs, no memory for params.
+  """
+  calls = []
+  forward = make_forward(model_config, precision, calls.append)
+  images = dummy_images(model_config, batch_size)
+  params = jax.eval_shape(
+      lambda: forward.init(jax.random.key(0), images, True))
+  return calls, params
+
+
+def build(config: ml_collections.ConfigDict
+          ) -> tuple[hk.Transformed, precision_lib.Precision]:
+  """The forward function for `config`, after checking every override matches."""
+  precision = make_precision(config)
+  calls, _ = trace_modules(config.model, precision)
+  precision.check_overrides({(c.class_name, c.path) for c in calls})
+  return make_forward(config.model, precision), precision

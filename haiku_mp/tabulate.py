@@ -1,0 +1,84 @@
+"""A per-module table of a model: policy in force, params, input/output dtypes."""
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from haiku_mp import model
+from haiku_mp import precision as precision_lib
+
+_COLUMNS = (('path', 'path'), ('class', 'class'), ('policy', 'policy'),
+            ('rule', 'policy_source'), ('params', 'param_count'),
+            ('bytes', 'param_bytes'), ('param dtypes', 'param_dtypes'),
+            ('in', 'input_dtypes'), ('out', 'output_dtypes'))
+
+
+def _dtype_names(tree: Any) -> list[str]:
+  return [jnp.dtype(x.dtype).name for x in jax.tree.leaves(tree)
+          if hasattr(x, 'dtype')]
+
+
+def _source(rule: precision_lib.Rule | None) -> str:
+  if rule is None:
+    return 'inherited'
+  return f'{rule.source} {rule.target}'
+
+
+def module_rows(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
+  """One row per module, in call order, for the model `config` describes."""
+  precision = model.make_precision(config)
+  calls, params = model.trace_modules(config.model, precision)
+  precision.check_overrides({(c.class_name, c.path) for c in calls})
+  rows = {}
+  for call in calls:
+    if call.method != '__call__' or call.path in rows:
+      continue
+    own = params.get(call.path, {})
+    rows[call.path] = {
+        'path': call.path,
+        'class': call.class_name,
+        'policy': precision_lib.policy_str(call.policy),
+        'policy_source': _source(call.rule),
+        'params': {name: {'shape': list(p.shape), 'dtype': p.dtype.name}
+                   for name, p in own.items()},
+        'param_dtypes': sorted({p.dtype.name for p in own.values()}),
+        'param_count': sum(math.prod(p.shape) for p in own.values()),
+        'param_bytes': sum(math.prod(p.shape) * p.dtype.itemsize
+                           for p in own.values()),
+        'input_dtypes': _dtype_names(call.args),
+        'output_dtypes': _dtype_names(call.output),
+    }
+  return sorted(rows.values(), key=lambda r: _preorder_key(r['path'], calls))
+
+
+def _preorder_key(path: str, calls: list[precision_lib.ModuleCall]):
+  """Sorts a module before its children: calls are recorded as they finish."""
+  first = min(i for i, c in enumerate(calls)
+              if c.path == path or c.path.startswith(path + '/'))
+  return first, path.count('/')
+
+
+def _cell(value: Any) -> str:
+  if isinstance(value, list):
+    return ','.join(sorted(set(value))) if value else '-'
+  return str(value)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+  """A plain-text table with a total line."""
+  header = [title for title, _ in _COLUMNS]
+  body = [[_cell(row[key]) for _, key in _COLUMNS] for row in rows]
+  total_count = sum(r['param_count'] for r in rows)
+  total_bytes = sum(r['param_bytes'] for r in rows)
+  body.append(['total', '', '', '', str(total_count), str(total_bytes),
+               '', '', ''])
+  widths = [max(len(line[i]) for line in [header] + body)
+            for i in range(len(header))]
+  fmt = lambda line: '  '.join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+  rule = '  '.join('-' * w for w in widths)
+  return '\n'.join([fmt(header), rule] + [fmt(l) for l in body[:-1]] +
+                   [rule, fmt(body[-1])])
+

@@ -1,0 +1,131 @@
+"""`TrainState` and the pure, loss-scaled `train_step` / `eval_step`.
+
+One step: forward in the compute dtype -> float32 loss -> x loss scale ->
+gradients -> cast to float32 and unscaled -> finite check -> optax update on the
+float32 master params (clipping, if configured, is the optimizer's first
+transform, so it sees unscaled gradients) -> if any gradient is not finite,
+params and optimizer state stay exactly as they were -> loss scale adjusted.
+"""
+
+from typing import Any, Callable, Mapping, NamedTuple
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import jmp
+import optax
+
+from haiku_mp import loss_scaling
+
+Batch = Mapping[str, jax.Array]
+Metrics = dict[str, jax.Array]
+# loss_fn(params, rng, batch) -> (float32 scalar loss, metrics such as accuracy).
+LossFn = Callable[[hk.Params, jax.Array, Batch], tuple[jax.Array, Metrics]]
+
+
+class TrainState(NamedTuple):
+  """Everything a step reads and writes; checkpointing this resumes a run."""
+  step: jax.Array  # int32 scalar: steps taken, skipped ones included.
+  params: hk.Params  # float32 master weights.
+  opt_state: optax.OptState  # optimizer state of the float32 params.
+  loss_scale: jmp.LossScale  # scale (and, if dynamic, its finite-step counter).
+  rng: jax.Array  # PRNG key, split every step for dropout.
+  skipped_steps: jax.Array  # int32 scalar: steps skipped for non-finite grads.
+
+
+def init_train_state(params: hk.Params,
+                     optimizer: optax.GradientTransformation,
+                     loss_scaler: loss_scaling.LossScaler,
+                     rng: jax.Array) -> TrainState:
+  params = jmp.cast_to_full(params)
+  return TrainState(
+      step=jnp.zeros([], jnp.int32),
+      params=params,
+      opt_state=optimizer.init(params),
+      loss_scale=loss_scaler.init(),
+      rng=rng,
+      skipped_steps=jnp.zeros([], jnp.int32))
+
+
+def make_train_step(loss_fn: LossFn,
+                    optimizer: optax.GradientTransformation,
+                    loss_scaler: loss_scaling.LossScaler
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+  """A pure `train_step(state, batch) -> (state, metrics)`.
+
+  Jit it with `donate_argnums=0`; every metric is a device scalar, so nothing
+  syncs with the host until the caller reads one.
+  """
+
+  def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    rng, step_rng = jax.random.split(state.rng)
+
+    def scaled_loss(params):
+      loss, aux = loss_fn(params, step_rng, batch)
+      return state.loss_scale.scale(loss), (loss, aux)
+
+    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(state.params)
+    grads = state.loss_scale.unscale(jmp.cast_to_full(grads))
+    grads_finite = jmp.all_finite(grads)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state,
+                                              state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    params, opt_state = jmp.select_tree(
+        grads_finite, (new_params, new_opt_state),
+        (state.params, state.opt_state))
+    skipped_steps = state.skipped_steps + (~grads_finite).astype(jnp.int32)
+    new_state = TrainState(
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        loss_scale=loss_scaler.adjust(state.loss_scale, grads_finite),
+        rng=rng,
+        skipped_steps=skipped_steps)
+    metrics = dict(
+        aux,
+        loss=loss,
+        loss_scale=loss_scaling.value(state.loss_scale),
+        grads_finite=grads_finite,
+        grad_norm=optax.global_norm(grads),
+        skipped_steps=skipped_steps)
+    return new_state, metrics
+
+  return train_step
+
+
+def _weighted_metrics(logits: jax.Array, batch: Batch) -> dict[str, Any]:
+  """float32 cross-entropy and accuracy, masked by `batch['mask']` if present."""
+  logits = logits.astype(jnp.float32)
+  labels = batch['label']
+  mask = batch.get('mask')
+  if mask is None:
+    mask = jnp.ones(labels.shape, jnp.float32)
+  mask = mask.astype(jnp.float32)
+  count = jnp.maximum(mask.sum(), 1.0)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+  return dict(loss=(losses * mask).sum() / count,
+              accuracy=(correct * mask).sum() / count,
+              num_examples=mask.sum())
+
+
+def make_classification_loss(forward: hk.Transformed) -> LossFn:
+  """The training loss of a classifier `forward(images, is_training)`."""
+
+  def loss_fn(params, rng, batch):
+    logits = forward.apply(params, rng, batch['image'], True)
+    metrics = _weighted_metrics(logits, batch)
+    return metrics.pop('loss'), metrics
+
+  return loss_fn
+
+
+def make_eval_step(forward: hk.Transformed
+                   ) -> Callable[[hk.Params, Batch], Metrics]:
+  """`eval_step(params, batch) -> {logits, loss, accuracy, num_examples}`, no dropout."""
+
+  def eval_step(params: hk.Params, batch: Batch) -> Metrics:
+    logits = forward.apply(params, None, batch['image'], False)
+    return dict(_weighted_metrics(logits, batch), logits=logits)
+
+  return eval_step

@@ -1,0 +1,36 @@
+"""Prints every module of the configured model: policy, params, dtypes.
+
+python -m launch.tabulate --config=configs/vit_fp16.py [--json]
+"""
+
+import json
+import sys
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from haiku_mp import precision
+from haiku_mp import tabulate
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
+                                          lock_config=True)
+_JSON = flags.DEFINE_bool('json', False, 'Print one JSON list of objects.')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  try:
+    rows = tabulate.module_rows(_CONFIG.value)
+  except (precision.PrecisionError, ValueError) as e:
+    sys.exit(f'error: {e}')
+  if _JSON.value:
+    print(json.dumps(rows, indent=1))
+  else:
+    print(tabulate.format_table(rows))
+
+
+if __name__ == '__main__':
+  flags.mark_flag_as_required('config')
+  app.run(main)

@@ -1,0 +1,64 @@
+"""Shared test helpers: tiny configs and a jaxpr walker."""
+
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from configs import base
+
+MATMUL_PRIMITIVES = ('dot_general', 'conv_general_dilated')
+
+
+def tiny_config(policy: str = 'params=float32,compute=float32,output=float32',
+                overrides: str = '', loss_scale: str = 'none', **model):
+  """The base config with a ViT small enough for a test on two CPU cores."""
+  config = base.get_config()
+  config.precision.policy = policy
+  config.precision.overrides = overrides
+  config.loss_scale.kind = loss_scale
+  config.model.update(dict(image_size=8, patch_size=4, embed_dim=16,
+                           mlp_dim=32, num_heads=2, num_layers=2,
+                           dropout_rate=0.1))
+  config.model.update(model)
+  return config
+
+
+def random_batch(config, batch_size: int = 8, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  size = config.model.image_size
+  return dict(
+      image=jnp.asarray(rng.normal(size=(batch_size, size, size, 3)), jnp.float32),
+      label=jnp.asarray(rng.integers(0, config.model.num_classes, batch_size),
+                        jnp.int32))
+
+
+def _sub_jaxprs(value) -> Iterator[jex_core.Jaxpr]:
+  if isinstance(value, jex_core.ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, jex_core.Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for v in value:
+      yield from _sub_jaxprs(v)
+
+
+def iter_eqns(jaxpr: jex_core.Jaxpr) -> Iterator[jex_core.JaxprEqn]:
+  """All equations of a jaxpr, recursing into pjit, custom_vjp, cond, ..."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in _sub_jaxprs(value):
+        yield from iter_eqns(sub)
+
+
+def eqns_of(fn, *args, primitives=MATMUL_PRIMITIVES):
+  """The equations of `fn(*args)` whose primitive is in `primitives`."""
+  closed = jax.make_jaxpr(fn)(*args)
+  return [e for e in iter_eqns(closed.jaxpr) if e.primitive.name in primitives]
+
+
+def operand_dtypes(eqn) -> tuple[str, ...]:
+  return tuple(jnp.dtype(v.aval.dtype).name for v in eqn.invars)
