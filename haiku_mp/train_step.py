@@ -86,7 +86,7 @@ def make_train_step(loss_fn: LossFn,
         loss=loss,
         loss_scale=loss_scaling.value(state.loss_scale),
         grads_finite=grads_finite,
-        grad_norm=optax.global_norm(grads),
+        grad_norm=optax.tree.norm(grads),
         skipped_steps=skipped_steps)
     return new_state, metrics
 

@@ -1,0 +1,58 @@
+"""Every config file loads, is locked, and differs from base only where meant."""
+
+import glob
+import importlib
+import os
+
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from configs import base
+from haiku_mp import loss_scaling
+from haiku_mp import model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_NAMES = sorted(os.path.basename(p)[:-3]
+                      for p in glob.glob(os.path.join(ROOT, 'configs', '*.py'))
+                      if not p.endswith('__init__.py'))
+
+
+def _flat(tree, prefix=''):
+  """{'a.b': value} for a nested config."""
+  flat = {}
+  for key, value in (tree.to_dict() if prefix == '' else tree).items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f'{prefix}{key}.'))
+    else:
+      flat[f'{prefix}{key}'] = value
+  return flat
+
+
+class ConfigsTest(parameterized.TestCase):
+
+  @parameterized.parameters(*CONFIG_NAMES)
+  def test_loads_locked_and_builds(self, name):
+    config = importlib.import_module(f'configs.{name}').get_config()
+    with self.assertRaises(AttributeError):
+      config.batch_sise = 3
+    model.make_precision(config)
+    loss_scaling.LossScaler.from_config(config.loss_scale)
+
+  @parameterized.parameters(
+      ('vit_fp32', {}),
+      ('vit_bf16', {'precision.policy':
+                    'params=float32,compute=bfloat16,output=float32'}),
+      ('vit_fp16', {'precision.policy':
+                    'params=float32,compute=float16,output=float32',
+                    'loss_scale.kind': 'dynamic',
+                    'loss_scale.initial': 2.0**15}))
+  def test_variants_differ_only_in_precision(self, name, expected):
+    reference = _flat(base.get_config())
+    config = _flat(importlib.import_module(f'configs.{name}').get_config())
+    diff = {k: v for k, v in config.items() if reference[k] != v}
+    self.assertEqual(diff, {k: v for k, v in expected.items()
+                            if reference[k] != v})
+
+
+if __name__ == '__main__':
+  absltest.main()

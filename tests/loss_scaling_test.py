@@ -1,0 +1,76 @@
+"""Tests for loss scales from config, including jmp 0.0.4's two defects."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import jmp
+
+from haiku_mp import loss_scaling
+
+OVERFLOW = jnp.asarray(False)
+FINITE = jnp.asarray(True)
+
+
+class LossScalerTest(parameterized.TestCase):
+
+  def test_kinds(self):
+    self.assertIsInstance(loss_scaling.LossScaler('none').init(),
+                          jmp.NoOpLossScale)
+    static = loss_scaling.LossScaler('static', initial=128.0).init()
+    self.assertEqual(float(loss_scaling.value(static)), 128.0)
+    self.assertEqual(float(static.scale(jnp.float32(2.0))), 256.0)
+    dynamic = loss_scaling.LossScaler('dynamic', initial=2.0**15).init()
+    self.assertEqual(dynamic.loss_scale.dtype, jnp.float32)
+    self.assertEqual(float(loss_scaling.value(
+        loss_scaling.LossScaler('none').init())), 1.0)
+
+  def test_jmp_float16_scale_crashes_but_ours_is_float32(self):
+    # jmp issue #47: the defect the float32 scale guards against.
+    with self.assertRaises(TypeError):
+      jmp.DynamicLossScale(jnp.float16(2**15)).adjust(OVERFLOW)
+    scaler = loss_scaling.LossScaler('dynamic', initial=2**15)
+    state = scaler.adjust(scaler.init(), OVERFLOW)
+    self.assertEqual(state.loss_scale.dtype, jnp.float32)
+    self.assertEqual(float(state.loss_scale), 2.0**14)
+
+  def test_floor_holds_after_many_jitted_overflows(self):
+    scaler = loss_scaling.LossScaler('dynamic', initial=2.0**15, minimum=128.0)
+    ours = jax.jit(scaler.adjust)
+    bare = jax.jit(lambda s, f: s.adjust(f))
+    state = bare_state = scaler.init()
+    for _ in range(20):
+      state = ours(state, OVERFLOW)
+      bare_state = bare(bare_state, OVERFLOW)
+    self.assertEqual(float(state.loss_scale), 128.0)
+    # Without the guard jmp forgets the floor (jmp PR #44 never merged).
+    self.assertEqual(float(bare_state.loss_scale), 1.0)
+
+  def test_dynamic_backs_off_and_grows_after_period(self):
+    scaler = loss_scaling.LossScaler('dynamic', initial=1024.0, period=3,
+                                     factor=4.0)
+    adjust = jax.jit(scaler.adjust)
+    state = adjust(scaler.init(), OVERFLOW)
+    self.assertEqual(float(state.loss_scale), 256.0)
+    for expected in (256.0, 256.0, 1024.0, 1024.0):
+      state = adjust(state, FINITE)
+      self.assertEqual(float(state.loss_scale), expected)
+    state = adjust(state, OVERFLOW)  # Resets the counter.
+    state = adjust(adjust(state, FINITE), FINITE)
+    self.assertEqual(float(state.loss_scale), 256.0)
+
+  @parameterized.parameters(
+      (dict(kind='dymanic'), 'loss_scale.kind'),
+      (dict(kind='static', initial=0.0), 'loss_scale.initial'),
+      (dict(kind='dynamic', initial=float('inf')), 'loss_scale.initial'),
+      (dict(kind='dynamic', factor=1.0), 'loss_scale.factor'),
+      (dict(kind='dynamic', period=0), 'loss_scale.period'),
+      (dict(kind='dynamic', minimum=0.0), 'loss_scale.minimum'),
+      (dict(kind='dynamic', initial=4.0, minimum=8.0), 'loss_scale.minimum'))
+  def test_bad_settings_name_the_setting(self, kwargs, setting):
+    with self.assertRaisesRegex(loss_scaling.LossScaleError, setting):
+      loss_scaling.LossScaler(**kwargs)
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -1,0 +1,103 @@
+"""Walks the jaxpr of a full training loss (forward and backward) per policy.
+
+Asserts the dtypes that reach every matmul and convolution, and that the
+numerically fragile parts (LayerNorm statistics, softmax, loss) are float32.
+"""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+
+from haiku_mp import model
+from haiku_mp import train_step as train_step_lib
+from tests import helpers
+
+POLICIES = dict(
+    fp16=('params=float32,compute=float16,output=float32', 'float16'),
+    bf16=('params=float32,compute=bfloat16,output=float32', 'bfloat16'),
+    fp32=('params=float32,compute=float32,output=float32', 'float32'),
+)
+# Elementwise or reducing ops whose float16 version loses range or precision.
+FLOAT32_ISLAND_PRIMITIVES = ('reduce_max', 'reduce_sum', 'exp', 'log', 'rsqrt')
+
+
+def _setup(policy, overrides=''):
+  config = helpers.tiny_config(policy, overrides)
+  forward, _ = model.build(config)
+  batch = helpers.random_batch(config)
+  params = forward.init(jax.random.key(0), batch['image'], True)
+  loss_fn = train_step_lib.make_classification_loss(forward)
+  rng = jax.random.key(1)
+  loss = lambda p: loss_fn(p, rng, batch)[0]
+  return forward, params, batch, loss
+
+
+class MatmulDtypeTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(*[(k, *v) for k, v in POLICIES.items()])
+  def test_every_matmul_forward_and_backward_in_compute_dtype(self, policy,
+                                                              dtype):
+    _, params, _, loss = _setup(policy)
+    forward_eqns = helpers.eqns_of(loss, params)
+    all_eqns = helpers.eqns_of(jax.value_and_grad(loss), params)
+    # 2 blocks x (q, k, v, out, fc1, fc2 + 2 attention einsums) + conv + head.
+    self.assertLen(forward_eqns, 2 * 8 + 2)
+    # Backward: two matmuls (operand and weight gradients) per forward matmul,
+    # except the patch conv, whose input (the images) needs no gradient.
+    self.assertLen(all_eqns, 3 * len(forward_eqns) - 1)
+    for eqn in all_eqns:
+      self.assertEqual(helpers.operand_dtypes(eqn), (dtype, dtype), str(eqn))
+    conv = [e for e in all_eqns if e.primitive.name == 'conv_general_dilated']
+    self.assertNotEmpty(conv)
+
+  @parameterized.named_parameters(('fp16', 'fp16'), ('bf16', 'bf16'))
+  def test_softmax_layer_norm_and_loss_are_float32(self, name):
+    policy, _ = POLICIES[name]
+    _, params, _, loss = _setup(policy)
+    islands = helpers.eqns_of(loss, params,
+                              primitives=FLOAT32_ISLAND_PRIMITIVES)
+    kinds = {e.primitive.name for e in islands}
+    self.assertContainsSubset({'reduce_max', 'reduce_sum', 'exp', 'rsqrt'},
+                              kinds)
+    for eqn in islands:
+      self.assertEqual(set(helpers.operand_dtypes(eqn)), {'float32'}, str(eqn))
+    # Attention logits: a half-precision matmul with a float32 result.
+    logits = [e for e in helpers.eqns_of(loss, params,
+                                         primitives=('dot_general',))
+              if e.outvars[0].aval.ndim == 4]
+    self.assertLen(logits, 2 * 2)  # Per block: q.k^T and weights.v.
+    self.assertCountEqual([e.outvars[0].aval.dtype.name for e in logits],
+                          ['float32', 'float32', POLICIES[name][1],
+                           POLICIES[name][1]])
+
+  @parameterized.named_parameters(('fp16', 'fp16'), ('bf16', 'bf16'))
+  def test_params_and_gradients_float32_logits_float32(self, name):
+    policy, _ = POLICIES[name]
+    forward, params, batch, loss = _setup(policy)
+    chex.assert_trees_all_equal_dtypes(
+        params, jax.tree.map(lambda p: p.astype(jnp.float32), params))
+    logits = forward.apply(params, None, batch['image'], False)
+    chex.assert_type(logits, jnp.float32)
+    chex.assert_shape(logits, (8, 10))
+    grads = jax.grad(loss)(params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
+
+  def test_overrides_change_only_the_named_matmuls(self):
+    _, params, _, loss = _setup(
+        POLICIES['fp16'][0],
+        overrides='*/head:float32;Attention:p=f32,c=f32,o=f16')
+    eqns = helpers.eqns_of(jax.value_and_grad(loss), params)
+    f32 = [e for e in eqns
+           if helpers.operand_dtypes(e) == ('float32', 'float32')]
+    f16 = [e for e in eqns
+           if helpers.operand_dtypes(e) == ('float16', 'float16')]
+    self.assertLen(eqns, len(f32) + len(f16))
+    # Attention: 6 matmuls per block, head: 1, each 3x with the backward pass.
+    self.assertLen(f32, 3 * (2 * 6 + 1))
+    self.assertLen(f16, 3 * 2 * 2 + 2)  # fc1, fc2 per block; the conv.
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -1,0 +1,77 @@
+"""Tests for the per-module table and `python -m launch.tabulate`."""
+
+import json
+import os
+import subprocess
+import sys
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import numpy as np
+
+from configs import vit_fp16
+from haiku_mp import tabulate
+from tests import helpers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIELDS = {'path', 'class', 'policy', 'policy_source', 'params', 'param_dtypes',
+          'input_dtypes', 'output_dtypes', 'param_count', 'param_bytes'}
+
+
+class TabulateTest(parameterized.TestCase):
+
+  def test_rows_for_the_reference_fp16_model(self):
+    rows = tabulate.module_rows(vit_fp16.get_config())
+    by_path = {r['path']: r for r in rows}
+    self.assertEqual(rows[0]['path'], 'vit')
+    self.assertEqual(sum(r['param_count'] for r in rows), 10_695_562)
+    self.assertEqual(sum(r['param_bytes'] for r in rows), 4 * 10_695_562)
+    for row in rows:
+      self.assertEqual(set(row), FIELDS)
+      count = sum(np.prod(p['shape']) for p in row['params'].values())
+      self.assertEqual(row['param_count'], count)
+      self.assertEqual(row['param_bytes'], 4 * count)  # float32 master params.
+    head = by_path['vit/head']
+    self.assertEqual((head['class'], head['param_count']), ('Linear', 3850))
+    self.assertEqual(head['input_dtypes'], ['float16'])
+    ln = by_path['vit/encoder_block_3/ln_attention']
+    self.assertEqual((ln['policy'], ln['policy_source']),
+                     ('p=f32,c=f32,o=f16', 'default LayerNorm'))
+    self.assertEqual((ln['input_dtypes'], ln['output_dtypes']),
+                     (['float32'], ['float16']))
+    self.assertEqual(by_path['vit']['output_dtypes'], ['float32'])
+    self.assertLess(list(by_path).index('vit/encoder_block_0'),
+                    list(by_path).index('vit/encoder_block_0/attention'))
+
+  def test_text_table_has_every_module_and_the_total(self):
+    rows = tabulate.module_rows(helpers.tiny_config())
+    text = tabulate.format_table(rows)
+    for row in rows:
+      self.assertIn(row['path'], text)
+    total = sum(r['param_count'] for r in rows)
+    self.assertRegex(text.splitlines()[-1], rf'^total\s+{total}\s')
+
+  def test_command_line_json_with_override(self):
+    result = subprocess.run(
+        [sys.executable, '-m', 'launch.tabulate', '--config=configs/vit_fp16.py',
+         '--json', '--config.model.num_layers=1',
+         '--config.precision.overrides=*/head:float32'],
+        cwd=ROOT, capture_output=True, text=True, check=True)
+    rows = {r['path']: r for r in json.loads(result.stdout)}
+    self.assertEqual(rows['vit/head']['input_dtypes'], ['float32'])
+    self.assertEqual(rows['vit/head']['policy_source'], 'override */head')
+    self.assertEqual(rows['vit/encoder_block_0/mlp_block/fc1']['policy'],
+                     'p=f32,c=f16,o=f32')
+
+  def test_command_line_bad_override_is_a_one_line_error(self):
+    result = subprocess.run(
+        [sys.executable, '-m', 'launch.tabulate', '--config=configs/vit_fp16.py',
+         '--config.precision.overrides=Nope:float32'],
+        cwd=ROOT, capture_output=True, text=True)
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("target 'Nope' matches no module", result.stderr)
+    self.assertNotIn('Traceback', result.stderr)
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -1,0 +1,83 @@
+"""Tests for the ViT modules: sizes, parameter count, dropout."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import base
+from haiku_mp import model
+from haiku_mp.models import vit
+from tests import helpers
+
+
+class VitTest(parameterized.TestCase):
+
+  def test_reference_config_parameter_count(self):
+    config = base.get_config()
+    forward, _ = model.build(config)
+    params = jax.eval_shape(lambda: forward.init(
+        jax.random.key(0), model.dummy_images(config.model), True))
+    self.assertEqual(sum(np.prod(p.shape) for p in jax.tree.leaves(params)),
+                     10_695_562)
+    self.assertEqual(params['vit']['pos_embedding'].shape, (1, 65, 384))
+    self.assertEqual(params['vit']['cls_token'].shape, (1, 1, 384))
+    self.assertEqual(params['vit/head']['w'].shape, (384, 10))
+    self.assertEqual(params['vit/patch_embed/conv']['w'].shape, (4, 4, 3, 384))
+    attention = params['vit/encoder_block_5/attention/query']
+    self.assertEqual(attention['w'].shape, (384, 384))
+    self.assertEqual(attention['b'].shape, (384,))
+
+  def test_logits_shape(self):
+    config = helpers.tiny_config(num_classes=7)
+    forward, _ = model.build(config)
+    images = helpers.random_batch(config, batch_size=3)['image']
+    params = forward.init(jax.random.key(0), images, True)
+    chex.assert_shape(forward.apply(params, None, images, False), (3, 7))
+
+  def test_dropout_only_in_training(self):
+    config = helpers.tiny_config(dropout_rate=0.5)
+    forward, _ = model.build(config)
+    images = helpers.random_batch(config)['image']
+    params = forward.init(jax.random.key(0), images, True)
+    # A non-zero head so that the encoder's randomness reaches the logits.
+    head = jax.random.normal(jax.random.key(3), params['vit/head']['w'].shape)
+    params = hk.data_structures.map(
+        lambda m, n, p: head if (m, n) == ('vit/head', 'w') else p, params)
+    train = lambda seed: forward.apply(params, jax.random.key(seed), images,
+                                       True)
+    evaluate = forward.apply(params, None, images, False)
+    self.assertFalse(np.allclose(train(1), train(2)))
+    self.assertFalse(np.allclose(train(1), evaluate))
+    no_dropout = helpers.tiny_config(dropout_rate=0.0)
+    forward0, _ = model.build(no_dropout)
+    np.testing.assert_allclose(forward0.apply(params, None, images, False),
+                               evaluate, rtol=1e-6)
+
+  def test_attention_logits_gradient_matches_float32(self):
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 3, 2, 4)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, 5, 2, 4)), jnp.float32)
+    reference = lambda q, k: jnp.einsum('bqhd,bkhd->bhqk', q, k)
+    loss = lambda f: lambda q, k: jnp.sum(jnp.sin(f(q, k)))
+    expected = jax.grad(loss(reference), argnums=(0, 1))(q, k)
+    got = jax.grad(loss(vit.attention_logits), argnums=(0, 1))(q, k)
+    chex.assert_trees_all_close(got, expected, rtol=1e-5)
+    half = jax.grad(loss(vit.attention_logits), argnums=(0, 1))(
+        q.astype(jnp.bfloat16), k.astype(jnp.bfloat16))
+    chex.assert_trees_all_equal_dtypes(half, (q.astype(jnp.bfloat16),) * 2)
+    chex.assert_trees_all_close(half, expected, atol=0.1, rtol=0.05)
+
+  @parameterized.parameters(
+      (dict(image_size=10, patch_size=4), 'model.image_size=10'),
+      (dict(embed_dim=15, num_heads=2), 'model.embed_dim=15'))
+  def test_bad_sizes_name_the_setting(self, sizes, message):
+    with self.assertRaisesRegex(ValueError, message):
+      model.build(helpers.tiny_config(**sizes))
+
+
+if __name__ == '__main__':
+  absltest.main()
