@@ -11,6 +11,7 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.batch_size = 128
+  config.eval_batch_size = 1000  # Divides val (5,000) and test (10,000).
   config.num_epochs = 10
   config.num_train_steps = -1  # -1: derived from num_epochs.
   config.learning_rate = 1e-3
@@ -48,8 +49,22 @@ def get_config() -> ml_collections.ConfigDict:
   ))
 
   config.data = ml_collections.ConfigDict(dict(
-      source='tfds',  # 'tfds' | 'synthetic'
+      source='tfds',  # 'tfds' | 'synthetic' (random arrays, no TensorFlow).
+      name='cifar10',
       data_dir='',  # empty: the TFDS default (or TFDS_DATA_DIR).
+      download=True,  # Download if not prepared in data_dir.
+      train_split='train[:45000]',
+      val_split='train[45000:]',
+      test_split='test',
+      augment=True,
+      crop_area=(0.9, 1.0),  # Random resized crop: fraction of the image area,
+      crop_aspect_ratio=(0.9, 1.1),  # and aspect ratio range.
+      crop_max_attempts=10,
+      mean=(0.4914, 0.4822, 0.4465),
+      std=(0.2023, 0.1994, 0.2010),
+      prefetch_batches=4,
+      synthetic_train_examples=45000,
+      synthetic_eval_examples=5000,
   ))
   config.lock()
   return config

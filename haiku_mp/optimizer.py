@@ -12,10 +12,11 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
                            total_steps: int) -> optax.Schedule:
   """Linear warmup to `learning_rate`, then cosine decay to 0 at `total_steps`."""
   warmup = max(int(config.warmup_steps), 0)
+  if not warmup:
+    return optax.cosine_decay_schedule(config.learning_rate,
+                                       max(total_steps, 1))
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0 if warmup else config.learning_rate,
-      peak_value=config.learning_rate,
-      warmup_steps=warmup,
+      init_value=0.0, peak_value=config.learning_rate, warmup_steps=warmup,
       decay_steps=max(total_steps, warmup + 1))
 
 

@@ -1,0 +1,234 @@
+"""CIFAR-10 batches: TFDS (with augmentation) or synthetic (no TensorFlow).
+
+Training batches are deterministic functions of (seed, step): the epoch order
+comes from a seeded shuffle and each example's augmentation from stateless
+random ops seeded by its position in the stream, so a run restarted at step N
+sees exactly the batches an uninterrupted run would. Evaluation covers every
+example of a split exactly once: the last batch is padded and its padding has
+`mask == 0`. Each process reads only its own shard of every split.
+
+TensorFlow is imported only by the TFDS source.
+"""
+
+import dataclasses
+from typing import Iterator
+
+import jax
+import ml_collections
+import numpy as np
+
+Batch = dict[str, np.ndarray]
+
+
+class DataError(ValueError):
+  """Missing or unusable data; names the setting to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  """Which part of every split this process reads."""
+  index: int = 0
+  count: int = 1
+
+  @classmethod
+  def current(cls) -> 'Shard':
+    return cls(jax.process_index(), jax.process_count())
+
+
+def local_batch_size(global_batch_size: int, shard: Shard) -> int:
+  if global_batch_size <= 0:
+    raise DataError(f'batch_size={global_batch_size} must be positive')
+  if global_batch_size % shard.count:
+    raise DataError(f'batch_size={global_batch_size} is not divisible by the '
+                    f'number of processes ({shard.count})')
+  return global_batch_size // shard.count
+
+
+def pad_batch(batch: Batch, batch_size: int) -> Batch:
+  """Pads the leading axis to `batch_size` and adds `mask` (1 real, 0 pad)."""
+  n = len(batch['label'])
+  padded = {k: np.concatenate([v, np.zeros((batch_size - n,) + v.shape[1:],
+                                            v.dtype)])
+            for k, v in batch.items()}
+  padded['mask'] = (np.arange(batch_size) < n).astype(np.float32)
+  return padded
+
+
+# ---------------------------------------------------------------- synthetic --
+
+
+def synthetic_train(config: ml_collections.ConfigDict, shard: Shard,
+                    start_step: int = 0) -> Iterator[Batch]:
+  """Random normalized images and labels of the right shapes, endlessly."""
+  batch_size = local_batch_size(config.batch_size, shard)
+  size = config.model.image_size
+  step = start_step
+  while True:
+    rng = np.random.default_rng([config.seed, shard.index, step])
+    yield dict(
+        image=rng.standard_normal((batch_size, size, size, 3), np.float32),
+        label=rng.integers(0, config.model.num_classes, batch_size,
+                           dtype=np.int32))
+    step += 1
+
+
+def synthetic_eval(config: ml_collections.ConfigDict, split: str,
+                   shard: Shard) -> Iterator[Batch]:
+  num = config.data.synthetic_eval_examples
+  examples = _even_slice(num, shard)
+  rng = np.random.default_rng([config.seed, len(split), shard.index])
+  size = config.model.image_size
+  images = rng.standard_normal((len(examples), size, size, 3), np.float32)
+  labels = rng.integers(0, config.model.num_classes, len(examples),
+                        dtype=np.int32)
+  for start in range(0, len(examples), config.eval_batch_size):
+    stop = start + config.eval_batch_size
+    yield pad_batch(dict(image=images[start:stop], label=labels[start:stop]),
+                    config.eval_batch_size)
+
+
+def _even_slice(num: int, shard: Shard) -> range:
+  """The examples of `range(num)` that shard `shard` reads (as TFDS splits)."""
+  bounds = [round(num * i / shard.count) for i in range(shard.count + 1)]
+  return range(bounds[shard.index], bounds[shard.index + 1])
+
+
+# --------------------------------------------------------------------- TFDS --
+
+
+def _tf():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.config.set_visible_devices([], 'GPU')  # Leave accelerators to JAX.
+  return tf
+
+
+def _builder(data_config: ml_collections.ConfigDict):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  data_dir = data_config.data_dir or None
+  builder = tfds.builder(data_config.name, data_dir=data_dir)
+  if builder.is_prepared():
+    return builder
+  where = data_dir or 'the TFDS default data dir (TFDS_DATA_DIR)'
+  if not data_config.download:
+    raise DataError(
+        f'data.data_dir: {data_config.name} is not prepared in {where}, and '
+        'data.download is False. Point --config.data.data_dir at a prepared '
+        'copy, or allow the download.')
+  try:
+    builder.download_and_prepare()
+  except Exception as e:  # pylint: disable=broad-except
+    raise DataError(
+        f'data.data_dir: could not download {data_config.name} into {where} '
+        f'({type(e).__name__}: {e}). Point --config.data.data_dir at a '
+        'prepared copy.') from None
+  return builder
+
+
+def _process_split(split: str, shard: Shard) -> str:
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  return tfds.even_splits(split, n=shard.count)[shard.index]
+
+
+def num_train_examples(data_config: ml_collections.ConfigDict) -> int:
+  """Examples in the training split (all processes), for epochs and ETAs."""
+  if data_config.source == 'synthetic':
+    return data_config.synthetic_train_examples
+  builder = _builder(data_config)
+  return builder.info.splits[data_config.train_split].num_examples
+
+
+def _standardize(image, data_config: ml_collections.ConfigDict):
+  """float32 [0, 1] image -> per-channel standardized with the config's stats."""
+  tf = _tf()
+  return ((image - tf.constant(data_config.mean, tf.float32)) /
+          tf.constant(data_config.std, tf.float32))
+
+
+def _to_unit_float(image):
+  tf = _tf()
+  return tf.cast(image, tf.float32) / 255.0
+
+
+def augment(image, seed, data_config: ml_collections.ConfigDict):
+  """Random resized crop (area and aspect ranges from config) and flip."""
+  tf = _tf()
+  size = tf.shape(image)[:2]
+  crop_seed, flip_seed = tf.unstack(
+      tf.random.experimental.stateless_split(seed, 2))
+  begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
+      tf.shape(image), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+      seed=crop_seed, min_object_covered=0.0,
+      aspect_ratio_range=tuple(data_config.crop_aspect_ratio),
+      area_range=tuple(data_config.crop_area),
+      max_attempts=data_config.crop_max_attempts,
+      use_image_if_no_bounding_boxes=True)
+  image = tf.slice(image, begin, crop_size)
+  image = tf.image.resize(image, size, method='bilinear')
+  return tf.image.stateless_random_flip_left_right(image, flip_seed)
+
+
+def tfds_train(config: ml_collections.ConfigDict, shard: Shard,
+               start_step: int = 0) -> Iterator[Batch]:
+  """Augmented, shuffled, normalized training batches, endlessly."""
+  tf = _tf()
+  data = config.data
+  builder = _builder(data)
+  batch_size = local_batch_size(config.batch_size, shard)
+  ds = builder.as_dataset(split=_process_split(data.train_split, shard),
+                          shuffle_files=False)
+  ds = ds.map(lambda x: (x['image'], x['label']),
+              num_parallel_calls=tf.data.AUTOTUNE).cache()
+  num = int(ds.cardinality())
+  ds = ds.shuffle(num, seed=config.seed, reshuffle_each_iteration=True).repeat()
+  ds = ds.enumerate()
+
+  def preprocess(index, example):
+    image, label = example
+    image = _to_unit_float(image)
+    if data.augment:
+      seed = tf.stack([tf.cast(config.seed, tf.int64), index])
+      image = augment(image, seed, data)
+    return dict(image=_standardize(image, data), label=tf.cast(label, tf.int32))
+
+  ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE,
+              deterministic=True)
+  ds = ds.batch(batch_size, drop_remainder=True).skip(start_step)
+  ds = ds.prefetch(data.prefetch_batches)
+  return iter(ds.as_numpy_iterator())
+
+
+def tfds_eval(config: ml_collections.ConfigDict, split: str,
+              shard: Shard) -> Iterator[Batch]:
+  """Normalized batches covering this shard of `split` once, last one padded."""
+  tf = _tf()
+  data = config.data
+  ds = _builder(data).as_dataset(split=_process_split(split, shard),
+                                 shuffle_files=False)
+  ds = ds.map(lambda x: dict(
+      image=_standardize(_to_unit_float(x['image']), data),
+      label=tf.cast(x['label'], tf.int32)), num_parallel_calls=tf.data.AUTOTUNE)
+  ds = ds.batch(config.eval_batch_size).prefetch(data.prefetch_batches)
+  for batch in ds.as_numpy_iterator():
+    yield pad_batch(batch, config.eval_batch_size)
+
+
+def train_batches(config: ml_collections.ConfigDict, shard: Shard,
+                  start_step: int = 0) -> Iterator[Batch]:
+  """This process's training batches from step `start_step` on."""
+  if config.data.source == 'synthetic':
+    return synthetic_train(config, shard, start_step)
+  if config.data.source == 'tfds':
+    return tfds_train(config, shard, start_step)
+  raise DataError(f"data.source: unknown source {config.data.source!r}; "
+                  "expected 'tfds' or 'synthetic'")
+
+
+def eval_batches(config: ml_collections.ConfigDict, split: str,
+                 shard: Shard) -> Iterator[Batch]:
+  """This process's padded evaluation batches of `split`."""
+  if config.data.source == 'synthetic':
+    return synthetic_eval(config, split, shard)
+  if config.data.source == 'tfds':
+    return tfds_eval(config, split, shard)
+  raise DataError(f"data.source: unknown source {config.data.source!r}; "
+                  "expected 'tfds' or 'synthetic'")

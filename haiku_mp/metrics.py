@@ -1,0 +1,123 @@
+"""Metrics out of a run: metrics.jsonl, TensorBoard, progress lines, memory.
+
+Only the writing process (process 0) writes files; the others get a writer
+that only logs.
+"""
+
+import json
+import math
+import os
+import time
+from typing import Any, Mapping, Optional
+
+from absl import logging
+import jax
+import numpy as np
+
+
+def to_python(value: Any) -> Any:
+  """A JSON-ready number or container (NaN and inf as strings JSON accepts)."""
+  if isinstance(value, Mapping):
+    return {k: to_python(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [to_python(v) for v in value]
+  value = np.asarray(value).item() if hasattr(value, 'dtype') else value
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)
+  return value
+
+
+class MetricsWriter:
+  """Appends one JSON object per event to metrics.jsonl and to TensorBoard."""
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self._enabled = enabled
+    self._jsonl = None
+    self._tensorboard = None
+    if not enabled:
+      return
+    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+    try:
+      import tensorboardX  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      logging.warning('tensorboardX is not installed: no TensorBoard files.')
+    else:
+      self._tensorboard = tensorboardX.SummaryWriter(
+          os.path.join(workdir, 'tensorboard'), flush_secs=30)
+
+  def write(self, step: int, split: str, metrics: Mapping[str, Any]) -> None:
+    record = dict(step=int(step), split=split, **to_python(metrics))
+    if self._jsonl is not None:
+      self._jsonl.write(json.dumps(record) + '\n')
+      self._jsonl.flush()
+    if self._tensorboard is not None:
+      for key, value in record.items():
+        if key not in ('step', 'split') and isinstance(value, (int, float)):
+          self._tensorboard.add_scalar(f'{split}/{key}', value, int(step))
+
+  def close(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.close()
+    if self._tensorboard is not None:
+      self._tensorboard.close()
+
+
+def write_json(path: str, data: Mapping[str, Any]) -> None:
+  """Writes `data` atomically (temp file + rename)."""
+  tmp = f'{path}.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(to_python(data), f, indent=1)
+    f.write('\n')
+  os.replace(tmp, path)
+
+
+def format_duration(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  hours, rest = divmod(seconds, 3600)
+  minutes, seconds = divmod(rest, 60)
+  return f'{hours}h{minutes:02d}m{seconds:02d}s' if hours else (
+      f'{minutes}m{seconds:02d}s')
+
+
+class Progress:
+  """Images/s between log points and the ETA of the remaining steps."""
+
+  def __init__(self, total_steps: int, batch_size: int, start_step: int = 0):
+    self.total_steps = total_steps
+    self.batch_size = batch_size
+    self._step = start_step
+    self._time = time.perf_counter()
+    self._train_seconds = 0.0
+    self._train_steps = 0
+
+  def reset_clock(self, step: int) -> None:
+    """Restarts the window (after compilation or an evaluation)."""
+    self._step, self._time = step, time.perf_counter()
+
+  def update(self, step: int) -> dict[str, float]:
+    """Call at a log point, after the metrics have reached the host."""
+    now = time.perf_counter()
+    steps, seconds = step - self._step, now - self._time
+    self._train_seconds += seconds
+    self._train_steps += steps
+    self._step, self._time = step, now
+    rate = steps / seconds if seconds > 0 else float('nan')
+    return dict(images_per_sec=rate * self.batch_size,
+                eta_sec=(self.total_steps - step) / rate if rate > 0 else
+                float('nan'))
+
+  @property
+  def mean_images_per_sec(self) -> float:
+    if not self._train_seconds:
+      return float('nan')
+    return self._train_steps * self.batch_size / self._train_seconds
+
+
+def peak_memory_bytes() -> Optional[int]:
+  """The largest peak bytes in use over local devices, where reported."""
+  peaks = []
+  for device in jax.local_devices():
+    stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+    if stats and 'peak_bytes_in_use' in stats:
+      peaks.append(int(stats['peak_bytes_in_use']))
+  return max(peaks) if peaks else None

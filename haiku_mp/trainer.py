@@ -1,0 +1,187 @@
+"""`train_and_evaluate(config, workdir)`: the training loop.
+
+Host and device meet only at log and eval points: between them the loop only
+dispatches steps, and the metrics of each step stay on the device.
+"""
+
+import collections
+import os
+import time
+from typing import Any, Iterator
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from haiku_mp import input_pipeline
+from haiku_mp import loss_scaling
+from haiku_mp import metrics as metrics_lib
+from haiku_mp import model
+from haiku_mp import optimizer as optimizer_lib
+from haiku_mp import tabulate
+from haiku_mp import train_step as train_step_lib
+
+# Means over a log window; the others are the window's last value.
+_MEAN_METRICS = ('loss', 'accuracy', 'grad_norm')
+
+
+def total_train_steps(config: ml_collections.ConfigDict) -> int:
+  if config.num_train_steps > 0:
+    return int(config.num_train_steps)
+  examples = input_pipeline.num_train_examples(config.data)
+  steps = int(config.num_epochs * (examples // config.batch_size))
+  if steps <= 0:
+    raise ValueError(f'num_epochs={config.num_epochs} with batch_size='
+                     f'{config.batch_size} gives no training step')
+  return steps
+
+
+def _prefetch_to_device(batches: Iterator[Any], size: int = 2):
+  """Keeps `size` batches in flight to the device ahead of the step."""
+  queue = collections.deque()
+  for batch in batches:
+    queue.append(jax.device_put(batch))
+    if len(queue) == size:
+      yield queue.popleft()
+  while queue:
+    yield queue.popleft()
+
+
+def _window_summary(window: list[dict[str, jax.Array]]) -> dict[str, float]:
+  """Host summary of the metrics of the steps since the last log point."""
+  window = jax.device_get(window)
+  summary = {k: float(np.nanmean([m[k] for m in window]))
+             for k in _MEAN_METRICS}
+  last = window[-1]
+  summary['loss_scale'] = float(last['loss_scale'])
+  summary['skipped_steps'] = int(last['skipped_steps'])
+  summary['window_skipped_steps'] = int(
+      sum(not bool(m['grads_finite']) for m in window))
+  return summary
+
+
+def evaluate(eval_step, params, batches) -> dict[str, float]:
+  """Loss and accuracy over every (unpadded) example of `batches`."""
+  totals = None
+  for batch in batches:
+    out = eval_step(params, batch)
+    n = out['num_examples']
+    sums = dict(loss=out['loss'] * n, accuracy=out['accuracy'] * n,
+                num_examples=n)
+    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+  totals = jax.device_get(totals)
+  n = float(totals['num_examples'])
+  return dict(loss=float(totals['loss']) / n,
+              accuracy=float(totals['accuracy']) / n, num_examples=int(n))
+
+
+def _log_line(step, total, summary, progress):
+  return (f'step {step}/{total} [{100 * step / total:.0f}%] '
+          f'loss {summary["loss"]:.4f} acc {summary["accuracy"]:.3f} '
+          f'scale {summary["loss_scale"]:g} skipped {summary["skipped_steps"]} '
+          f'| {progress["images_per_sec"]:.0f} img/s '
+          f'| ETA {metrics_lib.format_duration(progress["eta_sec"])}')
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict,
+                       workdir: str) -> dict[str, Any]:
+  """Trains, evaluates on val periodically and on test at the end.
+
+  Everything that can be wrong with the config or the data is checked before
+  anything is written to `workdir`. Returns the summary also written to
+  `workdir/summary.json`.
+  """
+  shard = input_pipeline.Shard.current()
+  input_pipeline.local_batch_size(config.batch_size, shard)
+  forward, _ = model.build(config)
+  scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
+  total_steps = total_train_steps(config)
+  train_batches = input_pipeline.train_batches(config, shard)
+
+  is_writer = jax.process_index() == 0
+  if is_writer:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      f.write(config.to_json_best_effort(indent=1, sort_keys=True) + '\n')
+  logging.info('Devices: %s (process %d of %d)', jax.devices(),
+               jax.process_index(), jax.process_count())
+  logging.info('Config:\n%s', config)
+  logging.info('Modules:\n%s',
+               tabulate.format_table(tabulate.module_rows(config)))
+
+  optimizer = optimizer_lib.make_optimizer(config, total_steps)
+  schedule = optimizer_lib.learning_rate_schedule(config, total_steps)
+  init_rng, state_rng = jax.random.split(jax.random.key(config.seed))
+  params = jax.jit(forward.init, static_argnums=2)(
+      init_rng, model.dummy_images(config.model), True)
+  state = train_step_lib.init_train_state(params, optimizer, scaler, state_rng)
+  train_step = jax.jit(
+      train_step_lib.make_train_step(
+          train_step_lib.make_classification_loss(forward), optimizer, scaler),
+      donate_argnums=0)
+  eval_step = jax.jit(train_step_lib.make_eval_step(forward))
+
+  writer = metrics_lib.MetricsWriter(workdir, enabled=is_writer)
+  progress = metrics_lib.Progress(total_steps, config.batch_size)
+  start_time = time.perf_counter()
+  eval_seconds = 0.0
+  window = []
+  last_val = {}
+
+  def run_eval(split_name, split, step):
+    nonlocal eval_seconds
+    t = time.perf_counter()
+    result = evaluate(eval_step, state.params,
+                      _prefetch_to_device(input_pipeline.eval_batches(
+                          config, split, shard)))
+    eval_seconds += time.perf_counter() - t
+    writer.write(step, split_name, result)
+    logging.info('%s at step %d: loss %.4f accuracy %.4f (%d examples)',
+                 split_name, step, result['loss'], result['accuracy'],
+                 result['num_examples'])
+    return result
+
+  batches = _prefetch_to_device(train_batches)
+  for step in range(1, total_steps + 1):
+    state, step_metrics = train_step(state, next(batches))
+    window.append(step_metrics)
+    if step == 1:
+      jax.block_until_ready(step_metrics)
+      logging.info('First step (compilation included): %.1fs',
+                   time.perf_counter() - start_time)
+      progress.reset_clock(step)
+      window = []
+      continue
+    if step % config.log_every_steps == 0 or step == total_steps:
+      summary = _window_summary(window)
+      window = []
+      rates = progress.update(step)
+      summary.update(images_per_sec=rates['images_per_sec'],
+                     learning_rate=float(schedule(step - 1)))
+      writer.write(step, 'train', summary)
+      logging.info(_log_line(step, total_steps, summary, rates))
+    if step % config.eval_every_steps == 0 or step == total_steps:
+      last_val = run_eval('val', config.data.val_split, step)
+      progress.reset_clock(step)
+
+  test = run_eval('test', config.data.test_split, total_steps)
+  skipped = int(state.skipped_steps)
+  summary = dict(
+      test_accuracy=test['accuracy'], test_loss=test['loss'],
+      val_accuracy=last_val.get('accuracy'), val_loss=last_val.get('loss'),
+      steps=total_steps, skipped_steps=skipped,
+      final_loss_scale=float(loss_scaling.value(state.loss_scale)),
+      train_time_sec=time.perf_counter() - start_time - eval_seconds,
+      eval_time_sec=eval_seconds,
+      images_per_sec=progress.mean_images_per_sec,
+      peak_memory_bytes=metrics_lib.peak_memory_bytes(),
+      devices=[str(d) for d in jax.devices()],
+      precision_policy=config.precision.policy,
+      loss_scale_kind=config.loss_scale.kind)
+  writer.close()
+  if is_writer:
+    metrics_lib.write_json(os.path.join(workdir, 'summary.json'), summary)
+  logging.info('Summary: %s', summary)
+  return summary
