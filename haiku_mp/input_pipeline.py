@@ -149,21 +149,27 @@ def _to_unit_float(image):
   return tf.cast(image, tf.float32) / 255.0
 
 
-def augment(image, seed, data_config: ml_collections.ConfigDict):
-  """Random resized crop (area and aspect ranges from config) and flip."""
+def crop_window(image_shape, seed, data_config: ml_collections.ConfigDict):
+  """(begin, size) of a random crop with the config's area and aspect ranges."""
   tf = _tf()
-  size = tf.shape(image)[:2]
-  crop_seed, flip_seed = tf.unstack(
-      tf.random.experimental.stateless_split(seed, 2))
-  begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
-      tf.shape(image), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-      seed=crop_seed, min_object_covered=0.0,
+  begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+      image_shape, bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+      seed=seed, min_object_covered=0.0,
       aspect_ratio_range=tuple(data_config.crop_aspect_ratio),
       area_range=tuple(data_config.crop_area),
       max_attempts=data_config.crop_max_attempts,
       use_image_if_no_bounding_boxes=True)
-  image = tf.slice(image, begin, crop_size)
-  image = tf.image.resize(image, size, method='bilinear')
+  return begin, size
+
+
+def augment(image, seed, data_config: ml_collections.ConfigDict):
+  """Random resized crop back to the image's size, then a random flip."""
+  tf = _tf()
+  crop_seed, flip_seed = tf.unstack(
+      tf.random.experimental.stateless_split(seed, 2))
+  begin, size = crop_window(tf.shape(image), crop_seed, data_config)
+  cropped = tf.slice(image, begin, size)
+  image = tf.image.resize(cropped, tf.shape(image)[:2], method='bilinear')
   return tf.image.stateless_random_flip_left_right(image, flip_seed)
 
 

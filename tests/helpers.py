@@ -1,5 +1,6 @@
 """Shared test helpers: tiny configs and a jaxpr walker."""
 
+import os
 from typing import Iterator
 
 import jax
@@ -62,3 +63,22 @@ def eqns_of(fn, *args, primitives=MATMUL_PRIMITIVES):
 
 def operand_dtypes(eqn) -> tuple[str, ...]:
   return tuple(jnp.dtype(v.aval.dtype).name for v in eqn.invars)
+
+
+REAL_DATA_ENV = 'HAIKU_MP_TFDS_DATA_DIR'
+
+
+def real_data_dir():
+  """The prepared CIFAR-10 TFDS dir named by $HAIKU_MP_TFDS_DATA_DIR, or None."""
+  path = os.environ.get(REAL_DATA_ENV, '')
+  if path and os.path.isdir(os.path.join(path, 'cifar10')):
+    return path
+  return None
+
+
+def skip_without_real_data(test_case):
+  if real_data_dir() is None:
+    test_case.skipTest(
+        f'real CIFAR-10 not found: set {REAL_DATA_ENV} to a TFDS data dir '
+        'holding a prepared cifar10 (.ci/run does when one is beside the '
+        'checkout)')
