@@ -129,9 +129,19 @@ def _process_split(split: str, shard: Shard) -> str:
   return tfds.even_splits(split, n=shard.count)[shard.index]
 
 
+SOURCES = ('tfds', 'synthetic')
+
+
+def _source(data_config: ml_collections.ConfigDict) -> str:
+  if data_config.source not in SOURCES:
+    raise DataError(f'data.source: unknown source {data_config.source!r}; '
+                    f'expected one of {SOURCES}')
+  return data_config.source
+
+
 def num_train_examples(data_config: ml_collections.ConfigDict) -> int:
   """Examples in the training split (all processes), for epochs and ETAs."""
-  if data_config.source == 'synthetic':
+  if _source(data_config) == 'synthetic':
     return data_config.synthetic_train_examples
   builder = _builder(data_config)
   return builder.info.splits[data_config.train_split].num_examples
@@ -221,20 +231,14 @@ def tfds_eval(config: ml_collections.ConfigDict, split: str,
 def train_batches(config: ml_collections.ConfigDict, shard: Shard,
                   start_step: int = 0) -> Iterator[Batch]:
   """This process's training batches from step `start_step` on."""
-  if config.data.source == 'synthetic':
+  if _source(config.data) == 'synthetic':
     return synthetic_train(config, shard, start_step)
-  if config.data.source == 'tfds':
-    return tfds_train(config, shard, start_step)
-  raise DataError(f"data.source: unknown source {config.data.source!r}; "
-                  "expected 'tfds' or 'synthetic'")
+  return tfds_train(config, shard, start_step)
 
 
 def eval_batches(config: ml_collections.ConfigDict, split: str,
                  shard: Shard) -> Iterator[Batch]:
   """This process's padded evaluation batches of `split`."""
-  if config.data.source == 'synthetic':
+  if _source(config.data) == 'synthetic':
     return synthetic_eval(config, split, shard)
-  if config.data.source == 'tfds':
-    return tfds_eval(config, split, shard)
-  raise DataError(f"data.source: unknown source {config.data.source!r}; "
-                  "expected 'tfds' or 'synthetic'")
+  return tfds_eval(config, split, shard)

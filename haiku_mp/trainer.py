@@ -27,6 +27,12 @@ from haiku_mp import train_step as train_step_lib
 _MEAN_METRICS = ('loss', 'accuracy', 'grad_norm')
 
 
+def check_intervals(config: ml_collections.ConfigDict) -> None:
+  for name in ('log_every_steps', 'eval_every_steps'):
+    if config[name] <= 0:
+      raise ValueError(f'{name}={config[name]} must be positive')
+
+
 def total_train_steps(config: ml_collections.ConfigDict) -> int:
   if config.num_train_steps > 0:
     return int(config.num_train_steps)
@@ -93,6 +99,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   anything is written to `workdir`. Returns the summary also written to
   `workdir/summary.json`.
   """
+  check_intervals(config)
   shard = input_pipeline.Shard.current()
   input_pipeline.local_batch_size(config.batch_size, shard)
   forward, _ = model.build(config)

@@ -1,0 +1,43 @@
+"""Plots of runs from their metrics.jsonl: train loss and val accuracy by step."""
+
+import json
+import os
+from typing import Mapping
+
+import matplotlib
+
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _series(events, split, key):
+  points = [(e['step'], e[key]) for e in events
+            if e['split'] == split and isinstance(e.get(key), (int, float))]
+  return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_runs(runs: Mapping[str, list[dict]], out_path: str,
+              title: str = '') -> None:
+  """Train loss, val accuracy and loss scale of several runs, one PNG."""
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  for name, events in runs.items():
+    axes[0].plot(*_series(events, 'train', 'loss'), label=name)
+    axes[1].plot(*_series(events, 'val', 'accuracy'), marker='o', label=name)
+    axes[2].plot(*_series(events, 'train', 'loss_scale'), label=name)
+  for ax, ylabel in zip(axes, ('train loss', 'val accuracy',
+                               'loss scale (log)')):
+    ax.set_xlabel('step')
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  axes[2].set_yscale('log', base=2)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(out_path, dpi=100)
+  plt.close(fig)

@@ -1,0 +1,157 @@
+"""End-to-end tests of the training loop and `python -m launch.train`."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import tensorflow_datasets as tfds
+
+from haiku_mp import trainer
+from tests import helpers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_KEYS = {'step', 'split', 'loss', 'accuracy', 'loss_scale',
+              'skipped_steps', 'images_per_sec', 'learning_rate', 'grad_norm',
+              'window_skipped_steps'}
+SUMMARY_KEYS = {'test_accuracy', 'test_loss', 'val_accuracy', 'val_loss',
+                'train_time_sec', 'steps', 'skipped_steps', 'peak_memory_bytes',
+                'images_per_sec', 'final_loss_scale'}
+
+
+def _tiny_run_config(policy='params=float32,compute=float16,output=float32',
+                     loss_scale='dynamic'):
+  config = helpers.tiny_config(policy, loss_scale=loss_scale)
+  config.batch_size = 8
+  config.eval_batch_size = 16
+  config.num_train_steps = 6
+  config.log_every_steps = 2
+  config.eval_every_steps = 3
+  config.data.source = 'synthetic'
+  config.data.synthetic_eval_examples = 20
+  return config
+
+
+def _read_jsonl(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+class TrainerTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.workdir = self.enter_context(tempfile.TemporaryDirectory())
+
+  def test_synthetic_run_writes_metrics_tensorboard_and_summary(self):
+    summary = trainer.train_and_evaluate(_tiny_run_config(), self.workdir)
+    events = _read_jsonl(self.workdir)
+    train = [e for e in events if e['split'] == 'train']
+    self.assertEqual([e['step'] for e in train], [2, 4, 6])
+    for event in train:
+      self.assertEqual(set(event), TRAIN_KEYS)
+      self.assertEqual(event['loss_scale'], 2.0**15)
+    self.assertEqual([(e['step'], e['num_examples']) for e in events
+                      if e['split'] == 'val'], [(3, 20), (6, 20)])
+    self.assertEqual([e['step'] for e in events if e['split'] == 'test'], [6])
+    with open(os.path.join(self.workdir, 'summary.json')) as f:
+      on_disk = json.load(f)
+    self.assertContainsSubset(SUMMARY_KEYS, set(on_disk))
+    self.assertEqual(on_disk['steps'], 6)
+    self.assertEqual(on_disk['test_accuracy'], summary['test_accuracy'])
+    self.assertNotEmpty(glob.glob(os.path.join(
+        self.workdir, 'tensorboard', 'events.out.tfevents.*')))
+    with open(os.path.join(self.workdir, 'config.json')) as f:
+      self.assertEqual(json.load(f)['precision']['policy'],
+                       'params=float32,compute=float16,output=float32')
+
+  def test_mock_tfds_run_learns(self):
+    config = _tiny_run_config('float32', 'none')
+    config.model.image_size = 32
+    config.model.patch_size = 8
+    config.data.source = 'tfds'
+    config.num_train_steps = 30
+    config.eval_every_steps = 30
+    config.log_every_steps = 5
+    config.model.dropout_rate = 0.0
+    config.data.augment = False
+    config.learning_rate = 3e-3
+    with tfds.testing.mock_data(num_examples=8):
+      trainer.train_and_evaluate(config, self.workdir)
+    losses = [e['loss'] for e in _read_jsonl(self.workdir)
+              if e['split'] == 'train']
+    self.assertLess(losses[-1], losses[0] * 0.7)  # 8 examples memorized.
+
+  def test_real_cifar10_few_steps(self):
+    helpers.skip_without_real_data(self)
+    config = _tiny_run_config()
+    config.model.image_size = 32
+    config.model.patch_size = 8
+    config.data.source = 'tfds'
+    config.data.data_dir = helpers.real_data_dir()
+    config.data.download = False
+    config.batch_size = 32
+    config.eval_batch_size = 1000
+    config.num_train_steps = 10
+    config.eval_every_steps = 10
+    summary = trainer.train_and_evaluate(config, self.workdir)
+    events = _read_jsonl(self.workdir)
+    self.assertEqual([(e['split'], e['num_examples']) for e in events
+                      if e['split'] in ('val', 'test')],
+                     [('val', 5000), ('test', 10000)])
+    self.assertBetween(summary['test_accuracy'], 0.0, 1.0)
+    self.assertEqual(summary['skipped_steps'], 0)
+
+
+class LaunchTrainTest(parameterized.TestCase):
+
+  def _run(self, workdir, *flags):
+    return subprocess.run(
+        [sys.executable, '-m', 'launch.train', '--config=configs/vit_fp16.py',
+         f'--workdir={workdir}', '--config.data.source=synthetic', *flags],
+        cwd=ROOT, capture_output=True, text=True)
+
+  def test_train_from_the_command_line(self):
+    workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
+                           'run')
+    result = self._run(
+        workdir, '--config.num_train_steps=4', '--config.log_every_steps=2',
+        '--config.eval_every_steps=4', '--config.batch_size=8',
+        '--config.eval_batch_size=10',
+        '--config.data.synthetic_eval_examples=10',
+        '--config.model.num_layers=1', '--config.model.embed_dim=16',
+        '--config.model.mlp_dim=16', '--config.model.num_heads=2')
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    self.assertIn('step 4/4', result.stderr)
+    self.assertIn('ETA', result.stderr)
+    self.assertTrue(os.path.exists(os.path.join(workdir, 'summary.json')))
+
+  @parameterized.parameters(
+      ('--config.precision.policy=p=f32,c=f12', 'precision.policy'),
+      ('--config.precision.overrides=*/nothing:f32', "'*/nothing'"),
+      ('--config.loss_scale.kind=dynamc', 'loss_scale.kind'),
+      ('--config.batch_size=0', 'batch_size=0'),
+      ('--config.data.source=imagenet', 'data.source'))
+  def test_bad_input_one_line_error_and_no_workdir(self, flag, message):
+    workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
+                           'run')
+    result = self._run(workdir, flag)
+    self.assertNotEqual(result.returncode, 0)
+    last_line = result.stderr.strip().splitlines()[-1]
+    self.assertTrue(last_line.startswith('error: '), last_line)
+    self.assertIn(message, last_line)
+    self.assertNotIn('Traceback', result.stderr)
+    self.assertFalse(os.path.exists(workdir))
+
+  def test_unknown_config_key_fails(self):
+    result = self._run('unused', '--config.batch_sise=3')
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn('batch_sise', result.stderr)
+
+
+if __name__ == '__main__':
+  absltest.main()
