@@ -48,6 +48,14 @@ def get_config() -> ml_collections.ConfigDict:
       minimum=1.0,  # dynamic: the scale never falls below this floor.
   ))
 
+  config.parallel = ml_collections.ConfigDict(dict(
+      strategy='single',  # 'single' | 'pmap' | 'pjit'
+      mesh_shape=(-1, 1),  # (batch, model); -1: the remaining devices.
+      # 'REGEX=SPEC;...' over 'module/path/param', e.g. '.*/head/w=None,model';
+      # tried before the built-in rules (haiku_mp/sharding.py).
+      sharding_rules='',
+  ))
+
   config.data = ml_collections.ConfigDict(dict(
       source='tfds',  # 'tfds' | 'synthetic' (random arrays, no TensorFlow).
       name='cifar10',

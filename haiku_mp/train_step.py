@@ -7,7 +7,7 @@ transform, so it sees unscaled gradients) -> if any gradient is not finite,
 params and optimizer state stay exactly as they were -> loss scale adjusted.
 """
 
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import haiku as hk
 import jax
@@ -47,25 +47,42 @@ def init_train_state(params: hk.Params,
       skipped_steps=jnp.zeros([], jnp.int32))
 
 
+def _cross_replica_mean(tree, axis_name):
+  """Means over `axis_name`; `num_examples` is summed."""
+  if axis_name is None:
+    return tree
+  return {k: (jax.lax.psum(v, axis_name) if k == 'num_examples' else
+              jax.lax.pmean(v, axis_name)) for k, v in tree.items()}
+
+
 def make_train_step(loss_fn: LossFn,
                     optimizer: optax.GradientTransformation,
-                    loss_scaler: loss_scaling.LossScaler
+                    loss_scaler: loss_scaling.LossScaler,
+                    axis_name: Optional[str] = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """A pure `train_step(state, batch) -> (state, metrics)`.
 
   Jit it with `donate_argnums=0`; every metric is a device scalar, so nothing
-  syncs with the host until the caller reads one.
+  syncs with the host until the caller reads one. Under `jax.pmap`, pass its
+  `axis_name`: gradients are then averaged over replicas before the finite
+  check, so every replica takes the same skip decision and keeps the same
+  loss scale, and each replica draws its own dropout masks.
   """
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     rng, step_rng = jax.random.split(state.rng)
+    if axis_name is not None:
+      step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
 
     def scaled_loss(params):
       loss, aux = loss_fn(params, step_rng, batch)
       return state.loss_scale.scale(loss), (loss, aux)
 
     grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(state.params)
-    grads = state.loss_scale.unscale(jmp.cast_to_full(grads))
+    grads = jmp.cast_to_full(grads)
+    if axis_name is not None:
+      grads = jax.lax.pmean(grads, axis_name)
+    grads = state.loss_scale.unscale(grads)
     grads_finite = jmp.all_finite(grads)
     updates, new_opt_state = optimizer.update(grads, state.opt_state,
                                               state.params)
@@ -82,8 +99,7 @@ def make_train_step(loss_fn: LossFn,
         rng=rng,
         skipped_steps=skipped_steps)
     metrics = dict(
-        aux,
-        loss=loss,
+        _cross_replica_mean(dict(aux, loss=loss), axis_name),
         loss_scale=loss_scaling.value(state.loss_scale),
         grads_finite=grads_finite,
         grad_norm=optax.tree.norm(grads),
@@ -93,20 +109,27 @@ def make_train_step(loss_fn: LossFn,
   return train_step
 
 
-def _weighted_metrics(logits: jax.Array, batch: Batch) -> dict[str, Any]:
-  """float32 cross-entropy and accuracy, masked by `batch['mask']` if present."""
+def _weighted_metrics(logits: jax.Array, batch: Batch,
+                      axis_name: Optional[str] = None) -> dict[str, Any]:
+  """float32 cross-entropy and accuracy, masked by `batch['mask']` if present.
+
+  With `axis_name`, the means are over the examples of every replica.
+  """
   logits = logits.astype(jnp.float32)
   labels = batch['label']
   mask = batch.get('mask')
   if mask is None:
     mask = jnp.ones(labels.shape, jnp.float32)
   mask = mask.astype(jnp.float32)
-  count = jnp.maximum(mask.sum(), 1.0)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
   correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
-  return dict(loss=(losses * mask).sum() / count,
-              accuracy=(correct * mask).sum() / count,
+  sums = dict(loss=(losses * mask).sum(), correct=(correct * mask).sum(),
               num_examples=mask.sum())
+  if axis_name is not None:
+    sums = jax.lax.psum(sums, axis_name)
+  count = jnp.maximum(sums['num_examples'], 1.0)
+  return dict(loss=sums['loss'] / count, accuracy=sums['correct'] / count,
+              num_examples=sums['num_examples'])
 
 
 def make_classification_loss(forward: hk.Transformed) -> LossFn:
@@ -120,12 +143,15 @@ def make_classification_loss(forward: hk.Transformed) -> LossFn:
   return loss_fn
 
 
-def make_eval_step(forward: hk.Transformed
+def make_eval_step(forward: hk.Transformed, axis_name: Optional[str] = None
                    ) -> Callable[[hk.Params, Batch], Metrics]:
-  """`eval_step(params, batch) -> {logits, loss, accuracy, num_examples}`, no dropout."""
+  """`eval_step(params, batch) -> {logits, loss, accuracy, num_examples}`, no dropout.
+
+  Under `jax.pmap` pass its `axis_name`: the metrics then cover every replica.
+  """
 
   def eval_step(params: hk.Params, batch: Batch) -> Metrics:
     logits = forward.apply(params, None, batch['image'], False)
-    return dict(_weighted_metrics(logits, batch), logits=logits)
+    return dict(_weighted_metrics(logits, batch, axis_name), logits=logits)
 
   return eval_step

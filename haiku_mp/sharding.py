@@ -1,0 +1,142 @@
+"""The device mesh and the rules that shard parameters over its 'model' axis.
+
+Rules map a regular expression over ``module_path/param_name`` (e.g.
+``vit/encoder_block_0/attention/query/w``) to a PartitionSpec string such as
+``None,model``. The first rule that matches wins; config rules
+(`parallel.sharding_rules`) are tried before `DEFAULT_RULES`; a parameter that
+no rule matches is replicated.
+"""
+
+import math
+import re
+from typing import Optional, Sequence
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import optax
+
+BATCH = 'batch'
+MODEL = 'model'
+AXES = (BATCH, MODEL)
+
+# Attention and MLP kernels along their output features (first matmul) or
+# input features (second matmul), so that each pair needs one all-reduce;
+# biases follow their kernel's output features; everything else is replicated.
+DEFAULT_RULES = (
+    (r'.*/attention/(query|key|value)/w$', 'None,model'),
+    (r'.*/attention/(query|key|value)/b$', 'model'),
+    (r'.*/attention/out/w$', 'model,None'),
+    (r'.*/mlp_block/fc1/w$', 'None,model'),
+    (r'.*/mlp_block/fc1/b$', 'model'),
+    (r'.*/mlp_block/fc2/w$', 'model,None'),
+)
+
+
+class ShardingError(ValueError):
+  """A mesh or sharding rule that cannot be used; names the setting."""
+
+
+def make_mesh(mesh_shape: Sequence[int],
+              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A ('batch', 'model') mesh with Auto axes; -1 takes the remaining devices."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = [int(d) for d in mesh_shape]
+  if len(shape) != 2 or shape.count(-1) > 1 or any(
+      d == 0 or d < -1 for d in shape):
+    raise ShardingError(
+        f'parallel.mesh_shape={tuple(mesh_shape)}: expected (batch, model) '
+        'with positive sizes, one of them may be -1')
+  if -1 in shape:
+    known = -math.prod(shape)
+    if len(devices) % known:
+      raise ShardingError(
+          f'parallel.mesh_shape={tuple(mesh_shape)} does not divide the '
+          f'{len(devices)} devices')
+    shape[shape.index(-1)] = len(devices) // known
+  if math.prod(shape) != len(devices):
+    raise ShardingError(
+        f'parallel.mesh_shape={tuple(mesh_shape)} needs {math.prod(shape)} '
+        f'devices; there are {len(devices)}')
+  return jax.make_mesh(tuple(shape), AXES, devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def parse_spec(text: str) -> P:
+  """``'None,model'`` -> ``P(None, 'model')``; ``''`` -> ``P()``."""
+  parts = [p.strip() for p in text.split(',')] if text.strip() else []
+  axes = []
+  for part in parts:
+    if part in ('None', ''):
+      axes.append(None)
+    elif part in AXES:
+      axes.append(part)
+    else:
+      raise ShardingError(f'parallel.sharding_rules: unknown mesh axis '
+                          f'{part!r} in {text!r}; expected {AXES} or None')
+  return P(*axes)
+
+
+def parse_rules(text: str) -> tuple[tuple[str, str], ...]:
+  """``'REGEX=SPEC;REGEX=SPEC'`` -> rules (config rules, tried first)."""
+  rules = []
+  for item in (text or '').split(';'):
+    if not item.strip():
+      continue
+    pattern, sep, spec = item.rpartition('=')
+    if not sep:
+      raise ShardingError(f'parallel.sharding_rules: malformed entry {item!r}; '
+                          "expected 'REGEX=SPEC', e.g. '.*/head/w=None,model'")
+    try:
+      re.compile(pattern)
+    except re.error as e:
+      raise ShardingError(f'parallel.sharding_rules: bad regex {pattern!r} '
+                          f'({e})') from None
+    parse_spec(spec)
+    rules.append((pattern.strip(), spec))
+  return tuple(rules)
+
+
+def param_specs(params, rules: Sequence[tuple[str, str]], mesh: Mesh):
+  """A PartitionSpec per parameter (same tree as `params`)."""
+
+  def spec_for(path, value):
+    name = '/'.join(str(getattr(k, 'key', k)) for k in path)
+    for pattern, spec_text in rules:
+      if re.fullmatch(pattern, name):
+        spec = parse_spec(spec_text)
+        for dim, axis in enumerate(spec):
+          if axis is None:
+            continue
+          size = mesh.shape[axis]
+          if dim >= len(value.shape) or value.shape[dim] % size:
+            raise ShardingError(
+                f'parallel.sharding_rules: {name} of shape {value.shape} '
+                f'cannot be split {size} ways on dimension {dim} ({spec_text})')
+        return spec
+    return P()
+
+  return jax.tree_util.tree_map_with_path(spec_for, params)
+
+
+def state_shardings(state, params_spec, optimizer: optax.GradientTransformation,
+                    mesh: Mesh):
+  """NamedShardings of a TrainState: params by rule, optimizer state alike."""
+  named = lambda spec: NamedSharding(mesh, spec)
+  replicated = named(P())
+  param_shardings = jax.tree.map(named, params_spec,
+                                 is_leaf=lambda x: isinstance(x, P))
+  opt_shardings = optax.tree_map_params(
+      optimizer, lambda _, s: s, state.opt_state, param_shardings,
+      transform_non_params=lambda _: replicated)
+  return state._replace(
+      step=replicated, params=param_shardings, opt_state=opt_shardings,
+      loss_scale=replicated,  # A prefix: jmp's classes reject non-array leaves.
+      rng=replicated, skipped_steps=replicated)
+
+
+def describe(sharding: NamedSharding) -> str:
+  """A short text for tables: ``PartitionSpec(None, 'model')`` -> ``None,model``."""
+  spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+  return ','.join(str(a) for a in spec) or 'replicated'
