@@ -11,16 +11,19 @@ TensorFlow is imported only by the TFDS source.
 """
 
 import dataclasses
+import math
 from typing import Iterator
 
 import jax
 import ml_collections
 import numpy as np
 
+from haiku_mp import errors
+
 Batch = dict[str, np.ndarray]
 
 
-class DataError(ValueError):
+class DataError(errors.ConfigError):
   """Missing or unusable data; names the setting to change."""
 
 
@@ -59,32 +62,58 @@ def pad_batch(batch: Batch, batch_size: int) -> Batch:
 
 def synthetic_train(config: ml_collections.ConfigDict, shard: Shard,
                     start_step: int = 0) -> Iterator[Batch]:
-  """Random normalized images and labels of the right shapes, endlessly."""
-  batch_size = local_batch_size(config.batch_size, shard)
+  """Random normalized images and labels, endlessly.
+
+  Each step's global batch depends only on (seed, step); a process takes its
+  slice, so any number of processes trains on the same data.
+  """
+  local = local_batch_size(config.batch_size, shard)
+  rows = slice(shard.index * local, (shard.index + 1) * local)
   size = config.model.image_size
   step = start_step
   while True:
-    rng = np.random.default_rng([config.seed, shard.index, step])
-    yield dict(
-        image=rng.standard_normal((batch_size, size, size, 3), np.float32),
-        label=rng.integers(0, config.model.num_classes, batch_size,
-                           dtype=np.int32))
+    rng = np.random.default_rng([config.seed, step])
+    images = rng.standard_normal((config.batch_size, size, size, 3), np.float32)
+    labels = rng.integers(0, config.model.num_classes, config.batch_size,
+                          dtype=np.int32)
+    yield dict(image=images[rows], label=labels[rows])
     step += 1
 
 
 def synthetic_eval(config: ml_collections.ConfigDict, split: str,
                    shard: Shard) -> Iterator[Batch]:
+  """A fixed random set per split; this process's even slice of it."""
   num = config.data.synthetic_eval_examples
-  examples = _even_slice(num, shard)
-  rng = np.random.default_rng([config.seed, len(split), shard.index])
+  rng = np.random.default_rng([config.seed, len(split)])
   size = config.model.image_size
-  images = rng.standard_normal((len(examples), size, size, 3), np.float32)
-  labels = rng.integers(0, config.model.num_classes, len(examples),
-                        dtype=np.int32)
-  for start in range(0, len(examples), config.eval_batch_size):
-    stop = start + config.eval_batch_size
-    yield pad_batch(dict(image=images[start:stop], label=labels[start:stop]),
-                    config.eval_batch_size)
+  images = rng.standard_normal((num, size, size, 3), np.float32)
+  labels = rng.integers(0, config.model.num_classes, num, dtype=np.int32)
+  examples = _even_slice(num, shard)
+  images = images[examples.start:examples.stop]
+  labels = labels[examples.start:examples.stop]
+  batch_size = local_batch_size(config.eval_batch_size, shard)
+  batches = (dict(image=images[i:i + batch_size], label=labels[i:i + batch_size])
+             for i in range(0, len(labels), batch_size))
+  return _pad_to_equal_count(batches, num, batch_size, shard)
+
+
+def _pad_to_equal_count(batches: Iterator[Batch], num_examples: int,
+                        batch_size: int, shard: Shard) -> Iterator[Batch]:
+  """Pads every batch, then adds empty ones: each process yields as many.
+
+  Processes evaluate in lockstep (their batches meet in one collective), so the
+  one with fewer examples must still take part in every step.
+  """
+  count = math.ceil(math.ceil(num_examples / shard.count) / batch_size)
+  last = None
+  for last in batches:
+    count -= 1
+    yield pad_batch(last, batch_size)
+  if last is None:
+    raise DataError(f'an evaluation split of {num_examples} examples has none '
+                    f'for process {shard.index} of {shard.count}')
+  for _ in range(count):
+    yield pad_batch({k: v[:0] for k, v in last.items()}, batch_size)
 
 
 def _even_slice(num: int, shard: Shard) -> range:
@@ -218,14 +247,17 @@ def tfds_eval(config: ml_collections.ConfigDict, split: str,
   """Normalized batches covering this shard of `split` once, last one padded."""
   tf = _tf()
   data = config.data
-  ds = _builder(data).as_dataset(split=_process_split(split, shard),
-                                 shuffle_files=False)
+  builder = _builder(data)
+  ds = builder.as_dataset(split=_process_split(split, shard),
+                          shuffle_files=False)
   ds = ds.map(lambda x: dict(
       image=_standardize(_to_unit_float(x['image']), data),
       label=tf.cast(x['label'], tf.int32)), num_parallel_calls=tf.data.AUTOTUNE)
-  ds = ds.batch(config.eval_batch_size).prefetch(data.prefetch_batches)
-  for batch in ds.as_numpy_iterator():
-    yield pad_batch(batch, config.eval_batch_size)
+  batch_size = local_batch_size(config.eval_batch_size, shard)
+  ds = ds.batch(batch_size).prefetch(data.prefetch_batches)
+  return _pad_to_equal_count(ds.as_numpy_iterator(),
+                             builder.info.splits[split].num_examples,
+                             batch_size, shard)
 
 
 def train_batches(config: ml_collections.ConfigDict, shard: Shard,

@@ -17,10 +17,12 @@ import jmp
 import ml_collections
 import numpy as np
 
+from haiku_mp import errors
+
 KINDS = ('none', 'static', 'dynamic')
 
 
-class LossScaleError(ValueError):
+class LossScaleError(errors.ConfigError):
   """A loss-scale setting that cannot be used; names the setting."""
 
 

@@ -30,7 +30,8 @@ class Parallel:
   """The strategy-specific half of a training loop."""
   strategy: str
   mesh: Optional[Mesh]
-  place_state: Callable[[train_step_lib.TrainState], train_step_lib.TrainState]
+  # Builds the initial TrainState on the devices, laid out for the strategy.
+  init_state: Callable[[], train_step_lib.TrainState]
   place_batch: Callable[[dict[str, np.ndarray]], dict[str, jax.Array]]
   train_step: Callable[..., Any]
   eval_step: Callable[..., Any]
@@ -53,15 +54,13 @@ def check_batch(name: str, batch_size: int, num_shards: int) -> None:
         "of the mesh's 'batch' axis")
 
 
-def _single(train_step, eval_step):
-  device = jax.local_devices()[0]
-  put = lambda tree: jax.device_put(tree, device)
-  return Parallel('single', None, put, put,
+def _single(train_step, eval_step, init_state):
+  return Parallel('single', None, jax.jit(init_state), jax.device_put,
                   jax.jit(train_step, donate_argnums=0), jax.jit(eval_step),
                   lambda x: x)
 
 
-def _pmap(mesh, loss_fn, forward, optimizer, scaler):
+def _pmap(mesh, loss_fn, forward, optimizer, scaler, init_state):
   if mesh.shape[sharding.MODEL] != 1:
     raise sharding.ShardingError(
         f'parallel.strategy=pmap is data parallel only: parallel.mesh_shape '
@@ -81,21 +80,22 @@ def _pmap(mesh, loss_fn, forward, optimizer, scaler):
   replicas = NamedSharding(Mesh(np.array(local), (sharding.BATCH,)),
                            P(sharding.BATCH))
 
-  def place_state(state):
+  def replicated_state():
     return jax.tree.map(lambda x: jax.device_put(
-        jnp.broadcast_to(x, (n,) + x.shape), replicas), state)
+        jnp.broadcast_to(x, (n,) + x.shape), replicas), jax.jit(init_state)())
 
   def place_batch(batch):
     return jax.tree.map(
         lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
 
-  return Parallel('pmap', mesh, place_state, place_batch, train_step,
+  return Parallel('pmap', mesh, replicated_state, place_batch, train_step,
                   eval_step, lambda x: jax.tree.map(lambda y: y[0], x))
 
 
-def _pjit(mesh, train_step, eval_step, state, config, optimizer):
+def _pjit(mesh, train_step, eval_step, init_state, config, optimizer):
   rules = sharding.parse_rules(config.parallel.sharding_rules)
   rules += sharding.DEFAULT_RULES
+  state = jax.eval_shape(init_state)
   specs = sharding.param_specs(state.params, rules, mesh)
   state_sh = sharding.state_shardings(state, specs, optimizer, mesh)
   batch_sh = NamedSharding(mesh, P(sharding.BATCH))
@@ -112,16 +112,18 @@ def _pjit(mesh, train_step, eval_step, state, config, optimizer):
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(batch_sh, x), batch)
 
-  return Parallel('pjit', mesh, lambda s: jax.device_put(s, state_sh),
-                  place_batch, compiled_train, compiled_eval, lambda x: x,
-                  state_sh)
+  # Computed in place: no process holds the whole state on one device.
+  sharded_init = jax.jit(init_state, out_shardings=state_sh)
+  return Parallel('pjit', mesh, sharded_init, place_batch, compiled_train,
+                  compiled_eval, lambda x: x, state_sh)
 
 
 def make_parallel(config: ml_collections.ConfigDict, mesh: Optional[Mesh],
                   forward: hk.Transformed,
                   optimizer: optax.GradientTransformation,
                   scaler: loss_scaling.LossScaler,
-                  state: train_step_lib.TrainState) -> Parallel:
+                  init_state: Callable[[], train_step_lib.TrainState]
+                  ) -> Parallel:
   """The strategy `config.parallel.strategy` on `mesh` (None for `single`)."""
   strategy = config.parallel.strategy
   if strategy not in STRATEGIES:
@@ -132,13 +134,13 @@ def make_parallel(config: ml_collections.ConfigDict, mesh: Optional[Mesh],
   if strategy == 'single':
     parallel = _single(
         train_step_lib.make_train_step(loss_fn, optimizer, scaler),
-        train_step_lib.make_eval_step(forward))
+        train_step_lib.make_eval_step(forward), init_state)
   elif strategy == 'pmap':
-    parallel = _pmap(mesh, loss_fn, forward, optimizer, scaler)
+    parallel = _pmap(mesh, loss_fn, forward, optimizer, scaler, init_state)
   else:
     parallel = _pjit(
         mesh, train_step_lib.make_train_step(loss_fn, optimizer, scaler),
-        train_step_lib.make_eval_step(forward), state, config, optimizer)
+        train_step_lib.make_eval_step(forward), init_state, config, optimizer)
   check_batch('batch_size', config.batch_size, parallel.batch_devices)
   check_batch('eval_batch_size', config.eval_batch_size,
               parallel.batch_devices)

@@ -34,11 +34,13 @@ import haiku as hk
 import jax.numpy as jnp
 import jmp
 
+from haiku_mp import errors
+
 LAYER_NORM_CLASS = 'LayerNorm'
 _GLOB_CHARS = frozenset('*?[')
 
 
-class PrecisionError(ValueError):
+class PrecisionError(errors.ConfigError):
   """A policy string or override that cannot be used; names the setting."""
 
 

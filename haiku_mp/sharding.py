@@ -17,6 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
 
+from haiku_mp import errors
+
 BATCH = 'batch'
 MODEL = 'model'
 AXES = (BATCH, MODEL)
@@ -34,7 +36,7 @@ DEFAULT_RULES = (
 )
 
 
-class ShardingError(ValueError):
+class ShardingError(errors.ConfigError):
   """A mesh or sharding rule that cannot be used; names the setting."""
 
 
@@ -140,3 +142,10 @@ def describe(sharding: NamedSharding) -> str:
   """A short text for tables: ``PartitionSpec(None, 'model')`` -> ``None,model``."""
   spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
   return ','.join(str(a) for a in spec) or 'replicated'
+
+
+def mesh_for(parallel_config) -> Optional[Mesh]:
+  """The mesh `parallel.strategy` needs: None for 'single'."""
+  if parallel_config.strategy == 'single':
+    return None
+  return make_mesh(parallel_config.mesh_shape)

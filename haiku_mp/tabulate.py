@@ -1,14 +1,16 @@
 """A per-module table of a model: policy in force, params, input/output dtypes."""
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 import ml_collections
 
 from haiku_mp import model
 from haiku_mp import precision as precision_lib
+from haiku_mp import sharding
 
 _COLUMNS = (('path', 'path'), ('class', 'class'), ('policy', 'policy'),
             ('rule', 'policy_source'), ('params', 'param_count'),
@@ -27,11 +29,21 @@ def _source(rule: precision_lib.Rule | None) -> str:
   return f'{rule.source} {rule.target}'
 
 
-def module_rows(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
-  """One row per module, in call order, for the model `config` describes."""
+def module_rows(config: ml_collections.ConfigDict,
+                mesh: Optional[Mesh] = None) -> list[dict[str, Any]]:
+  """One row per module, in call order, for the model `config` describes.
+
+  With a `mesh` and the `pjit` strategy, each parameter also shows how it is
+  sharded (PartitionSpec over the ('batch', 'model') mesh).
+  """
   precision = model.make_precision(config)
   calls, params = model.trace_modules(config.model, precision)
   precision.check_overrides({(c.class_name, c.path) for c in calls})
+  specs = None
+  if mesh is not None and config.parallel.strategy == 'pjit':
+    rules = (sharding.parse_rules(config.parallel.sharding_rules) +
+             sharding.DEFAULT_RULES)
+    specs = sharding.param_specs(params, rules, mesh)
   rows = {}
   for call in calls:
     if call.method != '__call__' or call.path in rows:
@@ -42,7 +54,8 @@ def module_rows(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
         'class': call.class_name,
         'policy': precision_lib.policy_str(call.policy),
         'policy_source': _source(call.rule),
-        'params': {name: {'shape': list(p.shape), 'dtype': p.dtype.name}
+        'params': {name: dict(shape=list(p.shape), dtype=p.dtype.name,
+                              sharding=_spec(specs, call.path, name))
                    for name, p in own.items()},
         'param_dtypes': sorted({p.dtype.name for p in own.values()}),
         'param_count': sum(math.prod(p.shape) for p in own.values()),
@@ -61,6 +74,18 @@ def _preorder_key(path: str, calls: list[precision_lib.ModuleCall]):
   return first, path.count('/')
 
 
+def _spec(specs, path: str, name: str) -> str:
+  if specs is None:
+    return 'replicated'
+  return sharding.describe(specs[path][name])
+
+
+def _sharding_cell(row: dict[str, Any]) -> str:
+  sharded = [f'{n}:{p["sharding"]}' for n, p in sorted(row['params'].items())
+             if p['sharding'] != 'replicated']
+  return ' '.join(sharded) or '-'
+
+
 def _cell(value: Any) -> str:
   if isinstance(value, list):
     return ','.join(sorted(set(value))) if value else '-'
@@ -69,12 +94,13 @@ def _cell(value: Any) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
   """A plain-text table with a total line."""
-  header = [title for title, _ in _COLUMNS]
-  body = [[_cell(row[key]) for _, key in _COLUMNS] for row in rows]
+  header = [title for title, _ in _COLUMNS] + ['sharded']
+  body = [[_cell(row[key]) for _, key in _COLUMNS] + [_sharding_cell(row)]
+          for row in rows]
   total_count = sum(r['param_count'] for r in rows)
   total_bytes = sum(r['param_bytes'] for r in rows)
   body.append(['total', '', '', '', str(total_count), str(total_bytes),
-               '', '', ''])
+               '', '', '', ''])
   widths = [max(len(line[i]) for line in [header] + body)
             for i in range(len(header))]
   fmt = lambda line: '  '.join(c.ljust(w) for c, w in zip(line, widths)).rstrip()

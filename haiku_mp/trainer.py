@@ -7,19 +7,22 @@ dispatches steps, and the metrics of each step stay on the device.
 import collections
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from absl import logging
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 import ml_collections
 import numpy as np
 
+from haiku_mp import errors
 from haiku_mp import input_pipeline
 from haiku_mp import loss_scaling
 from haiku_mp import metrics as metrics_lib
 from haiku_mp import model
 from haiku_mp import optimizer as optimizer_lib
+from haiku_mp import parallel as parallel_lib
 from haiku_mp import tabulate
 from haiku_mp import train_step as train_step_lib
 
@@ -30,7 +33,7 @@ _MEAN_METRICS = ('loss', 'accuracy', 'grad_norm')
 def check_intervals(config: ml_collections.ConfigDict) -> None:
   for name in ('log_every_steps', 'eval_every_steps'):
     if config[name] <= 0:
-      raise ValueError(f'{name}={config[name]} must be positive')
+      raise errors.ConfigError(f'{name}={config[name]} must be positive')
 
 
 def total_train_steps(config: ml_collections.ConfigDict) -> int:
@@ -39,16 +42,16 @@ def total_train_steps(config: ml_collections.ConfigDict) -> int:
   examples = input_pipeline.num_train_examples(config.data)
   steps = int(config.num_epochs * (examples // config.batch_size))
   if steps <= 0:
-    raise ValueError(f'num_epochs={config.num_epochs} with batch_size='
+    raise errors.ConfigError(f'num_epochs={config.num_epochs} with batch_size='
                      f'{config.batch_size} gives no training step')
   return steps
 
 
-def _prefetch_to_device(batches: Iterator[Any], size: int = 2):
-  """Keeps `size` batches in flight to the device ahead of the step."""
+def _prefetch_to_device(batches: Iterator[Any], place, size: int = 2):
+  """Keeps `size` batches in flight to the devices ahead of the step."""
   queue = collections.deque()
   for batch in batches:
-    queue.append(jax.device_put(batch))
+    queue.append(place(batch))
     if len(queue) == size:
       yield queue.popleft()
   while queue:
@@ -68,11 +71,18 @@ def _window_summary(window: list[dict[str, jax.Array]]) -> dict[str, float]:
   return summary
 
 
-def evaluate(eval_step, params, batches) -> dict[str, float]:
-  """Loss and accuracy over every (unpadded) example of `batches`."""
+def evaluate(eval_step, params, batches, unreplicate=lambda x: x
+             ) -> dict[str, float]:
+  """Loss and accuracy over every (unpadded) example of `batches`.
+
+  `eval_step` returns metrics over the whole global batch, so the result
+  covers every process's examples.
+  """
   totals = None
   for batch in batches:
     out = eval_step(params, batch)
+    out = unreplicate({k: out[k] for k in ('loss', 'accuracy',
+                                           'num_examples')})
     n = out['num_examples']
     sums = dict(loss=out['loss'] * n, accuracy=out['accuracy'] * n,
                 num_examples=n)
@@ -83,6 +93,17 @@ def evaluate(eval_step, params, batches) -> dict[str, float]:
               accuracy=float(totals['accuracy']) / n, num_examples=int(n))
 
 
+def _log_sharding_example(params) -> None:
+  """Shows how one MLP kernel is laid out over the devices."""
+  name = next((k for k in params if k.endswith('mlp_block/fc1')), None)
+  if name is None:
+    return
+  kernel = params[name]['w']
+  logging.info('%s/w %s sharded as %s:', name, kernel.shape,
+               kernel.sharding.spec)
+  jax.debug.visualize_array_sharding(kernel)
+
+
 def _log_line(step, total, summary, progress):
   return (f'step {step}/{total} [{100 * step / total:.0f}%] '
           f'loss {summary["loss"]:.4f} acc {summary["accuracy"]:.3f} '
@@ -91,20 +112,37 @@ def _log_line(step, total, summary, progress):
           f'| ETA {metrics_lib.format_duration(progress["eta_sec"])}')
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict,
-                       workdir: str) -> dict[str, Any]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       mesh: Optional[Mesh] = None) -> dict[str, Any]:
   """Trains, evaluates on val periodically and on test at the end.
 
-  Everything that can be wrong with the config or the data is checked before
-  anything is written to `workdir`. Returns the summary also written to
-  `workdir/summary.json`.
+  `mesh` (from `sharding.make_mesh`) is needed by the `pmap` and `pjit`
+  strategies. Everything that can be wrong with the config or the data is
+  checked before anything is written to `workdir`. Returns the summary also
+  written to `workdir/summary.json`.
   """
   check_intervals(config)
+  if config.parallel.strategy != 'single' and mesh is None:
+    raise errors.ConfigError(f'parallel.strategy={config.parallel.strategy} needs a '
+                     'device mesh')
+  if config.parallel.strategy == 'single' and jax.process_count() > 1:
+    raise errors.ConfigError('parallel.strategy=single cannot span '
+                     f'{jax.process_count()} processes; use pmap or pjit')
   shard = input_pipeline.Shard.current()
   input_pipeline.local_batch_size(config.batch_size, shard)
   forward, _ = model.build(config)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
   total_steps = total_train_steps(config)
+  optimizer = optimizer_lib.make_optimizer(config, total_steps)
+
+  def init_state():
+    init_rng, state_rng = jax.random.split(jax.random.key(config.seed))
+    params = forward.init(init_rng, model.dummy_images(config.model), True)
+    return train_step_lib.init_train_state(params, optimizer, scaler,
+                                           state_rng)
+
+  parallel = parallel_lib.make_parallel(config, mesh, forward, optimizer,
+                                        scaler, init_state)
   train_batches = input_pipeline.train_batches(config, shard)
 
   is_writer = jax.process_index() == 0
@@ -112,23 +150,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=1, sort_keys=True) + '\n')
-  logging.info('Devices: %s (process %d of %d)', jax.devices(),
-               jax.process_index(), jax.process_count())
+  logging.info('Devices: %s (process %d of %d), strategy %s, mesh %s',
+               jax.devices(), jax.process_index(), jax.process_count(),
+               parallel.strategy, mesh and dict(mesh.shape))
   logging.info('Config:\n%s', config)
   logging.info('Modules:\n%s',
-               tabulate.format_table(tabulate.module_rows(config)))
-
-  optimizer = optimizer_lib.make_optimizer(config, total_steps)
+               tabulate.format_table(tabulate.module_rows(config, mesh)))
+  state = parallel.init_state()
+  if parallel.state_shardings is not None:
+    _log_sharding_example(state.params)
   schedule = optimizer_lib.learning_rate_schedule(config, total_steps)
-  init_rng, state_rng = jax.random.split(jax.random.key(config.seed))
-  params = jax.jit(forward.init, static_argnums=2)(
-      init_rng, model.dummy_images(config.model), True)
-  state = train_step_lib.init_train_state(params, optimizer, scaler, state_rng)
-  train_step = jax.jit(
-      train_step_lib.make_train_step(
-          train_step_lib.make_classification_loss(forward), optimizer, scaler),
-      donate_argnums=0)
-  eval_step = jax.jit(train_step_lib.make_eval_step(forward))
 
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_writer)
   progress = metrics_lib.Progress(total_steps, config.batch_size)
@@ -140,9 +171,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   def run_eval(split_name, split, step):
     nonlocal eval_seconds
     t = time.perf_counter()
-    result = evaluate(eval_step, state.params,
-                      _prefetch_to_device(input_pipeline.eval_batches(
-                          config, split, shard)))
+    result = evaluate(parallel.eval_step, state.params,
+                      _prefetch_to_device(
+                          input_pipeline.eval_batches(config, split, shard),
+                          parallel.place_batch), parallel.unreplicate)
     eval_seconds += time.perf_counter() - t
     writer.write(step, split_name, result)
     logging.info('%s at step %d: loss %.4f accuracy %.4f (%d examples)',
@@ -150,9 +182,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                  result['num_examples'])
     return result
 
-  batches = _prefetch_to_device(train_batches)
+  batches = _prefetch_to_device(train_batches, parallel.place_batch)
   for step in range(1, total_steps + 1):
-    state, step_metrics = train_step(state, next(batches))
+    state, step_metrics = parallel.train_step(state, next(batches))
     window.append(step_metrics)
     if step == 1:
       jax.block_until_ready(step_metrics)
@@ -162,7 +194,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       window = []
       continue
     if step % config.log_every_steps == 0 or step == total_steps:
-      summary = _window_summary(window)
+      summary = _window_summary([parallel.unreplicate(m) for m in window])
       window = []
       rates = progress.update(step)
       summary.update(images_per_sec=rates['images_per_sec'],
@@ -174,17 +206,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       progress.reset_clock(step)
 
   test = run_eval('test', config.data.test_split, total_steps)
-  skipped = int(state.skipped_steps)
+  skipped = int(parallel.unreplicate(state.skipped_steps))
   summary = dict(
       test_accuracy=test['accuracy'], test_loss=test['loss'],
       val_accuracy=last_val.get('accuracy'), val_loss=last_val.get('loss'),
       steps=total_steps, skipped_steps=skipped,
-      final_loss_scale=float(loss_scaling.value(state.loss_scale)),
+      final_loss_scale=float(loss_scaling.value(
+          parallel.unreplicate(state.loss_scale))),
       train_time_sec=time.perf_counter() - start_time - eval_seconds,
       eval_time_sec=eval_seconds,
       images_per_sec=progress.mean_images_per_sec,
       peak_memory_bytes=metrics_lib.peak_memory_bytes(),
       devices=[str(d) for d in jax.devices()],
+      strategy=parallel.strategy,
+      mesh_shape=mesh and list(mesh.devices.shape),
       precision_policy=config.precision.policy,
       loss_scale_kind=config.loss_scale.kind)
   writer.close()

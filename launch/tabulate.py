@@ -10,7 +10,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp import precision
+from haiku_mp import errors
+from haiku_mp import sharding
 from haiku_mp import tabulate
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
@@ -22,8 +23,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   try:
-    rows = tabulate.module_rows(_CONFIG.value)
-  except (precision.PrecisionError, ValueError) as e:
+    mesh = sharding.mesh_for(_CONFIG.value.parallel)
+    rows = tabulate.module_rows(_CONFIG.value, mesh)
+  except errors.ConfigError as e:
     sys.exit(f'error: {e}')
   if _JSON.value:
     print(json.dumps(rows, indent=1))

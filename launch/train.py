@@ -2,6 +2,10 @@
 
 python -m launch.train --config=configs/vit_fp16.py --workdir=runs/fp16 \
     [--config.batch_size=256 ...]
+
+Many hosts: start one process per host with the same flags plus
+--coordinator_address=HOST:PORT --num_processes=N --process_id=I (or
+--distributed on clusters where jax.distributed.initialize() finds them).
 """
 
 import sys
@@ -9,29 +13,48 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
+import jax
 from ml_collections import config_flags
 
-from haiku_mp import input_pipeline
-from haiku_mp import loss_scaling
-from haiku_mp import precision
+from haiku_mp import errors
+from haiku_mp import sharding
 from haiku_mp import trainer
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for metrics, '
                                'TensorBoard files and the summary.')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', None, 'HOST:PORT of process 0, for many processes.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None,
+                                      'Number of processes.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process.')
+_DISTRIBUTED = flags.DEFINE_bool(
+    'distributed', False, 'Call jax.distributed.initialize() with no '
+    'arguments (clusters that provide them, e.g. SLURM, Cloud TPU).')
 
-# Errors in what the user asked for: reported in one line, no traceback.
-USER_ERRORS = (precision.PrecisionError, loss_scaling.LossScaleError,
-               input_pipeline.DataError, ValueError)
+
+
+def _initialize_distributed() -> None:
+  if _COORDINATOR.value is None and not _DISTRIBUTED.value:
+    return
+  # CPU devices of different processes talk through gloo; GPUs ignore this.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize()
+  else:
+    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
+                               _PROCESS_ID.value)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   try:
-    trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except USER_ERRORS as e:
+    _initialize_distributed()
+    mesh = sharding.mesh_for(_CONFIG.value.parallel)
+    trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh)
+  except errors.ConfigError as e:
     logging.error('%s', e)
     sys.exit(f'error: {e}')
 

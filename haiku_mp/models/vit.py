@@ -12,6 +12,8 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from haiku_mp import errors
+
 
 def _linear_init():
   return hk.initializers.VarianceScaling(1.0, 'fan_avg', 'uniform')
@@ -70,7 +72,7 @@ class Attention(hk.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, tokens, dim = x.shape
     if dim % self.num_heads:
-      raise ValueError(f'model.embed_dim={dim} is not divisible by '
+      raise errors.ConfigError(f'model.embed_dim={dim} is not divisible by '
                        f'model.num_heads={self.num_heads}')
     head_dim = dim // self.num_heads
 
@@ -141,7 +143,7 @@ class VisionTransformer(hk.Module):
                dropout_rate: float, name: Optional[str] = 'vit'):
     super().__init__(name=name)
     if image_size % patch_size:
-      raise ValueError(f'model.image_size={image_size} is not divisible by '
+      raise errors.ConfigError(f'model.image_size={image_size} is not divisible by '
                        f'model.patch_size={patch_size}')
     self.image_size = image_size
     self.patch_size = patch_size

@@ -1,0 +1,228 @@
+"""single / pmap / pjit agree; shardings follow the rules; many processes.
+
+Runs with 8 CPU devices (tests/conftest.py sets XLA_FLAGS before JAX starts).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from haiku_mp import loss_scaling
+from haiku_mp import model
+from haiku_mp import optimizer as optimizer_lib
+from haiku_mp import parallel
+from haiku_mp import sharding
+from haiku_mp import tabulate
+from haiku_mp import train_step as train_step_lib
+from tests import helpers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FP16 = 'params=float32,compute=float16,output=float32'
+LAYOUTS = (('single', None), ('pmap', (8, 1)), ('pjit', (8, 1)),
+           ('pjit', (4, 2)))
+BAD_STEP = 2  # This step's batch holds an inf: every strategy must skip it.
+
+
+def _config(strategy, mesh_shape, policy=FP16, loss_scale='dynamic'):
+  config = helpers.tiny_config(policy, loss_scale=loss_scale, dropout_rate=0.0)
+  config.batch_size = config.eval_batch_size = 16
+  config.parallel.strategy = strategy
+  config.parallel.mesh_shape = mesh_shape or (1, 1)
+  return config
+
+
+def _setup(config):
+  forward, _ = model.build(config)
+  optimizer = optimizer_lib.make_optimizer(config, 100)
+  scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
+
+  def init_state():
+    params = forward.init(jax.random.key(0),
+                          model.dummy_images(config.model), True)
+    return train_step_lib.init_train_state(params, optimizer, scaler,
+                                           jax.random.key(1))
+
+  mesh = sharding.mesh_for(config.parallel)
+  return parallel.make_parallel(config, mesh, forward, optimizer, scaler,
+                                init_state)
+
+
+def _train(config, steps=5):
+  par = _setup(config)
+  state = par.init_state()
+  losses, finite, scales = [], [], []
+  for step in range(steps):
+    batch = helpers.random_batch(config, config.batch_size, seed=step)
+    batch = {k: np.array(v) for k, v in batch.items()}
+    if step == BAD_STEP:
+      batch['image'][3, 0, 0, 0] = np.inf
+    state, metrics = par.train_step(state, par.place_batch(batch))
+    metrics = jax.device_get(par.unreplicate(metrics))
+    losses.append(float(metrics['loss']))
+    finite.append(bool(metrics['grads_finite']))
+    scales.append(float(metrics['loss_scale']))
+  return losses, finite, scales, par, state
+
+
+class StrategiesAgreeTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(('fp32', 'float32', 'none'),
+                                  ('fp16_dynamic', FP16, 'dynamic'))
+  def test_first_steps_agree_and_skip_together(self, policy, loss_scale):
+    results = {}
+    for strategy, mesh_shape in LAYOUTS:
+      losses, finite, scales, *_ = _train(
+          _config(strategy, mesh_shape, policy, loss_scale))
+      results[(strategy, mesh_shape)] = losses
+      expected_finite = [i != BAD_STEP for i in range(5)]
+      self.assertEqual(finite, expected_finite, strategy)
+      if loss_scale == 'dynamic':
+        self.assertEqual(scales, [2.0**15] * 3 + [2.0**14] * 2)
+    reference = results[('single', None)]
+    good = [i for i in range(5) if i != BAD_STEP]
+    for layout, losses in results.items():
+      np.testing.assert_allclose(np.array(losses)[good],
+                                 np.array(reference)[good], rtol=2e-5,
+                                 err_msg=str(layout))
+    self.assertLess(reference[-1], reference[0])
+
+
+class ShardingRulesTest(parameterized.TestCase):
+
+  def test_params_and_optimizer_state_follow_the_rules(self):
+    par = _setup(_config('pjit', (4, 2)))
+    state = par.init_state()
+    expected = {
+        'attention/query': {'w': P(None, 'model'), 'b': P('model')},
+        'attention/key': {'w': P(None, 'model'), 'b': P('model')},
+        'attention/value': {'w': P(None, 'model'), 'b': P('model')},
+        'attention/out': {'w': P('model', None), 'b': P()},
+        'mlp_block/fc1': {'w': P(None, 'model'), 'b': P('model')},
+        'mlp_block/fc2': {'w': P('model', None), 'b': P()},
+        'ln_mlp': {'scale': P(), 'offset': P()},
+    }
+    for module, params in state.params.items():
+      for name, value in params.items():
+        suffix = next((k for k in expected if module.endswith(k)), None)
+        spec = expected[suffix][name] if suffix else P()
+        self.assertEqual(value.sharding.spec, spec, f'{module}/{name}')
+        shard_shape = value.addressable_shards[0].data.shape
+        want = tuple(d // 2 if axis == 'model' else d
+                     for d, axis in zip(value.shape,
+                                        tuple(spec) + (None,) * value.ndim))
+        self.assertEqual(shard_shape, want, f'{module}/{name}')
+    fc1 = state.params['vit/encoder_block_0/mlp_block/fc1']['w']
+    self.assertEqual(fc1.addressable_shards[0].data.size * 2, fc1.size)
+    adam = state.opt_state[0]
+    self.assertEqual(adam.mu['vit/encoder_block_0/mlp_block/fc1']['w'].sharding,
+                     fc1.sharding)
+    self.assertEqual(adam.count.sharding.spec, P())
+
+  def test_config_rule_overrides_the_defaults(self):
+    config = _config('pjit', (4, 2))
+    config.parallel.sharding_rules = r'.*/head/w=None,model;.*fc1/w='
+    state = _setup(config).init_state()
+    self.assertEqual(state.params['vit/head']['w'].sharding.spec,
+                     P(None, 'model'))
+    self.assertEqual(
+        state.params['vit/encoder_block_1/mlp_block/fc1']['w'].sharding.spec,
+        P())
+
+  def test_tabulate_shows_shardings(self):
+    config = _config('pjit', (4, 2))
+    rows = {r['path']: r for r in tabulate.module_rows(
+        config, sharding.mesh_for(config.parallel))}
+    fc2 = rows['vit/encoder_block_0/mlp_block/fc2']['params']
+    self.assertEqual((fc2['w']['sharding'], fc2['b']['sharding']),
+                     ('model,None', 'replicated'))
+    text = tabulate.format_table(list(rows.values()))
+    self.assertIn('w:None,model', text)
+
+
+class BadSettingsTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      (dict(strategy='pjit', mesh_shape=(16, 1)), 'needs 16 devices'),
+      (dict(strategy='pjit', mesh_shape=(3, -1)), 'does not divide'),
+      (dict(strategy='pjit', mesh_shape=(8,)), 'mesh_shape'),
+      (dict(strategy='pmap', mesh_shape=(4, 2)), 'data parallel only'),
+      (dict(strategy='spmd', mesh_shape=(8, 1)), 'parallel.strategy'),
+      (dict(strategy='pjit', mesh_shape=(8, 1), batch_size=12),
+       'batch_size=12 is not divisible'),
+      (dict(strategy='pjit', mesh_shape=(2, 4),
+            sharding_rules='.*/head/w=None,model'), 'cannot be split 4 ways'),
+      (dict(strategy='pjit', mesh_shape=(8, 1), sharding_rules='.*=batchy'),
+       'unknown mesh axis'),
+      (dict(strategy='pjit', mesh_shape=(8, 1), sharding_rules='(=model'),
+       'bad regex'))
+  def test_one_clear_error(self, settings, message):
+    config = _config(settings['strategy'], settings['mesh_shape'])
+    config.batch_size = settings.get('batch_size', 16)
+    config.parallel.sharding_rules = settings.get('sharding_rules', '')
+    with self.assertRaisesRegex(sharding.ShardingError, message):
+      _setup(config)
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+class MultiProcessTest(parameterized.TestCase):
+
+  def test_two_processes_match_one(self):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    flags = ['--config=configs/vit_fp16.py', '--config.data.source=synthetic',
+             '--config.num_train_steps=4', '--config.log_every_steps=1',
+             '--config.eval_every_steps=4', '--config.batch_size=16',
+             '--config.eval_batch_size=16',
+             '--config.data.synthetic_eval_examples=20',
+             '--config.model.num_layers=1', '--config.model.embed_dim=16',
+             '--config.model.mlp_dim=32', '--config.model.num_heads=2',
+             '--config.model.dropout_rate=0', '--config.parallel.strategy=pjit',
+             '--config.parallel.mesh_shape=(4,2)']
+
+    def env(devices):
+      return dict(os.environ,
+                  XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, '-m', 'launch.train', *flags,
+         f'--workdir={tmp}/multi{i}', f'--coordinator_address=127.0.0.1:{port}',
+         '--num_processes=2', f'--process_id={i}'],
+        cwd=ROOT, env=env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for i in range(2)]
+    for proc in procs:
+      out, _ = proc.communicate(timeout=300)
+      self.assertEqual(proc.returncode, 0, out[-3000:])
+    subprocess.run([sys.executable, '-m', 'launch.train', *flags,
+                    f'--workdir={tmp}/one'], cwd=ROOT, env=env(8), check=True,
+                   capture_output=True)
+    self.assertFalse(os.path.exists(f'{tmp}/multi1'))  # Only process 0 writes.
+
+    def events(workdir):
+      with open(f'{workdir}/metrics.jsonl') as f:
+        return [json.loads(line) for line in f]
+
+    multi, one = events(f'{tmp}/multi0'), events(f'{tmp}/one')
+    self.assertEqual([(e['step'], e['split']) for e in multi],
+                     [(e['step'], e['split']) for e in one])
+    for a, b in zip(multi, one):
+      np.testing.assert_allclose(a['loss'], b['loss'], rtol=2e-5)
+    self.assertEqual([e['num_examples'] for e in multi if e['split'] != 'train'],
+                     [20, 20])
+
+
+if __name__ == '__main__':
+  absltest.main()
