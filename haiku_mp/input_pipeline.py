@@ -12,7 +12,7 @@ TensorFlow is imported only by the TFDS source.
 
 import dataclasses
 import math
-from typing import Iterator
+from typing import Iterator, Optional
 
 import jax
 import ml_collections
@@ -97,22 +97,25 @@ def synthetic_eval(config: ml_collections.ConfigDict, split: str,
   return _pad_to_equal_count(batches, num, batch_size, shard)
 
 
-def _pad_to_equal_count(batches: Iterator[Batch], num_examples: int,
+def _pad_to_equal_count(batches: Iterator[Batch],
+                        num_examples: Optional[int],
                         batch_size: int, shard: Shard) -> Iterator[Batch]:
   """Pads every batch, then adds empty ones: each process yields as many.
 
   Processes evaluate in lockstep (their batches meet in one collective), so the
   one with fewer examples must still take part in every step.
   """
-  count = math.ceil(math.ceil(num_examples / shard.count) / batch_size)
-  last = None
+  last, yielded = None, 0
   for last in batches:
-    count -= 1
+    yielded += 1
     yield pad_batch(last, batch_size)
+  if num_examples is None:  # One process: nobody to keep in step with.
+    return
+  target = math.ceil(math.ceil(num_examples / shard.count) / batch_size)
   if last is None:
     raise DataError(f'an evaluation split of {num_examples} examples has none '
                     f'for process {shard.index} of {shard.count}')
-  for _ in range(count):
+  for _ in range(target - yielded):
     yield pad_batch({k: v[:0] for k, v in last.items()}, batch_size)
 
 
@@ -256,8 +259,19 @@ def tfds_eval(config: ml_collections.ConfigDict, split: str,
   batch_size = local_batch_size(config.eval_batch_size, shard)
   ds = ds.batch(batch_size).prefetch(data.prefetch_batches)
   return _pad_to_equal_count(ds.as_numpy_iterator(),
-                             builder.info.splits[split].num_examples,
-                             batch_size, shard)
+                             _split_size(builder, split, shard), batch_size,
+                             shard)
+
+
+def _split_size(builder, split: str, shard: Shard) -> Optional[int]:
+  """Examples in `split` from the dataset's metadata, if it has them."""
+  try:
+    return builder.info.splits[split].num_examples
+  except KeyError:  # No metadata (e.g. tfds.testing.mock_data).
+    if shard.count > 1:
+      raise DataError(f'data: no size known for split {split!r}; many '
+                      'processes need it to evaluate in lockstep') from None
+    return None
 
 
 def train_batches(config: ml_collections.ConfigDict, shard: Shard,

@@ -151,6 +151,18 @@ class ShardAndSyntheticTest(parameterized.TestCase):
       input_pipeline.local_batch_size(global_size,
                                       input_pipeline.Shard(0, processes))
 
+  def test_every_process_gets_as_many_eval_batches(self):
+    config = _config()
+    config.data.source = 'synthetic'
+    config.data.synthetic_eval_examples = 17
+    config.eval_batch_size = 8  # 4 per process of 2: 8 and 9 examples.
+    per_process = [list(input_pipeline.eval_batches(
+        config, 'val', input_pipeline.Shard(i, 2))) for i in (0, 1)]
+    self.assertEqual([len(b) for b in per_process], [3, 3])
+    self.assertEqual([sum(x['mask'].sum() for x in b) for b in per_process],
+                     [8, 9])
+    self.assertEqual(per_process[0][-1]['mask'].sum(), 0)  # All padding.
+
   def test_synthetic_needs_no_tensorflow_and_shards_differ(self):
     code = '\n'.join([
         'import sys',
