@@ -1,15 +1,19 @@
 """Loss scales from config, built on jmp, with guards for jmp 0.0.4's defects.
 
-The state (a jmp `LossScale`) lives in `TrainState`; the static settings (kind,
-floor) live in a `LossScaler` built from the config, because jmp keeps
-`min_loss_scale` out of the pytree: after `jax.jit`, or any flatten/unflatten,
-a `DynamicLossScale`'s floor silently returns to 1.0 (jmp PR #44 never merged).
-`LossScaler.adjust` restores the configured floor before every adjustment.
-The scale is always float32: jmp's `adjust` crashes on a float16 scale
-(`lax.select` dtype mismatch, jmp issue #47).
+The state that changes (scale and finite-step counter) is a plain NamedTuple in
+`TrainState`; the static settings (kind, period, factor, floor) live in a
+`LossScaler` built from the config, which makes jmp's `NoOpLossScale`,
+`StaticLossScale` or `DynamicLossScale` from the two for every operation.
+jmp's own classes make poor state: `DynamicLossScale` keeps `min_loss_scale`
+out of its pytree, so after `jax.jit` (or any flatten/unflatten) its floor
+silently returns to 1.0 (jmp PR #44 never merged), and its `__post_init__`
+traces its leaves, which breaks `jit(...).lower` on abstract inputs. The scale
+is always float32: jmp's `adjust` crashes on a float16 scale (`lax.select`
+dtype mismatch, jmp issue #47).
 """
 
 import dataclasses
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +24,13 @@ import numpy as np
 from haiku_mp import errors
 
 KINDS = ('none', 'static', 'dynamic')
+T = TypeVar('T')
+
+
+class LossScaleState(NamedTuple):
+  """The part of a loss scale that changes from step to step."""
+  scale: jax.Array  # float32 scalar; 1.0 for no loss scaling.
+  counter: jax.Array  # int32 scalar: consecutive finite steps (dynamic).
 
 
 class LossScaleError(errors.ConfigError):
@@ -60,28 +71,33 @@ class LossScaler:
                period=int(config.period), factor=float(config.factor),
                minimum=float(config.minimum))
 
-  def init(self) -> jmp.LossScale:
+  def init(self) -> LossScaleState:
     """The initial loss-scale state."""
+    scale = 1.0 if self.kind == 'none' else self.initial
+    return LossScaleState(jnp.asarray(scale, jnp.float32),
+                          jnp.zeros([], jnp.int32))
+
+  def jmp_loss_scale(self, state: LossScaleState) -> jmp.LossScale:
+    """jmp's loss scale for `state`, with the configured floor."""
     if self.kind == 'none':
       return jmp.NoOpLossScale()
-    scale = jnp.asarray(self.initial, jnp.float32)
     if self.kind == 'static':
-      return jmp.StaticLossScale(scale)
+      return jmp.StaticLossScale(state.scale)
     return jmp.DynamicLossScale(
-        loss_scale=scale, counter=jnp.zeros([], jnp.int32),
+        loss_scale=state.scale, counter=state.counter,
         period=int(self.period), factor=self.factor,
-        min_loss_scale=self._floor())
+        min_loss_scale=jnp.asarray(self.minimum, jnp.float32))
 
-  def _floor(self) -> jax.Array:
-    return jnp.asarray(self.minimum, jnp.float32)
+  def scale(self, state: LossScaleState, tree: T) -> T:
+    return self.jmp_loss_scale(state).scale(tree)
 
-  def adjust(self, state: jmp.LossScale, grads_finite: jax.Array) -> jmp.LossScale:
+  def unscale(self, state: LossScaleState, tree: T) -> T:
+    return self.jmp_loss_scale(state).unscale(tree)
+
+  def adjust(self, state: LossScaleState,
+             grads_finite: jax.Array) -> LossScaleState:
     """The next state: grows after `period` finite steps, backs off on overflow."""
-    if isinstance(state, jmp.DynamicLossScale):
-      state = dataclasses.replace(state, min_loss_scale=self._floor())
-    return state.adjust(grads_finite)
-
-
-def value(state: jmp.LossScale) -> jax.Array:
-  """The current scale as a float32 scalar (1.0 for no loss scaling)."""
-  return jnp.asarray(state.loss_scale, jnp.float32)
+    if self.kind != 'dynamic':
+      return state
+    new = self.jmp_loss_scale(state).adjust(grads_finite)
+    return LossScaleState(new.loss_scale, new.counter)

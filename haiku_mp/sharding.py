@@ -134,7 +134,7 @@ def state_shardings(state, params_spec, optimizer: optax.GradientTransformation,
       transform_non_params=lambda _: replicated)
   return state._replace(
       step=replicated, params=param_shardings, opt_state=opt_shardings,
-      loss_scale=replicated,  # A prefix: jmp's classes reject non-array leaves.
+      loss_scale=replicated,  # One sharding for the whole loss-scale state.
       rng=replicated, skipped_steps=replicated)
 
 

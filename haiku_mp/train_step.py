@@ -28,7 +28,7 @@ class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar: steps taken, skipped ones included.
   params: hk.Params  # float32 master weights.
   opt_state: optax.OptState  # optimizer state of the float32 params.
-  loss_scale: jmp.LossScale  # scale (and, if dynamic, its finite-step counter).
+  loss_scale: loss_scaling.LossScaleState  # scale and finite-step counter.
   rng: jax.Array  # PRNG key, split every step for dropout.
   skipped_steps: jax.Array  # int32 scalar: steps skipped for non-finite grads.
 
@@ -76,13 +76,13 @@ def make_train_step(loss_fn: LossFn,
 
     def scaled_loss(params):
       loss, aux = loss_fn(params, step_rng, batch)
-      return state.loss_scale.scale(loss), (loss, aux)
+      return loss_scaler.scale(state.loss_scale, loss), (loss, aux)
 
     grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(state.params)
     grads = jmp.cast_to_full(grads)
     if axis_name is not None:
       grads = jax.lax.pmean(grads, axis_name)
-    grads = state.loss_scale.unscale(grads)
+    grads = loss_scaler.unscale(state.loss_scale, grads)
     grads_finite = jmp.all_finite(grads)
     updates, new_opt_state = optimizer.update(grads, state.opt_state,
                                               state.params)
@@ -100,7 +100,7 @@ def make_train_step(loss_fn: LossFn,
         skipped_steps=skipped_steps)
     metrics = dict(
         _cross_replica_mean(dict(aux, loss=loss), axis_name),
-        loss_scale=loss_scaling.value(state.loss_scale),
+        loss_scale=state.loss_scale.scale,
         grads_finite=grads_finite,
         grad_norm=optax.tree.norm(grads),
         skipped_steps=skipped_steps)

@@ -15,15 +15,20 @@ FINITE = jnp.asarray(True)
 class LossScalerTest(parameterized.TestCase):
 
   def test_kinds(self):
-    self.assertIsInstance(loss_scaling.LossScaler('none').init(),
-                          jmp.NoOpLossScale)
-    static = loss_scaling.LossScaler('static', initial=128.0).init()
-    self.assertEqual(float(loss_scaling.value(static)), 128.0)
-    self.assertEqual(float(static.scale(jnp.float32(2.0))), 256.0)
-    dynamic = loss_scaling.LossScaler('dynamic', initial=2.0**15).init()
-    self.assertEqual(dynamic.loss_scale.dtype, jnp.float32)
-    self.assertEqual(float(loss_scaling.value(
-        loss_scaling.LossScaler('none').init())), 1.0)
+    none = loss_scaling.LossScaler('none')
+    self.assertIsInstance(none.jmp_loss_scale(none.init()), jmp.NoOpLossScale)
+    self.assertEqual(float(none.init().scale), 1.0)
+    self.assertEqual(float(none.scale(none.init(), jnp.float32(2.0))), 2.0)
+    static = loss_scaling.LossScaler('static', initial=128.0)
+    state = static.init()
+    self.assertEqual(float(state.scale), 128.0)
+    self.assertEqual(float(static.scale(state, jnp.float32(2.0))), 256.0)
+    self.assertEqual(float(static.unscale(state, jnp.float32(256.0))), 2.0)
+    self.assertIs(static.adjust(state, OVERFLOW), state)
+    dynamic = loss_scaling.LossScaler('dynamic', initial=2.0**15)
+    self.assertEqual(dynamic.init().scale.dtype, jnp.float32)
+    self.assertIsInstance(dynamic.jmp_loss_scale(dynamic.init()),
+                          jmp.DynamicLossScale)
 
   def test_jmp_float16_scale_crashes_but_ours_is_float32(self):
     # jmp issue #47: the defect the float32 scale guards against.
@@ -31,19 +36,20 @@ class LossScalerTest(parameterized.TestCase):
       jmp.DynamicLossScale(jnp.float16(2**15)).adjust(OVERFLOW)
     scaler = loss_scaling.LossScaler('dynamic', initial=2**15)
     state = scaler.adjust(scaler.init(), OVERFLOW)
-    self.assertEqual(state.loss_scale.dtype, jnp.float32)
-    self.assertEqual(float(state.loss_scale), 2.0**14)
+    self.assertEqual(state.scale.dtype, jnp.float32)
+    self.assertEqual(float(state.scale), 2.0**14)
 
   def test_floor_holds_after_many_jitted_overflows(self):
     scaler = loss_scaling.LossScaler('dynamic', initial=2.0**15, minimum=128.0)
     ours = jax.jit(scaler.adjust)
     bare = jax.jit(lambda s, f: s.adjust(f))
-    state = bare_state = scaler.init()
+    state = scaler.init()
+    bare_state = scaler.jmp_loss_scale(state)
     for _ in range(20):
       state = ours(state, OVERFLOW)
       bare_state = bare(bare_state, OVERFLOW)
-    self.assertEqual(float(state.loss_scale), 128.0)
-    # Without the guard jmp forgets the floor (jmp PR #44 never merged).
+    self.assertEqual(float(state.scale), 128.0)
+    # jmp's own state forgets the floor under jit (jmp PR #44 never merged).
     self.assertEqual(float(bare_state.loss_scale), 1.0)
 
   def test_dynamic_backs_off_and_grows_after_period(self):
@@ -51,13 +57,21 @@ class LossScalerTest(parameterized.TestCase):
                                      factor=4.0)
     adjust = jax.jit(scaler.adjust)
     state = adjust(scaler.init(), OVERFLOW)
-    self.assertEqual(float(state.loss_scale), 256.0)
+    self.assertEqual(float(state.scale), 256.0)
     for expected in (256.0, 256.0, 1024.0, 1024.0):
       state = adjust(state, FINITE)
-      self.assertEqual(float(state.loss_scale), expected)
+      self.assertEqual(float(state.scale), expected)
     state = adjust(state, OVERFLOW)  # Resets the counter.
+    self.assertEqual(int(state.counter), 0)
     state = adjust(adjust(state, FINITE), FINITE)
-    self.assertEqual(float(state.loss_scale), 256.0)
+    self.assertEqual(float(state.scale), 256.0)
+
+  def test_state_lowers_on_abstract_inputs(self):
+    scaler = loss_scaling.LossScaler('dynamic')
+    abstract = jax.eval_shape(scaler.init)
+    lowered = jax.jit(scaler.adjust).lower(
+        abstract, jax.ShapeDtypeStruct((), jnp.bool_))
+    self.assertIn('stablehlo', lowered.as_text())
 
   @parameterized.parameters(
       (dict(kind='dymanic'), 'loss_scale.kind'),

@@ -118,7 +118,7 @@ class SkipTest(parameterized.TestCase):
     self.assertFalse(bool(metrics['grads_finite']))
     self.assertEqual(float(metrics['loss_scale']), 2.0**10)
     chex.assert_trees_all_equal(_copy((state.params, state.opt_state)), before)
-    self.assertEqual(float(state.loss_scale.loss_scale), 2.0**9)
+    self.assertEqual(float(state.loss_scale.scale), 2.0**9)
     self.assertEqual(int(state.skipped_steps), 1)
     self.assertEqual(int(metrics['skipped_steps']), 1)
     self.assertEqual(int(state.step), 2)
@@ -126,7 +126,7 @@ class SkipTest(parameterized.TestCase):
     for _ in range(4):
       state, metrics = step(state, batch)
       self.assertTrue(bool(metrics['grads_finite']))
-      scales.append(float(state.loss_scale.loss_scale))
+      scales.append(float(state.loss_scale.scale))
     self.assertEqual(scales, [2.0**9, 2.0**9, 2.0**10, 2.0**10])
     self.assertEqual(int(state.skipped_steps), 1)
     self.assertFalse(np.array_equal(_copy(state.params)['vit/head']['w'],

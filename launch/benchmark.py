@@ -1,0 +1,70 @@
+"""Compiled train-step cost per parallel layout, as JSON lines.
+
+XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m launch.benchmark \
+    --config=configs/vit_fp32.py --layouts=pjit:8x1,pjit:4x2
+
+Each layout compiles the reference train step on abstract inputs and prints
+its compile time, XLA's memory analysis (bytes per device: arguments, outputs,
+temporaries, generated code) and the params / optimizer-state bytes one device
+holds. A final line compares every layout with the first as ratios.
+"""
+
+import copy
+import json
+import sys
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from haiku_mp import errors
+from haiku_mp import profiling
+from haiku_mp import sharding
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
+                                          lock_config=True)
+_LAYOUTS = flags.DEFINE_list(
+    'layouts', ['pjit:8x1', 'pjit:4x2'],
+    'STRATEGY:BATCHxMODEL layouts to compare (single needs no mesh: single:1x1).')
+
+_RATIO_FIELDS = ('temp_size_in_bytes', 'argument_size_in_bytes',
+                 'params_bytes', 'opt_state_bytes', 'compile_sec')
+
+
+def _parse_layout(text):
+  strategy, sep, shape = text.partition(':')
+  try:
+    batch, model = (int(x) for x in shape.split('x'))
+  except ValueError:
+    raise errors.ConfigError(f'--layouts: bad layout {text!r}; expected e.g. '
+                             "'pjit:4x2'") from None
+  if not sep:
+    raise errors.ConfigError(f'--layouts: bad layout {text!r}')
+  return strategy, (batch, model)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  results = []
+  try:
+    for layout in _LAYOUTS.value:
+      strategy, shape = _parse_layout(layout)
+      config = copy.deepcopy(_CONFIG.value)
+      config.parallel.strategy = strategy
+      config.parallel.mesh_shape = shape
+      mesh = sharding.mesh_for(config.parallel)
+      result = dict(layout=layout, **profiling.compiled_step_stats(config, mesh))
+      results.append(result)
+      print(json.dumps(result), flush=True)
+  except errors.ConfigError as e:
+    sys.exit(f'error: {e}')
+  base = results[0]
+  ratios = {r['layout']: {f: r[f] / base[f] for f in _RATIO_FIELDS if base[f]}
+            for r in results[1:]}
+  print(json.dumps(dict(ratios_vs=base['layout'], ratios=ratios)))
+
+
+if __name__ == '__main__':
+  flags.mark_flag_as_required('config')
+  app.run(main)
