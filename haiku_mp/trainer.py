@@ -42,8 +42,9 @@ def total_train_steps(config: ml_collections.ConfigDict) -> int:
   examples = input_pipeline.num_train_examples(config.data)
   steps = int(config.num_epochs * (examples // config.batch_size))
   if steps <= 0:
-    raise errors.ConfigError(f'num_epochs={config.num_epochs} with batch_size='
-                     f'{config.batch_size} gives no training step')
+    raise errors.ConfigError(
+        f'num_epochs={config.num_epochs} with batch_size={config.batch_size} '
+        'gives no training step')
   return steps
 
 
@@ -123,11 +124,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """
   check_intervals(config)
   if config.parallel.strategy != 'single' and mesh is None:
-    raise errors.ConfigError(f'parallel.strategy={config.parallel.strategy} needs a '
-                     'device mesh')
+    raise errors.ConfigError(
+        f'parallel.strategy={config.parallel.strategy} needs a device mesh')
   if config.parallel.strategy == 'single' and jax.process_count() > 1:
-    raise errors.ConfigError('parallel.strategy=single cannot span '
-                     f'{jax.process_count()} processes; use pmap or pjit')
+    raise errors.ConfigError(
+        f'parallel.strategy=single cannot span {jax.process_count()} '
+        'processes; use pmap or pjit')
   shard = input_pipeline.Shard.current()
   input_pipeline.local_batch_size(config.batch_size, shard)
   forward, _ = model.build(config)
@@ -190,8 +192,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       jax.block_until_ready(step_metrics)
       logging.info('First step (compilation included): %.1fs',
                    time.perf_counter() - start_time)
-      progress.reset_clock(step)
-      window = []
+      progress.reset_clock(step)  # Rates exclude compilation.
       continue
     if step % config.log_every_steps == 0 or step == total_steps:
       summary = _window_summary([parallel.unreplicate(m) for m in window])

@@ -73,7 +73,7 @@ class Attention(hk.Module):
     batch, tokens, dim = x.shape
     if dim % self.num_heads:
       raise errors.ConfigError(f'model.embed_dim={dim} is not divisible by '
-                       f'model.num_heads={self.num_heads}')
+                               f'model.num_heads={self.num_heads}')
     head_dim = dim // self.num_heads
 
     def project(name):
@@ -143,8 +143,9 @@ class VisionTransformer(hk.Module):
                dropout_rate: float, name: Optional[str] = 'vit'):
     super().__init__(name=name)
     if image_size % patch_size:
-      raise errors.ConfigError(f'model.image_size={image_size} is not divisible by '
-                       f'model.patch_size={patch_size}')
+      raise errors.ConfigError(
+          f'model.image_size={image_size} is not divisible by '
+          f'model.patch_size={patch_size}')
     self.image_size = image_size
     self.patch_size = patch_size
     self.num_classes = num_classes
