@@ -20,6 +20,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_clip_norm = 0.0  # 0: no clipping.
   config.log_every_steps = 50
   config.eval_every_steps = 1000
+  config.checkpoint_every_steps = 1000  # Also at the end and on SIGTERM.
+  config.keep_checkpoints = 3
 
   config.model = ml_collections.ConfigDict(dict(
       image_size=32,

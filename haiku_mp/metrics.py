@@ -27,6 +27,30 @@ def to_python(value: Any) -> Any:
   return value
 
 
+def truncate_after(workdir: str, step: int) -> int:
+  """Drops metrics.jsonl events after `step` (a resumed run redoes them).
+
+  Returns how many were dropped. The file is replaced atomically.
+  """
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  kept = []
+  for line in lines:
+    try:
+      if json.loads(line)['step'] <= step:
+        kept.append(line.rstrip('\n') + '\n')
+    except (ValueError, KeyError):
+      pass  # A line cut short by a kill.
+  tmp = f'{path}.tmp'
+  with open(tmp, 'w') as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+  return len(lines) - len(kept)
+
+
 class MetricsWriter:
   """Appends one JSON object per event to metrics.jsonl and to TensorBoard."""
 
@@ -72,6 +96,8 @@ def write_json(path: str, data: Mapping[str, Any]) -> None:
 
 
 def format_duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return '?'
   seconds = int(max(seconds, 0))
   hours, rest = divmod(seconds, 3600)
   minutes, seconds = divmod(rest, 60)

@@ -37,6 +37,10 @@ class Parallel:
   eval_step: Callable[..., Any]
   # Maps a replicated device value (metric, state field) to a single one.
   unreplicate: Callable[[Any], Any]
+  # Where a restored (unreplicated) state is loaded (a tree or a prefix), and
+  # how it then becomes the strategy's state.
+  checkpoint_shardings: Any
+  place_state: Callable[[train_step_lib.TrainState], train_step_lib.TrainState]
   state_shardings: Optional[train_step_lib.TrainState] = None
 
   @property
@@ -55,9 +59,10 @@ def check_batch(name: str, batch_size: int, num_shards: int) -> None:
 
 
 def _single(train_step, eval_step, init_state):
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return Parallel('single', None, jax.jit(init_state), jax.device_put,
                   jax.jit(train_step, donate_argnums=0), jax.jit(eval_step),
-                  lambda x: x)
+                  lambda x: x, device, lambda x: x)
 
 
 def _pmap(mesh, loss_fn, forward, optimizer, scaler, init_state):
@@ -80,16 +85,18 @@ def _pmap(mesh, loss_fn, forward, optimizer, scaler, init_state):
   replicas = NamedSharding(Mesh(np.array(local), (sharding.BATCH,)),
                            P(sharding.BATCH))
 
-  def replicated_state():
+  def replicate(state):
     return jax.tree.map(lambda x: jax.device_put(
-        jnp.broadcast_to(x, (n,) + x.shape), replicas), jax.jit(init_state)())
+        jnp.broadcast_to(x, (n,) + x.shape), replicas), state)
 
   def place_batch(batch):
     return jax.tree.map(
         lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
 
-  return Parallel('pmap', mesh, replicated_state, place_batch, train_step,
-                  eval_step, lambda x: jax.tree.map(lambda y: y[0], x))
+  return Parallel('pmap', mesh, lambda: replicate(jax.jit(init_state)()),
+                  place_batch, train_step, eval_step,
+                  lambda x: jax.tree.map(lambda y: y[0], x),
+                  jax.sharding.SingleDeviceSharding(local[0]), replicate)
 
 
 def _pjit(mesh, train_step, eval_step, init_state, config, optimizer):
@@ -115,7 +122,7 @@ def _pjit(mesh, train_step, eval_step, init_state, config, optimizer):
   # Computed in place: no process holds the whole state on one device.
   sharded_init = jax.jit(init_state, out_shardings=state_sh)
   return Parallel('pjit', mesh, sharded_init, place_batch, compiled_train,
-                  compiled_eval, lambda x: x, state_sh)
+                  compiled_eval, lambda x: x, state_sh, lambda x: x, state_sh)
 
 
 def make_parallel(config: ml_collections.ConfigDict, mesh: Optional[Mesh],

@@ -17,6 +17,7 @@ from haiku_mp import loss_scaling
 from haiku_mp import model
 from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import parallel as parallel_lib
+from haiku_mp import sharding
 from haiku_mp import train_step as train_step_lib
 
 _MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes',
@@ -68,11 +69,7 @@ def _abstract_inputs(config, parallel, init_state):
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                          batch)
   elif parallel.strategy == 'pjit':
-    # The shardings may be a prefix of the state (one for a whole loss scale).
-    state = jax.tree.map(
-        lambda s, sub: jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub),
-        parallel.state_shardings, state)
+    state = sharding.with_shardings(state, parallel.state_shardings)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                          batch)
   return state, batch

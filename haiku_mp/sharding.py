@@ -138,6 +138,14 @@ def state_shardings(state, params_spec, optimizer: optax.GradientTransformation,
       rng=replicated, skipped_steps=replicated)
 
 
+def with_shardings(abstract, shardings):
+  """`abstract` (ShapeDtypeStructs) with shardings from a tree or prefix of them."""
+  return jax.tree.map(
+      lambda s, sub: jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub),
+      shardings, abstract)
+
+
 def describe(sharding: NamedSharding) -> str:
   """A short text for tables: ``PartitionSpec(None, 'model')`` -> ``None,model``."""
   spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding

@@ -6,6 +6,7 @@ dispatches steps, and the metrics of each step stay on the device.
 
 import collections
 import os
+import signal
 import time
 from typing import Any, Iterator, Optional
 
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 import ml_collections
 import numpy as np
 
+from haiku_mp import checkpoint as checkpoint_lib
 from haiku_mp import errors
 from haiku_mp import input_pipeline
 from haiku_mp import loss_scaling
@@ -23,6 +25,7 @@ from haiku_mp import metrics as metrics_lib
 from haiku_mp import model
 from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import parallel as parallel_lib
+from haiku_mp import sharding
 from haiku_mp import tabulate
 from haiku_mp import train_step as train_step_lib
 
@@ -105,6 +108,36 @@ def _log_sharding_example(params) -> None:
   jax.debug.visualize_array_sharding(kernel)
 
 
+def _prepare_workdir(workdir: str, is_writer: bool) -> None:
+  """Creates the workdir, or says in one line why it cannot be written."""
+  if not is_writer:
+    return
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, '.write_test')
+    with open(probe, 'w'):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise errors.ConfigError(f'--workdir={workdir} is not writable '
+                             f'({e.strerror})') from None
+
+
+class _SigtermFlag:
+  """Set by SIGTERM (preemption); the loop then checkpoints and stops."""
+
+  def __init__(self):
+    self.is_set = False
+    self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.is_set = True
+
+  def restore(self):
+    signal.signal(signal.SIGTERM, self._previous)
+
+
 def _log_line(step, total, summary, progress):
   return (f'step {step}/{total} [{100 * step / total:.0f}%] '
           f'loss {summary["loss"]:.4f} acc {summary["accuracy"]:.3f} '
@@ -145,11 +178,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   parallel = parallel_lib.make_parallel(config, mesh, forward, optimizer,
                                         scaler, init_state)
-  train_batches = input_pipeline.train_batches(config, shard)
+  if config.checkpoint_every_steps <= 0:
+    raise errors.ConfigError(f'checkpoint_every_steps='
+                             f'{config.checkpoint_every_steps} must be positive')
 
   is_writer = jax.process_index() == 0
+  _prepare_workdir(workdir, is_writer)
+  checkpointer = checkpoint_lib.Checkpointer(workdir, config.keep_checkpoints)
+  abstract = sharding.with_shardings(jax.eval_shape(init_state),
+                                     parallel.checkpoint_shardings)
+  restored = checkpointer.restore_latest(abstract)
+  if restored is None:
+    start_step, state = 0, parallel.init_state()
+  else:
+    start_step, state = restored
+    state = parallel.place_state(state)
+    logging.info('Resuming from %s at step %d.', checkpointer.directory,
+                 start_step)
+    if is_writer:
+      metrics_lib.truncate_after(workdir, start_step)
+  train_batches = input_pipeline.train_batches(config, shard, start_step)
+
   if is_writer:
-    os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=1, sort_keys=True) + '\n')
   logging.info('Devices: %s (process %d of %d), strategy %s, mesh %s',
@@ -158,13 +208,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   logging.info('Config:\n%s', config)
   logging.info('Modules:\n%s',
                tabulate.format_table(tabulate.module_rows(config, mesh)))
-  state = parallel.init_state()
   if parallel.state_shardings is not None:
     _log_sharding_example(state.params)
   schedule = optimizer_lib.learning_rate_schedule(config, total_steps)
 
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_writer)
-  progress = metrics_lib.Progress(total_steps, config.batch_size)
+  progress = metrics_lib.Progress(total_steps, config.batch_size, start_step)
+  preempted = _SigtermFlag()
   start_time = time.perf_counter()
   eval_seconds = 0.0
   window = []
@@ -185,15 +235,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     return result
 
   batches = _prefetch_to_device(train_batches, parallel.place_batch)
-  for step in range(1, total_steps + 1):
+  for step in range(start_step + 1, total_steps + 1):
     state, step_metrics = parallel.train_step(state, next(batches))
     window.append(step_metrics)
-    if step == 1:
+    if step == start_step + 1:
       jax.block_until_ready(step_metrics)
       logging.info('First step (compilation included): %.1fs',
                    time.perf_counter() - start_time)
       progress.reset_clock(step)  # Rates exclude compilation.
-      continue
     if step % config.log_every_steps == 0 or step == total_steps:
       summary = _window_summary([parallel.unreplicate(m) for m in window])
       window = []
@@ -205,6 +254,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if step % config.eval_every_steps == 0 or step == total_steps:
       last_val = run_eval('val', config.data.val_split, step)
       progress.reset_clock(step)
+    if (step % config.checkpoint_every_steps == 0 or step == total_steps or
+        preempted.is_set):
+      checkpointer.save(step, parallel.unreplicate(state))
+    if preempted.is_set and step < total_steps:
+      logging.warning('SIGTERM: saved a checkpoint at step %d; stopping. '
+                      'Run the same command to resume.', step)
+      writer.close()
+      checkpointer.close()
+      preempted.restore()
+      return dict(preempted_at_step=step)
+  preempted.restore()
+  checkpointer.close()
 
   test = run_eval('test', config.data.test_split, total_steps)
   skipped = int(parallel.unreplicate(state.skipped_steps))

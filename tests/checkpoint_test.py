@@ -1,0 +1,168 @@
+"""Checkpoints: exact resume after SIGKILL, SIGTERM, corrupt and foreign ones."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
+
+from haiku_mp import checkpoint
+from haiku_mp import loss_scaling
+from haiku_mp import train_step as train_step_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HALF, TOTAL = 20, 40
+
+
+def _flags(config, workdir, every=HALF):
+  return [f'--config={config}', f'--workdir={workdir}',
+          '--config.data.source=synthetic', f'--config.num_train_steps={TOTAL}',
+          '--config.log_every_steps=1', f'--config.eval_every_steps={TOTAL}',
+          f'--config.checkpoint_every_steps={every}', '--config.batch_size=32',
+          '--config.eval_batch_size=16',
+          '--config.data.synthetic_eval_examples=16',
+          '--config.model.num_layers=2', '--config.model.embed_dim=64',
+          '--config.model.mlp_dim=128', '--config.model.num_heads=2']
+
+
+def _start(flags):
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  return subprocess.Popen([sys.executable, '-m', 'launch.train', *flags],
+                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_checkpoint(proc, workdir, step, timeout=240):
+  path = os.path.join(workdir, 'checkpoints', str(step))
+  deadline = time.time() + timeout
+  while not os.path.isdir(path):
+    if proc.poll() is not None or time.time() > deadline:
+      raise AssertionError(f'no checkpoint {step}: {proc.communicate()[1][-2000:]}')
+    time.sleep(0.005)
+
+
+def _train_events(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [e for e in map(json.loads, f) if e['split'] == 'train']
+
+
+def _tiny_state(width):
+  params = {'linear': {'w': jnp.ones((3, width)), 'b': jnp.zeros((width,))}}
+  return train_step_lib.init_train_state(
+      params, optax.adam(1e-3), loss_scaling.LossScaler('dynamic'),
+      jax.random.key(0))
+
+
+class ResumeTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(('fp32', 'configs/vit_fp32.py'),
+                                  ('fp16', 'configs/vit_fp16.py'))
+  def test_sigkill_then_resume_is_exact(self, config):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    straight, killed = f'{tmp}/straight', f'{tmp}/killed'
+    proc = _start(_flags(config, killed))
+    _wait_for_checkpoint(proc, killed, HALF)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    self.assertNotIn(str(TOTAL), os.listdir(f'{killed}/checkpoints'))
+    for workdir in (killed, straight):  # Resume; and the uninterrupted run.
+      proc = _start(_flags(config, workdir))
+      _, err = proc.communicate(timeout=300)
+      self.assertEqual(proc.returncode, 0, err[-3000:])
+      self.assertEqual(f'at step {HALF}.' in err, workdir == killed)
+    resumed, reference = _train_events(killed), _train_events(straight)
+    self.assertEqual([e['step'] for e in resumed], list(range(1, TOTAL + 1)))
+    for a, b in zip(resumed[HALF:], reference[HALF:]):
+      self.assertEqual((a['step'], a['loss'], a['loss_scale']),
+                       (b['step'], b['loss'], b['loss_scale']))
+    # Params, optimizer state, loss scale and rng: all bit for bit.
+    chex.assert_trees_all_equal(_raw_checkpoint(killed, TOTAL),
+                                _raw_checkpoint(straight, TOTAL))
+
+  def test_sigterm_saves_and_the_run_continues(self):
+    workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
+                           'run')
+    flags = _flags('configs/vit_fp16.py', workdir, every=5)
+    proc = _start(flags)
+    _wait_for_checkpoint(proc, workdir, 5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    self.assertEqual(proc.returncode, 0, err[-3000:])
+    self.assertIn('SIGTERM: saved a checkpoint at step', err)
+    saved = max(int(s) for s in os.listdir(f'{workdir}/checkpoints'))
+    self.assertBetween(saved, 5, TOTAL - 1)
+    self.assertFalse(os.path.exists(f'{workdir}/summary.json'))
+    proc = _start(flags)
+    _, err = proc.communicate(timeout=300)
+    self.assertEqual(proc.returncode, 0, err[-3000:])
+    self.assertIn('Resuming from', err)
+    self.assertEqual([e['step'] for e in _train_events(workdir)],
+                     list(range(1, TOTAL + 1)))
+    self.assertTrue(os.path.exists(f'{workdir}/summary.json'))
+
+
+def _raw_checkpoint(workdir, step):
+  """A checkpoint as orbax reads it back without a target: nested arrays."""
+  path = os.path.join(workdir, 'checkpoints', str(step), 'default')
+  return ocp.StandardCheckpointer().restore(path)
+
+
+class CheckpointerTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.workdir = self.enter_context(tempfile.TemporaryDirectory())
+
+  def test_keeps_the_last_k_and_restores_exactly(self):
+    ckpt = checkpoint.Checkpointer(self.workdir, keep=2)
+    state = _tiny_state(4)
+    for step in (1, 2, 3):
+      ckpt.save(step, state._replace(step=jnp.asarray(step)))
+    self.assertEqual(ckpt.all_steps(), [2, 3])
+    step, restored = ckpt.restore_latest(jax.eval_shape(lambda: state))
+    self.assertEqual((step, int(restored.step)), (3, 3))
+    chex.assert_trees_all_equal(restored.params, state.params)
+    chex.assert_trees_all_equal(jax.random.key_data(restored.rng),
+                                jax.random.key_data(state.rng))
+    self.assertEqual(float(restored.loss_scale.scale), 2.0**15)
+
+  def test_corrupt_latest_falls_back_to_the_previous(self):
+    ckpt = checkpoint.Checkpointer(self.workdir, keep=3)
+    state = _tiny_state(4)
+    ckpt.save(1, state._replace(step=jnp.asarray(1)))
+    ckpt.save(2, state._replace(step=jnp.asarray(2)))
+    for path in glob.glob(f'{ckpt.directory}/2/**/*', recursive=True):
+      if os.path.isfile(path):
+        with open(path, 'wb') as f:
+          f.write(b'garbage')
+    with self.assertLogs(level='WARNING') as logs:
+      step, restored = ckpt.restore_latest(jax.eval_shape(lambda: state))
+    self.assertEqual((step, int(restored.step)), (1, 1))
+    self.assertIn('cannot be restored', '\n'.join(logs.output))
+
+  def test_checkpoint_of_another_model_is_a_clear_error(self):
+    checkpoint.Checkpointer(self.workdir, keep=3).save(1, _tiny_state(4))
+    ckpt = checkpoint.Checkpointer(self.workdir, keep=3)
+    with self.assertRaisesRegex(checkpoint.CheckpointError,
+                                'no checkpoint in .*checkpoints can be restored'):
+      ckpt.restore_latest(jax.eval_shape(lambda: _tiny_state(5)))
+
+  def test_no_checkpoint(self):
+    ckpt = checkpoint.Checkpointer(self.workdir, keep=3)
+    self.assertIsNone(ckpt.restore_latest(jax.eval_shape(
+        lambda: _tiny_state(4))))
+
+
+if __name__ == '__main__':
+  absltest.main()
