@@ -48,6 +48,10 @@ def get_config() -> ml_collections.ConfigDict:
       period=2000,  # dynamic: finite steps before the scale grows.
       factor=2.0,  # dynamic: growth and back-off factor.
       minimum=1.0,  # dynamic: the scale never falls below this floor.
+      hysteresis=1,  # dynamic: back off on every k-th consecutive overflow.
+      # Stop after this many consecutive skipped steps at the floor. Without
+      # dynamic scaling, any non-finite step stops the run.
+      max_consecutive_skips=50,
   ))
 
   config.parallel = ml_collections.ConfigDict(dict(

@@ -31,6 +31,7 @@ class LossScaleState(NamedTuple):
   """The part of a loss scale that changes from step to step."""
   scale: jax.Array  # float32 scalar; 1.0 for no loss scaling.
   counter: jax.Array  # int32 scalar: consecutive finite steps (dynamic).
+  overflows: jax.Array  # int32 scalar: consecutive non-finite steps.
 
 
 class LossScaleError(errors.ConfigError):
@@ -45,6 +46,10 @@ class LossScaler:
   period: int = 2000
   factor: float = 2.0
   minimum: float = 1.0
+  # Back off only on every k-th consecutive overflow (DeepSpeed, Megatron).
+  hysteresis: int = 1
+  # Stop the run after this many consecutive skipped steps at the floor.
+  max_consecutive_skips: int = 50
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -64,18 +69,27 @@ class LossScaler:
       if self.minimum <= 0 or self.minimum > self.initial:
         raise LossScaleError(
             f'loss_scale.minimum: must be in (0, loss_scale.initial], got {self.minimum!r}')
+      if int(self.hysteresis) != self.hysteresis or self.hysteresis < 1:
+        raise LossScaleError(
+            f'loss_scale.hysteresis: must be a positive integer, got {self.hysteresis!r}')
+      if self.max_consecutive_skips < 1:
+        raise LossScaleError(
+            'loss_scale.max_consecutive_skips: must be positive, got '
+            f'{self.max_consecutive_skips!r}')
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> 'LossScaler':
     return cls(kind=config.kind, initial=float(config.initial),
                period=int(config.period), factor=float(config.factor),
-               minimum=float(config.minimum))
+               minimum=float(config.minimum),
+               hysteresis=int(config.hysteresis),
+               max_consecutive_skips=int(config.max_consecutive_skips))
 
   def init(self) -> LossScaleState:
     """The initial loss-scale state."""
     scale = 1.0 if self.kind == 'none' else self.initial
-    return LossScaleState(jnp.asarray(scale, jnp.float32),
-                          jnp.zeros([], jnp.int32))
+    zero = jnp.zeros([], jnp.int32)
+    return LossScaleState(jnp.asarray(scale, jnp.float32), zero, zero)
 
   def jmp_loss_scale(self, state: LossScaleState) -> jmp.LossScale:
     """jmp's loss scale for `state`, with the configured floor."""
@@ -96,8 +110,38 @@ class LossScaler:
 
   def adjust(self, state: LossScaleState,
              grads_finite: jax.Array) -> LossScaleState:
-    """The next state: grows after `period` finite steps, backs off on overflow."""
+    """The next state: grows after `period` finite steps, backs off on overflow.
+
+    With `hysteresis` k, only every k-th consecutive overflow backs off; the
+    others keep the scale (and, like every overflow, reset the counter).
+    """
+    overflows = jnp.where(grads_finite, 0, state.overflows + 1)
     if self.kind != 'dynamic':
-      return state
+      return state._replace(overflows=overflows)
     new = self.jmp_loss_scale(state).adjust(grads_finite)
-    return LossScaleState(new.loss_scale, new.counter)
+    held = ~grads_finite & (overflows % self.hysteresis != 0)
+    scale = jnp.where(held, state.scale, new.loss_scale)
+    return LossScaleState(scale, new.counter, overflows)
+
+  def check(self, step: int, scale: float, consecutive_skips: int,
+            skipped_in_window: int) -> None:
+    """Raises when a run cannot go on (called on the host at log points).
+
+    Dynamic scaling: after `max_consecutive_skips` consecutive overflows with
+    the scale at its floor. No or static scaling: at any non-finite step, since
+    nothing would change on the next one.
+    """
+    if self.kind == 'dynamic':
+      if (consecutive_skips >= self.max_consecutive_skips and
+          scale <= self.minimum):
+        raise LossScaleError(
+            f'loss_scale.max_consecutive_skips: {consecutive_skips} consecutive '
+            f'steps up to step {step} had non-finite gradients with the loss '
+            f'scale at its floor loss_scale.minimum={self.minimum:g}; the '
+            'model diverged or float16 overflows even unscaled')
+    elif skipped_in_window:
+      raise LossScaleError(
+          f'loss_scale.kind={self.kind}: non-finite loss or gradients before '
+          f'step {step} (the update was skipped, params are intact); the last '
+          'checkpoint is kept. Lower the learning rate, or use float16 with '
+          'dynamic loss scaling')

@@ -100,6 +100,11 @@ def make_train_step(loss_fn: LossFn,
         skipped_steps=skipped_steps)
     metrics = dict(
         _cross_replica_mean(dict(aux, loss=loss), axis_name),
+        # One flag per gradient leaf (order of jax.tree.leaves): where float16
+        # overflowed, for the log of a skipped step.
+        nonfinite_grads=jnp.stack([~jnp.isfinite(g).all()
+                                   for g in jax.tree.leaves(grads)]),
+        consecutive_skips=new_state.loss_scale.overflows,
         loss_scale=state.loss_scale.scale,
         grads_finite=grads_finite,
         grad_norm=optax.tree.norm(grads),

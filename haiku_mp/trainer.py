@@ -62,9 +62,8 @@ def _prefetch_to_device(batches: Iterator[Any], place, size: int = 2):
     yield queue.popleft()
 
 
-def _window_summary(window: list[dict[str, jax.Array]]) -> dict[str, float]:
+def _window_summary(window: list[dict[str, Any]]) -> dict[str, float]:
   """Host summary of the metrics of the steps since the last log point."""
-  window = jax.device_get(window)
   summary = {k: float(np.nanmean([m[k] for m in window]))
              for k in _MEAN_METRICS}
   last = window[-1]
@@ -73,6 +72,25 @@ def _window_summary(window: list[dict[str, jax.Array]]) -> dict[str, float]:
   summary['window_skipped_steps'] = int(
       sum(not bool(m['grads_finite']) for m in window))
   return summary
+
+
+def _log_overflows(window, first_step: int, param_names: list[str],
+                   most: int = 5) -> None:
+  """Names the parameters whose gradients were not finite at skipped steps."""
+  for i, m in enumerate(window):
+    if bool(m['grads_finite']):
+      continue
+    bad = [n for n, flag in zip(param_names, m['nonfinite_grads']) if flag]
+    more = f' and {len(bad) - most} more' if len(bad) > most else ''
+    logging.warning('step %d skipped (loss scale %g): non-finite gradients in '
+                    '%s%s', first_step + i, float(m['loss_scale']),
+                    ', '.join(bad[:most]), more)
+
+
+def _param_names(params) -> list[str]:
+  """'module/path/param' per leaf, in the order of `jax.tree.leaves`."""
+  return ['/'.join(str(getattr(k, 'key', k)) for k in path)
+          for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
 def evaluate(eval_step, params, batches, unreplicate=lambda x: x
@@ -187,6 +205,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   checkpointer = checkpoint_lib.Checkpointer(workdir, config.keep_checkpoints)
   abstract = sharding.with_shardings(jax.eval_shape(init_state),
                                      parallel.checkpoint_shardings)
+  param_names = _param_names(abstract.params)
   restored = checkpointer.restore_latest(abstract)
   if restored is None:
     start_step, state = 0, parallel.init_state()
@@ -244,8 +263,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                    time.perf_counter() - start_time)
       progress.reset_clock(step)  # Rates exclude compilation.
     if step % config.log_every_steps == 0 or step == total_steps:
-      summary = _window_summary([parallel.unreplicate(m) for m in window])
+      host_window = jax.device_get([parallel.unreplicate(m) for m in window])
+      summary = _window_summary(host_window)
+      _log_overflows(host_window, step - len(window) + 1, param_names)
       window = []
+      try:
+        scaler.check(step, summary['loss_scale'],
+                     int(host_window[-1]['consecutive_skips']),
+                     summary['window_skipped_steps'])
+      except loss_scaling.LossScaleError:
+        writer.write(step, 'train', summary)
+        writer.close()
+        checkpointer.close()
+        preempted.restore()
+        raise
       rates = progress.update(step)
       summary.update(images_per_sec=rates['images_per_sec'],
                      learning_rate=float(schedule(step - 1)))
