@@ -100,7 +100,7 @@ class DivergenceTest(parameterized.TestCase):
 
   def _run(self, workdir, *flags):
     return subprocess.run(
-        [sys.executable, '-m', 'launch.train', f'--workdir={workdir}',
+        [sys.executable, '-m', 'launch.train', *flags, f'--workdir={workdir}',
          '--config.data.source=synthetic', '--config.num_train_steps=30',
          '--config.log_every_steps=1', '--config.eval_every_steps=30',
          '--config.checkpoint_every_steps=1', '--config.batch_size=16',
@@ -108,7 +108,7 @@ class DivergenceTest(parameterized.TestCase):
          '--config.data.synthetic_eval_examples=16',
          '--config.model.num_layers=1', '--config.model.embed_dim=16',
          '--config.model.mlp_dim=16', '--config.model.num_heads=2',
-         '--config.learning_rate=1e30', *flags],
+         '--config.learning_rate=1e38'],
         cwd=ROOT, capture_output=True, text=True)
 
   @parameterized.named_parameters(
