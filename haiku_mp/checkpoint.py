@@ -34,17 +34,26 @@ def _from_storable(state: TrainState) -> TrainState:
   return state._replace(rng=jax.random.wrap_key_data(state.rng))
 
 
-def _first_shape_mismatch(restored, target) -> Optional[str]:
-  """Where a restored tree differs from the expected shapes, if anywhere."""
-  got = jax.tree_util.tree_flatten_with_path(restored)[0]
-  want = jax.tree_util.tree_flatten_with_path(target)[0]
-  if len(got) != len(want):
-    return f'{len(got)} arrays where the model has {len(want)}'
-  for (path, a), (_, b) in zip(got, want):
-    if tuple(a.shape) != tuple(b.shape):
-      return (f'{jax.tree_util.keystr(path)} has shape {tuple(a.shape)}, the '
-              f'model expects {tuple(b.shape)}')
-  return None
+def _name(path) -> str:
+  """orbax's name of a leaf: attribute, key or index names joined by '.'."""
+  return '.'.join(str(getattr(k, 'name', getattr(k, 'key', getattr(k, 'idx', k))))
+                  for k in path)
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+  return {_name(path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _first_mismatch(stored: dict, wanted: dict) -> Optional[str]:
+  """Where a checkpoint's arrays differ from the model's, if anywhere."""
+  for name, shape in wanted.items():
+    if name not in stored:
+      return f'it has no {name}'
+    if stored[name] != shape:
+      return (f'{name} has shape {stored[name]}, this model expects {shape}')
+  extra = sorted(set(stored) - set(wanted))
+  return f'it has {extra[0]}, which this model lacks' if extra else None
 
 
 class Checkpointer:
@@ -83,23 +92,24 @@ class Checkpointer:
     target = abstract_state._replace(rng=jax.ShapeDtypeStruct(
         key_data.shape, key_data.dtype,
         sharding=getattr(abstract_state.rng, 'sharding', None)))
+    wanted = _shapes(target)
     failures = []
     for step in reversed(steps):
+      path = os.path.join(self.directory, str(step), 'default')
       try:
-        restored = self._manager.restore(
-            step, args=ocp.args.StandardRestore(target))
+        metadata = ocp.StandardCheckpointer().metadata(path)
+        tree = getattr(metadata, 'item_metadata', metadata)
+        problem = _first_mismatch(_shapes(getattr(tree, 'tree', tree)), wanted)
+        if problem is None:
+          restored = self._manager.restore(
+              step, args=ocp.args.StandardRestore(target))
       except Exception as e:  # pylint: disable=broad-except
-        failures.append(f'step {step}: {type(e).__name__}: {e}'.splitlines()[0])
-        logging.warning('Checkpoint %s/%d cannot be restored (%s); trying '
-                        'the one before.', self.directory, step, failures[-1])
-        continue
-      mismatch = _first_shape_mismatch(restored, target)
-      if mismatch:
-        failures.append(f'step {step}: {mismatch}')
-        logging.warning('Checkpoint %s/%d does not fit this model (%s).',
-                        self.directory, step, mismatch)
-        continue
-      return step, _from_storable(restored)
+        problem = f'{type(e).__name__}: {e}'.splitlines()[0][:200]
+      if problem is None:
+        return step, _from_storable(restored)
+      failures.append(f'step {step}: {problem}')
+      logging.warning('Checkpoint %s/%d cannot be restored (%s); trying the '
+                      'one before.', self.directory, step, problem)
     raise CheckpointError(
         f'no checkpoint in {self.directory} can be restored: '
         + '; '.join(failures))

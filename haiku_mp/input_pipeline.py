@@ -171,6 +171,12 @@ def _source(data_config: ml_collections.ConfigDict) -> str:
   return data_config.source
 
 
+def check_available(data_config: ml_collections.ConfigDict) -> None:
+  """Raises `DataError` now, before a run writes anything, if data is missing."""
+  if _source(data_config) == 'tfds':
+    _builder(data_config)
+
+
 def num_train_examples(data_config: ml_collections.ConfigDict) -> int:
   """Examples in the training split (all processes), for epochs and ETAs."""
   if _source(data_config) == 'synthetic':

@@ -183,6 +183,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         'processes; use pmap or pjit')
   shard = input_pipeline.Shard.current()
   input_pipeline.local_batch_size(config.batch_size, shard)
+  input_pipeline.check_available(config.data)
   forward, _ = model.build(config)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
   total_steps = total_train_steps(config)

@@ -11,7 +11,6 @@ holds. A final line compares every layout with the first as ratios.
 
 import copy
 import json
-import sys
 
 from absl import app
 from absl import flags
@@ -20,6 +19,7 @@ from ml_collections import config_flags
 from haiku_mp import errors
 from haiku_mp import profiling
 from haiku_mp import sharding
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
                                           lock_config=True)
@@ -47,18 +47,15 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   results = []
-  try:
-    for layout in _LAYOUTS.value:
-      strategy, shape = _parse_layout(layout)
-      config = copy.deepcopy(_CONFIG.value)
-      config.parallel.strategy = strategy
-      config.parallel.mesh_shape = shape
-      mesh = sharding.mesh_for(config.parallel)
-      result = dict(layout=layout, **profiling.compiled_step_stats(config, mesh))
-      results.append(result)
-      print(json.dumps(result), flush=True)
-  except errors.ConfigError as e:
-    sys.exit(f'error: {e}')
+  for layout in _LAYOUTS.value:
+    strategy, shape = _parse_layout(layout)
+    config = copy.deepcopy(_CONFIG.value)
+    config.parallel.strategy = strategy
+    config.parallel.mesh_shape = shape
+    mesh = sharding.mesh_for(config.parallel)
+    result = dict(layout=layout, **profiling.compiled_step_stats(config, mesh))
+    results.append(result)
+    print(json.dumps(result), flush=True)
   base = results[0]
   ratios = {r['layout']: {f: r[f] / base[f] for f in _RATIO_FIELDS if base[f]}
             for r in results[1:]}
@@ -67,4 +64,4 @@ def main(argv):
 
 if __name__ == '__main__':
   flags.mark_flag_as_required('config')
-  app.run(main)
+  cli.run(main)

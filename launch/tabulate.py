@@ -4,15 +4,14 @@ python -m launch.tabulate --config=configs/vit_fp16.py [--json]
 """
 
 import json
-import sys
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp import errors
 from haiku_mp import sharding
 from haiku_mp import tabulate
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
                                           lock_config=True)
@@ -22,11 +21,8 @@ _JSON = flags.DEFINE_bool('json', False, 'Print one JSON list of objects.')
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  try:
-    mesh = sharding.mesh_for(_CONFIG.value.parallel)
-    rows = tabulate.module_rows(_CONFIG.value, mesh)
-  except errors.ConfigError as e:
-    sys.exit(f'error: {e}')
+  mesh = sharding.mesh_for(_CONFIG.value.parallel)
+  rows = tabulate.module_rows(_CONFIG.value, mesh)
   if _JSON.value:
     print(json.dumps(rows, indent=1))
   else:
@@ -35,4 +31,4 @@ def main(argv):
 
 if __name__ == '__main__':
   flags.mark_flag_as_required('config')
-  app.run(main)
+  cli.run(main)

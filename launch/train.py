@@ -8,17 +8,14 @@ Many hosts: start one process per host with the same flags plus
 --distributed on clusters where jax.distributed.initialize() finds them).
 """
 
-import sys
-
 from absl import app
 from absl import flags
-from absl import logging
 import jax
 from ml_collections import config_flags
 
-from haiku_mp import errors
 from haiku_mp import sharding
 from haiku_mp import trainer
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
                                           lock_config=True)
@@ -50,15 +47,11 @@ def _initialize_distributed() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  try:
-    _initialize_distributed()
-    mesh = sharding.mesh_for(_CONFIG.value.parallel)
-    trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh)
-  except errors.ConfigError as e:
-    logging.error('%s', e)
-    sys.exit(f'error: {e}')
+  _initialize_distributed()
+  mesh = sharding.mesh_for(_CONFIG.value.parallel)
+  trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh)
 
 
 if __name__ == '__main__':
   flags.mark_flags_as_required(['config', 'workdir'])
-  app.run(main)
+  cli.run(main)
