@@ -60,8 +60,6 @@ class Checkpointer:
   """Saves and restores `TrainState`s under `workdir/checkpoints`."""
 
   def __init__(self, workdir: str, keep: int):
-    if keep < 1:
-      raise errors.ConfigError(f'keep_checkpoints={keep} must be at least 1')
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
     self._manager = ocp.CheckpointManager(
         self.directory,

@@ -88,8 +88,9 @@ class LossScaler:
   def init(self) -> LossScaleState:
     """The initial loss-scale state."""
     scale = 1.0 if self.kind == 'none' else self.initial
-    zero = jnp.zeros([], jnp.int32)
-    return LossScaleState(jnp.asarray(scale, jnp.float32), zero, zero)
+    # Distinct buffers: a donated state must not hold one array twice.
+    return LossScaleState(jnp.asarray(scale, jnp.float32),
+                          jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
   def jmp_loss_scale(self, state: LossScaleState) -> jmp.LossScale:
     """jmp's loss scale for `state`, with the configured floor."""

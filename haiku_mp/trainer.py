@@ -34,7 +34,8 @@ _MEAN_METRICS = ('loss', 'accuracy', 'grad_norm')
 
 
 def check_intervals(config: ml_collections.ConfigDict) -> None:
-  for name in ('log_every_steps', 'eval_every_steps'):
+  for name in ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
+               'keep_checkpoints'):
     if config[name] <= 0:
       raise errors.ConfigError(f'{name}={config[name]} must be positive')
 
@@ -197,9 +198,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   parallel = parallel_lib.make_parallel(config, mesh, forward, optimizer,
                                         scaler, init_state)
-  if config.checkpoint_every_steps <= 0:
-    raise errors.ConfigError(f'checkpoint_every_steps='
-                             f'{config.checkpoint_every_steps} must be positive')
 
   is_writer = jax.process_index() == 0
   _prepare_workdir(workdir, is_writer)

@@ -24,7 +24,8 @@ class LossScalerTest(parameterized.TestCase):
     self.assertEqual(float(state.scale), 128.0)
     self.assertEqual(float(static.scale(state, jnp.float32(2.0))), 256.0)
     self.assertEqual(float(static.unscale(state, jnp.float32(256.0))), 2.0)
-    self.assertIs(static.adjust(state, OVERFLOW), state)
+    after = static.adjust(state, OVERFLOW)
+    self.assertEqual((float(after.scale), int(after.overflows)), (128.0, 1))
     dynamic = loss_scaling.LossScaler('dynamic', initial=2.0**15)
     self.assertEqual(dynamic.init().scale.dtype, jnp.float32)
     self.assertIsInstance(dynamic.jmp_loss_scale(dynamic.init()),
