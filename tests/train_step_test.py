@@ -116,6 +116,8 @@ class SkipTest(parameterized.TestCase):
     bad = dict(batch, image=batch['image'].at[0, 0, 0, 0].set(jnp.inf))
     state, metrics = step(state, bad)
     self.assertFalse(bool(metrics['grads_finite']))
+    self.assertTrue(metrics['nonfinite_grads'].all())  # inf reaches every grad.
+    self.assertEqual(int(metrics['consecutive_skips']), 1)
     self.assertEqual(float(metrics['loss_scale']), 2.0**10)
     chex.assert_trees_all_equal(_copy((state.params, state.opt_state)), before)
     self.assertEqual(float(state.loss_scale.scale), 2.0**9)
@@ -194,7 +196,11 @@ class TrainingTest(parameterized.TestCase):
     self.assertEqual(int(state.skipped_steps), 0)
     self.assertEqual(set(metrics), {'loss', 'accuracy', 'num_examples',
                                     'loss_scale', 'grads_finite', 'grad_norm',
-                                    'skipped_steps'})
+                                    'skipped_steps', 'consecutive_skips',
+                                    'nonfinite_grads'})
+    self.assertEqual(metrics['nonfinite_grads'].shape,
+                     (len(jax.tree.leaves(state.params)),))
+    self.assertFalse(metrics['nonfinite_grads'].any())
     chex.assert_trees_all_equal_dtypes(
         state.params, jax.tree.map(lambda p: p.astype(jnp.float32),
                                    state.params))
