@@ -60,9 +60,12 @@ def check_batch(name: str, batch_size: int, num_shards: int) -> None:
 
 def _single(train_step, eval_step, init_state):
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  return Parallel('single', None, jax.jit(init_state), jax.device_put,
-                  jax.jit(train_step, donate_argnums=0), jax.jit(eval_step),
-                  lambda x: x, device, lambda x: x)
+  return Parallel(
+      strategy='single', mesh=None, init_state=jax.jit(init_state),
+      place_batch=jax.device_put,
+      train_step=jax.jit(train_step, donate_argnums=0),
+      eval_step=jax.jit(eval_step), unreplicate=lambda x: x,
+      checkpoint_shardings=device, place_state=lambda x: x)
 
 
 def _pmap(mesh, loss_fn, forward, optimizer, scaler, init_state):
@@ -93,10 +96,13 @@ def _pmap(mesh, loss_fn, forward, optimizer, scaler, init_state):
     return jax.tree.map(
         lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
 
-  return Parallel('pmap', mesh, lambda: replicate(jax.jit(init_state)()),
-                  place_batch, train_step, eval_step,
-                  lambda x: jax.tree.map(lambda y: y[0], x),
-                  jax.sharding.SingleDeviceSharding(local[0]), replicate)
+  return Parallel(
+      strategy='pmap', mesh=mesh,
+      init_state=lambda: replicate(jax.jit(init_state)()),
+      place_batch=place_batch, train_step=train_step, eval_step=eval_step,
+      unreplicate=lambda x: jax.tree.map(lambda y: y[0], x),
+      checkpoint_shardings=jax.sharding.SingleDeviceSharding(local[0]),
+      place_state=replicate)
 
 
 def _pjit(mesh, train_step, eval_step, init_state, config, optimizer):
@@ -121,8 +127,12 @@ def _pjit(mesh, train_step, eval_step, init_state, config, optimizer):
 
   # Computed in place: no process holds the whole state on one device.
   sharded_init = jax.jit(init_state, out_shardings=state_sh)
-  return Parallel('pjit', mesh, sharded_init, place_batch, compiled_train,
-                  compiled_eval, lambda x: x, state_sh, lambda x: x, state_sh)
+  return Parallel(
+      strategy='pjit', mesh=mesh, init_state=sharded_init,
+      place_batch=place_batch, train_step=compiled_train,
+      eval_step=compiled_eval, unreplicate=lambda x: x,
+      checkpoint_shardings=state_sh, place_state=lambda x: x,
+      state_shardings=state_sh)
 
 
 def make_parallel(config: ml_collections.ConfigDict, mesh: Optional[Mesh],
