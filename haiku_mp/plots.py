@@ -41,3 +41,16 @@ def plot_runs(runs: Mapping[str, list[dict]], out_path: str,
   fig.tight_layout()
   fig.savefig(out_path, dpi=100)
   plt.close(fig)
+
+
+def bar_chart(out_path: str, labels, values, ylabel: str, title: str) -> None:
+  """One bar per label, each annotated with its value."""
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.bar(labels, values)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  for i, v in enumerate(values):
+    ax.annotate(f'{v:.3g}', (i, v), ha='center', va='bottom')
+  fig.tight_layout()
+  fig.savefig(out_path, dpi=100)
+  plt.close(fig)

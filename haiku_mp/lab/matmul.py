@@ -1,0 +1,37 @@
+"""Experiment `matmul`: the seeds' `jnp.dot(A, A.T)` per dtype, time and FLOP/s."""
+
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DTYPES = ('float64', 'float32', 'float16', 'bfloat16')
+
+
+def run(rows: int, cols: int, repeats: int,
+        dtypes: Sequence[str] = DTYPES) -> dict[str, Any]:
+  """Median time of `A @ A.T` for A of shape (rows, cols), per dtype."""
+  results = []
+  for name in dtypes:
+    with jax.enable_x64(name == 'float64'):
+      a = jnp.asarray(np.random.default_rng(0).standard_normal((rows, cols)),
+                      name)
+      dot = jax.jit(lambda x: jnp.dot(x, x.T))
+      computed_dtype = dot(a).block_until_ready().dtype.name  # Compiles.
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        dot(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    median = float(np.median(times))
+    flops = 2.0 * rows * rows * cols
+    results.append(dict(dtype=name, computed_dtype=computed_dtype,
+                        median_sec=median,
+                        gflops_per_sec=flops / median / 1e9))
+  base = results[0]['median_sec']
+  for r in results:
+    r['time_vs_first'] = r['median_sec'] / base
+  return dict(experiment='matmul', shape=[rows, cols], repeats=repeats,
+              device=str(jax.devices()[0]), results=results)

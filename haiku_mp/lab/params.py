@@ -1,0 +1,31 @@
+"""Experiment `params`: parameter count and bytes per module and param dtype.
+
+The count and bytes per module come from an abstract trace (no memory used).
+Parameters are stored in the policy's param dtype; haiku_mp's optimizer keeps
+float32 master weights only when that dtype is float32 (see the JSON's note).
+"""
+
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from haiku_mp import tabulate
+
+DTYPES = ('float32', 'float16', 'bfloat16')
+
+
+def run(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """{'modules': [...], 'totals': {dtype: {count, bytes, megabytes}}}."""
+  rows = tabulate.module_rows(config)
+  modules = [dict(path=r['path'], param_count=r['param_count'],
+                  **{f'bytes_{d}': r['param_count'] * np.dtype(d).itemsize
+                     for d in DTYPES})
+             for r in rows if r['param_count']]
+  count = sum(m['param_count'] for m in modules)
+  totals = {d: dict(count=count, bytes=count * np.dtype(d).itemsize,
+                    megabytes=count * np.dtype(d).itemsize / 1e6)
+            for d in DTYPES}
+  return dict(experiment='params', modules=modules, totals=totals,
+              note=('MB = 1e6 bytes: 10,695,562 float32 params are 42.78 MB '
+                    '(40.80 MiB).'))
