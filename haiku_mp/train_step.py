@@ -83,7 +83,11 @@ def make_train_step(loss_fn: LossFn,
     if axis_name is not None:
       grads = jax.lax.pmean(grads, axis_name)
     grads = loss_scaler.unscale(state.loss_scale, grads)
-    grads_finite = jmp.all_finite(grads)
+    # One flag per gradient leaf: the skip decision, and where float16
+    # overflowed for the log of a skipped step.
+    nonfinite = jnp.stack([~jnp.isfinite(g).all()
+                           for g in jax.tree.leaves(grads)])
+    grads_finite = ~nonfinite.any()
     updates, new_opt_state = optimizer.update(grads, state.opt_state,
                                               state.params)
     new_params = optax.apply_updates(state.params, updates)
@@ -100,10 +104,7 @@ def make_train_step(loss_fn: LossFn,
         skipped_steps=skipped_steps)
     metrics = dict(
         _cross_replica_mean(dict(aux, loss=loss), axis_name),
-        # One flag per gradient leaf (order of jax.tree.leaves): where float16
-        # overflowed, for the log of a skipped step.
-        nonfinite_grads=jnp.stack([~jnp.isfinite(g).all()
-                                   for g in jax.tree.leaves(grads)]),
+        nonfinite_grads=nonfinite,  # In the order of jax.tree.leaves.
         consecutive_skips=new_state.loss_scale.overflows,
         loss_scale=state.loss_scale.scale,
         grads_finite=grads_finite,
