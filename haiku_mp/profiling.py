@@ -18,7 +18,7 @@ from haiku_mp import model
 from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import parallel as parallel_lib
 from haiku_mp import sharding
-from haiku_mp import train_step as train_step_lib
+from haiku_mp import trainer
 
 _MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes',
                   'temp_size_in_bytes', 'generated_code_size_in_bytes',
@@ -31,12 +31,7 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh]):
   optimizer = optimizer_lib.make_optimizer(config, 1000)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
 
-  def init_state():
-    params = forward.init(jax.random.key(config.seed),
-                          model.dummy_images(config.model), True)
-    return train_step_lib.init_train_state(params, optimizer, scaler,
-                                           jax.random.key(config.seed + 1))
-
+  init_state = trainer.make_init_state(config, forward, optimizer, scaler)
   return parallel_lib.make_parallel(config, mesh, forward, optimizer, scaler,
                                     init_state), init_state
 

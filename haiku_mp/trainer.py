@@ -165,6 +165,23 @@ def _log_line(step, total, summary, progress):
           f'| ETA {metrics_lib.format_duration(progress["eta_sec"])}')
 
 
+def make_init_state(config: ml_collections.ConfigDict, forward,
+                    optimizer, scaler: loss_scaling.LossScaler):
+  """A no-argument function that builds the initial TrainState from the seed.
+
+  It takes no arrays, so a strategy can run it under jit with the state's
+  shardings as outputs (nothing is ever gathered on one device).
+  """
+
+  def init_state() -> train_step_lib.TrainState:
+    init_rng, state_rng = jax.random.split(jax.random.key(config.seed))
+    params = forward.init(init_rng, model.dummy_images(config.model), True)
+    return train_step_lib.init_train_state(params, optimizer, scaler,
+                                           state_rng)
+
+  return init_state
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        mesh: Optional[Mesh] = None) -> dict[str, Any]:
   """Trains, evaluates on val periodically and on test at the end.
@@ -190,12 +207,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   total_steps = total_train_steps(config)
   optimizer = optimizer_lib.make_optimizer(config, total_steps)
 
-  def init_state():
-    init_rng, state_rng = jax.random.split(jax.random.key(config.seed))
-    params = forward.init(init_rng, model.dummy_images(config.model), True)
-    return train_step_lib.init_train_state(params, optimizer, scaler,
-                                           state_rng)
-
+  init_state = make_init_state(config, forward, optimizer, scaler)
   parallel = parallel_lib.make_parallel(config, mesh, forward, optimizer,
                                         scaler, init_state)
 
