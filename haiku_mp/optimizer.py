@@ -1,9 +1,16 @@
 """The optax optimizer from config: AdamW with warmup + cosine decay and clipping.
 
-It always runs on float32 master params and float32 (unscaled) gradients.
+It always runs on float32 master params and float32 (unscaled) gradients:
+when the precision policy stores params in half precision, `float32_master`
+keeps the float32 copy the optimizer updates, and the half params are that copy
+rounded after every step (so updates smaller than a half-precision ulp are not
+lost).
 """
 
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -25,11 +32,57 @@ def _decay_mask(params):
   return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def make_optimizer(config: ml_collections.ConfigDict,
-                   total_steps: int) -> optax.GradientTransformation:
-  """Clipping by global norm (if `grad_clip_norm` > 0), then AdamW."""
-  adamw = optax.adamw(learning_rate_schedule(config, total_steps),
-                      weight_decay=config.weight_decay, mask=_decay_mask)
+class MasterState(NamedTuple):
+  master: optax.Params  # float32 copy of every param.
+  inner: optax.OptState  # state of the wrapped optimizer, over `master`.
+
+
+def float32_master(inner: optax.GradientTransformation
+                   ) -> optax.GradientTransformation:
+  """Runs `inner` on a float32 copy of the params, whatever their dtype.
+
+  Apply its updates with `apply_updates` below: the new params are then exactly
+  the updated float32 copy rounded to each param's dtype. (`optax.apply_updates`
+  gets within rounding of that, as `params + (master - params)`.)
+  """
+
+  def init(params):
+    # A copy even of float32 leaves: a donated state must not hold one buffer
+    # twice.
+    master = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True),
+                          params)
+    return MasterState(master, inner.init(master))
+
+  def update(grads, state, params):
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    updates, inner_state = inner.update(grads, state.inner, state.master)
+    master = optax.apply_updates(state.master, updates)
+    updates = jax.tree.map(lambda m, p: m - p.astype(jnp.float32), master,
+                           params)
+    return updates, MasterState(master, inner_state)
+
+  return optax.GradientTransformation(init, update)
+
+
+def apply_updates(params: optax.Params, updates: optax.Updates,
+                  new_opt_state: optax.OptState) -> optax.Params:
+  """`optax.apply_updates`, or the rounded master copy under `float32_master`."""
+  if isinstance(new_opt_state, MasterState):
+    return jax.tree.map(lambda m, p: m.astype(p.dtype), new_opt_state.master,
+                        params)
+  return optax.apply_updates(params, updates)
+
+
+def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
+                   half_params: bool = False) -> optax.GradientTransformation:
+  """Clipping by global norm (if `grad_clip_norm` > 0), then AdamW.
+
+  With `half_params` (some params stored in float16 / bfloat16), both run on
+  a float32 master copy (`float32_master`).
+  """
+  optimizer = optax.adamw(learning_rate_schedule(config, total_steps),
+                          weight_decay=config.weight_decay, mask=_decay_mask)
   if config.grad_clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adamw)
-  return adamw
+    optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
+                            optimizer)
+  return float32_master(optimizer) if half_params else optimizer

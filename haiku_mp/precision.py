@@ -102,6 +102,12 @@ class Precision:
         return rule
     return self.defaults.get(class_name)
 
+  @property
+  def half_params(self) -> bool:
+    """Whether any rule stores params in a dtype narrower than float32."""
+    rules = (*self.defaults.values(), *self.overrides)
+    return any(jnp.finfo(r.policy.param_dtype).bits < 32 for r in rules)
+
   def check_overrides(self, modules: set[tuple[str, str]]) -> None:
     """Raises unless every override matched one of `(class, path)` modules."""
     classes = sorted({c for c, _ in modules})

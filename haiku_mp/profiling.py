@@ -27,8 +27,8 @@ _MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes',
 
 def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh]):
   """The `Parallel` for `config` and a function that makes its initial state."""
-  forward, _ = model.build(config)
-  optimizer = optimizer_lib.make_optimizer(config, 1000)
+  forward, precision = model.build(config)
+  optimizer = optimizer_lib.make_optimizer(config, 1000, precision.half_params)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
 
   init_state = trainer.make_init_state(config, forward, optimizer, scaler)

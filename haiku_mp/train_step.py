@@ -2,7 +2,8 @@
 
 One step: forward in the compute dtype -> float32 loss -> x loss scale ->
 gradients -> cast to float32 and unscaled -> finite check -> optax update on the
-float32 master params (clipping, if configured, is the optimizer's first
+float32 master params (the params themselves, or a copy the optimizer keeps when
+the policy stores params in half precision) (clipping, if configured, is the optimizer's first
 transform, so it sees unscaled gradients) -> if any gradient is not finite,
 params and optimizer state stay exactly as they were -> loss scale adjusted.
 """
@@ -16,6 +17,7 @@ import jmp
 import optax
 
 from haiku_mp import loss_scaling
+from haiku_mp import optimizer as optimizer_lib
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -26,8 +28,10 @@ LossFn = Callable[[hk.Params, jax.Array, Batch], tuple[jax.Array, Metrics]]
 class TrainState(NamedTuple):
   """Everything a step reads and writes; checkpointing this resumes a run."""
   step: jax.Array  # int32 scalar: steps taken, skipped ones included.
-  params: hk.Params  # float32 master weights.
-  opt_state: optax.OptState  # optimizer state of the float32 params.
+  # In the policy's param dtype: float32 master weights, or half-precision
+  # params whose float32 master copy lives in `opt_state` (float32_master).
+  params: hk.Params
+  opt_state: optax.OptState  # optimizer state of float32 params.
   loss_scale: loss_scaling.LossScaleState  # scale and finite-step counter.
   rng: jax.Array  # PRNG key, split every step for dropout.
   skipped_steps: jax.Array  # int32 scalar: steps skipped for non-finite grads.
@@ -37,7 +41,6 @@ def init_train_state(params: hk.Params,
                      optimizer: optax.GradientTransformation,
                      loss_scaler: loss_scaling.LossScaler,
                      rng: jax.Array) -> TrainState:
-  params = jmp.cast_to_full(params)
   return TrainState(
       step=jnp.zeros([], jnp.int32),
       params=params,
@@ -90,7 +93,8 @@ def make_train_step(loss_fn: LossFn,
     grads_finite = ~nonfinite.any()
     updates, new_opt_state = optimizer.update(grads, state.opt_state,
                                               state.params)
-    new_params = optax.apply_updates(state.params, updates)
+    new_params = optimizer_lib.apply_updates(state.params, updates,
+                                             new_opt_state)
     params, opt_state = jmp.select_tree(
         grads_finite, (new_params, new_opt_state),
         (state.params, state.opt_state))

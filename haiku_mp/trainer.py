@@ -202,10 +202,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   shard = input_pipeline.Shard.current()
   input_pipeline.local_batch_size(config.batch_size, shard)
   input_pipeline.check_available(config.data)
-  forward, _ = model.build(config)
+  forward, precision = model.build(config)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
   total_steps = total_train_steps(config)
-  optimizer = optimizer_lib.make_optimizer(config, total_steps)
+  optimizer = optimizer_lib.make_optimizer(config, total_steps,
+                                           precision.half_params)
 
   init_state = make_init_state(config, forward, optimizer, scaler)
   parallel = parallel_lib.make_parallel(config, mesh, forward, optimizer,

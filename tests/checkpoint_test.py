@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 
 from haiku_mp import checkpoint
 from haiku_mp import loss_scaling
+from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import train_step as train_step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,6 +137,21 @@ class CheckpointerTest(parameterized.TestCase):
     chex.assert_trees_all_equal(jax.random.key_data(restored.rng),
                                 jax.random.key_data(state.rng))
     self.assertEqual(float(restored.loss_scale.scale), 2.0**15)
+
+  def test_half_params_and_their_master_copy_restore_exactly(self):
+    params = {'w': jnp.linspace(-1, 1, 6, dtype=jnp.float32).reshape(2, 3)}
+    optimizer = optimizer_lib.float32_master(optax.adam(1e-3))
+    state = train_step_lib.init_train_state(
+        jax.tree.map(lambda p: p.astype(jnp.bfloat16), params), optimizer,
+        loss_scaling.LossScaler('none'), jax.random.key(0))
+    state = state._replace(opt_state=state.opt_state._replace(
+        master={'w': params['w'] + 1e-4}))  # Not representable in bfloat16.
+    ckpt = checkpoint.Checkpointer(self.workdir, keep=1)
+    ckpt.save(1, state)
+    _, restored = ckpt.restore_latest(jax.eval_shape(lambda: state))
+    self.assertEqual(restored.params['w'].dtype, jnp.bfloat16)
+    chex.assert_trees_all_equal(restored.opt_state, state.opt_state)
+    chex.assert_trees_all_equal(restored.params, state.params)
 
   def test_corrupt_latest_falls_back_to_the_previous(self):
     ckpt = checkpoint.Checkpointer(self.workdir, keep=3)

@@ -13,6 +13,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
@@ -41,8 +42,8 @@ def _config(strategy, mesh_shape, policy=FP16, loss_scale='dynamic'):
 
 
 def _setup(config):
-  forward, _ = model.build(config)
-  optimizer = optimizer_lib.make_optimizer(config, 100)
+  forward, plan = model.build(config)
+  optimizer = optimizer_lib.make_optimizer(config, 100, plan.half_params)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
 
   def init_state():
@@ -136,6 +137,27 @@ class ShardingRulesTest(parameterized.TestCase):
     self.assertEqual(
         state.params['vit/encoder_block_1/mlp_block/fc1']['w'].sharding.spec,
         P())
+
+  def test_half_params_master_copy_is_sharded_like_the_params(self):
+    config = _config('pjit', (4, 2), policy='p=bf16,c=bf16,o=f32')
+    par = _setup(config)
+    state = par.init_state()
+    fc1 = state.params['vit/encoder_block_0/mlp_block/fc1']['w']
+    master = state.opt_state.master['vit/encoder_block_0/mlp_block/fc1']['w']
+    self.assertEqual((fc1.dtype, master.dtype), (jnp.bfloat16, jnp.float32))
+    self.assertEqual(master.sharding, fc1.sharding)
+    self.assertEqual(fc1.sharding.spec, P(None, 'model'))
+    mu = state.opt_state.inner[0].mu['vit/encoder_block_0/mlp_block/fc1']['w']
+    self.assertEqual(mu.sharding, fc1.sharding)
+    images = np.zeros((16, 8, 8, 3), np.float32)
+    labels = np.arange(16, dtype=np.int32) % 10
+    state, metrics = par.train_step(
+        state, par.place_batch(dict(image=images, label=labels)))
+    self.assertTrue(bool(metrics['grads_finite']))
+    fc1 = state.params['vit/encoder_block_0/mlp_block/fc1']['w']
+    master = state.opt_state.master['vit/encoder_block_0/mlp_block/fc1']['w']
+    np.testing.assert_array_equal(fc1, master.astype(jnp.bfloat16))
+    self.assertEqual(master.sharding.spec, P(None, 'model'))
 
   def test_tabulate_shows_shardings(self):
     config = _config('pjit', (4, 2))

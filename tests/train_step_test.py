@@ -19,6 +19,8 @@ from tests import helpers
 FP16 = 'params=float32,compute=float16,output=float32'
 BF16 = 'params=float32,compute=bfloat16,output=float32'
 FP32 = 'params=float32,compute=float32,output=float32'
+FP16_PARAMS = 'params=float16,compute=float16,output=float32'
+BF16_PARAMS = 'params=bfloat16,compute=bfloat16,output=float32'
 
 
 def _linear_regression(policy: str):
@@ -59,9 +61,9 @@ def _one_step(policy, scaler, optimizer, batch, loss_fn_and_forward=None):
 def _vit_setup(policy, loss_scale_kind, **loss_scale):
   config = helpers.tiny_config(policy, loss_scale=loss_scale_kind)
   config.loss_scale.update(loss_scale)
-  forward, _ = model.build(config)
+  forward, plan = model.build(config)
   batch = helpers.random_batch(config)
-  optimizer = optimizer_lib.make_optimizer(config, total_steps=100)
+  optimizer = optimizer_lib.make_optimizer(config, 100, plan.half_params)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
   params = forward.init(jax.random.key(0), batch['image'], True)
   state = train_step_lib.init_train_state(params, optimizer, scaler,
@@ -180,7 +182,8 @@ class TrainingTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ('fp32', FP32, 'none'), ('bf16', BF16, 'none'),
-      ('fp16', FP16, 'dynamic'))
+      ('fp16', FP16, 'dynamic'), ('fp16_params', FP16_PARAMS, 'dynamic'),
+      ('bf16_params', BF16_PARAMS, 'none'))
   def test_loss_goes_down_compiles_once_and_donates(self, policy, kind):
     _, batch, state, step = _vit_setup(policy, kind)
     step = jax.jit(step, donate_argnums=0)
@@ -201,9 +204,18 @@ class TrainingTest(parameterized.TestCase):
     self.assertEqual(metrics['nonfinite_grads'].shape,
                      (len(jax.tree.leaves(state.params)),))
     self.assertFalse(metrics['nonfinite_grads'].any())
-    chex.assert_trees_all_equal_dtypes(
-        state.params, jax.tree.map(lambda p: p.astype(jnp.float32),
-                                   state.params))
+    param_dtype = precision.parse_policy(policy).param_dtype
+    for path, p in jax.tree_util.tree_leaves_with_path(state.params):
+      name = jax.tree_util.keystr(path)
+      self.assertEqual(p.dtype, jnp.float32 if 'ln_' in name else param_dtype,
+                       name)
+    if param_dtype != jnp.float32:
+      master = state.opt_state.master
+      chex.assert_trees_all_equal(
+          state.params,
+          jax.tree.map(lambda m, p: m.astype(p.dtype), master, state.params))
+      self.assertEqual({m.dtype for m in jax.tree.leaves(master)},
+                       {jnp.dtype(jnp.float32)})
 
 
 class EvalStepTest(parameterized.TestCase):

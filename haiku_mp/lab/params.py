@@ -1,8 +1,9 @@
 """Experiment `params`: parameter count and bytes per module and param dtype.
 
 The count and bytes per module come from an abstract trace (no memory used).
-Parameters are stored in the policy's param dtype; haiku_mp's optimizer keeps
-float32 master weights only when that dtype is float32 (see the JSON's note).
+Parameters are stored in the policy's param dtype; when that is float16 or
+bfloat16 the optimizer updates a float32 master copy (`optimizer.float32_master`),
+so training with half params costs 4 more bytes per param, not fewer.
 """
 
 from typing import Any
