@@ -54,3 +54,22 @@ def bar_chart(out_path: str, labels, values, ylabel: str, title: str) -> None:
   fig.tight_layout()
   fig.savefig(out_path, dpi=100)
   plt.close(fig)
+
+
+def grouped_bar_chart(out_path: str, groups, series: Mapping[str, list],
+                      ylabel: str, title: str, xlabel: str = '') -> None:
+  """Bars grouped by `groups` (e.g. batch sizes), one colour per series."""
+  fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) + 2), 4))
+  width = 0.8 / max(len(series), 1)
+  for i, (name, values) in enumerate(series.items()):
+    xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+    bars = ax.bar(xs, values, width, label=name)
+    ax.bar_label(bars, fmt='%.3g', fontsize=7)
+  ax.set_xticks(range(len(groups)), [str(g) for g in groups])
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(out_path, dpi=100)
+  plt.close(fig)

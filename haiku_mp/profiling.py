@@ -4,6 +4,7 @@ Works on abstract inputs (`jax.ShapeDtypeStruct` with shardings), so measuring
 the reference model needs no real batch and allocates nothing but the step.
 """
 
+import dataclasses
 import math
 import time
 from typing import Any, Optional
@@ -70,17 +71,36 @@ def _abstract_inputs(config, parallel, init_state):
   return state, batch
 
 
-def compiled_step_stats(config: ml_collections.ConfigDict,
-                        mesh: Optional[Mesh]) -> dict[str, Any]:
-  """Compile time and per-device memory analysis of the train step."""
+def device_peak_bytes() -> Optional[int]:
+  """The largest peak bytes in use of the local devices; None where unknown (CPU)."""
+  peaks = [(d.memory_stats() or {}).get('peak_bytes_in_use')
+           for d in jax.local_devices()]
+  peaks = [p for p in peaks if p is not None]
+  return max(peaks) if peaks else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+  """The reference train step compiled for one config and layout."""
+  parallel: parallel_lib.Parallel
+  compiled: Any  # Called as compiled(state, batch), donating the state.
+  stats: dict[str, Any]  # compile_sec, memory analysis, per-device bytes.
+
+
+def compile_train_step(config: ml_collections.ConfigDict,
+                       mesh: Optional[Mesh]) -> CompiledStep:
+  """Compiles the train step on abstract inputs and reads its memory analysis."""
   parallel, init_state = build(config, mesh)
   state, batch = _abstract_inputs(config, parallel, init_state)
   start = time.perf_counter()
-  lowered = parallel.train_step.lower(state, batch)
-  compiled = lowered.compile()
+  compiled = parallel.train_step.lower(state, batch).compile()
   compile_seconds = time.perf_counter() - start
   analysis = compiled.memory_analysis()
   memory = {f: int(getattr(analysis, f, 0) or 0) for f in _MEMORY_FIELDS}
+  # What the step needs at once: donated outputs reuse their arguments' bytes.
+  memory['compiled_total_bytes'] = (
+      memory['argument_size_in_bytes'] + memory['output_size_in_bytes'] -
+      memory['alias_size_in_bytes'] + memory['temp_size_in_bytes'])
   abstract_state = jax.eval_shape(init_state)
   shardings = parallel.state_shardings
   per_device = dict(
@@ -88,8 +108,44 @@ def compiled_step_stats(config: ml_collections.ConfigDict,
           abstract_state.params, shardings and shardings.params),
       opt_state_bytes=_per_device_bytes(
           abstract_state.opt_state, shardings and shardings.opt_state))
-  return dict(strategy=parallel.strategy,
-              mesh_shape=mesh and list(mesh.devices.shape),
-              batch_size=config.batch_size,
-              policy=config.precision.policy,
-              compile_sec=compile_seconds, **memory, **per_device)
+  stats = dict(strategy=parallel.strategy,
+               mesh_shape=mesh and list(mesh.devices.shape),
+               batch_size=config.batch_size,
+               policy=config.precision.policy,
+               compile_sec=compile_seconds, **memory, **per_device)
+  return CompiledStep(parallel, compiled, stats)
+
+
+def compiled_step_stats(config: ml_collections.ConfigDict,
+                        mesh: Optional[Mesh]) -> dict[str, Any]:
+  """Compile time and per-device memory analysis of the train step."""
+  return compile_train_step(config, mesh).stats
+
+
+def time_steps(config: ml_collections.ConfigDict, step: CompiledStep,
+               num_steps: int, warmup_steps: int = 1) -> dict[str, Any]:
+  """Median wall time of `num_steps` train steps on a fixed random batch.
+
+  Each step is waited for (its loss read back), so a time is one whole step;
+  the first `warmup_steps` are not counted.
+  """
+  rng = np.random.default_rng(config.seed)
+  size = config.model.image_size
+  host_batch = dict(
+      image=rng.standard_normal((config.batch_size, size, size, 3),
+                                np.float32),
+      label=rng.integers(0, config.model.num_classes, config.batch_size,
+                         dtype=np.int32))
+  batch = step.parallel.place_batch(host_batch)
+  state = step.parallel.init_state()
+  times = []
+  for i in range(warmup_steps + num_steps):
+    start = time.perf_counter()
+    state, metrics = step.compiled(state, batch)
+    jax.block_until_ready(metrics['loss'])
+    if i >= warmup_steps:
+      times.append(time.perf_counter() - start)
+  median = float(np.median(times))
+  return dict(step_times_sec=times, median_step_sec=median,
+              images_per_sec=config.batch_size / median,
+              device_peak_bytes=device_peak_bytes())

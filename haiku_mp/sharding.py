@@ -152,6 +152,19 @@ def describe(sharding: NamedSharding) -> str:
   return ','.join(str(a) for a in spec) or 'replicated'
 
 
+def parse_layout(text: str) -> tuple[str, tuple[int, int]]:
+  """'STRATEGY:BATCHxMODEL' (e.g. 'pjit:4x2') -> ('pjit', (4, 2))."""
+  strategy, sep, shape = text.partition(':')
+  try:
+    batch, model = (int(x) for x in shape.split('x'))
+  except ValueError:
+    sep = ''
+  if not sep or not strategy:
+    raise ShardingError(f'bad layout {text!r}; expected STRATEGY:BATCHxMODEL, '
+                        "e.g. 'pjit:4x2' or 'single:1x1'")
+  return strategy, (batch, model)
+
+
 def mesh_for(parallel_config) -> Optional[Mesh]:
   """The mesh `parallel.strategy` needs: None for 'single'."""
   if parallel_config.strategy == 'single':

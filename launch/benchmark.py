@@ -16,7 +16,6 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp import errors
 from haiku_mp import profiling
 from haiku_mp import sharding
 from launch import cli
@@ -31,24 +30,12 @@ _RATIO_FIELDS = ('temp_size_in_bytes', 'argument_size_in_bytes',
                  'params_bytes', 'opt_state_bytes', 'compile_sec')
 
 
-def _parse_layout(text):
-  strategy, sep, shape = text.partition(':')
-  try:
-    batch, model = (int(x) for x in shape.split('x'))
-  except ValueError:
-    raise errors.ConfigError(f'--layouts: bad layout {text!r}; expected e.g. '
-                             "'pjit:4x2'") from None
-  if not sep:
-    raise errors.ConfigError(f'--layouts: bad layout {text!r}')
-  return strategy, (batch, model)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   results = []
   for layout in _LAYOUTS.value:
-    strategy, shape = _parse_layout(layout)
+    strategy, shape = sharding.parse_layout(layout)
     config = copy.deepcopy(_CONFIG.value)
     config.parallel.strategy = strategy
     config.parallel.mesh_shape = shape

@@ -1,23 +1,23 @@
 """The precision lab: experiments that print JSON and write JSON + PNG to --out.
 
 python -m launch.lab params --config=configs/vit_fp32.py --out=lab
+python -m launch.lab sweep --config=configs/vit_cpu.py --batch_sizes=128,1024
 python -m launch.lab matmul --out=lab [--rows=1024 --cols=65536 --repeats=5]
 
-(More experiments of the precision lab are still to come: sweep, memory,
-precision, profile.)
+Each experiment prints its result as one JSON line and writes
+`<experiment>.json` and its plots into --out.
 """
 
 import json
 import os
 
-from absl import app
 from absl import flags
 from ml_collections import config_flags
 
 from haiku_mp import errors
-from haiku_mp import plots
 from haiku_mp.lab import matmul
 from haiku_mp.lab import params
+from haiku_mp.lab import sweep
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/vit_fp32.py',
@@ -26,28 +26,59 @@ _OUT = flags.DEFINE_string('out', 'lab', 'Directory for JSON and PNG files.')
 _ROWS = flags.DEFINE_integer('rows', 1024, 'matmul: rows of A.')
 _COLS = flags.DEFINE_integer('cols', 1024 * 64, 'matmul: columns of A.')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'matmul: timed repetitions.')
+_DTYPES = flags.DEFINE_list('dtypes', list(sweep.DTYPES),
+                            'sweep: compute dtypes.')
+_BATCH_SIZES = flags.DEFINE_list('batch_sizes',
+                                 [str(b) for b in sweep.BATCH_SIZES],
+                                 'sweep: global batch sizes.')
+_LAYOUTS = flags.DEFINE_list(
+    'layouts', ['single:1x1'],
+    'sweep: STRATEGY:BATCHxMODEL layouts, e.g. pjit:8x1,pjit:4x2,pmap:8x1.')
+_STEPS = flags.DEFINE_integer('steps', 3, 'sweep: timed train steps.')
+_WARMUP_STEPS = flags.DEFINE_integer('warmup_steps', 1,
+                                     'sweep: untimed steps after compiling.')
+_ISOLATE = flags.DEFINE_bool(
+    'isolate', True, 'sweep: measure each variant in a fresh process.')
 
-EXPERIMENTS = ('params', 'matmul')
+
+def _int_list(name, values):
+  try:
+    numbers = [int(v) for v in values]
+  except ValueError:
+    numbers = []
+  if not numbers or min(numbers) <= 0:
+    raise errors.ConfigError(f'--{name}: expected positive integers, got '
+                             f'{",".join(values)!r}')
+  return numbers
+
+
+def _params():
+  return params.run(_CONFIG.value), params.plot
+
+
+def _sweep():
+  result = sweep.run(
+      _CONFIG.value, _DTYPES.value, _int_list('batch_sizes', _BATCH_SIZES.value),
+      _LAYOUTS.value, _STEPS.value, _WARMUP_STEPS.value, _ISOLATE.value,
+      log=lambda line: print(line, flush=True))
+  return result, sweep.plot
+
+
+def _matmul():
+  return (matmul.run(_ROWS.value, _COLS.value, _REPEATS.value), matmul.plot)
+
+
+EXPERIMENTS = {'params': _params, 'sweep': _sweep, 'matmul': _matmul}
 
 
 def main(argv):
   if len(argv) != 2 or argv[1] not in EXPERIMENTS:
-    raise errors.ConfigError(f'expected one experiment of {EXPERIMENTS}, got '
-                             f'{argv[1:]}')
+    raise errors.ConfigError(f'expected one experiment of {tuple(EXPERIMENTS)}, '
+                             f'got {argv[1:]}')
   experiment = argv[1]
-  os.makedirs(_OUT.value, exist_ok=True)
-  if experiment == 'params':
-    result = params.run(_CONFIG.value)
-    dtypes = list(result['totals'])
-    plots.bar_chart(os.path.join(_OUT.value, 'params.png'), dtypes,
-               [result['totals'][d]['megabytes'] for d in dtypes], 'MB',
-               f'{result["totals"]["float32"]["count"]:,} parameters')
-  else:
-    result = matmul.run(_ROWS.value, _COLS.value, _REPEATS.value)
-    plots.bar_chart(os.path.join(_OUT.value, 'matmul.png'),
-               [r['dtype'] for r in result['results']],
-               [r['gflops_per_sec'] for r in result['results']], 'GFLOP/s',
-               f'A @ A.T, A {result["shape"]}, {result["device"]}')
+  result, plot = EXPERIMENTS[experiment]()
+  os.makedirs(_OUT.value, exist_ok=True)  # Only once there is a result.
+  result['plots'] = [os.path.basename(p) for p in plot(result, _OUT.value)]
   with open(os.path.join(_OUT.value, f'{experiment}.json'), 'w') as f:
     json.dump(result, f, indent=1)
   print(json.dumps(result))

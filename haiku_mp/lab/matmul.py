@@ -1,11 +1,14 @@
 """Experiment `matmul`: the seeds' `jnp.dot(A, A.T)` per dtype, time and FLOP/s."""
 
+import os
 import time
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from haiku_mp import plots
 
 DTYPES = ('float64', 'float32', 'float16', 'bfloat16')
 
@@ -35,3 +38,11 @@ def run(rows: int, cols: int, repeats: int,
     r['time_vs_first'] = r['median_sec'] / base
   return dict(experiment='matmul', shape=[rows, cols], repeats=repeats,
               device=str(jax.devices()[0]), results=results)
+
+
+def plot(result: dict[str, Any], out_dir: str) -> list[str]:
+  path = os.path.join(out_dir, 'matmul.png')
+  plots.bar_chart(path, [r['dtype'] for r in result['results']],
+                  [r['gflops_per_sec'] for r in result['results']], 'GFLOP/s',
+                  f'A @ A.T, A {result["shape"]}, {result["device"]}')
+  return [path]

@@ -6,11 +6,13 @@ bfloat16 the optimizer updates a float32 master copy (`optimizer.float32_master`
 so training with half params costs 4 more bytes per param, not fewer.
 """
 
+import os
 from typing import Any
 
 import ml_collections
 import numpy as np
 
+from haiku_mp import plots
 from haiku_mp import tabulate
 
 DTYPES = ('float32', 'float16', 'bfloat16')
@@ -30,3 +32,12 @@ def run(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return dict(experiment='params', modules=modules, totals=totals,
               note=('MB = 1e6 bytes: 10,695,562 float32 params are 42.78 MB '
                     '(40.80 MiB).'))
+
+
+def plot(result: dict[str, Any], out_dir: str) -> list[str]:
+  path = os.path.join(out_dir, 'params.png')
+  dtypes = list(result['totals'])
+  plots.bar_chart(path, dtypes,
+                  [result['totals'][d]['megabytes'] for d in dtypes], 'MB',
+                  f'{result["totals"]["float32"]["count"]:,} parameters')
+  return [path]

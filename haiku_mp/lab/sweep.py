@@ -1,0 +1,160 @@
+"""Experiment `sweep`: compute dtype x batch size x layout -> time and memory.
+
+Each variant is the config with its compute dtype, batch size and parallel
+layout replaced, trained on a fixed random batch (no input pipeline in the
+time). It reports the compiled step's memory analysis, the median step time,
+images/s, the epoch time that implies, and on a GPU the device's peak bytes in
+use. With `isolate`, each variant runs in a fresh Python process, so a device's
+peak is that variant's own and no compile cache or allocator state carries
+over from the variant before.
+"""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from haiku_mp import errors
+from haiku_mp import input_pipeline
+from haiku_mp import plots
+from haiku_mp import precision
+from haiku_mp import profiling
+from haiku_mp import sharding
+
+DTYPES = ('float32', 'bfloat16', 'float16')
+BATCH_SIZES = (128, 1024, 4096)
+# Compared as ratios to float32 at the same batch size and layout.
+RATIO_FIELDS = ('median_step_sec', 'temp_size_in_bytes',
+                'argument_size_in_bytes', 'device_peak_bytes')
+
+
+def variant_config(config: ml_collections.ConfigDict, dtype: str,
+                   batch_size: int, layout: str) -> ml_collections.ConfigDict:
+  """`config` with the compute dtype, batch size and layout of one variant.
+
+  float16 gets dynamic loss scaling when the config has none, as
+  configs/vit_fp16.py does; data is synthetic (random arrays).
+  """
+  policy = precision.parse_policy(config.precision.policy)
+  name = lambda d: jnp.dtype(d).name
+  text = (f'params={name(policy.param_dtype)},compute={dtype},'
+          f'output={name(policy.output_dtype)}')
+  precision.parse_policy(text, setting=f'sweep dtype {dtype!r}')
+  strategy, mesh_shape = sharding.parse_layout(layout)
+  config = copy.deepcopy(config)
+  config.precision.policy = text
+  if dtype == 'float16' and config.loss_scale.kind == 'none':
+    config.loss_scale.kind = 'dynamic'
+  config.batch_size = config.eval_batch_size = batch_size
+  config.parallel.strategy = strategy
+  config.parallel.mesh_shape = mesh_shape
+  config.data.source = 'synthetic'
+  return config
+
+
+def measure(config: ml_collections.ConfigDict, num_steps: int,
+            warmup_steps: int) -> dict[str, Any]:
+  """Compiles and times the train step of one variant config, in this process."""
+  step = profiling.compile_train_step(config,
+                                      sharding.mesh_for(config.parallel))
+  timing = profiling.time_steps(config, step, num_steps, warmup_steps)
+  epoch_examples = input_pipeline.num_train_examples(config.data)
+  return dict(**step.stats, **timing,
+              epoch_sec=epoch_examples / timing['images_per_sec'],
+              device=str(jax.devices()[0].device_kind))
+
+
+def _measure_isolated(config, num_steps, warmup_steps) -> dict[str, Any]:
+  request = dict(config=config.to_json(), num_steps=num_steps,
+                 warmup_steps=warmup_steps)
+  proc = subprocess.run([sys.executable, '-m', __name__],
+                        input=json.dumps(request), capture_output=True,
+                        text=True, check=False)
+  if proc.returncode:
+    lines = proc.stderr.strip().splitlines() or ['(no output)']
+    reason = lines[-1] if proc.returncode == 2 else '\n'.join(lines[-30:])
+    raise errors.ConfigError(
+        f'sweep variant {config.precision.policy} batch_size='
+        f'{config.batch_size} failed: {reason}')
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(config: ml_collections.ConfigDict,
+        dtypes: Sequence[str] = DTYPES,
+        batch_sizes: Sequence[int] = BATCH_SIZES,
+        layouts: Sequence[str] = ('single:1x1',),
+        num_steps: int = 3, warmup_steps: int = 1,
+        isolate: bool = True, log=print) -> dict[str, Any]:
+  """Every variant's result, and ratios to float32 within this one run."""
+  variants = [(d, b, l) for l in layouts for b in batch_sizes for d in dtypes]
+  configs = [variant_config(config, *v) for v in variants]
+  for variant in configs:  # Every layout must fit the devices before any runs.
+    sharding.mesh_for(variant.parallel)
+  results = []
+  for (dtype, batch_size, layout), variant in zip(variants, configs):
+    measure_fn = _measure_isolated if isolate else measure
+    result = dict(dtype=dtype, layout=layout,
+                  **measure_fn(variant, num_steps, warmup_steps))
+    log(json.dumps(result))
+    results.append(result)
+  for r in results:
+    base = next((b for b in results if b['dtype'] == 'float32' and
+                 (b['batch_size'], b['layout']) == (r['batch_size'],
+                                                    r['layout'])), None)
+    r['vs_float32'] = base and {
+        f: r[f] / base[f] for f in RATIO_FIELDS if base.get(f) and
+        r.get(f) is not None}
+  return dict(experiment='sweep', num_steps=num_steps,
+              warmup_steps=warmup_steps, isolated=isolate,
+              device=str(jax.devices()[0].device_kind), results=results)
+
+
+def plot(result: dict[str, Any], out_dir: str) -> list[str]:
+  """Bar charts per layout: memory and step time by batch size and dtype."""
+  paths = []
+  layouts = dict.fromkeys(r['layout'] for r in result['results'])
+  for layout in layouts:
+    rows = [r for r in result['results'] if r['layout'] == layout]
+    batch_sizes = list(dict.fromkeys(r['batch_size'] for r in rows))
+    dtypes = list(dict.fromkeys(r['dtype'] for r in rows))
+
+    def series(field, scale, rows=rows, batch_sizes=batch_sizes, dtypes=dtypes):
+      by_key = {(r['dtype'], r['batch_size']): r.get(field) for r in rows}
+      return {d: [(by_key.get((d, b)) or 0) / scale for b in batch_sizes]
+              for d in dtypes}
+
+    on_gpu = any(r.get('device_peak_bytes') for r in rows)
+    memory_field = 'device_peak_bytes' if on_gpu else 'compiled_total_bytes'
+    tag = layout.replace(':', '_')
+    for name, field, scale, ylabel in (
+        ('memory', memory_field, 2**20, f'{memory_field} (MiB)'),
+        ('step_time', 'median_step_sec', 1e-3, 'median step time (ms)'),
+        ('epoch_time', 'epoch_sec', 1, 'epoch time (s, from step time)')):
+      path = os.path.join(out_dir, f'sweep_{name}_{tag}.png')
+      plots.grouped_bar_chart(path, batch_sizes, series(field, scale), ylabel,
+                              f'train step, {layout} on {result["device"]}',
+                              'global batch size')
+      paths.append(path)
+  return paths
+
+
+def _worker() -> None:
+  request = json.loads(sys.stdin.read())
+  config = ml_collections.ConfigDict(json.loads(request['config']))
+  config.parallel.mesh_shape = tuple(config.parallel.mesh_shape)
+  try:
+    result = measure(config, request['num_steps'], request['warmup_steps'])
+  except errors.ConfigError as e:
+    print(f'{type(e).__name__}: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(json.dumps(result))
+
+
+if __name__ == '__main__':
+  _worker()
