@@ -73,3 +73,23 @@ def grouped_bar_chart(out_path: str, groups, series: Mapping[str, list],
   fig.tight_layout()
   fig.savefig(out_path, dpi=100)
   plt.close(fig)
+
+
+def stacked_bar_chart(out_path: str, labels, parts: Mapping[str, list],
+                      ylabel: str, title: str) -> None:
+  """One bar per label, stacked from `parts` (name -> value per label)."""
+  fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels) + 3), 4.5))
+  bottom = [0.0] * len(labels)
+  for name, values in parts.items():
+    ax.bar(range(len(labels)), values, bottom=bottom, label=name)
+    bottom = [b + v for b, v in zip(bottom, values)]
+  for i, total in enumerate(bottom):
+    ax.annotate(f'{total:.3g}', (i, total), ha='center', va='bottom',
+                fontsize=7)
+  ax.set_xticks(range(len(labels)), labels, fontsize=7)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out_path, dpi=100)
+  plt.close(fig)

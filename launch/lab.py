@@ -2,6 +2,7 @@
 
 python -m launch.lab params --config=configs/vit_fp32.py --out=lab
 python -m launch.lab sweep --config=configs/vit_cpu.py --batch_sizes=128,1024
+python -m launch.lab memory --config=configs/vit_fp32.py
 python -m launch.lab matmul --out=lab [--rows=1024 --cols=65536 --repeats=5]
 
 Each experiment prints its result as one JSON line and writes
@@ -16,6 +17,7 @@ from ml_collections import config_flags
 
 from haiku_mp import errors
 from haiku_mp.lab import matmul
+from haiku_mp.lab import memory
 from haiku_mp.lab import params
 from haiku_mp.lab import sweep
 from launch import cli
@@ -27,10 +29,10 @@ _ROWS = flags.DEFINE_integer('rows', 1024, 'matmul: rows of A.')
 _COLS = flags.DEFINE_integer('cols', 1024 * 64, 'matmul: columns of A.')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'matmul: timed repetitions.')
 _DTYPES = flags.DEFINE_list('dtypes', list(sweep.DTYPES),
-                            'sweep: compute dtypes.')
+                            'sweep, memory: compute dtypes.')
 _BATCH_SIZES = flags.DEFINE_list('batch_sizes',
                                  [str(b) for b in sweep.BATCH_SIZES],
-                                 'sweep: global batch sizes.')
+                                 'sweep, memory: global batch sizes.')
 _LAYOUTS = flags.DEFINE_list(
     'layouts', ['single:1x1'],
     'sweep: STRATEGY:BATCHxMODEL layouts, e.g. pjit:8x1,pjit:4x2,pmap:8x1.')
@@ -39,6 +41,8 @@ _WARMUP_STEPS = flags.DEFINE_integer('warmup_steps', 1,
                                      'sweep: untimed steps after compiling.')
 _ISOLATE = flags.DEFINE_bool(
     'isolate', True, 'sweep: measure each variant in a fresh process.')
+_COMPILE = flags.DEFINE_bool(
+    'compile', True, "memory: also compile each variant's train step.")
 
 
 def _int_list(name, values):
@@ -64,11 +68,19 @@ def _sweep():
   return result, sweep.plot
 
 
+def _memory():
+  result = memory.run(
+      _CONFIG.value, _DTYPES.value, _int_list('batch_sizes', _BATCH_SIZES.value),
+      _COMPILE.value, log=lambda line: print(line, flush=True))
+  return result, memory.plot
+
+
 def _matmul():
   return (matmul.run(_ROWS.value, _COLS.value, _REPEATS.value), matmul.plot)
 
 
-EXPERIMENTS = {'params': _params, 'sweep': _sweep, 'matmul': _matmul}
+EXPERIMENTS = {'params': _params, 'sweep': _sweep, 'memory': _memory,
+               'matmul': _matmul}
 
 
 def main(argv):

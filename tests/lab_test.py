@@ -1,6 +1,7 @@
 """The lab experiments at tiny sizes: JSON fields and their arithmetic."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -8,9 +9,15 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import jax
+from jax._src.ad_checkpoint import saved_residuals
+import numpy as np
 
 from configs import base
+from haiku_mp import model
+from haiku_mp import train_step
 from haiku_mp.lab import matmul
+from haiku_mp.lab import memory
 from haiku_mp.lab import params
 from haiku_mp.lab import sweep
 from tests import helpers
@@ -74,6 +81,62 @@ class LabTest(parameterized.TestCase):
     self.assertEqual(rows[2]['argument_size_in_bytes'] -
                      rows[0]['argument_size_in_bytes'], 8 * 8 * 3 * 4 + 4)
 
+  def test_residuals_match_jax_and_are_attributed_to_modules(self):
+    config = sweep.variant_config(helpers.tiny_config(), 'bfloat16', 8,
+                                  'single:1x1')
+    summary = memory.residual_summary(config, 8)
+    forward, _ = model.build(config)
+    loss_fn = train_step.make_classification_loss(forward)
+    batch = helpers.random_batch(config, 8)
+    params = forward.init(jax.random.key(0), batch['image'], True)
+    reference = saved_residuals(
+        lambda p: loss_fn(p, jax.random.key(0), batch)[0], params)
+    self.assertEqual(summary['count'], len(reference))
+    self.assertEqual(summary['bytes'], sum(
+        math.prod(a.shape) * np.dtype(a.dtype).itemsize for a, _ in reference))
+    for grouping in ('by_dtype', 'by_module_class', 'by_module'):
+      self.assertEqual(sum(summary[grouping].values()), summary['kept_bytes'])
+    self.assertEqual(summary['kept_bytes'],
+                     summary['bytes'] - summary['param_bytes'])
+    self.assertIn('vit/encoder_block_*/attention', summary['by_module'])
+    self.assertGreater(summary['by_dtype']['bfloat16'],
+                       summary['by_dtype']['float32'])
+    rows = memory.saved_residuals(config, 8)
+    # LayerNorm computes in float32, so what it keeps is float32, except its
+    # output, cast to bfloat16 for the next matmul.
+    layer_norm = [r for r in rows if '/ln_' in r['module'] and
+                  r['dtype'].startswith(('float', 'bfloat'))]
+    self.assertEqual({(r['dtype'], r['primitive'] == 'convert_element_type')
+                      for r in layer_norm},
+                     {('float32', False), ('bfloat16', True)})
+
+  def test_memory_breakdown_arithmetic(self):
+    config = helpers.tiny_config()
+    result = memory.run(config, ('float32', 'bfloat16'), (4, 8, 16),
+                        compile_step=True, log=lambda _: None)
+    rows = {(r['dtype'], r['batch_size']): r['breakdown']
+            for r in result['results']}
+    count = params.run(config)['totals']['float32']['count']
+    for (dtype, batch_size), row in rows.items():
+      self.assertEqual(row['params_bytes'], 4 * count)
+      self.assertEqual(row['float32_gradient_bytes'], 4 * count)
+      # Adam's mu and nu, and two int32 step counts (Adam's, the schedule's).
+      self.assertEqual(row['opt_state_bytes'], 2 * 4 * count + 2 * 4)
+      self.assertEqual(row['compiled_total_bytes'],
+                       row['argument_size_in_bytes'] + row['output_size_in_bytes']
+                       - row['alias_size_in_bytes'] + row['temp_size_in_bytes'])
+    for dtype in ('float32', 'bfloat16'):
+      kept = [rows[dtype, b]['kept_activation_bytes'] for b in (4, 8, 16)]
+      # Saved activations grow linearly with the batch.
+      self.assertEqual(kept[2] - kept[1], 2 * (kept[1] - kept[0]))
+    half, full = rows['bfloat16', 16], rows['float32', 16]
+    self.assertLess(half['kept_activation_bytes'],
+                    0.8 * full['kept_activation_bytes'])
+    by_key = {(r['dtype'], r['batch_size']): r for r in result['results']}
+    self.assertAlmostEqual(
+        by_key['bfloat16', 16]['vs_float32']['kept_activation_bytes'],
+        half['kept_activation_bytes'] / full['kept_activation_bytes'])
+
   def test_command_line_writes_json_and_png(self):
     out = self.enter_context(tempfile.TemporaryDirectory())
     for args in (['params', '--config=configs/vit_fp32.py',
@@ -82,7 +145,10 @@ class LabTest(parameterized.TestCase):
                  ['sweep', '--config=configs/vit_fp16.py',
                   '--config.model.num_layers=1', '--config.model.embed_dim=16',
                   '--config.model.mlp_dim=16', '--config.model.image_size=8',
-                  '--batch_sizes=4', '--dtypes=float32,float16', '--steps=1']):
+                  '--batch_sizes=4', '--dtypes=float32,float16', '--steps=1'],
+                 ['memory', '--config.model.num_layers=1',
+                  '--config.model.embed_dim=16', '--config.model.mlp_dim=16',
+                  '--config.model.image_size=8', '--batch_sizes=2,4']):
       subprocess.run([sys.executable, '-m', 'launch.lab', *args,
                       f'--out={out}'], cwd=ROOT, check=True,
                      capture_output=True)
@@ -95,7 +161,7 @@ class LabTest(parameterized.TestCase):
       self.assertTrue(plots)
 
   @parameterized.parameters(
-      (['sweepp'], "expected one experiment of ('params', 'sweep', 'matmul'"),
+      (['sweepp'], "expected one experiment of ('params', 'sweep', 'memory', 'matmul'"),
       (['sweep', '--dtypes=float32,float12'], "sweep dtype 'float12'"),
       (['sweep', '--batch_sizes=128,0'], '--batch_sizes'),
       (['sweep', '--layouts=pjit:3x1'], 'parallel.mesh_shape=(3, 1)'),
