@@ -40,6 +40,12 @@ def get_config() -> ml_collections.ConfigDict:
       # 'TARGET:POLICY;...': TARGET is a module class name or a path glob.
       overrides='',
       float32_layer_norm=True,
+      # A jax.default_matmul_precision name for every matmul ('highest',
+      # 'tensorfloat32', ...); '' keeps JAX's default.
+      matmul_precision='',
+      # 'compute': the residual stream in the compute dtype; 'float32': kept in
+      # float32 (Megatron's fp32 residual), the branches still in compute.
+      residual_stream='compute',
   ))
 
   config.loss_scale = ml_collections.ConfigDict(dict(

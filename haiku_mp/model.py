@@ -19,7 +19,9 @@ def make_precision(config: ml_collections.ConfigDict) -> precision_lib.Precision
   return precision_lib.make_precision(
       config.precision.policy, config.precision.overrides,
       model_class=vit.MODEL_CLASS,
-      float32_layer_norm=config.precision.float32_layer_norm)
+      float32_layer_norm=config.precision.float32_layer_norm,
+      matmul_precision=config.precision.matmul_precision,
+      residual_stream=config.precision.residual_stream)
 
 
 def make_forward(model_config: ml_collections.ConfigDict,
@@ -28,6 +30,7 @@ def make_forward(model_config: ml_collections.ConfigDict,
                  ) -> hk.Transformed:
   """`forward(images, is_training) -> logits` transformed, with `precision` applied."""
   kwargs = {k: model_config[k] for k in MODEL_FIELDS}
+  kwargs['float32_residual'] = precision.float32_residual
 
   def forward(images: jax.Array, is_training: bool) -> jax.Array:
     with precision_lib.apply(precision, observer):

@@ -31,6 +31,7 @@ import fnmatch
 from typing import Any, Callable, Mapping, Optional
 
 import haiku as hk
+import jax
 import jax.numpy as jnp
 import jmp
 
@@ -91,6 +92,9 @@ class Precision:
   policy: jmp.Policy
   defaults: Mapping[str, Rule]
   overrides: tuple[Rule, ...] = ()
+  # A `jax.default_matmul_precision` name for every matmul; None: JAX's default.
+  matmul_precision: Optional[str] = None
+  float32_residual: bool = False  # Residual stream in float32 (see vit.py).
 
   def rule_for(self, class_name: str, path: str) -> Optional[Rule]:
     """The module's own rule, or None when it inherits its caller's policy."""
@@ -125,8 +129,27 @@ class Precision:
           f'Paths start like: {", ".join(paths[:4])}, ...')
 
 
+RESIDUAL_STREAMS = ('compute', 'float32')
+
+
+def _check_matmul_precision(name: str) -> Optional[str]:
+  if not name:
+    return None
+  try:
+    with jax.default_matmul_precision(name):
+      pass
+  except ValueError:
+    raise PrecisionError(
+        f'precision.matmul_precision: unknown value {name!r}; expected one of '
+        "'default', 'high', 'highest', 'bfloat16', 'tensorfloat32', 'float32' "
+        "(or a jax dot algorithm name such as 'BF16_BF16_F32'), or '' for "
+        "JAX's default") from None
+  return name
+
+
 def make_precision(policy: str, overrides: str = '', *, model_class: str,
-                   float32_layer_norm: bool = True) -> Precision:
+                   float32_layer_norm: bool = True, matmul_precision: str = '',
+                   residual_stream: str = 'compute') -> Precision:
   """Builds a `Precision` from config strings.
 
   Args:
@@ -134,15 +157,23 @@ def make_precision(policy: str, overrides: str = '', *, model_class: str,
     overrides: ``'TARGET:POLICY;...'`` class or path overrides.
     model_class: the class name of the model's top module.
     float32_layer_norm: keep LayerNorm in float32 (output in compute dtype).
+    matmul_precision: a `jax.default_matmul_precision` name, '' for the default.
+    residual_stream: 'compute' (the compute dtype) or 'float32'.
   """
   main = parse_policy(policy)
+  if residual_stream not in RESIDUAL_STREAMS:
+    raise PrecisionError(
+        f'precision.residual_stream: unknown value {residual_stream!r}; '
+        f'expected one of {RESIDUAL_STREAMS}')
   defaults = {model_class: Rule(model_class, main, 'default')}
   if float32_layer_norm:
     defaults[LAYER_NORM_CLASS] = Rule(
         LAYER_NORM_CLASS,
         jmp.Policy(param_dtype=jnp.float32, compute_dtype=jnp.float32,
                    output_dtype=main.compute_dtype), 'default')
-  return Precision(main, defaults, parse_overrides(overrides))
+  return Precision(main, defaults, parse_overrides(overrides),
+                   _check_matmul_precision(matmul_precision),
+                   residual_stream == 'float32')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +233,10 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
                             stack[-1] if stack else None, (args, kwargs), out))
       return out
 
-  with hk.intercept_methods(interceptor):
+  with contextlib.ExitStack() as ctx:
+    if precision.matmul_precision is not None:
+      ctx.enter_context(jax.default_matmul_precision(precision.matmul_precision))
+    ctx.enter_context(hk.intercept_methods(interceptor))
     yield
 
 

@@ -5,6 +5,7 @@ the reference model needs no real batch and allocates nothing but the step.
 """
 
 import dataclasses
+import hashlib
 import math
 import time
 from typing import Any, Optional
@@ -50,7 +51,7 @@ def _per_device_bytes(tree, shardings) -> int:
   return total
 
 
-def _abstract_inputs(config, parallel, init_state):
+def abstract_inputs(config, parallel, init_state):
   """Abstract (state, batch) in the layout the strategy's step expects."""
   state = jax.eval_shape(init_state)
   size = config.model.image_size
@@ -79,6 +80,10 @@ def device_peak_bytes() -> Optional[int]:
   return max(peaks) if peaks else None
 
 
+def fingerprint(text: Optional[str]) -> Optional[str]:
+  return text and hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
   """The reference train step compiled for one config and layout."""
@@ -91,9 +96,10 @@ def compile_train_step(config: ml_collections.ConfigDict,
                        mesh: Optional[Mesh]) -> CompiledStep:
   """Compiles the train step on abstract inputs and reads its memory analysis."""
   parallel, init_state = build(config, mesh)
-  state, batch = _abstract_inputs(config, parallel, init_state)
+  state, batch = abstract_inputs(config, parallel, init_state)
   start = time.perf_counter()
-  compiled = parallel.train_step.lower(state, batch).compile()
+  lowered = parallel.train_step.lower(state, batch)
+  compiled = lowered.compile()
   compile_seconds = time.perf_counter() - start
   analysis = compiled.memory_analysis()
   memory = {f: int(getattr(analysis, f, 0) or 0) for f in _MEMORY_FIELDS}
@@ -112,7 +118,9 @@ def compile_train_step(config: ml_collections.ConfigDict,
                mesh_shape=mesh and list(mesh.devices.shape),
                batch_size=config.batch_size,
                policy=config.precision.policy,
-               compile_sec=compile_seconds, **memory, **per_device)
+               compile_sec=compile_seconds, **memory, **per_device,
+               # Equal fingerprints: the same program (as lowered for XLA).
+               program_sha256=fingerprint(lowered.as_text()))
   return CompiledStep(parallel, compiled, stats)
 
 
@@ -122,13 +130,9 @@ def compiled_step_stats(config: ml_collections.ConfigDict,
   return compile_train_step(config, mesh).stats
 
 
-def time_steps(config: ml_collections.ConfigDict, step: CompiledStep,
-               num_steps: int, warmup_steps: int = 1) -> dict[str, Any]:
-  """Median wall time of `num_steps` train steps on a fixed random batch.
-
-  Each step is waited for (its loss read back), so a time is one whole step;
-  the first `warmup_steps` are not counted.
-  """
+def random_inputs(config: ml_collections.ConfigDict,
+                  parallel: parallel_lib.Parallel):
+  """The initial state and a fixed random batch, placed for the strategy."""
   rng = np.random.default_rng(config.seed)
   size = config.model.image_size
   host_batch = dict(
@@ -136,8 +140,17 @@ def time_steps(config: ml_collections.ConfigDict, step: CompiledStep,
                                 np.float32),
       label=rng.integers(0, config.model.num_classes, config.batch_size,
                          dtype=np.int32))
-  batch = step.parallel.place_batch(host_batch)
-  state = step.parallel.init_state()
+  return parallel.init_state(), parallel.place_batch(host_batch)
+
+
+def time_steps(config: ml_collections.ConfigDict, step: CompiledStep,
+               num_steps: int, warmup_steps: int = 1) -> dict[str, Any]:
+  """Median wall time of `num_steps` train steps on a fixed random batch.
+
+  Each step is waited for (its loss read back), so a time is one whole step;
+  the first `warmup_steps` are not counted.
+  """
+  state, batch = random_inputs(config, step.parallel)
   times = []
   for i in range(warmup_steps + num_steps):
     start = time.perf_counter()

@@ -125,7 +125,7 @@ def _weighted_metrics(logits: jax.Array, batch: Batch,
 
   With `axis_name`, the means are over the examples of every replica.
   """
-  logits = logits.astype(jnp.float32)
+  logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   labels = batch['label']
   mask = batch.get('mask')
   if mask is None:

@@ -3,6 +3,8 @@
 python -m launch.lab params --config=configs/vit_fp32.py --out=lab
 python -m launch.lab sweep --config=configs/vit_cpu.py --batch_sizes=128,1024
 python -m launch.lab memory --config=configs/vit_fp32.py
+python -m launch.lab precision --config=configs/vit_cpu.py
+python -m launch.lab profile --config=configs/vit_bf16.py --steps=5
 python -m launch.lab matmul --out=lab [--rows=1024 --cols=65536 --repeats=5]
 
 Each experiment prints its result as one JSON line and writes
@@ -18,6 +20,8 @@ from ml_collections import config_flags
 from haiku_mp import errors
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
+from haiku_mp.lab import numerics
+from haiku_mp.lab import profile
 from haiku_mp.lab import params
 from haiku_mp.lab import sweep
 from launch import cli
@@ -36,9 +40,16 @@ _BATCH_SIZES = flags.DEFINE_list('batch_sizes',
 _LAYOUTS = flags.DEFINE_list(
     'layouts', ['single:1x1'],
     'sweep: STRATEGY:BATCHxMODEL layouts, e.g. pjit:8x1,pjit:4x2,pmap:8x1.')
-_STEPS = flags.DEFINE_integer('steps', 3, 'sweep: timed train steps.')
-_WARMUP_STEPS = flags.DEFINE_integer('warmup_steps', 1,
-                                     'sweep: untimed steps after compiling.')
+_STEPS = flags.DEFINE_integer(
+    'steps', 3, 'sweep, precision: timed train steps; profile: traced steps.')
+_WARMUP_STEPS = flags.DEFINE_integer(
+    'warmup_steps', 1, 'sweep, profile: untimed steps after compiling.')
+_MATMUL_PRECISIONS = flags.DEFINE_list(
+    'matmul_precisions', list(numerics.MATMUL_PRECISIONS),
+    "precision: jax.default_matmul_precision names ('' = JAX's default).")
+_NUMERICS_BATCH_SIZE = flags.DEFINE_integer(
+    'numerics_batch_size', 32,
+    'precision: examples compared with the float64 reference.')
 _ISOLATE = flags.DEFINE_bool(
     'isolate', True, 'sweep: measure each variant in a fresh process.')
 _COMPILE = flags.DEFINE_bool(
@@ -75,12 +86,29 @@ def _memory():
   return result, memory.plot
 
 
+def _precision():
+  dtypes = _DTYPES.value if _DTYPES.present else list(numerics.DTYPES)
+  result = numerics.run(
+      _CONFIG.value, dtypes, _MATMUL_PRECISIONS.value, _STEPS.value,
+      _int_list('numerics_batch_size', [str(_NUMERICS_BATCH_SIZE.value)])[0],
+      log=lambda line: print(line, flush=True))
+  return result, numerics.plot
+
+
+def _profile():
+  config = _CONFIG.value
+  result = profile.run(config, _OUT.value, _STEPS.value, _WARMUP_STEPS.value)
+  for line in result['open_with']:
+    print(f'open the trace: {line}', flush=True)
+  return result, profile.plot
+
+
 def _matmul():
   return (matmul.run(_ROWS.value, _COLS.value, _REPEATS.value), matmul.plot)
 
 
 EXPERIMENTS = {'params': _params, 'sweep': _sweep, 'memory': _memory,
-               'matmul': _matmul}
+               'precision': _precision, 'matmul': _matmul, 'profile': _profile}
 
 
 def main(argv):

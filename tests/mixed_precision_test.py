@@ -23,8 +23,9 @@ POLICIES = dict(
 FLOAT32_ISLAND_PRIMITIVES = ('reduce_max', 'reduce_sum', 'exp', 'log', 'rsqrt')
 
 
-def _setup(policy, overrides=''):
+def _setup(policy, overrides='', **precision):
   config = helpers.tiny_config(policy, overrides)
+  config.precision.update(precision)
   forward, _ = model.build(config)
   batch = helpers.random_batch(config)
   params = forward.init(jax.random.key(0), batch['image'], True)
@@ -97,6 +98,40 @@ class MatmulDtypeTest(parameterized.TestCase):
     # Attention: 6 matmuls per block, head: 1, each 3x with the backward pass.
     self.assertLen(f32, 3 * (2 * 6 + 1))
     self.assertLen(f16, 3 * 2 * 2 + 2)  # fc1, fc2 per block; the conv.
+
+
+
+class MatmulPrecisionTest(parameterized.TestCase):
+
+  @parameterized.parameters(('highest', 'HIGHEST'), ('float32', 'HIGHEST'),
+                            ('tensorfloat32', 'HIGH'), ('', None))
+  def test_every_matmul_forward_and_backward_gets_it(self, name, expected):
+    _, params, _, loss = _setup(POLICIES['bf16'][0], matmul_precision=name)
+    eqns = helpers.eqns_of(jax.value_and_grad(loss), params)
+    self.assertLen(eqns, 3 * (2 * 8 + 2) - 1)
+    for eqn in eqns:  # The custom VJP's backward matmuls included.
+      precision = eqn.params['precision']
+      names = {getattr(p, 'name', None) for p in precision} if precision else {
+          None}
+      self.assertEqual(names, {expected}, str(eqn))
+
+
+class ResidualStreamTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(('compute', 'compute', 'bfloat16'),
+                                  ('float32', 'float32', 'float32'))
+  def test_stream_dtype_and_matmuls_stay_half(self, stream, stream_dtype):
+    config = helpers.tiny_config(POLICIES['bf16'][0])
+    config.precision.residual_stream = stream
+    calls, _ = model.trace_modules(config.model, model.make_precision(config))
+    blocks = [c for c in calls if c.class_name == 'EncoderBlock']
+    self.assertLen(blocks, 2)
+    for call in blocks:
+      self.assertEqual(call.output.dtype, stream_dtype)
+      self.assertEqual(call.args[0][0].dtype, stream_dtype)
+    _, params, _, loss = _setup(POLICIES['bf16'][0], residual_stream=stream)
+    for eqn in helpers.eqns_of(jax.value_and_grad(loss), params):
+      self.assertEqual(helpers.operand_dtypes(eqn), ('bfloat16', 'bfloat16'))
 
 
 if __name__ == '__main__':

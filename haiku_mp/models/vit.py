@@ -5,6 +5,7 @@ Activations flow in whatever dtype the precision policy in force gives them
 logits and softmax in float32 while its matmuls run in the compute dtype.
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -19,26 +20,33 @@ def _linear_init():
   return hk.initializers.VarianceScaling(1.0, 'fan_avg', 'uniform')
 
 
-@jax.custom_vjp
-def attention_logits(q: jax.Array, k: jax.Array) -> jax.Array:
-  """``q . k`` over heads with operands in their own dtype and a float32 result.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def attention_logits(q: jax.Array, k: jax.Array,
+                     matmul_precision: Optional[str] = None) -> jax.Array:
+  """``q . k`` over heads with operands in their own dtype, result in float32 (or wider).
 
   The custom VJP casts the float32 cotangent back to the operands' dtype, so the
   two backward matmuls also run in the compute dtype (JAX's own transpose would
-  run them on a float32 x half pair).
+  run them on a float32 x half pair). `matmul_precision` is the
+  `jax.default_matmul_precision` in force when the forward pass was traced: the
+  backward pass is traced later, outside it, and must use the same.
   """
-  return jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
+  del matmul_precision  # In force already.
+  return jnp.einsum('bqhd,bkhd->bhqk', q, k,
+                    preferred_element_type=jnp.promote_types(q.dtype,
+                                                             jnp.float32))
 
 
-def _attention_logits_fwd(q, k):
-  return attention_logits(q, k), (q, k)
+def _attention_logits_fwd(q, k, matmul_precision):
+  return attention_logits(q, k, matmul_precision), (q, k)
 
 
-def _attention_logits_bwd(residuals, g):
+def _attention_logits_bwd(matmul_precision, residuals, g):
   q, k = residuals
   g = g.astype(q.dtype)
-  dq = jnp.einsum('bhqk,bkhd->bqhd', g, k)
-  dk = jnp.einsum('bhqk,bqhd->bkhd', g, q)
+  with jax.default_matmul_precision(matmul_precision):
+    dq = jnp.einsum('bhqk,bkhd->bqhd', g, k)
+    dk = jnp.einsum('bhqk,bqhd->bkhd', g, q)
   return dq, dk
 
 
@@ -81,7 +89,8 @@ class Attention(hk.Module):
       return y.reshape(batch, tokens, self.num_heads, head_dim)
 
     q, k, v = project('query'), project('key'), project('value')
-    logits = attention_logits(q, k) / math.sqrt(head_dim)
+    logits = attention_logits(
+        q, k, jax.config.jax_default_matmul_precision) / math.sqrt(head_dim)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum('bhqk,bkhd->bqhd', weights, v)
     out = out.reshape(batch, tokens, dim)
@@ -140,7 +149,11 @@ class VisionTransformer(hk.Module):
 
   def __init__(self, *, image_size: int, patch_size: int, num_classes: int,
                embed_dim: int, mlp_dim: int, num_heads: int, num_layers: int,
-               dropout_rate: float, name: Optional[str] = 'vit'):
+               dropout_rate: float, float32_residual: bool = False,
+               name: Optional[str] = 'vit'):
+    """`float32_residual` keeps the residual stream (the sum the blocks add
+    into) in float32 whatever the compute dtype, as Megatron's fp32-residual
+    option; by default the stream is in the compute dtype."""
     super().__init__(name=name)
     if image_size % patch_size:
       raise errors.ConfigError(
@@ -154,6 +167,7 @@ class VisionTransformer(hk.Module):
     self.num_heads = num_heads
     self.num_layers = num_layers
     self.dropout_rate = dropout_rate
+    self.float32_residual = float32_residual
 
   def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
     """Maps images [B, H, W, C] to logits [B, num_classes]."""
@@ -165,6 +179,8 @@ class VisionTransformer(hk.Module):
         init=hk.initializers.RandomNormal(stddev=0.02))
     cls_token = jnp.broadcast_to(cls_token, (batch, 1, dim)).astype(x.dtype)
     x = jnp.concatenate([cls_token, x], axis=1) + pos_embedding.astype(x.dtype)
+    if self.float32_residual:
+      x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     for i in range(self.num_layers):
       x = EncoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate,
                        name=f'encoder_block_{i}')(x, is_training)

@@ -1,0 +1,225 @@
+"""Experiment `precision`: matmul precision and the residual stream's dtype.
+
+Two sets of variants of the config, each compiled, timed and compared with a
+float64 reference (every dtype float64, LayerNorm and softmax included, with
+the same float32 initial params and the same batch):
+
+- matmul precision: `jax.default_matmul_precision` names (DEFAULT / HIGH /
+  HIGHEST and their aliases bfloat16 / tensorfloat32 / float32) per compute
+  dtype. Variants whose lowered programs are identical are measured once and
+  marked `same_program_as`: that is what an alias is.
+- residual stream: the compute dtype, or float32 (Megatron's fp32 residual),
+  per half compute dtype: saved-residual bytes, compiled memory, time, error.
+"""
+
+import copy
+import os
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from haiku_mp import model
+from haiku_mp import plots
+from haiku_mp import profiling
+from haiku_mp import train_step as train_step_lib
+from haiku_mp.lab import memory
+from haiku_mp.lab import sweep
+
+MATMUL_PRECISIONS = ('', 'default', 'high', 'highest', 'bfloat16',
+                     'tensorfloat32', 'float32')
+DTYPES = ('float32', 'bfloat16')
+RESIDUAL_STREAMS = ('compute', 'float32')
+_REFERENCE_POLICY = 'params=float64,compute=float64,output=float64'
+
+
+def _deterministic(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  config = copy.deepcopy(config)
+  config.model.dropout_rate = 0.0  # Same function in every variant.
+  return config
+
+
+def _batch(config, batch_size: int, dtype) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(config.seed)
+  size = config.model.image_size
+  return dict(
+      image=jnp.asarray(rng.standard_normal((batch_size, size, size, 3)),
+                        dtype),
+      label=jnp.asarray(rng.integers(0, config.model.num_classes, batch_size),
+                        jnp.int32))
+
+
+def _logits_and_grads(config, params, batch):
+  forward, _ = model.build(config)
+  loss_fn = train_step_lib.make_classification_loss(forward)
+
+  @jax.jit
+  def run(params, batch):
+    logits = forward.apply(params, None, batch['image'], False)
+    loss, grads = jax.value_and_grad(
+        lambda p: loss_fn(p, jax.random.key(0), batch)[0])(params)
+    return logits, loss, grads
+
+  return jax.tree.map(np.asarray, run(params, batch))
+
+
+def _initial_params(config) -> Any:
+  """The initial params, with the zero-initialized ones (head, cls token,
+  biases) drawn small and random so that every path carries a signal."""
+  forward, _ = model.build(config)
+  params = forward.init(jax.random.key(config.seed),
+                        model.dummy_images(config.model), True)
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(config.seed + 1), len(leaves))
+  leaves = [jnp.where(p == 0, 0.02 * jax.random.normal(k, p.shape, p.dtype), p)
+            for p, k in zip(leaves, keys)]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def reference(config: ml_collections.ConfigDict, batch_size: int):
+  """Logits, loss and gradients with every dtype float64."""
+  config = _deterministic(config)
+  params = _initial_params(config)
+  config.precision.update(policy=_REFERENCE_POLICY, overrides='',
+                          float32_layer_norm=False, matmul_precision='highest')
+  with jax.enable_x64(True):
+    params64 = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), params)
+    return _logits_and_grads(config, params64,
+                             _batch(config, batch_size, jnp.float64))
+
+
+def _relative(a, b) -> float:
+  return float(np.linalg.norm((a - b).ravel()) / np.linalg.norm(b.ravel()))
+
+
+def error_vs(config: ml_collections.ConfigDict, ref, batch_size: int
+             ) -> dict[str, float]:
+  """How far the config's logits, loss and gradients are from `ref`."""
+  config = _deterministic(config)
+  logits, loss, grads = _logits_and_grads(
+      config, _initial_params(config), _batch(config, batch_size, jnp.float32))
+  ref_logits, ref_loss, ref_grads = ref
+  flat = lambda tree: np.concatenate(
+      [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+  logits, ref_logits = np.asarray(logits, np.float64), ref_logits
+  return dict(
+      logits_max_abs_error=float(np.abs(logits - ref_logits).max()),
+      logits_relative_error=_relative(logits, ref_logits),
+      loss_abs_error=float(abs(float(loss) - float(ref_loss))),
+      grads_relative_error=_relative(flat(grads), flat(ref_grads)))
+
+
+def _variant(config, dtype, batch_size, matmul_precision='',
+             residual_stream='compute'):
+  config = sweep.variant_config(config, dtype, batch_size, 'single:1x1')
+  config.precision.matmul_precision = matmul_precision
+  config.precision.residual_stream = residual_stream
+  return config
+
+
+def _measure(config, ref, num_steps, numerics_batch_size) -> dict[str, Any]:
+  step = profiling.compile_train_step(config, None)
+  timing = profiling.time_steps(config, step, num_steps)
+  keep = ('compile_sec', 'temp_size_in_bytes', 'compiled_total_bytes',
+          'program_sha256')
+  return dict({k: step.stats[k] for k in keep},
+              median_step_sec=timing['median_step_sec'],
+              images_per_sec=timing['images_per_sec'],
+              device_peak_bytes=timing['device_peak_bytes'],
+              **error_vs(config, ref, numerics_batch_size))
+
+
+def run(config: ml_collections.ConfigDict,
+        dtypes: Sequence[str] = DTYPES,
+        matmul_precisions: Sequence[str] = MATMUL_PRECISIONS,
+        num_steps: int = 3, numerics_batch_size: int = 32,
+        log=print) -> dict[str, Any]:
+  """Both sets of variants at `config.batch_size`, against one reference."""
+  for dtype in dtypes:  # Every setting is checked before anything runs.
+    for name in matmul_precisions:
+      model.make_precision(_variant(config, dtype, config.batch_size, name))
+  ref = reference(config, numerics_batch_size)
+  matmul_rows = []
+  for dtype in dtypes:
+    for name in matmul_precisions:
+      variant = _variant(config, dtype, config.batch_size, name)
+      row = dict(dtype=dtype, matmul_precision=name or '(jax default)')
+      # Lowering is cheap; an identical program is not measured twice.
+      same = _same_program(variant, dtype, matmul_rows)
+      if same is not None:
+        row.update({k: v for k, v in same.items() if k not in row},
+                   same_program_as=same['matmul_precision'])
+      else:
+        row.update(_measure(variant, ref, num_steps, numerics_batch_size),
+                   same_program_as=None)
+      log(f'precision {row}')
+      matmul_rows.append(row)
+
+  residual_rows = []
+  for dtype in dtypes:
+    streams = RESIDUAL_STREAMS if dtype != 'float32' else ('compute',)
+    for stream in streams:
+      variant = _variant(config, dtype, config.batch_size,
+                         residual_stream=stream)
+      residuals = memory.residual_summary(variant, config.batch_size)
+      row = dict(dtype=dtype, residual_stream=stream,
+                 kept_activation_bytes=residuals['kept_bytes'])
+      same = _same_program(variant, dtype, matmul_rows)
+      measured = same or _measure(variant, ref, num_steps, numerics_batch_size)
+      row.update({k: v for k, v in measured.items()
+                  if k not in ('dtype', 'matmul_precision', 'same_program_as')})
+      log(f'residual {row}')
+      residual_rows.append(row)
+  for row in residual_rows:
+    base = next((r for r in residual_rows if r['dtype'] == row['dtype'] and
+                 r['residual_stream'] == 'compute'), None)
+    if base:
+      row['vs_compute_stream'] = {
+          f: row[f] / base[f] for f in ('kept_activation_bytes',
+                                        'temp_size_in_bytes',
+                                        'median_step_sec')}
+  return dict(experiment='precision', device=str(jax.devices()[0].device_kind),
+              batch_size=config.batch_size,
+              numerics_batch_size=numerics_batch_size,
+              reference=_REFERENCE_POLICY + ', LayerNorm float64',
+              matmul=matmul_rows, residual=residual_rows)
+
+
+def _same_program(variant, dtype, rows) -> Optional[dict[str, Any]]:
+  """The measured row of `dtype` whose lowered program is `variant`'s."""
+  parallel, init_state = profiling.build(variant, None)
+  state, batch = profiling.abstract_inputs(variant, parallel, init_state)
+  fingerprint = profiling.fingerprint(
+      parallel.train_step.lower(state, batch).as_text())
+  return next((r for r in rows if r['dtype'] == dtype and
+               r['same_program_as'] is None and
+               r['program_sha256'] == fingerprint), None)
+
+
+def plot(result: dict[str, Any], out_dir: str) -> list[str]:
+  """Gradient error vs float64 per matmul precision, and the residual choice."""
+  paths = []
+  rows = result['matmul']
+  dtypes = list(dict.fromkeys(r['dtype'] for r in rows))
+  names = list(dict.fromkeys(r['matmul_precision'] for r in rows))
+  by_key = {(r['dtype'], r['matmul_precision']): r for r in rows}
+  path = os.path.join(out_dir, 'precision_matmul_error.png')
+  plots.grouped_bar_chart(
+      path, names,
+      {d: [by_key[d, n]['grads_relative_error'] for n in names] for d in dtypes},
+      'gradient relative error vs float64',
+      f'matmul precision on {result["device"]}', 'jax.default_matmul_precision')
+  paths.append(path)
+  rows = result['residual']
+  labels = [f'{r["dtype"]}\n{r["residual_stream"]}' for r in rows]
+  for name, field, scale, ylabel in (
+      ('memory', 'kept_activation_bytes', 2**20,
+       'activations kept for backward (MiB)'),
+      ('error', 'grads_relative_error', 1, 'gradient relative error')):
+    path = os.path.join(out_dir, f'precision_residual_{name}.png')
+    plots.bar_chart(path, labels, [r[field] / scale for r in rows], ylabel,
+                    f'residual stream, batch {result["batch_size"]}')
+    paths.append(path)
+  return paths
