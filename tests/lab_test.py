@@ -166,6 +166,7 @@ class LabTest(parameterized.TestCase):
     if jax.default_backend() == 'cpu':  # XLA:CPU ignores matmul precision.
       self.assertEqual(full['grads_relative_error'],
                        rows['float32', 'highest']['grads_relative_error'])
+    self.assertEqual(result['loss_scale'], [])  # No float16 asked for.
     residual = {(r['dtype'], r['residual_stream']): r
                 for r in result['residual']}
     self.assertEqual(set(residual), {('float32', 'compute'),
@@ -178,6 +179,20 @@ class LabTest(parameterized.TestCase):
         f32_stream['vs_compute_stream']['temp_size_in_bytes'],
         f32_stream['temp_size_in_bytes'] /
         residual['bfloat16', 'compute']['temp_size_in_bytes'])
+
+  def test_float16_gradients_are_computed_under_the_loss_scale(self):
+    config = helpers.tiny_config(num_layers=1)
+    ref = numerics.reference(config, 8)
+    errors = {}
+    for kind, initial in (('none', 1), ('dynamic', 2**15), ('static', 2**24)):
+      variant = sweep.variant_config(config, 'float16', 8, 'single:1x1')
+      variant.loss_scale.update(kind=kind, initial=initial)
+      errors[kind] = numerics.error_vs(variant, ref, 8)['grads_relative_error']
+    self.assertLess(errors['none'], 1e-2)
+    self.assertLess(errors['dynamic'], 1e-2)
+    # 2**24 x the logits' cotangent is past float16's 65504: the scale really
+    # multiplies the float16 backward pass.
+    self.assertFalse(np.isfinite(errors['static']))
 
   def test_profile_traces_each_step(self):
     out = self.enter_context(tempfile.TemporaryDirectory())

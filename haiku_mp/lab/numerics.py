@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from haiku_mp import loss_scaling
 from haiku_mp import model
 from haiku_mp import plots
 from haiku_mp import profiling
@@ -52,15 +53,22 @@ def _batch(config, batch_size: int, dtype) -> dict[str, jax.Array]:
 
 
 def _logits_and_grads(config, params, batch):
+  """Logits, loss and gradients as the train step computes them: the loss
+  scaled by the config's (initial) loss scale, the gradients unscaled."""
   forward, _ = model.build(config)
   loss_fn = train_step_lib.make_classification_loss(forward)
+  scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
 
   @jax.jit
   def run(params, batch):
     logits = forward.apply(params, None, batch['image'], False)
-    loss, grads = jax.value_and_grad(
-        lambda p: loss_fn(p, jax.random.key(0), batch)[0])(params)
-    return logits, loss, grads
+    scale = scaler.init()
+    scaled_loss = lambda p: scaler.scale(
+        scale, loss_fn(p, jax.random.key(0), batch)[0])
+    scaled, grads = jax.value_and_grad(scaled_loss)(params)
+    grads = scaler.unscale(scale, jax.tree.map(
+        lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads))
+    return logits, scaler.unscale(scale, scaled), grads
 
   return jax.tree.map(np.asarray, run(params, batch))
 
@@ -84,6 +92,7 @@ def reference(config: ml_collections.ConfigDict, batch_size: int):
   params = _initial_params(config)
   config.precision.update(policy=_REFERENCE_POLICY, overrides='',
                           float32_layer_norm=False, matmul_precision='highest')
+  config.loss_scale.kind = 'none'
   with jax.enable_x64(True):
     params64 = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), params)
     return _logits_and_grads(config, params64,
@@ -180,11 +189,24 @@ def run(config: ml_collections.ConfigDict,
           f: row[f] / base[f] for f in ('kept_activation_bytes',
                                         'temp_size_in_bytes',
                                         'median_step_sec')}
+  # float16 gradients need the loss scale: without it small ones underflow.
+  loss_scale_rows = []
+  if 'float16' in dtypes:
+    for kind in ('none', 'dynamic'):
+      variant = _variant(config, 'float16', config.batch_size)
+      variant.loss_scale.kind = kind
+      row = dict(dtype='float16', loss_scale=kind,
+                 initial_scale=loss_scaling.LossScaler.from_config(
+                     variant.loss_scale).init().scale.item(),
+                 **error_vs(variant, ref, numerics_batch_size))
+      log(f'loss scale {row}')
+      loss_scale_rows.append(row)
   return dict(experiment='precision', device=str(jax.devices()[0].device_kind),
               batch_size=config.batch_size,
               numerics_batch_size=numerics_batch_size,
               reference=_REFERENCE_POLICY + ', LayerNorm float64',
-              matmul=matmul_rows, residual=residual_rows)
+              matmul=matmul_rows, residual=residual_rows,
+              loss_scale=loss_scale_rows)
 
 
 def _same_program(variant, dtype, rows) -> Optional[dict[str, Any]]:
