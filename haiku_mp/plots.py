@@ -93,3 +93,17 @@ def stacked_bar_chart(out_path: str, labels, parts: Mapping[str, list],
   fig.tight_layout()
   fig.savefig(out_path, dpi=100)
   plt.close(fig)
+
+
+def horizontal_bar_chart(out_path: str, labels, values, xlabel: str,
+                         title: str) -> None:
+  """One horizontal bar per label, largest on top, for long labels."""
+  fig, ax = plt.subplots(figsize=(8, 0.35 * len(labels) + 1.5))
+  ax.barh(range(len(labels)), values)
+  ax.set_yticks(range(len(labels)), labels, fontsize=8)
+  ax.invert_yaxis()
+  ax.set_xlabel(xlabel)
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(out_path, dpi=100)
+  plt.close(fig)

@@ -204,6 +204,14 @@ class LabTest(parameterized.TestCase):
     for f in result['files']:
       self.assertGreater(os.path.getsize(os.path.join(out, f)), 0)
     self.assertIn(result['log_dir'], result['open_with'][0])
+    top = result['top_ops'][0]
+    self.assertEqual(set(top), {'hlo_op', 'total_ms', 'calls', 'op_name'})
+    self.assertEqual(top['calls'] % 3, 0)  # Once (or a few times) per step.
+    self.assertTrue(top['op_name'].startswith('jit(train_step)/'))
+    by_module = result['ms_per_step_by_module']
+    self.assertContainsSubset({'vit/encoder_block_*/attention',
+                               'vit/encoder_block_*/mlp_block/fc1'}, by_module)
+    self.assertNotEmpty(profile.plot(result, out))
 
   def test_command_line_writes_json_and_png(self):
     out = self.enter_context(tempfile.TemporaryDirectory())

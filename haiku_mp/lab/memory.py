@@ -37,7 +37,8 @@ _TRANSFORM = re.compile(r'^\w+\((.*)\)$')  # 'jvp(vit)' -> 'vit'.
 _BLOCK_INDEX = re.compile(r'_\d+(?=/|$)')  # 'encoder_block_3' -> 'encoder_block_*'.
 
 
-def _module_path(name_stack: str) -> str:
+def module_path(name_stack: str) -> str:
+  """'jvp(vit)/encoder_block_0/attention' -> 'vit/encoder_block_0/attention'."""
   parts = []
   for part in name_stack.split('/'):
     while (match := _TRANSFORM.match(part)):
@@ -45,6 +46,10 @@ def _module_path(name_stack: str) -> str:
     if part:
       parts.append(part)
   return '/'.join(parts)
+
+
+def merge_block_indices(path: str) -> str:
+  return _BLOCK_INDEX.sub('_*', path)
 
 
 def _nbytes(aval) -> int:
@@ -88,7 +93,7 @@ def saved_residuals(config: ml_collections.ConfigDict,
     elif v in producers:
       eqn = producers[v]
       row.update(source='activation', primitive=eqn.primitive.name,
-                 module=_module_path(str(eqn.source_info.name_stack)))
+                 module=module_path(str(eqn.source_info.name_stack)))
     else:
       row['source'] = 'input'  # The batch, or a constant.
     rows.append(row)
@@ -110,7 +115,7 @@ def residual_summary(config: ml_collections.ConfigDict,
   classes = {c.path: c.class_name for c in calls}
   kept = [r for r in rows if r['source'] != 'param']
   by_class = lambda r: classes.get(r['module'], OUTSIDE_MODEL)
-  by_module = lambda r: _BLOCK_INDEX.sub('_*', r['module']) or OUTSIDE_MODEL
+  by_module = lambda r: merge_block_indices(r['module']) or OUTSIDE_MODEL
   return dict(
       count=len(rows),
       bytes=sum(r['bytes'] for r in rows),
