@@ -112,7 +112,9 @@ def _by_module(top_ops, num_steps, modules: set[str]) -> dict[str, float]:
     # 'jit(train_step)/jvp(vit)/encoder_block_0/mlp_block/fc1/dot_general'.
     parts = memory.module_path(op['op_name']).split('/')
     prefixes = ('/'.join(parts[1:i]) for i in range(len(parts), 1, -1))
-    path = next((p for p in prefixes if p in modules), '(outside the model)')
+    path = next((p for p in prefixes if p in modules),
+                '(outside the model: loss, optimizer, loss scale)'
+                if op['op_name'] else '(ops XLA made, no JAX op name)')
     total[memory.merge_block_indices(path)] += op['total_ms'] / num_steps
   return {k: round(v, 3) for k, v in total.most_common(TOP_OPS)}
 

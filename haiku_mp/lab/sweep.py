@@ -134,7 +134,7 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
     tag = layout.replace(':', '_')
     for name, field, scale, ylabel in (
         ('memory', memory_field, 2**20, f'{memory_field} (MiB)'),
-        ('step_time', 'median_step_sec', 1e-3, 'median step time (ms)'),
+        ('step_time', 'median_step_sec', 1, 'median step time (s)'),
         ('epoch_time', 'epoch_sec', 1, 'epoch time (s, from step time)')):
       path = os.path.join(out_dir, f'sweep_{name}_{tag}.png')
       plots.grouped_bar_chart(path, batch_sizes, series(field, scale), ylabel,
