@@ -84,7 +84,7 @@ def stacked_bar_chart(out_path: str, labels, parts: Mapping[str, list],
     ax.bar(range(len(labels)), values, bottom=bottom, label=name)
     bottom = [b + v for b, v in zip(bottom, values)]
   for i, total in enumerate(bottom):
-    ax.annotate(f'{total:.3g}', (i, total), ha='center', va='bottom',
+    ax.annotate(f'{total:,.0f}', (i, total), ha='center', va='bottom',
                 fontsize=7)
   ax.set_xticks(range(len(labels)), labels, fontsize=7)
   ax.set_ylabel(ylabel)
