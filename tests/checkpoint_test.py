@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -21,6 +20,7 @@ from haiku_mp import checkpoint
 from haiku_mp import loss_scaling
 from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import train_step as train_step_lib
+from tests import signal_at_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HALF, TOTAL = 20, 40
@@ -37,20 +37,16 @@ def _flags(config, workdir, every=HALF):
           '--config.model.mlp_dim=128', '--config.model.num_heads=2']
 
 
-def _start(flags):
+def _run(flags, signal_at=None):
+  """Runs launch.train to its end; `signal_at` ('KILL:23') interrupts it."""
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
-  return subprocess.Popen([sys.executable, '-m', 'launch.train', *flags],
-                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for_checkpoint(proc, workdir, step, timeout=240):
-  path = os.path.join(workdir, 'checkpoints', str(step))
-  deadline = time.time() + timeout
-  while not os.path.isdir(path):
-    if proc.poll() is not None or time.time() > deadline:
-      raise AssertionError(f'no checkpoint {step}: {proc.communicate()[1][-2000:]}')
-    time.sleep(0.005)
+  module = 'launch.train'
+  if signal_at:
+    env[signal_at_step.ENV] = signal_at
+    module = 'tests.signal_at_step'
+  return subprocess.run([sys.executable, '-m', module, *flags], cwd=ROOT,
+                        env=env, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE, text=True, timeout=300)
 
 
 def _train_events(workdir):
@@ -72,16 +68,16 @@ class ResumeTest(parameterized.TestCase):
   def test_sigkill_then_resume_is_exact(self, config):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
     straight, killed = f'{tmp}/straight', f'{tmp}/killed'
-    proc = _start(_flags(config, killed))
-    _wait_for_checkpoint(proc, killed, HALF)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    self.assertNotIn(str(TOTAL), os.listdir(f'{killed}/checkpoints'))
+    # Killed 3 steps past the checkpoint at HALF: those steps' metrics are in
+    # metrics.jsonl and must not be there twice after the resume.
+    proc = _run(_flags(config, killed), signal_at=f'KILL:{HALF + 3}')
+    self.assertEqual(proc.returncode, -signal.SIGKILL, proc.stderr[-3000:])
+    self.assertEqual(os.listdir(f'{killed}/checkpoints'), [str(HALF)])
+    self.assertLen(_train_events(killed), HALF + 3)
     for workdir in (killed, straight):  # Resume; and the uninterrupted run.
-      proc = _start(_flags(config, workdir))
-      _, err = proc.communicate(timeout=300)
-      self.assertEqual(proc.returncode, 0, err[-3000:])
-      self.assertEqual(f'at step {HALF}.' in err, workdir == killed)
+      proc = _run(_flags(config, workdir))
+      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+      self.assertEqual(f'at step {HALF}.' in proc.stderr, workdir == killed)
     resumed, reference = _train_events(killed), _train_events(straight)
     self.assertEqual([e['step'] for e in resumed], list(range(1, TOTAL + 1)))
     for a, b in zip(resumed[HALF:], reference[HALF:]):
@@ -95,19 +91,17 @@ class ResumeTest(parameterized.TestCase):
     workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
                            'run')
     flags = _flags('configs/vit_fp16.py', workdir, every=5)
-    proc = _start(flags)
-    _wait_for_checkpoint(proc, workdir, 5)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    self.assertEqual(proc.returncode, 0, err[-3000:])
-    self.assertIn('SIGTERM: saved a checkpoint at step', err)
-    saved = max(int(s) for s in os.listdir(f'{workdir}/checkpoints'))
-    self.assertBetween(saved, 5, TOTAL - 1)
+    proc = _run(flags, signal_at='TERM:7')
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertIn('SIGTERM: saved a checkpoint at step 7;', proc.stderr)
+    self.assertEqual(sorted(int(s) for s in os.listdir(f'{workdir}/checkpoints')),
+                     [5, 7])  # The step SIGTERM arrived in; no more steps ran.
+    self.assertLen(_train_events(workdir), 7)
     self.assertFalse(os.path.exists(f'{workdir}/summary.json'))
-    proc = _start(flags)
-    _, err = proc.communicate(timeout=300)
-    self.assertEqual(proc.returncode, 0, err[-3000:])
-    self.assertIn('Resuming from', err)
+    proc = _run(flags)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertIn('Resuming from', proc.stderr)
+    self.assertIn('at step 7.', proc.stderr)
     self.assertEqual([e['step'] for e in _train_events(workdir)],
                      list(range(1, TOTAL + 1)))
     self.assertTrue(os.path.exists(f'{workdir}/summary.json'))

@@ -195,23 +195,70 @@ class LabTest(parameterized.TestCase):
     self.assertFalse(np.isfinite(errors['static']))
 
   def test_profile_traces_each_step(self):
+    """What the profile promises, whichever op happens to be slowest."""
     out = self.enter_context(tempfile.TemporaryDirectory())
     config = helpers.tiny_config()
     config.batch_size = 8
-    result = profile.run(config, out, num_steps=3)
-    self.assertEqual(result['traced_steps'], 3)
+    num_steps = 3
+    result = profile.run(config, out, num_steps=num_steps)
+    self.assertEqual(result['traced_steps'], num_steps)
+    self.assertLen(result['step_ms'], num_steps)
     self.assertTrue(any(f.endswith('.xplane.pb') for f in result['files']))
     for f in result['files']:
       self.assertGreater(os.path.getsize(os.path.join(out, f)), 0)
     self.assertIn(result['log_dir'], result['open_with'][0])
-    top = result['top_ops'][0]
-    self.assertEqual(set(top), {'hlo_op', 'total_ms', 'calls', 'op_name'})
-    self.assertEqual(top['calls'] % 3, 0)  # Once (or a few times) per step.
-    self.assertTrue(top['op_name'].startswith('jit(train_step)/'))
+    top = result['top_ops']
+    self.assertBetween(len(top), 1, profile.TOP_OPS)
+    times = [op['self_ms'] for op in top]
+    self.assertEqual(times, sorted(times, reverse=True))
+    for op in top:
+      self.assertEqual(set(op), {'hlo_op', 'self_ms', 'calls', 'op_name',
+                                 'inside', 'module'})
+      self.assertEqual(op['calls'] % num_steps, 0, op)  # The same every step.
+      if op['op_name']:  # Fused ops join their names with ';'.
+        for name in op['op_name'].split(';'):
+          self.assertStartsWith(name, 'jit(train_step)/')
+        self.assertNotEqual(op['module'], profile.NO_OP_NAME)
+      elif not op['inside']:
+        self.assertEqual(op['module'], profile.NO_OP_NAME)
     by_module = result['ms_per_step_by_module']
     self.assertContainsSubset({'vit/encoder_block_*/attention',
                                'vit/encoder_block_*/mlp_block/fc1'}, by_module)
+    # Every op is counted once, in one module (values are rounded to 1 us).
+    self.assertAlmostEqual(sum(by_module.values()), result['op_ms_per_step'],
+                           delta=1e-3 * len(by_module))
+    # The ops ran inside the traced steps, and a loop's body is not counted
+    # twice (then the self times would add up to less than the busy time).
+    self.assertLessEqual(result['busy_ms_per_step'] * num_steps,
+                         sum(result['step_ms']) + 1e-6)
+    self.assertLessEqual(result['busy_ms_per_step'],
+                         result['op_ms_per_step'] + 1e-6)
     self.assertNotEmpty(profile.plot(result, out))
+
+  def test_profile_self_time_of_nested_ops(self):
+    def op(name, ts, dur, tid=1):
+      return dict(ph='X', name=name, ts=ts, dur=dur, pid=7, tid=tid,
+                  args=dict(hlo_op=name))
+
+    # A loop [0, 10) runs body ops [2, 5) and [5, 8); another thread runs a
+    # fusion [1, 4) at the same time and a copy [20, 21) later.
+    ops = [op('while.1', 0, 10), op('copy.2', 2, 3), op('copy.3', 5, 3),
+           op('fusion.4', 1, 3, tid=2), op('copy.5', 20, 1, tid=2)]
+    self.assertEqual(profile._nesting(ops), [(4, ''), (3, 'while.1'),
+                                             (3, 'while.1'), (3, ''), (1, '')])
+    self.assertEqual(profile._busy_us(ops), 11)
+    modules = {'vit', 'vit/encoder_block_0/mlp_block'}
+    names = {'while.1': 'jit(train_step)/jvp(vit)/encoder_block_0/mlp_block/'
+                        'jit(_bernoulli)/while',
+             'fusion.4': 'jit(train_step)/add'}
+    rows = {r['hlo_op']: r for r in profile._ops_by_self_time(ops, names,
+                                                              modules)}
+    self.assertEqual(rows['copy.2']['module'], 'vit/encoder_block_*/mlp_block')
+    self.assertEqual(rows['fusion.4']['module'], profile.OUTSIDE_MODEL)
+    self.assertEqual(rows['copy.5']['module'], profile.NO_OP_NAME)
+    self.assertEqual(profile._by_module(rows.values(), num_steps=1), {
+        'vit/encoder_block_*/mlp_block': 10.0 / 1e3,
+        profile.OUTSIDE_MODEL: 3 / 1e3, profile.NO_OP_NAME: 1 / 1e3})
 
   def test_command_line_writes_json_and_png(self):
     out = self.enter_context(tempfile.TemporaryDirectory())

@@ -5,14 +5,23 @@ The trace is written under `<out>/profile/plugins/profile/<run>/`: an XPlane
 (`*.trace.json.gz`, which https://ui.perfetto.dev opens with nothing
 installed). Each step is a `StepTraceAnnotation`, so the viewers split the
 trace per step; compilation and warm-up steps happen before tracing starts.
+
+Op times are self times: the traced duration of each of the compiled step's
+ops less that of the ops run inside it (a while loop's body). XLA:CPU (and a
+GPU's streams) can run independent ops at once, so their sum per step
+(`op_ms_per_step`) can exceed the step's wall time (`step_ms`);
+`busy_ms_per_step`, the time at least one op ran, cannot, and its gap to
+`step_ms` is dispatch and idle time.
 """
 
 import collections
 import glob
 import gzip
 import json
+import math
 import os
 import re
+import statistics
 from typing import Any
 
 import jax
@@ -26,6 +35,8 @@ from haiku_mp.lab import memory
 
 STEP_NAME = 'train'
 TOP_OPS = 20
+NO_OP_NAME = '(ops XLA made, no JAX op name)'
+OUTSIDE_MODEL = '(outside the model: loss, optimizer, loss scale)'
 # `%fusion.3 = f32[...] fusion(...), ..., metadata={op_name="jit(...)/..."`.
 _HLO_OP = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = .*?op_name="([^"]*)"',
                      re.MULTILINE)
@@ -46,23 +57,29 @@ def run(config: ml_collections.ConfigDict, out_dir: str, num_steps: int,
     for i in range(num_steps):
       with jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=i):
         state, metrics = step.compiled(state, batch)
-        jax.block_until_ready(metrics['loss'])
+        jax.block_until_ready((state, metrics))
   finally:
     jax.profiler.stop_trace()
   files = sorted(glob.glob(os.path.join(log_dir, 'plugins', 'profile', '*',
                                         '*')))
   events = _trace_events(files)
-  op_names = _op_names(step.compiled.as_text())
-  top_ops = _top_ops(events, op_names)
+  steps = sorted((e for e in events
+                  if e.get('name') == STEP_NAME and e.get('ph') == 'X'),
+                 key=lambda e: e['ts'])
+  ops = _op_events(events)
+  by_op = _ops_by_self_time(ops, _op_names(step.compiled.as_text()),
+                            _module_paths(config))
   return dict(
       experiment='profile', device=str(jax.devices()[0].device_kind),
       num_steps=num_steps, warmup_steps=warmup_steps,
       batch_size=config.batch_size, policy=config.precision.policy,
       log_dir=log_dir, files=[os.path.relpath(f, out_dir) for f in files],
-      traced_steps=len({e.get('args', {}).get('step_num') for e in events
-                        if e.get('name') == STEP_NAME}),
-      top_ops=top_ops[:TOP_OPS],
-      ms_per_step_by_module=_by_module(top_ops, num_steps, _module_paths(config)),
+      traced_steps=len(steps),
+      step_ms=[e['dur'] / 1e3 for e in steps],
+      op_ms_per_step=sum(op['self_ms'] for op in by_op) / num_steps,
+      busy_ms_per_step=_busy_us(ops) / 1e3 / num_steps,
+      top_ops=by_op[:TOP_OPS],
+      ms_per_step_by_module=_by_module(by_op, num_steps),
       open_with=[f'tensorboard --logdir {log_dir}  (needs the '
                  'tensorboard-plugin-profile package)',
                  f'xprof --logdir {log_dir}  (pip install xprof)',
@@ -77,6 +94,48 @@ def _trace_events(files) -> list[dict[str, Any]]:
     return json.load(f).get('traceEvents', [])
 
 
+def _op_events(events) -> list[dict[str, Any]]:
+  """The executions of compiled ops: complete events named after an HLO op."""
+  return [e for e in events
+          if e.get('ph') == 'X' and e['name'] == e.get('args', {}).get('hlo_op')]
+
+
+def _busy_us(ops) -> float:
+  """Microseconds during which at least one op ran (overlaps counted once)."""
+  busy, end = 0.0, -math.inf
+  for start, stop in sorted((e['ts'], e['ts'] + e['dur']) for e in ops):
+    busy += max(0.0, stop - max(start, end))
+    end = max(end, stop)
+  return busy
+
+
+def _nesting(ops) -> list[tuple[float, str]]:
+  """Per op execution: its self time in us and the op it ran inside ('' at top).
+
+  A while loop's (or call's) event spans the events of the ops in its body on
+  the same thread; counting both would count the body twice, so a parent keeps
+  only the time none of its children ran (a profiler's "self time").
+  """
+  result = [(e['dur'], '') for e in ops]
+  by_thread = collections.defaultdict(list)
+  for i, e in enumerate(ops):
+    by_thread[(e.get('pid'), e.get('tid'))].append(i)
+  for indices in by_thread.values():
+    open_ops = []  # Indices of the enclosing ops, innermost last.
+    for i in sorted(indices, key=lambda i: (ops[i]['ts'], -ops[i]['dur'])):
+      start = ops[i]['ts']
+      while open_ops and (ops[open_ops[-1]]['ts'] + ops[open_ops[-1]]['dur']
+                          <= start):
+        open_ops.pop()
+      if open_ops:
+        parent = open_ops[-1]
+        self_us, grandparent = result[parent]
+        result[parent] = (self_us - ops[i]['dur'], grandparent)
+        result[i] = (ops[i]['dur'], ops[parent]['name'])
+      open_ops.append(i)
+  return result
+
+
 def _op_names(hlo_text: str) -> dict[str, str]:
   """HLO instruction name -> the JAX op name (with module path) it came from."""
   names = {}
@@ -85,18 +144,26 @@ def _op_names(hlo_text: str) -> dict[str, str]:
   return names
 
 
-def _top_ops(events, op_names) -> list[dict[str, Any]]:
-  """The compiled step's ops by total traced time, longest first."""
+def _ops_by_self_time(ops, op_names, modules: set[str]
+                      ) -> list[dict[str, Any]]:
+  """Every traced op by self time summed over the steps, longest first, with
+  the module it ran in; an op XLA made inside another (a while loop's body)
+  counts for the enclosing op's module."""
   total = collections.Counter()
   calls = collections.Counter()
-  for e in events:
-    op = e.get('args', {}).get('hlo_op')
-    if e.get('ph') == 'X' and op and e['name'] == op:
-      total[op] += e['dur']
-      calls[op] += 1
-  return [dict(hlo_op=op, total_ms=us / 1e3, calls=calls[op],
-               op_name=op_names.get(op, ''))
-          for op, us in total.most_common()]
+  inside = {}
+  for e, (self_us, parent) in zip(ops, _nesting(ops)):
+    total[e['name']] += self_us
+    calls[e['name']] += 1
+    inside.setdefault(e['name'], parent)
+  rows = []
+  for op, us in total.most_common():
+    op_name = op_names.get(op, '')
+    named = op_name or op_names.get(inside[op], '')
+    rows.append(dict(hlo_op=op, self_ms=us / 1e3, calls=calls[op],
+                     op_name=op_name, inside=inside[op],
+                     module=_module_of(named, modules)))
+  return rows
 
 
 def _module_paths(config) -> set[str]:
@@ -104,29 +171,36 @@ def _module_paths(config) -> set[str]:
   return {c.path for c in calls}
 
 
-def _by_module(top_ops, num_steps, modules: set[str]) -> dict[str, float]:
-  """Traced op time per step by the innermost module that ran the op (block
-  indices merged); the optimizer, loss and loss scaling are outside."""
+def _module_of(op_name: str, modules: set[str]) -> str:
+  """The innermost module that ran the op, block indices merged."""
+  if not op_name:
+    return NO_OP_NAME
+  # 'jit(train_step)/jvp(vit)/encoder_block_0/mlp_block/fc1/dot_general'.
+  parts = memory.module_path(op_name).split('/')
+  prefixes = ('/'.join(parts[1:i]) for i in range(len(parts), 1, -1))
+  path = next((p for p in prefixes if p in modules), OUTSIDE_MODEL)
+  return memory.merge_block_indices(path)
+
+
+def _by_module(ops, num_steps) -> dict[str, float]:
+  """Op time per step by module, longest first; every op counted once, so the
+  values add up to `op_ms_per_step` (up to rounding)."""
   total = collections.Counter()
-  for op in top_ops:
-    # 'jit(train_step)/jvp(vit)/encoder_block_0/mlp_block/fc1/dot_general'.
-    parts = memory.module_path(op['op_name']).split('/')
-    prefixes = ('/'.join(parts[1:i]) for i in range(len(parts), 1, -1))
-    path = next((p for p in prefixes if p in modules),
-                '(outside the model: loss, optimizer, loss scale)'
-                if op['op_name'] else '(ops XLA made, no JAX op name)')
-    total[memory.merge_block_indices(path)] += op['total_ms'] / num_steps
-  return {k: round(v, 3) for k, v in total.most_common(TOP_OPS)}
+  for op in ops:
+    total[op['module']] += op['self_ms'] / num_steps
+  return {k: round(v, 3) for k, v in total.most_common()}
 
 
 def plot(result: dict[str, Any], out_dir: str) -> list[str]:
-  """Traced time per step by module."""
+  """Op self time per step by module; the title gives the step's wall time."""
   by_module = result['ms_per_step_by_module']
   if not by_module:
     return []
   path = os.path.join(out_dir, 'profile_by_module.png')
   names = [n.replace('vit/encoder_block_*/', 'block/') for n in by_module]
   plots.horizontal_bar_chart(
-      path, names, list(by_module.values()), 'ms per step (traced ops)',
-      f'{result["policy"]}, batch {result["batch_size"]} on {result["device"]}')
+      path, names, list(by_module.values()), 'ms per step (op self time)',
+      f'{result["policy"]}, batch {result["batch_size"]} on {result["device"]}: '
+      f'step {statistics.median(result["step_ms"]):.1f} ms, ops busy '
+      f'{result["busy_ms_per_step"]:.1f} ms')
   return [path]
