@@ -200,7 +200,7 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   names = [n.replace('vit/encoder_block_*/', 'block/') for n in by_module]
   plots.horizontal_bar_chart(
       path, names, list(by_module.values()), 'ms per step (op self time)',
-      f'{result["policy"]}, batch {result["batch_size"]} on {result["device"]}: '
+      f'{result["policy"]}, batch {result["batch_size"]} on {result["device"]}\n'
       f'step {statistics.median(result["step_ms"]):.1f} ms, ops busy '
-      f'{result["busy_ms_per_step"]:.1f} ms')
+      f'{result["busy_ms_per_step"]:.1f} ms of it')
   return [path]
