@@ -32,6 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
       num_heads=8,
       num_layers=6,
       dropout_rate=0.1,
+      layer_norm_epsilon=1e-6,  # The seeds' (Haiku's default is 1e-5).
   ))
 
   config.precision = ml_collections.ConfigDict(dict(

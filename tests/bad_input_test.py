@@ -87,6 +87,9 @@ class BadInputTest(parameterized.TestCase):
        "parallel.strategy: unknown strategy 'dp'"),
       ('unknown_loss_scale', ['--config.loss_scale.kind=auto'],
        'loss_scale.kind'),
+      ('non_positive_layer_norm_epsilon',
+       ['--config.model.layer_norm_epsilon=0'],
+       'model.layer_norm_epsilon=0 must be positive'),
       ('checkpoint_of_another_model', ['--config.model.embed_dim=32',
                                        '--config.num_train_steps=4'],
        'can be restored'))

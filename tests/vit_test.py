@@ -31,6 +31,37 @@ class VitTest(parameterized.TestCase):
     self.assertEqual(attention['w'].shape, (384, 384))
     self.assertEqual(attention['b'].shape, (384,))
 
+  @parameterized.parameters(1e-6, 0.1)
+  def test_every_layer_norm_uses_the_configured_epsilon(self, eps):
+    config = helpers.tiny_config(layer_norm_epsilon=eps)
+    forward, _ = model.build(config)
+    images = helpers.random_batch(config, batch_size=2)['image']
+    params = forward.init(jax.random.key(0), images, True)
+    seen = []
+
+    def record(next_f, args, kwargs, context):
+      if (isinstance(context.module, hk.LayerNorm) and
+          context.method_name == '__call__'):
+        x = args[0] if args else kwargs['inputs']
+        out = next_f(*args, **kwargs)
+        # Scale 1 and offset 0 at init: out is (x - mean) / sqrt(var + eps).
+        x = np.asarray(x, np.float64)
+        centred = x - x.mean(-1, keepdims=True)
+        expected = centred / np.sqrt(centred.var(-1, keepdims=True) + eps)
+        np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-5)
+        seen.append((context.module.module_name, context.module.eps))
+        return out
+      return next_f(*args, **kwargs)
+
+    with hk.intercept_methods(record):
+      forward.apply(params, None, images, False)
+    layers = config.model.num_layers
+    self.assertLen(seen, 2 * layers + 1)  # Two per block and the final one.
+    self.assertEqual({e for _, e in seen}, {eps})
+
+  def test_seeds_layer_norm_epsilon_is_the_default(self):
+    self.assertEqual(base.get_config().model.layer_norm_epsilon, 1e-6)
+
   def test_logits_shape(self):
     config = helpers.tiny_config(num_classes=7)
     forward, _ = model.build(config)

@@ -120,27 +120,30 @@ def _dropout(x: jax.Array, rate: float, is_training: bool) -> jax.Array:
   return hk.dropout(hk.next_rng_key(), rate, x)
 
 
-def _layer_norm(name: str) -> hk.LayerNorm:
-  return hk.LayerNorm(axis=-1, create_scale=True, create_offset=True, name=name)
+def _layer_norm(name: str, eps: float) -> hk.LayerNorm:
+  return hk.LayerNorm(axis=-1, create_scale=True, create_offset=True, eps=eps,
+                      name=name)
 
 
 class EncoderBlock(hk.Module):
   """Pre-LayerNorm transformer block: x + MHA(LN(x)), then x + MLP(LN(x))."""
 
   def __init__(self, num_heads: int, mlp_dim: int, dropout_rate: float,
-               name: Optional[str] = None):
+               layer_norm_epsilon: float, name: Optional[str] = None):
     super().__init__(name=name)
     self.num_heads = num_heads
     self.mlp_dim = mlp_dim
     self.dropout_rate = dropout_rate
+    self.layer_norm_epsilon = layer_norm_epsilon
 
   def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
     # Branch outputs are cast to the residual stream's dtype, so an override on
     # a sub-module (say output=float32) cannot silently promote the stream.
-    y = Attention(self.num_heads)(_layer_norm('ln_attention')(x))
+    y = Attention(self.num_heads)(
+        _layer_norm('ln_attention', self.layer_norm_epsilon)(x))
     x = x + y.astype(x.dtype)
     y = MlpBlock(self.mlp_dim, self.dropout_rate)(
-        _layer_norm('ln_mlp')(x), is_training)
+        _layer_norm('ln_mlp', self.layer_norm_epsilon)(x), is_training)
     return x + y.astype(x.dtype)
 
 
@@ -149,8 +152,8 @@ class VisionTransformer(hk.Module):
 
   def __init__(self, *, image_size: int, patch_size: int, num_classes: int,
                embed_dim: int, mlp_dim: int, num_heads: int, num_layers: int,
-               dropout_rate: float, float32_residual: bool = False,
-               name: Optional[str] = 'vit'):
+               dropout_rate: float, layer_norm_epsilon: float,
+               float32_residual: bool = False, name: Optional[str] = 'vit'):
     """`float32_residual` keeps the residual stream (the sum the blocks add
     into) in float32 whatever the compute dtype, as Megatron's fp32-residual
     option; by default the stream is in the compute dtype."""
@@ -159,6 +162,9 @@ class VisionTransformer(hk.Module):
       raise errors.ConfigError(
           f'model.image_size={image_size} is not divisible by '
           f'model.patch_size={patch_size}')
+    if not layer_norm_epsilon > 0:
+      raise errors.ConfigError(
+          f'model.layer_norm_epsilon={layer_norm_epsilon:g} must be positive')
     self.image_size = image_size
     self.patch_size = patch_size
     self.num_classes = num_classes
@@ -167,6 +173,7 @@ class VisionTransformer(hk.Module):
     self.num_heads = num_heads
     self.num_layers = num_layers
     self.dropout_rate = dropout_rate
+    self.layer_norm_epsilon = layer_norm_epsilon
     self.float32_residual = float32_residual
 
   def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
@@ -183,8 +190,9 @@ class VisionTransformer(hk.Module):
       x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     for i in range(self.num_layers):
       x = EncoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate,
+                       self.layer_norm_epsilon,
                        name=f'encoder_block_{i}')(x, is_training)
-    x = _layer_norm('ln_final')(x[:, 0])
+    x = _layer_norm('ln_final', self.layer_norm_epsilon)(x[:, 0])
     return hk.Linear(self.num_classes, w_init=jnp.zeros, name='head')(x)
 
 
