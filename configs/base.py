@@ -55,7 +55,9 @@ def get_config() -> ml_collections.ConfigDict:
       period=2000,  # dynamic: finite steps before the scale grows.
       factor=2.0,  # dynamic: growth and back-off factor.
       minimum=1.0,  # dynamic: the scale never falls below this floor.
-      hysteresis=1,  # dynamic: back off on every k-th consecutive overflow.
+      # dynamic: back off on the k-th overflow since the scale last grew and on
+      # every one after (Megatron-LM / DeepSpeed hysteresis); 1: on every one.
+      hysteresis=1,
       # Stop after this many consecutive skipped steps at the floor. Without
       # dynamic scaling, any non-finite step stops the run.
       max_consecutive_skips=50,

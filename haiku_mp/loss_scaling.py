@@ -32,6 +32,9 @@ class LossScaleState(NamedTuple):
   scale: jax.Array  # float32 scalar; 1.0 for no loss scaling.
   counter: jax.Array  # int32 scalar: consecutive finite steps (dynamic).
   overflows: jax.Array  # int32 scalar: consecutive non-finite steps.
+  # int32 scalar (dynamic): overflows left before the scale backs off; set to
+  # `hysteresis` at the start and whenever the scale grows.
+  hysteresis: jax.Array
 
 
 class LossScaleError(errors.ConfigError):
@@ -46,7 +49,8 @@ class LossScaler:
   period: int = 2000
   factor: float = 2.0
   minimum: float = 1.0
-  # Back off only on every k-th consecutive overflow (DeepSpeed, Megatron).
+  # Back off on the k-th overflow since the scale last grew and on every one
+  # after (Megatron-LM, DeepSpeed); 1 backs off on every overflow.
   hysteresis: int = 1
   # Stop the run after this many consecutive skipped steps at the floor.
   max_consecutive_skips: int = 50
@@ -90,7 +94,8 @@ class LossScaler:
     scale = 1.0 if self.kind == 'none' else self.initial
     # Distinct buffers: a donated state must not hold one array twice.
     return LossScaleState(jnp.asarray(scale, jnp.float32),
-                          jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+                          jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
+                          jnp.asarray(self.hysteresis, jnp.int32))
 
   def jmp_loss_scale(self, state: LossScaleState) -> jmp.LossScale:
     """jmp's loss scale for `state`, with the configured floor."""
@@ -113,16 +118,25 @@ class LossScaler:
              grads_finite: jax.Array) -> LossScaleState:
     """The next state: grows after `period` finite steps, backs off on overflow.
 
-    With `hysteresis` k, only every k-th consecutive overflow backs off; the
-    others keep the scale (and, like every overflow, reset the counter).
+    Hysteresis k as Megatron-LM's DynamicGradScaler and DeepSpeed's
+    DynamicLossScaler (`consecutive_hysteresis=False`) define it: every overflow
+    uses up one of k, consecutive or not; the scale backs off on the overflow
+    that uses up the last one and on every overflow after it, until the scale
+    grows again (after `period` consecutive finite steps), which restores all
+    k. Every overflow resets the growth counter. k=1 backs off on every overflow.
     """
     overflows = jnp.where(grads_finite, 0, state.overflows + 1)
     if self.kind != 'dynamic':
       return state._replace(overflows=overflows)
     new = self.jmp_loss_scale(state).adjust(grads_finite)
-    held = ~grads_finite & (overflows % self.hysteresis != 0)
+    grows = grads_finite & (state.counter == self.period - 1)
+    left = jnp.where(grads_finite,
+                     jnp.where(grows, self.hysteresis, state.hysteresis),
+                     jnp.maximum(state.hysteresis - 1, 0))
+    held = ~grads_finite & (left > 0)
     scale = jnp.where(held, state.scale, new.loss_scale)
-    return LossScaleState(scale, new.counter, overflows)
+    return LossScaleState(scale, new.counter, overflows,
+                          left.astype(jnp.int32))
 
   def check(self, step: int, scale: float, consecutive_skips: int,
             skipped_in_window: int) -> None:

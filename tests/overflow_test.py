@@ -24,18 +24,58 @@ OVERFLOW, FINITE = jnp.asarray(False), jnp.asarray(True)
 
 class HysteresisTest(parameterized.TestCase):
 
-  def test_backs_off_on_every_kth_consecutive_overflow(self):
-    scaler = loss_scaling.LossScaler('dynamic', initial=1024.0, hysteresis=3,
-                                     minimum=256.0)
+  def _scales(self, scaler, pattern):
     adjust = jax.jit(scaler.adjust)
     state, scales = scaler.init(), []
-    for finite in (False, False, False, True, False, False, False, False,
-                   False, False):
+    for finite in pattern:
       state = adjust(state, jnp.asarray(finite))
       scales.append(float(state.scale))
-    self.assertEqual(scales, [1024, 1024, 512, 512, 512, 512, 256, 256, 256,
-                              256])  # The floor holds too.
-    self.assertEqual(int(state.overflows), 6)
+    return scales, state
+
+  def test_alternating_overflows_back_off(self):
+    # Finite and overflowing steps in turn: the 2nd overflow since the start
+    # backs off, and so does every one after, consecutive or not.
+    scaler = loss_scaling.LossScaler('dynamic', initial=1024.0, hysteresis=2,
+                                     period=100)
+    scales, _ = self._scales(scaler, [True, False] * 4)
+    self.assertEqual(scales, [1024, 1024, 1024, 512, 512, 256, 256, 128])
+
+  def test_burst_then_growth_restores_the_hysteresis(self):
+    scaler = loss_scaling.LossScaler('dynamic', initial=1024.0, hysteresis=3,
+                                     period=2, minimum=64.0)
+    pattern = [False] * 5 + [True, True] + [False] * 3
+    scales, state = self._scales(scaler, pattern)
+    self.assertEqual(scales, [1024, 1024, 512, 256, 128,  # burst: 3rd on
+                              128, 256,  # growth: 3 overflows allowed again
+                              256, 256, 128])
+    self.assertEqual((int(state.hysteresis), int(state.overflows)), (0, 3))
+    # The floor holds.
+    scales, _ = self._scales(scaler, [False] * 12)
+    self.assertEqual(scales[-1], 64.0)
+
+  @parameterized.parameters(1, 2, 3)
+  def test_matches_megatron_dynamic_grad_scaler(self, k):
+    """Against a plain-Python copy of Megatron-LM's DynamicGradScaler.update."""
+    pattern = list(np.random.default_rng(k).random(300) < 0.7)
+    scaler = loss_scaling.LossScaler('dynamic', initial=2.0**15, hysteresis=k,
+                                     period=4, factor=2.0, minimum=1.0)
+    scale, growth, left, expected = 2.0**15, 0, k, []
+    for finite in pattern:
+      if not finite:
+        growth, left = 0, left - 1
+        if left <= 0:
+          scale = max(scale / 2, 1.0)
+      else:
+        growth += 1
+        if growth == 4:
+          growth, left, scale = 0, k, scale * 2
+      expected.append(scale)
+    self.assertEqual(self._scales(scaler, pattern)[0], expected)
+
+  def test_hysteresis_one_backs_off_on_every_overflow(self):
+    scaler = loss_scaling.LossScaler('dynamic', initial=1024.0, period=100)
+    scales, _ = self._scales(scaler, [False, True, False, False])
+    self.assertEqual(scales, [512, 512, 256, 128])
 
   def test_check_stops_only_when_stuck(self):
     dynamic = loss_scaling.LossScaler('dynamic', minimum=4.0,
