@@ -10,9 +10,11 @@ import os
 import time
 from typing import Any, Mapping, Optional
 
-from absl import logging
 import jax
 import numpy as np
+from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.proto import summary_pb2
+from tensorboard.summary.writer import event_file_writer
 
 
 def to_python(value: Any) -> Any:
@@ -51,23 +53,39 @@ def truncate_after(workdir: str, step: int) -> int:
   return len(lines) - len(kept)
 
 
-class MetricsWriter:
-  """Appends one JSON object per event to metrics.jsonl and to TensorBoard."""
+def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
+  """The scalar metrics as floats, inf and NaN included (never dropped)."""
+  numbers = {}
+  for key, value in metrics.items():
+    value = np.asarray(value).item() if hasattr(value, 'dtype') else value
+    if isinstance(value, (int, float)):
+      numbers[key] = float(value)
+  return numbers
 
-  def __init__(self, workdir: str, enabled: bool = True):
-    self._enabled = enabled
+
+class MetricsWriter:
+  """Appends one JSON object per event to metrics.jsonl and to TensorBoard.
+
+  TensorBoard's own event writer (not tensorboardX) because its `flush` waits
+  for the queued events to reach the file: `flush()` at a checkpoint then puts
+  on disk every point that checkpoint covers. Each writer opens with a
+  SessionLog.START event at `start_step + 1` (flushed at once), which tells
+  TensorBoard to drop the points of an earlier, killed run from that step on:
+  after a resume it shows exactly what metrics.jsonl holds.
+  """
+
+  def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0):
     self._jsonl = None
     self._tensorboard = None
     if not enabled:
       return
     self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
-    try:
-      import tensorboardX  # pylint: disable=g-import-not-at-top
-    except ImportError:
-      logging.warning('tensorboardX is not installed: no TensorBoard files.')
-    else:
-      self._tensorboard = tensorboardX.SummaryWriter(
-          os.path.join(workdir, 'tensorboard'), flush_secs=30)
+    self._tensorboard = event_file_writer.EventFileWriter(
+        os.path.join(workdir, 'tensorboard'))
+    self._tensorboard.add_event(event_pb2.Event(
+        wall_time=time.time(), step=start_step + 1,
+        session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+    self._tensorboard.flush()
 
   def write(self, step: int, split: str, metrics: Mapping[str, Any]) -> None:
     record = dict(step=int(step), split=split, **to_python(metrics))
@@ -75,9 +93,16 @@ class MetricsWriter:
       self._jsonl.write(json.dumps(record) + '\n')
       self._jsonl.flush()
     if self._tensorboard is not None:
-      for key, value in record.items():
-        if key not in ('step', 'split') and isinstance(value, (int, float)):
-          self._tensorboard.add_scalar(f'{split}/{key}', value, int(step))
+      summary = summary_pb2.Summary(value=[
+          summary_pb2.Summary.Value(tag=f'{split}/{key}', simple_value=value)
+          for key, value in _numbers(metrics).items()])
+      self._tensorboard.add_event(event_pb2.Event(
+          wall_time=time.time(), step=int(step), summary=summary))
+
+  def flush(self) -> None:
+    """Puts every event written so far on disk (call before a checkpoint)."""
+    if self._tensorboard is not None:
+      self._tensorboard.flush()
 
   def close(self) -> None:
     if self._jsonl is not None:

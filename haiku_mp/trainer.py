@@ -243,7 +243,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     _log_sharding_example(state.params)
   schedule = optimizer_lib.learning_rate_schedule(config, total_steps)
 
-  writer = metrics_lib.MetricsWriter(workdir, enabled=is_writer)
+  writer = metrics_lib.MetricsWriter(workdir, enabled=is_writer,
+                                     start_step=start_step)
   progress = metrics_lib.Progress(total_steps, config.batch_size, start_step)
   preempted = _SigtermFlag()
   start_time = time.perf_counter()
@@ -299,6 +300,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       progress.reset_clock(step)
     if (step % config.checkpoint_every_steps == 0 or step == total_steps or
         preempted.is_set):
+      writer.flush()  # What the checkpoint covers is on disk before it.
       checkpointer.save(step, parallel.unreplicate(state))
     if preempted.is_set and step < total_steps:
       logging.warning('SIGTERM: saved a checkpoint at step %d; stopping. '

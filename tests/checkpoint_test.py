@@ -20,6 +20,7 @@ from haiku_mp import checkpoint
 from haiku_mp import loss_scaling
 from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import train_step as train_step_lib
+from tests import helpers
 from tests import signal_at_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,14 +64,17 @@ def _tiny_state(width):
 
 class ResumeTest(parameterized.TestCase):
 
-  @parameterized.named_parameters(('fp32', 'configs/vit_fp32.py'),
-                                  ('fp16', 'configs/vit_fp16.py'))
-  def test_sigkill_then_resume_is_exact(self, config):
+  @parameterized.named_parameters(
+      # The killed run's TensorBoard points after the checkpoint on disk (they
+      # must not show twice), or lost (those before it must still show).
+      ('fp32_flushed', 'configs/vit_fp32.py', '+flush'),
+      ('fp16_unflushed', 'configs/vit_fp16.py', ''))
+  def test_sigkill_then_resume_is_exact(self, config, flush):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
     straight, killed = f'{tmp}/straight', f'{tmp}/killed'
     # Killed 3 steps past the checkpoint at HALF: those steps' metrics are in
     # metrics.jsonl and must not be there twice after the resume.
-    proc = _run(_flags(config, killed), signal_at=f'KILL:{HALF + 3}')
+    proc = _run(_flags(config, killed), signal_at=f'KILL:{HALF + 3}{flush}')
     self.assertEqual(proc.returncode, -signal.SIGKILL, proc.stderr[-3000:])
     self.assertEqual(os.listdir(f'{killed}/checkpoints'), [str(HALF)])
     self.assertLen(_train_events(killed), HALF + 3)
@@ -86,6 +90,11 @@ class ResumeTest(parameterized.TestCase):
     # Params, optimizer state, loss scale and rng: all bit for bit.
     chex.assert_trees_all_equal(_raw_checkpoint(killed, TOTAL),
                                 _raw_checkpoint(straight, TOTAL))
+    # TensorBoard shows one point per tag and step, equal to metrics.jsonl.
+    scalars = helpers.tensorboard_scalars(f'{killed}/tensorboard')
+    self.assertEqual(scalars, helpers.jsonl_scalars(killed))
+    self.assertEqual([s for s, _ in scalars['train/loss']],
+                     list(range(1, TOTAL + 1)))
 
   def test_sigterm_saves_and_the_run_continues(self):
     workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),

@@ -1,5 +1,6 @@
 """Shared test helpers: tiny configs and a jaxpr walker."""
 
+import json
 import os
 from typing import Iterator
 
@@ -7,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
+from tensorboard.backend.event_processing import plugin_event_accumulator
+from tensorboard.util import tensor_util
 
 from configs import base
 
@@ -82,3 +85,37 @@ def skip_without_real_data(test_case):
         f'real CIFAR-10 not found: set {REAL_DATA_ENV} to a TFDS data dir '
         'holding a prepared cifar10 (.ci/run does when one is beside the '
         'checkout)')
+
+
+def tensorboard_scalars(logdir: str) -> dict[str, list[tuple[int, float | str]]]:
+  """Every scalar point as TensorBoard's UI loads it: {tag: [(step, value)]}.
+
+  Through the accumulator TensorBoard's own data loading uses, orphaned-data
+  purging included.
+  """
+  accumulator = plugin_event_accumulator.EventAccumulator(
+      logdir, size_guidance={plugin_event_accumulator.TENSORS: 0})
+  accumulator.Reload()
+  return {tag: [(e.step, _comparable(tensor_util.make_ndarray(e.tensor_proto)))
+                for e in accumulator.Tensors(tag)]
+          for tag in accumulator.Tags()[plugin_event_accumulator.TENSORS]}
+
+
+def jsonl_scalars(workdir: str) -> dict[str, list[tuple[int, float | str]]]:
+  """metrics.jsonl in the same form, rounded to float32 as TensorBoard keeps."""
+  scalars = {}
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    for event in map(json.loads, f):
+      for key, value in event.items():
+        if key in ('step', 'split') or isinstance(value, (list, dict)):
+          continue
+        # Non-finite values are the strings 'inf', '-inf', 'nan'.
+        scalars.setdefault(f'{event["split"]}/{key}', []).append(
+            (event['step'], _comparable(np.float32(float(value)))))
+  return scalars
+
+
+def _comparable(value) -> float | str:
+  """A float, or 'nan' (NaN != NaN would fail any comparison of lists)."""
+  value = float(value)
+  return 'nan' if np.isnan(value) else value

@@ -1,0 +1,63 @@
+"""metrics.jsonl and TensorBoard: the same points, non-finite ones included."""
+
+import math
+import tempfile
+import time
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import numpy as np
+
+from haiku_mp import metrics
+from tests import helpers
+
+
+class MetricsWriterTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.workdir = self.enter_context(tempfile.TemporaryDirectory())
+
+  def test_non_finite_values_reach_tensorboard(self):
+    writer = metrics.MetricsWriter(self.workdir)
+    for step, grad_norm in ((1, 0.5), (2, np.float32(np.inf)),
+                            (3, np.float32(np.nan)), (4, -math.inf)):
+      writer.write(step, 'train', dict(loss=np.float32(2.0), skipped_steps=1,
+                                       grad_norm=grad_norm))
+    writer.close()
+    scalars = helpers.tensorboard_scalars(f'{self.workdir}/tensorboard')
+    self.assertEqual(scalars['train/grad_norm'],
+                     [(1, 0.5), (2, math.inf), (3, 'nan'), (4, -math.inf)])
+    self.assertEqual(scalars, helpers.jsonl_scalars(self.workdir))
+
+  def test_a_restart_drops_the_points_of_the_killed_run_after_it(self):
+    killed = metrics.MetricsWriter(self.workdir)
+    for step in range(1, 9):
+      killed.write(step, 'train', dict(loss=float(step)))
+    killed.flush()  # On disk, as if flushed just before a kill.
+    metrics.truncate_after(self.workdir, 5)  # What a resume at step 5 does.
+    # TensorBoard reads event files in name order, whose first field is the
+    # second the writer started: a resumed process starts seconds later.
+    time.sleep(1.1)
+    resumed = metrics.MetricsWriter(self.workdir, start_step=5)
+    for step in range(6, 11):
+      resumed.write(step, 'train', dict(loss=10.0 * step))
+    resumed.close()
+    scalars = helpers.tensorboard_scalars(f'{self.workdir}/tensorboard')
+    self.assertEqual(scalars['train/loss'],
+                     [(s, float(s)) for s in range(1, 6)] +
+                     [(s, 10.0 * s) for s in range(6, 11)])
+    self.assertEqual(scalars, helpers.jsonl_scalars(self.workdir))
+
+  def test_flush_puts_every_point_on_disk(self):
+    writer = metrics.MetricsWriter(self.workdir)
+    for step in range(1, 50):
+      writer.write(step, 'train', dict(loss=1.0))
+    writer.flush()  # Not closed: what a kill right after a checkpoint leaves.
+    scalars = helpers.tensorboard_scalars(f'{self.workdir}/tensorboard')
+    self.assertLen(scalars['train/loss'], 49)
+    writer.close()
+
+
+if __name__ == '__main__':
+  absltest.main()
