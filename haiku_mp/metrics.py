@@ -12,9 +12,9 @@ from typing import Any, Mapping, Optional
 
 import jax
 import numpy as np
-from tensorboard.compat.proto import event_pb2
-from tensorboard.compat.proto import summary_pb2
-from tensorboard.summary.writer import event_file_writer
+from tensorboardX import event_file_writer
+from tensorboardX.proto import event_pb2
+from tensorboardX.proto import summary_pb2
 
 
 def to_python(value: Any) -> Any:
@@ -66,10 +66,11 @@ def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
 class MetricsWriter:
   """Appends one JSON object per event to metrics.jsonl and to TensorBoard.
 
-  TensorBoard's own event writer (not tensorboardX) because its `flush` waits
-  for the queued events to reach the file: `flush()` at a checkpoint then puts
-  on disk every point that checkpoint covers. Each writer opens with a
-  SessionLog.START event at `start_step + 1` (flushed at once), which tells
+  Events go through tensorboardX's synchronous `EventsWriter`, not its
+  `SummaryWriter`, whose `flush` returns with events still in its queue (and
+  not TensorBoard's own writer, which imports TensorFlow): `flush()` before a
+  checkpoint then puts on disk every point that checkpoint covers. Each writer
+  opens with a SessionLog.START event at `start_step + 1`, which tells
   TensorBoard to drop the points of an earlier, killed run from that step on:
   after a resume it shows exactly what metrics.jsonl holds.
   """
@@ -80,9 +81,12 @@ class MetricsWriter:
     if not enabled:
       return
     self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
-    self._tensorboard = event_file_writer.EventFileWriter(
-        os.path.join(workdir, 'tensorboard'))
-    self._tensorboard.add_event(event_pb2.Event(
+    logdir = os.path.join(workdir, 'tensorboard')
+    os.makedirs(logdir, exist_ok=True)
+    # The pid keeps two writers started in the same second apart.
+    self._tensorboard = event_file_writer.EventsWriter(
+        os.path.join(logdir, 'events'), filename_suffix=f'.{os.getpid()}')
+    self._tensorboard.write_event(event_pb2.Event(
         wall_time=time.time(), step=start_step + 1,
         session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
     self._tensorboard.flush()
@@ -96,7 +100,7 @@ class MetricsWriter:
       summary = summary_pb2.Summary(value=[
           summary_pb2.Summary.Value(tag=f'{split}/{key}', simple_value=value)
           for key, value in _numbers(metrics).items()])
-      self._tensorboard.add_event(event_pb2.Event(
+      self._tensorboard.write_event(event_pb2.Event(
           wall_time=time.time(), step=int(step), summary=summary))
 
   def flush(self) -> None:
