@@ -9,6 +9,7 @@ stored as their raw key data.
 """
 
 import os
+import time
 from typing import Optional
 
 from absl import logging
@@ -73,8 +74,11 @@ class Checkpointer:
     """Saves (blocking); a no-op if `step` is already saved."""
     if step in self._manager.all_steps():
       return
+    start = time.perf_counter()
     self._manager.save(step, args=ocp.args.StandardSave(_to_storable(state)))
     self._manager.wait_until_finished()
+    logging.info('Saved checkpoint %s/%d (%.1fs).', self.directory, step,
+                 time.perf_counter() - start)
 
   def restore_latest(self, abstract_state: TrainState
                      ) -> Optional[tuple[int, TrainState]]:

@@ -12,8 +12,13 @@ TensorFlow is imported only by the TFDS source.
 
 import dataclasses
 import math
+import os
+import re
+import sys
+import tempfile
 from typing import Iterator, Optional
 
+from absl import logging
 import jax
 import ml_collections
 import numpy as np
@@ -128,13 +133,51 @@ def _even_slice(num: int, shard: Shard) -> range:
 # --------------------------------------------------------------------- TFDS --
 
 
+# A line of absl's C++ log format: level letter, then MMDD.
+_CPP_LOG_LINE = re.compile(r'^([IWEF])\d{4} ')
+_CPP_PRE_INIT = 'WARNING: All log messages before absl::InitializeLog()'
+
+
+def _import_tensorflow() -> None:
+  """Imports TensorFlow with its C++ start-up notices sent to logging.
+
+  TensorFlow 2.21 prints "oneDNN custom operations are on" (twice) from C++
+  before its logging is set up, whatever TF_CPP_MIN_LOG_LEVEL says. Its stderr
+  during the import is captured: INFO records are logged at DEBUG level
+  (`--verbosity=1` shows them), anything else as a warning.
+  """
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as capture:
+    os.dup2(capture.fileno(), 2)
+    try:
+      import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+    capture.seek(0)
+    lines = capture.read().decode(errors='replace').splitlines()
+  level = logging.DEBUG
+  for line in lines:
+    match = _CPP_LOG_LINE.match(line)
+    if match:  # A new record; lines without a prefix continue the last one.
+      level = logging.DEBUG if match.group(1) == 'I' else logging.WARNING
+    elif line.startswith(_CPP_PRE_INIT):
+      level = logging.DEBUG
+    if line.strip():
+      logging.log(level, 'TensorFlow: %s', line)
+
+
 def _tf():
+  if 'tensorflow' not in sys.modules:
+    _import_tensorflow()
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.config.set_visible_devices([], 'GPU')  # Leave accelerators to JAX.
   return tf
 
 
 def _builder(data_config: ml_collections.ConfigDict):
+  _tf()  # Before TFDS imports it.
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   data_dir = data_config.data_dir or None
   builder = tfds.builder(data_config.name, data_dir=data_dir)

@@ -5,6 +5,7 @@ dispatches steps, and the metrics of each step stay on the device.
 """
 
 import collections
+import itertools
 import os
 import signal
 import time
@@ -236,7 +237,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   logging.info('Devices: %s (process %d of %d), strategy %s, mesh %s',
                jax.devices(), jax.process_index(), jax.process_count(),
                parallel.strategy, mesh and dict(mesh.shape))
-  logging.info('Config:\n%s', config)
   logging.info('Modules:\n%s',
                tabulate.format_table(tabulate.module_rows(config, mesh)))
   if parallel.state_shardings is not None:
@@ -267,14 +267,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     return result
 
   batches = _prefetch_to_device(train_batches, parallel.place_batch)
+  first_batch = next(batches)
+  # Compiled ahead of the first step, so that every logged rate, the first
+  # window's after a start or a resume included, excludes compilation.
+  compile_start = time.perf_counter()
+  train_step = parallel.train_step.lower(state, first_batch).compile()
+  logging.info('Compiled the train step in %.1fs.',
+               time.perf_counter() - compile_start)
+  progress.reset_clock(start_step)
+  batches = itertools.chain([first_batch], batches)
   for step in range(start_step + 1, total_steps + 1):
-    state, step_metrics = parallel.train_step(state, next(batches))
+    state, step_metrics = train_step(state, next(batches))
     window.append(step_metrics)
-    if step == start_step + 1:
-      jax.block_until_ready(step_metrics)
-      logging.info('First step (compilation included): %.1fs',
-                   time.perf_counter() - start_time)
-      progress.reset_clock(step)  # Rates exclude compilation.
     if step % config.log_every_steps == 0 or step == total_steps:
       host_window = jax.device_get([parallel.unreplicate(m) for m in window])
       summary = _window_summary(host_window)
@@ -302,6 +306,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         preempted.is_set):
       writer.flush()  # What the checkpoint covers is on disk before it.
       checkpointer.save(step, parallel.unreplicate(state))
+      progress.reset_clock(step)  # Rates exclude saving, as evaluation.
     if preempted.is_set and step < total_steps:
       logging.warning('SIGTERM: saved a checkpoint at step %d; stopping. '
                       'Run the same command to resume.', step)

@@ -8,8 +8,11 @@ Many hosts: start one process per host with the same flags plus
 --distributed on clusters where jax.distributed.initialize() finds them).
 """
 
+import os
+
 from absl import app
 from absl import flags
+from absl import logging
 import jax
 from ml_collections import config_flags
 
@@ -48,6 +51,11 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   _initialize_distributed()
+  overrides = config_flags.get_override_values(flags.FLAGS['config'])
+  logging.info('Config: %s%s (all fields: %s)',
+               config_flags.get_config_filename(flags.FLAGS['config']),
+               ''.join(f' --config.{k}={v}' for k, v in overrides.items()),
+               os.path.join(_WORKDIR.value, 'config.json'))
   mesh = sharding.mesh_for(_CONFIG.value.parallel)
   trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh)
 

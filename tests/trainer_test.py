@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,19 @@ def _tiny_run_config(policy='params=float32,compute=float16,output=float32',
   config.data.source = 'synthetic'
   config.data.synthetic_eval_examples = 20
   return config
+
+
+CLI_TINY = ('--config.num_train_steps=4', '--config.log_every_steps=1',
+            '--config.eval_every_steps=4', '--config.batch_size=8',
+            '--config.eval_batch_size=10',
+            '--config.data.synthetic_eval_examples=10',
+            '--config.model.num_layers=1', '--config.model.embed_dim=16',
+            '--config.model.mlp_dim=16', '--config.model.num_heads=2')
+# absl's log line: level and date, time, thread, then `file.py:line]`.
+LOG_LINE = re.compile(r'^([IWEF])\d{4} [\d:.]+\s+\d+ ([\w.]+):\d+\]')
+OWN_FILES = {os.path.basename(f) for f in glob.glob(f'{ROOT}/haiku_mp/**/*.py',
+                                                     recursive=True) +
+             glob.glob(f'{ROOT}/launch/*.py')}
 
 
 def _read_jsonl(workdir):
@@ -118,17 +132,36 @@ class LaunchTrainTest(parameterized.TestCase):
   def test_train_from_the_command_line(self):
     workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
                            'run')
-    result = self._run(
-        workdir, '--config.num_train_steps=4', '--config.log_every_steps=2',
-        '--config.eval_every_steps=4', '--config.batch_size=8',
-        '--config.eval_batch_size=10',
-        '--config.data.synthetic_eval_examples=10',
-        '--config.model.num_layers=1', '--config.model.embed_dim=16',
-        '--config.model.mlp_dim=16', '--config.model.num_heads=2')
+    result = self._run(workdir, *CLI_TINY)
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     self.assertIn('step 4/4', result.stderr)
     self.assertIn('ETA', result.stderr)
     self.assertTrue(os.path.exists(os.path.join(workdir, 'summary.json')))
+    # The first window (one step, right after the start) has a real rate.
+    first = _read_jsonl(workdir)[0]
+    self.assertEqual((first['split'], first['step']), ('train', 1))
+    self.assertGreater(first['images_per_sec'], 0)
+
+  def test_console_shows_the_run_not_its_libraries(self):
+    workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
+                           'run')
+    err = self._run(workdir, *CLI_TINY).stderr
+    info = [line for line in err.splitlines() if LOG_LINE.match(line)]
+    sources = {LOG_LINE.match(line).group(2) for line in info
+               if line.startswith('I')}
+    self.assertContainsSubset({'train.py', 'trainer.py', 'checkpoint.py'},
+                              sources)
+    self.assertContainsSubset(sources, OWN_FILES)  # No orbax, JAX, ... INFO.
+    for expected in ('Config: configs/vit_fp16.py --config.data.source=',
+                     'Devices: ', 'Modules:', 'Compiled the train step',
+                     'step 1/4 [25%]', 'val at step 4:', 'test at step 4:',
+                     'Saved checkpoint ', '/checkpoints/4 ('):
+      self.assertIn(expected, err)
+    self.assertNotIn('oneDNN', err)
+    self.assertNotIn('Metadata', err)  # orbax has a checkpoint.py too.
+    # Every library's INFO lines are one flag away.
+    verbose = self._run(f'{workdir}_verbose', *CLI_TINY, '--verbosity=1')
+    self.assertIn('checkpoint_manager.py', verbose.stderr)
 
   @parameterized.parameters(
       ('--config.precision.policy=p=f32,c=f12', 'precision.policy'),
