@@ -13,6 +13,7 @@ from typing import Any, Iterator, Optional
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 from jax.sharding import Mesh
 import ml_collections
@@ -143,16 +144,32 @@ def _prepare_workdir(workdir: str, is_writer: bool) -> None:
                              f'({e.strerror})') from None
 
 
-class _SigtermFlag:
-  """Set by SIGTERM (preemption); the loop then checkpoints and stops."""
+class _Preemption:
+  """SIGTERM on any process stops every process after the same step.
 
-  def __init__(self):
-    self.is_set = False
+  One process checks its own flag after every step. Several decide together
+  at log points, in a collective all of them take part in: a scheduler may
+  signal only some of them, and one that stopped to save alone would leave the
+  others waiting in the next step's collectives (and the save's barrier).
+  """
+
+  def __init__(self, log_every_steps: int):
+    self._log_every_steps = log_every_steps
+    self._signalled = False
     self._previous = signal.signal(signal.SIGTERM, self._handle)
 
   def _handle(self, signum, frame):
     del signum, frame
-    self.is_set = True
+    self._signalled = True
+
+  def stop_after(self, step: int) -> bool:
+    """Whether to checkpoint and stop after `step` (the same on every process)."""
+    if jax.process_count() == 1:
+      return self._signalled
+    if step % self._log_every_steps:
+      return False
+    flags = multihost_utils.process_allgather(np.int32(self._signalled))
+    return bool(np.max(flags))
 
   def restore(self):
     signal.signal(signal.SIGTERM, self._previous)
@@ -246,7 +263,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_writer,
                                      start_step=start_step)
   progress = metrics_lib.Progress(total_steps, config.batch_size, start_step)
-  preempted = _SigtermFlag()
+  preempted = _Preemption(config.log_every_steps)
   start_time = time.perf_counter()
   eval_seconds = 0.0
   window = []
@@ -302,12 +319,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if step % config.eval_every_steps == 0 or step == total_steps:
       last_val = run_eval('val', config.data.val_split, step)
       progress.reset_clock(step)
+    stop = step < total_steps and preempted.stop_after(step)
     if (step % config.checkpoint_every_steps == 0 or step == total_steps or
-        preempted.is_set):
+        stop):
       writer.flush()  # What the checkpoint covers is on disk before it.
       checkpointer.save(step, parallel.unreplicate(state))
       progress.reset_clock(step)  # Rates exclude saving, as evaluation.
-    if preempted.is_set and step < total_steps:
+    if stop:
       logging.warning('SIGTERM: saved a checkpoint at step %d; stopping. '
                       'Run the same command to resume.', step)
       writer.close()

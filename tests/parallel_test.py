@@ -5,6 +5,7 @@ Runs with 8 CPU devices (tests/conftest.py sets XLA_FLAGS before JAX starts).
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from haiku_mp import sharding
 from haiku_mp import tabulate
 from haiku_mp import train_step as train_step_lib
 from tests import helpers
+from tests import signal_at_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP16 = 'params=float32,compute=float16,output=float32'
@@ -200,51 +202,96 @@ def _free_port():
     return s.getsockname()[1]
 
 
+MULTI_FLAGS = ('--config=configs/vit_fp16.py', '--config.data.source=synthetic',
+               '--config.log_every_steps=1', '--config.batch_size=16',
+               '--config.eval_batch_size=16',
+               '--config.data.synthetic_eval_examples=20',
+               '--config.model.num_layers=1', '--config.model.embed_dim=16',
+               '--config.model.mlp_dim=32', '--config.model.num_heads=2',
+               '--config.model.dropout_rate=0', '--config.parallel.strategy=pjit',
+               '--config.parallel.mesh_shape=(4,2)')
+
+
+def _env(devices, **extra):
+  return dict(os.environ,
+              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+              **extra)
+
+
+def _two_processes(flags, workdir, signal_at_process_1=None):
+  """Runs launch.train as 2 processes of 4 devices; their (returncode, log)."""
+  port = _free_port()
+  procs = []
+  for i in range(2):
+    env, module = _env(4), 'launch.train'
+    if i == 1 and signal_at_process_1:
+      env[signal_at_step.ENV] = signal_at_process_1
+      module = 'tests.signal_at_step'
+    procs.append(subprocess.Popen(
+        [sys.executable, '-m', module, *flags, f'--workdir={workdir}',
+         f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+         f'--process_id={i}'],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True))
+  results = []
+  for proc in procs:
+    try:
+      out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      raise AssertionError('the processes did not finish (a hang in a '
+                           'collective?)') from None
+    results.append((proc.returncode, out))
+  return results
+
+
+def _events(workdir):
+  with open(f'{workdir}/metrics.jsonl') as f:
+    return [json.loads(line) for line in f]
+
+
 class MultiProcessTest(parameterized.TestCase):
 
   def test_two_processes_match_one(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
-    flags = ['--config=configs/vit_fp16.py', '--config.data.source=synthetic',
-             '--config.num_train_steps=4', '--config.log_every_steps=1',
-             '--config.eval_every_steps=4', '--config.batch_size=16',
-             '--config.eval_batch_size=16',
-             '--config.data.synthetic_eval_examples=20',
-             '--config.model.num_layers=1', '--config.model.embed_dim=16',
-             '--config.model.mlp_dim=32', '--config.model.num_heads=2',
-             '--config.model.dropout_rate=0', '--config.parallel.strategy=pjit',
-             '--config.parallel.mesh_shape=(4,2)']
-
-    def env(devices):
-      return dict(os.environ,
-                  XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
-
-    port = _free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, '-m', 'launch.train', *flags,
-         f'--workdir={tmp}/multi', f'--coordinator_address=127.0.0.1:{port}',
-         '--num_processes=2', f'--process_id={i}'],
-        cwd=ROOT, env=env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True) for i in range(2)]
-    for proc in procs:
-      out, _ = proc.communicate(timeout=300)
-      self.assertEqual(proc.returncode, 0, out[-3000:])
+    flags = [*MULTI_FLAGS, '--config.num_train_steps=4',
+             '--config.eval_every_steps=4']
+    for returncode, out in _two_processes(flags, f'{tmp}/multi'):
+      self.assertEqual(returncode, 0, out[-3000:])
     subprocess.run([sys.executable, '-m', 'launch.train', *flags,
-                    f'--workdir={tmp}/one'], cwd=ROOT, env=env(8), check=True,
+                    f'--workdir={tmp}/one'], cwd=ROOT, env=_env(8), check=True,
                    capture_output=True)
-
-    def events(workdir):
-      with open(f'{workdir}/metrics.jsonl') as f:
-        return [json.loads(line) for line in f]
-
     # One shared workdir (as on a cluster's shared filesystem); only process 0
     # writes metrics, so no event is there twice.
-    multi, one = events(f'{tmp}/multi'), events(f'{tmp}/one')
+    multi, one = _events(f'{tmp}/multi'), _events(f'{tmp}/one')
     self.assertEqual([(e['step'], e['split']) for e in multi],
                      [(e['step'], e['split']) for e in one])
     for a, b in zip(multi, one):
       np.testing.assert_allclose(a['loss'], b['loss'], rtol=2e-5)
     self.assertEqual([e['num_examples'] for e in multi if e['split'] != 'train'],
                      [20, 20])
+
+  def test_sigterm_to_one_process_stops_both_at_the_same_step(self):
+    workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
+                           'run')
+    flags = [*MULTI_FLAGS, '--config.num_train_steps=8',
+             '--config.eval_every_steps=8', '--config.checkpoint_every_steps=8']
+    # Only process 1 (which writes no metrics) is signalled, after step 3.
+    results = _two_processes(flags, workdir, signal_at_process_1='TERM:3')
+    saved = []
+    for returncode, out in results:
+      self.assertEqual(returncode, 0, out[-3000:])
+      saved += re.findall(r'SIGTERM: saved a checkpoint at step (\d+)', out)
+    self.assertLen(saved, 2)
+    self.assertEqual(saved[0], saved[1])  # Both processes, the same step,
+    self.assertEqual(os.listdir(f'{workdir}/checkpoints'), [saved[0]])  # one
+    self.assertFalse(os.path.exists(f'{workdir}/summary.json'))  # checkpoint.
+    for returncode, out in _two_processes(flags, workdir):  # And it resumes.
+      self.assertEqual(returncode, 0, out[-3000:])
+      self.assertIn(f'at step {saved[0]}.', out)
+    self.assertEqual([e['step'] for e in _events(workdir)
+                      if e['split'] == 'train'], list(range(1, 9)))
 
 
 if __name__ == '__main__':
