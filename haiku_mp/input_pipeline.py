@@ -176,26 +176,104 @@ def _tf():
   return tf
 
 
+def _one_line(e: BaseException) -> str:
+  return ' '.join(f'{type(e).__name__}: {e}'.split())
+
+
+def _causes(e: BaseException) -> Iterator[BaseException]:
+  while e is not None:
+    yield e
+    e = e.__cause__ or e.__context__
+
+
+def _check_not_foreign(data_dir: str, name: str) -> None:
+  """A data dir without the dataset that holds other files (a raw CIFAR-10
+  folder, say) is not a TFDS data dir: preparing the data there would mix it
+  into someone else's files, and the setting is more likely a mistake."""
+  entries = os.listdir(data_dir)
+  files = sorted(e for e in entries
+                 if os.path.isfile(os.path.join(data_dir, e)))
+  if files and not {name, 'downloads'} & set(entries):
+    raise DataError(
+        f'data.data_dir={data_dir} holds files ({", ".join(files[:3])}'
+        f'{", ..." if len(files) > 3 else ""}) and no TFDS {name}: not a TFDS '
+        f'data dir. Point it at one that holds {name}/<version>/, or at an '
+        'empty or new directory to download into')
+
+
+def _check_reachable(urls, name: str, timeout: float) -> None:
+  """Fails in seconds when a download server is unreachable.
+
+  TFDS retries a refused connection ten times with backoff (over three
+  minutes) before it gives up; one request without retries tells at once.
+  """
+  import requests  # pylint: disable=g-import-not-at-top
+  for url in urls:
+    try:
+      requests.head(url, timeout=timeout, allow_redirects=True)
+    except requests.RequestException as e:
+      raise DataError(
+          f'data.data_dir: cannot reach {url} to download {name} '
+          f'({_one_line(e)[:200]}). No network? Point --config.data.data_dir '
+          'at a prepared copy and set --config.data.download=false') from None
+
+
+def _download_error(e: Exception, name: str, where: str) -> DataError:
+  """The cause of a failed download-and-prepare, in one line."""
+  for cause in _causes(e):
+    if isinstance(cause, ModuleNotFoundError):
+      return DataError(
+          f'data.data_dir: preparing {name} needs the Python module '
+          f'{cause.name!r}, which is not installed; run `pip install -r '
+          'requirements.txt` (or point --config.data.data_dir at a prepared '
+          'copy)')
+    if type(cause).__name__ in ('ConnectionError', 'Timeout', 'ReadTimeout',
+                                'ConnectTimeout', 'DownloadError'):
+      return DataError(
+          f'data.data_dir: the download of {name} failed '
+          f'({_one_line(cause)[:200]}). No network? Point '
+          '--config.data.data_dir at a prepared copy and set '
+          '--config.data.download=false')
+  return DataError(f'data.data_dir: could not download and prepare {name} '
+                   f'into {where} ({_one_line(e)[:300]})')
+
+
 def _builder(data_config: ml_collections.ConfigDict):
   _tf()  # Before TFDS imports it.
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  name = data_config.name
   data_dir = data_config.data_dir or None
-  builder = tfds.builder(data_config.name, data_dir=data_dir)
-  if builder.is_prepared():
-    return builder
   where = data_dir or 'the TFDS default data dir (TFDS_DATA_DIR)'
+  if data_dir and os.path.exists(data_dir) and not os.path.isdir(data_dir):
+    raise DataError(f'data.data_dir={data_dir} is a file, not a directory')
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+    prepared = builder.is_prepared()
+  except Exception as e:  # pylint: disable=broad-except
+    raise DataError(f'data.data_dir: {name} in {where} cannot be read '
+                    f'({_one_line(e)[:300]})') from None
+  if prepared:
+    return builder
+  if data_dir and os.path.isdir(data_dir):
+    _check_not_foreign(data_dir, name)
   if not data_config.download:
     raise DataError(
-        f'data.data_dir: {data_config.name} is not prepared in {where}, and '
+        f'data.data_dir: {name} is not prepared in {where}, and '
         'data.download is False. Point --config.data.data_dir at a prepared '
         'copy, or allow the download.')
+  if not data_config.connect_timeout_sec > 0:
+    raise DataError(f'data.connect_timeout_sec={data_config.connect_timeout_sec}'
+                    ' must be positive')
   try:
+    # TFDS's registry of the dataset's downloads (reading it needs
+    # importlib_resources, as preparing does).
+    _check_reachable(builder.url_infos or {}, name,
+                     data_config.connect_timeout_sec)
     builder.download_and_prepare()
+  except DataError:
+    raise
   except Exception as e:  # pylint: disable=broad-except
-    raise DataError(
-        f'data.data_dir: could not download {data_config.name} into {where} '
-        f'({type(e).__name__}: {e}). Point --config.data.data_dir at a '
-        'prepared copy.') from None
+    raise _download_error(e, name, where) from None
   return builder
 
 
@@ -214,10 +292,24 @@ def _source(data_config: ml_collections.ConfigDict) -> str:
   return data_config.source
 
 
+SPLIT_SETTINGS = ('train_split', 'val_split', 'test_split')
+
+
 def check_available(data_config: ml_collections.ConfigDict) -> None:
-  """Raises `DataError` now, before a run writes anything, if data is missing."""
-  if _source(data_config) == 'tfds':
-    _builder(data_config)
+  """Raises `DataError` now, before a run writes anything, if data is missing
+  or a split setting names examples the dataset does not have."""
+  if _source(data_config) != 'tfds':
+    return
+  builder = _builder(data_config)
+  for setting in SPLIT_SETTINGS:
+    split = data_config[setting]
+    try:
+      builder.info.splits[split]  # pylint: disable=pointless-statement
+    except KeyError:  # No metadata to check against (tfds.testing.mock_data).
+      pass
+    except ValueError as e:
+      raise DataError(f'data.{setting}={split!r}: '
+                      f'{str(e).splitlines()[0]}') from None
 
 
 def num_train_examples(data_config: ml_collections.ConfigDict) -> int:

@@ -8,9 +8,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 from absl.testing import absltest
 from absl.testing import parameterized
+
+from tests import fake_cifar10
+from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--config.data.source=synthetic', '--config.num_train_steps=2',
@@ -106,6 +110,75 @@ class BadInputTest(parameterized.TestCase):
                     '--config.data.download=false')
     self._assert_one_line_error(result, 'data.data_dir')
     self.assertFalse(os.path.exists(workdir))
+
+  def _assert_data_error(self, result, workdir, *messages):
+    self._assert_one_line_error(result, messages[0])
+    last = result.stderr.strip().splitlines()[-1]
+    for message in messages[1:]:
+      self.assertIn(message, last)
+    self.assertFalse(os.path.exists(workdir))
+
+  def test_unreachable_download_server(self):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    data = fake_cifar10.archive(train_per_file=2, num_test=2)
+    with fake_cifar10.serve(data) as (url, _):
+      pass  # Stopped: its port refuses connections now.
+    start = time.monotonic()
+    result = fake_cifar10.train(fake_cifar10.registration(url, data),
+                                f'{tmp}/run', f'--config.data.data_dir={tmp}/d')
+    self._assert_data_error(result, f'{tmp}/run', f'cannot reach {url}',
+                            '--config.data.data_dir')
+    # TFDS alone would retry for over three minutes.
+    self.assertLess(time.monotonic() - start, 120)
+
+  def test_missing_python_module_for_the_download(self):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    data = fake_cifar10.archive(train_per_file=2, num_test=2)
+    with fake_cifar10.serve(data) as (url, requests):
+      # TFDS reads its registry of downloads as it would without the test.
+      result = fake_cifar10.train(url, f'{tmp}/run',
+                                  f'--config.data.data_dir={tmp}/d',
+                                  block='importlib_resources')
+    self.assertEmpty(requests)
+    self._assert_data_error(result, f'{tmp}/run', "'importlib_resources'",
+                            'pip install -r requirements.txt')
+
+  @parameterized.named_parameters(
+      ('holds_files', 'data_batch_1.bin',
+       'holds files (data_batch_1.bin) and no TFDS cifar10'),
+      ('is_a_file', '', 'is a file, not a directory'))
+  def test_data_dir_holding_something_else(self, name, message):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    data_dir = os.path.join(tmp, 'cifar-10-batches-bin')
+    if name:
+      os.makedirs(data_dir)
+    with open(os.path.join(data_dir, name) if name else data_dir, 'wb') as f:
+      f.write(b'not TFDS data')
+    result = _train(f'{tmp}/run', '--config.data.source=tfds',
+                    f'--config.data.data_dir={data_dir}')
+    self._assert_data_error(result, f'{tmp}/run', message)
+
+  @parameterized.named_parameters(
+      ('past_the_end', '--config.data.train_split=train[:70000]',
+       "data.train_split='train[:70000]': Requested slice [:70000] "
+       'incompatible with 50000 examples'),
+      ('unknown_split', '--config.data.val_split=valid',
+       "data.val_split='valid': Unknown split 'valid'"))
+  def test_split_the_data_does_not_have(self, flag, message):
+    helpers.skip_without_real_data(self)
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    result = _train(f'{tmp}/run', '--config.data.source=tfds',
+                    f'--config.data.data_dir={helpers.real_data_dir()}',
+                    '--config.data.download=false', flag)
+    self._assert_data_error(result, f'{tmp}/run', message)
+
+  def test_non_positive_connect_timeout(self):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    result = _train(f'{tmp}/run', '--config.data.source=tfds',
+                    f'--config.data.data_dir={tmp}/d',
+                    '--config.data.connect_timeout_sec=0')
+    self._assert_data_error(result, f'{tmp}/run',
+                            'data.connect_timeout_sec=0.0 must be positive')
 
   def test_workdir_not_writable(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
