@@ -76,7 +76,6 @@ def get_config() -> ml_collections.ConfigDict:
       name='cifar10',
       data_dir='',  # empty: the TFDS default (or TFDS_DATA_DIR).
       download=True,  # Download if not prepared in data_dir.
-      connect_timeout_sec=10.0,  # Wait this long for the download server.
       train_split='train[:45000]',
       val_split='train[45000:]',
       test_split='test',

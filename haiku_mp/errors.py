@@ -7,3 +7,7 @@ traceback, and exit non-zero; anything else is a bug and keeps its traceback.
 
 class ConfigError(ValueError):
   """A setting, input or file that cannot be used; the message names it."""
+
+
+class DataError(ConfigError):
+  """Missing or unusable data; names the setting to change."""

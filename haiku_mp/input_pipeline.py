@@ -12,24 +12,19 @@ TensorFlow is imported only by the TFDS source.
 
 import dataclasses
 import math
-import os
-import re
-import sys
-import tempfile
 from typing import Iterator, Optional
 
-from absl import logging
 import jax
 import ml_collections
 import numpy as np
 
 from haiku_mp import errors
+from haiku_mp import tfds_builder
 
 Batch = dict[str, np.ndarray]
 
 
-class DataError(errors.ConfigError):
-  """Missing or unusable data; names the setting to change."""
+DataError = errors.DataError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,150 +128,6 @@ def _even_slice(num: int, shard: Shard) -> range:
 # --------------------------------------------------------------------- TFDS --
 
 
-# A line of absl's C++ log format: level letter, then MMDD.
-_CPP_LOG_LINE = re.compile(r'^([IWEF])\d{4} ')
-_CPP_PRE_INIT = 'WARNING: All log messages before absl::InitializeLog()'
-
-
-def _import_tensorflow() -> None:
-  """Imports TensorFlow with its C++ start-up notices sent to logging.
-
-  TensorFlow 2.21 prints "oneDNN custom operations are on" (twice) from C++
-  before its logging is set up, whatever TF_CPP_MIN_LOG_LEVEL says. Its stderr
-  during the import is captured: INFO records are logged at DEBUG level
-  (`--verbosity=1` shows them), anything else as a warning.
-  """
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as capture:
-    os.dup2(capture.fileno(), 2)
-    try:
-      import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-    capture.seek(0)
-    lines = capture.read().decode(errors='replace').splitlines()
-  level = logging.DEBUG
-  for line in lines:
-    match = _CPP_LOG_LINE.match(line)
-    if match:  # A new record; lines without a prefix continue the last one.
-      level = logging.DEBUG if match.group(1) == 'I' else logging.WARNING
-    elif line.startswith(_CPP_PRE_INIT):
-      level = logging.DEBUG
-    if line.strip():
-      logging.log(level, 'TensorFlow: %s', line)
-
-
-def _tf():
-  if 'tensorflow' not in sys.modules:
-    _import_tensorflow()
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.config.set_visible_devices([], 'GPU')  # Leave accelerators to JAX.
-  return tf
-
-
-def _one_line(e: BaseException) -> str:
-  return ' '.join(f'{type(e).__name__}: {e}'.split())
-
-
-def _causes(e: BaseException) -> Iterator[BaseException]:
-  while e is not None:
-    yield e
-    e = e.__cause__ or e.__context__
-
-
-def _check_not_foreign(data_dir: str, name: str) -> None:
-  """A data dir without the dataset that holds other files (a raw CIFAR-10
-  folder, say) is not a TFDS data dir: preparing the data there would mix it
-  into someone else's files, and the setting is more likely a mistake."""
-  entries = os.listdir(data_dir)
-  files = sorted(e for e in entries
-                 if os.path.isfile(os.path.join(data_dir, e)))
-  if files and not {name, 'downloads'} & set(entries):
-    raise DataError(
-        f'data.data_dir={data_dir} holds files ({", ".join(files[:3])}'
-        f'{", ..." if len(files) > 3 else ""}) and no TFDS {name}: not a TFDS '
-        f'data dir. Point it at one that holds {name}/<version>/, or at an '
-        'empty or new directory to download into')
-
-
-def _check_reachable(urls, name: str, timeout: float) -> None:
-  """Fails in seconds when a download server is unreachable.
-
-  TFDS retries a refused connection ten times with backoff (over three
-  minutes) before it gives up; one request without retries tells at once.
-  """
-  import requests  # pylint: disable=g-import-not-at-top
-  for url in urls:
-    try:
-      requests.head(url, timeout=timeout, allow_redirects=True)
-    except requests.RequestException as e:
-      raise DataError(
-          f'data.data_dir: cannot reach {url} to download {name} '
-          f'({_one_line(e)[:200]}). No network? Point --config.data.data_dir '
-          'at a prepared copy and set --config.data.download=false') from None
-
-
-def _download_error(e: Exception, name: str, where: str) -> DataError:
-  """The cause of a failed download-and-prepare, in one line."""
-  for cause in _causes(e):
-    if isinstance(cause, ModuleNotFoundError):
-      return DataError(
-          f'data.data_dir: preparing {name} needs the Python module '
-          f'{cause.name!r}, which is not installed; run `pip install -r '
-          'requirements.txt` (or point --config.data.data_dir at a prepared '
-          'copy)')
-    if type(cause).__name__ in ('ConnectionError', 'Timeout', 'ReadTimeout',
-                                'ConnectTimeout', 'DownloadError'):
-      return DataError(
-          f'data.data_dir: the download of {name} failed '
-          f'({_one_line(cause)[:200]}). No network? Point '
-          '--config.data.data_dir at a prepared copy and set '
-          '--config.data.download=false')
-  return DataError(f'data.data_dir: could not download and prepare {name} '
-                   f'into {where} ({_one_line(e)[:300]})')
-
-
-def _builder(data_config: ml_collections.ConfigDict):
-  _tf()  # Before TFDS imports it.
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  name = data_config.name
-  data_dir = data_config.data_dir or None
-  where = data_dir or 'the TFDS default data dir (TFDS_DATA_DIR)'
-  if data_dir and os.path.exists(data_dir) and not os.path.isdir(data_dir):
-    raise DataError(f'data.data_dir={data_dir} is a file, not a directory')
-  try:
-    builder = tfds.builder(name, data_dir=data_dir)
-    prepared = builder.is_prepared()
-  except Exception as e:  # pylint: disable=broad-except
-    raise DataError(f'data.data_dir: {name} in {where} cannot be read '
-                    f'({_one_line(e)[:300]})') from None
-  if prepared:
-    return builder
-  if data_dir and os.path.isdir(data_dir):
-    _check_not_foreign(data_dir, name)
-  if not data_config.download:
-    raise DataError(
-        f'data.data_dir: {name} is not prepared in {where}, and '
-        'data.download is False. Point --config.data.data_dir at a prepared '
-        'copy, or allow the download.')
-  if not data_config.connect_timeout_sec > 0:
-    raise DataError(f'data.connect_timeout_sec={data_config.connect_timeout_sec}'
-                    ' must be positive')
-  try:
-    # TFDS's registry of the dataset's downloads (reading it needs
-    # importlib_resources, as preparing does).
-    _check_reachable(builder.url_infos or {}, name,
-                     data_config.connect_timeout_sec)
-    builder.download_and_prepare()
-  except DataError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    raise _download_error(e, name, where) from None
-  return builder
-
-
 def _process_split(split: str, shard: Shard) -> str:
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   return tfds.even_splits(split, n=shard.count)[shard.index]
@@ -300,7 +151,7 @@ def check_available(data_config: ml_collections.ConfigDict) -> None:
   or a split setting names examples the dataset does not have."""
   if _source(data_config) != 'tfds':
     return
-  builder = _builder(data_config)
+  builder = tfds_builder.builder(data_config)
   for setting in SPLIT_SETTINGS:
     split = data_config[setting]
     try:
@@ -316,25 +167,25 @@ def num_train_examples(data_config: ml_collections.ConfigDict) -> int:
   """Examples in the training split (all processes), for epochs and ETAs."""
   if _source(data_config) == 'synthetic':
     return data_config.synthetic_train_examples
-  builder = _builder(data_config)
+  builder = tfds_builder.builder(data_config)
   return builder.info.splits[data_config.train_split].num_examples
 
 
 def _standardize(image, data_config: ml_collections.ConfigDict):
   """float32 [0, 1] image -> per-channel standardized with the config's stats."""
-  tf = _tf()
+  tf = tfds_builder.tensorflow()
   return ((image - tf.constant(data_config.mean, tf.float32)) /
           tf.constant(data_config.std, tf.float32))
 
 
 def _to_unit_float(image):
-  tf = _tf()
+  tf = tfds_builder.tensorflow()
   return tf.cast(image, tf.float32) / 255.0
 
 
 def crop_window(image_shape, seed, data_config: ml_collections.ConfigDict):
   """(begin, size) of a random crop with the config's area and aspect ranges."""
-  tf = _tf()
+  tf = tfds_builder.tensorflow()
   begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
       image_shape, bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
       seed=seed, min_object_covered=0.0,
@@ -347,7 +198,7 @@ def crop_window(image_shape, seed, data_config: ml_collections.ConfigDict):
 
 def augment(image, seed, data_config: ml_collections.ConfigDict):
   """Random resized crop back to the image's size, then a random flip."""
-  tf = _tf()
+  tf = tfds_builder.tensorflow()
   crop_seed, flip_seed = tf.unstack(
       tf.random.experimental.stateless_split(seed, 2))
   begin, size = crop_window(tf.shape(image), crop_seed, data_config)
@@ -359,9 +210,9 @@ def augment(image, seed, data_config: ml_collections.ConfigDict):
 def tfds_train(config: ml_collections.ConfigDict, shard: Shard,
                start_step: int = 0) -> Iterator[Batch]:
   """Augmented, shuffled, normalized training batches, endlessly."""
-  tf = _tf()
+  tf = tfds_builder.tensorflow()
   data = config.data
-  builder = _builder(data)
+  builder = tfds_builder.builder(data)
   batch_size = local_batch_size(config.batch_size, shard)
   ds = builder.as_dataset(split=_process_split(data.train_split, shard),
                           shuffle_files=False)
@@ -389,9 +240,9 @@ def tfds_train(config: ml_collections.ConfigDict, shard: Shard,
 def tfds_eval(config: ml_collections.ConfigDict, split: str,
               shard: Shard) -> Iterator[Batch]:
   """Normalized batches covering this shard of `split` once, last one padded."""
-  tf = _tf()
+  tf = tfds_builder.tensorflow()
   data = config.data
-  builder = _builder(data)
+  builder = tfds_builder.builder(data)
   ds = builder.as_dataset(split=_process_split(split, shard),
                           shuffle_files=False)
   ds = ds.map(lambda x: dict(

@@ -22,7 +22,7 @@ class DownloadTest(absltest.TestCase):
     data = fake_cifar10.archive(train_per_file=50, num_test=50)
     with fake_cifar10.serve(data) as (url, requests):
       result = fake_cifar10.train(
-          fake_cifar10.registration(url, data), workdir,
+          url, workdir,
           f'--config.data.data_dir={data_dir}')
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     self.assertIn('GET /cifar-10-binary.tar.gz', requests)

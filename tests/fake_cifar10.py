@@ -3,17 +3,13 @@
 `archive()` makes a `cifar-10-binary.tar.gz` in CIFAR-10's binary format (one
 label byte and 3,072 pixel bytes per image, channel-major) from random images;
 `serve()` serves it. Run as a module, this is `launch.train` with TFDS's
-cifar10 builder pointed at the URL in `$FAKE_CIFAR10` (`URL SIZE SHA256`, what
-TFDS registers for each download; see `registration`). Only the URL changes:
-the download, checksum, extraction and preparation are TFDS's own. A bare
-`URL` changes only the URL TFDS downloads, not its registry of downloads
-(which it reads from its package).
+cifar10 builder pointed at `$FAKE_CIFAR10_URL`. Only the URL changes: the
+download, extraction and preparation are TFDS's own.
 `$BLOCK_MODULES` (comma-separated) makes those modules unimportable, as if not
 installed.
 """
 
 import contextlib
-import hashlib
 import http.server
 import io
 import os
@@ -26,7 +22,7 @@ from typing import Iterator
 
 import numpy as np
 
-URL_ENV = 'FAKE_CIFAR10'
+URL_ENV = 'FAKE_CIFAR10_URL'
 BLOCK_ENV = 'BLOCK_MODULES'
 LABELS = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog',
           'horse', 'ship', 'truck')
@@ -101,16 +97,11 @@ def serve(data: bytes) -> Iterator[tuple[str, list[str]]]:
     thread.join()
 
 
-def registration(url: str, data: bytes) -> str:
-  """`$FAKE_CIFAR10` for `data` served at `url`."""
-  return f'{url} {len(data)} {hashlib.sha256(data).hexdigest()}'
-
-
-def train(registration: str, workdir: str, *flags: str, block: str = ''
+def train(url: str, workdir: str, *flags: str, block: str = ''
           ) -> subprocess.CompletedProcess:
-  """`launch.train` (tiny model, 3 steps) on the CIFAR-10 `registration` names."""
+  """`launch.train` (tiny model, 3 steps) on the CIFAR-10 served at `url`."""
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
-  env[URL_ENV] = registration
+  env[URL_ENV] = url
   env[BLOCK_ENV] = block
   return subprocess.run(
       [sys.executable, '-m', 'tests.fake_cifar10',
@@ -118,21 +109,16 @@ def train(registration: str, workdir: str, *flags: str, block: str = ''
        *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _point_cifar10_at(url: str, size: str = '', sha256: str = '') -> None:
-  """TFDS's cifar10 builder downloads `url`, registered as its download if
-  `size` and `sha256` are given."""
-  from tensorflow_datasets.core.download import checksums  # pylint: disable=g-import-not-at-top
+def _point_cifar10_at(url: str) -> None:
+  """TFDS's cifar10 builder downloads `url`."""
   from tensorflow_datasets.image_classification import cifar  # pylint: disable=g-import-not-at-top
   info = cifar.Cifar10._cifar_info.fget  # pylint: disable=protected-access
   cifar.Cifar10._cifar_info = property(  # pylint: disable=protected-access
       lambda self: info(self)._replace(url=url))
-  if size:
-    cifar.Cifar10.url_infos = {url: checksums.UrlInfo(
-        size=int(size), checksum=sha256, filename='cifar-10-binary.tar.gz')}
 
 
 if __name__ == '__main__':
   for module in filter(None, os.environ.get(BLOCK_ENV, '').split(',')):
     sys.modules[module] = None  # `import module` now raises ImportError.
-  _point_cifar10_at(*os.environ[URL_ENV].split())
+  _point_cifar10_at(os.environ[URL_ENV])
   runpy.run_module('launch.train', run_name='__main__', alter_sys=True)

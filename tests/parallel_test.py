@@ -253,45 +253,38 @@ def _events(workdir):
 
 class MultiProcessTest(parameterized.TestCase):
 
-  def test_two_processes_match_one(self):
+  def test_two_processes_match_one_through_a_sigterm_to_one_of_them(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
-    flags = [*MULTI_FLAGS, '--config.num_train_steps=4',
-             '--config.eval_every_steps=4']
-    for returncode, out in _two_processes(flags, f'{tmp}/multi'):
-      self.assertEqual(returncode, 0, out[-3000:])
-    subprocess.run([sys.executable, '-m', 'launch.train', *flags,
-                    f'--workdir={tmp}/one'], cwd=ROOT, env=_env(8), check=True,
-                   capture_output=True)
-    # One shared workdir (as on a cluster's shared filesystem); only process 0
-    # writes metrics, so no event is there twice.
-    multi, one = _events(f'{tmp}/multi'), _events(f'{tmp}/one')
-    self.assertEqual([(e['step'], e['split']) for e in multi],
-                     [(e['step'], e['split']) for e in one])
-    for a, b in zip(multi, one):
-      np.testing.assert_allclose(a['loss'], b['loss'], rtol=2e-5)
-    self.assertEqual([e['num_examples'] for e in multi if e['split'] != 'train'],
-                     [20, 20])
-
-  def test_sigterm_to_one_process_stops_both_at_the_same_step(self):
-    workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
-                           'run')
-    flags = [*MULTI_FLAGS, '--config.num_train_steps=8',
-             '--config.eval_every_steps=8', '--config.checkpoint_every_steps=8']
+    multi = f'{tmp}/multi'
+    flags = [*MULTI_FLAGS, '--config.num_train_steps=6',
+             '--config.eval_every_steps=6', '--config.checkpoint_every_steps=6']
     # Only process 1 (which writes no metrics) is signalled, after step 3.
-    results = _two_processes(flags, workdir, signal_at_process_1='TERM:3')
+    results = _two_processes(flags, multi, signal_at_process_1='TERM:3')
     saved = []
     for returncode, out in results:
       self.assertEqual(returncode, 0, out[-3000:])
       saved += re.findall(r'SIGTERM: saved a checkpoint at step (\d+)', out)
     self.assertLen(saved, 2)
     self.assertEqual(saved[0], saved[1])  # Both processes, the same step,
-    self.assertEqual(os.listdir(f'{workdir}/checkpoints'), [saved[0]])  # one
-    self.assertFalse(os.path.exists(f'{workdir}/summary.json'))  # checkpoint.
-    for returncode, out in _two_processes(flags, workdir):  # And it resumes.
+    self.assertEqual(os.listdir(f'{multi}/checkpoints'), [saved[0]])  # one
+    self.assertFalse(os.path.exists(f'{multi}/summary.json'))  # checkpoint.
+    for returncode, out in _two_processes(flags, multi):  # Resumed.
       self.assertEqual(returncode, 0, out[-3000:])
       self.assertIn(f'at step {saved[0]}.', out)
-    self.assertEqual([e['step'] for e in _events(workdir)
-                      if e['split'] == 'train'], list(range(1, 9)))
+    one = f'{tmp}/one'
+    subprocess.run([sys.executable, '-m', 'launch.train', *flags,
+                    f'--workdir={one}'], cwd=ROOT, env=_env(8), check=True,
+                   capture_output=True)
+    # One shared workdir (as on a cluster's shared filesystem); only process 0
+    # writes metrics, so no event is there twice; the stop and the resume
+    # change nothing.
+    multi_events, one_events = _events(multi), _events(one)
+    self.assertEqual([(e['step'], e['split']) for e in multi_events],
+                     [(e['step'], e['split']) for e in one_events])
+    for a, b in zip(multi_events, one_events):
+      np.testing.assert_allclose(a['loss'], b['loss'], rtol=2e-5)
+    self.assertEqual([e['num_examples'] for e in multi_events
+                      if e['split'] != 'train'], [20, 20])
 
 
 if __name__ == '__main__':
