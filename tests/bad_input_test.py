@@ -120,9 +120,7 @@ class BadInputTest(parameterized.TestCase):
 
   def test_unreachable_download_server(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
-    data = fake_cifar10.archive(train_per_file=2, num_test=2)
-    with fake_cifar10.serve(data) as (url, _):
-      pass  # Stopped: its port refuses connections now.
+    url = self.enter_context(fake_cifar10.refusing_url())
     start = time.monotonic()
     result = fake_cifar10.train(url, f'{tmp}/run',
                                 f'--config.data.data_dir={tmp}/d')

@@ -14,6 +14,7 @@ import http.server
 import io
 import os
 import runpy
+import socket
 import subprocess
 import sys
 import tarfile
@@ -107,6 +108,15 @@ def train(url: str, workdir: str, *flags: str, block: str = ''
       [sys.executable, '-m', 'tests.fake_cifar10',
        '--config=configs/vit_fp16.py', f'--workdir={workdir}', *TRAIN_FLAGS,
        *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@contextlib.contextmanager
+def refusing_url() -> Iterator[str]:
+  """A URL on 127.0.0.1 whose port refuses connections while in use: bound,
+  never listening, so no other process can take the port meanwhile."""
+  with socket.socket() as sock:
+    sock.bind(('127.0.0.1', 0))
+    yield f'http://127.0.0.1:{sock.getsockname()[1]}/cifar-10-binary.tar.gz'
 
 
 def _point_cifar10_at(url: str) -> None:
