@@ -207,9 +207,24 @@ def augment(image, seed, data_config: ml_collections.ConfigDict):
   return tf.image.stateless_random_flip_left_right(image, flip_seed)
 
 
-def tfds_train(config: ml_collections.ConfigDict, shard: Shard,
-               start_step: int = 0) -> Iterator[Batch]:
-  """Augmented, shuffled, normalized training batches, endlessly."""
+def _options():
+  """tf.data options of every pipeline here: no autotuning.
+
+  Autotuning runs a model thread that re-optimizes with a period that doubles
+  up to a minute; destroying an iterator waits for that thread, and it was seen
+  (gdb: `Model::OptimizeLoop` in a timed wait, the main thread in
+  `RootDataset::Iterator::~Iterator`) to hold a finished run for 20 to 40 s
+  after its summary. `AUTOTUNE` parallelism then means one call per core.
+  """
+  tf = tfds_builder.tensorflow()
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return options
+
+
+def train_dataset(config: ml_collections.ConfigDict, shard: Shard,
+                  start_step: int = 0):
+  """The tf.data pipeline of `tfds_train`."""
   tf = tfds_builder.tensorflow()
   data = config.data
   builder = tfds_builder.builder(data)
@@ -233,13 +248,17 @@ def tfds_train(config: ml_collections.ConfigDict, shard: Shard,
   ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE,
               deterministic=True)
   ds = ds.batch(batch_size, drop_remainder=True).skip(start_step)
-  ds = ds.prefetch(data.prefetch_batches)
-  return iter(ds.as_numpy_iterator())
+  return ds.prefetch(data.prefetch_batches).with_options(_options())
 
 
-def tfds_eval(config: ml_collections.ConfigDict, split: str,
-              shard: Shard) -> Iterator[Batch]:
-  """Normalized batches covering this shard of `split` once, last one padded."""
+def tfds_train(config: ml_collections.ConfigDict, shard: Shard,
+               start_step: int = 0) -> Iterator[Batch]:
+  """Augmented, shuffled, normalized training batches, endlessly."""
+  return iter(train_dataset(config, shard, start_step).as_numpy_iterator())
+
+
+def eval_dataset(config: ml_collections.ConfigDict, split: str, shard: Shard):
+  """The tf.data pipeline of `tfds_eval`, before the padding."""
   tf = tfds_builder.tensorflow()
   data = config.data
   builder = tfds_builder.builder(data)
@@ -250,9 +269,16 @@ def tfds_eval(config: ml_collections.ConfigDict, split: str,
       label=tf.cast(x['label'], tf.int32)), num_parallel_calls=tf.data.AUTOTUNE)
   batch_size = local_batch_size(config.eval_batch_size, shard)
   ds = ds.batch(batch_size).prefetch(data.prefetch_batches)
-  return _pad_to_equal_count(ds.as_numpy_iterator(),
-                             _split_size(builder, split, shard), batch_size,
-                             shard)
+  return ds.with_options(_options())
+
+
+def tfds_eval(config: ml_collections.ConfigDict, split: str,
+              shard: Shard) -> Iterator[Batch]:
+  """Normalized batches covering this shard of `split` once, last one padded."""
+  return _pad_to_equal_count(
+      eval_dataset(config, split, shard).as_numpy_iterator(),
+      _split_size(tfds_builder.builder(config.data), split, shard),
+      local_batch_size(config.eval_batch_size, shard), shard)
 
 
 def _split_size(builder, split: str, shard: Shard) -> Optional[int]:

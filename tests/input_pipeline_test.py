@@ -130,6 +130,18 @@ class MockDataTest(parameterized.TestCase):
         config.data.std)
     np.testing.assert_allclose(images, expected, atol=1e-5)  # In order, once.
 
+  def test_no_autotune_model_thread_to_wait_for_at_exit(self):
+    # Destroying an iterator waits for tf.data's autotune model thread, which
+    # sleeps up to a minute between optimizations: a finished run then took
+    # 20-40 s to exit. Without autotuning there is no such thread.
+    config = _config()
+    with tfds.testing.mock_data(num_examples=12):
+      datasets = (input_pipeline.train_dataset(config, input_pipeline.Shard()),
+                  input_pipeline.eval_dataset(config, 'test',
+                                               input_pipeline.Shard()))
+      for ds in datasets:
+        self.assertFalse(ds.options().autotune.enabled)
+
   def test_missing_data_is_a_clear_error(self):
     config = _config(download=False)
     config.data.data_dir = self.enter_context(tempfile.TemporaryDirectory())
