@@ -250,7 +250,8 @@ class LabTest(parameterized.TestCase):
     modules = {'vit', 'vit/encoder_block_0/mlp_block'}
     names = {'while.1': 'jit(train_step)/jvp(vit)/encoder_block_0/mlp_block/'
                         'jit(_bernoulli)/while',
-             'fusion.4': 'jit(train_step)/add'}
+             'fusion.4': 'jit(train_step)/add', 'copy.2': '', 'copy.3': '',
+             'copy.5': ''}
     rows = {r['hlo_op']: r for r in profile._ops_by_self_time(ops, names,
                                                               modules)}
     self.assertEqual(rows['copy.2']['module'], 'vit/encoder_block_*/mlp_block')
@@ -259,6 +260,54 @@ class LabTest(parameterized.TestCase):
     self.assertEqual(profile._by_module(rows.values(), num_steps=1), {
         'vit/encoder_block_*/mlp_block': 10.0 / 1e3,
         profile.OUTSIDE_MODEL: 3 / 1e3, profile.NO_OP_NAME: 1 / 1e3})
+
+  def test_profile_reads_gpu_kernels(self):
+    """A GPU trace: kernels on a device stream, fusions inside a CUDA graph
+    named after their HLO op, a cuBLAS kernel in the graph that names none, a
+    cuDNN kernel outside it; host events are not ops."""
+    hlo = '\n'.join([
+        '  %loop_add_fusion.9 = f32[8] fusion(%p), kind=kLoop, '
+        'metadata={op_name="jit(train_step)/jvp(vit)/encoder_block_0/add"}',
+        '  %wrapped_transpose = f32[8] fusion(%q), kind=kLoop',
+        '  ROOT %cudnn-conv.3 = (bf16[8], u8[0]) custom-call(%r), '
+        'metadata={op_name="jit(train_step)/jvp(vit)/patch_embed/conv/x"}'])
+    names = profile._op_names(hlo)
+    self.assertEqual(names, {
+        'loop_add_fusion.9': 'jit(train_step)/jvp(vit)/encoder_block_0/add',
+        'wrapped_transpose': '',
+        'cudnn-conv.3': 'jit(train_step)/jvp(vit)/patch_embed/conv/x'})
+
+    def event(name, ts, dur, hlo_op, pid=1, tid=14):
+      return dict(ph='X', pid=pid, tid=tid, ts=ts, dur=dur, name=name,
+                  args=dict(hlo_op=hlo_op, hlo_module='jit_train_step'))
+
+    events = [
+        dict(ph='M', pid=1, name='process_name',
+             args=dict(name='/device:GPU:0')),
+        dict(ph='M', pid=7, name='process_name', args=dict(name='/host:CPU')),
+        # Two graph kernels that overlap on one stream: neither is inside
+        # the other.
+        event('loop_add_fusion_9', 0, 4, 'command_buffer_1'),
+        event('nvjet_sm90_tst_96x128', 1, 2, 'command_buffer_1'),
+        event('wrapped_transpose', 5, 1, 'command_buffer_1'),
+        event('void convolve_common_engine<bf16>', 10, 3, 'cudnn-conv.3'),
+        event('Wait for donation holds', 0, 20, 'x', pid=7),
+        event('fusion.1', 0, 20, 'fusion.1', pid=7),
+    ]
+    ops = profile._op_events(events, names)
+    self.assertEqual([op['name'] for op in ops],
+                     ['loop_add_fusion.9', 'nvjet_sm90_tst_96x128',
+                      'wrapped_transpose', 'cudnn-conv.3'])
+    modules = {'vit', 'vit/encoder_block_0', 'vit/patch_embed/conv'}
+    rows = {r['hlo_op']: r for r in profile._ops_by_self_time(ops, names,
+                                                              modules)}
+    self.assertEqual({op: (r['self_ms'], r['module'])
+                      for op, r in rows.items()}, {
+        'loop_add_fusion.9': (4e-3, 'vit/encoder_block_*'),
+        'nvjet_sm90_tst_96x128': (2e-3, profile.LIBRARY_KERNEL),
+        'wrapped_transpose': (1e-3, profile.NO_OP_NAME),
+        'cudnn-conv.3': (3e-3, 'vit/patch_embed/conv')})
+    self.assertEqual(profile._busy_us(ops), 8)
 
   def test_command_line_writes_json_and_png(self):
     out = self.enter_context(tempfile.TemporaryDirectory())

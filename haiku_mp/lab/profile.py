@@ -7,8 +7,11 @@ installed). Each step is a `StepTraceAnnotation`, so the viewers split the
 trace per step; compilation and warm-up steps happen before tracing starts.
 
 Op times are self times: the traced duration of each of the compiled step's
-ops less that of the ops run inside it (a while loop's body). XLA:CPU (and a
-GPU's streams) can run independent ops at once, so their sum per step
+ops less that of the ops run inside it (a while loop's body). On XLA:CPU an op
+is an event on a host thread named after its HLO op; on a GPU it is a kernel
+on a device stream, named after the HLO fusion that launched it, or after a
+library's (cuBLAS, cuDNN) kernel. XLA:CPU (and a GPU's streams) can run
+independent ops at once, so their sum per step
 (`op_ms_per_step`) can exceed the step's wall time (`step_ms`);
 `busy_ms_per_step`, the time at least one op ran, cannot, and its gap to
 `step_ms` is dispatch and idle time.
@@ -36,10 +39,13 @@ from haiku_mp.lab import memory
 STEP_NAME = 'train'
 TOP_OPS = 20
 NO_OP_NAME = '(ops XLA made, no JAX op name)'
+# cuBLAS kernels that XLA runs inside a CUDA graph: the trace names only the
+# graph (`command_buffer_N`), not the HLO op that launched them.
+LIBRARY_KERNEL = '(library kernels in CUDA graphs: the trace names no HLO op)'
 OUTSIDE_MODEL = '(outside the model: loss, optimizer, loss scale)'
 # `%fusion.3 = f32[...] fusion(...), ..., metadata={op_name="jit(...)/..."`.
-_HLO_OP = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = .*?op_name="([^"]*)"',
-                     re.MULTILINE)
+_HLO_OP = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = (.*)$', re.MULTILINE)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def run(config: ml_collections.ConfigDict, out_dir: str, num_steps: int,
@@ -66,9 +72,9 @@ def run(config: ml_collections.ConfigDict, out_dir: str, num_steps: int,
   steps = sorted((e for e in events
                   if e.get('name') == STEP_NAME and e.get('ph') == 'X'),
                  key=lambda e: e['ts'])
-  ops = _op_events(events)
-  by_op = _ops_by_self_time(ops, _op_names(step.compiled.as_text()),
-                            _module_paths(config))
+  op_names = _op_names(step.compiled.as_text())
+  ops = _op_events(events, op_names)
+  by_op = _ops_by_self_time(ops, op_names, _module_paths(config))
   return dict(
       experiment='profile', device=str(jax.devices()[0].device_kind),
       num_steps=num_steps, warmup_steps=warmup_steps,
@@ -94,10 +100,39 @@ def _trace_events(files) -> list[dict[str, Any]]:
     return json.load(f).get('traceEvents', [])
 
 
-def _op_events(events) -> list[dict[str, Any]]:
-  """The executions of compiled ops: complete events named after an HLO op."""
-  return [e for e in events
-          if e.get('ph') == 'X' and e['name'] == e.get('args', {}).get('hlo_op')]
+def _op_events(events, op_names: dict[str, str]) -> list[dict[str, Any]]:
+  """The executions of compiled ops, each event named after its HLO op.
+
+  A trace with device planes (a GPU's `/device:GPU:0`) holds the kernels each
+  op ran there; without them (XLA:CPU) the ops are the host events named
+  after an HLO op.
+  """
+  devices = {e['pid'] for e in events
+             if e.get('ph') == 'M' and e.get('name') == 'process_name' and
+             e.get('args', {}).get('name', '').startswith('/device:')}
+  if not devices:
+    return [e for e in events if e.get('ph') == 'X' and
+            e['name'] == e.get('args', {}).get('hlo_op')]
+  return [dict(e, name=_kernel_op(e['name'], e['args']['hlo_op'], op_names),
+               kernel=e['name'])
+          for e in events
+          if e.get('ph') == 'X' and e.get('pid') in devices and
+          'hlo_op' in e.get('args', {})]
+
+
+def _kernel_op(kernel: str, hlo_op: str, op_names: dict[str, str]) -> str:
+  """The HLO op a GPU kernel ran for.
+
+  XLA names a fusion's kernel after the fusion (`loop_add_fusion_9` for
+  `loop_add_fusion.9`), inside a CUDA graph too, where `hlo_op` is only the
+  graph; a library kernel outside a graph has its custom call as `hlo_op`;
+  one inside a graph keeps the kernel's name (see LIBRARY_KERNEL).
+  """
+  for name in (kernel, re.sub(r'_(\d+)$', r'.\1', kernel), hlo_op,
+               re.sub(r'_(\d+)$', r'.\1', hlo_op)):
+    if name in op_names:
+      return name
+  return kernel
 
 
 def _busy_us(ops) -> float:
@@ -114,12 +149,15 @@ def _nesting(ops) -> list[tuple[float, str]]:
 
   A while loop's (or call's) event spans the events of the ops in its body on
   the same thread; counting both would count the body twice, so a parent keeps
-  only the time none of its children ran (a profiler's "self time").
+  only the time none of its children ran (a profiler's "self time"). GPU
+  kernels never nest: kernels of a CUDA graph overlap on one stream when they
+  run concurrently, so each keeps its whole time.
   """
   result = [(e['dur'], '') for e in ops]
   by_thread = collections.defaultdict(list)
   for i, e in enumerate(ops):
-    by_thread[(e.get('pid'), e.get('tid'))].append(i)
+    if 'kernel' not in e:
+      by_thread[(e.get('pid'), e.get('tid'))].append(i)
   for indices in by_thread.values():
     open_ops = []  # Indices of the enclosing ops, innermost last.
     for i in sorted(indices, key=lambda i: (ops[i]['ts'], -ops[i]['dur'])):
@@ -137,10 +175,12 @@ def _nesting(ops) -> list[tuple[float, str]]:
 
 
 def _op_names(hlo_text: str) -> dict[str, str]:
-  """HLO instruction name -> the JAX op name (with module path) it came from."""
+  """Every HLO instruction's name -> the JAX op name (with module path) it
+  came from, '' for the ones XLA made."""
   names = {}
   for match in _HLO_OP.finditer(hlo_text):
-    names.setdefault(match.group(1), match.group(2))
+    op_name = _OP_NAME.search(match.group(2))
+    names.setdefault(match.group(1), op_name.group(1) if op_name else '')
   return names
 
 
@@ -160,9 +200,10 @@ def _ops_by_self_time(ops, op_names, modules: set[str]
   for op, us in total.most_common():
     op_name = op_names.get(op, '')
     named = op_name or op_names.get(inside[op], '')
+    module = (_module_of(named, modules) if op in op_names or inside[op]
+              else LIBRARY_KERNEL)
     rows.append(dict(hlo_op=op, self_ms=us / 1e3, calls=calls[op],
-                     op_name=op_name, inside=inside[op],
-                     module=_module_of(named, modules)))
+                     op_name=op_name, inside=inside[op], module=module))
   return rows
 
 
