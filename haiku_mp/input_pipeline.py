@@ -60,6 +60,18 @@ def pad_batch(batch: Batch, batch_size: int) -> Batch:
 # ---------------------------------------------------------------- synthetic --
 
 
+def random_batch(model_config: ml_collections.ConfigDict, batch_size: int,
+                 seed, dtype=np.float32) -> Batch:
+  """Normal random images and uniform labels, a function of `seed` alone
+  (an int or a list of ints): synthetic data, and every measurement's batch."""
+  rng = np.random.default_rng(seed)
+  size = model_config.image_size
+  return dict(
+      image=rng.standard_normal((batch_size, size, size, 3), dtype),
+      label=rng.integers(0, model_config.num_classes, batch_size,
+                         dtype=np.int32))
+
+
 def synthetic_train(config: ml_collections.ConfigDict, shard: Shard,
                     start_step: int = 0) -> Iterator[Batch]:
   """Random normalized images and labels, endlessly.
@@ -69,14 +81,10 @@ def synthetic_train(config: ml_collections.ConfigDict, shard: Shard,
   """
   local = local_batch_size(config.batch_size, shard)
   rows = slice(shard.index * local, (shard.index + 1) * local)
-  size = config.model.image_size
   step = start_step
   while True:
-    rng = np.random.default_rng([config.seed, step])
-    images = rng.standard_normal((config.batch_size, size, size, 3), np.float32)
-    labels = rng.integers(0, config.model.num_classes, config.batch_size,
-                          dtype=np.int32)
-    yield dict(image=images[rows], label=labels[rows])
+    batch = random_batch(config.model, config.batch_size, [config.seed, step])
+    yield {k: v[rows] for k, v in batch.items()}
     step += 1
 
 
@@ -84,10 +92,8 @@ def synthetic_eval(config: ml_collections.ConfigDict, split: str,
                    shard: Shard) -> Iterator[Batch]:
   """A fixed random set per split; this process's even slice of it."""
   num = config.data.synthetic_eval_examples
-  rng = np.random.default_rng([config.seed, len(split)])
-  size = config.model.image_size
-  images = rng.standard_normal((num, size, size, 3), np.float32)
-  labels = rng.integers(0, config.model.num_classes, num, dtype=np.int32)
+  data = random_batch(config.model, num, [config.seed, len(split)])
+  images, labels = data['image'], data['label']
   examples = _even_slice(num, shard)
   images = images[examples.start:examples.stop]
   labels = labels[examples.start:examples.stop]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from haiku_mp import precision as precision_lib
-from haiku_mp.models import vit
+from haiku_mp import vit
 
 MODEL_FIELDS = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
                 'mlp_dim', 'num_heads', 'num_layers', 'dropout_rate',
@@ -32,6 +32,7 @@ def make_forward(model_config: ml_collections.ConfigDict,
   """`forward(images, is_training) -> logits` transformed, with `precision` applied."""
   kwargs = {k: model_config[k] for k in MODEL_FIELDS}
   kwargs['float32_residual'] = precision.float32_residual
+  kwargs['matmul_precision'] = precision.matmul_precision
 
   def forward(images: jax.Array, is_training: bool) -> jax.Array:
     with precision_lib.apply(precision, observer):
@@ -62,10 +63,20 @@ def trace_modules(model_config: ml_collections.ConfigDict,
   return calls, params
 
 
-def build(config: ml_collections.ConfigDict
-          ) -> tuple[hk.Transformed, precision_lib.Precision]:
-  """The forward function for `config`, after checking every override matches."""
+def checked_precision(config: ml_collections.ConfigDict
+                      ) -> tuple[precision_lib.Precision,
+                                 list[precision_lib.ModuleCall]]:
+  """`config`'s Precision, every override checked against the module calls
+  of one (abstract) forward pass, and those calls."""
   precision = make_precision(config)
   calls, _ = trace_modules(config.model, precision)
   precision.check_overrides({(c.class_name, c.path) for c in calls})
+  return precision, calls
+
+
+def build(config: ml_collections.ConfigDict
+          ) -> tuple[hk.Transformed, precision_lib.Precision]:
+  """The forward function for `config` (the model alone; a whole run is
+  `experiment.build`)."""
+  precision, _ = checked_precision(config)
   return make_forward(config.model, precision), precision

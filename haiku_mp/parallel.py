@@ -1,12 +1,14 @@
 """Training strategies: `single` device, `pmap` data parallel, `pjit` mesh.
 
-A `Parallel` bundles what differs between them: where the state lives, how a
-process-local host batch becomes device input, the compiled steps, and how a
-metric is read back. The trainer is the same for all three.
+Every strategy is a `Strategy` built the same way, `Cls(config, mesh, model)`,
+and answers the same questions: where the state lives, how a process-local
+host batch becomes device input, what the compiled steps are, what abstract
+inputs they take, how a replicated value is read back. Callers never branch on
+a strategy's name.
 """
 
-import dataclasses
-from typing import Any, Callable, Optional
+import abc
+from typing import Any, Callable, NamedTuple, Optional
 
 import haiku as hk
 import jax
@@ -18,37 +20,222 @@ import ml_collections
 import numpy as np
 import optax
 
+from haiku_mp import errors
 from haiku_mp import loss_scaling
 from haiku_mp import sharding
 from haiku_mp import train_step as train_step_lib
 
-STRATEGIES = ('single', 'pmap', 'pjit')
+TrainState = train_step_lib.TrainState
 
 
-@dataclasses.dataclass(frozen=True)
-class Parallel:
+class Model(NamedTuple):
+  """What a strategy compiles: the model, its optimizer and loss scaling."""
+  forward: hk.Transformed
+  loss_fn: train_step_lib.LossFn
+  optimizer: optax.GradientTransformation
+  scaler: loss_scaling.LossScaler
+  # A no-argument function that builds the initial TrainState (jittable).
+  init_state: Callable[[], TrainState]
+
+
+class Strategy(abc.ABC):
   """The strategy-specific half of a training loop."""
-  strategy: str
-  mesh: Optional[Mesh]
-  # Builds the initial TrainState on the devices, laid out for the strategy.
-  init_state: Callable[[], train_step_lib.TrainState]
-  place_batch: Callable[[dict[str, np.ndarray]], dict[str, jax.Array]]
-  train_step: Callable[..., Any]
-  eval_step: Callable[..., Any]
-  # Maps a replicated device value (metric, state field) to a single one.
-  unreplicate: Callable[[Any], Any]
-  # Where a restored (unreplicated) state is loaded (a tree or a prefix), and
-  # how it then becomes the strategy's state.
-  checkpoint_shardings: Any
-  place_state: Callable[[train_step_lib.TrainState], train_step_lib.TrainState]
-  state_shardings: Optional[train_step_lib.TrainState] = None
+
+  name: str
+  # The state's shardings over the mesh (pjit), or None.
+  state_shardings: Optional[TrainState] = None
+
+  def __init__(self, config: ml_collections.ConfigDict, mesh: Optional[Mesh],
+               model: Model):
+    self.mesh = mesh
+    self._abstract_state = jax.eval_shape(model.init_state)
 
   @property
   def batch_devices(self) -> int:
     """Devices the global batch is split over."""
-    if self.mesh is None:
-      return 1
-    return self.mesh.shape[sharding.BATCH]
+    return 1 if self.mesh is None else self.mesh.shape[sharding.BATCH]
+
+  @abc.abstractmethod
+  def init_state(self) -> TrainState:
+    """The initial TrainState on the devices, laid out for the strategy."""
+
+  @abc.abstractmethod
+  def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """A process-local host batch as the steps' input."""
+
+  @abc.abstractmethod
+  def place_state(self, state: TrainState) -> TrainState:
+    """A restored (unreplicated) state as the strategy's state."""
+
+  def unreplicate(self, tree: Any) -> Any:
+    """A replicated device value (metric, state field) as a single one."""
+    return tree
+
+  @property
+  @abc.abstractmethod
+  def checkpoint_shardings(self) -> Any:
+    """Where a restored state is loaded (a tree of shardings or a prefix)."""
+
+  @abc.abstractmethod
+  def abstract_inputs(self, batch_size: int, image_size: int
+                      ) -> tuple[Any, Any]:
+    """Abstract (state, batch) in the layout `train_step` expects."""
+
+  train_step: Callable[..., Any]  # (state, batch) -> (state, metrics), donating.
+  eval_step: Callable[..., Any]  # (params, batch) -> metrics.
+
+
+def _host_batch(batch_size: int, image_size: int) -> dict[str, np.ndarray]:
+  return dict(image=np.zeros((batch_size, image_size, image_size, 3),
+                             np.float32),
+              label=np.zeros((batch_size,), np.int32))
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+class Single(Strategy):
+  """One device, `jax.jit`."""
+
+  name = 'single'
+
+  def __init__(self, config, mesh, model):
+    super().__init__(config, mesh, model)
+    if jax.process_count() > 1:
+      raise errors.ConfigError(
+          f'parallel.strategy=single cannot span {jax.process_count()} '
+          'processes; use pmap or pjit')
+    self._device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    self.train_step = jax.jit(
+        train_step_lib.make_train_step(model.loss_fn, model.optimizer,
+                                       model.scaler),
+        donate_argnums=0)
+    self.eval_step = jax.jit(train_step_lib.make_eval_step(model.forward))
+    self._init = jax.jit(model.init_state)
+
+  def init_state(self):
+    return self._init()
+
+  def place_batch(self, batch):
+    return jax.device_put(batch)
+
+  def place_state(self, state):
+    return state
+
+  @property
+  def checkpoint_shardings(self):
+    return self._device
+
+  def abstract_inputs(self, batch_size, image_size):
+    return self._abstract_state, _abstract(_host_batch(batch_size, image_size))
+
+
+class Pmap(Strategy):
+  """Data parallel over the mesh's `batch` axis: a replicated state,
+  per-device batches, gradients averaged before the finite check."""
+
+  name = 'pmap'
+
+  def __init__(self, config, mesh, model):
+    super().__init__(config, mesh, model)
+    if mesh.shape[sharding.MODEL] != 1:
+      raise sharding.ShardingError(
+          f'parallel.strategy=pmap is data parallel only: parallel.mesh_shape '
+          f'must be (N, 1), got {tuple(mesh.devices.shape)}')
+    devices = list(mesh.devices.flatten())
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    self._n = len(local)
+    self.train_step = jax.pmap(
+        train_step_lib.make_train_step(model.loss_fn, model.optimizer,
+                                       model.scaler, axis_name=sharding.BATCH),
+        axis_name=sharding.BATCH, donate_argnums=0, devices=devices)
+    self.eval_step = jax.pmap(
+        train_step_lib.make_eval_step(model.forward, axis_name=sharding.BATCH),
+        axis_name=sharding.BATCH, devices=devices)
+    # One copy per local device, laid out the way pmap returns its outputs.
+    self._replicas = NamedSharding(Mesh(np.array(local), (sharding.BATCH,)),
+                                   P(sharding.BATCH))
+    self._first = jax.sharding.SingleDeviceSharding(local[0])
+    self._init = jax.jit(model.init_state)
+
+  def init_state(self):
+    return self.place_state(self._init())
+
+  def place_batch(self, batch):
+    n = self._n
+    return jax.tree.map(
+        lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+
+  def place_state(self, state):
+    n = self._n
+    return jax.tree.map(lambda x: jax.device_put(
+        jnp.broadcast_to(x, (n,) + x.shape), self._replicas), state)
+
+  def unreplicate(self, tree):
+    return jax.tree.map(lambda y: y[0], tree)
+
+  @property
+  def checkpoint_shardings(self):
+    return self._first
+
+  def abstract_inputs(self, batch_size, image_size):
+    state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((self._n,) + x.shape, x.dtype),
+        self._abstract_state)
+    return state, _abstract(self.place_batch(_host_batch(batch_size,
+                                                         image_size)))
+
+
+class Pjit(Strategy):
+  """`jax.jit` with NamedShardings over the ('batch', 'model') mesh: the
+  batch split on `batch`, kernels split on `model` by the sharding rules."""
+
+  name = 'pjit'
+
+  def __init__(self, config, mesh, model):
+    super().__init__(config, mesh, model)
+    specs = sharding.param_specs(self._abstract_state.params,
+                                 sharding.rules(config.parallel), mesh)
+    self.state_shardings = sharding.state_shardings(
+        self._abstract_state, specs, model.optimizer, mesh)
+    self._batch = NamedSharding(mesh, P(sharding.BATCH))
+    replicated = NamedSharding(mesh, P())
+    self.train_step = jax.jit(
+        train_step_lib.make_train_step(model.loss_fn, model.optimizer,
+                                       model.scaler),
+        in_shardings=(self.state_shardings, self._batch),
+        out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+    metrics = dict(loss=replicated, accuracy=replicated,
+                   num_examples=replicated, logits=self._batch)
+    self.eval_step = jax.jit(
+        train_step_lib.make_eval_step(model.forward),
+        in_shardings=(self.state_shardings.params, self._batch),
+        out_shardings=metrics)
+    # Computed in place: no process holds the whole state on one device.
+    self._init = jax.jit(model.init_state, out_shardings=self.state_shardings)
+
+  def init_state(self):
+    return self._init()
+
+  def place_batch(self, batch):
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(self._batch, x),
+        batch)
+
+  def place_state(self, state):
+    return state
+
+  @property
+  def checkpoint_shardings(self):
+    return self.state_shardings
+
+  def abstract_inputs(self, batch_size, image_size):
+    state = sharding.with_shardings(self._abstract_state, self.state_shardings)
+    return state, _abstract(_host_batch(batch_size, image_size))
+
+
+STRATEGIES = {cls.name: cls for cls in (Single, Pmap, Pjit)}
 
 
 def check_batch(name: str, batch_size: int, num_shards: int) -> None:
@@ -58,107 +245,18 @@ def check_batch(name: str, batch_size: int, num_shards: int) -> None:
         "of the mesh's 'batch' axis")
 
 
-def _single(train_step, eval_step, init_state):
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  return Parallel(
-      strategy='single', mesh=None, init_state=jax.jit(init_state),
-      place_batch=jax.device_put,
-      train_step=jax.jit(train_step, donate_argnums=0),
-      eval_step=jax.jit(eval_step), unreplicate=lambda x: x,
-      checkpoint_shardings=device, place_state=lambda x: x)
-
-
-def _pmap(mesh, loss_fn, forward, optimizer, scaler, init_state):
-  if mesh.shape[sharding.MODEL] != 1:
-    raise sharding.ShardingError(
-        f'parallel.strategy=pmap is data parallel only: parallel.mesh_shape '
-        f'must be (N, 1), got {tuple(mesh.devices.shape)}')
-  devices = list(mesh.devices.flatten())
-  local = [d for d in devices if d.process_index == jax.process_index()]
-  n = len(local)
-  train_step = jax.pmap(
-      train_step_lib.make_train_step(loss_fn, optimizer, scaler,
-                                     axis_name=sharding.BATCH),
-      axis_name=sharding.BATCH, donate_argnums=0, devices=devices)
-  eval_step = jax.pmap(
-      train_step_lib.make_eval_step(forward, axis_name=sharding.BATCH),
-      axis_name=sharding.BATCH, devices=devices)
-
-  # One copy per local device, laid out the way pmap returns its outputs.
-  replicas = NamedSharding(Mesh(np.array(local), (sharding.BATCH,)),
-                           P(sharding.BATCH))
-
-  def replicate(state):
-    return jax.tree.map(lambda x: jax.device_put(
-        jnp.broadcast_to(x, (n,) + x.shape), replicas), state)
-
-  def place_batch(batch):
-    return jax.tree.map(
-        lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
-
-  return Parallel(
-      strategy='pmap', mesh=mesh,
-      init_state=lambda: replicate(jax.jit(init_state)()),
-      place_batch=place_batch, train_step=train_step, eval_step=eval_step,
-      unreplicate=lambda x: jax.tree.map(lambda y: y[0], x),
-      checkpoint_shardings=jax.sharding.SingleDeviceSharding(local[0]),
-      place_state=replicate)
-
-
-def _pjit(mesh, train_step, eval_step, init_state, config, optimizer):
-  rules = sharding.parse_rules(config.parallel.sharding_rules)
-  rules += sharding.DEFAULT_RULES
-  state = jax.eval_shape(init_state)
-  specs = sharding.param_specs(state.params, rules, mesh)
-  state_sh = sharding.state_shardings(state, specs, optimizer, mesh)
-  batch_sh = NamedSharding(mesh, P(sharding.BATCH))
-  replicated = NamedSharding(mesh, P())
-  compiled_train = jax.jit(
-      train_step, in_shardings=(state_sh, batch_sh),
-      out_shardings=(state_sh, replicated), donate_argnums=0)
-  metrics_sh = dict(loss=replicated, accuracy=replicated,
-                    num_examples=replicated, logits=batch_sh)
-  compiled_eval = jax.jit(eval_step, in_shardings=(state_sh.params, batch_sh),
-                          out_shardings=metrics_sh)
-
-  def place_batch(batch):
-    return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(batch_sh, x), batch)
-
-  # Computed in place: no process holds the whole state on one device.
-  sharded_init = jax.jit(init_state, out_shardings=state_sh)
-  return Parallel(
-      strategy='pjit', mesh=mesh, init_state=sharded_init,
-      place_batch=place_batch, train_step=compiled_train,
-      eval_step=compiled_eval, unreplicate=lambda x: x,
-      checkpoint_shardings=state_sh, place_state=lambda x: x,
-      state_shardings=state_sh)
-
-
-def make_parallel(config: ml_collections.ConfigDict, mesh: Optional[Mesh],
-                  forward: hk.Transformed,
-                  optimizer: optax.GradientTransformation,
-                  scaler: loss_scaling.LossScaler,
-                  init_state: Callable[[], train_step_lib.TrainState]
-                  ) -> Parallel:
+def make_strategy(config: ml_collections.ConfigDict, mesh: Optional[Mesh],
+                  model: Model) -> Strategy:
   """The strategy `config.parallel.strategy` on `mesh` (None for `single`)."""
-  strategy = config.parallel.strategy
-  if strategy not in STRATEGIES:
-    raise sharding.ShardingError(
-        f'parallel.strategy: unknown strategy {strategy!r}; expected one of '
-        f'{STRATEGIES}')
-  loss_fn = train_step_lib.make_classification_loss(forward)
-  if strategy == 'single':
-    parallel = _single(
-        train_step_lib.make_train_step(loss_fn, optimizer, scaler),
-        train_step_lib.make_eval_step(forward), init_state)
-  elif strategy == 'pmap':
-    parallel = _pmap(mesh, loss_fn, forward, optimizer, scaler, init_state)
-  else:
-    parallel = _pjit(
-        mesh, train_step_lib.make_train_step(loss_fn, optimizer, scaler),
-        train_step_lib.make_eval_step(forward), init_state, config, optimizer)
-  check_batch('batch_size', config.batch_size, parallel.batch_devices)
+  name = config.parallel.strategy
+  if name not in STRATEGIES:
+    raise errors.ConfigError(
+        f'parallel.strategy: unknown strategy {name!r}; expected one of '
+        f'{tuple(STRATEGIES)}')
+  if name != 'single' and mesh is None:
+    raise errors.ConfigError(f'parallel.strategy={name} needs a device mesh')
+  strategy = STRATEGIES[name](config, mesh, model)
+  check_batch('batch_size', config.batch_size, strategy.batch_devices)
   check_batch('eval_batch_size', config.eval_batch_size,
-              parallel.batch_devices)
-  return parallel
+              strategy.batch_devices)
+  return strategy

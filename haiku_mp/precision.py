@@ -23,6 +23,19 @@ interceptor of its own, entered with `apply()` inside the transformed function:
 nothing leaks into other models or threads once the function returns.
 `precision_test.py` checks that, for class-only rules, the traced program is the
 one `hk.mixed_precision` produces.
+
+Every place a dtype is decided in a step:
+
+- this module's interceptor: params, module inputs and outputs (the policies);
+- `vit.Attention`: logits and softmax in float32 (at least), their backward
+  matmuls back in the operands' dtype (`vit.attention_logits`);
+- `vit.EncoderBlock`: each branch cast to the residual stream's dtype before
+  the add; `vit.VisionTransformer`: cls token and position embedding cast to
+  the activations', the stream in float32 under `residual_stream=float32`;
+- `train_step`: the loss in float32 from whatever the logits are; gradients
+  cast to float32 (at least) before unscaling and the finite check;
+- `optimizer.float32_master`: a float32 master copy when params are half;
+- `loss_scaling`: the scale itself is always float32 (jmp #47).
 """
 
 import contextlib

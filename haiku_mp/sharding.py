@@ -100,11 +100,21 @@ def parse_rules(text: str) -> tuple[tuple[str, str], ...]:
   return tuple(rules)
 
 
+def rules(parallel_config) -> tuple[tuple[str, str], ...]:
+  """The config's rules, tried first, then the built-in ones."""
+  return parse_rules(parallel_config.sharding_rules) + DEFAULT_RULES
+
+
+def param_name(path) -> str:
+  """'module/path/param' of a leaf's key path in a params tree."""
+  return '/'.join(str(getattr(k, 'key', k)) for k in path)
+
+
 def param_specs(params, rules: Sequence[tuple[str, str]], mesh: Mesh):
   """A PartitionSpec per parameter (same tree as `params`)."""
 
   def spec_for(path, value):
-    name = '/'.join(str(getattr(k, 'key', k)) for k in path)
+    name = param_name(path)
     for pattern, spec_text in rules:
       if re.fullmatch(pattern, name):
         spec = parse_spec(spec_text)

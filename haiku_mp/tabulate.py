@@ -5,10 +5,8 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
-import ml_collections
 
-from haiku_mp import model
+from haiku_mp import experiment
 from haiku_mp import precision as precision_lib
 from haiku_mp import sharding
 
@@ -29,21 +27,15 @@ def _source(rule: precision_lib.Rule | None) -> str:
   return f'{rule.source} {rule.target}'
 
 
-def module_rows(config: ml_collections.ConfigDict,
-                mesh: Optional[Mesh] = None) -> list[dict[str, Any]]:
-  """One row per module, in call order, for the model `config` describes.
+def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
+  """One row per module, in call order, for the experiment's model.
 
-  With a `mesh` and the `pjit` strategy, each parameter also shows how it is
-  sharded (PartitionSpec over the ('batch', 'model') mesh).
+  Under the `pjit` strategy each parameter also shows how it is sharded
+  (PartitionSpec over the ('batch', 'model') mesh).
   """
-  precision = model.make_precision(config)
-  calls, params = model.trace_modules(config.model, precision)
-  precision.check_overrides({(c.class_name, c.path) for c in calls})
-  specs = None
-  if mesh is not None and config.parallel.strategy == 'pjit':
-    rules = (sharding.parse_rules(config.parallel.sharding_rules) +
-             sharding.DEFAULT_RULES)
-    specs = sharding.param_specs(params, rules, mesh)
+  calls, params = exp.module_calls, exp.abstract_state.params
+  shardings = exp.strategy.state_shardings
+  specs = shardings and shardings.params
   rows = {}
   for call in calls:
     if call.method != '__call__' or call.path in rows:

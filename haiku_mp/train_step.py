@@ -58,6 +58,26 @@ def _cross_replica_mean(tree, axis_name):
               jax.lax.pmean(v, axis_name)) for k, v in tree.items()}
 
 
+def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
+              loss_scale: loss_scaling.LossScaleState, params: hk.Params,
+              rng: jax.Array, batch: Batch, axis_name: Optional[str] = None
+              ) -> tuple[hk.Params, jax.Array, Metrics]:
+  """(gradients, loss, aux) as the train step takes them: of the scaled loss,
+  cast to at least float32 (half gradients of float32 params), averaged over
+  `axis_name` replicas, then unscaled. Not yet checked for finiteness."""
+
+  def scaled_loss(params):
+    loss, aux = loss_fn(params, rng, batch)
+    return loss_scaler.scale(loss_scale, loss), (loss, aux)
+
+  grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
+  grads = jax.tree.map(
+      lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
+  if axis_name is not None:
+    grads = jax.lax.pmean(grads, axis_name)
+  return loss_scaler.unscale(loss_scale, grads), loss, aux
+
+
 def make_train_step(loss_fn: LossFn,
                     optimizer: optax.GradientTransformation,
                     loss_scaler: loss_scaling.LossScaler,
@@ -77,15 +97,8 @@ def make_train_step(loss_fn: LossFn,
     if axis_name is not None:
       step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
 
-    def scaled_loss(params):
-      loss, aux = loss_fn(params, step_rng, batch)
-      return loss_scaler.scale(state.loss_scale, loss), (loss, aux)
-
-    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(state.params)
-    grads = jmp.cast_to_full(grads)
-    if axis_name is not None:
-      grads = jax.lax.pmean(grads, axis_name)
-    grads = loss_scaler.unscale(state.loss_scale, grads)
+    grads, loss, aux = gradients(loss_fn, loss_scaler, state.loss_scale,
+                                 state.params, step_rng, batch, axis_name)
     # One flag per gradient leaf: the skip decision, and where float16
     # overflowed for the log of a skipped step.
     nonfinite = jnp.stack([~jnp.isfinite(g).all()

@@ -16,7 +16,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp import profiling
+from haiku_mp import compiled_step
+from haiku_mp.lab import compare
 from haiku_mp import sharding
 from launch import cli
 
@@ -39,14 +40,13 @@ def main(argv):
     config = copy.deepcopy(_CONFIG.value)
     config.parallel.strategy = strategy
     config.parallel.mesh_shape = shape
-    mesh = sharding.mesh_for(config.parallel)
-    result = dict(layout=layout, **profiling.compiled_step_stats(config, mesh))
+    result = dict(layout=layout, **compiled_step.compiled_step_stats(config))
     results.append(result)
     print(json.dumps(result), flush=True)
-  base = results[0]
-  ratios = {r['layout']: {f: r[f] / base[f] for f in _RATIO_FIELDS if base[f]}
-            for r in results[1:]}
-  print(json.dumps(dict(ratios_vs=base['layout'], ratios=ratios)))
+  compare.add_ratios(results, 'ratios', _RATIO_FIELDS,
+                     is_base=lambda r: r is results[0])
+  print(json.dumps(dict(ratios_vs=results[0]['layout'],
+                        ratios={r['layout']: r['ratios'] for r in results[1:]})))
 
 
 if __name__ == '__main__':

@@ -20,7 +20,7 @@ from ml_collections import config_flags
 from haiku_mp import errors
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
-from haiku_mp.lab import numerics
+from haiku_mp.lab import precision as precision_lab
 from haiku_mp.lab import profile
 from haiku_mp.lab import params
 from haiku_mp.lab import sweep
@@ -45,13 +45,14 @@ _STEPS = flags.DEFINE_integer(
 _WARMUP_STEPS = flags.DEFINE_integer(
     'warmup_steps', 1, 'sweep, profile: untimed steps after compiling.')
 _MATMUL_PRECISIONS = flags.DEFINE_list(
-    'matmul_precisions', list(numerics.MATMUL_PRECISIONS),
+    'matmul_precisions', list(precision_lab.MATMUL_PRECISIONS),
     "precision: jax.default_matmul_precision names ('' = JAX's default).")
 _NUMERICS_BATCH_SIZE = flags.DEFINE_integer(
     'numerics_batch_size', 32,
     'precision: examples compared with the float64 reference.')
 _ISOLATE = flags.DEFINE_bool(
-    'isolate', True, 'sweep: measure each variant in a fresh process.')
+    'isolate', True,
+    'sweep, precision: measure each variant in a fresh process.')
 _COMPILE = flags.DEFINE_bool(
     'compile', True, "memory: also compile each variant's train step.")
 
@@ -87,12 +88,12 @@ def _memory():
 
 
 def _precision():
-  dtypes = _DTYPES.value if _DTYPES.present else list(numerics.DTYPES)
-  result = numerics.run(
+  dtypes = _DTYPES.value if _DTYPES.present else list(precision_lab.DTYPES)
+  result = precision_lab.run(
       _CONFIG.value, dtypes, _MATMUL_PRECISIONS.value, _STEPS.value,
       _int_list('numerics_batch_size', [str(_NUMERICS_BATCH_SIZE.value)])[0],
-      log=lambda line: print(line, flush=True))
-  return result, numerics.plot
+      _ISOLATE.value, log=lambda line: print(line, flush=True))
+  return result, precision_lab.plot
 
 
 def _profile():

@@ -9,6 +9,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from haiku_mp import experiment
 from haiku_mp import sharding
 from haiku_mp import tabulate
 from launch import cli
@@ -21,8 +22,9 @@ _JSON = flags.DEFINE_bool('json', False, 'Print one JSON list of objects.')
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  mesh = sharding.mesh_for(_CONFIG.value.parallel)
-  rows = tabulate.module_rows(_CONFIG.value, mesh)
+  config = experiment.on_synthetic_data(_CONFIG.value)
+  exp = experiment.build(config, sharding.mesh_for(config.parallel))
+  rows = tabulate.module_rows(exp)
   if _JSON.value:
     print(json.dumps(rows, indent=1))
   else:

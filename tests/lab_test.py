@@ -14,11 +14,13 @@ from jax._src.ad_checkpoint import saved_residuals
 import numpy as np
 
 from configs import base
+from haiku_mp import experiment
 from haiku_mp import model
 from haiku_mp import train_step
+from haiku_mp.lab import compare
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
-from haiku_mp.lab import numerics
+from haiku_mp.lab import precision as precision_lab
 from haiku_mp.lab import profile
 from haiku_mp.lab import params
 from haiku_mp.lab import sweep
@@ -51,7 +53,20 @@ class LabTest(parameterized.TestCase):
       self.assertEqual(r['computed_dtype'], r['dtype'])
       self.assertAlmostEqual(r['gflops_per_sec'],
                              2 * 16 * 16 * 64 / r['median_sec'] / 1e9)
-    self.assertEqual(result['results'][0]['time_vs_first'], 1.0)
+
+  def test_ratios_to_the_base_row_of_each_group(self):
+    rows = [dict(dtype='float32', batch=8, t=4.0, peak=None),
+            dict(dtype='bfloat16', batch=8, t=2.0, peak=3),
+            dict(dtype='bfloat16', batch=16, t=3.0, peak=1),
+            dict(dtype='float32', batch=16, t=12.0, peak=0)]
+    compare.add_ratios(rows, 'vs', ('t', 'peak'),
+                       is_base=lambda r: r['dtype'] == 'float32',
+                       same_group=lambda a, b: a['batch'] == b['batch'])
+    # A base of None or 0 gives no ratio for that field.
+    self.assertEqual([r['vs'] for r in rows],
+                     [{'t': 1.0}, {'t': 0.5}, {'t': 0.25}, {'t': 1.0}])
+    compare.add_ratios(rows, 'vs', ('t',), is_base=lambda r: False)
+    self.assertEqual([r['vs'] for r in rows], [None] * 4)
 
   def test_sweep_fields_and_arithmetic(self):
     config = helpers.tiny_config(num_layers=1)
@@ -76,10 +91,9 @@ class LabTest(parameterized.TestCase):
                        - r['alias_size_in_bytes'] + r['temp_size_in_bytes'])
       self.assertGreater(r['temp_size_in_bytes'], 0)
       self.assertIsNone(r['device_peak_bytes'])  # No GPU in tests.
-      base = rows[0] if r['batch_size'] == 8 else rows[2]
-      self.assertAlmostEqual(r['vs_float32']['temp_size_in_bytes'],
-                             r['temp_size_in_bytes'] / base['temp_size_in_bytes'])
-    self.assertEqual(rows[0]['vs_float32']['median_step_sec'], 1.0)
+    # Each row is compared with the float32 row of its own batch size.
+    self.assertEqual([r['vs_float32']['argument_size_in_bytes'] for r in rows],
+                     [1.0, 1.0, 1.0, 1.0])
     # The batch is split over 8 devices: 8 more examples are one more
     # float32 8x8x3 image and int32 label on each device.
     self.assertEqual(rows[2]['argument_size_in_bytes'] -
@@ -88,9 +102,9 @@ class LabTest(parameterized.TestCase):
   def test_residuals_match_jax_and_are_attributed_to_modules(self):
     config = sweep.variant_config(helpers.tiny_config(), 'bfloat16', 8,
                                   'single:1x1')
-    summary = memory.residual_summary(config, 8)
-    forward, _ = model.build(config)
-    loss_fn = train_step.make_classification_loss(forward)
+    exp = experiment.build(config)
+    summary = memory.residual_summary(exp, 8)
+    forward, loss_fn = exp.forward, exp.loss_fn
     batch = helpers.random_batch(config, 8)
     params = forward.init(jax.random.key(0), batch['image'], True)
     reference = saved_residuals(
@@ -105,7 +119,7 @@ class LabTest(parameterized.TestCase):
     self.assertIn('vit/encoder_block_*/attention', summary['by_module'])
     self.assertGreater(summary['by_dtype']['bfloat16'],
                        summary['by_dtype']['float32'])
-    rows = memory.saved_residuals(config, 8)
+    rows = memory.saved_residuals(exp, 8)
     # LayerNorm computes in float32, so what it keeps is float32, except its
     # output, cast to bfloat16 for the next matmul.
     layer_norm = [r for r in rows if '/ln_' in r['module'] and
@@ -142,9 +156,9 @@ class LabTest(parameterized.TestCase):
   def test_precision_aliases_errors_and_residual_stream(self):
     config = helpers.tiny_config(num_layers=1)
     config.batch_size = 8
-    result = numerics.run(config, ('float32', 'bfloat16'),
+    result = precision_lab.run(config, ('float32', 'bfloat16'),
                           ('', 'highest', 'float32', 'bfloat16'),
-                          num_steps=1, numerics_batch_size=8,
+                          num_steps=1, numerics_batch_size=8, isolate=False,
                           log=lambda _: None)
     rows = {(r['dtype'], r['matmul_precision']): r for r in result['matmul']}
     self.assertLen(rows, 8)
@@ -182,12 +196,12 @@ class LabTest(parameterized.TestCase):
 
   def test_float16_gradients_are_computed_under_the_loss_scale(self):
     config = helpers.tiny_config(num_layers=1)
-    ref = numerics.reference(config, 8)
+    ref = precision_lab.reference(config, 8)
     errors = {}
     for kind, initial in (('none', 1), ('dynamic', 2**15), ('static', 2**24)):
       variant = sweep.variant_config(config, 'float16', 8, 'single:1x1')
       variant.loss_scale.update(kind=kind, initial=initial)
-      errors[kind] = numerics.error_vs(variant, ref, 8)['grads_relative_error']
+      errors[kind] = precision_lab.error_vs(variant, ref, 8)['grads_relative_error']
     self.assertLess(errors['none'], 1e-2)
     self.assertLess(errors['dynamic'], 1e-2)
     # 2**24 x the logits' cotangent is past float16's 65504: the scale really

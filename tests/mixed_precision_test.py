@@ -10,6 +10,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from haiku_mp import experiment
 from haiku_mp import model
 from haiku_mp import train_step as train_step_lib
 from tests import helpers
@@ -26,13 +27,11 @@ FLOAT32_ISLAND_PRIMITIVES = ('reduce_max', 'reduce_sum', 'exp', 'log', 'rsqrt')
 def _setup(policy, overrides='', **precision):
   config = helpers.tiny_config(policy, overrides)
   config.precision.update(precision)
-  forward, _ = model.build(config)
+  exp = experiment.build_without_data(config)
   batch = helpers.random_batch(config)
-  params = forward.init(jax.random.key(0), batch['image'], True)
-  loss_fn = train_step_lib.make_classification_loss(forward)
   rng = jax.random.key(1)
-  loss = lambda p: loss_fn(p, rng, batch)[0]
-  return forward, params, batch, loss
+  loss = lambda p: exp.loss_fn(p, rng, batch)[0]
+  return exp.forward, exp.init_state().params, batch, loss
 
 
 class MatmulDtypeTest(parameterized.TestCase):

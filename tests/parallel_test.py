@@ -18,10 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from haiku_mp import loss_scaling
-from haiku_mp import model
-from haiku_mp import optimizer as optimizer_lib
-from haiku_mp import parallel
+from haiku_mp import errors
+from haiku_mp import experiment
 from haiku_mp import sharding
 from haiku_mp import tabulate
 from haiku_mp import train_step as train_step_lib
@@ -44,19 +42,7 @@ def _config(strategy, mesh_shape, policy=FP16, loss_scale='dynamic'):
 
 
 def _setup(config):
-  forward, plan = model.build(config)
-  optimizer = optimizer_lib.make_optimizer(config, 100, plan.half_params)
-  scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
-
-  def init_state():
-    params = forward.init(jax.random.key(0),
-                          model.dummy_images(config.model), True)
-    return train_step_lib.init_train_state(params, optimizer, scaler,
-                                           jax.random.key(1))
-
-  mesh = sharding.mesh_for(config.parallel)
-  return parallel.make_parallel(config, mesh, forward, optimizer, scaler,
-                                init_state)
+  return experiment.build_without_data(config).strategy
 
 
 def _train(config, steps=5):
@@ -164,7 +150,7 @@ class ShardingRulesTest(parameterized.TestCase):
   def test_tabulate_shows_shardings(self):
     config = _config('pjit', (4, 2))
     rows = {r['path']: r for r in tabulate.module_rows(
-        config, sharding.mesh_for(config.parallel))}
+        experiment.build_without_data(config))}
     fc2 = rows['vit/encoder_block_0/mlp_block/fc2']['params']
     self.assertEqual((fc2['w']['sharding'], fc2['b']['sharding']),
                      ('model,None', 'replicated'))
@@ -192,7 +178,7 @@ class BadSettingsTest(parameterized.TestCase):
     config = _config(settings['strategy'], settings['mesh_shape'])
     config.batch_size = settings.get('batch_size', 16)
     config.parallel.sharding_rules = settings.get('sharding_rules', '')
-    with self.assertRaisesRegex(sharding.ShardingError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       _setup(config)
 
 

@@ -9,7 +9,7 @@ import jmp
 
 from haiku_mp import model
 from haiku_mp import precision
-from haiku_mp.models import vit
+from haiku_mp import vit
 from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'
@@ -151,7 +151,6 @@ class ScopeTest(parameterized.TestCase):
     ours_jaxpr, theirs_jaxpr = trace(ours), trace(theirs)
     self.assertIn('f16[', str(ours_jaxpr))
     self.assertEqual(str(ours_jaxpr), str(theirs_jaxpr))
-    self.assertIsNone(hk.mixed_precision.get_policy(vit.VisionTransformer))
 
   def test_two_models_in_one_process_do_not_leak(self):
     fp16 = helpers.tiny_config(FP16)

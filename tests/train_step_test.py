@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from haiku_mp import experiment
 from haiku_mp import loss_scaling
 from haiku_mp import model
 from haiku_mp import optimizer as optimizer_lib
@@ -61,16 +62,9 @@ def _one_step(policy, scaler, optimizer, batch, loss_fn_and_forward=None):
 def _vit_setup(policy, loss_scale_kind, **loss_scale):
   config = helpers.tiny_config(policy, loss_scale=loss_scale_kind)
   config.loss_scale.update(loss_scale)
-  forward, plan = model.build(config)
-  batch = helpers.random_batch(config)
-  optimizer = optimizer_lib.make_optimizer(config, 100, plan.half_params)
-  scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
-  params = forward.init(jax.random.key(0), batch['image'], True)
-  state = train_step_lib.init_train_state(params, optimizer, scaler,
-                                          jax.random.key(1))
-  step = train_step_lib.make_train_step(
-      train_step_lib.make_classification_loss(forward), optimizer, scaler)
-  return forward, batch, state, step
+  exp = experiment.build_without_data(config)
+  step = train_step_lib.make_train_step(exp.loss_fn, exp.optimizer, exp.scaler)
+  return exp.forward, helpers.random_batch(config), exp.init_state(), step
 
 
 def _copy(tree):

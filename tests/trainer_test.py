@@ -117,7 +117,9 @@ class TrainerTest(parameterized.TestCase):
     self.assertEqual([(e['split'], e['num_examples']) for e in events
                       if e['split'] in ('val', 'test')],
                      [('val', 5000), ('test', 10000)])
-    self.assertBetween(summary['test_accuracy'], 0.0, 1.0)
+    test = [e for e in events if e['split'] == 'test'][0]
+    self.assertEqual((summary['test_accuracy'], summary['test_loss']),
+                     (test['accuracy'], test['loss']))
     self.assertEqual(summary['skipped_steps'], 0)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from configs import base
 from haiku_mp import model
-from haiku_mp.models import vit
+from haiku_mp import vit
 from tests import helpers
 
 

@@ -24,11 +24,11 @@ from jax.extend import core as jex_core
 import ml_collections
 import numpy as np
 
+from haiku_mp import experiment
 from haiku_mp import model
 from haiku_mp import plots
-from haiku_mp import profiling
-from haiku_mp import sharding
-from haiku_mp import train_step as train_step_lib
+from haiku_mp import compiled_step
+from haiku_mp.lab import compare
 from haiku_mp.lab import sweep
 
 BATCH_SIZES = (128, 1024, 4096)
@@ -56,7 +56,7 @@ def _nbytes(aval) -> int:
   return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
-def saved_residuals(config: ml_collections.ConfigDict,
+def saved_residuals(exp: experiment.Experiment,
                     batch_size: int) -> list[dict[str, Any]]:
   """Every residual of the loss's vjp: shape, dtype, bytes, and its source.
 
@@ -64,11 +64,9 @@ def saved_residuals(config: ml_collections.ConfigDict,
   'activation' (computed in the forward pass, kept for the backward pass);
   `module` is the path of the module that computed it.
   """
-  forward, _ = model.build(config)
-  loss_fn = train_step_lib.make_classification_loss(forward)
-  images = model.dummy_images(config.model, batch_size)
-  params = jax.eval_shape(
-      lambda: forward.init(jax.random.key(0), images[:1], True))
+  loss_fn = exp.loss_fn
+  images = model.dummy_images(exp.config.model, batch_size)
+  params = exp.abstract_state.params
   batch = dict(image=jax.ShapeDtypeStruct(images.shape, jnp.float32),
                label=jax.ShapeDtypeStruct((batch_size,), jnp.int32))
 
@@ -107,12 +105,11 @@ def _group(rows, key) -> dict[str, int]:
   return dict(sums.most_common())
 
 
-def residual_summary(config: ml_collections.ConfigDict,
+def residual_summary(exp: experiment.Experiment,
                      batch_size: int) -> dict[str, Any]:
   """Saved-residual bytes in total, per dtype, per module class and module."""
-  rows = saved_residuals(config, batch_size)
-  calls, _ = model.trace_modules(config.model, model.make_precision(config))
-  classes = {c.path: c.class_name for c in calls}
+  rows = saved_residuals(exp, batch_size)
+  classes = {c.path: c.class_name for c in exp.module_calls}
   kept = [r for r in rows if r['source'] != 'param']
   by_class = lambda r: classes.get(r['module'], OUTSIDE_MODEL)
   by_module = lambda r: merge_block_indices(r['module']) or OUTSIDE_MODEL
@@ -133,10 +130,10 @@ def _tree_bytes(tree) -> int:
 def breakdown(config: ml_collections.ConfigDict, compile_step: bool
               ) -> dict[str, Any]:
   """Params, gradients, optimizer state, kept activations, compiled temp."""
-  residuals = residual_summary(config, config.batch_size)
-  step = profiling.compile_train_step(config, sharding.mesh_for(
-      config.parallel)) if compile_step else None
-  state = jax.eval_shape(profiling.build(config, None)[1])
+  exp = experiment.build_without_data(config)
+  residuals = residual_summary(exp, config.batch_size)
+  step = compiled_step.compile_experiment(exp) if compile_step else None
+  state = exp.abstract_state
   row = dict(
       params_bytes=_tree_bytes(state.params),
       # jax.grad returns them in the param dtype; the step casts to float32.
@@ -167,17 +164,12 @@ def run(config: ml_collections.ConfigDict,
       log(f'memory {dtype} batch {batch_size}: '
           f'{result["breakdown"]}')
       results.append(result)
-  for r in results:
-    base = next(b for b in results if b['dtype'] == 'float32' and
-                b['batch_size'] == r['batch_size']) if 'float32' in dtypes else None
-    if base:
-      r['vs_float32'] = {
-          'kept_activation_bytes': (r['breakdown']['kept_activation_bytes'] /
-                                    base['breakdown']['kept_activation_bytes'])}
-      for field in ('temp_size_in_bytes', 'compiled_total_bytes'):
-        if field in base['breakdown']:
-          r['vs_float32'][field] = (r['breakdown'][field] /
-                                    base['breakdown'][field])
+  compare.add_ratios(
+      results, 'vs_float32', ('kept_activation_bytes', 'temp_size_in_bytes',
+                              'compiled_total_bytes'),
+      is_base=lambda r: r['dtype'] == 'float32',
+      same_group=lambda a, b: a['batch_size'] == b['batch_size'],
+      values=lambda r: r['breakdown'])
   return dict(experiment='memory', device=str(jax.devices()[0].device_kind),
               results=results)
 

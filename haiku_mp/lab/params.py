@@ -12,6 +12,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from haiku_mp import experiment
 from haiku_mp import plots
 from haiku_mp import tabulate
 
@@ -20,7 +21,7 @@ DTYPES = ('float32', 'float16', 'bfloat16')
 
 def run(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """{'modules': [...], 'totals': {dtype: {count, bytes, megabytes}}}."""
-  rows = tabulate.module_rows(config)
+  rows = tabulate.module_rows(experiment.build_without_data(config))
   modules = [dict(path=r['path'], param_count=r['param_count'],
                   **{f'bytes_{d}': r['param_count'] * np.dtype(d).itemsize
                      for d in DTYPES})

@@ -32,7 +32,7 @@ import ml_collections
 
 from haiku_mp import model
 from haiku_mp import plots
-from haiku_mp import profiling
+from haiku_mp import compiled_step
 from haiku_mp import sharding
 from haiku_mp.lab import memory
 
@@ -51,9 +51,8 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 def run(config: ml_collections.ConfigDict, out_dir: str, num_steps: int,
         warmup_steps: int = 1) -> dict[str, Any]:
   """Compiles, warms up, then traces `num_steps` steps into `out_dir/profile`."""
-  step = profiling.compile_train_step(config,
-                                      sharding.mesh_for(config.parallel))
-  state, batch = profiling.random_inputs(config, step.parallel)
+  step = compiled_step.compile_train_step(config)
+  state, batch = compiled_step.random_inputs(step.experiment)
   for _ in range(warmup_steps):
     state, metrics = step.compiled(state, batch)
   jax.block_until_ready(state)

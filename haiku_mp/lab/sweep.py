@@ -12,20 +12,17 @@ over from the variant before.
 import copy
 import json
 import os
-import subprocess
-import sys
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 
-from haiku_mp import errors
-from haiku_mp import input_pipeline
 from haiku_mp import plots
 from haiku_mp import precision
-from haiku_mp import profiling
 from haiku_mp import sharding
+from haiku_mp.lab import compare
+from haiku_mp.lab import isolated
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 BATCH_SIZES = (128, 1024, 4096)
@@ -58,33 +55,6 @@ def variant_config(config: ml_collections.ConfigDict, dtype: str,
   return config
 
 
-def measure(config: ml_collections.ConfigDict, num_steps: int,
-            warmup_steps: int) -> dict[str, Any]:
-  """Compiles and times the train step of one variant config, in this process."""
-  step = profiling.compile_train_step(config,
-                                      sharding.mesh_for(config.parallel))
-  timing = profiling.time_steps(config, step, num_steps, warmup_steps)
-  epoch_examples = input_pipeline.num_train_examples(config.data)
-  return dict(**step.stats, **timing,
-              epoch_sec=epoch_examples / timing['images_per_sec'],
-              device=str(jax.devices()[0].device_kind))
-
-
-def _measure_isolated(config, num_steps, warmup_steps) -> dict[str, Any]:
-  request = dict(config=config.to_json(), num_steps=num_steps,
-                 warmup_steps=warmup_steps)
-  proc = subprocess.run([sys.executable, '-m', __name__],
-                        input=json.dumps(request), capture_output=True,
-                        text=True, check=False)
-  if proc.returncode:
-    lines = proc.stderr.strip().splitlines() or ['(no output)']
-    reason = lines[-1] if proc.returncode == 2 else '\n'.join(lines[-30:])
-    raise errors.ConfigError(
-        f'sweep variant {config.precision.policy} batch_size='
-        f'{config.batch_size} failed: {reason}')
-  return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def run(config: ml_collections.ConfigDict,
         dtypes: Sequence[str] = DTYPES,
         batch_sizes: Sequence[int] = BATCH_SIZES,
@@ -98,18 +68,15 @@ def run(config: ml_collections.ConfigDict,
     sharding.mesh_for(variant.parallel)
   results = []
   for (dtype, batch_size, layout), variant in zip(variants, configs):
-    measure_fn = _measure_isolated if isolate else measure
-    result = dict(dtype=dtype, layout=layout,
-                  **measure_fn(variant, num_steps, warmup_steps))
+    result = dict(dtype=dtype, layout=layout, **isolated.measure(
+        variant, num_steps, warmup_steps, isolate))
     log(json.dumps(result))
     results.append(result)
-  for r in results:
-    base = next((b for b in results if b['dtype'] == 'float32' and
-                 (b['batch_size'], b['layout']) == (r['batch_size'],
-                                                    r['layout'])), None)
-    r['vs_float32'] = base and {
-        f: r[f] / base[f] for f in RATIO_FIELDS if base.get(f) and
-        r.get(f) is not None}
+  compare.add_ratios(
+      results, 'vs_float32', RATIO_FIELDS,
+      is_base=lambda r: r['dtype'] == 'float32',
+      same_group=lambda a, b: (a['batch_size'], a['layout']) == (
+          b['batch_size'], b['layout']))
   return dict(experiment='sweep', num_steps=num_steps,
               warmup_steps=warmup_steps, isolated=isolate,
               device=str(jax.devices()[0].device_kind), results=results)
@@ -142,19 +109,3 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
                               'global batch size')
       paths.append(path)
   return paths
-
-
-def _worker() -> None:
-  request = json.loads(sys.stdin.read())
-  config = ml_collections.ConfigDict(json.loads(request['config']))
-  config.parallel.mesh_shape = tuple(config.parallel.mesh_shape)
-  try:
-    result = measure(config, request['num_steps'], request['warmup_steps'])
-  except errors.ConfigError as e:
-    print(f'{type(e).__name__}: {e}', file=sys.stderr)
-    sys.exit(2)
-  print(json.dumps(result))
-
-
-if __name__ == '__main__':
-  _worker()

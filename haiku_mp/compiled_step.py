@@ -11,31 +11,15 @@ import time
 from typing import Any, Optional
 
 import jax
-from jax.sharding import Mesh
 import ml_collections
 import numpy as np
 
-from haiku_mp import loss_scaling
-from haiku_mp import model
-from haiku_mp import optimizer as optimizer_lib
-from haiku_mp import parallel as parallel_lib
-from haiku_mp import sharding
-from haiku_mp import trainer
+from haiku_mp import experiment
+from haiku_mp import input_pipeline
 
 _MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes',
                   'temp_size_in_bytes', 'generated_code_size_in_bytes',
                   'alias_size_in_bytes')
-
-
-def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh]):
-  """The `Parallel` for `config` and a function that makes its initial state."""
-  forward, precision = model.build(config)
-  optimizer = optimizer_lib.make_optimizer(config, 1000, precision.half_params)
-  scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
-
-  init_state = trainer.make_init_state(config, forward, optimizer, scaler)
-  return parallel_lib.make_parallel(config, mesh, forward, optimizer, scaler,
-                                    init_state), init_state
 
 
 def _per_device_bytes(tree, shardings) -> int:
@@ -49,27 +33,6 @@ def _per_device_bytes(tree, shardings) -> int:
         leaf.shape)
     total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
   return total
-
-
-def abstract_inputs(config, parallel, init_state):
-  """Abstract (state, batch) in the layout the strategy's step expects."""
-  state = jax.eval_shape(init_state)
-  size = config.model.image_size
-  batch = dict(
-      image=np.zeros((config.batch_size, size, size, 3), np.float32),
-      label=np.zeros((config.batch_size,), np.int32))
-  if parallel.strategy == 'pmap':
-    n = jax.local_device_count()
-    state = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype), state)
-    batch = parallel.place_batch(batch)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                         batch)
-  elif parallel.strategy == 'pjit':
-    state = sharding.with_shardings(state, parallel.state_shardings)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                         batch)
-  return state, batch
 
 
 def device_peak_bytes() -> Optional[int]:
@@ -87,18 +50,28 @@ def fingerprint(text: Optional[str]) -> Optional[str]:
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
   """The reference train step compiled for one config and layout."""
-  parallel: parallel_lib.Parallel
+  experiment: experiment.Experiment
   compiled: Any  # Called as compiled(state, batch), donating the state.
   stats: dict[str, Any]  # compile_sec, memory analysis, per-device bytes.
 
 
-def compile_train_step(config: ml_collections.ConfigDict,
-                       mesh: Optional[Mesh]) -> CompiledStep:
+def lower_train_step(exp: experiment.Experiment):
+  """The train step lowered on abstract inputs (cheap: no XLA compilation)."""
+  return exp.strategy.train_step.lower(*exp.abstract_inputs())
+
+
+def compile_train_step(config: ml_collections.ConfigDict) -> CompiledStep:
   """Compiles the train step on abstract inputs and reads its memory analysis."""
-  parallel, init_state = build(config, mesh)
-  state, batch = abstract_inputs(config, parallel, init_state)
+  return compile_experiment(experiment.build_without_data(config))
+
+
+def compile_experiment(exp: experiment.Experiment,
+                       lowered: Any = None) -> CompiledStep:
+  """`compile_train_step` of a built experiment, from its `lowered` step if
+  the caller already has it (`compile_sec` then excludes the lowering)."""
+  config, mesh = exp.config, exp.mesh
   start = time.perf_counter()
-  lowered = parallel.train_step.lower(state, batch)
+  lowered = lowered or lower_train_step(exp)
   compiled = lowered.compile()
   compile_seconds = time.perf_counter() - start
   analysis = compiled.memory_analysis()
@@ -107,50 +80,45 @@ def compile_train_step(config: ml_collections.ConfigDict,
   memory['compiled_total_bytes'] = (
       memory['argument_size_in_bytes'] + memory['output_size_in_bytes'] -
       memory['alias_size_in_bytes'] + memory['temp_size_in_bytes'])
-  abstract_state = jax.eval_shape(init_state)
-  shardings = parallel.state_shardings
+  abstract_state = exp.abstract_state
+  shardings = exp.strategy.state_shardings
   per_device = dict(
       params_bytes=_per_device_bytes(
           abstract_state.params, shardings and shardings.params),
       opt_state_bytes=_per_device_bytes(
           abstract_state.opt_state, shardings and shardings.opt_state))
-  stats = dict(strategy=parallel.strategy,
+  stats = dict(strategy=exp.strategy.name,
                mesh_shape=mesh and list(mesh.devices.shape),
                batch_size=config.batch_size,
                policy=config.precision.policy,
                compile_sec=compile_seconds, **memory, **per_device,
                # Equal fingerprints: the same program (as lowered for XLA).
                program_sha256=fingerprint(lowered.as_text()))
-  return CompiledStep(parallel, compiled, stats)
+  return CompiledStep(exp, compiled, stats)
 
 
-def compiled_step_stats(config: ml_collections.ConfigDict,
-                        mesh: Optional[Mesh]) -> dict[str, Any]:
+def compiled_step_stats(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """Compile time and per-device memory analysis of the train step."""
-  return compile_train_step(config, mesh).stats
+  return compile_train_step(config).stats
 
 
-def random_inputs(config: ml_collections.ConfigDict,
-                  parallel: parallel_lib.Parallel):
+def random_inputs(exp: experiment.Experiment):
   """The initial state and a fixed random batch, placed for the strategy."""
-  rng = np.random.default_rng(config.seed)
-  size = config.model.image_size
-  host_batch = dict(
-      image=rng.standard_normal((config.batch_size, size, size, 3),
-                                np.float32),
-      label=rng.integers(0, config.model.num_classes, config.batch_size,
-                         dtype=np.int32))
-  return parallel.init_state(), parallel.place_batch(host_batch)
+  config = exp.config
+  host_batch = input_pipeline.random_batch(config.model, config.batch_size,
+                                           config.seed)
+  return exp.strategy.init_state(), exp.strategy.place_batch(host_batch)
 
 
-def time_steps(config: ml_collections.ConfigDict, step: CompiledStep,
-               num_steps: int, warmup_steps: int = 1) -> dict[str, Any]:
+def time_steps(step: CompiledStep, num_steps: int, warmup_steps: int = 1
+               ) -> dict[str, Any]:
   """Median wall time of `num_steps` train steps on a fixed random batch.
 
   Each step is waited for (its loss read back), so a time is one whole step;
   the first `warmup_steps` are not counted.
   """
-  state, batch = random_inputs(config, step.parallel)
+  config = step.experiment.config
+  state, batch = random_inputs(step.experiment)
   times = []
   for i in range(warmup_steps + num_steps):
     start = time.perf_counter()

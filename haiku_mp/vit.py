@@ -1,8 +1,11 @@
 """Vision Transformer as small Haiku modules.
 
 Activations flow in whatever dtype the precision policy in force gives them
-(the compute dtype); no module here casts except `Attention`, which keeps its
-logits and softmax in float32 while its matmuls run in the compute dtype.
+(the compute dtype). The casts made here: `Attention` keeps its logits and
+softmax in float32 while its matmuls run in the compute dtype; `EncoderBlock`
+casts each branch back to the residual stream's dtype before adding it;
+`VisionTransformer` casts the cls token and position embedding to the
+activations' dtype, and the stream to float32 under `float32_residual`.
 """
 
 import functools
@@ -73,9 +76,13 @@ class PatchEmbed(hk.Module):
 class Attention(hk.Module):
   """Multi-head self-attention with float32 logits and softmax."""
 
-  def __init__(self, num_heads: int, name: Optional[str] = None):
+  def __init__(self, num_heads: int, matmul_precision: Optional[str] = None,
+               name: Optional[str] = None):
+    """`matmul_precision`: the `jax.default_matmul_precision` the forward
+    pass runs under, which the backward of the logits must use too."""
     super().__init__(name=name)
     self.num_heads = num_heads
+    self.matmul_precision = matmul_precision
 
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, tokens, dim = x.shape
@@ -89,8 +96,7 @@ class Attention(hk.Module):
       return y.reshape(batch, tokens, self.num_heads, head_dim)
 
     q, k, v = project('query'), project('key'), project('value')
-    logits = attention_logits(
-        q, k, jax.config.jax_default_matmul_precision) / math.sqrt(head_dim)
+    logits = attention_logits(q, k, self.matmul_precision) / math.sqrt(head_dim)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum('bhqk,bkhd->bqhd', weights, v)
     out = out.reshape(batch, tokens, dim)
@@ -129,9 +135,11 @@ class EncoderBlock(hk.Module):
   """Pre-LayerNorm transformer block: x + MHA(LN(x)), then x + MLP(LN(x))."""
 
   def __init__(self, num_heads: int, mlp_dim: int, dropout_rate: float,
-               layer_norm_epsilon: float, name: Optional[str] = None):
+               layer_norm_epsilon: float, matmul_precision: Optional[str] = None,
+               name: Optional[str] = None):
     super().__init__(name=name)
     self.num_heads = num_heads
+    self.matmul_precision = matmul_precision
     self.mlp_dim = mlp_dim
     self.dropout_rate = dropout_rate
     self.layer_norm_epsilon = layer_norm_epsilon
@@ -139,7 +147,7 @@ class EncoderBlock(hk.Module):
   def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
     # Branch outputs are cast to the residual stream's dtype, so an override on
     # a sub-module (say output=float32) cannot silently promote the stream.
-    y = Attention(self.num_heads)(
+    y = Attention(self.num_heads, self.matmul_precision)(
         _layer_norm('ln_attention', self.layer_norm_epsilon)(x))
     x = x + y.astype(x.dtype)
     y = MlpBlock(self.mlp_dim, self.dropout_rate)(
@@ -153,10 +161,14 @@ class VisionTransformer(hk.Module):
   def __init__(self, *, image_size: int, patch_size: int, num_classes: int,
                embed_dim: int, mlp_dim: int, num_heads: int, num_layers: int,
                dropout_rate: float, layer_norm_epsilon: float,
-               float32_residual: bool = False, name: Optional[str] = 'vit'):
+               float32_residual: bool = False,
+               matmul_precision: Optional[str] = None,
+               name: Optional[str] = 'vit'):
     """`float32_residual` keeps the residual stream (the sum the blocks add
     into) in float32 whatever the compute dtype, as Megatron's fp32-residual
-    option; by default the stream is in the compute dtype."""
+    option; by default the stream is in the compute dtype.
+    `matmul_precision` is the `jax.default_matmul_precision` the model runs
+    under (None: JAX's default), for the attention logits' backward pass."""
     super().__init__(name=name)
     if image_size % patch_size:
       raise errors.ConfigError(
@@ -175,6 +187,7 @@ class VisionTransformer(hk.Module):
     self.dropout_rate = dropout_rate
     self.layer_norm_epsilon = layer_norm_epsilon
     self.float32_residual = float32_residual
+    self.matmul_precision = matmul_precision
 
   def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
     """Maps images [B, H, W, C] to logits [B, num_classes]."""
@@ -190,7 +203,7 @@ class VisionTransformer(hk.Module):
       x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     for i in range(self.num_layers):
       x = EncoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate,
-                       self.layer_norm_epsilon,
+                       self.layer_norm_epsilon, self.matmul_precision,
                        name=f'encoder_block_{i}')(x, is_training)
     x = _layer_norm('ln_final', self.layer_norm_epsilon)(x[:, 0])
     return hk.Linear(self.num_classes, w_init=jnp.zeros, name='head')(x)

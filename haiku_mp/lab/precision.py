@@ -21,11 +21,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from haiku_mp import experiment
+from haiku_mp import input_pipeline
 from haiku_mp import loss_scaling
 from haiku_mp import model
 from haiku_mp import plots
-from haiku_mp import profiling
+from haiku_mp import compiled_step
 from haiku_mp import train_step as train_step_lib
+from haiku_mp.lab import compare
+from haiku_mp.lab import isolated
 from haiku_mp.lab import memory
 from haiku_mp.lab import sweep
 
@@ -43,42 +47,34 @@ def _deterministic(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
 
 
 def _batch(config, batch_size: int, dtype) -> dict[str, jax.Array]:
-  rng = np.random.default_rng(config.seed)
-  size = config.model.image_size
-  return dict(
-      image=jnp.asarray(rng.standard_normal((batch_size, size, size, 3)),
-                        dtype),
-      label=jnp.asarray(rng.integers(0, config.model.num_classes, batch_size),
-                        jnp.int32))
+  batch = input_pipeline.random_batch(config.model, batch_size, config.seed,
+                                      np.float64)
+  return dict(image=jnp.asarray(batch['image'], dtype),
+              label=jnp.asarray(batch['label']))
 
 
-def _logits_and_grads(config, params, batch):
-  """Logits, loss and gradients as the train step computes them: the loss
-  scaled by the config's (initial) loss scale, the gradients unscaled."""
-  forward, _ = model.build(config)
-  loss_fn = train_step_lib.make_classification_loss(forward)
-  scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
+def _logits_and_grads(exp: experiment.Experiment, params, batch):
+  """Logits, loss and gradients as the train step computes them (its own
+  `gradients`): the loss scaled by the config's initial loss scale, the
+  gradients unscaled."""
 
   @jax.jit
   def run(params, batch):
-    logits = forward.apply(params, None, batch['image'], False)
-    scale = scaler.init()
-    scaled_loss = lambda p: scaler.scale(
-        scale, loss_fn(p, jax.random.key(0), batch)[0])
-    scaled, grads = jax.value_and_grad(scaled_loss)(params)
-    grads = scaler.unscale(scale, jax.tree.map(
-        lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads))
-    return logits, scaler.unscale(scale, scaled), grads
+    logits = exp.forward.apply(params, None, batch['image'], False)
+    grads, loss, _ = train_step_lib.gradients(
+        exp.loss_fn, exp.scaler, exp.scaler.init(), params,
+        jax.random.key(0), batch)
+    return logits, loss, grads
 
   return jax.tree.map(np.asarray, run(params, batch))
 
 
-def _initial_params(config) -> Any:
+def _initial_params(exp: experiment.Experiment) -> Any:
   """The initial params, with the zero-initialized ones (head, cls token,
   biases) drawn small and random so that every path carries a signal."""
-  forward, _ = model.build(config)
-  params = forward.init(jax.random.key(config.seed),
-                        model.dummy_images(config.model), True)
+  config = exp.config
+  params = exp.forward.init(jax.random.key(config.seed),
+                            model.dummy_images(config.model), True)
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(config.seed + 1), len(leaves))
   leaves = [jnp.where(p == 0, 0.02 * jax.random.normal(k, p.shape, p.dtype), p)
@@ -89,13 +85,13 @@ def _initial_params(config) -> Any:
 def reference(config: ml_collections.ConfigDict, batch_size: int):
   """Logits, loss and gradients with every dtype float64."""
   config = _deterministic(config)
-  params = _initial_params(config)
+  params = _initial_params(experiment.build_without_data(config))
   config.precision.update(policy=_REFERENCE_POLICY, overrides='',
                           float32_layer_norm=False, matmul_precision='highest')
   config.loss_scale.kind = 'none'
   with jax.enable_x64(True):
     params64 = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), params)
-    return _logits_and_grads(config, params64,
+    return _logits_and_grads(experiment.build_without_data(config), params64,
                              _batch(config, batch_size, jnp.float64))
 
 
@@ -106,9 +102,9 @@ def _relative(a, b) -> float:
 def error_vs(config: ml_collections.ConfigDict, ref, batch_size: int
              ) -> dict[str, float]:
   """How far the config's logits, loss and gradients are from `ref`."""
-  config = _deterministic(config)
+  exp = experiment.build_without_data(_deterministic(config))
   logits, loss, grads = _logits_and_grads(
-      config, _initial_params(config), _batch(config, batch_size, jnp.float32))
+      exp, _initial_params(exp), _batch(exp.config, batch_size, jnp.float32))
   ref_logits, ref_loss, ref_grads = ref
   flat = lambda tree: np.concatenate(
       [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
@@ -128,23 +124,34 @@ def _variant(config, dtype, batch_size, matmul_precision='',
   return config
 
 
-def _measure(config, ref, num_steps, numerics_batch_size) -> dict[str, Any]:
-  step = profiling.compile_train_step(config, None)
-  timing = profiling.time_steps(config, step, num_steps)
+def _lowered(variant):
+  """The variant's experiment, its lowered train step and its fingerprint."""
+  exp = experiment.build_without_data(variant)
+  lowered = compiled_step.lower_train_step(exp)
+  return exp, lowered, compiled_step.fingerprint(lowered.as_text())
+
+
+def _measure(exp, lowered, ref, num_steps, numerics_batch_size, isolate
+             ) -> dict[str, Any]:
+  """Time and memory (in a fresh process if `isolate`, else from the program
+  already lowered here), and the error against `ref`."""
+  if isolate:
+    measured = isolated.measure(exp.config, num_steps, 1)
+  else:
+    measured = isolated.measure_compiled(
+        compiled_step.compile_experiment(exp, lowered), num_steps, 1)
   keep = ('compile_sec', 'temp_size_in_bytes', 'compiled_total_bytes',
-          'program_sha256')
-  return dict({k: step.stats[k] for k in keep},
-              median_step_sec=timing['median_step_sec'],
-              images_per_sec=timing['images_per_sec'],
-              device_peak_bytes=timing['device_peak_bytes'],
-              **error_vs(config, ref, numerics_batch_size))
+          'program_sha256', 'median_step_sec', 'images_per_sec',
+          'device_peak_bytes')
+  return dict({k: measured[k] for k in keep},
+              **error_vs(exp.config, ref, numerics_batch_size))
 
 
 def run(config: ml_collections.ConfigDict,
         dtypes: Sequence[str] = DTYPES,
         matmul_precisions: Sequence[str] = MATMUL_PRECISIONS,
         num_steps: int = 3, numerics_batch_size: int = 32,
-        log=print) -> dict[str, Any]:
+        isolate: bool = True, log=print) -> dict[str, Any]:
   """Both sets of variants at `config.batch_size`, against one reference."""
   for dtype in dtypes:  # Every setting is checked before anything runs.
     for name in matmul_precisions:
@@ -153,15 +160,17 @@ def run(config: ml_collections.ConfigDict,
   matmul_rows = []
   for dtype in dtypes:
     for name in matmul_precisions:
-      variant = _variant(config, dtype, config.batch_size, name)
+      exp, lowered, fingerprint = _lowered(
+          _variant(config, dtype, config.batch_size, name))
       row = dict(dtype=dtype, matmul_precision=name or '(jax default)')
       # Lowering is cheap; an identical program is not measured twice.
-      same = _same_program(variant, dtype, matmul_rows)
+      same = _same_program(fingerprint, dtype, matmul_rows)
       if same is not None:
         row.update({k: v for k, v in same.items() if k not in row},
                    same_program_as=same['matmul_precision'])
       else:
-        row.update(_measure(variant, ref, num_steps, numerics_batch_size),
+        row.update(_measure(exp, lowered, ref, num_steps, numerics_batch_size,
+                            isolate),
                    same_program_as=None)
       log(f'precision {row}')
       matmul_rows.append(row)
@@ -172,23 +181,22 @@ def run(config: ml_collections.ConfigDict,
     for stream in streams:
       variant = _variant(config, dtype, config.batch_size,
                          residual_stream=stream)
-      residuals = memory.residual_summary(variant, config.batch_size)
+      exp, lowered, fingerprint = _lowered(variant)
+      residuals = memory.residual_summary(exp, config.batch_size)
       row = dict(dtype=dtype, residual_stream=stream,
                  kept_activation_bytes=residuals['kept_bytes'])
-      same = _same_program(variant, dtype, matmul_rows)
-      measured = same or _measure(variant, ref, num_steps, numerics_batch_size)
+      same = _same_program(fingerprint, dtype, matmul_rows)
+      measured = same or _measure(exp, lowered, ref, num_steps,
+                                  numerics_batch_size, isolate)
       row.update({k: v for k, v in measured.items()
                   if k not in ('dtype', 'matmul_precision', 'same_program_as')})
       log(f'residual {row}')
       residual_rows.append(row)
-  for row in residual_rows:
-    base = next((r for r in residual_rows if r['dtype'] == row['dtype'] and
-                 r['residual_stream'] == 'compute'), None)
-    if base:
-      row['vs_compute_stream'] = {
-          f: row[f] / base[f] for f in ('kept_activation_bytes',
-                                        'temp_size_in_bytes',
-                                        'median_step_sec')}
+  compare.add_ratios(
+      residual_rows, 'vs_compute_stream',
+      ('kept_activation_bytes', 'temp_size_in_bytes', 'median_step_sec'),
+      is_base=lambda r: r['residual_stream'] == 'compute',
+      same_group=lambda a, b: a['dtype'] == b['dtype'])
   # float16 gradients need the loss scale: without it small ones underflow.
   loss_scale_rows = []
   if 'float16' in dtypes:
@@ -209,12 +217,8 @@ def run(config: ml_collections.ConfigDict,
               loss_scale=loss_scale_rows)
 
 
-def _same_program(variant, dtype, rows) -> Optional[dict[str, Any]]:
-  """The measured row of `dtype` whose lowered program is `variant`'s."""
-  parallel, init_state = profiling.build(variant, None)
-  state, batch = profiling.abstract_inputs(variant, parallel, init_state)
-  fingerprint = profiling.fingerprint(
-      parallel.train_step.lower(state, batch).as_text())
+def _same_program(fingerprint, dtype, rows) -> Optional[dict[str, Any]]:
+  """The measured row of `dtype` whose lowered program has `fingerprint`."""
   return next((r for r in rows if r['dtype'] == dtype and
                r['same_program_as'] is None and
                r['program_sha256'] == fingerprint), None)

@@ -1,0 +1,128 @@
+"""The one place that turns a config (and a device mesh) into a run's parts.
+
+The trainer, the benchmark, tabulate, every lab experiment and the tests ask
+`build`; nothing else puts precision, forward, loss, optimizer, loss scaling,
+initial state and strategy together, so what is measured is what is trained.
+"""
+
+import copy
+import dataclasses
+from typing import Any, Callable, Optional
+
+import haiku as hk
+import jax
+from jax.sharding import Mesh
+import ml_collections
+import optax
+
+from haiku_mp import errors
+from haiku_mp import input_pipeline
+from haiku_mp import loss_scaling
+from haiku_mp import model as model_lib
+from haiku_mp import optimizer as optimizer_lib
+from haiku_mp import parallel
+from haiku_mp import precision as precision_lib
+from haiku_mp import sharding
+from haiku_mp import train_step as train_step_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  """Everything a run of one config on one mesh needs."""
+  config: ml_collections.ConfigDict
+  mesh: Optional[Mesh]
+  precision: precision_lib.Precision
+  # Every module call of one forward pass (path, class, policy, dtypes).
+  module_calls: list[precision_lib.ModuleCall]
+  forward: hk.Transformed
+  loss_fn: train_step_lib.LossFn
+  total_steps: int
+  schedule: optax.Schedule
+  optimizer: optax.GradientTransformation
+  scaler: loss_scaling.LossScaler
+  # A no-argument function that builds the initial TrainState from the seed.
+  init_state: Callable[[], train_step_lib.TrainState]
+  abstract_state: train_step_lib.TrainState  # jax.ShapeDtypeStruct leaves.
+  strategy: parallel.Strategy
+
+  @property
+  def param_names(self) -> list[str]:
+    """'module/path/param' per parameter, in `jax.tree.leaves` order."""
+    return [sharding.param_name(path) for path, _ in
+            jax.tree_util.tree_flatten_with_path(self.abstract_state.params)[0]]
+
+  def abstract_inputs(self) -> tuple[Any, Any]:
+    """Abstract (state, batch) of the train step, in the strategy's layout."""
+    return self.strategy.abstract_inputs(self.config.batch_size,
+                                         self.config.model.image_size)
+
+
+def total_train_steps(config: ml_collections.ConfigDict) -> int:
+  """`num_train_steps`, or `num_epochs` over the train split."""
+  if config.num_train_steps > 0:
+    return int(config.num_train_steps)
+  examples = input_pipeline.num_train_examples(config.data)
+  steps = int(config.num_epochs * (examples // config.batch_size))
+  if steps <= 0:
+    raise errors.ConfigError(
+        f'num_epochs={config.num_epochs} with batch_size={config.batch_size} '
+        'gives no training step')
+  return steps
+
+
+def on_synthetic_data(config: ml_collections.ConfigDict
+                      ) -> ml_collections.ConfigDict:
+  """`config` on synthetic data, for what reads no dataset (the lab, the
+  benchmark, tabulate): no TensorFlow, no data dir; the schedule's length is
+  then that of the synthetic train set, which changes no shape and no cost."""
+  config = copy.deepcopy(config)
+  config.data.source = 'synthetic'
+  return config
+
+
+def build_without_data(config: ml_collections.ConfigDict) -> Experiment:
+  """`build` for what measures and reads no dataset (the lab, the benchmark,
+  tabulate): on synthetic data, on the mesh `config.parallel` describes."""
+  config = on_synthetic_data(config)
+  return build(config, sharding.mesh_for(config.parallel))
+
+
+def _init_state_fn(config, forward, optimizer, scaler):
+  """Takes no arrays, so a strategy can run it under jit with the state's
+  shardings as outputs (nothing is ever gathered on one device)."""
+
+  def init_state() -> train_step_lib.TrainState:
+    init_rng, state_rng = jax.random.split(jax.random.key(config.seed))
+    params = forward.init(init_rng, model_lib.dummy_images(config.model), True)
+    return train_step_lib.init_train_state(params, optimizer, scaler,
+                                           state_rng)
+
+  return init_state
+
+
+def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
+          total_steps: Optional[int] = None) -> Experiment:
+  """The run `config` describes on `mesh` (None for the `single` strategy).
+
+  `total_steps` (the learning-rate schedule's length) defaults to the
+  config's; it reads the train split's size when `num_train_steps` is -1.
+  Checks every override and parallel setting; compiles nothing.
+  """
+  precision, calls = model_lib.checked_precision(config)
+  forward = model_lib.make_forward(config.model, precision)
+  if total_steps is None:
+    total_steps = total_train_steps(config)
+  optimizer = optimizer_lib.make_optimizer(config, total_steps,
+                                           precision.half_params)
+  scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
+  init_state = _init_state_fn(config, forward, optimizer, scaler)
+  loss_fn = train_step_lib.make_classification_loss(forward)
+  strategy = parallel.make_strategy(config, mesh, parallel.Model(
+      forward, loss_fn, optimizer, scaler, init_state))
+  return Experiment(
+      config=config, mesh=mesh, precision=precision, module_calls=calls,
+      forward=forward, loss_fn=loss_fn,
+      total_steps=total_steps,
+      schedule=optimizer_lib.learning_rate_schedule(config, total_steps),
+      optimizer=optimizer, scaler=scaler, init_state=init_state,
+      abstract_state=jax.eval_shape(init_state), strategy=strategy)

@@ -1,0 +1,68 @@
+"""Compiles and times one variant's train step, in a fresh process or here.
+
+In a fresh process (`python -m haiku_mp.lab.isolated`, config on stdin,
+result as the last line of stdout) a device's peak bytes are that variant's
+own, and no compile cache or allocator state carries over from the variant
+measured before. Every timed lab experiment measures through `measure`.
+"""
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import jax
+import ml_collections
+
+from haiku_mp import compiled_step
+from haiku_mp import errors
+from haiku_mp import input_pipeline
+
+
+def measure_compiled(step: compiled_step.CompiledStep, num_steps: int,
+                     warmup_steps: int) -> dict[str, Any]:
+  """The compiled step's stats, its timing, and the epoch time that implies."""
+  timing = compiled_step.time_steps(step, num_steps, warmup_steps)
+  epoch_examples = input_pipeline.num_train_examples(
+      step.experiment.config.data)
+  return dict(**step.stats, **timing,
+              epoch_sec=epoch_examples / timing['images_per_sec'],
+              device=str(jax.devices()[0].device_kind))
+
+
+def measure(config: ml_collections.ConfigDict, num_steps: int,
+            warmup_steps: int, isolate: bool = True) -> dict[str, Any]:
+  """`measure_compiled` of `config`'s train step, in a fresh process if
+  `isolate`. A variant that fails there is one ConfigError naming it."""
+  if not isolate:
+    return measure_compiled(compiled_step.compile_train_step(config),
+                            num_steps, warmup_steps)
+  request = dict(config=config.to_json(), num_steps=num_steps,
+                 warmup_steps=warmup_steps)
+  proc = subprocess.run([sys.executable, '-m', __name__],
+                        input=json.dumps(request), capture_output=True,
+                        text=True, check=False)
+  if proc.returncode:
+    lines = proc.stderr.strip().splitlines() or ['(no output)']
+    reason = lines[-1] if proc.returncode == 2 else '\n'.join(lines[-30:])
+    raise errors.ConfigError(
+        f'variant {config.precision.policy} batch_size={config.batch_size} '
+        f'failed: {reason}')
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+  request = json.loads(sys.stdin.read())
+  config = ml_collections.ConfigDict(json.loads(request['config']))
+  config.parallel.mesh_shape = tuple(config.parallel.mesh_shape)
+  try:
+    result = measure(config, request['num_steps'], request['warmup_steps'],
+                     isolate=False)
+  except errors.ConfigError as e:
+    print(f'{type(e).__name__}: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(json.dumps(result))
+
+
+if __name__ == '__main__':
+  main()
