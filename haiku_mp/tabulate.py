@@ -1,7 +1,7 @@
 """A per-module table of a model: policy in force, params, input/output dtypes."""
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp

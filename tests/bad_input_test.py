@@ -1,12 +1,15 @@
 """Every bad input of README's table: one line naming it, non-zero exit,
 no traceback, and the existing run directory and checkpoint untouched."""
 
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import glob
 import hashlib
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -16,22 +19,17 @@ from absl.testing import parameterized
 from tests import fake_cifar10
 from tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--config.data.source=synthetic', '--config.num_train_steps=2',
         '--config.log_every_steps=1', '--config.eval_every_steps=2',
         '--config.checkpoint_every_steps=1', '--config.batch_size=8',
         '--config.eval_batch_size=8', '--config.data.synthetic_eval_examples=8',
-        '--config.model.num_layers=1', '--config.model.embed_dim=16',
-        '--config.model.mlp_dim=16', '--config.model.num_heads=2']
+        *helpers.TINY_MODEL_FLAGS]
 
 
 def _train(workdir, *flags, devices=8):
-  env = dict(os.environ,
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
-  return subprocess.run(
-      [sys.executable, '-m', 'launch.train', '--config=configs/vit_fp16.py',
-       f'--workdir={workdir}', *TINY, *flags],
-      cwd=ROOT, env=env, capture_output=True, text=True)
+  return helpers.run_module('launch.train', '--config=configs/vit_fp16.py',
+                            f'--workdir={workdir}', *TINY, *flags,
+                            devices=devices)
 
 
 def _digest(directory):

@@ -1,11 +1,15 @@
 """Checkpoints: exact resume after SIGKILL, SIGTERM, corrupt and foreign ones."""
 
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import glob
 import json
-import os
 import signal
 import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest

@@ -1,8 +1,13 @@
 """Every config file loads, is locked, and differs from base only where meant."""
 
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import glob
 import importlib
-import os
 
 from absl.testing import absltest
 from absl.testing import parameterized

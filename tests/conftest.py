@@ -1,5 +1,3 @@
-"""Eight CPU devices for every test (set before JAX is imported)."""
+"""pytest: the test package's eight CPU devices before any module loads JAX."""
 
-import os
-
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+import tests  # pylint: disable=unused-import

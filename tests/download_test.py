@@ -5,8 +5,13 @@ prepares into an empty data dir (TFDS's own download and preparation; only the
 URL is changed, see tests/fake_cifar10.py) and trains.
 """
 
-import json
 import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json
 import tempfile
 
 from absl.testing import absltest

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 from typing import Iterator
 
 import jax
@@ -14,6 +16,22 @@ from tensorboard.util import tensor_util
 from configs import base
 
 MATMUL_PRIMITIVES = ('dot_general', 'conv_general_dilated')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A one-layer ViT for command-line runs: a few seconds to compile on 2 cores.
+TINY_MODEL_FLAGS = ('--config.model.num_layers=1', '--config.model.embed_dim=16',
+                    '--config.model.mlp_dim=16', '--config.model.num_heads=2')
+
+
+def run_module(module: str, *args: str, devices=None, env=None, **kwargs
+               ) -> subprocess.CompletedProcess:
+  """`python -m module *args` in the repository root, output captured as
+  text; `devices` sets the number of virtual CPU devices it sees."""
+  env = dict(os.environ, **(env or {}))
+  if devices is not None:
+    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+  kwargs.setdefault('capture_output', True)
+  return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT,
+                        env=env, text=True, **kwargs)
 
 
 def tiny_config(policy: str = 'params=float32,compute=float32,output=float32',

@@ -1,9 +1,13 @@
 """Tests for the CIFAR-10 input pipeline (mock data, and the real data if present)."""
 
 import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import subprocess
 import tempfile
-import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized

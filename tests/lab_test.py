@@ -1,10 +1,13 @@
 """The lab experiments at tiny sizes: JSON fields and their arithmetic."""
 
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import json
 import math
-import os
-import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest
@@ -15,8 +18,6 @@ import numpy as np
 
 from configs import base
 from haiku_mp import experiment
-from haiku_mp import model
-from haiku_mp import train_step
 from haiku_mp.lab import compare
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
@@ -26,7 +27,6 @@ from haiku_mp.lab import params
 from haiku_mp.lab import sweep
 from tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_FLAGS = ('--config.model.num_layers=1', '--config.model.embed_dim=16',
               '--config.model.mlp_dim=16', '--config.model.image_size=8')
 
@@ -333,9 +333,7 @@ class LabTest(parameterized.TestCase):
                  ['memory', *TINY_FLAGS, '--batch_sizes=2', '--dtypes=bfloat16'],
                  ['profile', *TINY_FLAGS, '--config.batch_size=4',
                   '--steps=2']):
-      subprocess.run([sys.executable, '-m', 'launch.lab', *args,
-                      f'--out={out}'], cwd=ROOT, check=True,
-                     capture_output=True)
+      helpers.run_module('launch.lab', *args, f'--out={out}', check=True)
       with open(os.path.join(out, f'{args[0]}.json')) as f:
         result = json.load(f)
       self.assertEqual(result['experiment'], args[0])
@@ -355,9 +353,7 @@ class LabTest(parameterized.TestCase):
        "precision.matmul_precision: unknown value 'fast'"))
   def test_bad_input_one_line_error(self, args, message):
     out = self.enter_context(tempfile.TemporaryDirectory())
-    bad = subprocess.run([sys.executable, '-m', 'launch.lab', *args,
-                          f'--out={out}/lab'], cwd=ROOT, capture_output=True,
-                         text=True)
+    bad = helpers.run_module('launch.lab', *args, f'--out={out}/lab')
     self.assertEqual(bad.returncode, 1, bad.stderr[-2000:])
     self.assertIn(message, bad.stderr.strip().splitlines()[-1])
     self.assertFalse(os.path.exists(f'{out}/lab'))

@@ -1,5 +1,11 @@
 """metrics.jsonl and TensorBoard: the same points, non-finite ones included."""
 
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import math
 import tempfile
 import time

@@ -4,6 +4,12 @@ Asserts the dtypes that reach every matmul and convolution, and that the
 numerically fragile parts (LayerNorm statistics, softmax, loss) are float32.
 """
 
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -12,7 +18,6 @@ import jax.numpy as jnp
 
 from haiku_mp import experiment
 from haiku_mp import model
-from haiku_mp import train_step as train_step_lib
 from tests import helpers
 
 POLICIES = dict(

@@ -1,9 +1,12 @@
 """float16 overflow storms, hysteresis, diverging runs: handled and reported."""
 
-import json
 import os
-import subprocess
 import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json
 import tempfile
 
 from absl.testing import absltest
@@ -18,7 +21,6 @@ from haiku_mp import loss_scaling
 from haiku_mp import trainer
 from tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERFLOW, FINITE = jnp.asarray(False), jnp.asarray(True)
 
 
@@ -139,17 +141,14 @@ class OverflowStormTest(parameterized.TestCase):
 class DivergenceTest(parameterized.TestCase):
 
   def _run(self, workdir, *flags):
-    return subprocess.run(
-        [sys.executable, '-m', 'launch.train', *flags, f'--workdir={workdir}',
-         '--config.data.source=synthetic', '--config.num_train_steps=30',
-         '--config.log_every_steps=1', '--config.eval_every_steps=30',
-         '--config.checkpoint_every_steps=1', '--config.batch_size=16',
-         '--config.eval_batch_size=16',
-         '--config.data.synthetic_eval_examples=16',
-         '--config.model.num_layers=1', '--config.model.embed_dim=16',
-         '--config.model.mlp_dim=16', '--config.model.num_heads=2',
-         '--config.learning_rate=1e38'],
-        cwd=ROOT, capture_output=True, text=True)
+    return helpers.run_module(
+        'launch.train', *flags, f'--workdir={workdir}',
+        '--config.data.source=synthetic', '--config.num_train_steps=30',
+        '--config.log_every_steps=1', '--config.eval_every_steps=30',
+        '--config.checkpoint_every_steps=1', '--config.batch_size=16',
+        '--config.eval_batch_size=16',
+        '--config.data.synthetic_eval_examples=16', *helpers.TINY_MODEL_FLAGS,
+        '--config.learning_rate=1e38')
 
   @parameterized.named_parameters(
       ('fp32', ['--config=configs/vit_fp32.py'], 'loss_scale.kind=none'),

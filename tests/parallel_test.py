@@ -3,12 +3,16 @@
 Runs with 8 CPU devices (tests/conftest.py sets XLA_FLAGS before JAX starts).
 """
 
-import json
 import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json
 import re
 import socket
 import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest
@@ -20,9 +24,7 @@ import numpy as np
 
 from haiku_mp import errors
 from haiku_mp import experiment
-from haiku_mp import sharding
 from haiku_mp import tabulate
-from haiku_mp import train_step as train_step_lib
 from tests import helpers
 from tests import signal_at_step
 

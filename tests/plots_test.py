@@ -1,16 +1,19 @@
 """Tests for run plots and `python -m launch.plot`."""
 
-import json
 import os
-import subprocess
 import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json
 import tempfile
 
 from absl.testing import absltest
 
 from haiku_mp import plots
+from tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class PlotsTest(absltest.TestCase):
@@ -26,17 +29,14 @@ class PlotsTest(absltest.TestCase):
         f.write(json.dumps(dict(step=20, split='val', accuracy=0.3)) + '\n')
     self.assertLen(plots.read_metrics(os.path.join(tmp, 'fp16')), 3)
     out = os.path.join(tmp, 'runs.png')
-    subprocess.run([sys.executable, '-m', 'launch.plot',
-                    f'--workdirs={tmp}/fp32,{tmp}/fp16', f'--out={out}'],
-                   cwd=ROOT, check=True, capture_output=True)
+    helpers.run_module('launch.plot', f'--workdirs={tmp}/fp32,{tmp}/fp16',
+                       f'--out={out}', check=True)
     with open(out, 'rb') as f:
       self.assertEqual(f.read(8), b'\x89PNG\r\n\x1a\n')
     self.assertGreater(os.path.getsize(out), 10_000)
 
   def test_missing_workdir_is_a_clear_error(self):
-    result = subprocess.run(
-        [sys.executable, '-m', 'launch.plot', '--workdirs=/nonexistent/run'],
-        cwd=ROOT, capture_output=True, text=True)
+    result = helpers.run_module('launch.plot', '--workdirs=/nonexistent/run')
     self.assertNotEqual(result.returncode, 0)
     self.assertIn('cannot read /nonexistent/run/metrics.jsonl', result.stderr)
 

@@ -1,9 +1,12 @@
 """Tests for the per-module table and `python -m launch.tabulate`."""
 
-import json
 import os
-import subprocess
 import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -14,7 +17,6 @@ from haiku_mp import experiment
 from haiku_mp import tabulate
 from tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = {'path', 'class', 'policy', 'policy_source', 'params', 'param_dtypes',
           'input_dtypes', 'output_dtypes', 'param_count', 'param_bytes'}
 
@@ -55,11 +57,10 @@ class TabulateTest(parameterized.TestCase):
     self.assertRegex(text.splitlines()[-1], rf'^total\s+{total}\s')
 
   def test_command_line_json_with_override(self):
-    result = subprocess.run(
-        [sys.executable, '-m', 'launch.tabulate', '--config=configs/vit_fp16.py',
-         '--json', '--config.model.num_layers=1',
-         '--config.precision.overrides=*/head:float32'],
-        cwd=ROOT, capture_output=True, text=True, check=True)
+    result = helpers.run_module(
+        'launch.tabulate', '--config=configs/vit_fp16.py', '--json',
+        '--config.model.num_layers=1',
+        '--config.precision.overrides=*/head:float32', check=True)
     rows = {r['path']: r for r in json.loads(result.stdout)}
     self.assertEqual(rows['vit/head']['input_dtypes'], ['float32'])
     self.assertEqual(rows['vit/head']['policy_source'], 'override */head')
@@ -67,10 +68,9 @@ class TabulateTest(parameterized.TestCase):
                      'p=f32,c=f16,o=f32')
 
   def test_command_line_bad_override_is_a_one_line_error(self):
-    result = subprocess.run(
-        [sys.executable, '-m', 'launch.tabulate', '--config=configs/vit_fp16.py',
-         '--config.precision.overrides=Nope:float32'],
-        cwd=ROOT, capture_output=True, text=True)
+    result = helpers.run_module(
+        'launch.tabulate', '--config=configs/vit_fp16.py',
+        '--config.precision.overrides=Nope:float32')
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("target 'Nope' matches no module", result.stderr)
     self.assertNotIn('Traceback', result.stderr)

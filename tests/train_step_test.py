@@ -1,5 +1,11 @@
 """Tests for the loss-scaled train step: unscaling, skipping, underflow, eval."""
 
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -11,8 +17,6 @@ import optax
 
 from haiku_mp import experiment
 from haiku_mp import loss_scaling
-from haiku_mp import model
-from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import precision
 from haiku_mp import train_step as train_step_lib
 from tests import helpers

@@ -1,17 +1,26 @@
 """End-to-end tests of the training loop and `python -m launch.train`."""
 
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import glob
 import json
-import os
 import re
+import signal
 import subprocess
-import sys
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import tensorflow_datasets as tfds
 
+from haiku_mp import checkpoint as checkpoint_lib
+from haiku_mp import input_pipeline
+from haiku_mp import metrics as metrics_lib
 from haiku_mp import trainer
 from tests import helpers
 
@@ -82,6 +91,34 @@ class TrainerTest(parameterized.TestCase):
     with open(os.path.join(self.workdir, 'config.json')) as f:
       self.assertEqual(json.load(f)['precision']['policy'],
                        'params=float32,compute=float16,output=float32')
+
+  @parameterized.parameters(RuntimeError, KeyboardInterrupt)
+  def test_any_exit_closes_writer_and_checkpointer_and_restores_sigterm(
+      self, error):
+    """An exception from the data (or Ctrl-C) after three steps still closes
+    the run's resources and gives the SIGTERM handler back."""
+    make_batches = input_pipeline.train_batches
+
+    def failing_batches(*args):
+      batches = make_batches(*args)
+      for _ in range(3):
+        yield next(batches)
+      raise error('the data went away')
+
+    closed = []
+    close_writer = metrics_lib.MetricsWriter.close
+    close_checkpointer = checkpoint_lib.Checkpointer.close
+    before = signal.getsignal(signal.SIGTERM)
+    with mock.patch.object(input_pipeline, 'train_batches', failing_batches), \
+        mock.patch.object(metrics_lib.MetricsWriter, 'close', lambda w: (
+            closed.append('writer'), close_writer(w))), \
+        mock.patch.object(checkpoint_lib.Checkpointer, 'close', lambda c: (
+            closed.append('checkpointer'), close_checkpointer(c))):
+      with self.assertRaisesRegex(error, 'the data went away'):
+        trainer.train_and_evaluate(_tiny_run_config(), self.workdir)
+    self.assertCountEqual(closed, ['writer', 'checkpointer'])
+    self.assertIs(signal.getsignal(signal.SIGTERM), before)
+    self.assertEqual([e['step'] for e in _read_jsonl(self.workdir)], [2])
 
   def test_mock_tfds_run_learns(self):
     config = _tiny_run_config('float32', 'none')

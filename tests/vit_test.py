@@ -1,5 +1,11 @@
 """Tests for the ViT modules: sizes, parameter count, dropout."""
 
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex

@@ -33,7 +33,6 @@ import ml_collections
 from haiku_mp import model
 from haiku_mp import plots
 from haiku_mp import compiled_step
-from haiku_mp import sharding
 from haiku_mp.lab import memory
 
 STEP_NAME = 'train'
