@@ -16,6 +16,7 @@ import numpy as np
 
 from haiku_mp import experiment
 from haiku_mp import input_pipeline
+from haiku_mp import metrics as metrics_lib
 
 _MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes',
                   'temp_size_in_bytes', 'generated_code_size_in_bytes',
@@ -33,14 +34,6 @@ def _per_device_bytes(tree, shardings) -> int:
         leaf.shape)
     total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
   return total
-
-
-def device_peak_bytes() -> Optional[int]:
-  """The largest peak bytes in use of the local devices; None where unknown (CPU)."""
-  peaks = [(d.memory_stats() or {}).get('peak_bytes_in_use')
-           for d in jax.local_devices()]
-  peaks = [p for p in peaks if p is not None]
-  return max(peaks) if peaks else None
 
 
 def fingerprint(text: Optional[str]) -> Optional[str]:
@@ -122,11 +115,11 @@ def time_steps(step: CompiledStep, num_steps: int, warmup_steps: int = 1
   times = []
   for i in range(warmup_steps + num_steps):
     start = time.perf_counter()
-    state, metrics = step.compiled(state, batch)
-    jax.block_until_ready(metrics['loss'])
+    state, step_metrics = step.compiled(state, batch)
+    jax.block_until_ready(step_metrics['loss'])
     if i >= warmup_steps:
       times.append(time.perf_counter() - start)
   median = float(np.median(times))
   return dict(step_times_sec=times, median_step_sec=median,
               images_per_sec=config.batch_size / median,
-              device_peak_bytes=device_peak_bytes())
+              device_peak_bytes=metrics_lib.peak_memory_bytes())

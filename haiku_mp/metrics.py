@@ -46,10 +46,7 @@ def truncate_after(workdir: str, step: int) -> int:
         kept.append(line.rstrip('\n') + '\n')
     except (ValueError, KeyError):
       pass  # A line cut short by a kill.
-  tmp = f'{path}.tmp'
-  with open(tmp, 'w') as f:
-    f.writelines(kept)
-  os.replace(tmp, path)
+  _write_atomically(path, ''.join(kept))
   return len(lines) - len(kept)
 
 
@@ -115,13 +112,17 @@ class MetricsWriter:
       self._tensorboard.close()
 
 
-def write_json(path: str, data: Mapping[str, Any]) -> None:
-  """Writes `data` atomically (temp file + rename)."""
+def _write_atomically(path: str, text: str) -> None:
+  """A temp file renamed over `path`: a kill leaves the old or the new file."""
   tmp = f'{path}.tmp'
   with open(tmp, 'w') as f:
-    json.dump(to_python(data), f, indent=1)
-    f.write('\n')
+    f.write(text)
   os.replace(tmp, path)
+
+
+def write_json(path: str, data: Mapping[str, Any]) -> None:
+  """Writes `data` atomically."""
+  _write_atomically(path, json.dumps(to_python(data), indent=1) + '\n')
 
 
 def format_duration(seconds: float) -> str:

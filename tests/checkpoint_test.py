@@ -38,8 +38,7 @@ def _flags(config, workdir, every=HALF):
           f'--config.checkpoint_every_steps={every}', '--config.batch_size=32',
           '--config.eval_batch_size=16',
           '--config.data.synthetic_eval_examples=16',
-          '--config.model.num_layers=2', '--config.model.embed_dim=64',
-          '--config.model.mlp_dim=128', '--config.model.num_heads=2']
+          *helpers.TINY_MODEL_FLAGS]
 
 
 def _run(flags, signal_at=None):
