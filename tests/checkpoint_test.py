@@ -99,6 +99,9 @@ class ResumeTest(parameterized.TestCase):
     self.assertEqual([s for s, _ in scalars['train/loss']],
                      list(range(1, TOTAL + 1)))
 
+
+class SigtermTest(parameterized.TestCase):
+
   def test_sigterm_saves_and_the_run_continues(self):
     workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
                            'run')

@@ -31,7 +31,7 @@ TINY_FLAGS = ('--config.model.num_layers=1', '--config.model.embed_dim=16',
               '--config.model.mlp_dim=16', '--config.model.image_size=8')
 
 
-class LabTest(parameterized.TestCase):
+class ParamsMatmulRatiosTest(parameterized.TestCase):
 
   def test_params_of_the_reference_model(self):
     result = params.run(base.get_config())
@@ -68,6 +68,9 @@ class LabTest(parameterized.TestCase):
     compare.add_ratios(rows, 'vs', ('t',), is_base=lambda r: False)
     self.assertEqual([r['vs'] for r in rows], [None] * 4)
 
+
+class SweepTest(parameterized.TestCase):
+
   def test_sweep_fields_and_arithmetic(self):
     config = helpers.tiny_config(num_layers=1)
     result = sweep.run(config, ('float32', 'bfloat16'), (8, 16), ['pjit:8x1'],
@@ -98,6 +101,9 @@ class LabTest(parameterized.TestCase):
     # float32 8x8x3 image and int32 label on each device.
     self.assertEqual(rows[2]['argument_size_in_bytes'] -
                      rows[0]['argument_size_in_bytes'], 8 * 8 * 3 * 4 + 4)
+
+
+class MemoryTest(parameterized.TestCase):
 
   def test_residuals_match_jax_and_are_attributed_to_modules(self):
     config = sweep.variant_config(helpers.tiny_config(), 'bfloat16', 8,
@@ -152,6 +158,9 @@ class LabTest(parameterized.TestCase):
           0.8)
       self.assertEqual(by_key['float32', batch_size]['vs_float32'],
                        {'kept_activation_bytes': 1.0})
+
+
+class PrecisionExperimentTest(parameterized.TestCase):
 
   def test_precision_aliases_errors_and_residual_stream(self):
     config = helpers.tiny_config(num_layers=1)
@@ -209,6 +218,9 @@ class LabTest(parameterized.TestCase):
     # 2**24 x the logits' cotangent is past float16's 65504: the scale really
     # multiplies the float16 backward pass.
     self.assertFalse(np.isfinite(errors['static']))
+
+
+class ProfileTest(parameterized.TestCase):
 
   def test_profile_traces_each_step(self):
     """What the profile promises, whichever op happens to be slowest."""
@@ -324,6 +336,9 @@ class LabTest(parameterized.TestCase):
         'wrapped_transpose': (1e-3, profile.NO_OP_NAME),
         'cudnn-conv.3': (3e-3, 'vit/patch_embed/conv')})
     self.assertEqual(profile._busy_us(ops), 8)
+
+
+class CommandLineTest(parameterized.TestCase):
 
   def test_command_line_writes_json_and_png(self):
     out = self.enter_context(tempfile.TemporaryDirectory())
