@@ -81,7 +81,8 @@ class Strategy(abc.ABC):
                       ) -> tuple[Any, Any]:
     """Abstract (state, batch) in the layout `train_step` expects."""
 
-  train_step: Callable[..., Any]  # (state, batch) -> (state, metrics), donating.
+  # (state, batch) -> (state, metrics), donating the state.
+  train_step: Callable[..., Any]
   eval_step: Callable[..., Any]  # (params, batch) -> metrics.
 
 

@@ -280,9 +280,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     evaluator = _Evaluator(exp, shard, writer)
     progress = metrics_lib.Progress(total_steps, config.batch_size, start_step)
     start_time = time.perf_counter()
-    train_step, batches = _compile_train_step(strategy, state, _prefetch_to_device(
+    batches = _prefetch_to_device(
         input_pipeline.train_batches(config, shard, start_step),
-        strategy.place_batch))
+        strategy.place_batch)
+    train_step, batches = _compile_train_step(strategy, state, batches)
     progress.reset_clock(start_step)
     window, last_val = [], {}
     for step in range(start_step + 1, total_steps + 1):

@@ -19,7 +19,8 @@ from haiku_mp import input_pipeline
 MATMUL_PRIMITIVES = ('dot_general', 'conv_general_dilated')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A one-layer ViT for command-line runs: a few seconds to compile on 2 cores.
-TINY_MODEL_FLAGS = ('--config.model.num_layers=1', '--config.model.embed_dim=16',
+TINY_MODEL_FLAGS = ('--config.model.num_layers=1',
+                    '--config.model.embed_dim=16',
                     '--config.model.mlp_dim=16', '--config.model.num_heads=2')
 
 
