@@ -125,4 +125,4 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
       total_steps=total_steps,
       schedule=optimizer_lib.learning_rate_schedule(config, total_steps),
       optimizer=optimizer, scaler=scaler, init_state=init_state,
-      abstract_state=jax.eval_shape(init_state), strategy=strategy)
+      abstract_state=strategy.abstract_state, strategy=strategy)

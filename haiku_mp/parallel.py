@@ -48,7 +48,8 @@ class Strategy(abc.ABC):
   def __init__(self, config: ml_collections.ConfigDict, mesh: Optional[Mesh],
                model: Model):
     self.mesh = mesh
-    self._abstract_state = jax.eval_shape(model.init_state)
+    # The initial state's shapes and dtypes (jax.ShapeDtypeStruct leaves).
+    self.abstract_state = jax.eval_shape(model.init_state)
 
   @property
   def batch_devices(self) -> int:
@@ -129,7 +130,7 @@ class Single(Strategy):
     return self._device
 
   def abstract_inputs(self, batch_size, image_size):
-    return self._abstract_state, _abstract(_host_batch(batch_size, image_size))
+    return self.abstract_state, _abstract(_host_batch(batch_size, image_size))
 
 
 class Pmap(Strategy):
@@ -183,7 +184,7 @@ class Pmap(Strategy):
   def abstract_inputs(self, batch_size, image_size):
     state = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((self._n,) + x.shape, x.dtype),
-        self._abstract_state)
+        self.abstract_state)
     return state, _abstract(self.place_batch(_host_batch(batch_size,
                                                          image_size)))
 
@@ -196,10 +197,10 @@ class Pjit(Strategy):
 
   def __init__(self, config, mesh, model):
     super().__init__(config, mesh, model)
-    specs = sharding.param_specs(self._abstract_state.params,
+    specs = sharding.param_specs(self.abstract_state.params,
                                  sharding.rules(config.parallel), mesh)
     self.state_shardings = sharding.state_shardings(
-        self._abstract_state, specs, model.optimizer, mesh)
+        self.abstract_state, specs, model.optimizer, mesh)
     self._batch = NamedSharding(mesh, P(sharding.BATCH))
     replicated = NamedSharding(mesh, P())
     self.train_step = jax.jit(
@@ -232,7 +233,7 @@ class Pjit(Strategy):
     return self.state_shardings
 
   def abstract_inputs(self, batch_size, image_size):
-    state = sharding.with_shardings(self._abstract_state, self.state_shardings)
+    state = sharding.with_shardings(self.abstract_state, self.state_shardings)
     return state, _abstract(_host_batch(batch_size, image_size))
 
 
