@@ -24,6 +24,7 @@ from haiku_mp import checkpoint
 from haiku_mp import loss_scaling
 from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import train_step as train_step_lib
+import tests
 from tests import helpers
 from tests import signal_at_step
 
@@ -43,7 +44,7 @@ def _flags(config, workdir, every=HALF):
 
 def _run(flags, signal_at=None):
   """Runs launch.train to its end; `signal_at` ('KILL:23') interrupts it."""
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  env = dict(os.environ, XLA_FLAGS=tests.xla_flags(1))
   module = 'launch.train'
   if signal_at:
     env[signal_at_step.ENV] = signal_at

@@ -23,6 +23,8 @@ from typing import Iterator
 
 import numpy as np
 
+import tests
+
 URL_ENV = 'FAKE_CIFAR10_URL'
 BLOCK_ENV = 'BLOCK_MODULES'
 LABELS = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog',
@@ -101,7 +103,7 @@ def serve(data: bytes) -> Iterator[tuple[str, list[str]]]:
 def train(url: str, workdir: str, *flags: str, block: str = ''
           ) -> subprocess.CompletedProcess:
   """`launch.train` (tiny model, 3 steps) on the CIFAR-10 served at `url`."""
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  env = dict(os.environ, XLA_FLAGS=tests.xla_flags(1))
   env[URL_ENV] = url
   env[BLOCK_ENV] = block
   return subprocess.run(

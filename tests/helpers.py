@@ -15,6 +15,7 @@ from tensorboard.util import tensor_util
 
 from configs import base
 from haiku_mp import input_pipeline
+import tests
 
 MATMUL_PRIMITIVES = ('dot_general', 'conv_general_dilated')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +31,7 @@ def run_module(module: str, *args: str, devices=None, env=None, **kwargs
   text; `devices` sets the number of virtual CPU devices it sees."""
   env = dict(os.environ, **(env or {}))
   if devices is not None:
-    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+    env['XLA_FLAGS'] = tests.xla_flags(devices)
   kwargs.setdefault('capture_output', True)
   return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT,
                         env=env, text=True, **kwargs)

@@ -25,6 +25,7 @@ import numpy as np
 from haiku_mp import errors
 from haiku_mp import experiment
 from haiku_mp import tabulate
+import tests
 from tests import helpers
 from tests import signal_at_step
 
@@ -202,7 +203,7 @@ MULTI_FLAGS = ('--config=configs/vit_fp16.py', '--config.data.source=synthetic',
 
 def _env(devices, **extra):
   return dict(os.environ,
-              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+              XLA_FLAGS=tests.xla_flags(devices),
               **extra)
 
 

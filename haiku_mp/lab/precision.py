@@ -14,7 +14,7 @@ the same float32 initial params and the same batch):
 
 import copy
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,29 +70,48 @@ def _logits_and_grads(exp: experiment.Experiment, params, batch):
 
 
 def _initial_params(exp: experiment.Experiment) -> Any:
-  """The initial params, with the zero-initialized ones (head, cls token,
-  biases) drawn small and random so that every path carries a signal."""
+  """The initial float32 params, with the zero-initialized ones (head, cls
+  token, biases) drawn small and random so that every path carries a signal.
+  One jitted program: run op by op, Haiku's init compiles each op."""
   config = exp.config
-  params = exp.forward.init(jax.random.key(config.seed),
-                            model.dummy_images(config.model), True)
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(config.seed + 1), len(leaves))
-  leaves = [jnp.where(p == 0, 0.02 * jax.random.normal(k, p.shape, p.dtype), p)
-            for p, k in zip(leaves, keys)]
-  return jax.tree.unflatten(treedef, leaves)
+
+  @jax.jit
+  def init():
+    params = exp.forward.init(jax.random.key(config.seed),
+                              model.dummy_images(config.model), True)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(config.seed + 1), len(leaves))
+    leaves = [jnp.where(p == 0, 0.02 * jax.random.normal(k, p.shape, p.dtype),
+                        p) for p, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, leaves)
+
+  return init()
 
 
-def reference(config: ml_collections.ConfigDict, batch_size: int):
+class Reference(NamedTuple):
+  """The float64 run every variant is compared with, and the float32 initial
+  params they all start from (drawn once: the params do not depend on the
+  precision settings)."""
+  params: Any
+  logits: np.ndarray
+  loss: np.ndarray
+  grads: Any
+
+
+def reference(config: ml_collections.ConfigDict, batch_size: int
+              ) -> Reference:
   """Logits, loss and gradients with every dtype float64."""
   config = _deterministic(config)
+  config.precision.update(policy='float32', overrides='')
   params = _initial_params(experiment.build_without_data(config))
-  config.precision.update(policy=_REFERENCE_POLICY, overrides='',
-                          float32_layer_norm=False, matmul_precision='highest')
+  config.precision.update(policy=_REFERENCE_POLICY, float32_layer_norm=False,
+                          matmul_precision='highest')
   config.loss_scale.kind = 'none'
   with jax.enable_x64(True):
     params64 = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), params)
-    return _logits_and_grads(experiment.build_without_data(config), params64,
-                             _batch(config, batch_size, jnp.float64))
+    return Reference(params, *_logits_and_grads(
+        experiment.build_without_data(config), params64,
+        _batch(config, batch_size, jnp.float64)))
 
 
 def _relative(a, b) -> float:
@@ -103,9 +122,11 @@ def error_vs(config: ml_collections.ConfigDict, ref, batch_size: int
              ) -> dict[str, float]:
   """How far the config's logits, loss and gradients are from `ref`."""
   exp = experiment.build_without_data(_deterministic(config))
+  params = jax.tree.map(lambda p, a: jnp.asarray(p, a.dtype), ref.params,
+                        exp.abstract_state.params)  # As the policy stores them.
   logits, loss, grads = _logits_and_grads(
-      exp, _initial_params(exp), _batch(exp.config, batch_size, jnp.float32))
-  ref_logits, ref_loss, ref_grads = ref
+      exp, params, _batch(exp.config, batch_size, jnp.float32))
+  _, ref_logits, ref_loss, ref_grads = ref
   flat = lambda tree: np.concatenate(
       [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
   logits, ref_logits = np.asarray(logits, np.float64), ref_logits
