@@ -47,6 +47,11 @@ def get_config() -> ml_collections.ConfigDict:
       # 'compute': the residual stream in the compute dtype; 'float32': kept in
       # float32 (Megatron's fp32 residual), the branches still in compute.
       residual_stream='compute',
+      # How matmuls with half operands run: 'auto' (the fastest form measured
+      # for the backend), 'native' (half x half -> float32 sums, rounded once),
+      # 'upcast' (operands converted to float32 first) or 'plain' (Haiku's and
+      # JAX's own half x half -> half). Float32 matmuls are never changed.
+      dot_form='auto',
   ))
 
   config.loss_scale = ml_collections.ConfigDict(dict(

@@ -7,6 +7,7 @@ the reference model needs no real batch and allocates nothing but the step.
 import dataclasses
 import hashlib
 import math
+import resource
 import time
 from typing import Any, Optional
 
@@ -114,12 +115,18 @@ def time_steps(step: CompiledStep, num_steps: int, warmup_steps: int = 1
   state, batch = random_inputs(step.experiment)
   times = []
   for i in range(warmup_steps + num_steps):
+    if i == warmup_steps:
+      system_start = resource.getrusage(resource.RUSAGE_SELF).ru_stime
     start = time.perf_counter()
     state, step_metrics = step.compiled(state, batch)
     jax.block_until_ready(step_metrics['loss'])
     if i >= warmup_steps:
       times.append(time.perf_counter() - start)
+  system = resource.getrusage(resource.RUSAGE_SELF).ru_stime - system_start
   median = float(np.median(times))
   return dict(step_times_sec=times, median_step_sec=median,
               images_per_sec=config.batch_size / median,
+              # The kernel's share (all threads): mapping memory, waking
+              # threads; on XLA:CPU a large part of a big step.
+              sys_cpu_sec_per_step=system / num_steps,
               device_peak_bytes=metrics_lib.peak_memory_bytes())

@@ -22,7 +22,8 @@ def make_precision(config: ml_collections.ConfigDict) -> precision_lib.Precision
       model_class=vit.MODEL_CLASS,
       float32_layer_norm=config.precision.float32_layer_norm,
       matmul_precision=config.precision.matmul_precision,
-      residual_stream=config.precision.residual_stream)
+      residual_stream=config.precision.residual_stream,
+      dot_form=config.precision.dot_form)
 
 
 def make_forward(model_config: ml_collections.ConfigDict,
@@ -32,7 +33,7 @@ def make_forward(model_config: ml_collections.ConfigDict,
   """`forward(images, is_training) -> logits` transformed, with `precision` applied."""
   kwargs = {k: model_config[k] for k in MODEL_FIELDS}
   kwargs['float32_residual'] = precision.float32_residual
-  kwargs['matmul_precision'] = precision.matmul_precision
+  kwargs['dots'] = precision.dots
 
   def forward(images: jax.Array, is_training: bool) -> jax.Array:
     with precision_lib.apply(precision, observer):

@@ -27,8 +27,11 @@ one `hk.mixed_precision` produces.
 Every place a dtype is decided in a step:
 
 - this module's interceptor: params, module inputs and outputs (the policies);
+- `half_dot`: every matmul takes compute-dtype operands and sums in float32,
+  forward and backward, rounded once to the compute dtype (`precision.dot_form`
+  picks the form per backend);
 - `vit.Attention`: logits and softmax in float32 (at least), their backward
-  matmuls back in the operands' dtype (`vit.attention_logits`);
+  matmuls back in the operands' dtype;
 - `vit.EncoderBlock`: each branch cast to the residual stream's dtype before
   the add; `vit.VisionTransformer`: cls token and position embedding cast to
   the activations', the stream in float32 under `residual_stream=float32`;
@@ -49,6 +52,7 @@ import jax.numpy as jnp
 import jmp
 
 from haiku_mp import errors
+from haiku_mp import half_dot
 
 LAYER_NORM_CLASS = 'LayerNorm'
 _GLOB_CHARS = frozenset('*?[')
@@ -108,6 +112,11 @@ class Precision:
   # A `jax.default_matmul_precision` name for every matmul; None: JAX's default.
   matmul_precision: Optional[str] = None
   float32_residual: bool = False  # Residual stream in float32 (see vit.py).
+  dot_form: str = 'auto'  # How half matmuls run (see half_dot.py).
+
+  @property
+  def dots(self) -> half_dot.Dots:
+    return half_dot.Dots(self.dot_form, self.matmul_precision)
 
   def rule_for(self, class_name: str, path: str) -> Optional[Rule]:
     """The module's own rule, or None when it inherits its caller's policy."""
@@ -162,7 +171,8 @@ def _check_matmul_precision(name: str) -> Optional[str]:
 
 def make_precision(policy: str, overrides: str = '', *, model_class: str,
                    float32_layer_norm: bool = True, matmul_precision: str = '',
-                   residual_stream: str = 'compute') -> Precision:
+                   residual_stream: str = 'compute',
+                   dot_form: str = 'auto') -> Precision:
   """Builds a `Precision` from config strings.
 
   Args:
@@ -172,6 +182,7 @@ def make_precision(policy: str, overrides: str = '', *, model_class: str,
     float32_layer_norm: keep LayerNorm in float32 (output in compute dtype).
     matmul_precision: a `jax.default_matmul_precision` name, '' for the default.
     residual_stream: 'compute' (the compute dtype) or 'float32'.
+    dot_form: how matmuls with half operands run (`half_dot.FORMS`).
   """
   main = parse_policy(policy)
   if residual_stream not in RESIDUAL_STREAMS:
@@ -186,7 +197,7 @@ def make_precision(policy: str, overrides: str = '', *, model_class: str,
                    output_dtype=main.compute_dtype), 'default')
   return Precision(main, defaults, parse_overrides(overrides),
                    _check_matmul_precision(matmul_precision),
-                   residual_stream == 'float32')
+                   residual_stream == 'float32', half_dot.check_form(dot_form))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,14 +1,15 @@
 """Vision Transformer as small Haiku modules.
 
 Activations flow in whatever dtype the precision policy in force gives them
-(the compute dtype). The casts made here: `Attention` keeps its logits and
-softmax in float32 while its matmuls run in the compute dtype; `EncoderBlock`
+(the compute dtype). Every matmul (Linear, the patch embedding, attention's
+einsums) is a `half_dot` one: operands in the compute dtype, sums in float32.
+The casts made here: `Attention` keeps its logits and softmax in float32
+while its matmuls run in the compute dtype; `EncoderBlock`
 casts each branch back to the residual stream's dtype before adding it;
 `VisionTransformer` casts the cls token and position embedding to the
 activations' dtype, and the stream to float32 under `float32_residual`.
 """
 
-import functools
 import math
 from typing import Optional
 
@@ -17,58 +18,29 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp import errors
+from haiku_mp import half_dot
 
 
 def _linear_init():
   return hk.initializers.VarianceScaling(1.0, 'fan_avg', 'uniform')
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def attention_logits(q: jax.Array, k: jax.Array,
-                     matmul_precision: Optional[str] = None) -> jax.Array:
-  """``q . k`` over heads with operands in their own dtype, result in float32 (or wider).
-
-  The custom VJP casts the float32 cotangent back to the operands' dtype, so the
-  two backward matmuls also run in the compute dtype (JAX's own transpose would
-  run them on a float32 x half pair). `matmul_precision` is the
-  `jax.default_matmul_precision` in force when the forward pass was traced: the
-  backward pass is traced later, outside it, and must use the same.
-  """
-  del matmul_precision  # In force already.
-  return jnp.einsum('bqhd,bkhd->bhqk', q, k,
-                    preferred_element_type=jnp.promote_types(q.dtype,
-                                                             jnp.float32))
-
-
-def _attention_logits_fwd(q, k, matmul_precision):
-  return attention_logits(q, k, matmul_precision), (q, k)
-
-
-def _attention_logits_bwd(matmul_precision, residuals, g):
-  q, k = residuals
-  g = g.astype(q.dtype)
-  with jax.default_matmul_precision(matmul_precision):
-    dq = jnp.einsum('bhqk,bkhd->bqhd', g, k)
-    dk = jnp.einsum('bhqk,bqhd->bkhd', g, q)
-  return dq, dk
-
-
-attention_logits.defvjp(_attention_logits_fwd, _attention_logits_bwd)
-
-
 class PatchEmbed(hk.Module):
   """Cuts images into non-overlapping patches and projects each to a vector."""
 
   def __init__(self, patch_size: int, embed_dim: int,
+               dots: half_dot.Dots = half_dot.Dots(),
                name: Optional[str] = None):
     super().__init__(name=name)
     self.patch_size = patch_size
     self.embed_dim = embed_dim
+    self.dots = dots
 
   def __call__(self, images: jax.Array) -> jax.Array:
-    x = hk.Conv2D(self.embed_dim, kernel_shape=self.patch_size,
-                  stride=self.patch_size, padding='VALID',
-                  w_init=_linear_init(), name='conv')(images)
+    x = half_dot.Conv2D(self.embed_dim, dots=self.dots,
+                        kernel_shape=self.patch_size, stride=self.patch_size,
+                        padding='VALID', w_init=_linear_init(),
+                        name='conv')(images)
     batch, height, width, dim = x.shape
     return x.reshape(batch, height * width, dim)
 
@@ -76,13 +48,11 @@ class PatchEmbed(hk.Module):
 class Attention(hk.Module):
   """Multi-head self-attention with float32 logits and softmax."""
 
-  def __init__(self, num_heads: int, matmul_precision: Optional[str] = None,
+  def __init__(self, num_heads: int, dots: half_dot.Dots = half_dot.Dots(),
                name: Optional[str] = None):
-    """`matmul_precision`: the `jax.default_matmul_precision` the forward
-    pass runs under, which the backward of the logits must use too."""
     super().__init__(name=name)
     self.num_heads = num_heads
-    self.matmul_precision = matmul_precision
+    self.dots = dots
 
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, tokens, dim = x.shape
@@ -92,31 +62,37 @@ class Attention(hk.Module):
     head_dim = dim // self.num_heads
 
     def project(name):
-      y = hk.Linear(dim, w_init=_linear_init(), name=name)(x)
+      y = half_dot.Linear(dim, self.dots, w_init=_linear_init(), name=name)(x)
       return y.reshape(batch, tokens, self.num_heads, head_dim)
 
     q, k, v = project('query'), project('key'), project('value')
-    logits = attention_logits(q, k, self.matmul_precision) / math.sqrt(head_dim)
+    logits = self.dots.einsum(
+        'bqhd,bkhd->bhqk', q, k,
+        out_dtype=jnp.promote_types(q.dtype, jnp.float32)) / math.sqrt(head_dim)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum('bhqk,bkhd->bqhd', weights, v)
+    out = self.dots.einsum('bhqk,bkhd->bqhd', weights, v)
     out = out.reshape(batch, tokens, dim)
-    return hk.Linear(dim, w_init=_linear_init(), name='out')(out)
+    return half_dot.Linear(dim, self.dots, w_init=_linear_init(),
+                           name='out')(out)
 
 
 class MlpBlock(hk.Module):
   """Linear -> GELU -> Dropout -> Linear -> Dropout."""
 
   def __init__(self, mlp_dim: int, dropout_rate: float,
+               dots: half_dot.Dots = half_dot.Dots(),
                name: Optional[str] = None):
     super().__init__(name=name)
     self.mlp_dim = mlp_dim
     self.dropout_rate = dropout_rate
+    self.dots = dots
 
   def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
     dim = x.shape[-1]
-    y = hk.Linear(self.mlp_dim, w_init=_linear_init(), name='fc1')(x)
+    y = half_dot.Linear(self.mlp_dim, self.dots, w_init=_linear_init(),
+                        name='fc1')(x)
     y = _dropout(jax.nn.gelu(y), self.dropout_rate, is_training)
-    y = hk.Linear(dim, w_init=_linear_init(), name='fc2')(y)
+    y = half_dot.Linear(dim, self.dots, w_init=_linear_init(), name='fc2')(y)
     return _dropout(y, self.dropout_rate, is_training)
 
 
@@ -135,11 +111,12 @@ class EncoderBlock(hk.Module):
   """Pre-LayerNorm transformer block: x + MHA(LN(x)), then x + MLP(LN(x))."""
 
   def __init__(self, num_heads: int, mlp_dim: int, dropout_rate: float,
-               layer_norm_epsilon: float, matmul_precision: Optional[str] = None,
+               layer_norm_epsilon: float,
+               dots: half_dot.Dots = half_dot.Dots(),
                name: Optional[str] = None):
     super().__init__(name=name)
     self.num_heads = num_heads
-    self.matmul_precision = matmul_precision
+    self.dots = dots
     self.mlp_dim = mlp_dim
     self.dropout_rate = dropout_rate
     self.layer_norm_epsilon = layer_norm_epsilon
@@ -147,10 +124,10 @@ class EncoderBlock(hk.Module):
   def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
     # Branch outputs are cast to the residual stream's dtype, so an override on
     # a sub-module (say output=float32) cannot silently promote the stream.
-    y = Attention(self.num_heads, self.matmul_precision)(
+    y = Attention(self.num_heads, self.dots)(
         _layer_norm('ln_attention', self.layer_norm_epsilon)(x))
     x = x + y.astype(x.dtype)
-    y = MlpBlock(self.mlp_dim, self.dropout_rate)(
+    y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dots)(
         _layer_norm('ln_mlp', self.layer_norm_epsilon)(x), is_training)
     return x + y.astype(x.dtype)
 
@@ -162,13 +139,12 @@ class VisionTransformer(hk.Module):
                embed_dim: int, mlp_dim: int, num_heads: int, num_layers: int,
                dropout_rate: float, layer_norm_epsilon: float,
                float32_residual: bool = False,
-               matmul_precision: Optional[str] = None,
+               dots: half_dot.Dots = half_dot.Dots(),
                name: Optional[str] = 'vit'):
     """`float32_residual` keeps the residual stream (the sum the blocks add
     into) in float32 whatever the compute dtype, as Megatron's fp32-residual
     option; by default the stream is in the compute dtype.
-    `matmul_precision` is the `jax.default_matmul_precision` the model runs
-    under (None: JAX's default), for the attention logits' backward pass."""
+    `dots` says how the matmuls run (`half_dot.Dots`)."""
     super().__init__(name=name)
     if image_size % patch_size:
       raise errors.ConfigError(
@@ -187,11 +163,11 @@ class VisionTransformer(hk.Module):
     self.dropout_rate = dropout_rate
     self.layer_norm_epsilon = layer_norm_epsilon
     self.float32_residual = float32_residual
-    self.matmul_precision = matmul_precision
+    self.dots = dots
 
   def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
     """Maps images [B, H, W, C] to logits [B, num_classes]."""
-    x = PatchEmbed(self.patch_size, self.embed_dim)(images)
+    x = PatchEmbed(self.patch_size, self.embed_dim, self.dots)(images)
     batch, num_patches, dim = x.shape
     cls_token = hk.get_parameter('cls_token', [1, 1, dim], init=jnp.zeros)
     pos_embedding = hk.get_parameter(
@@ -203,10 +179,11 @@ class VisionTransformer(hk.Module):
       x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     for i in range(self.num_layers):
       x = EncoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate,
-                       self.layer_norm_epsilon, self.matmul_precision,
+                       self.layer_norm_epsilon, self.dots,
                        name=f'encoder_block_{i}')(x, is_training)
     x = _layer_norm('ln_final', self.layer_norm_epsilon)(x[:, 0])
-    return hk.Linear(self.num_classes, w_init=jnp.zeros, name='head')(x)
+    return half_dot.Linear(self.num_classes, self.dots, w_init=jnp.zeros,
+                           name='head')(x)
 
 
 MODEL_CLASS = VisionTransformer.__name__

@@ -1,12 +1,21 @@
-"""Compiled train-step cost per parallel layout, as JSON lines.
+"""Benchmarks the train step: its time per compute dtype, or its compiled cost
+per parallel layout.
 
-XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m launch.benchmark \
-    --config=configs/vit_fp32.py --layouts=pjit:8x1,pjit:4x2
+Step time (compile and warm-up excluded, synthetic data on the device):
 
-Each layout compiles the reference train step on abstract inputs and prints
-its compile time, XLA's memory analysis (bytes per device: arguments, outputs,
-temporaries, generated code) and the params / optimizer-state bytes one device
-holds. A final line compares every layout with the first as ratios.
+    python -m launch.benchmark --config=configs/vit_bf16.py --steps=5 --json
+    python -m launch.benchmark --config=configs/vit_fp32.py \
+        --dtypes=float32,bfloat16,float16 --steps=5 --json
+
+prints a line per dtype and, with `--json`, one JSON object as the last line:
+the figures of `haiku_mp.step_benchmark` (step time, images/s, FLOPs, the
+same-run matmul ceiling, MFU, system CPU time, compiled memory, the CPU) and,
+with several dtypes, each one's ratios to the first.
+
+Compiled cost per layout (compile time, memory analysis per device):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m \
+        launch.benchmark --config=configs/vit_fp32.py --layouts=pjit:8x1,pjit:4x2
 """
 
 import copy
@@ -14,39 +23,93 @@ import json
 
 from absl import app
 from absl import flags
+import jax.numpy as jnp
 from ml_collections import config_flags
 
 from haiku_mp import compiled_step
-from haiku_mp.lab import compare
+from haiku_mp import errors
+from haiku_mp import model
+from haiku_mp import precision
 from haiku_mp import sharding
+from haiku_mp import step_benchmark
+from haiku_mp.lab import compare
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
                                           lock_config=True)
+_STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps (the median is kept).')
+_WARMUP = flags.DEFINE_integer('warmup_steps', 1, 'Untimed steps first.')
+_DTYPES = flags.DEFINE_list(
+    'dtypes', [], 'Compute dtypes to time in one run (default: the config\'s '
+    'own); ratios are to the first.')
+_JSON = flags.DEFINE_bool('json', False,
+                          'End with one JSON object of every figure.')
+_CEILING = flags.DEFINE_integer(
+    'ceiling_size', 2048, 'Side of the square matmul timed as the ceiling.')
 _LAYOUTS = flags.DEFINE_list(
-    'layouts', ['pjit:8x1', 'pjit:4x2'],
-    'STRATEGY:BATCHxMODEL layouts to compare (single needs no mesh: single:1x1).')
+    'layouts', [], 'STRATEGY:BATCHxMODEL layouts to compare compiled cost '
+    '(e.g. pjit:8x1,pjit:4x2; single needs no mesh: single:1x1) instead of '
+    'timing steps.')
 
-_RATIO_FIELDS = ('temp_size_in_bytes', 'argument_size_in_bytes',
-                 'params_bytes', 'opt_state_bytes', 'compile_sec')
+_LAYOUT_RATIO_FIELDS = ('temp_size_in_bytes', 'argument_size_in_bytes',
+                        'params_bytes', 'opt_state_bytes', 'compile_sec')
+
+
+def _layouts(config):
+  results = []
+  for layout in _LAYOUTS.value:
+    strategy, shape = sharding.parse_layout(layout)
+    variant = copy.deepcopy(config)
+    variant.parallel.strategy = strategy
+    variant.parallel.mesh_shape = shape
+    result = dict(layout=layout, **compiled_step.compiled_step_stats(variant))
+    results.append(result)
+    print(json.dumps(result), flush=True)
+  compare.add_ratios(results, 'ratios', _LAYOUT_RATIO_FIELDS,
+                     is_base=lambda r: r is results[0])
+  print(json.dumps(dict(ratios_vs=results[0]['layout'],
+                        ratios={r['layout']: r['ratios'] for r in results[1:]})))
+
+
+def _line(row) -> str:
+  mfu = f'{row["mfu"]:.2f}' if row['mfu'] is not None else 'n/a'
+  return (f'{row["dtype"]:>8} ({row["dot_form"]}) batch {row["batch_size"]}: '
+          f'{row["step_time_s"] * 1e3:.1f} ms/step, '
+          f'{row["images_per_sec"]:.1f} img/s, MFU {mfu} of '
+          f'{row["matmul_ceiling_flops"] / 1e9:.0f} GFLOP/s, '
+          f'sys {row["sys_cpu_s_per_step"]:.2f} s/step, temp '
+          f'{row["temp_bytes"] / 2**20:.0f} MiB')
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  results = []
-  for layout in _LAYOUTS.value:
-    strategy, shape = sharding.parse_layout(layout)
-    config = copy.deepcopy(_CONFIG.value)
-    config.parallel.strategy = strategy
-    config.parallel.mesh_shape = shape
-    result = dict(layout=layout, **compiled_step.compiled_step_stats(config))
-    results.append(result)
-    print(json.dumps(result), flush=True)
-  compare.add_ratios(results, 'ratios', _RATIO_FIELDS,
-                     is_base=lambda r: r is results[0])
-  print(json.dumps(dict(ratios_vs=results[0]['layout'],
-                        ratios={r['layout']: r['ratios'] for r in results[1:]})))
+  config = _CONFIG.value
+  if _LAYOUTS.value:
+    _layouts(config)
+    return
+  if _STEPS.value < 1:
+    raise errors.ConfigError(f'--steps={_STEPS.value} must be at least 1')
+  if _CEILING.value < 1:
+    raise errors.ConfigError(
+        f'--ceiling_size={_CEILING.value} must be at least 1')
+  for dtype in _DTYPES.value:
+    precision.parse_policy(f'compute={dtype}', setting=f'--dtypes ({dtype})')
+  dtypes = _DTYPES.value or [
+      jnp.dtype(model.make_precision(config).policy.compute_dtype).name]
+  rows = step_benchmark.run_dtypes(
+      config, dtypes, _STEPS.value, log=lambda row: print(_line(row),
+                                                          flush=True),
+      warmup_steps=_WARMUP.value, ceiling_size=_CEILING.value)
+  for row in rows[1:]:
+    ratio = row['vs_first'].get('images_per_sec')
+    print(f'{row["dtype"]} vs {rows[0]["dtype"]}: {ratio:.2f}x the images/s')
+  if _JSON.value:
+    if len(rows) == 1:
+      print(json.dumps(rows[0]))
+    else:
+      print(json.dumps(dict(device=rows[0]['device'], cpu=rows[0]['cpu'],
+                            ratios_vs=rows[0]['dtype'], results=rows)))
 
 
 if __name__ == '__main__':

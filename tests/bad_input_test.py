@@ -77,6 +77,8 @@ class BadInputTest(parameterized.TestCase):
        "precision.matmul_precision: unknown value 'fastest'"),
       ('unknown_residual_stream', ['--config.precision.residual_stream=f32'],
        "precision.residual_stream: unknown value 'f32'"),
+      ('unknown_dot_form', ['--config.precision.dot_form=fast'],
+       "precision.dot_form: unknown value 'fast'"),
       ('non_positive_batch', ['--config.batch_size=-8'], 'batch_size=-8'),
       ('batch_not_divisible', ['--config.parallel.strategy=pmap',
                                '--config.parallel.mesh_shape=(8,1)',

@@ -1,10 +1,12 @@
 """Shared test helpers: tiny configs and a jaxpr walker."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from typing import Iterator
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ from tensorboard.backend.event_processing import plugin_event_accumulator
 from tensorboard.util import tensor_util
 
 from configs import base
+from haiku_mp import half_dot
 from haiku_mp import input_pipeline
 import tests
 
@@ -49,6 +52,17 @@ def tiny_config(policy: str = 'params=float32,compute=float32,output=float32',
                            dropout_rate=0.1))
   config.model.update(model)
   return config
+
+
+@contextlib.contextmanager
+def dots_as_on(platform: str):
+  """Traces `half_dot`'s matmuls in the form they take on `platform` (the
+  form is chosen per backend when the model is traced; nothing is compiled
+  here), so the tests walk, say, a GPU's program on a CPU. JAX caches a
+  function's trace: trace it inside this context the first time."""
+  with mock.patch.object(half_dot.jax, 'default_backend',
+                         return_value=platform):
+    yield
 
 
 def random_batch(config, batch_size: int = 8, seed: int = 0):

@@ -167,8 +167,9 @@ class ScopeTest(parameterized.TestCase):
     params = f16_forward.init(jax.random.key(0), images, False)
     for forward, dtype in ((f16_forward, 'float16'), (f32_forward, 'float32'),
                            (f16_forward, 'float16')):
-      eqns = helpers.eqns_of(
-          lambda p, x, f=forward: f.apply(p, None, x, False), params, images)
+      with helpers.dots_as_on('gpu'):  # float16 dots as float16 (not on CPU).
+        eqns = helpers.eqns_of(
+            lambda p, x, f=forward: f.apply(p, None, x, False), params, images)
       self.assertNotEmpty(eqns)
       self.assertEqual({helpers.operand_dtypes(e) for e in eqns},
                        {(dtype, dtype)})

@@ -1,0 +1,125 @@
+"""The step benchmark: what one jitted train step costs, and how close it runs
+to what the device's matmuls can do.
+
+The step runs on a fixed synthetic batch already on the device (no input
+pipeline), compile and warm-up excluded; the time is the median of the timed
+steps, each waited for. Its FLOPs are XLA's count for the compiled step. The
+ceiling is a large matmul in the same compute dtype and the same dot form
+(`half_dot`), timed in the same process: `mfu` is the step's FLOP/s over it.
+"""
+
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from haiku_mp import compiled_step
+from haiku_mp import half_dot
+from haiku_mp import model
+from haiku_mp.lab import compare
+from haiku_mp.lab import sweep
+
+CPU_FLAGS = ('amx_bf16', 'avx512_bf16', 'avx512_fp16')
+# Compared as ratios to the first dtype of a run.
+RATIO_FIELDS = ('step_time_s', 'images_per_sec', 'mfu', 'sys_cpu_s_per_step',
+                'matmul_ceiling_flops', 'temp_bytes')
+
+
+def cpu_info(cpuinfo_path: str = '/proc/cpuinfo') -> dict[str, Any]:
+  """The host CPU's model name and whether it has the half-precision
+  instructions XLA:CPU can use (bf16 speed depends on them)."""
+  name, flags = 'unknown', set()
+  try:
+    with open(cpuinfo_path) as f:
+      for line in f:
+        key, _, value = line.partition(':')
+        if key.strip() == 'model name' and name == 'unknown':
+          name = value.strip()
+        elif key.strip() == 'flags' and not flags:
+          flags = set(value.split())
+  except OSError:
+    pass
+  return dict(model=name, **{flag: flag in flags for flag in CPU_FLAGS})
+
+
+def matmul_ceiling(dtype, form: str, size: int, repeats: int) -> float:
+  """FLOP/s of a `size`^3 matmul with `dtype` operands in `form`."""
+  rng = np.random.default_rng(0)
+  a, b = (jnp.asarray(rng.standard_normal((size, size)), dtype)
+          for _ in range(2))
+  dot = jax.jit(lambda a, b: half_dot.Dots(form).einsum('ij,jk->ik', a, b))
+  jax.block_until_ready(dot(a, b))  # Compiles.
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(dot(a, b))
+    times.append(time.perf_counter() - start)
+  return 2.0 * size**3 / float(np.median(times))
+
+
+def _flops(compiled) -> Optional[float]:
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
+    analysis = analysis[0] if analysis else None
+  flops = (analysis or {}).get('flops')
+  return float(flops) if flops and flops > 0 else None
+
+
+def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
+        ceiling_size: int = 2048, ceiling_repeats: int = 5) -> dict[str, Any]:
+  """Times `config`'s train step; one dict of the figures above."""
+  precision = model.make_precision(config)
+  dtype = jnp.dtype(precision.policy.compute_dtype)
+  form = half_dot.form_for(precision.dot_form, dtype, jax.default_backend())
+  step = compiled_step.compile_train_step(config)
+  timing = compiled_step.time_steps(step, steps, warmup_steps)
+  flops = _flops(step.compiled)
+  ceiling = matmul_ceiling(dtype, form, ceiling_size, ceiling_repeats)
+  step_time = timing['median_step_sec']
+  stats = step.stats
+  return dict(
+      device=str(jax.devices()[0].device_kind),
+      jax_version=jax.__version__,
+      cpu=cpu_info(),
+      dtype=dtype.name,
+      dot_form=form,
+      policy=config.precision.policy,
+      batch_size=config.batch_size,
+      steps=steps,
+      step_time_s=step_time,
+      step_times_s=timing['step_times_sec'],
+      images_per_sec=timing['images_per_sec'],
+      flops_per_step=flops,
+      matmul_ceiling_flops=ceiling,
+      matmul_ceiling_size=ceiling_size,
+      mfu=flops and flops / step_time / ceiling,
+      compile_s=stats['compile_sec'],
+      sys_cpu_s_per_step=timing['sys_cpu_sec_per_step'],
+      argument_bytes=stats['argument_size_in_bytes'],
+      output_bytes=stats['output_size_in_bytes'],
+      temp_bytes=stats['temp_size_in_bytes'],
+      code_bytes=stats['generated_code_size_in_bytes'],
+      device_peak_bytes=timing['device_peak_bytes'])
+
+
+def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
+               steps: int, log=lambda row: None, **kwargs) -> list[dict]:
+  """`run` per compute dtype (float16 with dynamic loss scaling, as the
+  sweep's variants), each with its ratios to the first."""
+  rows = []
+  for dtype in dtypes:
+    variant = sweep.variant_config(config, dtype, config.batch_size,
+                                   _layout(config))
+    rows.append(run(variant, steps, **kwargs))
+    log(rows[-1])
+  compare.add_ratios(rows, 'vs_first', RATIO_FIELDS,
+                     is_base=lambda r: r is rows[0])
+  return rows
+
+
+def _layout(config) -> str:
+  shape = 'x'.join(str(n) for n in config.parallel.mesh_shape)
+  return f'{config.parallel.strategy}:{shape}'

@@ -1,0 +1,98 @@
+"""The step benchmark: its fields, the arithmetic of MFU, the command line."""
+
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from haiku_mp import step_benchmark
+from tests import helpers
+
+FIELDS = {'device', 'jax_version', 'cpu', 'dtype', 'dot_form', 'policy',
+          'batch_size', 'steps', 'step_time_s', 'step_times_s',
+          'images_per_sec', 'flops_per_step', 'matmul_ceiling_flops',
+          'matmul_ceiling_size', 'mfu', 'compile_s', 'sys_cpu_s_per_step',
+          'argument_bytes', 'output_bytes', 'temp_bytes', 'code_bytes',
+          'device_peak_bytes'}
+
+
+class StepBenchmarkTest(parameterized.TestCase):
+
+  def test_fields_and_arithmetic_per_dtype(self):
+    config = helpers.tiny_config()
+    config.batch_size = 8
+    rows = step_benchmark.run_dtypes(config, ('float32', 'bfloat16'), steps=2,
+                                     ceiling_size=64, ceiling_repeats=2)
+    self.assertEqual([r['dtype'] for r in rows], ['float32', 'bfloat16'])
+    self.assertEqual([r['dot_form'] for r in rows], ['plain', 'native'])
+    for row in rows:
+      self.assertEqual(set(row) - {'vs_first'}, FIELDS)
+      self.assertLen(row['step_times_s'], 2)
+      self.assertEqual(row['step_time_s'], sorted(row['step_times_s'])[0] / 2 +
+                       sorted(row['step_times_s'])[1] / 2)
+      self.assertAlmostEqual(row['images_per_sec'], 8 / row['step_time_s'])
+      self.assertGreater(row['flops_per_step'], 0)
+      self.assertAlmostEqual(
+          row['mfu'], row['flops_per_step'] / row['step_time_s'] /
+          row['matmul_ceiling_flops'])
+      self.assertGreater(row['temp_bytes'], 0)
+      self.assertGreaterEqual(row['sys_cpu_s_per_step'], 0)
+    # A bf16 step does the same work: XLA counts (nearly) the same FLOPs.
+    self.assertBetween(rows[1]['flops_per_step'] / rows[0]['flops_per_step'],
+                       0.9, 1.1)
+    self.assertEqual(rows[0]['vs_first']['images_per_sec'], 1.0)
+    self.assertAlmostEqual(rows[1]['vs_first']['step_time_s'],
+                           rows[1]['step_time_s'] / rows[0]['step_time_s'])
+
+  def test_cpu_flags(self):
+    path = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
+                        'cpuinfo')
+    with open(path, 'w') as f:
+      f.write('processor\t: 0\nmodel name\t: Some CPU 9000\n'
+              'flags\t\t: fpu avx512f avx512_bf16 amx_tile\n'
+              'processor\t: 1\nmodel name\t: Some CPU 9000\nflags\t\t: fpu\n')
+    self.assertEqual(step_benchmark.cpu_info(path),
+                     dict(model='Some CPU 9000', amx_bf16=False,
+                          avx512_bf16=True, avx512_fp16=False))
+    self.assertEqual(step_benchmark.cpu_info('/nonexistent')['model'],
+                     'unknown')
+
+
+class CommandLineTest(parameterized.TestCase):
+
+  def test_dtypes_in_one_run_end_with_one_json_object(self):
+    result = helpers.run_module(
+        'launch.benchmark', '--config=configs/vit_fp32.py', '--steps=2',
+        '--dtypes=float32,float16', '--json', '--ceiling_size=64',
+        '--config.batch_size=8', '--config.model.image_size=8',
+        *helpers.TINY_MODEL_FLAGS)
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    lines = result.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    self.assertEqual(summary['ratios_vs'], 'float32')
+    self.assertEqual([r['dtype'] for r in summary['results']],
+                     ['float32', 'float16'])
+    fp16 = summary['results'][1]
+    self.assertEqual(set(fp16) - {'vs_first'}, FIELDS)
+    self.assertIn('img/s', lines[0])  # A line a person reads per dtype.
+    self.assertIn('float16 vs float32', lines[-2])
+
+  @parameterized.parameters((['--dtypes=float32,float8'], '--dtypes (float8)'),
+                            (['--steps=0'], '--steps=0'))
+  def test_bad_input_is_one_line(self, flags, message):
+    result = helpers.run_module('launch.benchmark',
+                                '--config=configs/vit_fp32.py', *flags)
+    self.assertNotEqual(result.returncode, 0)
+    self.assertNotIn('Traceback', result.stderr)
+    self.assertIn(message, result.stderr.strip().splitlines()[-1])
+
+
+if __name__ == '__main__':
+  absltest.main()

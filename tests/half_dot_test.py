@@ -1,0 +1,198 @@
+"""Half-precision matmuls: half operands and float32 sums, forward and backward;
+Haiku's params; float32 untouched."""
+
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from haiku_mp import errors
+from haiku_mp import half_dot
+from haiku_mp.lab import precision as precision_lab
+from haiku_mp.lab import sweep
+from tests import helpers
+
+LOGITS = 'bqhd,bkhd->bhqk'
+DENSE = 'ni,io->no'
+_SHAPES = {LOGITS: ((2, 3, 2, 4), (2, 5, 2, 4)), DENSE: ((6, 4), (4, 5))}
+
+
+def _operands(spec, dtype):
+  rng = np.random.default_rng(0)
+  return tuple(jnp.asarray(rng.normal(size=s), dtype) for s in _SHAPES[spec])
+
+
+def _loss(fn):
+  return lambda a, b: jnp.sum(jnp.sin(fn(a, b).astype(jnp.float32)))
+
+
+class EinsumTest(parameterized.TestCase):
+
+  @parameterized.product(spec=(LOGITS, DENSE), form=('native', 'upcast'),
+                         dtype=('bfloat16', 'float16'))
+  def test_gradients_match_float32_in_the_operands_dtype(self, spec, form,
+                                                         dtype):
+    a, b = _operands(spec, jnp.float32)
+    expected = jax.grad(_loss(lambda a, b: jnp.einsum(spec, a, b)),
+                        argnums=(0, 1))(a, b)
+    out_dtype = jnp.float32 if spec == LOGITS else None
+    dots = half_dot.Dots(form)
+    half = lambda a, b: dots.einsum(spec, a, b, out_dtype=out_dtype)
+    a16, b16 = a.astype(dtype), b.astype(dtype)
+    chex.assert_type(half(a16, b16), out_dtype or dtype)
+    got = jax.grad(_loss(half), argnums=(0, 1))(a16, b16)
+    chex.assert_trees_all_equal_dtypes(got, (a16, b16))
+    chex.assert_trees_all_close(got, expected, atol=0.05, rtol=0.05)
+
+  @parameterized.parameters('bfloat16', 'float16')
+  def test_native_dots_are_half_by_half_into_float32(self, dtype):
+    a, b = _operands(DENSE, dtype)
+    dots = half_dot.Dots('native')
+    eqns = helpers.eqns_of(jax.value_and_grad(
+        _loss(lambda a, b: dots.einsum(DENSE, a, b)), argnums=(0, 1)), a, b)
+    self.assertLen(eqns, 3)  # Forward, and one per operand's cotangent.
+    for eqn in eqns:
+      self.assertEqual(helpers.operand_dtypes(eqn), (dtype, dtype), str(eqn))
+      self.assertEqual(eqn.params['preferred_element_type'], jnp.float32)
+
+  def test_upcast_dots_take_half_operands_converted_to_float32(self):
+    a, b = _operands(DENSE, jnp.float16)
+    dots = half_dot.Dots('upcast')
+    fn = jax.value_and_grad(_loss(lambda a, b: dots.einsum(DENSE, a, b)),
+                            argnums=(0, 1))
+    for eqn in helpers.eqns_of(fn, a, b):
+      self.assertEqual(helpers.operand_dtypes(eqn), ('float32', 'float32'))
+    chex.assert_trees_all_equal_dtypes(fn(a, b)[1], (a, b))
+
+  def test_float32_and_plain_are_jax_own_einsum(self):
+    for dtype, form in (('float32', 'native'), ('bfloat16', 'plain')):
+      a, b = _operands(DENSE, dtype)
+      got = jax.make_jaxpr(lambda a, b: half_dot.Dots(form).einsum(DENSE, a, b))
+      want = jax.make_jaxpr(lambda a, b: jnp.einsum(DENSE, a, b))
+      self.assertEqual(str(got(a, b)), str(want(a, b)), (dtype, form))
+
+  def test_auto_form_per_backend(self):
+    self.assertEqual(half_dot.form_for('auto', jnp.bfloat16, 'cpu'), 'native')
+    self.assertEqual(half_dot.form_for('auto', jnp.bfloat16, 'gpu'), 'native')
+    self.assertEqual(half_dot.form_for('auto', jnp.float32, 'gpu'), 'plain')
+    self.assertEqual(half_dot.form_for('native', jnp.float32, 'cpu'), 'plain')
+
+  def test_unknown_form_names_the_setting(self):
+    with self.assertRaisesRegex(errors.ConfigError, 'precision.dot_form'):
+      half_dot.check_form('fast')
+
+
+class LayersTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ('linear', lambda: hk.Linear(5), lambda d: half_dot.Linear(5, d),
+       (2, 3, 4)),
+      ('patch_conv', lambda: hk.Conv2D(5, 2, stride=2, padding='VALID'),
+       lambda d: half_dot.Conv2D(5, d, kernel_shape=2, stride=2,
+                                 padding='VALID'), (2, 4, 6, 3)))
+  def test_haiku_params_and_outputs(self, haiku_module, ours, shape):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
+    theirs = hk.without_apply_rng(hk.transform(lambda x: haiku_module()(x)))
+    native = hk.without_apply_rng(hk.transform(
+        lambda x: ours(half_dot.Dots('native'))(x)))
+    for dtype in (jnp.float32, jnp.bfloat16):
+      params = theirs.init(jax.random.key(0), x.astype(dtype))
+      # The same names, shapes, dtypes and initial values as Haiku's.
+      chex.assert_trees_all_equal(
+          native.init(jax.random.key(0), x.astype(dtype)), params)
+      want = theirs.apply(params, x.astype(dtype))
+      got = native.apply(params, x.astype(dtype))
+      chex.assert_equal_shape((got, want))
+      chex.assert_type(got, dtype)
+      if dtype == jnp.float32:  # Haiku's own code path: bit for bit.
+        np.testing.assert_array_equal(got, want)
+      else:
+        np.testing.assert_allclose(np.float32(got), np.float32(want),
+                                   atol=0.05, rtol=0.02)
+
+  @parameterized.parameters((2, 'VALID', 'dot_general'),
+                            (1, 'SAME', 'conv_general_dilated'))
+  def test_conv_is_a_dot_only_as_a_patch_embedding(self, stride, padding,
+                                                   primitive):
+    x = jnp.zeros((2, 4, 4, 3), jnp.bfloat16)
+    conv = hk.without_apply_rng(hk.transform(lambda x: half_dot.Conv2D(
+        5, half_dot.Dots('native'), kernel_shape=2, stride=stride,
+        padding=padding)(x)))
+    params = conv.init(jax.random.key(0), x)
+    eqns = helpers.eqns_of(conv.apply, params, x)
+    self.assertEqual([e.primitive.name for e in eqns], [primitive])
+
+
+class ModelTest(parameterized.TestCase):
+  """The tiny ViT's loss and gradients against a float64 reference."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.config = helpers.tiny_config(num_layers=1)
+    cls.reference = precision_lab.reference(cls.config, 8)
+
+  def _errors(self, dtype, form):
+    variant = sweep.variant_config(self.config, dtype, 8, 'single:1x1')
+    variant.precision.dot_form = form
+    return precision_lab.error_vs(variant, self.reference, 8)
+
+  # Within a few units of each dtype's rounding (bf16: 2**-8, fp16: 2**-11).
+  @parameterized.parameters(('bfloat16', 'native', 3e-2),
+                            ('bfloat16', 'auto', 3e-2),
+                            ('float16', 'native', 4e-3),
+                            ('float16', 'auto', 4e-3))
+  def test_half_gradients_agree_with_float64(self, dtype, form, tolerance):
+    errors_ = self._errors(dtype, form)
+    self.assertLess(errors_['grads_relative_error'], tolerance)
+    self.assertGreater(errors_['grads_relative_error'], 1e-5)  # Really half.
+
+  def test_float32_is_the_same_whatever_the_form(self):
+    results = {form: self._errors('float32', form) for form in half_dot.FORMS}
+    for form in half_dot.FORMS:
+      self.assertEqual(results[form], results['plain'], form)
+    self.assertLess(results['plain']['grads_relative_error'], 1e-5)
+
+
+class ModelTest(parameterized.TestCase):
+  """The tiny ViT's loss and gradients against a float64 reference."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.config = helpers.tiny_config(num_layers=1)
+    cls.reference = precision_lab.reference(cls.config, 8)
+
+  def _errors(self, dtype, form):
+    variant = sweep.variant_config(self.config, dtype, 8, 'single:1x1')
+    variant.precision.dot_form = form
+    return precision_lab.error_vs(variant, self.reference, 8)
+
+  # Within a few units of each dtype's rounding (bf16: 2**-8, fp16: 2**-11).
+  @parameterized.parameters(('bfloat16', 'native', 3e-2),
+                            ('bfloat16', 'auto', 3e-2),
+                            ('float16', 'native', 4e-3),
+                            ('float16', 'auto', 4e-3))
+  def test_half_gradients_agree_with_float64(self, dtype, form, tolerance):
+    errors_ = self._errors(dtype, form)
+    self.assertLess(errors_['grads_relative_error'], tolerance)
+    self.assertGreater(errors_['grads_relative_error'], 1e-5)  # Really half.
+
+  def test_float32_is_the_same_whatever_the_form(self):
+    results = {form: self._errors('float32', form) for form in half_dot.FORMS}
+    for form in half_dot.FORMS:
+      self.assertEqual(results[form], results['plain'], form)
+    self.assertLess(results['plain']['grads_relative_error'], 1e-5)
+
+
+if __name__ == '__main__':
+  absltest.main()
