@@ -8,7 +8,7 @@ Step time (compile and warm-up excluded, synthetic data on the device):
         --dtypes=float32,bfloat16,float16 --steps=5 --json
 
 prints a line per dtype and, with `--json`, one JSON object as the last line:
-the figures of `haiku_mp.step_benchmark` (step time, images/s, FLOPs, the
+the figures of `haiku_mp.lab.step_benchmark` (step time, images/s, FLOPs, the
 same-run matmul ceiling, MFU, system CPU time, compiled memory, the CPU) and,
 with several dtypes, each one's ratios to the first.
 
@@ -31,8 +31,8 @@ from haiku_mp import errors
 from haiku_mp import model
 from haiku_mp import precision
 from haiku_mp import sharding
-from haiku_mp import step_benchmark
 from haiku_mp.lab import compare
+from haiku_mp.lab import step_benchmark
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',

@@ -12,7 +12,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from haiku_mp import step_benchmark
+from haiku_mp.lab import step_benchmark
 from tests import helpers
 
 FIELDS = {'device', 'jax_version', 'cpu', 'dtype', 'dot_form', 'policy',
