@@ -50,10 +50,17 @@ def _prefetch_to_device(batches: Iterator[Any], place, size: int = 2):
     yield queue.popleft()
 
 
+def _mean_of_kept(values) -> float:
+  """The mean of the values that are not NaN; NaN, without numpy's warning,
+  when a whole window of steps was skipped."""
+  values = np.asarray(values, np.float64)
+  kept = values[~np.isnan(values)]
+  return float(kept.mean()) if kept.size else float('nan')
+
+
 def _window_summary(window: list[dict[str, Any]]) -> dict[str, float]:
   """Host summary of the metrics of the steps since the last log point."""
-  summary = {k: float(np.nanmean([m[k] for m in window]))
-             for k in _MEAN_METRICS}
+  summary = {k: _mean_of_kept([m[k] for m in window]) for k in _MEAN_METRICS}
   last = window[-1]
   summary['loss_scale'] = float(last['loss_scale'])
   summary['skipped_steps'] = int(last['skipped_steps'])
