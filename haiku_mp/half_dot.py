@@ -24,6 +24,7 @@ Which form a half dtype gets is decided in one place, `form_for`:
 - ``plain``: Haiku's and JAX's own ops, half x half -> half.
 """
 
+import contextlib
 import dataclasses
 import functools
 from typing import Optional
@@ -103,15 +104,8 @@ def _dot(spec, form, out_dtype, a, b):
 
 
 def _precision(name):
-  return jax.default_matmul_precision(name) if name else _NoPrecision()
-
-
-class _NoPrecision:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
+  return (jax.default_matmul_precision(name) if name
+          else contextlib.nullcontext())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))

@@ -13,6 +13,16 @@ from haiku_mp import plots
 DTYPES = ('float64', 'float32', 'float16', 'bfloat16')
 
 
+def median_seconds(fn, args, repeats: int) -> float:
+  """Median wall time of `fn(*args)` (compiled already), each call waited for."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
 def run(rows: int, cols: int, repeats: int,
         dtypes: Sequence[str] = DTYPES) -> dict[str, Any]:
   """Median time of `A @ A.T` for A of shape (rows, cols), per dtype."""
@@ -23,12 +33,7 @@ def run(rows: int, cols: int, repeats: int,
                       name)
       dot = jax.jit(lambda x: jnp.dot(x, x.T))
       computed_dtype = dot(a).block_until_ready().dtype.name  # Compiles.
-      times = []
-      for _ in range(repeats):
-        start = time.perf_counter()
-        dot(a).block_until_ready()
-        times.append(time.perf_counter() - start)
-    median = float(np.median(times))
+      median = median_seconds(dot, (a,), repeats)
     flops = 2.0 * rows * rows * cols
     results.append(dict(dtype=name, computed_dtype=computed_dtype,
                         median_sec=median,

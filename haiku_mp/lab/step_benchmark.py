@@ -8,7 +8,6 @@ ceiling is a large matmul in the same compute dtype and the same dot form
 (`half_dot`), timed in the same process: `mfu` is the step's FLOP/s over it.
 """
 
-import time
 from typing import Any, Optional, Sequence
 
 import jax
@@ -18,8 +17,8 @@ import numpy as np
 
 from haiku_mp import compiled_step
 from haiku_mp import half_dot
-from haiku_mp import model
 from haiku_mp.lab import compare
+from haiku_mp.lab import matmul
 from haiku_mp.lab import sweep
 
 CPU_FLAGS = ('amx_bf16', 'avx512_bf16', 'avx512_fp16')
@@ -52,12 +51,7 @@ def matmul_ceiling(dtype, form: str, size: int, repeats: int) -> float:
           for _ in range(2))
   dot = jax.jit(lambda a, b: half_dot.Dots(form).einsum('ij,jk->ik', a, b))
   jax.block_until_ready(dot(a, b))  # Compiles.
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(dot(a, b))
-    times.append(time.perf_counter() - start)
-  return 2.0 * size**3 / float(np.median(times))
+  return 2.0 * size**3 / matmul.median_seconds(dot, (a, b), repeats)
 
 
 def _flops(compiled) -> Optional[float]:
@@ -71,10 +65,10 @@ def _flops(compiled) -> Optional[float]:
 def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
         ceiling_size: int = 2048, ceiling_repeats: int = 5) -> dict[str, Any]:
   """Times `config`'s train step; one dict of the figures above."""
-  precision = model.make_precision(config)
+  step = compiled_step.compile_train_step(config)
+  precision = step.experiment.precision
   dtype = jnp.dtype(precision.policy.compute_dtype)
   form = half_dot.form_for(precision.dot_form, dtype, jax.default_backend())
-  step = compiled_step.compile_train_step(config)
   timing = compiled_step.time_steps(step, steps, warmup_steps)
   flops = _flops(step.compiled)
   ceiling = matmul_ceiling(dtype, form, ceiling_size, ceiling_repeats)
