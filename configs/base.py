@@ -34,6 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
       dropout_rate=0.1,
       layer_norm_epsilon=1e-6,  # The seeds' (Haiku's default is 1e-5).
   ))
+  # What each encoder block keeps for the backward pass: 'none' (every
+  # residual), 'dots' (the weight matmuls' outputs; the rest recomputed) or
+  # 'full' (the block's input; the block recomputed). haiku_mp/remat.py.
+  config.remat = 'none'
 
   config.precision = ml_collections.ConfigDict(dict(
       # jmp policy of the model class; its compute dtype is the activations'.

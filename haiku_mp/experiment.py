@@ -109,7 +109,8 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
   Checks every override and parallel setting; compiles nothing.
   """
   precision, calls = model_lib.checked_precision(config)
-  forward = model_lib.make_forward(config.model, precision)
+  forward = model_lib.make_forward(config.model, precision,
+                                   remat=config.remat)
   if total_steps is None:
     total_steps = total_train_steps(config)
   optimizer = optimizer_lib.make_optimizer(config, total_steps,

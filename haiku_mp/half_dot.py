@@ -12,7 +12,7 @@ the result dtype: the standard mixed-precision numerics on every backend.
 cotangent in the operands' dtype and are written the same way. `Linear` and
 `Conv2D` are Haiku's modules (same class names, param names, shapes and
 initializers, so checkpoints, sharding rules and overrides keep working) whose
-matmul is `einsum`; `Conv2D` does so for the patch embedding's stride = kernel
+matmul is `einsum` and whose output is tagged for `remat`'s ``dots``; `Conv2D` does so for the patch embedding's stride = kernel
 convolution, a matmul over patches. Float32 operands take Haiku's and JAX's
 own path, so a float32 policy's program is what it was.
 
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
+from haiku_mp import remat
 
 FORMS = ('auto', 'native', 'upcast', 'plain')
 # The measured fastest form per (backend, half dtype) for `auto`: see
@@ -145,7 +146,8 @@ class Linear(hk.Linear):
 
   def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
     if form_for(self.dots.form, inputs.dtype, jax.default_backend()) == 'plain':
-      return super().__call__(inputs, precision=precision)
+      return remat.tag_matmul_output(
+          super().__call__(inputs, precision=precision))
     input_size = inputs.shape[-1]
     # The params exactly as hk.Linear creates them (name, shape, initializer).
     w_init = self.w_init or hk.initializers.TruncatedNormal(
@@ -158,7 +160,7 @@ class Linear(hk.Linear):
       b = hk.get_parameter('b', [self.output_size], inputs.dtype,
                            init=self.b_init)
       out = out + b
-    return out
+    return remat.tag_matmul_output(out)
 
 
 class Conv2D(hk.Conv2D):
@@ -179,7 +181,8 @@ class Conv2D(hk.Conv2D):
     ph, pw = self.kernel_shape
     if (form == 'plain' or not self._is_patch_embedding() or inputs.ndim != 4
         or inputs.shape[1] % ph or inputs.shape[2] % pw):
-      return super().__call__(inputs, precision=precision)
+      return remat.tag_matmul_output(
+          super().__call__(inputs, precision=precision))
     batch, height, width, channels = inputs.shape
     w_shape = (ph, pw, channels, self.output_channels)
     # The params exactly as hk.Conv2D creates them.
@@ -196,4 +199,4 @@ class Conv2D(hk.Conv2D):
       b = hk.get_parameter('b', (self.output_channels,), inputs.dtype,
                            init=self.b_init)
       out = out + b
-    return out
+    return remat.tag_matmul_output(out)

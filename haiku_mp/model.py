@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from haiku_mp import precision as precision_lib
+from haiku_mp import remat as remat_lib
 from haiku_mp import vit
 
 MODEL_FIELDS = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
@@ -28,12 +29,15 @@ def make_precision(config: ml_collections.ConfigDict) -> precision_lib.Precision
 
 def make_forward(model_config: ml_collections.ConfigDict,
                  precision: precision_lib.Precision,
-                 observer: Optional[precision_lib.Observer] = None
-                 ) -> hk.Transformed:
-  """`forward(images, is_training) -> logits` transformed, with `precision` applied."""
+                 observer: Optional[precision_lib.Observer] = None,
+                 remat: str = 'none') -> hk.Transformed:
+  """`forward(images, is_training) -> logits` transformed, with `precision`
+  applied and `remat` (`remat.CHOICES`) per encoder block."""
+  remat_lib.check(remat)
   kwargs = {k: model_config[k] for k in MODEL_FIELDS}
   kwargs['float32_residual'] = precision.float32_residual
   kwargs['dots'] = precision.dots
+  kwargs['remat'] = remat
 
   def forward(images: jax.Array, is_training: bool) -> jax.Array:
     with precision_lib.apply(precision, observer):
@@ -80,4 +84,5 @@ def build(config: ml_collections.ConfigDict
   """The forward function for `config` (the model alone; a whole run is
   `experiment.build`)."""
   precision, _ = checked_precision(config)
-  return make_forward(config.model, precision), precision
+  return (make_forward(config.model, precision, remat=config.remat),
+          precision)

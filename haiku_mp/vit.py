@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from haiku_mp import errors
 from haiku_mp import half_dot
+from haiku_mp import remat as remat_lib
 
 
 def _linear_init():
@@ -140,11 +141,13 @@ class VisionTransformer(hk.Module):
                dropout_rate: float, layer_norm_epsilon: float,
                float32_residual: bool = False,
                dots: half_dot.Dots = half_dot.Dots(),
+               remat: str = 'none',
                name: Optional[str] = 'vit'):
     """`float32_residual` keeps the residual stream (the sum the blocks add
     into) in float32 whatever the compute dtype, as Megatron's fp32-residual
     option; by default the stream is in the compute dtype.
-    `dots` says how the matmuls run (`half_dot.Dots`)."""
+    `dots` says how the matmuls run (`half_dot.Dots`); `remat` what each
+    encoder block keeps for the backward pass (`remat.CHOICES`)."""
     super().__init__(name=name)
     if image_size % patch_size:
       raise errors.ConfigError(
@@ -164,6 +167,7 @@ class VisionTransformer(hk.Module):
     self.layer_norm_epsilon = layer_norm_epsilon
     self.float32_residual = float32_residual
     self.dots = dots
+    self.remat = remat_lib.check(remat)
 
   def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
     """Maps images [B, H, W, C] to logits [B, num_classes]."""
@@ -178,9 +182,11 @@ class VisionTransformer(hk.Module):
     if self.float32_residual:
       x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     for i in range(self.num_layers):
-      x = EncoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate,
-                       self.layer_norm_epsilon, self.dots,
-                       name=f'encoder_block_{i}')(x, is_training)
+      block = EncoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate,
+                           self.layer_norm_epsilon, self.dots,
+                           name=f'encoder_block_{i}')
+      x = remat_lib.wrap(block, self.remat, static_argnums=(1,))(
+          x, is_training)
     x = _layer_norm('ln_final', self.layer_norm_epsilon)(x[:, 0])
     return half_dot.Linear(self.num_classes, self.dots, w_init=jnp.zeros,
                            name='head')(x)

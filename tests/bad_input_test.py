@@ -79,6 +79,8 @@ class BadInputTest(parameterized.TestCase):
        "precision.residual_stream: unknown value 'f32'"),
       ('unknown_dot_form', ['--config.precision.dot_form=fast'],
        "precision.dot_form: unknown value 'fast'"),
+      ('unknown_remat', ['--config.remat=some'],
+       "remat: unknown value 'some'"),
       ('non_positive_batch', ['--config.batch_size=-8'], 'batch_size=-8'),
       ('batch_not_divisible', ['--config.parallel.strategy=pmap',
                                '--config.parallel.mesh_shape=(8,1)',

@@ -53,7 +53,15 @@ def merge_block_indices(path: str) -> str:
 
 
 def _nbytes(aval) -> int:
-  return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+  return math.prod(aval.shape) * _dtype(aval).itemsize
+
+
+def _dtype(aval):
+  """The aval's dtype; JAX's extended ones (the rng keys a rematerialized
+  block keeps to redraw its dropout masks) as they are."""
+  if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+    return aval.dtype
+  return np.dtype(aval.dtype)
 
 
 def saved_residuals(exp: experiment.Experiment,
@@ -82,7 +90,7 @@ def saved_residuals(exp: experiment.Experiment,
   inputs = set(jaxpr.invars[:len(jax.tree.leaves(params))])
   rows = []
   for v in residuals:
-    row = dict(shape=list(v.aval.shape), dtype=jnp.dtype(v.aval.dtype).name,
+    row = dict(shape=list(v.aval.shape), dtype=str(_dtype(v.aval)),
                bytes=_nbytes(v.aval), module='', primitive='')
     if isinstance(v, jex_core.Literal):
       row['source'] = 'literal'
