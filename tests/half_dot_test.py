@@ -26,9 +26,10 @@ DENSE = 'ni,io->no'
 _SHAPES = {LOGITS: ((2, 3, 2, 4), (2, 5, 2, 4)), DENSE: ((6, 4), (4, 5))}
 
 
-def _operands(spec, dtype):
+def _operands(spec, dtype, shapes=None):
   rng = np.random.default_rng(0)
-  return tuple(jnp.asarray(rng.normal(size=s), dtype) for s in _SHAPES[spec])
+  return tuple(jnp.asarray(rng.normal(size=s), dtype)
+               for s in shapes or _SHAPES[spec])
 
 
 def _loss(fn):
@@ -63,6 +64,28 @@ class EinsumTest(parameterized.TestCase):
     for eqn in eqns:
       self.assertEqual(helpers.operand_dtypes(eqn), (dtype, dtype), str(eqn))
       self.assertEqual(eqn.params['preferred_element_type'], jnp.float32)
+
+  @parameterized.parameters('native', 'auto')
+  def test_cpu_kernel_receives_bf16_in_every_dot_forward_and_backward(
+      self, form):
+    # XLA:CPU converts a bf16 dot whose operand layout its bf16 kernel does
+    # not take (the weight gradient's, unless transposed first) to float32.
+    if jax.default_backend() != 'cpu':
+      self.skipTest('the layouts of XLA:CPU')
+    a, b = (x.astype(jnp.bfloat16) for x in
+            _operands(DENSE, jnp.float32, ((64, 16), (16, 32))))
+    dots = half_dot.Dots(form)
+    grads = jax.jit(jax.grad(_loss(lambda a, b: dots.einsum(DENSE, a, b)),
+                             argnums=(0, 1)))
+    self.assertEqual(helpers.compiled_dot_operand_dtypes(
+        grads.lower(a, b).compile().as_text()), [('bf16', 'bf16')] * 3)
+    expected = jax.grad(_loss(lambda a, b: jnp.einsum(DENSE, a, b)),
+                        argnums=(0, 1))(a.astype(jnp.float32),
+                                        b.astype(jnp.float32))
+    for got, want in zip(grads(a, b), expected):  # Within bf16 rounding.
+      scale = float(jnp.max(jnp.abs(want)))
+      chex.assert_trees_all_close(got.astype(jnp.float32), want,
+                                  atol=0.02 * scale, rtol=0)
 
   def test_upcast_dots_take_half_operands_converted_to_float32(self):
     a, b = _operands(DENSE, jnp.float16)

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Iterator
@@ -101,6 +102,25 @@ def eqns_of(fn, *args, primitives=MATMUL_PRIMITIVES):
 
 def operand_dtypes(eqn) -> tuple[str, ...]:
   return tuple(jnp.dtype(v.aval.dtype).name for v in eqn.invars)
+
+
+_HLO_VALUE = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[')
+_HLO_DOT = re.compile(r' dot\(%([\w.\-]+), %([\w.\-]+)\)')
+
+
+def compiled_dot_operand_dtypes(hlo_text: str) -> list[tuple[str, str]]:
+  """The operand element types of every dot in a compiled (optimized) HLO
+  module's text, e.g. ('bf16', 'bf16'): the dtypes the backend's matmul
+  kernel really receives, after XLA's own conversions."""
+  dots, types = [], {}
+  for line in hlo_text.splitlines():
+    if line.rstrip().endswith('{'):  # A new computation: its own names.
+      types = {}
+    if (value := _HLO_VALUE.match(line)):
+      types[value.group(1)] = value.group(2)
+    if (dot := _HLO_DOT.search(line)):
+      dots.append((types[dot.group(1)], types[dot.group(2)]))
+  return dots
 
 
 REAL_DATA_ENV = 'HAIKU_MP_TFDS_DATA_DIR'
