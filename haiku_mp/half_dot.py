@@ -12,9 +12,11 @@ the result dtype: the standard mixed-precision numerics on every backend.
 cotangent in the operands' dtype and are written the same way. `Linear` and
 `Conv2D` are Haiku's modules (same class names, param names, shapes and
 initializers, so checkpoints, sharding rules and overrides keep working) whose
-matmul is `einsum` and whose output is tagged for `remat`'s ``dots``; `Conv2D` does so for the patch embedding's stride = kernel
-convolution, a matmul over patches. Float32 operands take Haiku's and JAX's
-own path, so a float32 policy's program is what it was.
+matmul is `einsum`, with the bias added to the float32 sums before the one
+rounding, and whose output is tagged for `remat`'s ``dots``; `Conv2D` does so
+for the patch embedding's stride = kernel convolution, a matmul over patches.
+Float32 operands take Haiku's and JAX's own path, so a float32 policy's
+program is what it was.
 
 Which form a half dtype gets is decided in one place, `form_for`:
 
@@ -192,13 +194,24 @@ class Linear(hk.Linear):
         1.0 / np.sqrt(input_size))
     w = hk.get_parameter('w', [input_size, self.output_size], inputs.dtype,
                          init=w_init)
-    out = self.dots.einsum('ni,io->no', inputs.reshape(-1, input_size), w)
+    sums = self.dots.einsum('ni,io->no', inputs.reshape(-1, input_size), w,
+                            out_dtype=jnp.float32)
+    b = (hk.get_parameter('b', [self.output_size], inputs.dtype,
+                          init=self.b_init) if self.with_bias else None)
+    out = _biased_and_rounded(sums, b, inputs.dtype)
     out = out.reshape(inputs.shape[:-1] + (self.output_size,))
-    if self.with_bias:
-      b = hk.get_parameter('b', [self.output_size], inputs.dtype,
-                           init=self.b_init)
-      out = out + b
     return remat.tag_matmul_output(out)
+
+
+def _biased_and_rounded(sums: jax.Array, b: Optional[jax.Array],
+                        dtype) -> jax.Array:
+  """`sums + b` in float32, rounded once to `dtype`: a GPU matmul's bias
+  epilogue. Its gradient is a float32 sum of the float32 cotangent; a half
+  bias added after rounding has a half sum instead, which XLA:CPU runs as a
+  slow windowed tree reduction (fc1 at batch 128: 48 ms, BENCHMARKS.md)."""
+  if b is not None:
+    sums = sums + b.astype(sums.dtype)
+  return sums.astype(dtype)
 
 
 class Conv2D(hk.Conv2D):
@@ -230,11 +243,11 @@ class Conv2D(hk.Conv2D):
     rows, cols = height // ph, width // pw
     patches = inputs.reshape(batch, rows, ph, cols, pw, channels)
     patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(-1, ph * pw * channels)
-    out = self.dots.einsum('np,pd->nd', patches,
-                           w.reshape(ph * pw * channels, -1))
+    sums = self.dots.einsum('np,pd->nd', patches,
+                            w.reshape(ph * pw * channels, -1),
+                            out_dtype=jnp.float32)
+    b = (hk.get_parameter('b', (self.output_channels,), inputs.dtype,
+                          init=self.b_init) if self.with_bias else None)
+    out = _biased_and_rounded(sums, b, inputs.dtype)
     out = out.reshape(batch, rows, cols, self.output_channels)
-    if self.with_bias:
-      b = hk.get_parameter('b', (self.output_channels,), inputs.dtype,
-                           init=self.b_init)
-      out = out + b
     return remat.tag_matmul_output(out)

@@ -142,6 +142,27 @@ class LayersTest(parameterized.TestCase):
         np.testing.assert_allclose(np.float32(got), np.float32(want),
                                    atol=0.05, rtol=0.02)
 
+  @parameterized.parameters('native', 'upcast')
+  def test_bias_joins_the_float32_sums_before_the_one_rounding(self, form):
+    # x @ w = 16 * 16 + 1 = 257 and b = 0.5, exact in float32: one rounding
+    # of 257.5 to bf16 (8 significant bits) gives 258; rounding the matmul
+    # first (257 -> 256) and then the sum (256.5 -> 256) gives 256.
+    x = jnp.asarray([[16.0, 1.0]] * 3, jnp.bfloat16)
+    params = {'linear': {'w': jnp.asarray([[16.0], [1.0]], jnp.bfloat16),
+                         'b': jnp.asarray([0.5], jnp.bfloat16)}}
+    linear = hk.without_apply_rng(hk.transform(
+        lambda x: half_dot.Linear(1, half_dot.Dots(form))(x)))
+    chex.assert_trees_all_equal_shapes_and_dtypes(
+        linear.init(jax.random.key(0), x), params)
+    np.testing.assert_array_equal(np.float32(linear.apply(params, x)), 258.0)
+    # Its gradient is a float32 sum of the float32 cotangent.
+    grad = jax.grad(lambda p: jnp.sum(linear.apply(p, x).astype(jnp.float32)))
+    sums = [e for e in helpers.eqns_of(grad, params, primitives=('reduce_sum',))
+            if e.outvars[0].aval.shape == (1,)]
+    self.assertNotEmpty(sums)
+    for eqn in sums:
+      self.assertEqual(helpers.operand_dtypes(eqn), ('float32',))
+
   @parameterized.parameters((2, 'VALID', 'dot_general'),
                             (1, 'SAME', 'conv_general_dilated'))
   def test_conv_is_a_dot_only_as_a_patch_embedding(self, stride, padding,
