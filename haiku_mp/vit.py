@@ -17,6 +17,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from haiku_mp import dropout
 from haiku_mp import errors
 from haiku_mp import half_dot
 from haiku_mp import remat as remat_lib
@@ -100,7 +101,7 @@ class MlpBlock(hk.Module):
 def _dropout(x: jax.Array, rate: float, is_training: bool) -> jax.Array:
   if not is_training or rate == 0.0:
     return x
-  return hk.dropout(hk.next_rng_key(), rate, x)
+  return dropout.dropout(hk.next_rng_key(), rate, x)
 
 
 def _layer_norm(name: str, eps: float) -> hk.LayerNorm:
@@ -153,6 +154,7 @@ class VisionTransformer(hk.Module):
       raise errors.ConfigError(
           f'model.image_size={image_size} is not divisible by '
           f'model.patch_size={patch_size}')
+    dropout.check_rate(dropout_rate)
     if not layer_norm_epsilon > 0:
       raise errors.ConfigError(
           f'model.layer_norm_epsilon={layer_norm_epsilon:g} must be positive')

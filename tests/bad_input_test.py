@@ -81,6 +81,8 @@ class BadInputTest(parameterized.TestCase):
        "precision.dot_form: unknown value 'fast'"),
       ('unknown_remat', ['--config.remat=some'],
        "remat: unknown value 'some'"),
+      ('dropout_rate_out_of_range', ['--config.model.dropout_rate=1.5'],
+       'model.dropout_rate=1.5 must be in [0, 1)'),
       ('non_positive_batch', ['--config.batch_size=-8'], 'batch_size=-8'),
       ('batch_not_divisible', ['--config.parallel.strategy=pmap',
                                '--config.parallel.mesh_shape=(8,1)',
