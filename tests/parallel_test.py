@@ -88,6 +88,17 @@ class StrategiesAgreeTest(parameterized.TestCase):
     self.assertLess(reference[-1], reference[0])
 
 
+  def test_remat_gives_the_same_steps_under_every_strategy(self):
+    steps = BAD_STEP  # The steps before the one with an inf.
+    plain = _train(_config('single', None, 'float32', 'none'), steps)[0]
+    for strategy, mesh_shape in (('single', None), ('pmap', (8, 1)),
+                                 ('pjit', (4, 2))):
+      config = _config(strategy, mesh_shape, 'float32', 'none')
+      config.remat = 'dots'
+      losses = _train(config, steps)[0]
+      np.testing.assert_allclose(losses, plain, rtol=2e-5, err_msg=strategy)
+
+
 class ShardingRulesTest(parameterized.TestCase):
 
   def test_params_and_optimizer_state_follow_the_rules(self):
