@@ -1,0 +1,118 @@
+"""Augmentation on the device: crop windows, resize, flips, normalization."""
+
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import base
+from haiku_mp import augment
+
+DATA = base.get_config().data
+SIZE = 32
+
+
+def _images(batch, seed=0):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.integers(0, 256, (batch, SIZE, SIZE, 3)), jnp.uint8)
+
+
+def _windows(batch=2000, key=0, **ranges):
+  data = dict(crop_area=DATA.crop_area, crop_aspect_ratio=DATA.crop_aspect_ratio,
+              crop_max_attempts=DATA.crop_max_attempts)
+  data.update(ranges)
+  windows = augment.crop_windows(
+      jax.random.key(key), batch, SIZE, SIZE, data['crop_area'],
+      data['crop_aspect_ratio'], data['crop_max_attempts'])
+  return [np.asarray(x) for x in windows]
+
+
+class CropWindowsTest(absltest.TestCase):
+
+  def test_windows_stay_in_range_and_cover_it(self):
+    top, left, height, width = _windows()
+    area = height * width / SIZE**2
+    aspect = width / height
+    self.assertTrue(np.all((area >= 0.9) & (area <= 1.0)))
+    self.assertTrue(np.all((aspect >= 0.9) & (aspect <= 1.1)))
+    self.assertTrue(np.all((top >= 0) & (top + height <= SIZE)))
+    self.assertTrue(np.all((left >= 0) & (left + width <= SIZE)))
+    # Covered: the smallest areas, both sides of square, every offset.
+    self.assertLess(area.min(), 0.92)
+    self.assertEqual(area.max(), 1.0)
+    self.assertLess(aspect.min(), 0.95)
+    self.assertGreater(aspect.max(), 1.05)
+    self.assertEqual(set(top[height == 30]), {0, 1, 2})
+    self.assertEqual(set(left[width == 29]), {0, 1, 2, 3})
+
+  def test_impossible_ranges_fall_back_to_the_whole_image(self):
+    top, left, height, width = _windows(
+        batch=50, crop_area=(0.1, 0.1), crop_aspect_ratio=(9.0, 9.0))
+    self.assertTrue(np.all((height == SIZE) & (width == SIZE)))
+    self.assertTrue(np.all((top == 0) & (left == 0)))
+
+
+class AugmentTest(parameterized.TestCase):
+
+  def test_the_whole_window_is_the_image(self):
+    image = _images(1)[0].astype(jnp.float32)
+    whole = augment.Windows(*(jnp.int32(v) for v in (0, 0, SIZE, SIZE)))
+    np.testing.assert_allclose(augment._crop_and_resize(image, whole), image,
+                               atol=1e-4)
+
+  def test_resize_matches_tensorflow_bilinear(self):
+    try:
+      import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      self.skipTest('TensorFlow is not installed: nothing to compare with')
+    image = np.asarray(_images(1)[0], np.float32)
+    for top, left, height, width in ((1, 2, 30, 29), (0, 3, 29, 29),
+                                     (2, 0, 30, 32)):
+      window = augment.Windows(*(jnp.int32(v)
+                                 for v in (top, left, height, width)))
+      ours = augment._crop_and_resize(jnp.asarray(image), window)
+      theirs = tf.image.resize(
+          image[top:top + height, left:left + width], (SIZE, SIZE),
+          method='bilinear').numpy()
+      np.testing.assert_allclose(ours, theirs, atol=1e-3)
+
+  def test_flips_about_half_the_images(self):
+    data = base.get_config().data
+    data.crop_area, data.crop_aspect_ratio = (1.0, 1.0), (1.0, 1.0)
+    images = _images(1000)
+    out = np.asarray(augment.augment(jax.random.key(3), images, data))
+    plain = np.asarray(augment.normalize(images, data))
+    same = np.all(np.isclose(out, plain, atol=1e-5), axis=(1, 2, 3))
+    flipped = np.all(np.isclose(out, plain[:, :, ::-1], atol=1e-5),
+                     axis=(1, 2, 3))
+    self.assertTrue(np.all(same ^ flipped))
+    self.assertAlmostEqual(flipped.mean(), 0.5, delta=5 * 0.5 / np.sqrt(1000))
+
+  def test_eval_images_are_only_normalized(self):
+    images = _images(4)
+    expected = ((np.float32(images) / 255.0 - np.float32(DATA.mean))
+                / np.float32(DATA.std))
+    got = augment.normalize(images, DATA)
+    chex.assert_type(got, jnp.float32)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+  def test_same_key_same_batch_in_and_out_of_jit(self):
+    images = _images(16)
+    run = lambda key: augment.augment(key, images, DATA)
+    a = run(jax.random.key(5))
+    np.testing.assert_array_equal(a, jax.jit(run)(jax.random.key(5)))
+    self.assertFalse(np.allclose(a, run(jax.random.key(6))))
+    chex.assert_shape(a, images.shape)
+    chex.assert_type(a, jnp.float32)
+
+
+if __name__ == '__main__':
+  absltest.main()
