@@ -25,7 +25,8 @@ class Windows(NamedTuple):
 
 def normalize(images: jax.Array,
               data_config: ml_collections.ConfigDict) -> jax.Array:
-  """uint8 [B, H, W, 3] -> float32, per channel (x / 255 - mean) / std."""
+  """uint8 (or float pixel values) [B, H, W, 3] -> float32, per channel
+  (x / 255 - mean) / std."""
   mean = jnp.asarray(data_config.mean, jnp.float32)
   std = jnp.asarray(data_config.std, jnp.float32)
   return (images.astype(jnp.float32) / 255.0 - mean) / std
@@ -96,6 +97,4 @@ def augment(key: jax.Array, images: jax.Array,
   pixels = jax.vmap(_crop_and_resize)(pixels, windows)
   flip = jax.random.bernoulli(k_flip, 0.5, (batch,))
   pixels = jnp.where(flip[:, None, None, None], pixels[:, :, ::-1], pixels)
-  mean = jnp.asarray(data_config.mean, jnp.float32)
-  std = jnp.asarray(data_config.std, jnp.float32)
-  return (pixels / 255.0 - mean) / std
+  return normalize(pixels, data_config)
