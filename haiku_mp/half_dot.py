@@ -72,9 +72,15 @@ def form_for(form: str, dtype, platform: str, batched: bool = False) -> str:
   return form
 
 
-def _is_batched(spec: str) -> bool:
+def _split_spec(spec: str) -> tuple[str, str, str]:
+  """'ab,bc->ac' -> ('ab', 'bc', 'ac')."""
   lhs, out = spec.split('->')
   a, b = lhs.split(',')
+  return a, b, out
+
+
+def _is_batched(spec: str) -> bool:
+  a, b, out = _split_spec(spec)
   return bool(set(a) & set(b) & set(out))
 
 
@@ -131,8 +137,7 @@ def _einsum_bwd(spec, form, matmul_precision, out_dtype, residuals, g):
   (every index of A is in B or C, as in any matmul)."""
   del out_dtype
   a, b = residuals
-  lhs, out = spec.split('->')
-  a_spec, b_spec = lhs.split(',')
+  a_spec, b_spec, out = _split_spec(spec)
   g = g.astype(a.dtype)
   with _precision(matmul_precision):
     da = _dot(f'{out},{b_spec}->{a_spec}', form, a.dtype, g, b)
@@ -153,8 +158,7 @@ def _weight_gradient_transposed(spec: str, form: str) -> bool:
   """Whether the backward pass of `spec` transposes its first operand in
   memory for the weight gradient: a native 2-D matmul ``mk,kn->mn`` on a
   backend whose half-precision kernel needs it (`_TRANSPOSE_FOR_KERNEL`)."""
-  lhs, out = spec.split('->')
-  a, b = lhs.split(',')
+  a, b, out = _split_spec(spec)
   is_matmul = (len(a) == len(b) == 2 and a[1] == b[0]
                and out == a[0] + b[1])
   return (form == 'native' and is_matmul

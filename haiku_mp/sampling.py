@@ -8,6 +8,8 @@ resumed at any step reads what an uninterrupted run would have, with nothing
 to replay.
 """
 
+import functools
+
 import numpy as np
 
 
@@ -15,10 +17,13 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
   return num_examples // batch_size
 
 
+@functools.lru_cache(maxsize=2)
 def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
-  """The order of the training set in `epoch`."""
-  rng = np.random.default_rng([seed, epoch])
-  return rng.permutation(num_examples)
+  """The order of the training set in `epoch` (read-only: drawn once per
+  epoch, not once per step)."""
+  order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+  order.setflags(write=False)
+  return order
 
 
 def batch_indices(seed: int, step: int, batch_size: int, num_examples: int,

@@ -169,7 +169,7 @@ class VisionTransformer(hk.Module):
     self.layer_norm_epsilon = layer_norm_epsilon
     self.float32_residual = float32_residual
     self.dots = dots
-    self.remat = remat_lib.check(remat)
+    self.remat = remat
 
   def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
     """Maps images [B, H, W, C] to logits [B, num_classes]."""

@@ -105,15 +105,10 @@ def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
   sweep's variants), each with its ratios to the first."""
   rows = []
   for dtype in dtypes:
-    variant = sweep.variant_config(config, dtype, config.batch_size,
-                                   _layout(config))
+    variant = sweep.variant_config(config, dtype, config.batch_size)
     rows.append(run(variant, steps, **kwargs))
     log(rows[-1])
   compare.add_ratios(rows, 'vs_first', RATIO_FIELDS,
                      is_base=lambda r: r is rows[0])
   return rows
 
-
-def _layout(config) -> str:
-  shape = 'x'.join(str(n) for n in config.parallel.mesh_shape)
-  return f'{config.parallel.strategy}:{shape}'

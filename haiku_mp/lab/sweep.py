@@ -12,7 +12,7 @@ over from the variant before.
 import copy
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +32,10 @@ RATIO_FIELDS = ('median_step_sec', 'temp_size_in_bytes',
 
 
 def variant_config(config: ml_collections.ConfigDict, dtype: str,
-                   batch_size: int, layout: str) -> ml_collections.ConfigDict:
-  """`config` with the compute dtype, batch size and layout of one variant.
+                   batch_size: int, layout: Optional[str] = None
+                   ) -> ml_collections.ConfigDict:
+  """`config` with the compute dtype, batch size and layout (None: the
+  config's own) of one variant.
 
   float16 gets dynamic loss scaling when the config has none, as
   configs/vit_fp16.py does; data is synthetic (random arrays).
@@ -43,14 +45,15 @@ def variant_config(config: ml_collections.ConfigDict, dtype: str,
   text = (f'params={name(policy.param_dtype)},compute={dtype},'
           f'output={name(policy.output_dtype)}')
   precision.parse_policy(text, setting=f'sweep dtype {dtype!r}')
-  strategy, mesh_shape = sharding.parse_layout(layout)
   config = copy.deepcopy(config)
+  if layout is not None:
+    strategy, mesh_shape = sharding.parse_layout(layout)
+    config.parallel.strategy = strategy
+    config.parallel.mesh_shape = mesh_shape
   config.precision.policy = text
   if dtype == 'float16' and config.loss_scale.kind == 'none':
     config.loss_scale.kind = 'dynamic'
   config.batch_size = config.eval_batch_size = batch_size
-  config.parallel.strategy = strategy
-  config.parallel.mesh_shape = mesh_shape
   config.data.source = 'synthetic'
   return config
 
