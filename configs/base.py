@@ -81,7 +81,11 @@ def get_config() -> ml_collections.ConfigDict:
   ))
 
   config.data = ml_collections.ConfigDict(dict(
-      source='tfds',  # 'tfds' | 'synthetic' (random arrays, no TensorFlow).
+      # 'tfds' (TFDS, read once into memory), 'arrays' (a .npz from
+      # `python -m launch.data export`; no TensorFlow) or 'synthetic' (random
+      # pixels). Every split is held in memory and augmented on the device.
+      source='tfds',
+      arrays_path='',  # The .npz of the arrays source.
       name='cifar10',
       data_dir='',  # empty: the TFDS default (or TFDS_DATA_DIR).
       download=True,  # Download if not prepared in data_dir.
@@ -94,7 +98,7 @@ def get_config() -> ml_collections.ConfigDict:
       crop_max_attempts=10,
       mean=(0.4914, 0.4822, 0.4465),
       std=(0.2023, 0.1994, 0.2010),
-      prefetch_batches=4,
+      prefetch_batches=2,  # Batches on their way to the devices.
       synthetic_train_examples=45000,
       synthetic_eval_examples=5000,
   ))

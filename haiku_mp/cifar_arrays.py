@@ -15,10 +15,10 @@ import numpy as np
 
 from haiku_mp import errors
 
+SPLITS = ('train', 'test')
 KEYS = ('train_image', 'train_label', 'test_image', 'test_label')
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
-_EXPORT_BATCH = 5000  # Examples read from TFDS at a time.
 
 
 def check(arrays: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
@@ -27,7 +27,7 @@ def check(arrays: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
   if missing:
     raise errors.DataError(f'{where} has no {", ".join(missing)} '
                            f'(expected the arrays {", ".join(KEYS)})')
-  for split in ('train', 'test'):
+  for split in SPLITS:
     images, labels = arrays[f'{split}_image'], arrays[f'{split}_label']
     if images.dtype != np.uint8 or images.shape[1:] != IMAGE_SHAPE:
       raise errors.DataError(
@@ -44,19 +44,34 @@ def check(arrays: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
   return arrays
 
 
-def load(path: str) -> dict[str, np.ndarray]:
-  """The checked arrays of the `.npz` at `path` (`data.arrays_path`)."""
-  where = f'data.arrays_path={path}'
+def _read(path: str, keys=None) -> dict[str, np.ndarray]:
+  """The arrays `keys` (all by default) of the `.npz` at `path`, or a
+  one-line DataError naming `data.arrays_path`."""
   if not path:
     raise errors.DataError('data.arrays_path is empty; the arrays source reads '
                            'a .npz written by `python -m launch.data export`')
   try:
     with np.load(path, allow_pickle=False) as npz:
-      arrays = {k: npz[k] for k in npz.files}
-  except (OSError, ValueError) as e:
-    raise errors.DataError(f'{where} cannot be read as .npz '
+      return {k: npz[k] for k in npz.files if keys is None or k in keys}
+  except (OSError, ValueError, EOFError) as e:
+    raise errors.DataError(f'data.arrays_path={path} cannot be read as .npz '
                            f'({str(e).splitlines()[0][:200]})') from None
-  return check(arrays, where)
+
+
+def load(path: str) -> dict[str, np.ndarray]:
+  """The checked arrays of the `.npz` at `path` (`data.arrays_path`)."""
+  return check(_read(path), f'data.arrays_path={path}')
+
+
+def split_sizes(path: str) -> dict[str, int]:
+  """Examples per split of the `.npz` at `path`, reading only its labels."""
+  labels = _read(path, [f'{s}_label' for s in SPLITS])
+  missing = [s for s in SPLITS if f'{s}_label' not in labels]
+  if missing:
+    raise errors.DataError(f'data.arrays_path={path} has no '
+                           f'{", ".join(s + "_label" for s in missing)} '
+                           f'(expected the arrays {", ".join(KEYS)})')
+  return {s: len(labels[f'{s}_label']) for s in SPLITS}
 
 
 def save(path: str, arrays: dict[str, np.ndarray]) -> None:
@@ -77,15 +92,12 @@ def export_from_tfds(data_config: ml_collections.ConfigDict, path: str,
   """The TFDS copy `data_config` names (`train` and `test`, in its order) as
   a `.npz` at `path`; the example count per split."""
   from haiku_mp import tfds_builder  # pylint: disable=g-import-not-at-top
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   builder = tfds_builder.builder(data_config)
   arrays = {}
-  for split in ('train', 'test'):
-    batches = list(tfds.as_numpy(builder.as_dataset(
-        split=split, shuffle_files=False).batch(_EXPORT_BATCH)))
-    for key in ('image', 'label'):
-      arrays[f'{split}_{key}'] = np.concatenate([b[key] for b in batches])
-    arrays[f'{split}_label'] = arrays[f'{split}_label'].astype(np.int32)
-    log(f'{split}: {len(arrays[f"{split}_label"])} examples')
+  for split in SPLITS:
+    images, labels = tfds_builder.read_split(builder, split)
+    arrays[f'{split}_image'] = images
+    arrays[f'{split}_label'] = labels.astype(np.int32)
+    log(f'{split}: {len(labels)} examples')
   save(path, arrays)
-  return {split: len(arrays[f'{split}_label']) for split in ('train', 'test')}
+  return {split: len(arrays[f'{split}_label']) for split in SPLITS}

@@ -7,6 +7,7 @@ initial state and strategy together, so what is measured is what is trained.
 
 import copy
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import haiku as hk
@@ -15,6 +16,7 @@ from jax.sharding import Mesh
 import ml_collections
 import optax
 
+from haiku_mp import augment
 from haiku_mp import errors
 from haiku_mp import input_pipeline
 from haiku_mp import loss_scaling
@@ -119,7 +121,9 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
   init_state = _init_state_fn(config, forward, optimizer, scaler)
   loss_fn = train_step_lib.make_classification_loss(forward)
   strategy = parallel.make_strategy(config, mesh, parallel.Model(
-      forward, loss_fn, optimizer, scaler, init_state))
+      forward, loss_fn, optimizer, scaler, init_state,
+      train_inputs=functools.partial(augment.train_inputs, config.data),
+      eval_inputs=functools.partial(augment.eval_inputs, config.data)))
   return Experiment(
       config=config, mesh=mesh, precision=precision, module_calls=calls,
       forward=forward, loss_fn=loss_fn,

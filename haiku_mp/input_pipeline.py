@@ -1,41 +1,64 @@
-"""CIFAR-10 batches: TFDS (with augmentation) or synthetic (no TensorFlow).
+"""CIFAR-10 splits as uint8 arrays in memory, and the batches read from them.
 
-Training batches are deterministic functions of (seed, step): the epoch order
-comes from a seeded shuffle and each example's augmentation from stateless
-random ops seeded by its position in the stream, so a run restarted at step N
-sees exactly the batches an uninterrupted run would. Evaluation covers every
-example of a split exactly once: the last batch is padded and its padding has
-`mask == 0`. Each process reads only its own shard of every split.
-
-TensorFlow is imported only by the TFDS source.
+Every source (`data.source`) gives each split setting (train/val/test) as
+uint8 images and int32 labels held in host memory: `tfds` reads them once
+through TFDS (the only place TensorFlow is imported), `arrays` from a `.npz`
+written by `python -m launch.data export`, `synthetic` draws random pixels.
+Training batches are indices drawn by `sampling` from (seed, step), so a run
+restarted at step N reads exactly what an uninterrupted run would, with
+nothing to replay; augmentation and normalization happen on the device, in the
+compiled step (`augment.train_inputs`), so only uint8 pixels cross to it.
+Evaluation covers every example of a split exactly once: the last batch is
+padded and its padding has `mask == 0`. Each process reads its own part of
+every batch and of every evaluation split.
 """
 
+import collections
 import dataclasses
+import itertools
 import math
-from typing import Iterator, Optional
+import re
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import ml_collections
 import numpy as np
 
+from haiku_mp import cifar_arrays
 from haiku_mp import errors
+from haiku_mp import sampling
 from haiku_mp import tfds_builder
 
 Batch = dict[str, np.ndarray]
 
-
 DataError = errors.DataError
+
+SOURCES = ('tfds', 'arrays', 'synthetic')
+SPLIT_SETTINGS = ('train_split', 'val_split', 'test_split')
 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-  """Which part of every split this process reads."""
+  """Which part of every batch and split this process reads."""
   index: int = 0
   count: int = 1
 
   @classmethod
   def current(cls) -> 'Shard':
     return cls(jax.process_index(), jax.process_count())
+
+
+class Split(NamedTuple):
+  """One split in memory: uint8 images [N, H, W, 3], int32 labels [N]."""
+  images: np.ndarray
+  labels: np.ndarray
+
+
+class Splits(NamedTuple):
+  """The three splits a run reads, as its config's split settings name them."""
+  train: Split
+  val: Split
+  test: Split
 
 
 def local_batch_size(global_batch_size: int, shard: Shard) -> int:
@@ -57,89 +80,17 @@ def pad_batch(batch: Batch, batch_size: int) -> Batch:
   return padded
 
 
-# ---------------------------------------------------------------- synthetic --
-
-
 def random_batch(model_config: ml_collections.ConfigDict, batch_size: int,
                  seed, dtype=np.float32) -> Batch:
-  """Normal random images and uniform labels, a function of `seed` alone
-  (an int or a list of ints): synthetic data, and every measurement's batch."""
+  """Normal random model inputs (already normalized) and uniform labels, a
+  function of `seed` alone (an int or a list of ints): every measurement's
+  batch."""
   rng = np.random.default_rng(seed)
   size = model_config.image_size
   return dict(
       image=rng.standard_normal((batch_size, size, size, 3), dtype),
       label=rng.integers(0, model_config.num_classes, batch_size,
                          dtype=np.int32))
-
-
-def synthetic_train(config: ml_collections.ConfigDict, shard: Shard,
-                    start_step: int = 0) -> Iterator[Batch]:
-  """Random normalized images and labels, endlessly.
-
-  Each step's global batch depends only on (seed, step); a process takes its
-  slice, so any number of processes trains on the same data.
-  """
-  local = local_batch_size(config.batch_size, shard)
-  rows = slice(shard.index * local, (shard.index + 1) * local)
-  step = start_step
-  while True:
-    batch = random_batch(config.model, config.batch_size, [config.seed, step])
-    yield {k: v[rows] for k, v in batch.items()}
-    step += 1
-
-
-def synthetic_eval(config: ml_collections.ConfigDict, split: str,
-                   shard: Shard) -> Iterator[Batch]:
-  """A fixed random set per split; this process's even slice of it."""
-  num = config.data.synthetic_eval_examples
-  data = random_batch(config.model, num, [config.seed, len(split)])
-  images, labels = data['image'], data['label']
-  examples = _even_slice(num, shard)
-  images = images[examples.start:examples.stop]
-  labels = labels[examples.start:examples.stop]
-  batch_size = local_batch_size(config.eval_batch_size, shard)
-  batches = (dict(image=images[i:i + batch_size], label=labels[i:i + batch_size])
-             for i in range(0, len(labels), batch_size))
-  return _pad_to_equal_count(batches, num, batch_size, shard)
-
-
-def _pad_to_equal_count(batches: Iterator[Batch],
-                        num_examples: Optional[int],
-                        batch_size: int, shard: Shard) -> Iterator[Batch]:
-  """Pads every batch, then adds empty ones: each process yields as many.
-
-  Processes evaluate in lockstep (their batches meet in one collective), so the
-  one with fewer examples must still take part in every step.
-  """
-  last, yielded = None, 0
-  for last in batches:
-    yielded += 1
-    yield pad_batch(last, batch_size)
-  if num_examples is None:  # One process: nobody to keep in step with.
-    return
-  target = math.ceil(math.ceil(num_examples / shard.count) / batch_size)
-  if last is None:
-    raise DataError(f'an evaluation split of {num_examples} examples has none '
-                    f'for process {shard.index} of {shard.count}')
-  for _ in range(target - yielded):
-    yield pad_batch({k: v[:0] for k, v in last.items()}, batch_size)
-
-
-def _even_slice(num: int, shard: Shard) -> range:
-  """The examples of `range(num)` that shard `shard` reads (as TFDS splits)."""
-  bounds = [round(num * i / shard.count) for i in range(shard.count + 1)]
-  return range(bounds[shard.index], bounds[shard.index + 1])
-
-
-# --------------------------------------------------------------------- TFDS --
-
-
-def _process_split(split: str, shard: Shard) -> str:
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  return tfds.even_splits(split, n=shard.count)[shard.index]
-
-
-SOURCES = ('tfds', 'synthetic')
 
 
 def _source(data_config: ml_collections.ConfigDict) -> str:
@@ -149,13 +100,113 @@ def _source(data_config: ml_collections.ConfigDict) -> str:
   return data_config.source
 
 
-SPLIT_SETTINGS = ('train_split', 'val_split', 'test_split')
+# ------------------------------------------------------------ split strings --
+
+# 'train', 'train[:45000]', 'train[45000:]', 'train[-10%:]': TFDS's slicing
+# syntax, the part the arrays source understands. Parsed here because the
+# arrays source must work where TFDS is not installed (the GPU machines).
+_SPLIT = re.compile(r'^(\w+)(?:\[(-?\d+%?)?:(-?\d+%?)?\])?$')
+
+
+def _bound(text, size: int):
+  if text is None:
+    return None
+  if text.endswith('%'):  # TFDS rounds percent boundaries to the closest.
+    return round(int(text[:-1]) * size / 100)
+  return int(text)
+
+
+def split_slice(setting: str, spec: str, sizes: dict[str, int]
+                ) -> tuple[str, range]:
+  """(base split, example range) of a split string over splits of `sizes`."""
+  match = _SPLIT.match(spec.replace(' ', ''))
+  if not match:
+    raise DataError(f'data.{setting}={spec!r} is not a split such as '
+                    "'train', 'train[:45000]' or 'train[90%:]'")
+  name, start, stop = match.groups()
+  if name not in sizes:
+    raise DataError(f'data.{setting}={spec!r}: no split {name!r} (there are '
+                    f'{", ".join(sorted(sizes))})')
+  size = sizes[name]
+  examples = range(size)[slice(_bound(start, size), _bound(stop, size))]
+  if not examples:
+    raise DataError(f'data.{setting}={spec!r} selects no example of the '
+                    f'{size} in {name!r}')
+  return name, examples
+
+
+# ------------------------------------------------------------------ sources --
+
+
+def _synthetic_split(config: ml_collections.ConfigDict, setting: str) -> Split:
+  """Random pixels and labels, a function of (seed, setting) alone."""
+  data, model = config.data, config.model
+  num = (data.synthetic_train_examples if setting == 'train_split'
+         else data.synthetic_eval_examples)
+  rng = np.random.default_rng([config.seed, SPLIT_SETTINGS.index(setting)])
+  size = model.image_size
+  return Split(rng.integers(0, 256, (num, size, size, 3), np.uint8),
+               rng.integers(0, model.num_classes, num, np.int32))
+
+
+def _arrays_splits(data_config: ml_collections.ConfigDict) -> Splits:
+  arrays = cifar_arrays.load(data_config.arrays_path)
+  sizes = {s: len(arrays[f'{s}_label']) for s in cifar_arrays.SPLITS}
+  splits = []
+  for setting in SPLIT_SETTINGS:
+    name, examples = split_slice(setting, data_config[setting], sizes)
+    rows = slice(examples.start, examples.stop, examples.step)
+    splits.append(Split(arrays[f'{name}_image'][rows],
+                        arrays[f'{name}_label'][rows].astype(np.int32)))
+  return Splits(*splits)
+
+
+def _tfds_splits(data_config: ml_collections.ConfigDict) -> Splits:
+  builder = tfds_builder.builder(data_config)
+  splits = []
+  for setting in SPLIT_SETTINGS:
+    try:
+      images, labels = tfds_builder.read_split(builder, data_config[setting])
+    except ValueError as e:
+      raise DataError(f'data.{setting}={data_config[setting]!r}: '
+                      f'{str(e).splitlines()[0]}') from None
+    splits.append(Split(images, labels.astype(np.int32)))
+  return Splits(*splits)
+
+
+def load(config: ml_collections.ConfigDict) -> Splits:
+  """The train, val and test splits of `config.data`, in memory."""
+  source = _source(config.data)
+  if source == 'synthetic':
+    splits = Splits(*(_synthetic_split(config, s) for s in SPLIT_SETTINGS))
+  elif source == 'arrays':
+    splits = _arrays_splits(config.data)
+  else:
+    splits = _tfds_splits(config.data)
+  size = config.model.image_size
+  if splits.train.images.shape[1:3] != (size, size):
+    raise DataError(
+        f'model.image_size={size}, but data.source={source} has '
+        f'{"x".join(map(str, splits.train.images.shape[1:3]))} images')
+  if config.batch_size > len(splits.train.labels):
+    raise DataError(f'batch_size={config.batch_size} is larger than the '
+                    f'{len(splits.train.labels)} examples of '
+                    f'data.train_split={config.data.train_split!r}')
+  return splits
 
 
 def check_available(data_config: ml_collections.ConfigDict) -> None:
   """Raises `DataError` now, before a run writes anything, if data is missing
   or a split setting names examples the dataset does not have."""
-  if _source(data_config) != 'tfds':
+  if data_config.prefetch_batches < 1:
+    raise DataError(f'data.prefetch_batches={data_config.prefetch_batches} '
+                    'must be at least 1')
+  source = _source(data_config)
+  if source == 'arrays':
+    sizes = cifar_arrays.split_sizes(data_config.arrays_path)
+    for setting in SPLIT_SETTINGS:
+      split_slice(setting, data_config[setting], sizes)
+  if source != 'tfds':
     return
   builder = tfds_builder.builder(data_config)
   for setting in SPLIT_SETTINGS:
@@ -171,144 +222,65 @@ def check_available(data_config: ml_collections.ConfigDict) -> None:
 
 def num_train_examples(data_config: ml_collections.ConfigDict) -> int:
   """Examples in the training split (all processes), for epochs and ETAs."""
-  if _source(data_config) == 'synthetic':
+  source = _source(data_config)
+  if source == 'synthetic':
     return data_config.synthetic_train_examples
+  if source == 'arrays':
+    sizes = cifar_arrays.split_sizes(data_config.arrays_path)
+    return len(split_slice('train_split', data_config.train_split, sizes)[1])
   builder = tfds_builder.builder(data_config)
   return builder.info.splits[data_config.train_split].num_examples
 
 
-def _standardize(image, data_config: ml_collections.ConfigDict):
-  """float32 [0, 1] image -> per-channel standardized with the config's stats."""
-  tf = tfds_builder.tensorflow()
-  return ((image - tf.constant(data_config.mean, tf.float32)) /
-          tf.constant(data_config.std, tf.float32))
+# ------------------------------------------------------------------ batches --
 
 
-def _to_unit_float(image):
-  tf = tfds_builder.tensorflow()
-  return tf.cast(image, tf.float32) / 255.0
+def train_batches(config: ml_collections.ConfigDict, split: Split,
+                  shard: Shard, start_step: int = 0) -> Iterator[Batch]:
+  """This process's uint8 training batches from step `start_step` on."""
+  local_batch_size(config.batch_size, shard)
+  for step in itertools.count(start_step):
+    rows = sampling.batch_indices(config.seed, step, config.batch_size,
+                                  len(split.labels), shard.index, shard.count)
+    yield dict(image=split.images[rows], label=split.labels[rows])
 
 
-def crop_window(image_shape, seed, data_config: ml_collections.ConfigDict):
-  """(begin, size) of a random crop with the config's area and aspect ranges."""
-  tf = tfds_builder.tensorflow()
-  begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-      image_shape, bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-      seed=seed, min_object_covered=0.0,
-      aspect_ratio_range=tuple(data_config.crop_aspect_ratio),
-      area_range=tuple(data_config.crop_area),
-      max_attempts=data_config.crop_max_attempts,
-      use_image_if_no_bounding_boxes=True)
-  return begin, size
+def prefetch_to_device(batches: Iterator[Batch], place: Callable[[Batch], Any],
+                       size: int) -> Iterator[Any]:
+  """`place(batch)` for each batch, `size` of them in flight ahead of the
+  consumer: the copies to the devices overlap the steps before them."""
+  queue = collections.deque()
+  for batch in batches:
+    queue.append(place(batch))
+    if len(queue) == size:
+      yield queue.popleft()
+  while queue:
+    yield queue.popleft()
 
 
-def augment(image, seed, data_config: ml_collections.ConfigDict):
-  """Random resized crop back to the image's size, then a random flip."""
-  tf = tfds_builder.tensorflow()
-  crop_seed, flip_seed = tf.unstack(
-      tf.random.experimental.stateless_split(seed, 2))
-  begin, size = crop_window(tf.shape(image), crop_seed, data_config)
-  cropped = tf.slice(image, begin, size)
-  image = tf.image.resize(cropped, tf.shape(image)[:2], method='bilinear')
-  return tf.image.stateless_random_flip_left_right(image, flip_seed)
+def _even_slice(num: int, shard: Shard) -> range:
+  """The examples of `range(num)` that shard `shard` reads (as TFDS splits)."""
+  bounds = [round(num * i / shard.count) for i in range(shard.count + 1)]
+  return range(bounds[shard.index], bounds[shard.index + 1])
 
 
-def _options():
-  """tf.data options of every pipeline here: no autotuning.
-
-  Autotuning runs a model thread that re-optimizes with a period that doubles
-  up to a minute; destroying an iterator waits for that thread, and it was seen
-  (gdb: `Model::OptimizeLoop` in a timed wait, the main thread in
-  `RootDataset::Iterator::~Iterator`) to hold a finished run for 20 to 40 s
-  after its summary. `AUTOTUNE` parallelism then means one call per core.
-  """
-  tf = tfds_builder.tensorflow()
-  options = tf.data.Options()
-  options.autotune.enabled = False
-  return options
-
-
-def train_dataset(config: ml_collections.ConfigDict, shard: Shard,
-                  start_step: int = 0):
-  """The tf.data pipeline of `tfds_train`."""
-  tf = tfds_builder.tensorflow()
-  data = config.data
-  builder = tfds_builder.builder(data)
-  batch_size = local_batch_size(config.batch_size, shard)
-  ds = builder.as_dataset(split=_process_split(data.train_split, shard),
-                          shuffle_files=False)
-  ds = ds.map(lambda x: (x['image'], x['label']),
-              num_parallel_calls=tf.data.AUTOTUNE).cache()
-  num = int(ds.cardinality())
-  ds = ds.shuffle(num, seed=config.seed, reshuffle_each_iteration=True).repeat()
-  ds = ds.enumerate()
-
-  def preprocess(index, example):
-    image, label = example
-    image = _to_unit_float(image)
-    if data.augment:
-      seed = tf.stack([tf.cast(config.seed, tf.int64), index])
-      image = augment(image, seed, data)
-    return dict(image=_standardize(image, data), label=tf.cast(label, tf.int32))
-
-  ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE,
-              deterministic=True)
-  ds = ds.batch(batch_size, drop_remainder=True).skip(start_step)
-  return ds.prefetch(data.prefetch_batches).with_options(_options())
-
-
-def tfds_train(config: ml_collections.ConfigDict, shard: Shard,
-               start_step: int = 0) -> Iterator[Batch]:
-  """Augmented, shuffled, normalized training batches, endlessly."""
-  return iter(train_dataset(config, shard, start_step).as_numpy_iterator())
-
-
-def eval_dataset(config: ml_collections.ConfigDict, split: str, shard: Shard):
-  """The tf.data pipeline of `tfds_eval`, before the padding."""
-  tf = tfds_builder.tensorflow()
-  data = config.data
-  builder = tfds_builder.builder(data)
-  ds = builder.as_dataset(split=_process_split(split, shard),
-                          shuffle_files=False)
-  ds = ds.map(lambda x: dict(
-      image=_standardize(_to_unit_float(x['image']), data),
-      label=tf.cast(x['label'], tf.int32)), num_parallel_calls=tf.data.AUTOTUNE)
-  batch_size = local_batch_size(config.eval_batch_size, shard)
-  ds = ds.batch(batch_size).prefetch(data.prefetch_batches)
-  return ds.with_options(_options())
-
-
-def tfds_eval(config: ml_collections.ConfigDict, split: str,
-              shard: Shard) -> Iterator[Batch]:
-  """Normalized batches covering this shard of `split` once, last one padded."""
-  return _pad_to_equal_count(
-      eval_dataset(config, split, shard).as_numpy_iterator(),
-      _split_size(tfds_builder.builder(config.data), split, shard),
-      local_batch_size(config.eval_batch_size, shard), shard)
-
-
-def _split_size(builder, split: str, shard: Shard) -> Optional[int]:
-  """Examples in `split` from the dataset's metadata, if it has them."""
-  try:
-    return builder.info.splits[split].num_examples
-  except KeyError:  # No metadata (e.g. tfds.testing.mock_data).
-    if shard.count > 1:
-      raise DataError(f'data: no size known for split {split!r}; many '
-                      'processes need it to evaluate in lockstep') from None
-    return None
-
-
-def train_batches(config: ml_collections.ConfigDict, shard: Shard,
-                  start_step: int = 0) -> Iterator[Batch]:
-  """This process's training batches from step `start_step` on."""
-  if _source(config.data) == 'synthetic':
-    return synthetic_train(config, shard, start_step)
-  return tfds_train(config, shard, start_step)
-
-
-def eval_batches(config: ml_collections.ConfigDict, split: str,
+def eval_batches(config: ml_collections.ConfigDict, split: Split,
                  shard: Shard) -> Iterator[Batch]:
-  """This process's padded evaluation batches of `split`."""
-  if _source(config.data) == 'synthetic':
-    return synthetic_eval(config, split, shard)
-  return tfds_eval(config, split, shard)
+  """This process's padded uint8 batches covering its part of `split` once.
+
+  Processes evaluate in lockstep (their batches meet in one collective), so
+  every one yields as many batches: the one with fewer examples ends with an
+  all-padding batch.
+  """
+  num = len(split.labels)
+  batch_size = local_batch_size(config.eval_batch_size, shard)
+  examples = _even_slice(num, shard)
+  if not examples:
+    raise DataError(f'an evaluation split of {num} examples has none for '
+                    f'process {shard.index} of {shard.count}')
+  count = math.ceil(math.ceil(num / shard.count) / batch_size)
+  for i in range(count):
+    start = min(examples.start + i * batch_size, examples.stop)
+    stop = min(start + batch_size, examples.stop)
+    yield pad_batch(dict(image=split.images[start:stop],
+                         label=split.labels[start:stop]), batch_size)

@@ -36,6 +36,9 @@ class Model(NamedTuple):
   scaler: loss_scaling.LossScaler
   # A no-argument function that builds the initial TrainState (jittable).
   init_state: Callable[[], TrainState]
+  # Host batch -> model inputs, inside the compiled steps (augmentation).
+  train_inputs: train_step_lib.TrainInputs
+  eval_inputs: train_step_lib.EvalInputs
 
 
 class Strategy(abc.ABC):
@@ -111,9 +114,11 @@ class Single(Strategy):
     self._device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     self.train_step = jax.jit(
         train_step_lib.make_train_step(model.loss_fn, model.optimizer,
-                                       model.scaler),
+                                       model.scaler,
+                                       inputs=model.train_inputs),
         donate_argnums=0)
-    self.eval_step = jax.jit(train_step_lib.make_eval_step(model.forward))
+    self.eval_step = jax.jit(train_step_lib.make_eval_step(model.forward,
+                                                  inputs=model.eval_inputs))
     self._init = jax.jit(model.init_state)
 
   def init_state(self):
@@ -150,10 +155,12 @@ class Pmap(Strategy):
     self._n = len(local)
     self.train_step = jax.pmap(
         train_step_lib.make_train_step(model.loss_fn, model.optimizer,
-                                       model.scaler, axis_name=sharding.BATCH),
+                                       model.scaler, axis_name=sharding.BATCH,
+                                       inputs=model.train_inputs),
         axis_name=sharding.BATCH, donate_argnums=0, devices=devices)
     self.eval_step = jax.pmap(
-        train_step_lib.make_eval_step(model.forward, axis_name=sharding.BATCH),
+        train_step_lib.make_eval_step(model.forward, axis_name=sharding.BATCH,
+                                      inputs=model.eval_inputs),
         axis_name=sharding.BATCH, devices=devices)
     # One copy per local device, laid out the way pmap returns its outputs.
     self._replicas = NamedSharding(Mesh(np.array(local), (sharding.BATCH,)),
@@ -205,13 +212,14 @@ class Pjit(Strategy):
     replicated = NamedSharding(mesh, P())
     self.train_step = jax.jit(
         train_step_lib.make_train_step(model.loss_fn, model.optimizer,
-                                       model.scaler),
+                                       model.scaler,
+                                       inputs=model.train_inputs),
         in_shardings=(self.state_shardings, self._batch),
         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
     metrics = dict(loss=replicated, accuracy=replicated,
                    num_examples=replicated, logits=self._batch)
     self.eval_step = jax.jit(
-        train_step_lib.make_eval_step(model.forward),
+        train_step_lib.make_eval_step(model.forward, inputs=model.eval_inputs),
         in_shardings=(self.state_shardings.params, self._batch),
         out_shardings=metrics)
     # Computed in place: no process holds the whole state on one device.

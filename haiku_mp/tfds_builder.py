@@ -14,6 +14,7 @@ from typing import Iterator
 
 from absl import logging
 import ml_collections
+import numpy as np
 
 from haiku_mp import errors
 
@@ -184,3 +185,19 @@ def builder(data_config: ml_collections.ConfigDict):
   finally:
     urllib3_log.removeFilter(fail_fast)
   return dataset
+
+
+# Examples read at a time: `batch_size=-1` (the whole split in one batch)
+# crashes TensorFlow under `tfds.testing.mock_data` (std::length_error).
+_READ_BATCH = 5000
+
+
+def read_split(dataset, split: str) -> tuple[np.ndarray, np.ndarray]:
+  """(uint8 images, labels) of `split` of a prepared builder, in its order."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  batches = list(tfds.as_numpy(dataset.as_dataset(
+      split=split, shuffle_files=False).batch(_READ_BATCH)))
+  if not batches:
+    raise ValueError(f'split {split!r} has no example')
+  return (np.concatenate([b['image'] for b in batches]),
+          np.concatenate([b['label'] for b in batches]))

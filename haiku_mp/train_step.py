@@ -23,6 +23,15 @@ Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
 # loss_fn(params, rng, batch) -> (float32 scalar loss, metrics such as accuracy).
 LossFn = Callable[[hk.Params, jax.Array, Batch], tuple[jax.Array, Metrics]]
+# train_inputs(key, batch, axis_name) -> the batch the model takes (augmented
+# and normalized on the device); eval_inputs(batch) -> the same, no randomness.
+TrainInputs = Callable[[jax.Array, Batch, Optional[str]], Batch]
+EvalInputs = Callable[[Batch], Batch]
+
+
+def _as_is_train(key, batch, axis_name):
+  del key, axis_name
+  return batch
 
 
 class TrainState(NamedTuple):
@@ -81,7 +90,8 @@ def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
 def make_train_step(loss_fn: LossFn,
                     optimizer: optax.GradientTransformation,
                     loss_scaler: loss_scaling.LossScaler,
-                    axis_name: Optional[str] = None
+                    axis_name: Optional[str] = None,
+                    inputs: TrainInputs = _as_is_train
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """A pure `train_step(state, batch) -> (state, metrics)`.
 
@@ -89,11 +99,14 @@ def make_train_step(loss_fn: LossFn,
   syncs with the host until the caller reads one. Under `jax.pmap`, pass its
   `axis_name`: gradients are then averaged over replicas before the finite
   check, so every replica takes the same skip decision and keeps the same
-  loss scale, and each replica draws its own dropout masks.
+  loss scale, and each replica draws its own dropout masks. `inputs` turns
+  the host batch into the model's (augmentation on the device), keyed by the
+  step's own key, the same on every replica.
   """
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-    rng, step_rng = jax.random.split(state.rng)
+    rng, step_rng, inputs_rng = jax.random.split(state.rng, 3)
+    batch = inputs(inputs_rng, batch, axis_name)
     if axis_name is not None:
       step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
 
@@ -166,7 +179,8 @@ def make_classification_loss(forward: hk.Transformed) -> LossFn:
   return loss_fn
 
 
-def make_eval_step(forward: hk.Transformed, axis_name: Optional[str] = None
+def make_eval_step(forward: hk.Transformed, axis_name: Optional[str] = None,
+                   inputs: EvalInputs = lambda batch: batch
                    ) -> Callable[[hk.Params, Batch], Metrics]:
   """`eval_step(params, batch) -> {logits, loss, accuracy, num_examples}`, no dropout.
 
@@ -174,6 +188,7 @@ def make_eval_step(forward: hk.Transformed, axis_name: Optional[str] = None
   """
 
   def eval_step(params: hk.Params, batch: Batch) -> Metrics:
+    batch = inputs(batch)
     logits = forward.apply(params, None, batch['image'], False)
     return dict(_weighted_metrics(logits, batch, axis_name), logits=logits)
 

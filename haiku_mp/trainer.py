@@ -4,13 +4,12 @@ Host and device meet only at log and eval points: between them the loop only
 dispatches steps, and the metrics of each step stay on the device.
 """
 
-import collections
 import contextlib
 import itertools
 import os
 import signal
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from absl import logging
 import jax
@@ -37,17 +36,6 @@ def check_intervals(config: ml_collections.ConfigDict) -> None:
                'keep_checkpoints'):
     if config[name] <= 0:
       raise errors.ConfigError(f'{name}={config[name]} must be positive')
-
-
-def _prefetch_to_device(batches: Iterator[Any], place, size: int = 2):
-  """Keeps `size` batches in flight to the devices ahead of the step."""
-  queue = collections.deque()
-  for batch in batches:
-    queue.append(place(batch))
-    if len(queue) == size:
-      yield queue.popleft()
-  while queue:
-    yield queue.popleft()
 
 
 def _mean_of_kept(values) -> float:
@@ -204,17 +192,19 @@ def _restore_or_init(exp, checkpointer, workdir: str, is_writer: bool):
 class _Evaluator:
   """Evaluates on a split, logs and writes the result, keeps the time spent."""
 
-  def __init__(self, exp, shard, writer):
-    self._exp, self._shard, self._writer = exp, shard, writer
+  def __init__(self, exp, splits, shard, writer):
+    self._exp, self._splits, self._shard = exp, splits, shard
+    self._writer = writer
     self.seconds = 0.0
 
   def __call__(self, split_name: str, step: int, params) -> dict[str, float]:
     exp = self._exp
-    split = exp.config.data[f'{split_name}_split']
     start = time.perf_counter()
-    result = evaluate(exp.strategy.eval_step, params, _prefetch_to_device(
-        input_pipeline.eval_batches(exp.config, split, self._shard),
-        exp.strategy.place_batch), exp.strategy.unreplicate)
+    batches = input_pipeline.eval_batches(
+        exp.config, getattr(self._splits, split_name), self._shard)
+    result = evaluate(exp.strategy.eval_step, params, input_pipeline.prefetch_to_device(
+        batches, exp.strategy.place_batch, exp.config.data.prefetch_batches),
+                      exp.strategy.unreplicate)
     self.seconds += time.perf_counter() - start
     self._writer.write(step, split_name, result)
     logging.info('%s at step %d: loss %.4f accuracy %.4f (%d examples)',
@@ -270,6 +260,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   input_pipeline.check_available(config.data)
   exp = experiment.build(config, mesh)
   strategy, total_steps = exp.strategy, exp.total_steps
+  splits = input_pipeline.load(config)
   is_writer = jax.process_index() == 0
   _prepare_workdir(workdir, is_writer)
   with contextlib.ExitStack() as stack:
@@ -284,12 +275,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     writer = stack.enter_context(contextlib.closing(metrics_lib.MetricsWriter(
         workdir, enabled=is_writer, start_step=start_step)))
     preemption = stack.enter_context(_Preemption(config.log_every_steps))
-    evaluator = _Evaluator(exp, shard, writer)
+    evaluator = _Evaluator(exp, splits, shard, writer)
     progress = metrics_lib.Progress(total_steps, config.batch_size, start_step)
     start_time = time.perf_counter()
-    batches = _prefetch_to_device(
-        input_pipeline.train_batches(config, shard, start_step),
-        strategy.place_batch)
+    batches = input_pipeline.prefetch_to_device(
+        input_pipeline.train_batches(config, splits.train, shard, start_step),
+        strategy.place_batch, config.data.prefetch_batches)
     train_step, batches = _compile_train_step(strategy, state, batches)
     progress.reset_clock(start_step)
     window, last_val = [], {}

@@ -12,6 +12,12 @@ the figures of `haiku_mp.lab.step_benchmark` (step time, images/s, FLOPs, the
 same-run matmul ceiling, MFU, system CPU time, compiled memory, the CPU) and,
 with several dtypes, each one's ratios to the first.
 
+The input pipeline (host gathers, augmentation on the device, and the same
+train step on a batch already on the device vs fed by the pipeline):
+
+    python -m launch.benchmark --config=configs/vit_bf16.py --pipeline \
+        --config.data.source=arrays --config.data.arrays_path=cifar10.npz
+
 Compiled cost per layout (compile time, memory analysis per device):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m \
@@ -32,6 +38,7 @@ from haiku_mp import model
 from haiku_mp import precision
 from haiku_mp import sharding
 from haiku_mp.lab import compare
+from haiku_mp.lab import pipeline_benchmark
 from haiku_mp.lab import step_benchmark
 from launch import cli
 
@@ -50,6 +57,13 @@ _LAYOUTS = flags.DEFINE_list(
     'layouts', [], 'STRATEGY:BATCHxMODEL layouts to compare compiled cost '
     '(e.g. pjit:8x1,pjit:4x2; single needs no mesh: single:1x1) instead of '
     'timing steps.')
+
+_PIPELINE = flags.DEFINE_bool(
+    'pipeline', False, 'Benchmark the input pipeline of the config\'s data '
+    'source against its train step instead (--steps per round).')
+_ROUNDS = flags.DEFINE_integer(
+    'rounds', 3, '--pipeline: alternating rounds of steps on a device batch '
+    'and fed by the pipeline (the median round is kept).')
 
 _LAYOUT_RATIO_FIELDS = ('temp_size_in_bytes', 'argument_size_in_bytes',
                         'params_bytes', 'opt_state_bytes', 'compile_sec')
@@ -71,6 +85,24 @@ def _layouts(config):
                         ratios={r['layout']: r['ratios'] for r in results[1:]})))
 
 
+def _pipeline(config):
+  if _ROUNDS.value < 1:
+    raise errors.ConfigError(f'--rounds={_ROUNDS.value} must be at least 1')
+  result = pipeline_benchmark.run(config, _STEPS.value, _ROUNDS.value)
+  step = result['step_time_s']
+  print(f'{result["source"]} data, batch {result["batch_size"]}: host '
+        f'{result["host_images_per_sec"]:.0f} img/s, augmentation '
+        f'{result["augment_images_per_sec"]:.0f} img/s, pipeline '
+        f'{result["pipeline_images_per_sec"]:.0f} img/s = '
+        f'{result["pipeline_over_step"]:.1f}x the step\'s '
+        f'{result["step_images_per_sec"]:.1f} img/s', flush=True)
+  print(f'step on a device batch {step["device_batch"] * 1e3:.1f} ms, fed by '
+        f'the pipeline {step["pipeline_fed"] * 1e3:.1f} ms '
+        f'({100 * result["fed_slowdown"]:+.1f}%)', flush=True)
+  if _JSON.value:
+    print(json.dumps(result))
+
+
 def _line(row) -> str:
   mfu = f'{row["mfu"]:.2f}' if row['mfu'] is not None else 'n/a'
   return (f'{row["dtype"]:>8} ({row["dot_form"]}) batch {row["batch_size"]}: '
@@ -90,6 +122,9 @@ def main(argv):
     return
   if _STEPS.value < 1:
     raise errors.ConfigError(f'--steps={_STEPS.value} must be at least 1')
+  if _PIPELINE.value:
+    _pipeline(config)
+    return
   if _CEILING.value < 1:
     raise errors.ConfigError(
         f'--ceiling_size={_CEILING.value} must be at least 1')

@@ -25,12 +25,17 @@ def _images(batch, seed=0):
   return jnp.asarray(rng.integers(0, 256, (batch, SIZE, SIZE, 3)), jnp.uint8)
 
 
+def _keys(seed, batch):
+  return jax.random.split(jax.random.key(seed), batch)
+
+
 def _windows(batch=2000, key=0, **ranges):
   data = dict(crop_area=DATA.crop_area, crop_aspect_ratio=DATA.crop_aspect_ratio,
               crop_max_attempts=DATA.crop_max_attempts)
   data.update(ranges)
   windows = augment.crop_windows(
-      jax.random.key(key), batch, SIZE, SIZE, data['crop_area'],
+      jax.random.split(jax.random.key(key), batch), SIZE, SIZE,
+      data['crop_area'],
       data['crop_aspect_ratio'], data['crop_max_attempts'])
   return [np.asarray(x) for x in windows]
 
@@ -88,7 +93,7 @@ class AugmentTest(parameterized.TestCase):
     data = base.get_config().data
     data.crop_area, data.crop_aspect_ratio = (1.0, 1.0), (1.0, 1.0)
     images = _images(1000)
-    out = np.asarray(augment.augment(jax.random.key(3), images, data))
+    out = np.asarray(augment.augment(_keys(3, 1000), images, data))
     plain = np.asarray(augment.normalize(images, data))
     same = np.all(np.isclose(out, plain, atol=1e-5), axis=(1, 2, 3))
     flipped = np.all(np.isclose(out, plain[:, :, ::-1], atol=1e-5),
@@ -106,12 +111,60 @@ class AugmentTest(parameterized.TestCase):
 
   def test_same_key_same_batch_in_and_out_of_jit(self):
     images = _images(16)
-    run = lambda key: augment.augment(key, images, DATA)
-    a = run(jax.random.key(5))
-    np.testing.assert_array_equal(a, jax.jit(run)(jax.random.key(5)))
-    self.assertFalse(np.allclose(a, run(jax.random.key(6))))
+    run = lambda seed: augment.augment(_keys(seed, 16), images, DATA)
+    a = run(5)
+    np.testing.assert_array_equal(a, jax.jit(run)(5))
+    self.assertFalse(np.allclose(a, run(6)))
     chex.assert_shape(a, images.shape)
     chex.assert_type(a, jnp.float32)
+
+
+  def test_an_image_depends_on_its_own_key_alone(self):
+    images = _images(8)
+    keys = _keys(2, 8)
+    whole = augment.augment(keys, images, DATA)
+    halves = [augment.augment(keys[i:i + 4], images[i:i + 4], DATA)
+              for i in (0, 4)]
+    np.testing.assert_array_equal(whole, np.concatenate(halves))
+
+
+class ModelInputsTest(parameterized.TestCase):
+
+  def test_train_inputs_augment_uint8_and_keep_labels(self):
+    batch = dict(image=_images(4), label=jnp.arange(4))
+    out = augment.train_inputs(DATA, jax.random.key(1), batch)
+    np.testing.assert_array_equal(
+        out['image'], augment.augment(jax.random.split(jax.random.key(1), 4),
+                                      batch['image'], DATA))
+    np.testing.assert_array_equal(out['label'], batch['label'])
+
+  def test_without_augmentation_train_images_are_only_normalized(self):
+    data = base.get_config().data
+    data.augment = False
+    batch = dict(image=_images(4), label=jnp.arange(4))
+    out = augment.train_inputs(data, jax.random.key(1), batch)
+    np.testing.assert_array_equal(out['image'],
+                                  augment.normalize(batch['image'], data))
+
+  @parameterized.parameters('train', 'eval')
+  def test_float_images_are_taken_as_model_inputs(self, kind):
+    batch = dict(image=jnp.ones((2, SIZE, SIZE, 3), jnp.float32),
+                 label=jnp.zeros(2, jnp.int32))
+    out = (augment.train_inputs(DATA, jax.random.key(0), batch)
+           if kind == 'train' else augment.eval_inputs(DATA, batch))
+    self.assertIs(out, batch)
+
+  def test_every_replica_augments_its_part_as_one_device_would(self):
+    n = jax.local_device_count()
+    if n < 2:
+      self.skipTest('needs several devices (run under the suite\'s XLA_FLAGS)')
+    images = _images(2 * n)
+    key = jax.random.key(9)
+    one = augment.augment(augment.example_keys(key, 2 * n), images, DATA)
+    per_replica = jax.pmap(
+        lambda x: augment.augment(augment.example_keys(key, 2, 'b'), x, DATA),
+        axis_name='b')(images.reshape(n, 2, SIZE, SIZE, 3))
+    np.testing.assert_array_equal(per_replica.reshape(one.shape), one)
 
 
 if __name__ == '__main__':

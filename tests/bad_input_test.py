@@ -15,6 +15,7 @@ import time
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import numpy as np
 
 from tests import fake_cifar10
 from tests import helpers
@@ -98,6 +99,16 @@ class BadInputTest(parameterized.TestCase):
       ('non_positive_layer_norm_epsilon',
        ['--config.model.layer_norm_epsilon=0'],
        'model.layer_norm_epsilon=0 must be positive'),
+      ('no_prefetch', ['--config.data.prefetch_batches=0'],
+       'data.prefetch_batches=0 must be at least 1'),
+      ('batch_larger_than_the_train_split',
+       ['--config.batch_size=16', '--config.data.synthetic_train_examples=10'],
+       "batch_size=16 is larger than the 10 examples of data.train_split="),
+      ('arrays_path_empty', ['--config.data.source=arrays'],
+       'data.arrays_path is empty'),
+      ('arrays_path_missing', ['--config.data.source=arrays',
+                               '--config.data.arrays_path=/nonexistent/c.npz'],
+       'data.arrays_path=/nonexistent/c.npz cannot be read as .npz'),
       ('checkpoint_of_another_model', ['--config.model.embed_dim=32',
                                        '--config.num_train_steps=4'],
        'can be restored'))
@@ -171,6 +182,30 @@ class BadInputTest(parameterized.TestCase):
     result = _train(f'{tmp}/run', '--config.data.source=tfds',
                     f'--config.data.data_dir={helpers.real_data_dir()}',
                     '--config.data.download=false', flag)
+    self._assert_data_error(result, f'{tmp}/run', message)
+
+  @parameterized.named_parameters(
+      ('unknown_split', ['--config.data.val_split=validation'],
+       "data.val_split='validation': no split 'validation' (there are test, "
+       'train)'),
+      ('image_size', ['--config.model.image_size=8'],
+       'model.image_size=8, but data.source=arrays has 32x32 images'),
+      ('not_cifar_arrays', ['--spoil'], 'train_image is float32'))
+  def test_arrays_the_run_cannot_use(self, flags, message):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    rng = np.random.default_rng(0)
+    arrays = dict(train_image=rng.integers(0, 256, (20, 32, 32, 3), np.uint8),
+                  train_label=np.zeros(20, np.int32),
+                  test_image=rng.integers(0, 256, (8, 32, 32, 3), np.uint8),
+                  test_label=np.zeros(8, np.int32))
+    if flags == ['--spoil']:
+      arrays['train_image'] = arrays['train_image'].astype(np.float32)
+      flags = []
+    np.savez(f'{tmp}/c.npz', **arrays)
+    result = _train(f'{tmp}/run', '--config.data.source=arrays',
+                    f'--config.data.arrays_path={tmp}/c.npz',
+                    '--config.data.train_split=train[:16]',
+                    '--config.data.val_split=train[16:]', *flags)
     self._assert_data_error(result, f'{tmp}/run', message)
 
   def test_workdir_not_writable(self):

@@ -12,6 +12,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from haiku_mp.lab import pipeline_benchmark
 from haiku_mp.lab import step_benchmark
 from tests import helpers
 
@@ -65,7 +66,51 @@ class StepBenchmarkTest(parameterized.TestCase):
                      'unknown')
 
 
+class PipelineBenchmarkTest(parameterized.TestCase):
+
+  def test_pipeline_figures_and_their_arithmetic(self):
+    config = helpers.tiny_config()
+    config.model.image_size = 32
+    config.model.patch_size = 8
+    config.batch_size = 8
+    config.data.source = 'synthetic'
+    config.data.synthetic_train_examples = 64
+    result = pipeline_benchmark.run(config, steps=2, rounds=2, repeats=3)
+    self.assertEqual(result['train_examples'], 64)
+    for field in ('host_images_per_sec', 'augment_images_per_sec',
+                  'pipeline_images_per_sec', 'step_images_per_sec'):
+      self.assertGreater(result[field], 0, field)
+    # In sequence, the pipeline is slower than either of its parts.
+    self.assertLess(result['pipeline_images_per_sec'],
+                    result['host_images_per_sec'])
+    step = result['step_time_s']
+    self.assertEqual(set(step), {'device_batch', 'pipeline_fed'})
+    self.assertLen(result['step_times_s']['pipeline_fed'], 2)
+    self.assertAlmostEqual(result['step_images_per_sec'],
+                           8 / step['device_batch'])
+    self.assertAlmostEqual(result['fed_slowdown'],
+                           step['pipeline_fed'] / step['device_batch'] - 1)
+    self.assertAlmostEqual(result['pipeline_over_step'],
+                           result['pipeline_images_per_sec'] /
+                           result['step_images_per_sec'])
+
+
 class CommandLineTest(parameterized.TestCase):
+
+  def test_pipeline_from_the_command_line(self):
+    result = helpers.run_module(
+        'launch.benchmark', '--config=configs/vit_bf16.py', '--pipeline',
+        '--steps=2', '--rounds=1', '--json', '--config.batch_size=8',
+        '--config.data.source=synthetic',
+        '--config.data.synthetic_train_examples=64',
+        '--config.model.patch_size=8', *helpers.TINY_MODEL_FLAGS)
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    lines = result.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    self.assertEqual((summary['source'], summary['batch_size']),
+                     ('synthetic', 8))
+    self.assertIn('x the step', lines[0])
+    self.assertIn('fed by the pipeline', lines[1])
 
   def test_dtypes_in_one_run_end_with_one_json_object(self):
     result = helpers.run_module(
@@ -85,7 +130,8 @@ class CommandLineTest(parameterized.TestCase):
     self.assertIn('float16 vs float32', lines[-2])
 
   @parameterized.parameters((['--dtypes=float32,float8'], '--dtypes (float8)'),
-                            (['--steps=0'], '--steps=0'))
+                            (['--steps=0'], '--steps=0'),
+                            (['--pipeline', '--rounds=0'], '--rounds=0'))
   def test_bad_input_is_one_line(self, flags, message):
     result = helpers.run_module('launch.benchmark',
                                 '--config=configs/vit_fp32.py', *flags)

@@ -99,6 +99,29 @@ class StrategiesAgreeTest(parameterized.TestCase):
       np.testing.assert_allclose(losses, plain, rtol=2e-5, err_msg=strategy)
 
 
+  def test_uint8_batches_are_augmented_alike_under_every_strategy(self):
+    """The augmentation runs inside the step, per example keyed by the step's
+    key: the same images (so the same losses) however the batch is split."""
+    results = {}
+    for strategy, mesh_shape in LAYOUTS[:3]:
+      config = _config(strategy, mesh_shape, 'float32', 'none')
+      config.model.image_size = 32
+      config.model.patch_size = 8
+      par = _setup(config)
+      state = par.init_state()
+      rng = np.random.default_rng(0)
+      losses = []
+      for _ in range(2):
+        batch = dict(image=rng.integers(0, 256, (16, 32, 32, 3), np.uint8),
+                     label=rng.integers(0, 10, 16).astype(np.int32))
+        state, metrics = par.train_step(state, par.place_batch(batch))
+        losses.append(float(par.unreplicate(metrics)['loss']))
+      results[strategy] = losses
+    for strategy, losses in results.items():
+      np.testing.assert_allclose(losses, results['single'], rtol=2e-5,
+                                 err_msg=strategy)
+
+
 class ShardingRulesTest(parameterized.TestCase):
 
   def test_params_and_optimizer_state_follow_the_rules(self):

@@ -16,9 +16,11 @@ from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import numpy as np
 import tensorflow_datasets as tfds
 
 from haiku_mp import checkpoint as checkpoint_lib
+from haiku_mp import cifar_arrays
 from haiku_mp import input_pipeline
 from haiku_mp import metrics as metrics_lib
 from haiku_mp import trainer
@@ -212,6 +214,29 @@ class LaunchTrainTest(parameterized.TestCase):
     self.assertIn(message, last_line)
     self.assertNotIn('Traceback', result.stderr)
     self.assertFalse(os.path.exists(workdir))
+
+  def test_arrays_run_needs_no_tensorflow(self):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    rng = np.random.default_rng(0)
+    arrays = {f'{s}_image': rng.integers(0, 256, (n, 32, 32, 3), np.uint8)
+              for s, n in (('train', 40), ('test', 10))}
+    arrays.update({f'{s}_label': rng.integers(0, 10, n).astype(np.int32)
+                   for s, n in (('train', 40), ('test', 10))})
+    path = os.path.join(tmp, 'cifar10.npz')
+    cifar_arrays.save(path, arrays)
+    workdir = os.path.join(tmp, 'run')
+    result = helpers.run_module(
+        'tests.without_modules', 'tensorflow,tensorflow_datasets',
+        'launch.train', '--config=configs/vit_bf16.py', f'--workdir={workdir}',
+        '--config.data.source=arrays', f'--config.data.arrays_path={path}',
+        '--config.data.train_split=train[:30]',
+        '--config.data.val_split=train[30:]', '--config.model.patch_size=8',
+        *CLI_TINY)
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    events = _read_jsonl(workdir)
+    self.assertEqual([(e['split'], e['num_examples']) for e in events
+                      if e['split'] in ('val', 'test')],
+                     [('val', 10), ('test', 10)])
 
   def test_unknown_config_key_fails(self):
     result = self._run('unused', '--config.batch_sise=3')

@@ -1,0 +1,120 @@
+"""The input pipeline benchmark: does the data ever make the device wait?
+
+Measured in one process, on the config's own data source and train step:
+- `host_images_per_sec`: the host's part, batch indices and uint8 gathers;
+- `augment_images_per_sec`: the device's part alone (crop, resize, flip,
+  normalize), jitted on a batch already there;
+- `pipeline_images_per_sec`: both in sequence, each batch moved to the device
+  and augmented before the next is read (no overlap: a lower bound);
+- the same compiled train step run on one fixed batch already on the device
+  (`device_batch`: no pipeline, as `launch.benchmark` measures) and fed batch
+  by batch by the pipeline, with the trainer's prefetch (`pipeline_fed`), in
+  alternating rounds. `fed_slowdown` is how much slower the fed step is.
+"""
+
+import functools
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from haiku_mp import augment
+from haiku_mp import experiment
+from haiku_mp import input_pipeline
+from haiku_mp import sharding
+from haiku_mp.lab import step_benchmark
+
+# Targets of the pipeline: images/s over the step's, and the fed step's
+# slowdown against the step on a device batch.
+TARGET_PIPELINE_OVER_STEP = 20.0
+TARGET_FED_SLOWDOWN = 0.05
+
+
+def _images_per_sec(fn, batch_size: int, repeats: int) -> float:
+  """Images/s of `fn()` (which handles one batch and waits for it)."""
+  fn()  # Compiles, or warms up.
+  start = time.perf_counter()
+  for _ in range(repeats):
+    fn()
+  return batch_size * repeats / (time.perf_counter() - start)
+
+
+def _round_seconds(step, state, feed, steps: int):
+  """(state, seconds per step) of `steps` steps dispatched as the trainer
+  does, waited for once at the end."""
+  start = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = step(state, next(feed))
+  jax.block_until_ready(metrics['loss'])
+  return state, (time.perf_counter() - start) / steps
+
+
+def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
+        repeats: int = 20) -> dict[str, Any]:
+  """The figures above for `config` (its data source, batch and strategy)."""
+  exp = experiment.build(config, sharding.mesh_for(config.parallel))
+  strategy = exp.strategy
+  load_start = time.perf_counter()
+  splits = input_pipeline.load(config)
+  load_seconds = time.perf_counter() - load_start
+  shard = input_pipeline.Shard.current()
+  batches = input_pipeline.train_batches(config, splits.train, shard)
+  local_batch = input_pipeline.local_batch_size(config.batch_size, shard)
+
+  host = _images_per_sec(lambda: next(batches), local_batch, repeats)
+  augment_fn = jax.jit(functools.partial(augment.train_inputs, config.data))
+  key = jax.random.key(config.seed)
+  device_batch = jax.device_put(next(batches))
+  on_device = _images_per_sec(
+      lambda: jax.block_until_ready(augment_fn(key, device_batch)),
+      local_batch, repeats)
+  pipeline = _images_per_sec(
+      lambda: jax.block_until_ready(
+          augment_fn(key, jax.device_put(next(batches)))),
+      local_batch, repeats)
+
+  state = strategy.init_state()
+  fixed = strategy.place_batch(next(batches))
+  step = strategy.train_step.lower(state, fixed).compile()
+  feeds = dict(
+      device_batch=iter(lambda: fixed, None),
+      pipeline_fed=input_pipeline.prefetch_to_device(
+          batches, strategy.place_batch, config.data.prefetch_batches))
+  state, _ = _round_seconds(step, state, feeds['device_batch'], 1)  # Warm-up.
+  seconds = {name: [] for name in feeds}
+  for _ in range(rounds):
+    for name, feed in feeds.items():
+      state, per_step = _round_seconds(step, state, feed, steps)
+      seconds[name].append(per_step)
+  step_time = {name: float(np.median(s)) for name, s in seconds.items()}
+  step_images = config.batch_size / step_time['device_batch']
+  slowdown = step_time['pipeline_fed'] / step_time['device_batch'] - 1
+  return dict(
+      device=str(jax.devices()[0].device_kind),
+      jax_version=jax.__version__,
+      cpu=step_benchmark.cpu_info(),
+      source=config.data.source,
+      policy=config.precision.policy,
+      batch_size=config.batch_size,
+      augment=config.data.augment,
+      strategy=strategy.name,
+      train_examples=len(splits.train.labels),
+      load_sec=load_seconds,
+      host_images_per_sec=host,
+      augment_images_per_sec=on_device,
+      pipeline_images_per_sec=pipeline,
+      steps_per_round=steps,
+      rounds=rounds,
+      step_time_s=step_time,
+      step_times_s=seconds,
+      step_images_per_sec=step_images,
+      pipeline_over_step=pipeline / step_images,
+      fed_slowdown=slowdown,
+      targets=dict(
+          pipeline_over_step=TARGET_PIPELINE_OVER_STEP,
+          pipeline_over_step_met=pipeline / step_images
+          >= TARGET_PIPELINE_OVER_STEP,
+          fed_slowdown=TARGET_FED_SLOWDOWN,
+          fed_slowdown_met=slowdown <= TARGET_FED_SLOWDOWN))
