@@ -96,10 +96,12 @@ def stacked_bar_chart(out_path: str, labels, parts: Mapping[str, list],
 
 
 def horizontal_bar_chart(out_path: str, labels, values, xlabel: str,
-                         title: str) -> None:
-  """One horizontal bar per label, largest on top, for long labels."""
+                         title: str, log: bool = False) -> None:
+  """One horizontal bar per label, in order from the top, for long labels."""
   fig, ax = plt.subplots(figsize=(8, 0.35 * len(labels) + 1.5))
   ax.barh(range(len(labels)), values)
+  if log:
+    ax.set_xscale('log')
   ax.set_yticks(range(len(labels)), labels, fontsize=8)
   ax.invert_yaxis()
   ax.set_xlabel(xlabel)

@@ -6,6 +6,12 @@ python -m launch.lab memory --config=configs/vit_fp32.py
 python -m launch.lab precision --config=configs/vit_cpu.py
 python -m launch.lab profile --config=configs/vit_bf16.py --steps=5
 python -m launch.lab matmul --out=lab [--rows=1024 --cols=65536 --repeats=5]
+python -m launch.lab dot_algorithms --out=lab [--size=2048]
+python -m launch.lab report --out=report [--parts=benchmark,...] [--quick] \
+    [--config.data.source=arrays --config.data.arrays_path=cifar10.npz]
+
+`report` runs several parts on whatever backend JAX finds and writes their
+JSON, plots and one report.md (haiku_mp/lab/report.py).
 
 Each experiment prints its result as one JSON line and writes
 `<experiment>.json` and its plots into --out.
@@ -13,16 +19,20 @@ Each experiment prints its result as one JSON line and writes
 
 import json
 import os
+import shlex
+import sys
 
 from absl import flags
 from ml_collections import config_flags
 
 from haiku_mp import errors
+from haiku_mp.lab import dot_algorithms
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
 from haiku_mp.lab import precision as precision_lab
 from haiku_mp.lab import profile
 from haiku_mp.lab import params
+from haiku_mp.lab import report
 from haiku_mp.lab import sweep
 from launch import cli
 
@@ -53,6 +63,14 @@ _NUMERICS_BATCH_SIZE = flags.DEFINE_integer(
 _ISOLATE = flags.DEFINE_bool(
     'isolate', True,
     'sweep, precision: measure each variant in a fresh process.')
+_SIZE = flags.DEFINE_integer('size', 2048, 'dot_algorithms: matmul side.')
+_PARTS = flags.DEFINE_list('parts', list(report.PARTS),
+                           'report: the parts to run (and add to report.md).')
+_QUICK = flags.DEFINE_bool(
+    'quick', False, 'report: everything shrunk (tiny model, few steps): a '
+    'check that every part runs, in about a minute on a CPU.')
+_SEEDS = flags.DEFINE_list('seeds', ['0'],
+                           'report: seeds of the accuracy runs.')
 _COMPILE = flags.DEFINE_bool(
     'compile', True, "memory: also compile each variant's train step.")
 
@@ -108,8 +126,27 @@ def _matmul():
   return (matmul.run(_ROWS.value, _COLS.value, _REPEATS.value), matmul.plot)
 
 
+def _dot_algorithms():
+  size = _int_list('size', [str(_SIZE.value)])[0]
+  return dot_algorithms.run(size, _REPEATS.value), dot_algorithms.plot
+
+
 EXPERIMENTS = {'params': _params, 'sweep': _sweep, 'memory': _memory,
-               'precision': _precision, 'matmul': _matmul, 'profile': _profile}
+               'precision': _precision, 'matmul': _matmul, 'profile': _profile,
+               'dot_algorithms': _dot_algorithms, 'report': None}
+
+
+def _report():
+  """The report writes its own files (one JSON per part, report.md)."""
+  seeds = [int(s) for s in _SEEDS.value if s.lstrip('-').isdigit()]
+  if not seeds or len(seeds) != len(_SEEDS.value):
+    raise errors.ConfigError(f'--seeds: expected integers, got '
+                             f'{",".join(_SEEDS.value)!r}')
+  index = report.run(_CONFIG.value, _OUT.value, _PARTS.value, _QUICK.value,
+                     seeds, command=shlex.join(['python', '-m', 'launch.lab',
+                                                *sys.argv[1:]]),
+                     log=lambda line: print(line, flush=True))
+  print(json.dumps(index))
 
 
 def main(argv):
@@ -117,6 +154,9 @@ def main(argv):
     raise errors.ConfigError(f'expected one experiment of {tuple(EXPERIMENTS)}, '
                              f'got {argv[1:]}')
   experiment = argv[1]
+  if experiment == 'report':
+    _report()
+    return
   result, plot = EXPERIMENTS[experiment]()
   os.makedirs(_OUT.value, exist_ok=True)  # Only once there is a result.
   result['plots'] = [os.path.basename(p) for p in plot(result, _OUT.value)]

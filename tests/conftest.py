@@ -10,6 +10,7 @@ import tests  # pylint: disable=unused-import
 
 LONGEST_FIRST = (
     'tests/parallel_test.py::MultiProcessTest',
+    'tests/report_test.py::QuickReportTest',
     'tests/lab_test.py::PrecisionExperimentTest',
     'tests/checkpoint_test.py::ResumeTest',
     'tests/parallel_test.py::StrategiesAgreeTest',

@@ -345,6 +345,7 @@ class CommandLineTest(parameterized.TestCase):
     for args in (['params', '--config=configs/vit_fp32.py',
                   '--config.model.num_layers=1'],
                  ['matmul', '--rows=8', '--cols=32', '--repeats=1'],
+                 ['dot_algorithms', '--size=8', '--repeats=1'],
                  ['sweep', '--config=configs/vit_fp16.py', *TINY_FLAGS,
                   '--batch_sizes=4', '--dtypes=float16', '--steps=1'],
                  ['memory', *TINY_FLAGS, '--batch_sizes=2', '--dtypes=bfloat16'],
@@ -361,7 +362,11 @@ class CommandLineTest(parameterized.TestCase):
 
   @parameterized.parameters(
       (['sweepp'], "expected one experiment of ('params', 'sweep', 'memory', "
-                   "'precision', 'matmul', 'profile')"),
+                   "'precision', 'matmul', 'profile', 'dot_algorithms', "
+                   "'report')"),
+      (['report', '--parts=matmul,speed'], "--parts: unknown part 'speed'"),
+      (['report', '--seeds=0,one'], "--seeds: expected integers, got '0,one'"),
+      (['dot_algorithms', '--size=0'], '--size'),
       (['sweep', '--dtypes=float32,float12'], "sweep dtype 'float12'"),
       (['sweep', '--batch_sizes=128,0'], '--batch_sizes'),
       (['sweep', '--layouts=pjit:3x1'], 'parallel.mesh_shape=(3, 1)'),

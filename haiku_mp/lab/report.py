@@ -1,0 +1,428 @@
+"""Experiment `report`: the seeds' questions, answered on whatever backend JAX
+finds, as JSON, plots and one `report.md`.
+
+Parts (each writes `<part>.json` and its plots into the output directory, so
+a machine that allows only short commands runs them one at a time; every run
+rewrites `report.md` from all the parts' JSON found there):
+- `benchmark`: the step benchmark per compute dtype and batch size (what fits);
+- `memory`: per dtype and batch, each variant in a fresh process: the
+  device's peak bytes, the compiled step's memory, the activations kept;
+- `precision`: matmul precision (float32 DEFAULT / TF32 vs HIGHEST) and the
+  residual stream, against a float64 reference;
+- `matmul`: the seeds' `jnp.dot(A, A.T)` per dtype;
+- `dot_algorithms`: which `DotAlgorithmPreset`s compile (`F16_F16_F32`, ...);
+- `accuracy`: the config trained in float32 (matmul precision highest),
+  bfloat16 and float16 with the same seed, on the config's data; curves.
+  Runs are ordinary workdirs (`accuracy/<dtype>_seed<k>`), so a cut-off part
+  resumes from its checkpoints when run again.
+"""
+
+import copy
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from haiku_mp import errors
+from haiku_mp import experiment
+from haiku_mp import plots
+from haiku_mp import sharding
+from haiku_mp import trainer
+from haiku_mp.lab import compare
+from haiku_mp.lab import dot_algorithms
+from haiku_mp.lab import isolated
+from haiku_mp.lab import matmul
+from haiku_mp.lab import memory
+from haiku_mp.lab import precision as precision_lab
+from haiku_mp.lab import step_benchmark
+from haiku_mp.lab import sweep
+
+PARTS = ('benchmark', 'memory', 'precision', 'matmul', 'dot_algorithms',
+         'accuracy')
+DTYPES = ('float32', 'bfloat16', 'float16')
+# The accuracy target of bf16 and fp16 against float32 (test accuracy).
+PARITY_POINTS = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  """How big each part is: the full report, or `--quick` (a CPU test)."""
+  batch_sizes: tuple[int, ...] = (128, 1024, 4096)
+  steps: int = 5
+  ceiling_size: int = 4096
+  matmul_shape: tuple[int, int] = (1024, 65536)
+  repeats: int = 5
+  matmul_precisions: tuple[str, ...] = precision_lab.MATMUL_PRECISIONS
+  precision_dtypes: tuple[str, ...] = DTYPES
+  numerics_batch_size: int = 32
+  dot_size: int = 2048
+  isolate_precision: bool = True
+
+
+QUICK = Sizes(batch_sizes=(8,), steps=1, ceiling_size=64,
+              matmul_shape=(64, 256), repeats=1, matmul_precisions=('',),
+              precision_dtypes=('float32', 'float16'),
+              numerics_batch_size=4, dot_size=32, isolate_precision=False)
+# --quick's model: one small block, so every part compiles in seconds.
+QUICK_MODEL = dict(num_layers=1, embed_dim=16, mlp_dim=32, num_heads=2,
+                   patch_size=8)
+QUICK_TRAIN_STEPS = 4
+QUICK_SYNTHETIC_EXAMPLES = 64  # Per split, when the data is synthetic.
+
+
+def quick_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` shrunk for --quick: a tiny model and a few training steps."""
+  config = copy.deepcopy(config)
+  config.model.update(QUICK_MODEL)
+  config.num_train_steps = QUICK_TRAIN_STEPS
+  config.log_every_steps = config.eval_every_steps = QUICK_TRAIN_STEPS
+  config.checkpoint_every_steps = QUICK_TRAIN_STEPS
+  config.batch_size = config.eval_batch_size = QUICK.batch_sizes[0]
+  config.data.synthetic_train_examples = QUICK_SYNTHETIC_EXAMPLES
+  config.data.synthetic_eval_examples = QUICK_SYNTHETIC_EXAMPLES
+  return config
+
+
+def _first_line(e: BaseException) -> str:
+  return ' '.join(str(e).split())[:300]
+
+
+def _out_of_memory(e: BaseException) -> bool:
+  return 'RESOURCE_EXHAUSTED' in str(e) or 'out of memory' in str(e).lower()
+
+
+# -------------------------------------------------------------------- parts --
+
+
+def benchmark(config, sizes: Sizes, log) -> dict[str, Any]:
+  rows = []
+  for batch_size in sizes.batch_sizes:
+    for dtype in DTYPES:
+      variant = sweep.variant_config(config, dtype, batch_size)
+      try:
+        row = step_benchmark.run(variant, sizes.steps,
+                                 ceiling_size=sizes.ceiling_size,
+                                 ceiling_repeats=sizes.repeats)
+        row['fits'] = True
+      except Exception as e:  # pylint: disable=broad-except
+        if not _out_of_memory(e):
+          raise
+        row = dict(dtype=dtype, batch_size=batch_size, fits=False,
+                   error=_first_line(e))
+      log(f'benchmark {dtype} batch {batch_size}: '
+          + (f'{row["images_per_sec"]:.1f} img/s' if row['fits'] else
+             'does not fit'))
+      rows.append(row)
+  compare.add_ratios(rows, 'vs_float32', step_benchmark.RATIO_FIELDS,
+                     is_base=lambda r: r['dtype'] == 'float32' and r['fits'],
+                     same_group=lambda a, b: a['batch_size'] == b['batch_size'])
+  return dict(results=rows)
+
+
+def memory_part(config, sizes: Sizes, log) -> dict[str, Any]:
+  """Each variant in a fresh process: its own peak, no allocator history."""
+  rows = []
+  for batch_size in sizes.batch_sizes:
+    for dtype in DTYPES:
+      variant = sweep.variant_config(config, dtype, batch_size, 'single:1x1')
+      kept = memory.residual_summary(experiment.build_without_data(variant),
+                                     batch_size)['kept_bytes']
+      row = dict(dtype=dtype, batch_size=batch_size,
+                 kept_activation_bytes=kept)
+      try:
+        measured = isolated.measure(variant, sizes.steps, 1)
+        row.update(fits=True, **{k: measured[k] for k in (
+            'device_peak_bytes', 'temp_size_in_bytes', 'compiled_total_bytes',
+            'params_bytes', 'opt_state_bytes', 'median_step_sec')})
+      except errors.ConfigError as e:
+        row.update(fits=False, error=_first_line(e))
+      log(f'memory {dtype} batch {batch_size}: {row}')
+      rows.append(row)
+  compare.add_ratios(
+      rows, 'vs_float32', ('device_peak_bytes', 'temp_size_in_bytes',
+                           'compiled_total_bytes', 'kept_activation_bytes'),
+      is_base=lambda r: r['dtype'] == 'float32',
+      same_group=lambda a, b: a['batch_size'] == b['batch_size'])
+  return dict(results=rows)
+
+
+def precision_part(config, sizes: Sizes, log) -> dict[str, Any]:
+  variant = copy.deepcopy(config)
+  variant.batch_size = variant.eval_batch_size = sizes.batch_sizes[0]
+  return precision_lab.run(variant, sizes.precision_dtypes,
+                           sizes.matmul_precisions,
+                           sizes.steps, sizes.numerics_batch_size,
+                           sizes.isolate_precision, log=log)
+
+
+def accuracy_config(config, dtype: str, seed: int) -> ml_collections.ConfigDict:
+  """`config` in `dtype` (float32 with matmul precision highest, float16
+  with dynamic loss scaling), on the config's own data."""
+  variant = sweep.variant_config(config, dtype, config.batch_size)
+  variant.data = copy.deepcopy(config.data)
+  variant.eval_batch_size = config.eval_batch_size
+  variant.seed = seed
+  if dtype == 'float32':
+    variant.precision.matmul_precision = 'highest'
+  return variant
+
+
+def accuracy(config, out_dir: str, seeds: Sequence[int], log
+             ) -> dict[str, Any]:
+  runs = []
+  for seed in seeds:
+    for dtype in DTYPES:
+      workdir = os.path.join(out_dir, 'accuracy', f'{dtype}_seed{seed}')
+      variant = accuracy_config(config, dtype, seed)
+      summary = trainer.train_and_evaluate(
+          variant, workdir, sharding.mesh_for(variant.parallel))
+      if 'preempted_at_step' in summary:
+        raise errors.ConfigError(
+            f'accuracy: {dtype} seed {seed} was stopped at step '
+            f'{summary["preempted_at_step"]}; run the report again to resume')
+      log(f'accuracy {dtype} seed {seed}: test {summary["test_accuracy"]:.4f}')
+      runs.append(dict(dtype=dtype, seed=seed, workdir=os.path.relpath(
+          workdir, out_dir), **{k: summary[k] for k in (
+              'test_accuracy', 'test_loss', 'val_accuracy', 'steps',
+              'skipped_steps', 'final_loss_scale', 'images_per_sec',
+              'train_time_sec')}))
+  mean = lambda d: float(np.mean([r['test_accuracy'] for r in runs
+                                  if r['dtype'] == d]))
+  gaps = {d: 100 * (mean(d) - mean('float32')) for d in DTYPES[1:]}
+  return dict(seeds=list(seeds), epochs=config.num_epochs,
+              num_train_steps=config.num_train_steps,
+              data_source=config.data.source, runs=runs,
+              mean_test_accuracy={d: mean(d) for d in DTYPES},
+              gap_points_vs_float32=gaps, target_points=PARITY_POINTS,
+              target_met={d: abs(g) <= PARITY_POINTS for d, g in gaps.items()})
+
+
+def _accuracy_plot(result, out_dir) -> list[str]:
+  path = os.path.join(out_dir, 'accuracy_curves.png')
+  plots.plot_runs(
+      {f'{r["dtype"]} seed {r["seed"]}': plots.read_metrics(
+          os.path.join(out_dir, r['workdir'])) for r in result['runs']},
+      path, f'{result["data_source"]} data on {result["device"]}')
+  return [path]
+
+
+def _benchmark_plot(result, out_dir) -> list[str]:
+  rows = [r for r in result['results'] if r['fits']]
+  batch_sizes = list(dict.fromkeys(r['batch_size'] for r in rows))
+  values = {(r['dtype'], r['batch_size']): r['images_per_sec'] for r in rows}
+  path = os.path.join(out_dir, 'benchmark_images_per_sec.png')
+  plots.grouped_bar_chart(
+      path, batch_sizes,
+      {d: [values.get((d, b), 0) for b in batch_sizes] for d in DTYPES},
+      'images/s', f'train step on {result["device"]}', 'global batch size')
+  return [path]
+
+
+def _memory_plot(result, out_dir) -> list[str]:
+  rows = result['results']
+  batch_sizes = list(dict.fromkeys(r['batch_size'] for r in rows))
+  field = ('device_peak_bytes' if any(r.get('device_peak_bytes') for r in rows)
+           else 'compiled_total_bytes')
+  values = {(r['dtype'], r['batch_size']): r.get(field) or 0 for r in rows}
+  path = os.path.join(out_dir, 'memory_peak.png')
+  plots.grouped_bar_chart(
+      path, batch_sizes,
+      {d: [values.get((d, b), 0) / 2**20 for b in batch_sizes]
+       for d in DTYPES}, f'{field} (MiB)',
+      f'one variant per process on {result["device"]}', 'global batch size')
+  return [path]
+
+
+# ---------------------------------------------------------------- the run --
+
+
+def _header() -> dict[str, Any]:
+  return dict(device=str(jax.devices()[0].device_kind),
+              backend=jax.default_backend(), jax_version=jax.__version__,
+              devices=jax.device_count(), cpu=step_benchmark.cpu_info(),
+              date=time.strftime('%Y-%m-%d %H:%M:%S %Z'))
+
+
+def run(config: ml_collections.ConfigDict, out_dir: str,
+        parts: Sequence[str] = PARTS, quick: bool = False,
+        seeds: Sequence[int] = (0,), command: str = '',
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Runs `parts` into `out_dir`, then rewrites `report.md`; the index."""
+  unknown = [p for p in parts if p not in PARTS]
+  if unknown:
+    raise errors.ConfigError(f'--parts: unknown part {unknown[0]!r}; expected '
+                             f'some of {PARTS}')
+  sizes = QUICK if quick else Sizes()
+  if quick:
+    config = quick_config(config)
+  os.makedirs(out_dir, exist_ok=True)
+  steps = {
+      'benchmark': (lambda: benchmark(config, sizes, log), _benchmark_plot),
+      'memory': (lambda: memory_part(config, sizes, log), _memory_plot),
+      'precision': (lambda: precision_part(config, sizes, log),
+                    precision_lab.plot),
+      'matmul': (lambda: matmul.run(*sizes.matmul_shape, sizes.repeats),
+                 matmul.plot),
+      'dot_algorithms': (lambda: dot_algorithms.run(sizes.dot_size,
+                                                    sizes.repeats),
+                         dot_algorithms.plot),
+      'accuracy': (lambda: accuracy(config, out_dir, seeds, log),
+                   _accuracy_plot),
+  }
+  for part in parts:
+    start = time.perf_counter()
+    measure, plot = steps[part]
+    result = dict(_header(), part=part, quick=quick, command=command,
+                  **measure())
+    result['seconds'] = time.perf_counter() - start
+    result['plots'] = [os.path.basename(p) for p in plot(result, out_dir)]
+    with open(os.path.join(out_dir, f'{part}.json'), 'w') as f:
+      json.dump(result, f, indent=1)
+    log(f'{part}: done in {result["seconds"]:.0f}s')
+  path = write_markdown(out_dir)
+  return dict(out=out_dir, parts=list(parts), report=path)
+
+
+# --------------------------------------------------------------- report.md --
+
+
+def _mib(value) -> str:
+  return '-' if value is None else f'{value / 2**20:,.1f}'
+
+
+def _ratio(row, field) -> str:
+  value = (row.get('vs_float32') or {}).get(field)
+  return '-' if value is None else f'{value:.2f}x'
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+  return (['| ' + ' | '.join(header) + ' |',
+           '|' + '---|' * len(header)] +
+          ['| ' + ' | '.join(str(c) for c in row) + ' |' for row in rows])
+
+
+def _benchmark_md(r) -> list[str]:
+  rows = []
+  for x in r['results']:
+    if not x['fits']:
+      rows.append([x['batch_size'], x['dtype'], 'does not fit', '', '', '',
+                   ''])
+      continue
+    mfu = '-' if x['mfu'] is None else f'{x["mfu"]:.2f}'
+    rows.append([x['batch_size'], x['dtype'], x['dot_form'],
+                 f'{x["step_time_s"] * 1e3:.1f}', f'{x["images_per_sec"]:.0f}',
+                 _ratio(x, 'images_per_sec'), mfu])
+  return _table(('batch', 'dtype', 'dot form', 'ms/step', 'img/s',
+                 'img/s vs f32', 'MFU'), rows)
+
+
+def _memory_md(r) -> list[str]:
+  rows = [[x['batch_size'], x['dtype'],
+           _mib(x.get('device_peak_bytes')) if x['fits'] else 'does not fit',
+           _mib(x.get('compiled_total_bytes')),
+           _mib(x['kept_activation_bytes']),
+           _mib((x.get('params_bytes') or 0) + (x.get('opt_state_bytes') or 0)),
+           _ratio(x, 'device_peak_bytes'), _ratio(x, 'kept_activation_bytes')]
+          for x in r['results']]
+  return _table(('batch', 'dtype', 'device peak MiB', 'compiled MiB',
+                 'activations kept MiB', 'params + opt state MiB',
+                 'peak vs f32', 'kept vs f32'), rows) + ['', *_fixed_share(r)]
+
+
+def _fixed_share(r) -> list[str]:
+  """Why half precision moves the peak little at a small batch: the share of
+  float32's compiled bytes that no activation dtype changes."""
+  lines = []
+  for x in r['results']:
+    total = x.get('compiled_total_bytes')
+    if x['dtype'] != 'float32' or not total:
+      continue
+    fixed = 2 * x['params_bytes'] + x['opt_state_bytes']  # + the gradients.
+    lines.append(
+        f'- batch {x["batch_size"]}: params, their float32 gradients and the '
+        f'optimizer state are {100 * fixed / total:.0f}% of float32\'s '
+        f'compiled bytes; the activations kept for backward '
+        f'{100 * x["kept_activation_bytes"] / total:.0f}%.')
+  return lines
+
+
+def _precision_md(r) -> list[str]:
+  rows = [[x['dtype'], x['matmul_precision'],
+           x.get('same_program_as') or '',
+           f'{x["grads_relative_error"]:.2e}', f'{x["logits_relative_error"]:.2e}',
+           f'{x["median_step_sec"] * 1e3:.1f}'] for x in r['matmul']]
+  return _table(('dtype', 'matmul precision', 'same program as',
+                 'grad rel. error vs f64', 'logit rel. error', 'ms/step'),
+                rows)
+
+
+def _matmul_md(r) -> list[str]:
+  return _table(('dtype', 'computed as', 'ms', 'GFLOP/s', 'time vs first'),
+                [[x['dtype'], x['computed_dtype'], f'{x["median_sec"] * 1e3:.2f}',
+                  f'{x["gflops_per_sec"]:.0f}', f'{x["time_vs_first"]:.2f}']
+                 for x in r['results']])
+
+
+def _dot_md(r) -> list[str]:
+  rows = []
+  for x in r['results']:
+    if x['compiles']:
+      rows.append([x['algorithm'], x['operand_dtype'], 'yes',
+                   x['result_dtype'], f'{x["relative_error"]:.1e}',
+                   f'{x["median_sec"] * 1e3:.2f}'])
+    else:
+      rows.append([x['algorithm'], x['operand_dtype'], 'no: ' + x['error'][:120],
+                   '', '', ''])
+  return _table(('algorithm', 'operands', 'runs', 'result', 'rel. error',
+                 'ms'), rows)
+
+
+def _accuracy_md(r) -> list[str]:
+  rows = [[x['dtype'], x['seed'], x['steps'], f'{100 * x["test_accuracy"]:.2f}',
+           f'{x["test_loss"]:.4f}', x['skipped_steps'],
+           f'{x["final_loss_scale"]:g}', f'{x["images_per_sec"]:.0f}']
+          for x in r['runs']]
+  lines = _table(('dtype', 'seed', 'steps', 'test acc %', 'test loss',
+                  'skipped', 'final scale', 'img/s'), rows)
+  gaps = ', '.join(f'{d} {g:+.2f} points ({"within" if r["target_met"][d] else "outside"} '
+                   f'{r["target_points"]})'
+                   for d, g in r['gap_points_vs_float32'].items())
+  return lines + ['', f'Mean test accuracy vs float32: {gaps}.']
+
+
+_MARKDOWN = dict(benchmark=('Step benchmark', _benchmark_md),
+                 memory=('Memory, one variant per process', _memory_md),
+                 precision=('Matmul precision', _precision_md),
+                 matmul=('The seeds\' jnp.dot(A, A.T)', _matmul_md),
+                 dot_algorithms=('Dot algorithms', _dot_md),
+                 accuracy=('Accuracy parity', _accuracy_md))
+
+
+def write_markdown(out_dir: str) -> str:
+  """`report.md` from every part's JSON in `out_dir`."""
+  lines = ['# haiku_mp lab report', '']
+  for part in PARTS:
+    path = os.path.join(out_dir, f'{part}.json')
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      result = json.load(f)
+    title, table = _MARKDOWN[part]
+    lines += [f'## {title}', '',
+              f'{result["device"]} ({result["backend"]}, {result["devices"]} '
+              f'devices), jax {result["jax_version"]}, CPU '
+              f'{result["cpu"]["model"]}, {result["date"]}'
+              f'{", --quick" if result["quick"] else ""}; '
+              f'{result["seconds"]:.0f} s.',
+              f'Command: `{result["command"]}`' if result['command'] else '',
+              '', *table(result), '',
+              *(f'![{p}]({p})' for p in result['plots']), '']
+  path = os.path.join(out_dir, 'report.md')
+  with open(path, 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  return path
