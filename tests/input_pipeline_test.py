@@ -208,7 +208,7 @@ class ArraysSourceTest(parameterized.TestCase):
         'from haiku_mp import input_pipeline as ip',
         'from tests import helpers',
         'c = helpers.tiny_config(); c.data.source = "arrays"',
-        'c.batch_size = 4',
+        'c.batch_size = 4; c.model.image_size = 32',
         f'c.data.arrays_path = {self.config.data.arrays_path!r}',
         'c.data.train_split = "train[:40]"; c.data.val_split = "train[40:]"',
         'ip.check_available(c.data)',
