@@ -260,7 +260,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   input_pipeline.check_available(config.data)
   exp = experiment.build(config, mesh)
   strategy, total_steps = exp.strategy, exp.total_steps
+  load_start = time.perf_counter()
   splits = input_pipeline.load(config)
+  logging.info('Data (%s): %s in memory in %.1fs.', config.data.source,
+               ', '.join(f'{name} {len(split.labels)}' for name, split in
+                         zip(splits._fields, splits)), time.perf_counter() -
+               load_start)
   is_writer = jax.process_index() == 0
   _prepare_workdir(workdir, is_writer)
   with contextlib.ExitStack() as stack:

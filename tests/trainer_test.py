@@ -187,6 +187,7 @@ class LaunchTrainTest(parameterized.TestCase):
                               sources)
     self.assertContainsSubset(sources, OWN_FILES)  # No orbax, JAX, ... INFO.
     for expected in ('Config: configs/vit_fp16.py --config.data.source=',
+                     'Data (synthetic): train 45000, val 10, test 10 in memory',
                      'Devices: ', 'Modules:', 'Compiled the train step',
                      'step 1/4 [25%]', 'ETA', 'step 4/4', 'val at step 4:',
                      'test at step 4:', 'Saved checkpoint ',
