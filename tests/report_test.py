@@ -107,7 +107,7 @@ class QuickReportTest(parameterized.TestCase):
     self.assertEqual(result['data_source'], 'arrays')
     accuracy = {r['dtype']: r['test_accuracy'] for r in result['runs']}
     for dtype in ('bfloat16', 'float16'):
-      self.assertAlmostEqual(result['gap_points_vs_float32'][dtype],
+      self.assertAlmostEqual(result["gap_points_vs_float32"][dtype],
                              100 * (accuracy[dtype] - accuracy['float32']))
 
   def test_a_later_part_keeps_the_others_in_the_markdown(self):

@@ -193,7 +193,9 @@ def accuracy(config, out_dir: str, seeds: Sequence[int], log
               'train_time_sec')}))
   mean = lambda d: float(np.mean([r['test_accuracy'] for r in runs
                                   if r['dtype'] == d]))
-  gaps = {d: 100 * (mean(d) - mean('float32')) for d in DTYPES[1:]}
+  # Rounded: accuracies are counts over the test set, and 0.3 points must
+  # not read as 0.30000000000000027.
+  gaps = {d: round(100 * (mean(d) - mean('float32')), 6) for d in DTYPES[1:]}
   return dict(seeds=list(seeds), epochs=config.num_epochs,
               num_train_steps=config.num_train_steps,
               data_source=config.data.source, runs=runs,
