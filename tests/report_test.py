@@ -149,6 +149,14 @@ class WhatDoesNotFitTest(absltest.TestCase):
     self.assertEqual([r['fits'] for r in rows], [False] * 3)
     self.assertGreater(rows[0]['kept_activation_bytes'], 0)
 
+  def test_out_of_memory_in_this_process_is_a_row_too(self):
+    config = report.quick_config(helpers.tiny_config())
+    sizes = report.Sizes(batch_sizes=(8,), steps=1, isolate_memory=False)
+    failure = RuntimeError('RESOURCE_EXHAUSTED: Out of memory')
+    with mock.patch.object(isolated, 'measure', side_effect=failure):
+      rows = report.memory_part(config, sizes, log=lambda _: None)['results']
+    self.assertEqual([r['fits'] for r in rows], [False] * 3)
+
   def test_other_errors_are_not_taken_for_memory(self):
     config = report.quick_config(helpers.tiny_config())
     sizes = report.Sizes(batch_sizes=(8,), steps=1)

@@ -5,8 +5,9 @@ Parts (each writes `<part>.json` and its plots into the output directory, so
 a machine that allows only short commands runs them one at a time; every run
 rewrites `report.md` from all the parts' JSON found there):
 - `benchmark`: the step benchmark per compute dtype and batch size (what fits);
-- `memory`: per dtype and batch, each variant in a fresh process: the
-  device's peak bytes, the compiled step's memory, the activations kept;
+- `memory`: per dtype and batch, each variant in a fresh process (in this
+  one with --quick): the device's peak bytes, the compiled step's memory,
+  the activations kept;
 - `precision`: matmul precision (float32 DEFAULT / TF32 vs HIGHEST) and the
   residual stream, against a float64 reference;
 - `matmul`: the seeds' `jnp.dot(A, A.T)` per dtype;
@@ -61,13 +62,14 @@ class Sizes:
   precision_dtypes: tuple[str, ...] = DTYPES
   numerics_batch_size: int = 32
   dot_size: int = 2048
+  isolate_memory: bool = True
   isolate_precision: bool = True
 
 
 QUICK = Sizes(batch_sizes=(8,), steps=1, ceiling_size=64,
               matmul_shape=(64, 256), repeats=1, matmul_precisions=('',),
-              precision_dtypes=('float32', 'float16'),
-              numerics_batch_size=4, dot_size=32, isolate_precision=False)
+              precision_dtypes=('float16',), numerics_batch_size=4,
+              dot_size=32, isolate_memory=False, isolate_precision=False)
 # --quick's model: one small block, so every part compiles in seconds.
 QUICK_MODEL = dict(num_layers=1, embed_dim=16, mlp_dim=32, num_heads=2,
                    patch_size=8)
@@ -135,11 +137,16 @@ def memory_part(config, sizes: Sizes, log) -> dict[str, Any]:
       row = dict(dtype=dtype, batch_size=batch_size,
                  kept_activation_bytes=kept)
       try:
-        measured = isolated.measure(variant, sizes.steps, 1)
+        measured = isolated.measure(variant, sizes.steps, 1,
+                                    sizes.isolate_memory)
         row.update(fits=True, **{k: measured[k] for k in (
             'device_peak_bytes', 'temp_size_in_bytes', 'compiled_total_bytes',
             'params_bytes', 'opt_state_bytes', 'median_step_sec')})
-      except errors.ConfigError as e:
+      except Exception as e:  # pylint: disable=broad-except
+        # A fresh process reports any failure as a ConfigError; here only
+        # running out of memory is a result, not a bug.
+        if not (isinstance(e, errors.ConfigError) or _out_of_memory(e)):
+          raise
         row.update(fits=False, error=_first_line(e))
       log(f'memory {dtype} batch {batch_size}: {row}')
       rows.append(row)
