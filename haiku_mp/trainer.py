@@ -200,10 +200,12 @@ class _Evaluator:
   def __call__(self, split_name: str, step: int, params) -> dict[str, float]:
     exp = self._exp
     start = time.perf_counter()
-    batches = input_pipeline.eval_batches(
-        exp.config, getattr(self._splits, split_name), self._shard)
-    result = evaluate(exp.strategy.eval_step, params, input_pipeline.prefetch_to_device(
-        batches, exp.strategy.place_batch, exp.config.data.prefetch_batches),
+    batches = input_pipeline.prefetch_to_device(
+        input_pipeline.eval_batches(exp.config,
+                                    getattr(self._splits, split_name),
+                                    self._shard),
+        exp.strategy.place_batch, exp.config.data.prefetch_batches)
+    result = evaluate(exp.strategy.eval_step, params, batches,
                       exp.strategy.unreplicate)
     self.seconds += time.perf_counter() - start
     self._writer.write(step, split_name, result)

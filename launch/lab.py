@@ -133,7 +133,9 @@ def _dot_algorithms():
 
 EXPERIMENTS = {'params': _params, 'sweep': _sweep, 'memory': _memory,
                'precision': _precision, 'matmul': _matmul, 'profile': _profile,
-               'dot_algorithms': _dot_algorithms, 'report': None}
+               'dot_algorithms': _dot_algorithms}
+# Every command: the experiments, and the report that runs several of them.
+COMMANDS = (*EXPERIMENTS, 'report')
 
 
 def _report():
@@ -150,8 +152,8 @@ def _report():
 
 
 def main(argv):
-  if len(argv) != 2 or argv[1] not in EXPERIMENTS:
-    raise errors.ConfigError(f'expected one experiment of {tuple(EXPERIMENTS)}, '
+  if len(argv) != 2 or argv[1] not in COMMANDS:
+    raise errors.ConfigError(f'expected one experiment of {COMMANDS}, '
                              f'got {argv[1:]}')
   experiment = argv[1]
   if experiment == 'report':

@@ -170,9 +170,7 @@ def precision_part(config, sizes: Sizes, log) -> dict[str, Any]:
 def accuracy_config(config, dtype: str, seed: int) -> ml_collections.ConfigDict:
   """`config` in `dtype` (float32 with matmul precision highest, float16
   with dynamic loss scaling), on the config's own data."""
-  variant = sweep.variant_config(config, dtype, config.batch_size)
-  variant.data = copy.deepcopy(config.data)
-  variant.eval_batch_size = config.eval_batch_size
+  variant = sweep.in_compute_dtype(config, dtype)
   variant.seed = seed
   if dtype == 'float32':
     variant.precision.matmul_precision = 'highest'
@@ -220,31 +218,34 @@ def _accuracy_plot(result, out_dir) -> list[str]:
   return [path]
 
 
-def _benchmark_plot(result, out_dir) -> list[str]:
-  rows = [r for r in result['results'] if r['fits']]
+def _by_dtype_and_batch(result, out_dir, name: str, field: str, scale: float,
+                       ylabel: str, title: str) -> list[str]:
+  """A grouped bar chart of `field` (/ `scale`) per batch size and dtype;
+  variants that did not fit are 0."""
+  rows = result['results']
   batch_sizes = list(dict.fromkeys(r['batch_size'] for r in rows))
-  values = {(r['dtype'], r['batch_size']): r['images_per_sec'] for r in rows}
-  path = os.path.join(out_dir, 'benchmark_images_per_sec.png')
+  values = {(r['dtype'], r['batch_size']): r.get(field) or 0 for r in rows}
+  path = os.path.join(out_dir, f'{name}.png')
   plots.grouped_bar_chart(
       path, batch_sizes,
-      {d: [values.get((d, b), 0) for b in batch_sizes] for d in DTYPES},
-      'images/s', f'train step on {result["device"]}', 'global batch size')
+      {d: [values.get((d, b), 0) / scale for b in batch_sizes]
+       for d in DTYPES}, ylabel, title, 'global batch size')
   return [path]
+
+
+def _benchmark_plot(result, out_dir) -> list[str]:
+  return _by_dtype_and_batch(result, out_dir, 'benchmark_images_per_sec',
+                             'images_per_sec', 1, 'images/s',
+                             f'train step on {result["device"]}')
 
 
 def _memory_plot(result, out_dir) -> list[str]:
-  rows = result['results']
-  batch_sizes = list(dict.fromkeys(r['batch_size'] for r in rows))
-  field = ('device_peak_bytes' if any(r.get('device_peak_bytes') for r in rows)
+  field = ('device_peak_bytes'
+           if any(r.get('device_peak_bytes') for r in result['results'])
            else 'compiled_total_bytes')
-  values = {(r['dtype'], r['batch_size']): r.get(field) or 0 for r in rows}
-  path = os.path.join(out_dir, 'memory_peak.png')
-  plots.grouped_bar_chart(
-      path, batch_sizes,
-      {d: [values.get((d, b), 0) / 2**20 for b in batch_sizes]
-       for d in DTYPES}, f'{field} (MiB)',
-      f'one variant per process on {result["device"]}', 'global batch size')
-  return [path]
+  return _by_dtype_and_batch(
+      result, out_dir, 'memory_peak', field, 2**20, f'{field} (MiB)',
+      f'one variant per process on {result["device"]}')
 
 
 # ---------------------------------------------------------------- the run --

@@ -31,28 +31,33 @@ RATIO_FIELDS = ('median_step_sec', 'temp_size_in_bytes',
                 'argument_size_in_bytes', 'device_peak_bytes')
 
 
-def variant_config(config: ml_collections.ConfigDict, dtype: str,
-                   batch_size: int, layout: Optional[str] = None
-                   ) -> ml_collections.ConfigDict:
-  """`config` with the compute dtype, batch size and layout (None: the
-  config's own) of one variant.
-
-  float16 gets dynamic loss scaling when the config has none, as
-  configs/vit_fp16.py does; data is synthetic (random arrays).
-  """
+def in_compute_dtype(config: ml_collections.ConfigDict, dtype: str
+                     ) -> ml_collections.ConfigDict:
+  """A copy of `config` computing in `dtype` (params and outputs as they
+  were); float16 gets dynamic loss scaling when the config has none, as
+  configs/vit_fp16.py does."""
   policy = precision.parse_policy(config.precision.policy)
   name = lambda d: jnp.dtype(d).name
   text = (f'params={name(policy.param_dtype)},compute={dtype},'
           f'output={name(policy.output_dtype)}')
   precision.parse_policy(text, setting=f'sweep dtype {dtype!r}')
   config = copy.deepcopy(config)
+  config.precision.policy = text
+  if dtype == 'float16' and config.loss_scale.kind == 'none':
+    config.loss_scale.kind = 'dynamic'
+  return config
+
+
+def variant_config(config: ml_collections.ConfigDict, dtype: str,
+                   batch_size: int, layout: Optional[str] = None
+                   ) -> ml_collections.ConfigDict:
+  """`config` in the compute dtype (`in_compute_dtype`), batch size and
+  layout (None: the config's own) of one variant, on synthetic data."""
+  config = in_compute_dtype(config, dtype)
   if layout is not None:
     strategy, mesh_shape = sharding.parse_layout(layout)
     config.parallel.strategy = strategy
     config.parallel.mesh_shape = mesh_shape
-  config.precision.policy = text
-  if dtype == 'float16' and config.loss_scale.kind == 'none':
-    config.loss_scale.kind = 'dynamic'
   config.batch_size = config.eval_batch_size = batch_size
   config.data.source = 'synthetic'
   return config
