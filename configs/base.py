@@ -80,6 +80,27 @@ def get_config() -> ml_collections.ConfigDict:
       sharding_rules='',
   ))
 
+  # DP-SGD (haiku_mp/privacy.py, on JAX Privacy). On: batch_size is the
+  # expected size of a Poisson-sampled batch; each example's gradient is
+  # clipped to l2_clip_norm and Gaussian noise of std noise_multiplier *
+  # l2_clip_norm is added to their float32 sum; epsilon at delta is reported.
+  config.privacy = ml_collections.ConfigDict(dict(
+      enabled=False,
+      l2_clip_norm=1.0,
+      noise_multiplier=1.0,
+      # > 0: the noise multiplier that spends this epsilon in the run's steps
+      # (replaces noise_multiplier); 0: noise_multiplier as set.
+      target_epsilon=0.0,
+      delta=1e-5,
+      # Examples per device whose per-example gradients exist at once (JAX
+      # Privacy's microbatching); 0: all of a device's batch.
+      microbatch_size=0,
+      # A sampled batch is padded to batch_size + this many standard
+      # deviations of its size (rounded up to divide the devices and
+      # microbatches); a larger draw takes a larger shape (a compile).
+      padding_stddevs=3.0,
+  ))
+
   config.data = ml_collections.ConfigDict(dict(
       # 'tfds' (TFDS, read once into memory), 'arrays' (a .npz from
       # `python -m launch.data export`; no TensorFlow) or 'synthetic' (random

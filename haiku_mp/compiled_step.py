@@ -16,7 +16,6 @@ import ml_collections
 import numpy as np
 
 from haiku_mp import experiment
-from haiku_mp import input_pipeline
 from haiku_mp import metrics as metrics_lib
 
 _MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes',
@@ -98,10 +97,8 @@ def compiled_step_stats(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def random_inputs(exp: experiment.Experiment):
   """The initial state and a fixed random batch, placed for the strategy."""
-  config = exp.config
-  host_batch = input_pipeline.random_batch(config.model, config.batch_size,
-                                           config.seed)
-  return exp.strategy.init_state(), exp.strategy.place_batch(host_batch)
+  return exp.strategy.init_state(), exp.strategy.place_batch(
+      exp.example_batch(exp.config.seed))
 
 
 def time_steps(step: CompiledStep, num_steps: int, warmup_steps: int = 1

@@ -14,6 +14,7 @@ import haiku as hk
 import jax
 from jax.sharding import Mesh
 import ml_collections
+import numpy as np
 import optax
 
 from haiku_mp import augment
@@ -24,6 +25,7 @@ from haiku_mp import model as model_lib
 from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import parallel
 from haiku_mp import precision as precision_lib
+from haiku_mp import privacy as privacy_lib
 from haiku_mp import sharding
 from haiku_mp import train_step as train_step_lib
 
@@ -42,6 +44,8 @@ class Experiment:
   schedule: optax.Schedule
   optimizer: optax.GradientTransformation
   scaler: loss_scaling.LossScaler
+  # DP-SGD's settings (noise calibrated, batch padding), or None.
+  privacy: Optional[privacy_lib.DpSgd]
   # A no-argument function that builds the initial TrainState from the seed.
   init_state: Callable[[], train_step_lib.TrainState]
   abstract_state: train_step_lib.TrainState  # jax.ShapeDtypeStruct leaves.
@@ -53,10 +57,28 @@ class Experiment:
     return [sharding.param_name(path) for path, _ in
             jax.tree_util.tree_flatten_with_path(self.abstract_state.params)[0]]
 
+  @property
+  def train_batch_size(self) -> int:
+    """The global batch's shape: DP-SGD's padded Poisson batch, or
+    `batch_size`."""
+    if self.privacy is None:
+      return self.config.batch_size
+    return self.privacy.padded_batch_size
+
+  def example_batch(self, seed: int = 0) -> dict[str, np.ndarray]:
+    """A random global train batch of the step's shape (already normalized
+    model inputs); under DP-SGD its first `batch_size` rows are sampled and
+    the rest padding."""
+    batch = input_pipeline.random_batch(self.config.model,
+                                        self.train_batch_size, seed)
+    if self.privacy is not None:
+      batch['mask'] = (np.arange(self.train_batch_size) <
+                       self.config.batch_size).astype(np.float32)
+    return batch
+
   def abstract_inputs(self) -> tuple[Any, Any]:
     """Abstract (state, batch) of the train step, in the strategy's layout."""
-    return self.strategy.abstract_inputs(self.config.batch_size,
-                                         self.config.model.image_size)
+    return self.strategy.abstract_inputs(self.example_batch())
 
 
 def total_train_steps(config: ml_collections.ConfigDict) -> int:
@@ -120,14 +142,23 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
   init_state = _init_state_fn(config, forward, optimizer, scaler)
   loss_fn = train_step_lib.make_classification_loss(forward)
+  private = privacy_lib.from_config(
+      config, input_pipeline.num_train_examples(config.data), total_steps,
+      batch_devices=1 if mesh is None else mesh.shape[sharding.BATCH],
+      num_processes=jax.process_count()) if config.privacy.enabled else None
+  gradients = (functools.partial(train_step_lib.gradients, loss_fn, scaler)
+               if private is None else
+               privacy_lib.make_gradients(loss_fn, scaler, private))
   strategy = parallel.make_strategy(config, mesh, parallel.Model(
       forward, loss_fn, optimizer, scaler, init_state,
       train_inputs=functools.partial(augment.train_inputs, config.data),
-      eval_inputs=functools.partial(augment.eval_inputs, config.data)))
+      eval_inputs=functools.partial(augment.eval_inputs, config.data),
+      gradients=gradients))
   return Experiment(
       config=config, mesh=mesh, precision=precision, module_calls=calls,
       forward=forward, loss_fn=loss_fn,
       total_steps=total_steps,
       schedule=optimizer_lib.learning_rate_schedule(config, total_steps),
-      optimizer=optimizer, scaler=scaler, init_state=init_state,
+      optimizer=optimizer, scaler=scaler, privacy=private,
+      init_state=init_state,
       abstract_state=strategy.abstract_state, strategy=strategy)

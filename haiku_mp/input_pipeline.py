@@ -26,6 +26,7 @@ import numpy as np
 
 from haiku_mp import cifar_arrays
 from haiku_mp import errors
+from haiku_mp import privacy
 from haiku_mp import sampling
 from haiku_mp import tfds_builder
 
@@ -243,6 +244,24 @@ def train_batches(config: ml_collections.ConfigDict, split: Split,
     rows = sampling.batch_indices(config.seed, step, config.batch_size,
                                   len(split.labels), shard.index, shard.count)
     yield dict(image=split.images[rows], label=split.labels[rows])
+
+
+def private_train_batches(config: ml_collections.ConfigDict, split: Split,
+                          shard: Shard, settings: privacy.DpSgd,
+                          total_steps: int, start_step: int = 0
+                          ) -> Iterator[Batch]:
+  """This process's uint8 DP-SGD batches from step `start_step` on: its part
+  of each padded Poisson sample (`privacy.poisson_batches`), `mask` 1 for a
+  sampled example; padding rows are zero images, never a real example."""
+  for indices in privacy.poisson_batches(config.seed, settings, total_steps,
+                                         start_step):
+    local = len(indices) // shard.count
+    rows = indices[shard.index * local:(shard.index + 1) * local]
+    sampled = rows >= 0
+    rows = np.where(sampled, rows, 0)
+    images, labels = split.images[rows], split.labels[rows]
+    images[~sampled], labels[~sampled] = 0, 0
+    yield dict(image=images, label=labels, mask=sampled.astype(np.float32))
 
 
 def prefetch_to_device(batches: Iterator[Batch], place: Callable[[Batch], Any],

@@ -39,6 +39,8 @@ class Model(NamedTuple):
   # Host batch -> model inputs, inside the compiled steps (augmentation).
   train_inputs: train_step_lib.TrainInputs
   eval_inputs: train_step_lib.EvalInputs
+  # The train step's gradients: ordinary, or DP-SGD's.
+  gradients: train_step_lib.GradientsFn
 
 
 class Strategy(abc.ABC):
@@ -81,19 +83,14 @@ class Strategy(abc.ABC):
     """Where a restored state is loaded (a tree of shardings or a prefix)."""
 
   @abc.abstractmethod
-  def abstract_inputs(self, batch_size: int, image_size: int
+  def abstract_inputs(self, host_batch: dict[str, np.ndarray]
                       ) -> tuple[Any, Any]:
-    """Abstract (state, batch) in the layout `train_step` expects."""
+    """Abstract (state, batch) in the layout `train_step` expects, for a
+    global batch shaped as `host_batch` (NumPy arrays)."""
 
   # (state, batch) -> (state, metrics), donating the state.
   train_step: Callable[..., Any]
   eval_step: Callable[..., Any]  # (params, batch) -> metrics.
-
-
-def _host_batch(batch_size: int, image_size: int) -> dict[str, np.ndarray]:
-  return dict(image=np.zeros((batch_size, image_size, image_size, 3),
-                             np.float32),
-              label=np.zeros((batch_size,), np.int32))
 
 
 def _abstract(tree):
@@ -115,7 +112,8 @@ class Single(Strategy):
     self.train_step = jax.jit(
         train_step_lib.make_train_step(model.loss_fn, model.optimizer,
                                        model.scaler,
-                                       inputs=model.train_inputs),
+                                       inputs=model.train_inputs,
+                                       gradients_fn=model.gradients),
         donate_argnums=0)
     self.eval_step = jax.jit(train_step_lib.make_eval_step(model.forward,
                                                   inputs=model.eval_inputs))
@@ -134,8 +132,8 @@ class Single(Strategy):
   def checkpoint_shardings(self):
     return self._device
 
-  def abstract_inputs(self, batch_size, image_size):
-    return self.abstract_state, _abstract(_host_batch(batch_size, image_size))
+  def abstract_inputs(self, host_batch):
+    return self.abstract_state, _abstract(host_batch)
 
 
 class Pmap(Strategy):
@@ -156,7 +154,8 @@ class Pmap(Strategy):
     self.train_step = jax.pmap(
         train_step_lib.make_train_step(model.loss_fn, model.optimizer,
                                        model.scaler, axis_name=sharding.BATCH,
-                                       inputs=model.train_inputs),
+                                       inputs=model.train_inputs,
+                                       gradients_fn=model.gradients),
         axis_name=sharding.BATCH, donate_argnums=0, devices=devices)
     self.eval_step = jax.pmap(
         train_step_lib.make_eval_step(model.forward, axis_name=sharding.BATCH,
@@ -188,12 +187,11 @@ class Pmap(Strategy):
   def checkpoint_shardings(self):
     return self._first
 
-  def abstract_inputs(self, batch_size, image_size):
+  def abstract_inputs(self, host_batch):
     state = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((self._n,) + x.shape, x.dtype),
         self.abstract_state)
-    return state, _abstract(self.place_batch(_host_batch(batch_size,
-                                                         image_size)))
+    return state, _abstract(self.place_batch(host_batch))
 
 
 class Pjit(Strategy):
@@ -213,7 +211,8 @@ class Pjit(Strategy):
     self.train_step = jax.jit(
         train_step_lib.make_train_step(model.loss_fn, model.optimizer,
                                        model.scaler,
-                                       inputs=model.train_inputs),
+                                       inputs=model.train_inputs,
+                                       gradients_fn=model.gradients),
         in_shardings=(self.state_shardings, self._batch),
         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
     metrics = dict(loss=replicated, accuracy=replicated,
@@ -240,9 +239,9 @@ class Pjit(Strategy):
   def checkpoint_shardings(self):
     return self.state_shardings
 
-  def abstract_inputs(self, batch_size, image_size):
+  def abstract_inputs(self, host_batch):
     state = sharding.with_shardings(self.abstract_state, self.state_shardings)
-    return state, _abstract(_host_batch(batch_size, image_size))
+    return state, _abstract(host_batch)
 
 
 STRATEGIES = {cls.name: cls for cls in (Single, Pmap, Pjit)}

@@ -8,6 +8,7 @@ transform, so it sees unscaled gradients) -> if any gradient is not finite,
 params and optimizer state stay exactly as they were -> loss scale adjusted.
 """
 
+import functools
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import haiku as hk
@@ -71,9 +72,14 @@ def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
               loss_scale: loss_scaling.LossScaleState, params: hk.Params,
               rng: jax.Array, batch: Batch, axis_name: Optional[str] = None
               ) -> tuple[hk.Params, jax.Array, Metrics]:
-  """(gradients, loss, aux) as the train step takes them: of the scaled loss,
-  cast to at least float32 (half gradients of float32 params), averaged over
-  `axis_name` replicas, then unscaled. Not yet checked for finiteness."""
+  """(gradients, loss, metrics) as the train step takes them: of the scaled
+  loss, cast to at least float32 (half gradients of float32 params), averaged
+  over `axis_name` replicas, then unscaled. Not yet checked for finiteness.
+  Each replica draws its own dropout masks from `rng`; the loss and metrics
+  cover every replica."""
+
+  if axis_name is not None:
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
 
   def scaled_loss(params):
     loss, aux = loss_fn(params, rng, batch)
@@ -84,14 +90,23 @@ def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
       lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
   if axis_name is not None:
     grads = jax.lax.pmean(grads, axis_name)
-  return loss_scaler.unscale(loss_scale, grads), loss, aux
+  metrics = _cross_replica_mean(dict(aux, loss=loss), axis_name)
+  return (loss_scaler.unscale(loss_scale, grads), metrics.pop('loss'),
+          metrics)
+
+
+# gradients_fn(loss_scale, params, rng, batch, axis_name) -> (float32
+# gradients, loss, metrics over every replica): `gradients` bound to a loss
+# and scaler, or DP-SGD's (`privacy.make_gradients`).
+GradientsFn = Callable[..., tuple[hk.Params, jax.Array, Metrics]]
 
 
 def make_train_step(loss_fn: LossFn,
                     optimizer: optax.GradientTransformation,
                     loss_scaler: loss_scaling.LossScaler,
                     axis_name: Optional[str] = None,
-                    inputs: TrainInputs = _as_is_train
+                    inputs: TrainInputs = _as_is_train,
+                    gradients_fn: Optional[GradientsFn] = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """A pure `train_step(state, batch) -> (state, metrics)`.
 
@@ -101,17 +116,18 @@ def make_train_step(loss_fn: LossFn,
   check, so every replica takes the same skip decision and keeps the same
   loss scale, and each replica draws its own dropout masks. `inputs` turns
   the host batch into the model's (augmentation on the device), keyed by the
-  step's own key, the same on every replica.
+  step's own key, the same on every replica. `gradients_fn` (default: the
+  ordinary `gradients` of `loss_fn`) takes the step's key as it is on every
+  replica.
   """
+  if gradients_fn is None:
+    gradients_fn = functools.partial(gradients, loss_fn, loss_scaler)
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     rng, step_rng, inputs_rng = jax.random.split(state.rng, 3)
     batch = inputs(inputs_rng, batch, axis_name)
-    if axis_name is not None:
-      step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
-
-    grads, loss, aux = gradients(loss_fn, loss_scaler, state.loss_scale,
-                                 state.params, step_rng, batch, axis_name)
+    grads, loss, aux = gradients_fn(state.loss_scale, state.params, step_rng,
+                                    batch, axis_name)
     # One flag per gradient leaf: the skip decision, and where float16
     # overflowed for the log of a skipped step.
     nonfinite = jnp.stack([~jnp.isfinite(g).all()
@@ -133,7 +149,7 @@ def make_train_step(loss_fn: LossFn,
         rng=rng,
         skipped_steps=skipped_steps)
     metrics = dict(
-        _cross_replica_mean(dict(aux, loss=loss), axis_name),
+        aux, loss=loss,
         nonfinite_grads=nonfinite,  # In the order of jax.tree.leaves.
         consecutive_skips=new_state.loss_scale.overflows,
         loss_scale=state.loss_scale.scale,

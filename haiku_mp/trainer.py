@@ -27,8 +27,11 @@ from haiku_mp import metrics as metrics_lib
 from haiku_mp import sharding
 from haiku_mp import tabulate
 
-# Means over a log window; the others are the window's last value.
+# Means over a log window; the others are the window's last value. DP-SGD's
+# steps also report the sampled batch's size and its examples' gradients.
 _MEAN_METRICS = ('loss', 'accuracy', 'grad_norm')
+_PRIVATE_MEAN_METRICS = ('num_examples', 'example_grad_norm',
+                         'clipped_fraction')
 
 
 def check_intervals(config: ml_collections.ConfigDict) -> None:
@@ -48,7 +51,8 @@ def _mean_of_kept(values) -> float:
 
 def _window_summary(window: list[dict[str, Any]]) -> dict[str, float]:
   """Host summary of the metrics of the steps since the last log point."""
-  summary = {k: _mean_of_kept([m[k] for m in window]) for k in _MEAN_METRICS}
+  summary = {k: _mean_of_kept([m[k] for m in window])
+             for k in _MEAN_METRICS + _PRIVATE_MEAN_METRICS if k in window[0]}
   last = window[-1]
   summary['loss_scale'] = float(last['loss_scale'])
   summary['skipped_steps'] = int(last['skipped_steps'])
@@ -144,11 +148,21 @@ class _Preemption:
 
 
 def _log_line(step, total, summary, progress):
+  epsilon = (f'eps {summary["epsilon"]:.3g} ' if 'epsilon' in summary
+             else '')
   return (f'step {step}/{total} [{100 * step / total:.0f}%] '
           f'loss {summary["loss"]:.4f} acc {summary["accuracy"]:.3f} '
           f'scale {summary["loss_scale"]:g} skipped {summary["skipped_steps"]} '
-          f'| {progress["images_per_sec"]:.0f} img/s '
+          f'{epsilon}| {progress["images_per_sec"]:.0f} img/s '
           f'| ETA {metrics_lib.format_duration(progress["eta_sec"])}')
+
+
+def _epsilon(exp, step: int, skipped_steps: int) -> dict[str, float]:
+  """{'epsilon': spent after the steps taken up to `step`} under DP-SGD (the
+  skipped ones released nothing), else {}."""
+  if exp.privacy is None:
+    return {}
+  return dict(epsilon=exp.privacy.epsilon(step - skipped_steps))
 
 
 def _due(step: int, every: int, total: int) -> bool:
@@ -163,6 +177,16 @@ def log_startup(exp: experiment.Experiment, state) -> None:
                jax.devices(), jax.process_index(), jax.process_count(),
                strategy.name, exp.mesh and dict(exp.mesh.shape))
   logging.info('Modules:\n%s', tabulate.format_table(tabulate.module_rows(exp)))
+  if exp.privacy is not None:
+    dp = exp.privacy
+    logging.info(
+        'DP-SGD: clip %g, noise multiplier %.4g%s; Poisson sampling of '
+        'expected batch %d of %d examples (q=%.3g), padded to %d, microbatch '
+        '%s; epsilon %.4g at delta %g after all %d steps', dp.l2_clip_norm,
+        dp.noise_multiplier, ' (calibrated)' if exp.config.privacy.target_epsilon
+        else '', dp.batch_size, dp.num_examples, dp.sampling_probability,
+        dp.padded_batch_size, dp.microbatch_size or 'none',
+        dp.epsilon(exp.total_steps), dp.delta, exp.total_steps)
   if strategy.state_shardings is None:
     return
   name = next((k for k in state.params if k.endswith('mlp_block/fc1')), None)
@@ -197,7 +221,9 @@ class _Evaluator:
     self._writer = writer
     self.seconds = 0.0
 
-  def __call__(self, split_name: str, step: int, params) -> dict[str, float]:
+  def __call__(self, split_name: str, step: int, params, **extra
+               ) -> dict[str, float]:
+    """The split's metrics, written with `extra` ones (DP-SGD's epsilon)."""
     exp = self._exp
     start = time.perf_counter()
     batches = input_pipeline.prefetch_to_device(
@@ -205,8 +231,8 @@ class _Evaluator:
                                     getattr(self._splits, split_name),
                                     self._shard),
         exp.strategy.place_batch, exp.config.data.prefetch_batches)
-    result = evaluate(exp.strategy.eval_step, params, batches,
-                      exp.strategy.unreplicate)
+    result = dict(evaluate(exp.strategy.eval_step, params, batches,
+                           exp.strategy.unreplicate), **extra)
     self.seconds += time.perf_counter() - start
     self._writer.write(step, split_name, result)
     logging.info('%s at step %d: loss %.4f accuracy %.4f (%d examples)',
@@ -215,15 +241,53 @@ class _Evaluator:
     return result
 
 
-def _compile_train_step(strategy, state, batches):
-  """The train step compiled ahead of the first step, so that every logged
-  rate, the first window's after a start or a resume included, excludes
-  compilation; and the batches, the first one put back."""
-  first = next(batches)
-  start = time.perf_counter()
-  step = strategy.train_step.lower(state, first).compile()
-  logging.info('Compiled the train step in %.1fs.', time.perf_counter() - start)
-  return step, itertools.chain([first], batches)
+class _CompiledSteps:
+  """The train step compiled ahead of a step of each batch shape it meets, so
+  that every logged rate, the first window's after a start or a resume
+  included, excludes compilation. Ordinary training meets one shape; DP-SGD
+  another in the rare step whose Poisson draw outgrows the padded batch."""
+
+  def __init__(self, strategy):
+    self._strategy = strategy
+    self._compiled = {}
+
+  def compile(self, state, batch):
+    shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))
+    if shapes not in self._compiled:
+      start = time.perf_counter()
+      self._compiled[shapes] = self._strategy.train_step.lower(
+          state, batch).compile()
+      logging.info('Compiled the train step for a batch of %d in %.1fs.',
+                   batch['label'].size, time.perf_counter() - start)
+    return self._compiled[shapes]
+
+  def __call__(self, state, batch):
+    return self.compile(state, batch)(state, batch)
+
+
+def _train_batches(exp, splits, shard, start_step):
+  """This process's train batches on their way to the devices."""
+  config = exp.config
+  if exp.privacy is None:
+    batches = input_pipeline.train_batches(config, splits.train, shard,
+                                           start_step)
+  else:
+    batches = input_pipeline.private_train_batches(
+        config, splits.train, shard, exp.privacy, exp.total_steps, start_step)
+  return input_pipeline.prefetch_to_device(
+      batches, exp.strategy.place_batch, config.data.prefetch_batches)
+
+
+def _privacy_summary(exp, steps: int, skipped_steps: int) -> dict[str, Any]:
+  """DP-SGD's guarantee and settings for summary.json, or {}."""
+  if exp.privacy is None:
+    return {}
+  dp = exp.privacy
+  return dict(_epsilon(exp, steps, skipped_steps), delta=dp.delta,
+              noise_multiplier=dp.noise_multiplier,
+              l2_clip_norm=dp.l2_clip_norm, private_steps=steps - skipped_steps,
+              sampling=f'poisson (expected batch {dp.batch_size} of '
+              f'{dp.num_examples}, padded to {dp.padded_batch_size})')
 
 
 def _log_window(exp, window, step, writer, progress) -> None:
@@ -234,7 +298,8 @@ def _log_window(exp, window, step, writer, progress) -> None:
   _log_overflows(host_window, step - len(window) + 1, exp.param_names)
   rates = progress.update(step)
   summary.update(images_per_sec=rates['images_per_sec'],
-                 learning_rate=float(exp.schedule(step - 1)))
+                 learning_rate=float(exp.schedule(step - 1)),
+                 **_epsilon(exp, step, summary['skipped_steps']))
   try:
     exp.scaler.check(step, summary['loss_scale'],
                      int(host_window[-1]['consecutive_skips']),
@@ -285,10 +350,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     evaluator = _Evaluator(exp, splits, shard, writer)
     progress = metrics_lib.Progress(total_steps, config.batch_size, start_step)
     start_time = time.perf_counter()
-    batches = input_pipeline.prefetch_to_device(
-        input_pipeline.train_batches(config, splits.train, shard, start_step),
-        strategy.place_batch, config.data.prefetch_batches)
-    train_step, batches = _compile_train_step(strategy, state, batches)
+    batches = _train_batches(exp, splits, shard, start_step)
+    first = next(batches)
+    train_step = _CompiledSteps(strategy)
+    train_step.compile(state, first)
+    batches = itertools.chain([first], batches)
     progress.reset_clock(start_step)
     window, last_val = [], {}
     for step in range(start_step + 1, total_steps + 1):
@@ -298,7 +364,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         _log_window(exp, window, step, writer, progress)
         window = []
       if _due(step, config.eval_every_steps, total_steps):
-        last_val = evaluator('val', step, state.params)
+        last_val = evaluator('val', step, state.params, **_epsilon(
+            exp, step, int(strategy.unreplicate(state.skipped_steps))))
         progress.reset_clock(step)  # Rates exclude evaluation,
       stop = step < total_steps and preemption.stop_after(step)
       if _due(step, config.checkpoint_every_steps, total_steps) or stop:
@@ -311,11 +378,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         return dict(preempted_at_step=step)
 
     test = evaluator('test', total_steps, state.params)
+    skipped_steps = int(strategy.unreplicate(state.skipped_steps))
     summary = dict(
         test_accuracy=test['accuracy'], test_loss=test['loss'],
         val_accuracy=last_val.get('accuracy'), val_loss=last_val.get('loss'),
         steps=total_steps,
-        skipped_steps=int(strategy.unreplicate(state.skipped_steps)),
+        skipped_steps=skipped_steps,
         final_loss_scale=float(strategy.unreplicate(state.loss_scale.scale)),
         train_time_sec=time.perf_counter() - start_time - evaluator.seconds,
         eval_time_sec=evaluator.seconds,
@@ -325,7 +393,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         strategy=strategy.name,
         mesh_shape=mesh and list(mesh.devices.shape),
         precision_policy=config.precision.policy,
-        loss_scale_kind=config.loss_scale.kind)
+        loss_scale_kind=config.loss_scale.kind,
+        **_privacy_summary(exp, total_steps, skipped_steps))
   if is_writer:
     metrics_lib.write_json(os.path.join(workdir, 'summary.json'), summary)
   logging.info('Summary: %s', summary)
