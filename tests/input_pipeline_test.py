@@ -15,6 +15,7 @@ import numpy as np
 
 from haiku_mp import cifar_arrays
 from haiku_mp import input_pipeline
+from haiku_mp import privacy
 from haiku_mp import tfds_builder
 from tests import helpers
 
@@ -111,6 +112,38 @@ class BatchesTest(parameterized.TestCase):
       got = [next(p) for p in parts]
       np.testing.assert_array_equal(
           np.concatenate([g['image'] for g in got]), expected['image'])
+
+  def test_private_batches_pad_with_zeros_split_and_resume(self):
+    config = _config()
+    split = input_pipeline.load(config).train
+    settings = privacy.DpSgd(1.0, 1.0, batch_size=4, num_examples=30,
+                             delta=1e-5, padded_batch_size=12)
+    batches = lambda shard, start=0: input_pipeline.private_train_batches(
+        config, split, shard, settings, total_steps=20, start_step=start)
+    whole = list(batches(input_pipeline.Shard()))
+    self.assertLen(whole, 20)
+    indices = privacy.poisson_batches(config.seed, settings, 20)
+    for batch, rows in zip(whole, indices):
+      sampled = rows >= 0
+      np.testing.assert_array_equal(batch['mask'], sampled.astype(np.float32))
+      np.testing.assert_array_equal(batch['image'][sampled],
+                                    split.images[rows[sampled]])
+      np.testing.assert_array_equal(batch['label'][sampled],
+                                    split.labels[rows[sampled]])
+      # Padding is no example: zero pixels, label 0.
+      self.assertFalse(batch['image'][~sampled].any())
+      self.assertFalse(batch['label'][~sampled].any())
+    self.assertGreater(sum(b['mask'].sum() for b in whole), 40)
+    parts = [list(batches(input_pipeline.Shard(i, 2))) for i in range(2)]
+    resumed = list(batches(input_pipeline.Shard(), start=17))
+    for step, expected in enumerate(whole):
+      for key in ('image', 'label', 'mask'):
+        np.testing.assert_array_equal(
+            np.concatenate([parts[0][step][key], parts[1][step][key]]),
+            expected[key])
+        if step >= 17:
+          np.testing.assert_array_equal(resumed[step - 17][key],
+                                        expected[key])
 
   def test_eval_covers_every_example_once_with_padding_masked(self):
     config = _config()

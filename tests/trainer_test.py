@@ -161,6 +161,50 @@ class TrainerTest(parameterized.TestCase):
     self.assertEqual(summary['skipped_steps'], 0)
 
 
+class PrivateRunTest(absltest.TestCase):
+
+  def test_epsilon_in_every_report_counts_the_steps_taken(self):
+    """float16 from a loss scale of 2^15: per-example gradients overflow at
+    first, those steps are skipped and spend no privacy."""
+    config = _tiny_run_config()
+    config.model.num_layers = 1
+    config.data.synthetic_train_examples = 200
+    config.privacy.enabled = True
+    config.privacy.noise_multiplier = 1.3
+    config.privacy.microbatch_size = 4
+    workdir = self.enter_context(tempfile.TemporaryDirectory())
+    with self.assertLogs('absl', 'INFO') as logs:
+      summary = trainer.train_and_evaluate(config, workdir)
+    taken = summary['private_steps']
+    self.assertGreater(summary['skipped_steps'], 0)
+    self.assertEqual(taken, 6 - summary['skipped_steps'])
+    from jax_privacy import accounting  # pylint: disable=g-import-not-at-top
+    direct = lambda steps: accounting.DpsgdTrainingAccountant(
+        accounting.PldAccountantConfig()).compute_epsilon(
+            steps, accounting.DpParams(noise_multipliers=1.3, num_samples=200,
+                                       delta=1e-5, batch_size=8))
+    self.assertEqual(summary['epsilon'], direct(taken))
+    self.assertLess(summary['epsilon'], direct(6))
+    with open(os.path.join(workdir, 'summary.json')) as f:
+      self.assertEqual(json.load(f)['epsilon'], summary['epsilon'])
+    events = _read_jsonl(workdir)
+    for event in events:
+      if event['split'] == 'train':
+        skipped = event['skipped_steps']
+        self.assertEqual(event['epsilon'],
+                         direct(event['step'] - skipped) if
+                         event['step'] > skipped else 0.0)
+        self.assertContainsSubset({'num_examples', 'example_grad_norm',
+                                   'clipped_fraction'}, set(event))
+    val = [e for e in events if e['split'] == 'val']
+    self.assertEqual([e['step'] for e in val], [3, 6])
+    self.assertEqual(val[-1]['epsilon'], summary['epsilon'])
+    self.assertTrue(any(re.search(r'step 6/6 .* eps [\d.]+ \|', line)
+                        for line in logs.output))
+    self.assertTrue(any('DP-SGD: clip 1, noise multiplier 1.3' in line
+                        for line in logs.output))
+
+
 class LaunchTrainTest(parameterized.TestCase):
 
   def _run(self, workdir, *flags):
