@@ -49,10 +49,11 @@ def _mean_of_kept(values) -> float:
   return float(kept.mean()) if kept.size else float('nan')
 
 
-def _window_summary(window: list[dict[str, Any]]) -> dict[str, float]:
+def _window_summary(window: list[dict[str, Any]], private: bool = False
+                    ) -> dict[str, float]:
   """Host summary of the metrics of the steps since the last log point."""
-  summary = {k: _mean_of_kept([m[k] for m in window])
-             for k in _MEAN_METRICS + _PRIVATE_MEAN_METRICS if k in window[0]}
+  means = _MEAN_METRICS + (_PRIVATE_MEAN_METRICS if private else ())
+  summary = {k: _mean_of_kept([m[k] for m in window]) for k in means}
   last = window[-1]
   summary['loss_scale'] = float(last['loss_scale'])
   summary['skipped_steps'] = int(last['skipped_steps'])
@@ -294,7 +295,7 @@ def _log_window(exp, window, step, writer, progress) -> None:
   """Summarizes the steps since the last log point: logs, writes, and stops
   the run (after writing) when the loss scale says it diverged."""
   host_window = jax.device_get([exp.strategy.unreplicate(m) for m in window])
-  summary = _window_summary(host_window)
+  summary = _window_summary(host_window, exp.privacy is not None)
   _log_overflows(host_window, step - len(window) + 1, exp.param_names)
   rates = progress.update(step)
   summary.update(images_per_sec=rates['images_per_sec'],

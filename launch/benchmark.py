@@ -58,6 +58,10 @@ _LAYOUTS = flags.DEFINE_list(
     '(e.g. pjit:8x1,pjit:4x2; single needs no mesh: single:1x1) instead of '
     'timing steps.')
 
+_DP_VS_ORDINARY = flags.DEFINE_bool(
+    'dp_vs_ordinary', False, 'Time each dtype\'s ordinary step and its '
+    'DP-SGD step (the config\'s privacy settings) in the same run.')
+
 _PIPELINE = flags.DEFINE_bool(
     'pipeline', False, 'Benchmark the input pipeline of the config\'s data '
     'source against its train step instead (--steps per round).')
@@ -105,7 +109,10 @@ def _pipeline(config):
 
 def _line(row) -> str:
   mfu = f'{row["mfu"]:.2f}' if row['mfu'] is not None else 'n/a'
-  return (f'{row["dtype"]:>8} ({row["dot_form"]}) batch {row["batch_size"]}: '
+  dp = (f' DP-SGD (padded to {row["train_batch_size"]})' if row['privacy']
+        else '')
+  return (f'{row["dtype"]:>8} ({row["dot_form"]}){dp} batch '
+          f'{row["batch_size"]}: '
           f'{row["step_time_s"] * 1e3:.1f} ms/step, '
           f'{row["images_per_sec"]:.1f} img/s, MFU {mfu} of '
           f'{row["matmul_ceiling_flops"] / 1e9:.0f} GFLOP/s, '
@@ -135,10 +142,16 @@ def main(argv):
   rows = step_benchmark.run_dtypes(
       config, dtypes, _STEPS.value, log=lambda row: print(_line(row),
                                                           flush=True),
-      warmup_steps=_WARMUP.value, ceiling_size=_CEILING.value)
+      warmup_steps=_WARMUP.value, ceiling_size=_CEILING.value,
+      dp_vs_ordinary=_DP_VS_ORDINARY.value)
+  name = lambda row: row['dtype'] + (' DP-SGD' if row['privacy'] else '')
   for row in rows[1:]:
     ratio = row['vs_first'].get('images_per_sec')
-    print(f'{row["dtype"]} vs {rows[0]["dtype"]}: {ratio:.2f}x the images/s')
+    print(f'{name(row)} vs {name(rows[0])}: {ratio:.2f}x the images/s')
+  for row in rows:
+    if row.get('vs_ordinary') and row['privacy']:
+      print(f'{name(row)} vs ordinary {row["dtype"]}: '
+            f'{row["vs_ordinary"]["images_per_sec"]:.2f}x the images/s')
   if _JSON.value:
     if len(rows) == 1:
       print(json.dumps(rows[0]))

@@ -21,7 +21,8 @@ FIELDS = {'device', 'jax_version', 'cpu', 'dtype', 'dot_form', 'policy',
           'images_per_sec', 'flops_per_step', 'matmul_ceiling_flops',
           'matmul_ceiling_size', 'mfu', 'compile_s', 'sys_cpu_s_per_step',
           'argument_bytes', 'output_bytes', 'temp_bytes', 'code_bytes',
-          'device_peak_bytes'}
+          'device_peak_bytes', 'privacy', 'train_batch_size',
+          'dp_microbatch_size'}
 
 
 class StepBenchmarkTest(parameterized.TestCase):
@@ -51,6 +52,29 @@ class StepBenchmarkTest(parameterized.TestCase):
     self.assertEqual(rows[0]['vs_first']['images_per_sec'], 1.0)
     self.assertAlmostEqual(rows[1]['vs_first']['step_time_s'],
                            rows[1]['step_time_s'] / rows[0]['step_time_s'])
+
+  def test_dp_sgd_against_the_ordinary_step_in_one_run(self):
+    config = helpers.tiny_config(num_layers=1)
+    config.batch_size = 8
+    config.privacy.microbatch_size = 4
+    rows = step_benchmark.run_dtypes(config, ('float32',), steps=1,
+                                     ceiling_size=64, ceiling_repeats=1,
+                                     dp_vs_ordinary=True)
+    self.assertEqual([(r['dtype'], r['privacy']) for r in rows],
+                     [('float32', False), ('float32', True)])
+    ordinary, private = rows
+    self.assertEqual(ordinary['train_batch_size'], 8)
+    self.assertIsNone(ordinary['dp_microbatch_size'])
+    # Padded to 8 + 3 standard deviations, in microbatches of 4.
+    self.assertEqual(private['train_batch_size'], 20)
+    self.assertEqual(private['dp_microbatch_size'], 4)
+    # images/s counts the expected sampled batch, not the padding.
+    self.assertAlmostEqual(private['images_per_sec'],
+                           8 / private['step_time_s'])
+    self.assertGreater(private['flops_per_step'], ordinary['flops_per_step'])
+    self.assertAlmostEqual(private['vs_ordinary']['step_time_s'],
+                           private['step_time_s'] / ordinary['step_time_s'])
+    self.assertEqual(ordinary['vs_ordinary']['step_time_s'], 1.0)
 
   def test_cpu_flags(self):
     path = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),

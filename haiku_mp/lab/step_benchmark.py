@@ -74,6 +74,7 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
   ceiling = matmul_ceiling(dtype, form, ceiling_size, ceiling_repeats)
   step_time = timing['median_step_sec']
   stats = step.stats
+  private = step.experiment.privacy
   return dict(
       device=str(jax.devices()[0].device_kind),
       jax_version=jax.__version__,
@@ -81,7 +82,12 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
       dtype=dtype.name,
       dot_form=form,
       policy=config.precision.policy,
+      # DP-SGD: its batch is padded to train_batch_size rows, batch_size of
+      # them sampled (the expected Poisson batch; images/s counts those).
+      privacy=private is not None,
       batch_size=config.batch_size,
+      train_batch_size=step.experiment.train_batch_size,
+      dp_microbatch_size=private and private.microbatch_size,
       steps=steps,
       step_time_s=step_time,
       step_times_s=timing['step_times_sec'],
@@ -100,15 +106,27 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
 
 
 def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
-               steps: int, log=lambda row: None, **kwargs) -> list[dict]:
+               steps: int, log=lambda row: None, dp_vs_ordinary: bool = False,
+               **kwargs) -> list[dict]:
   """`run` per compute dtype (float16 with dynamic loss scaling, as the
-  sweep's variants), each with its ratios to the first."""
+  sweep's variants), each with its ratios to the first. With
+  `dp_vs_ordinary`, each dtype runs ordinary and DP-SGD (`config.privacy`'s
+  settings) steps, the DP-SGD row with its ratios to the ordinary one
+  (`vs_ordinary`)."""
+  privacy_variants = (False, True) if dp_vs_ordinary else (
+      config.privacy.enabled,)
   rows = []
   for dtype in dtypes:
-    variant = sweep.variant_config(config, dtype, config.batch_size)
-    rows.append(run(variant, steps, **kwargs))
-    log(rows[-1])
+    for private in privacy_variants:
+      variant = sweep.variant_config(config, dtype, config.batch_size)
+      variant.privacy.enabled = private
+      rows.append(run(variant, steps, **kwargs))
+      log(rows[-1])
   compare.add_ratios(rows, 'vs_first', RATIO_FIELDS,
                      is_base=lambda r: r is rows[0])
+  if dp_vs_ordinary:
+    compare.add_ratios(rows, 'vs_ordinary', RATIO_FIELDS,
+                       is_base=lambda r: not r['privacy'],
+                       same_group=lambda a, b: a['dtype'] == b['dtype'])
   return rows
 
