@@ -67,13 +67,14 @@ class Experiment:
 
   def example_batch(self, seed: int = 0) -> dict[str, np.ndarray]:
     """A random global train batch of the step's shape (already normalized
-    model inputs); under DP-SGD its first `batch_size` rows are sampled and
-    the rest padding."""
+    model inputs); under DP-SGD `batch_size` rows of it sampled, the padding
+    where a real draw of that size has it."""
     batch = input_pipeline.random_batch(self.config.model,
                                         self.train_batch_size, seed)
     if self.privacy is not None:
-      batch['mask'] = (np.arange(self.train_batch_size) <
-                       self.config.batch_size).astype(np.float32)
+      sampled = np.arange(self.config.batch_size)
+      batch['mask'] = (privacy_lib.pad(sampled, self.privacy) >= 0).astype(
+          np.float32)
     return batch
 
   def abstract_inputs(self) -> tuple[Any, Any]:

@@ -78,6 +78,12 @@ def _check(privacy: ml_collections.ConfigDict) -> None:
   if not privacy.noise_multiplier >= 0:
     raise errors.ConfigError(
         f'privacy.noise_multiplier={privacy.noise_multiplier} must be >= 0')
+  noisy = privacy.noise_multiplier > 0 or privacy.target_epsilon > 0
+  if math.isinf(privacy.l2_clip_norm) and noisy:
+    raise errors.ConfigError(
+        'privacy.l2_clip_norm=inf bounds no gradient, so no noise can hide '
+        'one: set a finite clip norm, or noise_multiplier=0 and '
+        'target_epsilon=0 for per-example gradients without privacy')
   if not 0 < privacy.delta < 1:
     raise errors.ConfigError(f'privacy.delta={privacy.delta} must be in (0, 1)')
   if not (privacy.target_epsilon >= 0 and math.isfinite(
@@ -220,11 +226,9 @@ def poisson_batches(seed: int, settings: DpSgd, total_steps: int,
                     start_step: int = 0) -> Iterator[np.ndarray]:
   """The global batches' example indices from `start_step` on: each example
   in each step independently with probability `batch_size / num_examples`
-  (JAX Privacy's `CyclicPoissonSampling`, no truncation), padded with -1 to a
-  multiple of `padded_batch_size` (its `split_and_pad_global_batch`: a step
-  that samples more than the padded size takes a larger shape and drops no
-  example), the padding ordered so that whole microbatches of it come last
-  and are skipped.
+  (JAX Privacy's `CyclicPoissonSampling`, no truncation), padded by `pad`: a
+  step that samples more than the padded size takes a larger shape and drops
+  no example.
 
   One stream of draws from `seed`: a resumed run replays the draws of the
   steps before `start_step` (microseconds each) and reads what an
@@ -236,9 +240,16 @@ def poisson_batches(seed: int, settings: DpSgd, total_steps: int,
   draws = sampler.batch_iterator(
       settings.num_examples, rng=np.random.default_rng([seed, _POISSON_STREAM]))
   for indices in itertools.islice(draws, start_step, None):
-    yield np.concatenate(batch_selection.split_and_pad_global_batch(
-        indices.astype(np.int64), settings.padded_batch_size,
-        settings.microbatch_size))
+    yield pad(indices.astype(np.int64), settings)
+
+
+def pad(indices: np.ndarray, settings: DpSgd) -> np.ndarray:
+  """`indices` padded with -1 to a multiple of `padded_batch_size`, the
+  padding placed where whole microbatches of it are skipped (JAX Privacy's
+  `split_and_pad_global_batch`)."""
+  from jax_privacy import batch_selection  # pylint: disable=g-import-not-at-top
+  return np.concatenate(batch_selection.split_and_pad_global_batch(
+      indices, settings.padded_batch_size, settings.microbatch_size))
 
 
 def dp_params(noise_multiplier: float, num_examples: int, batch_size: int,

@@ -62,6 +62,8 @@ class PrecisionRulesTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ('bf16', BF16, 'bfloat16', 0), ('fp16', FP16, 'float16', 0),
+      ('bf16_params', 'params=bfloat16,compute=bfloat16,output=float32',
+       'bfloat16', 0),
       ('bf16_microbatched', BF16, 'bfloat16', 2),
       ('fp16_microbatched', FP16, 'float16', 2))
   def test_sums_and_noise_in_float32_gradients_in_compute_dtype(
@@ -342,7 +344,8 @@ class AccountingTest(absltest.TestCase):
         ('delta', 1.0, r'privacy.delta=1.0 must be in \(0, 1\)'),
         ('target_epsilon', -2.0, 'privacy.target_epsilon=-2.0'),
         ('microbatch_size', -1, 'privacy.microbatch_size=-1'),
-        ('padding_stddevs', -1.0, 'privacy.padding_stddevs=-1.0')):
+        ('padding_stddevs', -1.0, 'privacy.padding_stddevs=-1.0'),
+        ('l2_clip_norm', float('inf'), 'privacy.l2_clip_norm=inf bounds no')):
       config = _config(**{setting: value})
       with self.assertRaisesRegex(errors.ConfigError, message):
         privacy.from_config(config, EXAMPLES, 10, 1)
