@@ -149,7 +149,7 @@ class _Preemption:
 
 
 def _log_line(step, total, summary, progress):
-  epsilon = (f'eps {summary["epsilon"]:.3g} ' if 'epsilon' in summary
+  epsilon = (f'eps {summary["epsilon"]:.2f} ' if 'epsilon' in summary
              else '')
   return (f'step {step}/{total} [{100 * step / total:.0f}%] '
           f'loss {summary["loss"]:.4f} acc {summary["accuracy"]:.3f} '
