@@ -8,9 +8,17 @@ most of the suite's time. LLVM's optimization level 0 compiles XLA:CPU
 programs about a third faster; it changes how the machine code is generated,
 not what XLA's HLO passes decide (fusion, buffer assignment, memory analysis).
 Subprocesses get the same flags through `xla_flags`.
+
+Many of those programs are the same program: the two pytest workers and every
+`python -m launch...` a test starts compile the tiny train steps of the same
+few configs. JAX's persistent compilation cache (a directory under the system
+temp dir, shared by every process of the suite and capped in size) compiles
+each of them once per machine; a cached executable keeps its HLO text, memory
+and cost analyses, which the tests read.
 """
 
 import os
+import tempfile
 
 FAST_COMPILE_FLAGS = '--xla_backend_optimization_level=0'
 
@@ -22,3 +30,10 @@ def xla_flags(devices: int) -> str:
 
 
 os.environ.setdefault('XLA_FLAGS', xla_flags(8))
+for _name, _value in (
+    ('JAX_COMPILATION_CACHE_DIR',
+     os.path.join(tempfile.gettempdir(), 'haiku_mp_tests_jax_cache')),
+    ('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0'),
+    ('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1'),
+    ('JAX_COMPILATION_CACHE_MAX_SIZE', str(2 * 2**30))):
+  os.environ.setdefault(_name, _value)
