@@ -211,19 +211,6 @@ class PrivateStepTest(absltest.TestCase):
     self.assertEqual(int(state.skipped_steps), 1)
     self.assertEqual(float(metrics['num_examples']), BATCH - 1)
 
-  def test_float16_overflow_backs_the_loss_scale_off(self):
-    """Each example's gradient of its own loss is larger than a batch
-    mean's: 2^15 overflows float16 here, the step is skipped and the
-    dynamic scale halves, as in ordinary training."""
-    exp = experiment.build_without_data(_config(FP16, loss_scale='dynamic'))
-    state = exp.strategy.init_state()
-    before = _flat(state.params)
-    state, metrics = exp.strategy.train_step(
-        state, _batch(exp.config, exp.train_batch_size, BATCH))
-    self.assertFalse(bool(metrics['grads_finite']))
-    self.assertEqual(float(state.loss_scale.scale), 2.0**14)
-    np.testing.assert_array_equal(_flat(state.params), before)
-
 
 class NoiseTest(absltest.TestCase):
 
@@ -328,14 +315,14 @@ class AccountingTest(absltest.TestCase):
     self.assertEqual(privacy.epsilon(5, 0.0, 45000, 256, 1e-5), float('inf'))
 
   def test_calibration_hits_the_target_within_one_percent(self):
-    config = _config(target_epsilon=8.0, delta=1e-5)
-    config.batch_size = 256
-    config.data.synthetic_train_examples = 45000
-    settings = privacy.from_config(config, 45000, total_steps=1000,
+    # Small enough for the accountant to answer in seconds.
+    config = _config(target_epsilon=2.0, delta=1e-5)
+    config.batch_size = 100
+    settings = privacy.from_config(config, 1000, total_steps=50,
                                    batch_devices=1)
-    spent = privacy.epsilon(1000, settings.noise_multiplier, 45000, 256, 1e-5)
-    self.assertAlmostEqual(spent, 8.0, delta=0.08)
-    self.assertLessEqual(spent, 8.0)
+    spent = privacy.epsilon(50, settings.noise_multiplier, 1000, 100, 1e-5)
+    self.assertAlmostEqual(spent, 2.0, delta=0.02)
+    self.assertLessEqual(spent, 2.0)
 
   def test_bad_settings_name_themselves(self):
     for setting, value, message in (

@@ -164,8 +164,9 @@ class TrainerTest(parameterized.TestCase):
 class PrivateRunTest(absltest.TestCase):
 
   def test_epsilon_in_every_report_counts_the_steps_taken(self):
-    """float16 from a loss scale of 2^15: per-example gradients overflow at
-    first, those steps are skipped and spend no privacy."""
+    """float16 from a loss scale of 2^15: per-example gradients (each of
+    one example's loss, larger than a batch mean's) overflow at first; those
+    steps are skipped, the scale backs off, and they spend no privacy."""
     config = _tiny_run_config()
     config.model.num_layers = 1
     config.data.synthetic_train_examples = 200
@@ -176,7 +177,9 @@ class PrivateRunTest(absltest.TestCase):
     with self.assertLogs('absl', 'INFO') as logs:
       summary = trainer.train_and_evaluate(config, workdir)
     taken = summary['private_steps']
+    # Skipped as in ordinary training: the dynamic scale backed off.
     self.assertGreater(summary['skipped_steps'], 0)
+    self.assertLess(summary['final_loss_scale'], 2.0**15)
     self.assertEqual(taken, 6 - summary['skipped_steps'])
     from jax_privacy import accounting  # pylint: disable=g-import-not-at-top
     direct = lambda steps: accounting.DpsgdTrainingAccountant(
