@@ -33,7 +33,9 @@ os.environ.setdefault('XLA_FLAGS', xla_flags(8))
 for _name, _value in (
     ('JAX_COMPILATION_CACHE_DIR',
      os.path.join(tempfile.gettempdir(), 'haiku_mp_tests_jax_cache')),
-    ('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0'),
+    # Train steps and the like, not the thousands of one-op programs eager
+    # code compiles (each write locks and scans the capped directory).
+    ('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5'),
     ('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1'),
     ('JAX_COMPILATION_CACHE_MAX_SIZE', str(2 * 2**30))):
   os.environ.setdefault(_name, _value)
