@@ -93,8 +93,10 @@ def get_config() -> ml_collections.ConfigDict:
       target_epsilon=0.0,
       delta=1e-5,
       # Examples per device whose per-example gradients exist at once (JAX
-      # Privacy's microbatching); 0: all of a device's batch.
-      microbatch_size=0,
+      # Privacy's microbatching); 0: all of a device's batch. The reference
+      # ViT's 162 at once need 7.5 GB of temp on a CPU; 32 need 1.7 GB, less
+      # than its ordinary step, and run faster there (BENCHMARKS.md).
+      microbatch_size=32,
       # A sampled batch is padded to batch_size + this many standard
       # deviations of its size (rounded up to divide the devices and
       # microbatches); a larger draw takes a larger shape (a compile).
