@@ -6,9 +6,10 @@ the clipped per-example gradients are summed in at least float32, and the
 noise is added in at least float32. Here each example's gradient comes from
 the model as configured (its compute dtype), is unscaled (loss scaling) and
 clipped in float32; `jax_privacy.clipped_grad` sums the clipped gradients in
-float32; the Gaussian noise is one float32 draw for the global batch from the
-step's key (the same under every strategy); the noisy sum is divided by the
-expected batch size of the Poisson sampling the accountant assumes.
+float32; the Gaussian noise (`jax_privacy.noise_addition`) is one float32
+draw for the global batch from the step's key (the same under every
+strategy); the noisy sum is divided by the expected batch size of the
+Poisson sampling the accountant assumes.
 Batches are Poisson samples (JAX Privacy's batch selection), padded to a
 fixed shape; accounting and calibration are JAX Privacy's (PLD accountant).
 jax-privacy is imported where it is used: ordinary training never loads it
@@ -138,15 +139,23 @@ def from_config(config: ml_collections.ConfigDict, num_examples: int,
 
 def add_noise(summed, key: jax.Array, settings: DpSgd):
   """The clipped sum plus N(0, (sigma * C)^2) per coordinate, drawn in
-  float32 (rule 3) from `key`, divided by the expected batch size."""
+  float32 (rule 3) by JAX Privacy's Gaussian privatizer from `key`, divided
+  by the expected batch size.
+
+  The privatizer is made afresh from each step's key (a split of the train
+  state's rng) instead of carrying its own key as state: the draw is then the
+  same under every strategy and resumes with the checkpoint, and independent
+  noise needs no other state.
+  """
+  from jax_privacy import noise_addition  # pylint: disable=g-import-not-at-top
   # No noise is none even when C is infinite (0 * inf would be NaN).
   stddev = (settings.noise_multiplier * settings.l2_clip_norm
             if settings.noise_multiplier else 0.0)
-  leaves, treedef = jax.tree.flatten(summed)
-  keys = jax.random.split(key, len(leaves))
-  noisy = [x.astype(jnp.float32) + stddev * jax.random.normal(
-      k, x.shape, jnp.float32) for x, k in zip(leaves, keys)]
-  return jax.tree.unflatten(treedef, [x / settings.batch_size for x in noisy])
+  summed = jax.tree.map(lambda x: x.astype(jnp.float32), summed)
+  privatizer = noise_addition.gaussian_privatizer(
+      stddev=stddev, prng_key=key, dtype=jnp.float32)
+  noisy, _ = privatizer.update(summed, privatizer.init(summed))
+  return jax.tree.map(lambda x: x / settings.batch_size, noisy)
 
 
 def _axis_size(axis_name: Optional[str]) -> int:
