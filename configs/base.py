@@ -103,6 +103,19 @@ def get_config() -> ml_collections.ConfigDict:
       padding_stddevs=3.0,
   ))
 
+  # The precision advisor (`python -m launch.lab advise`, haiku_mp/advice.py):
+  # how much of a tensor a half format may lose before a module keeps float32.
+  config.advisor = ml_collections.ConfigDict(dict(
+      # What a format may cost an output or gradient, relative to its norm:
+      # rounding (bfloat16's own is ~0.2%, float16's ~0.02%) or, for float16
+      # gradients at a loss scale, the values left below its normal range.
+      max_relative_error=0.01,
+      # Share of an output's values that may overflow float16 (65504).
+      max_overflow_share=0.0,
+      # The window's top leaves the largest gradient this factor below 65504.
+      loss_scale_headroom=1.0,
+  ))
+
   config.data = ml_collections.ConfigDict(dict(
       # 'tfds' (TFDS, read once into memory), 'arrays' (a .npz from
       # `python -m launch.data export`; no TensorFlow) or 'synthetic' (random

@@ -80,14 +80,16 @@ class Checkpointer:
     logging.info('Saved checkpoint %s/%d (%.1fs).', self.directory, step,
                  time.perf_counter() - start)
 
-  def restore_latest(self, abstract_state: TrainState
+  def restore_latest(self, abstract_state: TrainState,
+                     max_step: Optional[int] = None
                      ) -> Optional[tuple[int, TrainState]]:
-    """The newest checkpoint that restores into `abstract_state`'s layout.
+    """The newest checkpoint (at or before `max_step`, if given) that
+    restores into `abstract_state`'s layout.
 
     `abstract_state` (from `jax.eval_shape`, shardings attached where needed)
     fixes shapes, dtypes and placement. None if there is no checkpoint.
     """
-    steps = self.all_steps()
+    steps = [s for s in self.all_steps() if max_step is None or s <= max_step]
     if not steps:
       return None
     key_data = jax.eval_shape(jax.random.key_data, abstract_state.rng)

@@ -9,9 +9,14 @@ python -m launch.lab matmul --out=lab [--rows=1024 --cols=65536 --repeats=5]
 python -m launch.lab dot_algorithms --out=lab [--size=2048]
 python -m launch.lab report --out=report [--parts=benchmark,...] [--quick] \
     [--config.data.source=arrays --config.data.arrays_path=cifar10.npz]
+python -m launch.lab advise --config=configs/vit_fp16.py [--checkpoint=WORKDIR] \
+    [--batches=8] [--level=knockout] --out=advice
 
 `report` runs several parts on whatever backend JAX finds and writes their
-JSON, plots and one report.md (haiku_mp/lab/report.py).
+JSON, plots and one report.md (haiku_mp/lab/report.py). `advise` says which
+precision each module can run in and which float16 loss scale, and prints the
+flags to paste; it writes advise.json, advise.md and a plot
+(haiku_mp/lab/advise.py).
 
 Each experiment prints its result as one JSON line and writes
 `<experiment>.json` and its plots into --out.
@@ -26,6 +31,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from haiku_mp import errors
+from haiku_mp.lab import advise
 from haiku_mp.lab import dot_algorithms
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
@@ -71,6 +77,17 @@ _QUICK = flags.DEFINE_bool(
     'check that every part runs, in about a minute on a CPU.')
 _SEEDS = flags.DEFINE_list('seeds', ['0'],
                            'report: seeds of the accuracy runs.')
+_CHECKPOINT = flags.DEFINE_string(
+    'checkpoint', '', 'advise: a launch.train workdir whose checkpoint gives '
+    'the params and loss scale (default: the config\'s init).')
+_CHECKPOINT_STEP = flags.DEFINE_integer(
+    'checkpoint_step', -1, 'advise: the newest checkpoint at or before this '
+    'step (-1: the newest).')
+_BATCHES = flags.DEFINE_integer('batches', 8,
+                                'advise: training batches measured.')
+_LEVEL = flags.DEFINE_string(
+    'level', 'stats', "advise: 'stats' (statistics and verdicts) or "
+    "'knockout' (also each module alone in half precision).")
 _COMPILE = flags.DEFINE_bool(
     'compile', True, "memory: also compile each variant's train step.")
 
@@ -134,8 +151,9 @@ def _dot_algorithms():
 EXPERIMENTS = {'params': _params, 'sweep': _sweep, 'memory': _memory,
                'precision': _precision, 'matmul': _matmul, 'profile': _profile,
                'dot_algorithms': _dot_algorithms}
-# Every command: the experiments, and the report that runs several of them.
-COMMANDS = (*EXPERIMENTS, 'report')
+# Every command: the experiments, the report that runs several of them, and
+# the advisor.
+COMMANDS = (*EXPERIMENTS, 'report', 'advise')
 
 
 def _report():
@@ -151,13 +169,27 @@ def _report():
   print(json.dumps(index))
 
 
+def _advise():
+  """The advisor writes its own files and prints the flags to paste."""
+  result = advise.run(_CONFIG.value, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
+                      _BATCHES.value, _LEVEL.value, _STEPS.value,
+                      log=lambda line: print(line, flush=True))
+  for path in advise.write(result, _OUT.value):
+    print(f'wrote {path}', flush=True)
+  for fmt, suggestion in result['suggestions'].items():
+    print(f'{fmt}: ' + ' '.join(suggestion['flags']), flush=True)
+  print(json.dumps(dict(float16_window=result['float16_window'],
+                        suggestions=result['suggestions'],
+                        cost=result['cost'])))
+
+
 def main(argv):
   if len(argv) != 2 or argv[1] not in COMMANDS:
     raise errors.ConfigError(f'expected one experiment of {COMMANDS}, '
                              f'got {argv[1:]}')
   experiment = argv[1]
-  if experiment == 'report':
-    _report()
+  if experiment in ('report', 'advise'):
+    {'report': _report, 'advise': _advise}[experiment]()
     return
   result, plot = EXPERIMENTS[experiment]()
   os.makedirs(_OUT.value, exist_ok=True)  # Only once there is a result.

@@ -11,6 +11,7 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.extend import core as jex_core
 from tensorboard.backend.event_processing import plugin_event_accumulator
@@ -19,6 +20,7 @@ from tensorboard.util import tensor_util
 from configs import base
 from haiku_mp import half_dot
 from haiku_mp import input_pipeline
+from haiku_mp import numerics
 import tests
 
 MATMUL_PRIMITIVES = ('dot_general', 'conv_general_dilated')
@@ -174,3 +176,59 @@ def _comparable(value) -> float | str:
   """A float, or 'nan' (NaN != NaN would fail any comparison of lists)."""
   value = float(value)
   return 'nan' if np.isnan(value) else value
+
+
+def numpy_stats(x, scale: float = 1.0) -> dict:
+  """What `numerics.tensor_stats` measures, computed directly in NumPy with
+  real float16 and bfloat16 casts (the reference the tests compare with)."""
+  x = np.asarray(x, np.float32).ravel()
+  finite = np.isfinite(x)
+  v = np.where(finite, x, 0).astype(np.float64)
+  nonzero = v != 0
+  with np.errstate(over='ignore'):
+    scaled = np.where(finite, x, 0).astype(np.float32) * np.float32(scale)
+    f16 = scaled.astype(np.float16).astype(np.float64)
+    bf16 = scaled.astype(ml_dtypes.bfloat16).astype(np.float64)
+  in_range = np.isfinite(f16)
+  norm = np.sqrt(np.sum(v * v))
+  relative = lambda e: float(np.linalg.norm(e) / norm) if norm else 0.0
+  _, exponent = np.frexp(np.abs(v[nonzero]))
+  exponent = np.clip(exponent, numerics.LOWEST_EXPONENT,
+                     numerics.HIGHEST_EXPONENT)
+  return dict(
+      count=x.size, zeros=int(np.sum(~nonzero & finite)),
+      nonfinite=int(np.sum(~finite)), amax=float(np.abs(v).max(initial=0)),
+      sum_squares=float(norm**2),
+      f16_flush=int(np.sum(nonzero & (f16 == 0))),
+      f16_subnormal=int(np.sum((f16 != 0) & (np.abs(f16) < 2.0**-14))),
+      f16_overflow=int(np.sum(~in_range)),
+      f16_relative_error=relative(np.where(in_range, f16 / scale - v, 0)),
+      bf16_relative_error=relative(bf16 / scale - v),
+      histogram=np.bincount(exponent - numerics.LOWEST_EXPONENT,
+                            minlength=len(numerics.EXPONENTS)).tolist())
+
+
+def assert_stats_equal(test_case, got: dict, want: dict, msg: str = '',
+                       ulps: bool = False):
+  """Counts and histogram exactly, sums to float32 summation error; with
+  `ulps`, for tensors that two programs computed (their values may differ
+  in the last bits): the largest magnitude to 1e-5, a few values allowed to
+  cross a power of two or a float16 boundary."""
+  slack = 2 + 1e-4 * want['count'] if ulps else 0
+  for field in ('count', 'zeros', 'nonfinite', 'f16_flush', 'f16_subnormal',
+                'f16_overflow'):
+    test_case.assertLessEqual(abs(got[field] - want[field]), slack,
+                              f'{msg} {field}: {got[field]} vs {want[field]}')
+  test_case.assertLessEqual(
+      np.abs(np.subtract(got['histogram'], want['histogram'])).sum(),
+      2 * slack, f'{msg} histogram')
+  test_case.assertAlmostEqual(got['amax'], want['amax'],
+                              delta=(1e-5 if ulps else 0) * want['amax'],
+                              msg=f'{msg} amax')
+  test_case.assertAlmostEqual(got['sum_squares'], want['sum_squares'],
+                              delta=1e-5 * want['sum_squares'], msg=msg)
+  for field in ('f16_relative_error', 'bf16_relative_error'):
+    test_case.assertAlmostEqual(
+        got[field], want[field],
+        delta=(1e-2 if ulps else 1e-3) * want[field] + 1e-9,
+        msg=f'{msg} {field}')

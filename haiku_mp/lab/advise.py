@@ -1,0 +1,497 @@
+"""Experiment `advise`: which precision each module can run in, and which
+float16 loss scale, measured on the config's model and a few real batches.
+
+1. Statistics: the config's model computing in float32 (its params' dtype,
+   optimizer and loss scale kept, so a run's checkpoint restores into it)
+   takes `batches` training steps from its params (init, or a checkpoint);
+   before each, one extra jitted forward and backward (`probes`) measures
+   every module's output, the gradient flowing into it and its params'
+   gradients (`numerics`), the float16 shares at the step's loss scale.
+   Steps are taken so that a zero-initialized head passes gradients back
+   after the first step, as in training.
+2. Verdicts per module and format, the float16 loss-scale window, and the
+   config to paste (`advice`).
+3. `--level=knockout`: one module at a time in the half format (a path
+   override on the float32 model), its loss and logits against float32's
+   on the same batches, ranked.
+4. Cost: the statistics pass against the config's own train step, timed on
+   the same batch in this process.
+"""
+
+import contextlib
+import copy
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from haiku_mp import advice
+from haiku_mp import augment
+from haiku_mp import checkpoint as checkpoint_lib
+from haiku_mp import compiled_step
+from haiku_mp import errors
+from haiku_mp import experiment
+from haiku_mp import input_pipeline
+from haiku_mp import model
+from haiku_mp import numerics
+from haiku_mp import precision as precision_lib
+from haiku_mp import probes
+from haiku_mp import train_step
+from haiku_mp.lab import step_benchmark
+from haiku_mp.lab import sweep
+
+LEVELS = ('stats', 'knockout')
+HALF_DTYPES = ('float16', 'bfloat16')
+
+
+def reference_config(config: ml_collections.ConfigDict
+                     ) -> ml_collections.ConfigDict:
+  """`config` computing in float32 everywhere, on one device: its params'
+  dtype, optimizer and loss scale kept (its checkpoints restore), overrides
+  dropped, matmuls at full float32 precision, nothing rematerialized, no
+  DP-SGD."""
+  config = sweep.in_compute_dtype(config, 'float32')
+  config.precision.overrides = ''
+  config.precision.float32_layer_norm = True
+  config.precision.residual_stream = 'compute'
+  config.precision.matmul_precision = 'highest'
+  config.remat = 'none'
+  config.privacy.enabled = False
+  config.parallel.strategy = 'single'
+  config.parallel.mesh_shape = (1, 1)
+  return config
+
+
+def compute_dtype(config: ml_collections.ConfigDict) -> str:
+  return jnp.dtype(precision_lib.parse_policy(
+      config.precision.policy).compute_dtype).name
+
+
+def _check(num_batches: int, level: str, steps: int) -> None:
+  if num_batches < 1:
+    raise errors.ConfigError(f'--batches={num_batches} must be at least 1')
+  if level not in LEVELS:
+    raise errors.ConfigError(f'--level={level!r}: expected one of {LEVELS}')
+  if steps < 1:
+    raise errors.ConfigError(f'--steps={steps} must be at least 1')
+
+
+def initial_state(exp: experiment.Experiment, checkpoint: str,
+                  checkpoint_step: int):
+  """(state, step, where from): init, or a run's checkpoint (the newest, or
+  the newest at or before `checkpoint_step`). Reads and never writes the
+  run's directory."""
+  if not checkpoint:
+    return exp.init_state(), 0, 'init'
+  directory = os.path.join(checkpoint, 'checkpoints')
+  if not os.path.isdir(directory):
+    raise errors.ConfigError(
+        f'--checkpoint={checkpoint}: no checkpoints directory in it (a '
+        'workdir of launch.train holds one)')
+  with contextlib.closing(checkpoint_lib.Checkpointer(checkpoint, 1)) as ckpt:
+    restored = ckpt.restore_latest(
+        exp.abstract_state,
+        max_step=None if checkpoint_step < 0 else checkpoint_step)
+  if restored is None:
+    raise errors.ConfigError(
+        f'--checkpoint={checkpoint}: no checkpoint'
+        + (f' at or before step {checkpoint_step}' if checkpoint_step >= 0
+           else ''))
+  step, state = restored
+  return state, step, f'checkpoint {checkpoint} step {step}'
+
+
+def training_batches(config: ml_collections.ConfigDict, count: int,
+                     start_step: int) -> list[dict[str, np.ndarray]]:
+  """The uint8 train batches of steps `start_step` on, as the run draws them."""
+  splits = input_pipeline.load(config)
+  batches = input_pipeline.train_batches(config, splits.train,
+                                         input_pipeline.Shard(), start_step)
+  return [next(batches) for _ in range(count)]
+
+
+def _model_inputs(config: ml_collections.ConfigDict, batches, seed: int):
+  """Each batch augmented and normalized as the train step does, keyed per
+  batch from `seed`."""
+  inputs = jax.jit(lambda key, batch: augment.train_inputs(config.data, key,
+                                                           batch))
+  key = jax.random.key(seed)
+  return [inputs(jax.random.fold_in(key, i), batch)
+          for i, batch in enumerate(batches)]
+
+
+def _paths(exp: experiment.Experiment) -> list[str]:
+  return list(dict.fromkeys(c.path for c in exp.module_calls
+                            if c.method == '__call__'))
+
+
+def _classes(exp: experiment.Experiment) -> dict[str, str]:
+  return {c.path: c.class_name for c in exp.module_calls}
+
+
+def _param_stats_by_module(param_stats) -> dict[str, dict[str, np.ndarray]]:
+  """{module path: {param name: stats}} from Haiku's {module: {name: .}}."""
+  return {module: {name: np.asarray(s, np.float64) for name, s in ps.items()}
+          for module, ps in param_stats.items()}
+
+
+def measure(exp: experiment.Experiment, state, inputs,
+            log: Callable[[str], None],
+            loss_fn: Optional[probes.LossFn] = None):
+  """Statistics over `inputs`, one train step after each batch's pass.
+
+  Returns (modules, loss scales seen, the statistics function, the state
+  after the steps; `state` itself is donated to them). `loss_fn`
+  (default: the experiment's) is what is differentiated; a test plants
+  faults through it.
+  """
+  stats = probes.statistics_fn(loss_fn or exp.loss_fn, _paths(exp))
+  train = exp.strategy.train_step
+  totals: dict[str, np.ndarray] = {}
+  params_totals: dict[str, dict[str, np.ndarray]] = {}
+  scales = []
+  seed_key = jax.random.key(exp.config.seed + 1)
+  for i, batch in enumerate(inputs):
+    start = time.perf_counter()
+    scale = float(state.loss_scale.scale)
+    scales.append(scale)
+    modules, param_stats = stats.fn(state.params, jax.random.fold_in(
+        seed_key, i), batch, scale)
+    modules = jax.tree.map(np.asarray, modules)
+    for path, vector in modules.items():
+      totals[path] = (vector if path not in totals else
+                      np.concatenate([
+                          numerics.merge(totals[path][:numerics.SIZE],
+                                         vector[:numerics.SIZE]),
+                          numerics.merge(totals[path][numerics.SIZE:],
+                                         vector[numerics.SIZE:])]))
+    for module, ps in _param_stats_by_module(param_stats).items():
+      into = params_totals.setdefault(module, {})
+      for name, s in ps.items():
+        into[name] = s if name not in into else numerics.merge(into[name], s)
+    if i + 1 < len(inputs):
+      state, _ = train(state, exp.strategy.place_batch(batch))
+    log(f'advise: batch {i + 1}/{len(inputs)} measured '
+        f'(loss scale {scale:g}, {time.perf_counter() - start:.1f} s)')
+  classes = _classes(exp)
+  modules = []
+  for path in _paths(exp):
+    if path in stats.aliases:
+      continue
+    vector = totals[path]
+    modules.append(advice.Module(
+        path, classes[path], vector[:numerics.SIZE], vector[numerics.SIZE:],
+        params_totals.get(path, {})))
+  for path, target in stats.aliases.items():
+    modules.append(advice.Module(path, classes[path], totals[target][:numerics.SIZE],
+                                 totals[target][numerics.SIZE:], {},
+                                 same_as=target))
+  _mark_equal_containers(modules)
+  order = {p: i for i, p in enumerate(_paths(exp))}
+  modules.sort(key=lambda m: order[m.path])
+  return modules, scales, stats, state
+
+
+def _same_values(a: advice.Module, b: advice.Module) -> bool:
+  """Whether two modules saw the same values: equal counts, histograms and
+  largest magnitudes, sums equal to float32 rounding."""
+  for x, y in ((a.output, b.output), (a.gradient, b.gradient)):
+    if not (np.array_equal(numerics.histogram_of(x), numerics.histogram_of(y))
+            and np.allclose(x, y, rtol=1e-5, atol=0)):
+      return False
+  return True
+
+
+def _mark_equal_containers(modules: list[advice.Module]) -> None:
+  """A container whose values are a descendant's (a reshape of them, say)
+  is `same_as` that descendant."""
+  for m in modules:
+    if m.same_as is not None:
+      continue
+    for d in modules:
+      if (d is not m and d.same_as is None and d.path.startswith(m.path + '/')
+          and _same_values(m, d)):
+        m.same_as = d.path
+        break
+
+
+def _stats_json(stats: np.ndarray) -> dict[str, Any]:
+  named = numerics.as_dict(stats)
+  return {k: named[k] for k in (
+      'count', 'nonzero', 'zeros', 'nonfinite', 'amax', 'f16_flush_share',
+      'f16_subnormal_share', 'f16_overflow_share', 'f16_relative_error',
+      'bf16_relative_error', 'histogram')}
+
+
+def _scale_json(window) -> dict[str, Any]:
+  lo, hi = window
+  return dict(exponents=[lo, hi],
+              scales=[None if lo is None else 2.0**lo,
+                      None if hi is None else 2.0**hi])
+
+
+def _inherits(exp: experiment.Experiment) -> dict[str, bool]:
+  """Whether each module call has no precision rule of its own (it inherits
+  its caller's policy) in the config."""
+  return {c.path: exp.precision.rule_for(c.class_name, c.path) is None
+          for c in exp.module_calls}
+
+
+def _suggestion(config, exp, modules, judged: advice.Advice, fmt: str
+                ) -> dict[str, Any]:
+  """The config for half format `fmt` that follows from the verdicts."""
+  half = advice.policy(config.precision.policy, fmt, fmt)
+  policy = advice.policy(config.precision.policy, fmt, 'float32')
+  overrides = advice.overrides(modules, judged, fmt, _inherits(exp), half)
+  flags = [f'--config.precision.policy={policy}',
+           f"--config.precision.overrides='{overrides}'"]
+  lo, hi = judged.scale_window
+  loss_scale = dict(kind='none')
+  if fmt == 'float16':
+    loss_scale = dict(kind='dynamic')
+    if hi is not None:
+      loss_scale['initial'] = 2.0**hi
+    if lo is not None:
+      loss_scale['minimum'] = 2.0**lo
+  flags += [f'--config.loss_scale.{k}={v:g}' if isinstance(v, float) else
+            f'--config.loss_scale.{k}={v}' for k, v in loss_scale.items()]
+  kept = [p for p, v in judged.verdicts.items() if getattr(v, fmt) ==
+          advice.KEEP]
+  return dict(policy=policy, overrides=overrides, loss_scale=loss_scale,
+              keep_f32=kept, flags=flags)
+
+
+def knockout(config: ml_collections.ConfigDict, params, inputs,
+             paths: list[str], dtype: str, log: Callable[[str], None]
+             ) -> list[dict[str, Any]]:
+  """Each module alone in `dtype` (a path override on the float32 model):
+  its eval loss and logits against the float32 model's, over `inputs`,
+  most sensitive first."""
+  half = advice.policy(config.precision.policy, dtype, dtype)
+
+  def logits_and_loss(variant):
+    precision = model.make_precision(variant)
+    step = jax.jit(train_step.make_eval_step(
+        model.make_forward(variant.model, precision)))
+    outs = [step(params, batch) for batch in inputs]
+    return (np.concatenate([np.asarray(o['logits'], np.float64) for o in outs]),
+            float(np.mean([float(o['loss']) for o in outs])))
+
+  ref_logits, ref_loss = logits_and_loss(config)
+  norm = np.linalg.norm(ref_logits)
+  rows = []
+  for i, path in enumerate(paths):
+    variant = copy.deepcopy(config)
+    variant.precision.overrides = f'{path}:{half}'
+    logits, loss = logits_and_loss(variant)
+    finite = bool(np.all(np.isfinite(logits)))
+    error = (float(np.linalg.norm(logits - ref_logits) / norm)
+             if finite and norm else math.inf)
+    rows.append(dict(path=path, loss=loss, loss_change=loss - ref_loss,
+                     logits_relative_error=error, finite=finite))
+    log(f'advise: knockout {dtype} {i + 1}/{len(paths)} {path}: logits '
+        f'error {error:.3g}')
+  rows.sort(key=lambda r: -r['logits_relative_error'])
+  return rows
+
+
+def _time(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())  # Compiles, or warms up.
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def cost(config: ml_collections.ConfigDict, stats: probes.StatisticsFn,
+         state, batch, repeats: int) -> dict[str, Any]:
+  """The statistics pass against the config's own train step (its
+  precision, one device), on the same batch, in this process."""
+  config = copy.deepcopy(config)
+  config.parallel.strategy = 'single'
+  config.parallel.mesh_shape = (1, 1)
+  config.privacy.enabled = False
+  step = compiled_step.compile_experiment(
+      experiment.build_without_data(config))
+  step_state = step.experiment.strategy.init_state()
+  placed = step.experiment.strategy.place_batch(batch)
+
+  def train():
+    nonlocal step_state
+    step_state, metrics = step.compiled(step_state, placed)
+    return metrics['loss']
+
+  key = jax.random.key(0)
+  stats_sec = _time(lambda: stats.fn(state.params, key, batch,
+                                     state.loss_scale.scale), repeats)
+  train_sec = _time(train, repeats)
+  return dict(statistics_pass_sec=stats_sec, train_step_sec=train_sec,
+              ratio=stats_sec / train_sec, batch_size=config.batch_size,
+              train_step_policy=config.precision.policy)
+
+
+def run(config: ml_collections.ConfigDict, checkpoint: str = '',
+        checkpoint_step: int = -1, num_batches: int = 8,
+        level: str = 'stats', repeats: int = 3,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+  """The advisor's result as a JSON-ready dict (`write` makes the files)."""
+  _check(num_batches, level, repeats)
+  thresholds = advice.Thresholds.from_config(config.advisor)
+  target = compute_dtype(config)
+  formats = [target] if target in HALF_DTYPES else list(HALF_DTYPES)
+  reference = reference_config(config)
+  exp = experiment.build(reference)
+  state, step, source = initial_state(exp, checkpoint, checkpoint_step)
+  start = time.perf_counter()
+  batches = training_batches(reference, num_batches, step)
+  log(f'advise: {num_batches} batches of {config.batch_size} from step '
+      f'{step} ({time.perf_counter() - start:.1f} s to load)')
+  inputs = _model_inputs(reference, batches, reference.seed)
+  modules, scales, stats, state = measure(exp, state, inputs, log)
+  judged = advice.judge(modules, thresholds)
+  rows = []
+  for m in modules:
+    verdict = judged.verdicts[m.same_as or m.path]
+    rows.append(dict(
+        path=m.path, class_name=m.class_name, same_as=m.same_as,
+        verdicts=dict(bfloat16=verdict.bfloat16, float16=verdict.float16),
+        reasons=verdict.reasons if m.same_as is None else {},
+        window=_scale_json(verdict.window),
+        output=_stats_json(m.output), gradient=_stats_json(m.gradient),
+        param_gradients={n: _stats_json(s)
+                         for n, s in sorted(m.param_gradients.items())}))
+  result = dict(
+      config=dict(policy=config.precision.policy,
+                  overrides=config.precision.overrides,
+                  compute_dtype=target,
+                  loss_scale=dict(config.loss_scale),
+                  model=dict(config.model),
+                  batch_size=config.batch_size),
+      params_from=source, start_step=step, batches=num_batches,
+      loss_scales_seen=scales, thresholds=dict(config.advisor),
+      exponents=[int(e) for e in numerics.EXPONENTS],
+      float16_window=_scale_json(judged.scale_window),
+      suggestions={fmt: _suggestion(config, exp, modules, judged, fmt)
+                   for fmt in HALF_DTYPES},
+      target=target, modules=rows,
+      device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
+      cpu=step_benchmark.cpu_info())
+  if level == 'knockout':
+    paths = [m.path for m in modules if m.same_as is None]
+    result['knockout'] = {fmt: knockout(reference, state.params, inputs,
+                                        paths, fmt, log) for fmt in formats}
+  result['cost'] = cost(config, stats, state, inputs[0], repeats)
+  log(f'advise: statistics pass {result["cost"]["statistics_pass_sec"]:.3f} s '
+      f'= {result["cost"]["ratio"]:.2f}x the train step')
+  return result
+
+
+# ---------------------------------------------------------------- output --
+
+
+def _fmt_scale(window) -> str:
+  lo, hi = window['exponents']
+  side = lambda k: '-' if k is None else f'2^{k}'
+  return f'[{side(lo)}, {side(hi)}]'
+
+
+def markdown(result: dict[str, Any]) -> str:
+  """The advice as a page: what to paste, then a row per module."""
+  lines = [f'# Precision advice: {result["config"]["policy"]}', '',
+           f'Params from {result["params_from"]}; {result["batches"]} '
+           f'batches of {result["config"]["batch_size"]}; loss scale '
+           f'{result["loss_scales_seen"][0]:g}; {result["device"]}, '
+           f'jax {result["jax_version"]}.', '',
+           f'float16 loss-scale window: **{_fmt_scale(result["float16_window"])}**',
+           '']
+  for fmt, s in result['suggestions'].items():
+    lines += [f'## {fmt}: keep {len(s["keep_f32"])} module(s) in float32', '',
+              '```', ' \\\n  '.join(s['flags']), '```', '']
+  lines += ['## Modules', '',
+            '| module | class | bfloat16 | float16 | output amax | output f16 '
+            'error | output f16 overflow | gradient amax | gradient below f16 '
+            'normal at the loss scale | window | why float32 |',
+            '|---|---|---|---|---|---|---|---|---|---|---|']
+  for row in result['modules']:
+    out, grad = row['output'], row['gradient']
+    why = '; '.join(f'{k}: {v}' for k, v in row['reasons'].items())
+    if row['same_as']:
+      why = f'same values as {row["same_as"]}'
+    lines.append(
+        f'| {row["path"]} | {row["class_name"]} | {row["verdicts"]["bfloat16"]}'
+        f' | {row["verdicts"]["float16"]} | {out["amax"]:.3g} | '
+        f'{out["f16_relative_error"]:.2g} | {out["f16_overflow_share"]:.2g} | '
+        f'{grad["amax"]:.3g} | '
+        f'{grad["f16_flush_share"] + grad["f16_subnormal_share"]:.2g} | '
+        f'{_fmt_scale(row["window"])} | {why} |')
+  for fmt, rows in result.get('knockout', {}).items():
+    lines += ['', f'## Knockout: one module at a time in {fmt}', '',
+              '| module | logits relative error | loss change | finite |',
+              '|---|---|---|---|']
+    lines += [f'| {r["path"]} | {r["logits_relative_error"]:.3g} | '
+              f'{r["loss_change"]:+.3g} | {r["finite"]} |' for r in rows]
+  c = result['cost']
+  lines += ['', f'Statistics pass {c["statistics_pass_sec"]:.3f} s per batch, '
+            f'{c["ratio"]:.2f}x the train step ({c["train_step_policy"]}, '
+            f'{c["train_step_sec"]:.3f} s).', '']
+  return '\n'.join(lines)
+
+
+def plot(result: dict[str, Any], out_dir: str) -> list[str]:
+  """Per-module log2 histograms of outputs and gradients as heat maps, with
+  float16's range drawn over them (for gradients, as the window's top scale
+  sees them)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  rows = [r for r in result['modules'] if not r['same_as']]
+  exponents = np.asarray(result['exponents'])
+  top = result['float16_window']['exponents'][1] or 0
+  fig, axes = plt.subplots(1, 2, figsize=(16, 2 + 0.28 * len(rows)),
+                           sharey=True)
+  for ax, part, shift in ((axes[0], 'output', 0), (axes[1], 'gradient', top)):
+    counts = np.asarray([r[part]['histogram'] for r in rows], np.float64)
+    shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    image = ax.imshow(np.log10(np.maximum(shares, 1e-7)), aspect='auto',
+                      cmap='viridis', vmin=-7, vmax=0,
+                      extent=(exponents[0] - 1, exponents[-1], len(rows), 0))
+    for value, style in ((math.log2(numerics.FLOAT16.smallest_subnormal), ':'),
+                         (math.log2(numerics.FLOAT16.smallest_normal), '--'),
+                         (math.log2(numerics.FLOAT16.max), '-')):
+      ax.axvline(value - shift, color='red', linestyle=style)
+    seen = f' at a loss scale of 2^{shift}' if shift else ''
+    ax.set_title(f'{part} magnitudes (red: float16 subnormal, normal, max'
+                 f'{seen})')
+    ax.set_xlabel(f'log2 |{part}|')
+  labels = [f'{r["path"]} [{r["verdicts"]["float16"]}]' for r in rows]
+  axes[0].set_yticks(np.arange(len(rows)) + 0.5)
+  axes[0].set_yticklabels(labels, fontsize=7)
+  for tick, r in zip(axes[0].get_yticklabels(), rows):
+    if advice.KEEP in r['verdicts'].values():
+      tick.set_color('red')
+  fig.colorbar(image, ax=axes, label='log10 share of non-zero values')
+  path = os.path.join(out_dir, 'advise_histograms.png')
+  fig.savefig(path, dpi=90, bbox_inches='tight')
+  plt.close(fig)
+  return [path]
+
+
+def write(result: dict[str, Any], out_dir: str) -> list[str]:
+  """advise.json, advise.md and the plot in `out_dir`."""
+  os.makedirs(out_dir, exist_ok=True)
+  result['plots'] = [os.path.basename(p) for p in plot(result, out_dir)]
+  paths = [os.path.join(out_dir, 'advise.json'),
+           os.path.join(out_dir, 'advise.md')]
+  with open(paths[0], 'w') as f:
+    json.dump(result, f, indent=1)
+  with open(paths[1], 'w') as f:
+    f.write(markdown(result))
+  return paths + [os.path.join(out_dir, p) for p in result['plots']]
