@@ -27,7 +27,8 @@ whose removal widens the window most first.
 
 A container whose output and gradient are those of one of its modules
 (`Attention` returns its `out` projection's output) is not judged twice: it
-is `same_as` that module and shares its verdicts.
+is `same_as` that module; only its own params' gradients (the ViT's cls
+token and position embedding) are judged, for the loss-scale window.
 """
 
 import dataclasses
@@ -104,10 +105,6 @@ def highest_scale_exponent(stats: np.ndarray, headroom: float
   return math.floor(math.log2(numerics.FLOAT16.max / (amax * headroom)))
 
 
-def _gradients(module: Module) -> list[np.ndarray]:
-  return [module.gradient, *module.param_gradients.values()]
-
-
 def window(module: Module, thresholds: Thresholds
            ) -> tuple[Optional[int], Optional[int]]:
   """The module's own loss-scale window `(lo, hi)` as exponents of two
@@ -115,16 +112,17 @@ def window(module: Module, thresholds: Thresholds
   and by the params' gradients taken together: a small tensor of rounding
   noise, such as the gradient of attention's key bias (which the softmax
   cancels), does not set it alone. `hi` is set by any tensor, since one
-  overflow skips the step."""
-  tensors = _gradients(module)
-  params = tensors[1:]
+  overflow skips the step. A `same_as` module's output gradient is the
+  other module's: only its own params count."""
+  params = list(module.param_gradients.values())
   pooled = params[0] if params else None
   for stats in params[1:]:
     pooled = numerics.merge(pooled, stats)
+  own = [] if module.same_as else [module.gradient]
   los = [lowest_scale_exponent(s, thresholds.max_relative_error)
-         for s in (tensors[0], pooled) if s is not None]
+         for s in own + ([pooled] if params else [])]
   his = [highest_scale_exponent(s, thresholds.loss_scale_headroom)
-         for s in tensors]
+         for s in own + params]
   los = [k for k in los if k is not None]
   his = [k for k in his if k is not None]
   return (max(los) if los else None), (min(his) if his else None)
@@ -166,7 +164,8 @@ class Verdict:
 
 @dataclasses.dataclass
 class Advice:
-  verdicts: dict[str, Verdict]  # By path, judged modules only.
+  # By path: every module but a `same_as` one without params of its own.
+  verdicts: dict[str, Verdict]
   # The model's float16 loss-scale window (exponents of two), or None.
   scale_window: tuple[Optional[int], Optional[int]]
 
@@ -175,14 +174,15 @@ def judge(modules: Sequence[Module], thresholds: Thresholds) -> Advice:
   """Every module's verdicts and the model's float16 loss-scale window."""
   verdicts = {}
   for m in modules:
-    if m.same_as is not None:
+    if m.same_as is not None and not m.param_gradients:
       continue
     reasons = {}
-    bf16 = _bf16_reason(m, thresholds)
+    own = m.same_as is None  # Else its outputs are judged as the other's.
+    bf16 = own and _bf16_reason(m, thresholds)
     if bf16:
       reasons['bfloat16'] = bf16
     lo, hi = window(m, thresholds)
-    f16 = _f16_output_reason(m, thresholds)
+    f16 = own and _f16_output_reason(m, thresholds)
     if f16 is None and lo is not None and hi is not None and lo > hi:
       f16 = (f'no loss scale keeps its gradients in float16: they need '
              f'>= 2^{lo} and overflow above 2^{hi}')
@@ -259,7 +259,7 @@ def overrides(modules: Sequence[Module], advice: Advice, fmt: str,
     return ''
   by_class: dict[str, list[str]] = {}
   for m in modules:
-    if m.same_as is None:
+    if m.path in advice.verdicts:
       by_class.setdefault(m.class_name, []).append(m.path)
   targets = []
   for class_name, paths in by_class.items():
@@ -270,7 +270,7 @@ def overrides(modules: Sequence[Module], advice: Advice, fmt: str,
       targets.extend((p, F32_POLICY) for p in chosen)
   for m in modules:
     parent = m.path.rpartition('/')[0]
-    if (m.same_as is None and parent in kept and m.path not in kept
+    if (m.path in advice.verdicts and parent in kept and m.path not in kept
         and inherits.get(m.path, False)):
       targets.append((m.path, half))
   return ';'.join(f'{target}:{policy}' for target, policy in targets)

@@ -107,8 +107,9 @@ def statistics_fn(loss_fn: LossFn, paths: Iterable[str]) -> StatisticsFn:
   """The statistics of `loss_fn`'s module calls at `paths` (`StatisticsFn`).
 
   `loss_fn` runs under the probes' method interceptor, registered before
-  any the model registers itself, so Haiku runs it innermost: it sees each
-  module's own output, and the gradient that reaches it.
+  any the model registers itself; Haiku runs the first registered outermost,
+  so it sees what each module hands on (after its policy's output cast) and
+  the gradient that reaches that.
   """
   paths = tuple(dict.fromkeys(paths))
   aliases: dict[str, str] = {}

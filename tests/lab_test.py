@@ -360,10 +360,60 @@ class CommandLineTest(parameterized.TestCase):
       for path in written:
         self.assertGreater(os.path.getsize(os.path.join(out, path)), 100)
 
+  def test_advise_from_init_and_from_a_run_leaves_the_run_as_it_was(self):
+    out = self.enter_context(tempfile.TemporaryDirectory())
+    flags = ('--config=configs/vit_fp16.py', *TINY_FLAGS,
+             '--config.data.source=synthetic', '--config.batch_size=4')
+    done = helpers.run_module('launch.lab', 'advise', *flags, '--batches=2',
+                              '--level=knockout', '--steps=1',
+                              f'--out={out}/init', check=True)
+    with open(os.path.join(out, 'init', 'advise.json')) as f:
+      result = json.load(f)
+    self.assertEqual(result['params_from'], 'init')
+    self.assertEqual(result['loss_scales_seen'], [2.0**15, 2.0**15])
+    lo, hi = result['float16_window']['exponents']
+    self.assertLessEqual(lo, hi)
+    paths = {row['path'] for row in result['modules']}
+    self.assertIn('vit/encoder_block_0/mlp_block/fc1', paths)
+    judged = [r['path'] for r in result['knockout']['float16']]
+    self.assertCountEqual(judged, [r['path'] for r in result['modules']
+                                   if not r['same_as']])
+    self.assertGreater(result['cost']['ratio'], 0)
+    for name in ('advise.md', 'advise_histograms.png'):
+      self.assertGreater(os.path.getsize(os.path.join(out, 'init', name)), 500)
+    pasted = result['suggestions']['float16']['flags']
+    self.assertIn('float16: ' + ' '.join(pasted), done.stdout)
+    # From a run's checkpoint: its params and loss scale, its files untouched.
+    workdir = os.path.join(out, 'run')
+    helpers.run_module('launch.train', *flags, f'--workdir={workdir}',
+                       '--config.num_train_steps=2',
+                       '--config.loss_scale.initial=1024', check=True)
+    before = {p: os.path.getmtime(os.path.join(root, p))
+              for root, _, files in os.walk(workdir) for p in files}
+    helpers.run_module('launch.lab', 'advise', *flags, '--batches=1',
+                       '--steps=1', f'--checkpoint={workdir}',
+                       f'--out={out}/run_advice', check=True)
+    with open(os.path.join(out, 'run_advice', 'advise.json')) as f:
+      result = json.load(f)
+    self.assertEqual(result['params_from'], f'checkpoint {workdir} step 2')
+    self.assertEqual(result['start_step'], 2)
+    self.assertEqual(result['loss_scales_seen'], [1024.0])
+    after = {p: os.path.getmtime(os.path.join(root, p))
+             for root, _, files in os.walk(workdir) for p in files}
+    self.assertEqual(after, before)
+
   @parameterized.parameters(
       (['sweepp'], "expected one experiment of ('params', 'sweep', 'memory', "
                    "'precision', 'matmul', 'profile', 'dot_algorithms', "
-                   "'report')"),
+                   "'report', 'advise')"),
+      (['advise', '--batches=0'], '--batches=0 must be at least 1'),
+      (['advise', '--level=deep'], "--level='deep': expected one of"),
+      (['advise', '--checkpoint=/nonexistent'],
+       '--checkpoint=/nonexistent: no checkpoints directory in it'),
+      (['advise', '--config.advisor.max_relative_error=2'],
+       'advisor.max_relative_error=2.0 must be in [0, 1)'),
+      (['advise', '--config.advisor.loss_scale_headroom=0.5'],
+       'advisor.loss_scale_headroom=0.5 must be >= 1'),
       (['report', '--parts=matmul,speed'], "--parts: unknown part 'speed'"),
       (['report', '--seeds=0,one'], "--seeds: expected integers, got '0,one'"),
       (['dot_algorithms', '--size=0'], '--size'),

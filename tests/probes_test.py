@@ -22,11 +22,12 @@ from tests import helpers
 SCALE = 2.0**12
 
 
-def tiny_reference():
-  """The tiny ViT's float32 reference with a random (not zero) head, so
-  that gradients reach every module."""
+def tiny_reference(config=None):
+  """The float32 reference of `config` (default: the tiny ViT) and its
+  params with a random (not zero) head, so that gradients reach every
+  module."""
   exp = experiment.build_without_data(advise.reference_config(
-      helpers.tiny_config()))
+      config or helpers.tiny_config()))
   params = exp.init_state().params
   head = params['vit/head']
   params['vit/head'] = dict(

@@ -73,7 +73,11 @@ def compute_dtype(config: ml_collections.ConfigDict) -> str:
       config.precision.policy).compute_dtype).name
 
 
-def _check(num_batches: int, level: str, steps: int) -> None:
+def _check(num_batches: int, level: str, steps: int, checkpoint: str) -> None:
+  if checkpoint and not os.path.isdir(os.path.join(checkpoint, 'checkpoints')):
+    raise errors.ConfigError(
+        f'--checkpoint={checkpoint}: no checkpoints directory in it (a '
+        'workdir of launch.train holds one)')
   if num_batches < 1:
     raise errors.ConfigError(f'--batches={num_batches} must be at least 1')
   if level not in LEVELS:
@@ -89,11 +93,6 @@ def initial_state(exp: experiment.Experiment, checkpoint: str,
   run's directory."""
   if not checkpoint:
     return exp.init_state(), 0, 'init'
-  directory = os.path.join(checkpoint, 'checkpoints')
-  if not os.path.isdir(directory):
-    raise errors.ConfigError(
-        f'--checkpoint={checkpoint}: no checkpoints directory in it (a '
-        'workdir of launch.train holds one)')
   with contextlib.closing(checkpoint_lib.Checkpointer(checkpoint, 1)) as ckpt:
     restored = ckpt.restore_latest(
         exp.abstract_state,
@@ -189,9 +188,10 @@ def measure(exp: experiment.Experiment, state, inputs,
         path, classes[path], vector[:numerics.SIZE], vector[numerics.SIZE:],
         params_totals.get(path, {})))
   for path, target in stats.aliases.items():
-    modules.append(advice.Module(path, classes[path], totals[target][:numerics.SIZE],
-                                 totals[target][numerics.SIZE:], {},
-                                 same_as=target))
+    modules.append(advice.Module(
+        path, classes[path], totals[target][:numerics.SIZE],
+        totals[target][numerics.SIZE:], params_totals.get(path, {}),
+        same_as=target))
   _mark_equal_containers(modules)
   order = {p: i for i, p in enumerate(_paths(exp))}
   modules.sort(key=lambda m: order[m.path])
@@ -343,7 +343,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
         level: str = 'stats', repeats: int = 3,
         log: Callable[[str], None] = print) -> dict[str, Any]:
   """The advisor's result as a JSON-ready dict (`write` makes the files)."""
-  _check(num_batches, level, repeats)
+  _check(num_batches, level, repeats, checkpoint)
   thresholds = advice.Thresholds.from_config(config.advisor)
   target = compute_dtype(config)
   formats = [target] if target in HALF_DTYPES else list(HALF_DTYPES)
@@ -359,11 +359,11 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   judged = advice.judge(modules, thresholds)
   rows = []
   for m in modules:
-    verdict = judged.verdicts[m.same_as or m.path]
+    verdict = judged.verdicts.get(m.path) or judged.verdicts[m.same_as]
     rows.append(dict(
         path=m.path, class_name=m.class_name, same_as=m.same_as,
         verdicts=dict(bfloat16=verdict.bfloat16, float16=verdict.float16),
-        reasons=verdict.reasons if m.same_as is None else {},
+        reasons=verdict.reasons if m.path in judged.verdicts else {},
         window=_scale_json(verdict.window),
         output=_stats_json(m.output), gradient=_stats_json(m.gradient),
         param_gradients={n: _stats_json(s)
@@ -424,7 +424,8 @@ def markdown(result: dict[str, Any]) -> str:
     out, grad = row['output'], row['gradient']
     why = '; '.join(f'{k}: {v}' for k, v in row['reasons'].items())
     if row['same_as']:
-      why = f'same values as {row["same_as"]}'
+      why = (f'same values as {row["same_as"]}' + (
+          '; verdicts for its own params' if row['param_gradients'] else ''))
     lines.append(
         f'| {row["path"]} | {row["class_name"]} | {row["verdicts"]["bfloat16"]}'
         f' | {row["verdicts"]["float16"]} | {out["amax"]:.3g} | '
