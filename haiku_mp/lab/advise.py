@@ -134,67 +134,51 @@ def _classes(exp: experiment.Experiment) -> dict[str, str]:
   return {c.path: c.class_name for c in exp.module_calls}
 
 
-def _param_stats_by_module(param_stats) -> dict[str, dict[str, np.ndarray]]:
-  """{module path: {param name: stats}} from Haiku's {module: {name: .}}."""
-  return {module: {name: np.asarray(s, np.float64) for name, s in ps.items()}
-          for module, ps in param_stats.items()}
+def _accumulate(totals: dict, key, stats) -> None:
+  stats = np.asarray(stats, np.float64)
+  totals[key] = stats if key not in totals else numerics.merge(totals[key],
+                                                               stats)
 
 
 def measure(exp: experiment.Experiment, state, inputs,
             log: Callable[[str], None],
             loss_fn: Optional[probes.LossFn] = None):
-  """Statistics over `inputs`, one train step after each batch's pass.
+  """Statistics over `inputs`, a train step between batches.
 
   Returns (modules, loss scales seen, the statistics function, the state
   after the steps; `state` itself is donated to them). `loss_fn`
   (default: the experiment's) is what is differentiated; a test plants
   faults through it.
   """
-  stats = probes.statistics_fn(loss_fn or exp.loss_fn, _paths(exp))
-  train = exp.strategy.train_step
-  totals: dict[str, np.ndarray] = {}
-  params_totals: dict[str, dict[str, np.ndarray]] = {}
+  paths = _paths(exp)
+  stats = probes.statistics_fn(loss_fn or exp.loss_fn, paths)
+  outputs, gradients, params = {}, {}, {}
   scales = []
-  seed_key = jax.random.key(exp.config.seed + 1)
+  key = jax.random.key(exp.config.seed + 1)
   for i, batch in enumerate(inputs):
     start = time.perf_counter()
-    scale = float(state.loss_scale.scale)
-    scales.append(scale)
-    modules, param_stats = stats.fn(state.params, jax.random.fold_in(
-        seed_key, i), batch, scale)
-    modules = jax.tree.map(np.asarray, modules)
-    for path, vector in modules.items():
-      totals[path] = (vector if path not in totals else
-                      np.concatenate([
-                          numerics.merge(totals[path][:numerics.SIZE],
-                                         vector[:numerics.SIZE]),
-                          numerics.merge(totals[path][numerics.SIZE:],
-                                         vector[numerics.SIZE:])]))
-    for module, ps in _param_stats_by_module(param_stats).items():
-      into = params_totals.setdefault(module, {})
-      for name, s in ps.items():
-        into[name] = s if name not in into else numerics.merge(into[name], s)
+    scales.append(float(state.loss_scale.scale))
+    modules, param_stats = stats.fn(state.params, jax.random.fold_in(key, i),
+                                    batch, scales[-1])
+    for path, vector in jax.tree.map(np.asarray, modules).items():
+      _accumulate(outputs, path, vector[:numerics.SIZE])
+      _accumulate(gradients, path, vector[numerics.SIZE:])
+    for module, names in param_stats.items():
+      for name, vector in names.items():
+        _accumulate(params, (module, name), vector)
     if i + 1 < len(inputs):
-      state, _ = train(state, exp.strategy.place_batch(batch))
-    log(f'advise: batch {i + 1}/{len(inputs)} measured '
-        f'(loss scale {scale:g}, {time.perf_counter() - start:.1f} s)')
+      state, _ = exp.strategy.train_step(state, exp.strategy.place_batch(batch))
+    log(f'advise: batch {i + 1}/{len(inputs)} measured (loss scale '
+        f'{scales[-1]:g}, {time.perf_counter() - start:.1f} s)')
   classes = _classes(exp)
   modules = []
-  for path in _paths(exp):
-    if path in stats.aliases:
-      continue
-    vector = totals[path]
+  for path in paths:
+    source = stats.aliases.get(path, path)
     modules.append(advice.Module(
-        path, classes[path], vector[:numerics.SIZE], vector[numerics.SIZE:],
-        params_totals.get(path, {})))
-  for path, target in stats.aliases.items():
-    modules.append(advice.Module(
-        path, classes[path], totals[target][:numerics.SIZE],
-        totals[target][numerics.SIZE:], params_totals.get(path, {}),
-        same_as=target))
+        path, classes[path], outputs[source], gradients[source],
+        {name: v for (module, name), v in params.items() if module == path},
+        same_as=stats.aliases.get(path)))
   _mark_equal_containers(modules)
-  order = {p: i for i, p in enumerate(_paths(exp))}
-  modules.sort(key=lambda m: order[m.path])
   return modules, scales, stats, state
 
 
@@ -468,10 +452,14 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
                          (math.log2(numerics.FLOAT16.smallest_normal), '--'),
                          (math.log2(numerics.FLOAT16.max), '-')):
       ax.axvline(value - shift, color='red', linestyle=style)
-    seen = f' at a loss scale of 2^{shift}' if shift else ''
-    ax.set_title(f'{part} magnitudes (red: float16 subnormal, normal, max'
-                 f'{seen})')
-    ax.set_xlabel(f'log2 |{part}|')
+    seen = f'\nfloat16 at a loss scale of 2^{shift}' if shift else ''
+    ax.set_title(f'{part}s{seen}')
+    ax.set_xlabel(f'log2 |{part}| (red: float16 subnormal min, normal min, '
+                  'max)')
+    populated = exponents[counts.sum(axis=0) > 0]
+    if populated.size:
+      ax.set_xlim(min(populated[0] - 2, -26 - shift),
+                  max(populated[-1] + 1, 17 - shift))
   labels = [f'{r["path"]} [{r["verdicts"]["float16"]}]' for r in rows]
   axes[0].set_yticks(np.arange(len(rows)) + 0.5)
   axes[0].set_yticklabels(labels, fontsize=7)
