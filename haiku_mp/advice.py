@@ -64,6 +64,9 @@ class Thresholds:
       if not 0 <= advisor[name] < 1:
         raise errors.ConfigError(
             f'advisor.{name}={advisor[name]} must be in [0, 1)')
+    if advisor.init_steps < 0:
+      raise errors.ConfigError(
+          f'advisor.init_steps={advisor.init_steps} must be >= 0')
     if not advisor.loss_scale_headroom >= 1:
       raise errors.ConfigError(
           f'advisor.loss_scale_headroom={advisor.loss_scale_headroom} must be '
@@ -178,11 +181,11 @@ def judge(modules: Sequence[Module], thresholds: Thresholds) -> Advice:
       continue
     reasons = {}
     own = m.same_as is None  # Else its outputs are judged as the other's.
-    bf16 = own and _bf16_reason(m, thresholds)
+    bf16 = _bf16_reason(m, thresholds) if own else None
     if bf16:
       reasons['bfloat16'] = bf16
     lo, hi = window(m, thresholds)
-    f16 = own and _f16_output_reason(m, thresholds)
+    f16 = _f16_output_reason(m, thresholds) if own else None
     if f16 is None and lo is not None and hi is not None and lo > hi:
       f16 = (f'no loss scale keeps its gradients in float16: they need '
              f'>= 2^{lo} and overflow above 2^{hi}')

@@ -366,10 +366,11 @@ class CommandLineTest(parameterized.TestCase):
              '--config.data.source=synthetic', '--config.batch_size=4')
     done = helpers.run_module('launch.lab', 'advise', *flags, '--batches=2',
                               '--level=knockout', '--steps=1',
+                              '--config.advisor.init_steps=3',
                               f'--out={out}/init', check=True)
     with open(os.path.join(out, 'init', 'advise.json')) as f:
       result = json.load(f)
-    self.assertEqual(result['params_from'], 'init')
+    self.assertEqual(result['params_from'], 'init + 3 float32 steps')
     self.assertEqual(result['loss_scales_seen'], [2.0**15, 2.0**15])
     lo, hi = result['float16_window']['exponents']
     self.assertLessEqual(lo, hi)
@@ -414,6 +415,8 @@ class CommandLineTest(parameterized.TestCase):
        'advisor.max_relative_error=2.0 must be in [0, 1)'),
       (['advise', '--config.advisor.loss_scale_headroom=0.5'],
        'advisor.loss_scale_headroom=0.5 must be >= 1'),
+      (['advise', '--config.advisor.init_steps=-1'],
+       'advisor.init_steps=-1 must be >= 0'),
       (['report', '--parts=matmul,speed'], "--parts: unknown part 'speed'"),
       (['report', '--seeds=0,one'], "--seeds: expected integers, got '0,one'"),
       (['dot_algorithms', '--size=0'], '--size'),

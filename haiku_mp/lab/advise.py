@@ -3,12 +3,12 @@ float16 loss scale, measured on the config's model and a few real batches.
 
 1. Statistics: the config's model computing in float32 (its params' dtype,
    optimizer and loss scale kept, so a run's checkpoint restores into it)
-   takes `batches` training steps from its params (init, or a checkpoint);
-   before each, one extra jitted forward and backward (`probes`) measures
-   every module's output, the gradient flowing into it and its params'
-   gradients (`numerics`), the float16 shares at the step's loss scale.
-   Steps are taken so that a zero-initialized head passes gradients back
-   after the first step, as in training.
+   takes `batches` training steps from its params (a checkpoint, or init
+   after `advisor.init_steps` steps: a zero-initialized head passes almost
+   no gradient back at first, which says nothing about a run); before each,
+   one extra jitted forward and backward (`probes`) measures every module's
+   output, the gradient flowing into it and its params' gradients
+   (`numerics`), the float16 shares at the step's loss scale.
 2. Verdicts per module and format, the float16 loss-scale window, and the
    config to paste (`advice`).
 3. `--level=knockout`: one module at a time in the half format (a path
@@ -113,6 +113,19 @@ def training_batches(config: ml_collections.ConfigDict, count: int,
   batches = input_pipeline.train_batches(config, splits.train,
                                          input_pipeline.Shard(), start_step)
   return [next(batches) for _ in range(count)]
+
+
+def _train(exp: experiment.Experiment, state, batches,
+           log: Callable[[str], None]):
+  """`state` after the float32 train steps of `batches`."""
+  start = time.perf_counter()
+  for i, batch in enumerate(batches):
+    state, metrics = exp.strategy.train_step(state,
+                                             exp.strategy.place_batch(batch))
+    if (i + 1) % max(1, len(batches) // 4) == 0 or i + 1 == len(batches):
+      log(f'advise: float32 step {i + 1}/{len(batches)} from init, loss '
+          f'{float(metrics["loss"]):.4f} ({time.perf_counter() - start:.0f} s)')
+  return state
 
 
 def _model_inputs(config: ml_collections.ConfigDict, batches, seed: int):
@@ -334,11 +347,15 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   reference = reference_config(config)
   exp = experiment.build(reference)
   state, step, source = initial_state(exp, checkpoint, checkpoint_step)
+  init_steps = 0 if checkpoint else config.advisor.init_steps
   start = time.perf_counter()
-  batches = training_batches(reference, num_batches, step)
-  log(f'advise: {num_batches} batches of {config.batch_size} from step '
-      f'{step} ({time.perf_counter() - start:.1f} s to load)')
-  inputs = _model_inputs(reference, batches, reference.seed)
+  batches = training_batches(reference, init_steps + num_batches, step)
+  log(f'advise: {init_steps + num_batches} batches of {config.batch_size} '
+      f'from step {step} ({time.perf_counter() - start:.1f} s to load)')
+  if init_steps:
+    state = _train(exp, state, batches[:init_steps], log)
+    source += f' + {init_steps} float32 steps'
+  inputs = _model_inputs(reference, batches[init_steps:], reference.seed)
   modules, scales, stats, state = measure(exp, state, inputs, log)
   judged = advice.judge(modules, thresholds)
   rows = []
