@@ -16,7 +16,7 @@ python -m launch.lab advise --config=configs/vit_fp16.py [--checkpoint=WORKDIR] 
 JSON, plots and one report.md (haiku_mp/lab/report.py). `advise` says which
 precision each module can run in and which float16 loss scale, and prints the
 flags to paste; it writes advise.json, advise.md and a plot
-(haiku_mp/lab/advise.py).
+(haiku_mp/lab/advise.py, advise_files.py).
 
 Each experiment prints its result as one JSON line and writes
 `<experiment>.json` and its plots into --out.
@@ -32,6 +32,7 @@ from ml_collections import config_flags
 
 from haiku_mp import errors
 from haiku_mp.lab import advise
+from haiku_mp.lab import advise_files
 from haiku_mp.lab import dot_algorithms
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
@@ -174,7 +175,7 @@ def _advise():
   result = advise.run(_CONFIG.value, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
                       _BATCHES.value, _LEVEL.value, _STEPS.value,
                       log=lambda line: print(line, flush=True))
-  for path in advise.write(result, _OUT.value):
+  for path in advise_files.write(result, _OUT.value):
     print(f'wrote {path}', flush=True)
   for fmt, suggestion in result['suggestions'].items():
     print(f'{fmt}: ' + ' '.join(suggestion['flags']), flush=True)

@@ -14,7 +14,6 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
 from absl.testing import absltest
 import haiku as hk
 import jax
-import numpy as np
 
 from configs import base
 from haiku_mp import advice
