@@ -113,10 +113,10 @@ def get_config() -> ml_collections.ConfigDict:
       # Share of an output's values that may overflow float16 (65504).
       max_overflow_share=0.0,
       # The window's top leaves the largest gradient measured this factor
-      # below 65504: a run meets larger ones than a few batches show (the
-      # CPU-sized ViT's float16 run overflowed at the top of an unpadded
-      # window in 11 of 1,755 steps, never one power of two below it).
-      loss_scale_headroom=2.0,
+      # below 65504. 1: the largest scale the batches seen allow, where
+      # dynamic loss scaling settles (it probes one power of two above now
+      # and then); 2 leaves a run's larger gradients room, for a static scale.
+      loss_scale_headroom=1.0,
       # From init, float32 training steps taken before measuring: a
       # zero-initialized head passes almost no gradient back at first (the
       # CPU-sized ViT's window was [2^21, 2^24] over its first 8 steps,
