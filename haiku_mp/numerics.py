@@ -176,17 +176,6 @@ def histogram_of(stats: np.ndarray) -> np.ndarray:
   return np.asarray(stats, np.float64)[len(FIELDS):]
 
 
-def share_below(stats: np.ndarray, exponent: int) -> float:
-  """The share of the non-zero values with magnitude below 2^`exponent`
-  (exact: the bins are powers of two)."""
-  histogram = histogram_of(stats)
-  total = histogram.sum()
-  if not total:
-    return 0.0
-  below = histogram[:max(0, min(len(EXPONENTS), exponent - LOWEST_EXPONENT + 1))]
-  return float(below.sum() / total)
-
-
 def norm_share_below(stats: np.ndarray, exponent: int) -> float:
   """An upper bound on the share of the tensor's squared norm carried by
   values of magnitude below 2^`exponent`: each value of bin e counts as
