@@ -7,9 +7,9 @@ second argument is a zero "probe" vector: the forward keeps the output as a
 residual (the backward pass of whatever consumes it keeps it anyway); the
 backward returns the output's cotangent unchanged and, as the probe's
 cotangent, the output's statistics (`numerics.tensor_stats`) followed by
-the cotangent's. So the
-gradient with respect to the probes is every module's statistics, and the
-gradient with respect to the params, taken in the same pass, gives theirs.
+the cotangent's. So the gradient with respect to the probes is every
+module's statistics, and the gradient with respect to the params, taken in
+the same pass, gives theirs.
 """
 
 import functools
