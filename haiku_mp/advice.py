@@ -64,9 +64,6 @@ class Thresholds:
       if not 0 <= advisor[name] < 1:
         raise errors.ConfigError(
             f'advisor.{name}={advisor[name]} must be in [0, 1)')
-    if advisor.init_steps < 0:
-      raise errors.ConfigError(
-          f'advisor.init_steps={advisor.init_steps} must be >= 0')
     if not advisor.loss_scale_headroom >= 1:
       raise errors.ConfigError(
           f'advisor.loss_scale_headroom={advisor.loss_scale_headroom} must be '

@@ -64,6 +64,7 @@ def _interceptor(probes: dict[str, jax.Array], scale: jax.Array,
   # id of a probed output -> (its path, the output, kept alive so that no
   # other object takes its id while the function is traced).
   probed = {}
+  probed_paths = set()
   running = set()
 
   def intercept(next_f, args, kwargs, context: hk.MethodContext):
@@ -83,10 +84,11 @@ def _interceptor(probes: dict[str, jax.Array], scale: jax.Array,
     if id(out) in probed:
       aliases[path] = probed[id(out)][0]
       return out
-    if any(path == p for p, _ in probed.values()):
+    if path in probed_paths:
       return out
     out = _probe(out, probes[path], scale)
     probed[id(out)] = (path, out)
+    probed_paths.add(path)
     return out
 
   return intercept

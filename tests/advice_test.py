@@ -116,7 +116,8 @@ class AdvisorTest(absltest.TestCase):
     experiment.build_without_data(config)
     # Knockout: the head alone in float16 is what breaks the logits.
     rows = advise.knockout(self.exp.config, params, self.inputs[:1],
-                           ['vit/head', FC1], 'float16', lambda line: None)
+                           ['vit/head', FC1], ['float16'],
+                           lambda line: None)['float16']
     self.assertEqual(rows[0]['path'], 'vit/head')
     self.assertFalse(rows[0]['finite'])
     self.assertTrue(rows[1]['finite'])

@@ -68,7 +68,7 @@ class StatisticsTest(absltest.TestCase):
     exp, params = tiny_reference()
     batch = helpers.random_batch(exp.config, 8)
     rng = jax.random.key(3)
-    paths = advise._paths(exp)  # pylint: disable=protected-access
+    paths = list(advise._modules(exp))  # pylint: disable=protected-access
     stats = probes.statistics_fn(exp.loss_fn, paths)
     modules, param_stats = stats.fn(params, rng, batch, SCALE)
     self.assertEqual(stats.aliases, {

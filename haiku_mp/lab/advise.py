@@ -42,6 +42,7 @@ from haiku_mp import numerics
 from haiku_mp import precision as precision_lib
 from haiku_mp import probes
 from haiku_mp import train_step
+from haiku_mp.lab import matmul
 from haiku_mp.lab import step_benchmark
 from haiku_mp.lab import sweep
 
@@ -55,12 +56,19 @@ def reference_config(config: ml_collections.ConfigDict
   dtype, optimizer and loss scale kept (its checkpoints restore), overrides
   dropped, matmuls at full float32 precision, nothing rematerialized, no
   DP-SGD."""
-  config = sweep.in_compute_dtype(config, 'float32')
+  config = _one_device(sweep.in_compute_dtype(config, 'float32'))
   config.precision.overrides = ''
   config.precision.float32_layer_norm = True
   config.precision.residual_stream = 'compute'
   config.precision.matmul_precision = 'highest'
   config.remat = 'none'
+  return config
+
+
+def _one_device(config: ml_collections.ConfigDict
+                ) -> ml_collections.ConfigDict:
+  """A copy of `config` on one device, without DP-SGD."""
+  config = copy.deepcopy(config)
   config.privacy.enabled = False
   config.parallel.strategy = 'single'
   config.parallel.mesh_shape = (1, 1)
@@ -72,7 +80,10 @@ def compute_dtype(config: ml_collections.ConfigDict) -> str:
       config.precision.policy).compute_dtype).name
 
 
-def _check(num_batches: int, level: str, steps: int, checkpoint: str) -> None:
+def _check(num_batches: int, level: str, steps: int, checkpoint: str,
+           init_steps: int) -> None:
+  if init_steps < 0:
+    raise errors.ConfigError(f'advisor.init_steps={init_steps} must be >= 0')
   if checkpoint and not os.path.isdir(os.path.join(checkpoint, 'checkpoints')):
     raise errors.ConfigError(
         f'--checkpoint={checkpoint}: no checkpoints directory in it (a '
@@ -137,13 +148,10 @@ def _model_inputs(config: ml_collections.ConfigDict, batches, seed: int):
           for i, batch in enumerate(batches)]
 
 
-def _paths(exp: experiment.Experiment) -> list[str]:
-  return list(dict.fromkeys(c.path for c in exp.module_calls
-                            if c.method == '__call__'))
-
-
-def _classes(exp: experiment.Experiment) -> dict[str, str]:
-  return {c.path: c.class_name for c in exp.module_calls}
+def _modules(exp: experiment.Experiment) -> dict[str, str]:
+  """Each module path called (in call order) -> its class name."""
+  return {c.path: c.class_name for c in exp.module_calls
+          if c.method == '__call__'}
 
 
 def _accumulate(totals: dict, key, stats) -> None:
@@ -162,8 +170,8 @@ def measure(exp: experiment.Experiment, state, inputs,
   (default: the experiment's) is what is differentiated; a test plants
   faults through it.
   """
-  paths = _paths(exp)
-  stats = probes.statistics_fn(loss_fn or exp.loss_fn, paths)
+  classes = _modules(exp)
+  stats = probes.statistics_fn(loss_fn or exp.loss_fn, classes)
   outputs, gradients, params = {}, {}, {}
   scales = []
   key = jax.random.key(exp.config.seed + 1)
@@ -182,9 +190,8 @@ def measure(exp: experiment.Experiment, state, inputs,
       state, _ = exp.strategy.train_step(state, exp.strategy.place_batch(batch))
     log(f'advise: batch {i + 1}/{len(inputs)} measured (loss scale '
         f'{scales[-1]:g}, {time.perf_counter() - start:.1f} s)')
-  classes = _classes(exp)
   modules = []
-  for path in paths:
+  for path in classes:
     source = stats.aliases.get(path, path)
     modules.append(advice.Module(
         path, classes[path], outputs[source], gradients[source],
@@ -264,12 +271,11 @@ def _suggestion(config, exp, modules, judged: advice.Advice, fmt: str
 
 
 def knockout(config: ml_collections.ConfigDict, params, inputs,
-             paths: list[str], dtype: str, log: Callable[[str], None]
-             ) -> list[dict[str, Any]]:
-  """Each module alone in `dtype` (a path override on the float32 model):
-  its eval loss and logits against the float32 model's, over `inputs`,
-  most sensitive first."""
-  half = advice.policy(config.precision.policy, dtype, dtype)
+             paths: list[str], dtypes: list[str], log: Callable[[str], None]
+             ) -> dict[str, list[dict[str, Any]]]:
+  """Per dtype, each module alone in it (a path override on the float32
+  model): its eval loss and logits against the float32 model's, over
+  `inputs`, most sensitive first."""
 
   def logits_and_loss(variant):
     precision = model.make_precision(variant)
@@ -281,40 +287,35 @@ def knockout(config: ml_collections.ConfigDict, params, inputs,
 
   ref_logits, ref_loss = logits_and_loss(config)
   norm = np.linalg.norm(ref_logits)
-  rows = []
-  for i, path in enumerate(paths):
-    variant = copy.deepcopy(config)
-    variant.precision.overrides = f'{path}:{half}'
-    logits, loss = logits_and_loss(variant)
-    finite = bool(np.all(np.isfinite(logits)))
-    error = (float(np.linalg.norm(logits - ref_logits) / norm)
-             if finite and norm else math.inf)
-    rows.append(dict(path=path, loss=loss, loss_change=loss - ref_loss,
-                     logits_relative_error=error, finite=finite))
-    log(f'advise: knockout {dtype} {i + 1}/{len(paths)} {path}: logits '
-        f'error {error:.3g}')
-  rows.sort(key=lambda r: -r['logits_relative_error'])
-  return rows
+  ranked = {}
+  for dtype in dtypes:
+    half = advice.policy(config.precision.policy, dtype, dtype)
+    rows = []
+    for i, path in enumerate(paths):
+      variant = copy.deepcopy(config)
+      variant.precision.overrides = f'{path}:{half}'
+      logits, loss = logits_and_loss(variant)
+      finite = bool(np.all(np.isfinite(logits)))
+      error = (float(np.linalg.norm(logits - ref_logits) / norm)
+               if finite and norm else math.inf)
+      rows.append(dict(path=path, loss=loss, loss_change=loss - ref_loss,
+                       logits_relative_error=error, finite=finite))
+      log(f'advise: knockout {dtype} {i + 1}/{len(paths)} {path}: logits '
+          f'error {error:.3g}')
+    ranked[dtype] = sorted(rows, key=lambda r: -r['logits_relative_error'])
+  return ranked
 
 
 def _time(fn, repeats: int) -> float:
   jax.block_until_ready(fn())  # Compiles, or warms up.
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
+  return matmul.median_seconds(fn, (), repeats)
 
 
 def cost(config: ml_collections.ConfigDict, stats: probes.StatisticsFn,
          state, batch, repeats: int) -> dict[str, Any]:
   """The statistics pass against the config's own train step (its
   precision, one device), on the same batch, in this process."""
-  config = copy.deepcopy(config)
-  config.parallel.strategy = 'single'
-  config.parallel.mesh_shape = (1, 1)
-  config.privacy.enabled = False
+  config = _one_device(config)
   step = compiled_step.compile_experiment(
       experiment.build_without_data(config))
   step_state = step.experiment.strategy.init_state()
@@ -338,8 +339,9 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
         checkpoint_step: int = -1, num_batches: int = 8,
         level: str = 'stats', repeats: int = 3,
         log: Callable[[str], None] = print) -> dict[str, Any]:
-  """The advisor's result as a JSON-ready dict (`write` makes the files)."""
-  _check(num_batches, level, repeats, checkpoint)
+  """The advisor's result as a JSON-ready dict (`advise_files.write` makes
+  the files)."""
+  _check(num_batches, level, repeats, checkpoint, config.advisor.init_steps)
   thresholds = advice.Thresholds.from_config(config.advisor)
   target = compute_dtype(config)
   formats = [target] if target in HALF_DTYPES else list(HALF_DTYPES)
@@ -386,8 +388,8 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
       cpu=step_benchmark.cpu_info())
   if level == 'knockout':
     paths = [m.path for m in modules if m.same_as is None]
-    result['knockout'] = {fmt: knockout(reference, state.params, inputs,
-                                        paths, fmt, log) for fmt in formats}
+    result['knockout'] = knockout(reference, state.params, inputs, paths,
+                                  formats, log)
   result['cost'] = cost(config, stats, state, inputs[0], repeats)
   log(f'advise: statistics pass {result["cost"]["statistics_pass_sec"]:.3f} s '
       f'= {result["cost"]["ratio"]:.2f}x the train step')
