@@ -1,7 +1,8 @@
-"""The one base class of errors in what a user asked for.
+"""The errors an entry point reports in one line, without a traceback.
 
-Entry points report a `ConfigError` as one line naming the setting, without a
-traceback, and exit non-zero; anything else is a bug and keeps its traceback.
+A `ConfigError` is a mistake in what a user asked for (exit status 2, a usage
+error); a `RunError` is a failure of the environment the run met, not of its
+input (exit status 1). Anything else is a bug and keeps its traceback.
 """
 
 
@@ -11,3 +12,8 @@ class ConfigError(ValueError):
 
 class DataError(ConfigError):
   """Missing or unusable data; names the setting to change."""
+
+
+class RunError(Exception):
+  """The environment failed a valid run (a full disk, say); the message says
+  what failed and where."""
