@@ -30,7 +30,8 @@ def to_python(value: Any) -> Any:
 
 
 def truncate_after(workdir: str, step: int) -> int:
-  """Drops metrics.jsonl events after `step` (a resumed run redoes them).
+  """Drops metrics.jsonl events after `step` and every test event (a resumed
+  run redoes them; a run resumed at its last step still evaluates on test).
 
   Returns how many were dropped. The file is replaced atomically.
   """
@@ -42,7 +43,8 @@ def truncate_after(workdir: str, step: int) -> int:
   kept = []
   for line in lines:
     try:
-      if json.loads(line)['step'] <= step:
+      event = json.loads(line)
+      if event['step'] <= step and event.get('split') != 'test':
         kept.append(line.rstrip('\n') + '\n')
     except (ValueError, KeyError):
       pass  # A line cut short by a kill.
@@ -136,37 +138,71 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-  """Images/s between log points and the ETA of the remaining steps."""
+  """Images/s between log points, the ETA, and the run's train and eval time
+  over all of its segments (a resumed run starts from its checkpoint's
+  `record()`).
 
-  def __init__(self, total_steps: int, batch_size: int, start_step: int = 0):
+  The train clock runs only between `start` and `stop`: compilation,
+  evaluation and checkpointing stay out of every rate. Call `stop` once the
+  device has finished the steps up to `step` (after a transfer or a
+  `block_until_ready`), or their time would count as the next pause's.
+  """
+
+  def __init__(self, total_steps: int, batch_size: int, start_step: int = 0,
+               record: Optional[Mapping[str, float]] = None):
+    record = record or {}
     self.total_steps = total_steps
     self.batch_size = batch_size
-    self._step = start_step
-    self._time = time.perf_counter()
-    self._train_seconds = 0.0
-    self._train_steps = 0
+    self._train_seconds = float(record.get('train_sec', 0.0))
+    self._train_steps = int(record.get('train_steps', 0))
+    self.eval_seconds = float(record.get('eval_sec', 0.0))
+    self._window_seconds, self._window_steps = 0.0, 0
+    self._step, self._time = start_step, None
 
-  def reset_clock(self, step: int) -> None:
-    """Restarts the window (after compilation or an evaluation)."""
+  def start(self, step: int) -> None:
+    """Starts the train clock after `step` (after compiling, an evaluation,
+    a checkpoint)."""
     self._step, self._time = step, time.perf_counter()
 
-  def update(self, step: int) -> dict[str, float]:
-    """Call at a log point, after the metrics have reached the host."""
-    now = time.perf_counter()
-    steps, seconds = step - self._step, now - self._time
+  def stop(self, step: int) -> None:
+    """Adds the steps up to `step` and their time to the window and the run;
+    a no-op when the clock is not running."""
+    if self._time is None:
+      return
+    seconds = time.perf_counter() - self._time
+    steps = step - self._step
+    self._window_seconds += seconds
+    self._window_steps += steps
     self._train_seconds += seconds
     self._train_steps += steps
-    self._step, self._time = step, now
+    self._step, self._time = step, None
+
+  def update(self, step: int) -> dict[str, float]:
+    """Call at a log point, after the metrics have reached the host: the
+    window's images/s and the ETA; the clock goes on running."""
+    self.stop(step)
+    steps, seconds = self._window_steps, self._window_seconds
+    self._window_seconds, self._window_steps = 0.0, 0
+    self.start(step)
     rate = steps / seconds if seconds > 0 else float('nan')
     return dict(images_per_sec=rate * self.batch_size,
                 eta_sec=(self.total_steps - step) / rate if rate > 0 else
                 float('nan'))
 
   @property
+  def train_seconds(self) -> float:
+    return self._train_seconds
+
+  @property
   def mean_images_per_sec(self) -> float:
     if not self._train_seconds:
       return float('nan')
     return self._train_steps * self.batch_size / self._train_seconds
+
+  def record(self) -> dict[str, float]:
+    """What a checkpoint keeps so that a resumed run reports the whole run."""
+    return dict(train_sec=self._train_seconds, train_steps=self._train_steps,
+                eval_sec=self.eval_seconds)
 
 
 def peak_memory_bytes() -> Optional[int]:

@@ -1,5 +1,6 @@
 """A per-module table of a model: policy in force, params, input/output dtypes."""
 
+import collections
 import math
 from typing import Any
 
@@ -100,3 +101,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
   return '\n'.join([fmt(header), rule] + [fmt(l) for l in body[:-1]] +
                    [rule, fmt(body[-1])])
 
+
+
+def summary_line(rows: list[dict[str, Any]], overrides: str) -> str:
+  """The model in one line: modules, parameters, the policies in force (how
+  many modules each) and the overrides, for a console the table would fill."""
+  count = sum(r['param_count'] for r in rows)
+  megabytes = sum(r['param_bytes'] for r in rows) / 1e6
+  policies = collections.Counter(r['policy'] for r in rows)
+  in_force = '; '.join(f'{policy} ({n})' for policy, n in
+                       policies.most_common())
+  return (f'Model: {len(rows)} modules, {count:,} parameters '
+          f'({megabytes:.2f} MB); policies (modules): {in_force}; '
+          f'overrides: {overrides or "none"}')

@@ -6,6 +6,7 @@ dispatches steps, and the metrics of each step stay on the device.
 
 import contextlib
 import itertools
+import json
 import os
 import signal
 import time
@@ -32,6 +33,8 @@ from haiku_mp import tabulate
 _MEAN_METRICS = ('loss', 'accuracy', 'grad_norm')
 _PRIVATE_MEAN_METRICS = ('num_examples', 'example_grad_norm',
                          'clipped_fraction')
+# The module table a run writes into its workdir.
+MODULES_FILE = 'modules.txt'
 
 
 def check_intervals(config: ml_collections.ConfigDict) -> None:
@@ -112,39 +115,52 @@ def _prepare_workdir(workdir: str, is_writer: bool) -> None:
                              f'({e.strerror})') from None
 
 
-class _Preemption:
-  """SIGTERM on any process stops every process after the same step.
+class _Interruption:
+  """SIGTERM or a first Ctrl-C on any process stops every process after the
+  same step, with a checkpoint; a second Ctrl-C stops at once, unsaved.
 
   One process checks its own flag after every step. Several decide together
   at log points, in a collective all of them take part in: a scheduler may
   signal only some of them, and one that stopped to save alone would leave the
   others waiting in the next step's collectives (and the save's barrier).
-  A context manager: the previous handler is back on every exit path.
+  A context manager: the previous handlers are back on every exit path.
   """
+
+  _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self, log_every_steps: int):
     self._log_every_steps = log_every_steps
-    self._signalled = False
-    self._previous = None
+    self.received = None  # The name of the first signal, e.g. 'SIGINT'.
+    self._previous = {}
 
   def __enter__(self):
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
+    for signum in self._SIGNALS:
+      self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
   def __exit__(self, *exc_info):
-    signal.signal(signal.SIGTERM, self._previous)
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
 
   def _handle(self, signum, frame):
-    del signum, frame
-    self._signalled = True
+    del frame
+    if self.received is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt('a second Ctrl-C: stopped at once, without '
+                              'saving; the newest checkpoint is kept')
+    if self.received is None:
+      self.received = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+      logging.warning('Ctrl-C: finishing this step, then saving a checkpoint '
+                      '(Ctrl-C again stops at once, without saving).')
 
   def stop_after(self, step: int) -> bool:
     """Whether to checkpoint and stop after `step` (the same on every process)."""
     if jax.process_count() == 1:
-      return self._signalled
+      return self.received is not None
     if step % self._log_every_steps:
       return False
-    flags = multihost_utils.process_allgather(np.int32(self._signalled))
+    flags = multihost_utils.process_allgather(
+        np.int32(self.received is not None))
     return bool(np.max(flags))
 
 
@@ -171,13 +187,25 @@ def _due(step: int, every: int, total: int) -> bool:
   return step % every == 0 or step == total
 
 
-def log_startup(exp: experiment.Experiment, state) -> None:
-  """The devices, the module table and, when sharded, one kernel's layout."""
+def log_startup(exp: experiment.Experiment, state, workdir: str,
+                is_writer: bool, log_module_table: bool = False) -> None:
+  """The devices, one line about the model (the whole module table in
+  `workdir/modules.txt`, and logged with `log_module_table`) and, when
+  sharded, one kernel's layout."""
   strategy = exp.strategy
   logging.info('Devices: %s (process %d of %d), strategy %s, mesh %s',
                jax.devices(), jax.process_index(), jax.process_count(),
                strategy.name, exp.mesh and dict(exp.mesh.shape))
-  logging.info('Modules:\n%s', tabulate.format_table(tabulate.module_rows(exp)))
+  rows = tabulate.module_rows(exp)
+  table = tabulate.format_table(rows)
+  path = os.path.join(workdir, MODULES_FILE)
+  if is_writer:
+    with open(path, 'w') as f:
+      f.write(table + '\n')
+  logging.info('%s; every module: %s', tabulate.summary_line(
+      rows, exp.config.precision.overrides), path)
+  if log_module_table:
+    logging.info('Modules:\n%s', table)
   if exp.privacy is not None:
     dp = exp.privacy
     logging.info(
@@ -199,28 +227,51 @@ def log_startup(exp: experiment.Experiment, state) -> None:
 
 
 def _restore_or_init(exp, checkpointer, workdir: str, is_writer: bool):
-  """(start step, state): the newest checkpoint that restores, or step 0."""
+  """(start step, state, run record): the newest checkpoint that restores
+  (newer ones that do not are set aside, to be saved again), or step 0."""
   strategy = exp.strategy
   abstract = sharding.with_shardings(exp.abstract_state,
                                      strategy.checkpoint_shardings)
-  restored = checkpointer.restore_latest(abstract)
+  restored = checkpointer.restore_latest(abstract,
+                                         set_aside_unrestorable=True)
   if restored is None:
-    return 0, strategy.init_state()
+    return 0, strategy.init_state(), {}
   start_step, state = restored
   logging.info('Resuming from %s at step %d.', checkpointer.directory,
                start_step)
   if is_writer:
     metrics_lib.truncate_after(workdir, start_step)
-  return start_step, strategy.place_state(state)
+  return (start_step, strategy.place_state(state),
+          checkpointer.run_record(start_step))
+
+
+def _config_text(config: ml_collections.ConfigDict) -> str:
+  return config.to_json_best_effort(indent=1, sort_keys=True) + '\n'
+
+
+def finished_summary(config: ml_collections.ConfigDict, workdir: str
+                     ) -> Optional[dict[str, Any]]:
+  """The summary of the run `config` already finished in `workdir`, if it
+  did: its summary.json, the same config.json, and the final checkpoint."""
+  try:
+    with open(os.path.join(workdir, 'config.json')) as f:
+      same_config = f.read() == _config_text(config)
+    with open(os.path.join(workdir, 'summary.json')) as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return None
+  final = os.path.join(workdir, 'checkpoints', str(summary.get('steps')))
+  if same_config and isinstance(summary, dict) and os.path.isdir(final):
+    return summary
+  return None
 
 
 class _Evaluator:
   """Evaluates on a split, logs and writes the result, keeps the time spent."""
 
-  def __init__(self, exp, splits, shard, writer):
+  def __init__(self, exp, splits, shard, writer, progress):
     self._exp, self._splits, self._shard = exp, splits, shard
-    self._writer = writer
-    self.seconds = 0.0
+    self._writer, self._progress = writer, progress
 
   def __call__(self, split_name: str, step: int, params, **extra
                ) -> dict[str, float]:
@@ -234,7 +285,7 @@ class _Evaluator:
         exp.strategy.place_batch, exp.config.data.prefetch_batches)
     result = dict(evaluate(exp.strategy.eval_step, params, batches,
                            exp.strategy.unreplicate), **extra)
-    self.seconds += time.perf_counter() - start
+    self._progress.eval_seconds += time.perf_counter() - start
     self._writer.write(step, split_name, result)
     logging.info('%s at step %d: loss %.4f accuracy %.4f (%d examples)',
                  split_name, step, result['loss'], result['accuracy'],
@@ -310,54 +361,70 @@ def _log_window(exp, window, step, writer, progress) -> None:
   logging.info(_log_line(step, exp.total_steps, summary, rates))
 
 
+def _stop_line(signal_name: str, step: int) -> str:
+  by = 'Ctrl-C (SIGINT)' if signal_name == 'SIGINT' else signal_name
+  return (f'{by}: saved a checkpoint at step {step}; stopping. Run the same '
+          'command to resume.')
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       mesh: Optional[Mesh] = None) -> dict[str, Any]:
+                       mesh: Optional[Mesh] = None,
+                       log_module_table: bool = False) -> dict[str, Any]:
   """Trains, evaluates on val periodically and on test at the end.
 
   `mesh` (from `sharding.make_mesh`) is needed by the `pmap` and `pjit`
   strategies. Everything that can be wrong with the config or the data is
-  checked before anything is written to `workdir`. Returns the summary also
-  written to `workdir/summary.json`, or `{'preempted_at_step': N}` after a
-  SIGTERM. The writer, the checkpointer and the SIGTERM handler are owned by
-  one ExitStack, so every exit (the end, divergence, SIGTERM, any exception)
-  closes and restores them.
+  checked before anything is written to `workdir`; a run this config has
+  already finished there is left as it is. Returns the summary also written
+  to `workdir/summary.json`, or `{'preempted_at_step': N, 'signal': NAME}`
+  after a SIGTERM or a Ctrl-C (SIGINT). The writer, the checkpointer and the
+  signal handlers are owned by one ExitStack, so every exit (the end,
+  divergence, a signal, any exception) closes and restores them.
   """
   check_intervals(config)
   shard = input_pipeline.Shard.current()
   input_pipeline.local_batch_size(config.batch_size, shard)
+  finished = finished_summary(config, workdir)
+  if finished is not None:
+    logging.info('This run is complete (step %d of %d): nothing to do. Its '
+                 'summary: %s', finished['steps'], finished['steps'],
+                 os.path.join(workdir, 'summary.json'))
+    return finished
   input_pipeline.check_available(config.data)
   exp = experiment.build(config, mesh)
   strategy, total_steps = exp.strategy, exp.total_steps
+  is_writer = jax.process_index() == 0
+  _prepare_workdir(workdir, is_writer)
   load_start = time.perf_counter()
   splits = input_pipeline.load(config)
   logging.info('Data (%s): %s in memory in %.1fs.', config.data.source,
                ', '.join(f'{name} {len(split.labels)}' for name, split in
                          zip(splits._fields, splits)), time.perf_counter() -
                load_start)
-  is_writer = jax.process_index() == 0
-  _prepare_workdir(workdir, is_writer)
   with contextlib.ExitStack() as stack:
+    interruption = stack.enter_context(_Interruption(config.log_every_steps))
     checkpointer = stack.enter_context(contextlib.closing(
         checkpoint_lib.Checkpointer(workdir, config.keep_checkpoints)))
-    start_step, state = _restore_or_init(exp, checkpointer, workdir,
-                                         is_writer)
+    start_step, state, record = _restore_or_init(exp, checkpointer, workdir,
+                                                 is_writer)
     if is_writer:
       with open(os.path.join(workdir, 'config.json'), 'w') as f:
-        f.write(config.to_json_best_effort(indent=1, sort_keys=True) + '\n')
-    log_startup(exp, state)
+        f.write(_config_text(config))
+    log_startup(exp, state, workdir, is_writer, log_module_table)
     writer = stack.enter_context(contextlib.closing(metrics_lib.MetricsWriter(
         workdir, enabled=is_writer, start_step=start_step)))
-    preemption = stack.enter_context(_Preemption(config.log_every_steps))
-    evaluator = _Evaluator(exp, splits, shard, writer)
-    progress = metrics_lib.Progress(total_steps, config.batch_size, start_step)
-    start_time = time.perf_counter()
-    batches = _train_batches(exp, splits, shard, start_step)
-    first = next(batches)
-    train_step = _CompiledSteps(strategy)
-    train_step.compile(state, first)
-    batches = itertools.chain([first], batches)
-    progress.reset_clock(start_step)
-    window, last_val = [], {}
+    progress = metrics_lib.Progress(total_steps, config.batch_size, start_step,
+                                    record)
+    evaluator = _Evaluator(exp, splits, shard, writer, progress)
+    last_val = record.get('last_val', {})
+    if start_step < total_steps:
+      batches = _train_batches(exp, splits, shard, start_step)
+      first = next(batches)
+      train_step = _CompiledSteps(strategy)
+      train_step.compile(state, first)
+      batches = itertools.chain([first], batches)
+      progress.start(start_step)
+    window = []
     for step in range(start_step + 1, total_steps + 1):
       state, step_metrics = train_step(state, next(batches))
       window.append(step_metrics)
@@ -365,18 +432,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         _log_window(exp, window, step, writer, progress)
         window = []
       if _due(step, config.eval_every_steps, total_steps):
+        # Rates exclude evaluation, and evaluation the steps still queued.
+        state = jax.block_until_ready(state)
+        progress.stop(step)
         last_val = evaluator('val', step, state.params, **_epsilon(
             exp, step, int(strategy.unreplicate(state.skipped_steps))))
-        progress.reset_clock(step)  # Rates exclude evaluation,
-      stop = step < total_steps and preemption.stop_after(step)
+        progress.start(step)
+      stop = step < total_steps and interruption.stop_after(step)
       if _due(step, config.checkpoint_every_steps, total_steps) or stop:
         writer.flush()  # What the checkpoint covers is on disk before it.
-        checkpointer.save(step, strategy.unreplicate(state))
-        progress.reset_clock(step)  # and saving.
+        state = jax.block_until_ready(state)
+        progress.stop(step)  # Rates exclude saving.
+        checkpointer.save(step, strategy.unreplicate(state),
+                          dict(progress.record(), last_val=last_val))
+        progress.start(step)
       if stop:
-        logging.warning('SIGTERM: saved a checkpoint at step %d; stopping. '
-                        'Run the same command to resume.', step)
-        return dict(preempted_at_step=step)
+        received = interruption.received or 'SIGTERM'  # Or another process's.
+        logging.warning('%s', _stop_line(received, step))
+        return dict(preempted_at_step=step, signal=received)
 
     test = evaluator('test', total_steps, state.params)
     skipped_steps = int(strategy.unreplicate(state.skipped_steps))
@@ -386,8 +459,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         steps=total_steps,
         skipped_steps=skipped_steps,
         final_loss_scale=float(strategy.unreplicate(state.loss_scale.scale)),
-        train_time_sec=time.perf_counter() - start_time - evaluator.seconds,
-        eval_time_sec=evaluator.seconds,
+        train_time_sec=progress.train_seconds,
+        eval_time_sec=progress.eval_seconds,
         images_per_sec=progress.mean_images_per_sec,
         peak_memory_bytes=metrics_lib.peak_memory_bytes(),
         devices=[str(d) for d in jax.devices()],

@@ -8,7 +8,7 @@ Many hosts: start one process per host with the same flags plus
 --distributed on clusters where jax.distributed.initialize() finds them).
 """
 
-import os
+import sys
 
 from absl import app
 from absl import flags
@@ -29,10 +29,15 @@ _COORDINATOR = flags.DEFINE_string(
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None,
                                       'Number of processes.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process.')
+_MODULES_TABLE = flags.DEFINE_bool(
+    'modules_table', False, 'Log the whole module table at the start (every '
+    'run also writes it to WORKDIR/modules.txt).')
 _DISTRIBUTED = flags.DEFINE_bool(
     'distributed', False, 'Call jax.distributed.initialize() with no '
     'arguments (clusters that provide them, e.g. SLURM, Cloud TPU).')
-
+# A shell's status for a command stopped by Ctrl-C (128 + SIGINT), also after
+# the checkpoint the first Ctrl-C asks for.
+_EXIT_INTERRUPTED = 130
 
 
 def _initialize_distributed() -> None:
@@ -52,12 +57,14 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   _initialize_distributed()
   overrides = config_flags.get_override_values(flags.FLAGS['config'])
-  logging.info('Config: %s%s (all fields: %s)',
+  logging.info('Config: %s%s',
                config_flags.get_config_filename(flags.FLAGS['config']),
-               ''.join(f' --config.{k}={v}' for k, v in overrides.items()),
-               os.path.join(_WORKDIR.value, 'config.json'))
+               ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
   mesh = sharding.mesh_for(_CONFIG.value.parallel)
-  trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh)
+  result = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh,
+                                      log_module_table=_MODULES_TABLE.value)
+  if result.get('signal') == 'SIGINT':
+    sys.exit(_EXIT_INTERRUPTED)
 
 
 if __name__ == '__main__':

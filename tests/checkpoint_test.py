@@ -8,6 +8,7 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
 
 import glob
 import json
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -26,6 +27,7 @@ from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import train_step as train_step_lib
 import tests
 from tests import helpers
+from tests import disk_full_at_step
 from tests import signal_at_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,13 +44,17 @@ def _flags(config, workdir, every=HALF):
           *helpers.TINY_MODEL_FLAGS]
 
 
-def _run(flags, signal_at=None):
-  """Runs launch.train to its end; `signal_at` ('KILL:23') interrupts it."""
+def _run(flags, signal_at=None, disk_full_at=None):
+  """Runs launch.train to its end; `signal_at` ('KILL:23') interrupts it,
+  `disk_full_at` (a step) leaves no room for that step's checkpoint."""
   env = dict(os.environ, XLA_FLAGS=tests.xla_flags(1))
   module = 'launch.train'
   if signal_at:
     env[signal_at_step.ENV] = signal_at
     module = 'tests.signal_at_step'
+  if disk_full_at:
+    env[disk_full_at_step.ENV] = str(disk_full_at)
+    module = 'tests.disk_full_at_step'
   return subprocess.run([sys.executable, '-m', module, *flags], cwd=ROOT,
                         env=env, stdout=subprocess.DEVNULL,
                         stderr=subprocess.PIPE, text=True, timeout=300)
@@ -101,30 +107,154 @@ class ResumeTest(parameterized.TestCase):
                      list(range(1, TOTAL + 1)))
 
 
-class SigtermTest(parameterized.TestCase):
+def _digest(directory):
+  """Every file under `directory`: {relative path: bytes}."""
+  files = {}
+  for path in sorted(glob.glob(f'{directory}/**', recursive=True)):
+    if os.path.isfile(path):
+      with open(path, 'rb') as f:
+        files[os.path.relpath(path, directory)] = f.read()
+  return files
 
-  def test_sigterm_saves_and_the_run_continues(self):
-    workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
-                           'run')
-    flags = _flags('configs/vit_fp16.py', workdir, every=5)
-    proc = _run(flags, signal_at='TERM:7')
+
+def _read_json(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def _error_lines(stderr):
+  return [line for line in stderr.splitlines() if line.startswith('error:')]
+
+
+class InterruptTest(parameterized.TestCase):
+  """Ctrl-C, SIGTERM, a full disk, a corrupt checkpoint, a re-run: each ends
+  with the run an uninterrupted one would have been, and loses nothing."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls._tmp = tempfile.TemporaryDirectory()
+    cls.straight = f'{cls._tmp.name}/straight'
+    proc = _run(_flags('configs/vit_fp16.py', cls.straight))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+  @classmethod
+  def tearDownClass(cls):
+    cls._tmp.cleanup()
+    super().tearDownClass()
+
+  def setUp(self):
+    super().setUp()
+    self.workdir = os.path.join(
+        self.enter_context(tempfile.TemporaryDirectory()), 'run')
+    self.flags = _flags('configs/vit_fp16.py', self.workdir, every=5)
+
+  def _assert_finishes_as_the_straight_run(self, resumed_at):
+    proc = _run(self.flags)
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-    self.assertIn('SIGTERM: saved a checkpoint at step 7;', proc.stderr)
-    self.assertEqual(sorted(int(s) for s in os.listdir(f'{workdir}/checkpoints')),
-                     [5, 7])  # The step SIGTERM arrived in; no more steps ran.
-    self.assertLen(_train_events(workdir), 7)
-    self.assertFalse(os.path.exists(f'{workdir}/summary.json'))
-    proc = _run(flags)
-    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-    self.assertIn('Resuming from', proc.stderr)
-    self.assertIn('at step 7.', proc.stderr)
-    events = _train_events(workdir)
+    self.assertIn(f'at step {resumed_at}.', proc.stderr)
+    self.assertNotIn('Metadata file does not exist', proc.stderr)
+    events = _train_events(self.workdir)
     self.assertEqual([e['step'] for e in events], list(range(1, TOTAL + 1)))
+    self.assertEqual([e['loss'] for e in events],
+                     [e['loss'] for e in _train_events(self.straight)])
+    chex.assert_trees_all_equal(_raw_checkpoint(self.workdir, TOTAL),
+                                _raw_checkpoint(self.straight, TOTAL))
+    self.assertEqual(helpers.tensorboard_scalars(f'{self.workdir}/tensorboard'),
+                     helpers.jsonl_scalars(self.workdir))
+    return proc, events
+
+  @parameterized.named_parameters(('sigterm', 'TERM', 0, 'SIGTERM'),
+                                  ('ctrl_c', 'INT', 130, 'Ctrl-C (SIGINT)'))
+  def test_a_signal_saves_and_the_resumed_run_is_exact(self, name, code, by):
+    proc = _run(self.flags, signal_at=f'{name}:7')
+    self.assertEqual(proc.returncode, code, proc.stderr[-3000:])
+    self.assertIn(f'{by}: saved a checkpoint at step 7; stopping. Run the '
+                  'same command to resume.', proc.stderr)
+    self.assertNotIn('Traceback', proc.stderr)
+    self.assertEqual(sorted(int(s) for s in os.listdir(f'{self.workdir}/checkpoints')),
+                     [5, 7])  # The step the signal arrived in; no more ran.
+    self.assertLen(_train_events(self.workdir), 7)
+    self.assertFalse(os.path.exists(f'{self.workdir}/summary.json'))
+    _, events = self._assert_finishes_as_the_straight_run(resumed_at=7)
     # The first window after the start and after the resume: one step each,
     # with a real rate (compilation happens before it).
     self.assertGreater(events[0]['images_per_sec'], 0)
     self.assertGreater(events[7]['images_per_sec'], 0)
-    self.assertTrue(os.path.exists(f'{workdir}/summary.json'))
+    # The summary covers both segments: with a window per step, the train
+    # time is the sum of every window's, and the rate the run's mean.
+    summary = _read_json(f'{self.workdir}/summary.json')
+    windows = sum(32 / e['images_per_sec'] for e in events)
+    self.assertAlmostEqual(summary['train_time_sec'], windows,
+                           delta=1e-3 * windows)
+    self.assertAlmostEqual(summary['images_per_sec'],
+                           TOTAL * 32 / summary['train_time_sec'], places=6)
+    self.assertGreater(summary['eval_time_sec'], 0)
+    straight = _read_json(f'{self.straight}/summary.json')
+    for key in ('val_accuracy', 'val_loss', 'test_accuracy', 'test_loss',
+                'steps', 'skipped_steps', 'final_loss_scale'):
+      self.assertEqual(summary[key], straight[key], key)
+
+  def test_a_second_ctrl_c_stops_at_once_without_saving(self):
+    proc = _run(self.flags, signal_at='INT:7+again')
+    self.assertEqual(proc.returncode, 130, proc.stderr[-3000:])
+    self.assertNotIn('Traceback', proc.stderr)
+    self.assertLen(_error_lines(proc.stderr), 1)
+    self.assertIn('second Ctrl-C', _error_lines(proc.stderr)[0])
+    self.assertEqual(os.listdir(f'{self.workdir}/checkpoints'), ['5'])
+    self._assert_finishes_as_the_straight_run(resumed_at=5)
+
+  def test_a_full_disk_is_one_line_and_the_next_run_resumes(self):
+    proc = _run(self.flags, disk_full_at=25)
+    self.assertEqual(proc.returncode, 1, proc.stderr[-3000:])
+    self.assertNotIn('Traceback', proc.stderr)
+    self.assertNotIn('Event loop is closed', proc.stderr)
+    self.assertEqual(_error_lines(proc.stderr), [
+        _error_lines(proc.stderr)[0]])
+    line = _error_lines(proc.stderr)[0]
+    for part in (f'--workdir={self.workdir}:', 'checkpoint of step 25',
+                 'the last good checkpoint is step 20'):
+      self.assertIn(part, line)
+    self.assertLess(len(proc.stderr.splitlines()), 60)  # Not 1,381 lines.
+    self.assertEqual([e['step'] for e in _train_events(self.workdir)],
+                     list(range(1, 26)))
+    self.assertEqual(helpers.tensorboard_scalars(f'{self.workdir}/tensorboard'),
+                     helpers.jsonl_scalars(self.workdir))
+    self._assert_finishes_as_the_straight_run(resumed_at=20)
+
+  def test_an_unrestorable_checkpoint_is_set_aside_and_saved_again(self):
+    proc = _run(self.flags, signal_at='TERM:12')
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    for path in glob.glob(f'{self.workdir}/checkpoints/12/**', recursive=True):
+      if os.path.isfile(path):
+        with open(path, 'r+b') as f:
+          f.truncate(os.path.getsize(path) // 2)
+    broken = _digest(f'{self.workdir}/checkpoints/12')
+    proc, _ = self._assert_finishes_as_the_straight_run(resumed_at=10)
+    warning = next(line for line in proc.stderr.splitlines()
+                   if 'cannot be restored' in line)
+    self.assertIn('/checkpoints/12 cannot be restored (unreadable: ', warning)
+    self.assertNotIn('<bound method', warning)
+    # Kept, renamed, for a user who wants it; step 12 saved anew.
+    self.assertEqual(_digest(f'{self.workdir}/checkpoints/12.unrestorable'),
+                     broken)
+    self.assertIn('12', os.listdir(f'{self.workdir}/checkpoints'))
+    before = _digest(self.workdir)
+    proc = _run(self.flags)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertIn('This run is complete', proc.stderr)
+    self.assertEqual(_digest(self.workdir), before)
+
+  def test_running_a_finished_run_again_changes_nothing(self):
+    shutil.copytree(self.straight, self.workdir)
+    before = _digest(self.workdir)
+    proc = _run(_flags('configs/vit_fp16.py', self.workdir))
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertIn('This run is complete (step 40 of 40): nothing to do. Its '
+                  f'summary: {self.workdir}/summary.json', proc.stderr)
+    self.assertNotIn('Compiled', proc.stderr)
+    self.assertNotIn('Data (', proc.stderr)  # Not even loaded.
+    self.assertEqual(_digest(self.workdir), before)
 
 
 def _raw_checkpoint(workdir, step):

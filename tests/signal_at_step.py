@@ -7,6 +7,8 @@ machine: a signal sent from the test process races the run, which may finish
 first on a fast or idle machine, or later than expected on a loaded one.
 `KILL:23+flush` first flushes the writer, as its background flush may have
 done before a real kill: the killed run's last points are then on disk.
+`INT:23+again` sends a second SIGINT as the checkpoint the first one asked for
+starts saving (a user pressing Ctrl-C twice).
 """
 
 import os
@@ -14,9 +16,16 @@ import runpy
 import signal
 import threading
 
+from haiku_mp import checkpoint
 from haiku_mp import metrics
 
 ENV = 'SIGNAL_AT_STEP'
+
+
+def _signal_main_thread(signum: int) -> None:
+  # To the main thread, whose Python handler (if any) then runs before the
+  # loop's next statement.
+  signal.pthread_kill(threading.main_thread().ident, signum)
 
 
 def _signal_after_train_write(signum: int, at_step: int, flush: bool) -> None:
@@ -27,16 +36,27 @@ def _signal_after_train_write(signum: int, at_step: int, flush: bool) -> None:
     if split == 'train' and step == at_step:
       if flush:
         self.flush()
-      # To the main thread, whose Python handler (if any) then runs before the
-      # loop's next statement.
-      signal.pthread_kill(threading.main_thread().ident, signum)
+      _signal_main_thread(signum)
 
   metrics.MetricsWriter.write = write_then_signal
 
 
+def _signal_again_when_saving(signum: int, at_step: int) -> None:
+  save = checkpoint.Checkpointer.save
+
+  def signal_then_save(self, step, *args, **kwargs):
+    if step == at_step:
+      _signal_main_thread(signum)
+    return save(self, step, *args, **kwargs)
+
+  checkpoint.Checkpointer.save = signal_then_save
+
+
 if __name__ == '__main__':
   name, step = os.environ[ENV].split(':')
-  step, _, flush = step.partition('+')
+  step, _, option = step.partition('+')
   _signal_after_train_write(getattr(signal, f'SIG{name}'), int(step),
-                            flush == 'flush')
+                            option == 'flush')
+  if option == 'again':
+    _signal_again_when_saving(getattr(signal, f'SIG{name}'), int(step))
   runpy.run_module('launch.train', run_name='__main__', alter_sys=True)
