@@ -7,12 +7,15 @@ python -m launch.train --config=configs/vit_cpu.py:fp16 --workdir=runs/cpu_fp16
 
 import importlib
 
+from haiku_mp import errors
+
 
 def get_config(precision: str = 'fp32'):
   variants = ('fp32', 'bf16', 'fp16')
   if precision not in variants:
-    raise ValueError(f'configs/vit_cpu.py:{precision}: the variant must be one '
-                     f'of {variants}')
+    # The command line prefixes --config=PATH:VARIANT.
+    raise errors.ConfigError(f'unknown variant {precision!r}; expected one of '
+                             f'{variants}')
   config = importlib.import_module(f'configs.vit_{precision}').get_config()
   config.model.update(dict(embed_dim=128, mlp_dim=256, num_heads=4,
                            num_layers=4))

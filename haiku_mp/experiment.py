@@ -10,6 +10,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional
 
+from absl import logging
 import haiku as hk
 import jax
 from jax.sharding import Mesh
@@ -18,6 +19,7 @@ import numpy as np
 import optax
 
 from haiku_mp import augment
+from haiku_mp import config_checks
 from haiku_mp import errors
 from haiku_mp import input_pipeline
 from haiku_mp import loss_scaling
@@ -131,13 +133,20 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
 
   `total_steps` (the learning-rate schedule's length) defaults to the
   config's; it reads the train split's size when `num_train_steps` is -1.
-  Checks every override and parallel setting; compiles nothing.
+  Checks every setting, override and parallel setting; compiles nothing.
   """
+  config_checks.check(config)
   precision, calls = model_lib.checked_precision(config)
   forward = model_lib.make_forward(config.model, precision,
                                    remat=config.remat)
   if total_steps is None:
     total_steps = total_train_steps(config)
+  if config.warmup_steps >= total_steps:
+    # Valid (a run may stop early on purpose), but rarely meant.
+    logging.warning(
+        'warmup_steps=%d is not shorter than the run\'s %d steps: the '
+        'learning rate rises for the whole run and never decays',
+        config.warmup_steps, total_steps)
   optimizer = optimizer_lib.make_optimizer(config, total_steps,
                                            precision.half_params)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)

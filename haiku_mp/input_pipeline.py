@@ -189,6 +189,12 @@ def load(config: ml_collections.ConfigDict) -> Splits:
     raise DataError(
         f'model.image_size={size}, but data.source={source} has '
         f'{"x".join(map(str, splits.train.images.shape[1:3]))} images')
+  largest = max((int(split.labels.max()) for split in splits
+                 if split.labels.size), default=-1)
+  if largest >= config.model.num_classes:
+    raise DataError(
+        f'model.num_classes={config.model.num_classes}, but '
+        f'data.source={source} has labels up to {largest}')
   if config.batch_size > len(splits.train.labels):
     raise DataError(f'batch_size={config.batch_size} is larger than the '
                     f'{len(splits.train.labels)} examples of '
@@ -196,12 +202,18 @@ def load(config: ml_collections.ConfigDict) -> Splits:
   return splits
 
 
-def check_available(data_config: ml_collections.ConfigDict) -> None:
-  """Raises `DataError` now, before a run writes anything, if data is missing
-  or a split setting names examples the dataset does not have."""
+def check_settings(data_config: ml_collections.ConfigDict) -> None:
+  """The data settings this module reads that need no data to check."""
+  _source(data_config)
   if data_config.prefetch_batches < 1:
     raise DataError(f'data.prefetch_batches={data_config.prefetch_batches} '
                     'must be at least 1')
+
+
+def check_available(data_config: ml_collections.ConfigDict) -> None:
+  """Raises `DataError` now, before a run writes anything, if data is missing
+  or a split setting names examples the dataset does not have."""
+  check_settings(data_config)
   source = _source(data_config)
   if source == 'arrays':
     sizes = cifar_arrays.split_sizes(data_config.arrays_path)

@@ -122,6 +122,15 @@ class _FailFastWhenUnreachable(python_logging.Filter):
     return True
 
 
+class _NoEmptyVariantWarning(python_logging.Filter):
+  """Drops TFDS's "Variant folder ... has no dataset_info.json": it comes
+  before the one-line error about the same data dir, and asks nothing of the
+  user that the error does not."""
+
+  def filter(self, record: python_logging.LogRecord) -> bool:
+    return not str(record.msg).startswith('Variant folder %s has no ')
+
+
 def _download_error(e: Exception, name: str, where: str) -> DataError:
   """The cause of a failed download-and-prepare, in one line."""
   for cause in _causes(e):
@@ -160,12 +169,17 @@ def builder(data_config: ml_collections.ConfigDict):
   where = data_dir or 'the TFDS default data dir (TFDS_DATA_DIR)'
   if data_dir and os.path.exists(data_dir) and not os.path.isdir(data_dir):
     raise DataError(f'data.data_dir={data_dir} is a file, not a directory')
+  absl_log = python_logging.getLogger('absl')  # TFDS logs through absl.
+  quiet = _NoEmptyVariantWarning()
+  absl_log.addFilter(quiet)
   try:
     dataset = tfds.builder(name, data_dir=data_dir)
     prepared = dataset.is_prepared()
   except Exception as e:  # pylint: disable=broad-except
     raise DataError(f'data.data_dir: {name} in {where} cannot be read '
                     f'({_one_line(e)[:300]})') from None
+  finally:
+    absl_log.removeFilter(quiet)
   if prepared:
     return dataset
   if data_dir and os.path.isdir(data_dir):

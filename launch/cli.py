@@ -1,20 +1,45 @@
-"""What every entry point shares: flag errors and user errors in one line, and
-a console that shows the project's own INFO lines, not its libraries'."""
+"""What every entry point shares: a bad flag, setting or input stops it in one
+line, once, before it reads data or writes a file; and a console that shows
+the project's own INFO lines, not its libraries'.
 
+Exit status: 2 for a usage error (a flag, a config file or setting, an input;
+`errors.ConfigError`), 1 for a failure of the environment (`errors.RunError`),
+130 for Ctrl-C. None of them prints a traceback; anything else is a bug and
+keeps its own.
+"""
+
+import glob
 import logging as python_logging
 import os
+import re
 import sys
-from typing import Callable
+from typing import Callable, Iterator, NoReturn, Optional
 
 from absl import app
 from absl import flags
 from absl import logging
+import ml_collections
+# The package exports no test for a config-file flag; its module does.
+from ml_collections.config_flags.config_flags import is_config_flag
 
+from haiku_mp import config_checks
 from haiku_mp import errors
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OWN_CODE = tuple(os.path.join(_ROOT, package) + os.sep
                   for package in ('haiku_mp', 'launch'))
+
+EXIT_USAGE = 2  # What argparse and the shells' builtins exit with.
+EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it.
+
+# absl's "flag --NAME=VALUE: REASON".
+_FLAG_MESSAGE = re.compile(r'^flag --([^=\s]+)=(.*?): (.*)$', re.DOTALL)
+_REQUIRED = re.compile(r'Flag --(\S+) must have a value other than None')
+# ml_collections' KeyError for a field a config does not have.
+_SUGGESTION = re.compile(r'Did you mean "([^"]+)"')
+_OVERRIDE = re.compile(r'^--?(?:no)?(\w+)\.([\w.]+)')
+_NUMBERS = {'int': 'an integer', 'float': 'a number'}
 
 
 class _OwnInfoOnly(python_logging.Filter):
@@ -38,24 +63,163 @@ def _quiet_libraries() -> None:
   logging.get_absl_handler().addFilter(_OwnInfoOnly())
 
 
+def _one_line(text: str) -> str:
+  return ' '.join(str(text).split())
+
+
+def _exit(message: str, status: int) -> NoReturn:
+  """`message` on stderr, once (no absl log line repeats it), then exits."""
+  sys.stderr.write(f'{_one_line(message)}\n')
+  sys.stderr.flush()
+  sys.exit(status)
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+  while e is not None:
+    yield e
+    e = e.__cause__ or e.__context__
+
+
+def _innermost(e: BaseException) -> str:
+  """The first cause of `e`: its message alone if it is a `ConfigError`."""
+  cause = list(_chain(e))[-1]
+  if isinstance(cause, errors.ConfigError):
+    return str(cause)
+  return f'{type(cause).__name__}: {cause}'
+
+
+def _config_names() -> str:
+  """The repository's config files, as `--config` takes them from its root."""
+  paths = sorted(glob.glob(os.path.join(_ROOT, 'configs', '*.py')))
+  return ', '.join(os.path.relpath(p, _ROOT) for p in paths
+                   if not p.endswith('__init__.py'))
+
+
+def _key_error(e: BaseException) -> Optional[KeyError]:
+  """The KeyError ml_collections raised for a field a config does not have
+  (an AttributeError carries it as its argument)."""
+  for cause in _chain(e):
+    if isinstance(cause, KeyError):
+      return cause
+    if cause.args and isinstance(cause.args[0], KeyError):
+      return cause.args[0]
+  return None
+
+
+def _unknown_field(key_error: KeyError, argv: list[str]) -> str:
+  """An override of a field the config does not have, and the one meant."""
+  text = str(key_error.args[0]) if key_error.args else ''
+  key = text.splitlines()[0].strip('\'"') if text else ''
+  suggestion = _SUGGESTION.search(text)
+  for arg in argv[1:]:
+    match = _OVERRIDE.match(arg)
+    parts = match.group(2).split('.') if match else []
+    if key in parts:
+      flag, path = match.group(1), parts[:parts.index(key)]
+      name = f'--{flag}.{".".join(path + [key])}'
+      if suggestion:
+        meant = '.'.join(path + [suggestion.group(1)])
+        return (f'{name}: the config has no such setting; did you mean '
+                f'--{flag}.{meant}?')
+      return f'{name}: the config has no such setting'
+  return f'the config has no setting {key!r}'
+
+
+def _bad_value(name: str, value: str, reason: str, e: BaseException) -> str:
+  """A flag value that did not parse, with what the flag takes."""
+  flag = flags.FLAGS[name] if name in flags.FLAGS else None
+  if flag is None:
+    return f'--{name}={value}: {reason}'
+  if is_config_flag(flag):
+    return f'--{name}={value}: {_innermost(e)}'
+  kind = flag.parser.flag_type()
+  if kind == 'bool':
+    return f'--{name}={value}: expected true or false'
+  if kind in _NUMBERS:
+    try:
+      flag.parser.convert(value)
+    except (TypeError, ValueError):
+      return f'--{name}={value}: expected {_NUMBERS[kind]}'
+  return f'--{name}={value}: {reason}'
+
+
+def _flag_error(e: Exception, argv: list[str]) -> str:
+  """absl's or ml_collections' complaint about the command line, as one line
+  that names the flag or setting and what it takes."""
+  key_error = _key_error(e)
+  if key_error is not None:
+    return _unknown_field(key_error, argv)
+  text = str(e)
+  required = _REQUIRED.findall(text)
+  if required:
+    return ' and '.join(f'--{name}' for name in required) + (
+        ' is required' if len(required) == 1 else ' are required')
+  message = _FLAG_MESSAGE.match(text)
+  if message:
+    return _bad_value(*message.groups(), e)
+  if isinstance(e, flags.Error):
+    return f'{text} (--helpfull lists the flags)'
+  return _innermost(e)
+
+
+def _config_file_error() -> Optional[str]:
+  """Why a `--config` file could not be loaded, if it could not.
+
+  ml_collections keeps a load failure (a missing file) until the config is
+  first read; this reads it now, before anything else happens.
+  """
+  for name in flags.FLAGS:
+    flag = flags.FLAGS[name]
+    if not is_config_flag(flag):
+      continue
+    value = flag.value
+    if value is None or isinstance(value, ml_collections.ConfigDict):
+      continue
+    path = flag.config_filename
+    file = path.split(':', 1)[0]
+    if not os.path.exists(file):
+      return (f'--{name}={path}: no such file; the configs are '
+              f'{_config_names()}')
+    try:
+      value.lock()
+    except OSError as e:
+      return f'--{name}={path}: cannot be loaded ({_innermost(e)})'
+  return None
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's parsing, with a bad flag or config field reported in one line."""
+  """absl's parsing; a bad flag, config file or config field is one line."""
   try:
-    return flags.FLAGS(argv)
+    argv = flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
-    message = ' '.join(str(e).split())
-    sys.exit(f'error: {message} (--helpfull lists the flags)')
+    _exit(f'error: {_flag_error(e, argv)}', EXIT_USAGE)
+  error = _config_file_error()
+  if error:
+    _exit(f'error: {error}', EXIT_USAGE)
+  return argv
+
+
+def _check_configs() -> None:
+  """Every config flag's settings against their ranges (`config_checks`)."""
+  for name in flags.FLAGS:
+    flag = flags.FLAGS[name]
+    if is_config_flag(flag) and flag.value is not None:
+      config_checks.check(flag.value)
 
 
 def run(main: Callable[[list[str]], None]) -> None:
-  """`app.run(main)`; a `ConfigError` becomes one line and exit status 1."""
+  """`app.run(main)`, its config checked first; errors as the module says."""
 
   def guarded(argv):
     _quiet_libraries()
     try:
+      _check_configs()
       main(argv)
-    except errors.ConfigError as e:
-      logging.error('%s', e)
-      sys.exit(f'error: {e}')
+    except (errors.ConfigError, app.UsageError) as e:
+      _exit(f'error: {e}', EXIT_USAGE)
+    except errors.RunError as e:
+      _exit(f'error: {e}', EXIT_FAILURE)
+    except KeyboardInterrupt:
+      _exit('interrupted (Ctrl-C); stopped without saving', EXIT_INTERRUPTED)
 
   app.run(guarded, flags_parser=_parse_flags)

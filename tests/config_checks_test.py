@@ -1,0 +1,199 @@
+"""Every setting's range: `config_checks.check` accepts every config file and
+names each setting out of range, its value and what is valid."""
+
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import importlib
+import math
+
+from absl import logging
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from configs import base
+from haiku_mp import config_checks
+from haiku_mp import errors
+from haiku_mp import experiment
+from tests import configs_test
+from tests import helpers
+
+
+def _config(**settings):
+  """The base config with `settings` ('a.b' keys) set."""
+  config = base.get_config()
+  for path, value in settings.items():
+    *parents, name = path.split('.')
+    parent = config
+    for parent_name in parents:
+      parent = parent[parent_name]
+    parent[name] = value
+  return config
+
+
+class CheckTest(parameterized.TestCase):
+
+  @parameterized.parameters(*configs_test.CONFIG_NAMES)
+  def test_every_config_file_passes(self, name):
+    config_checks.check(
+        importlib.import_module(f'configs.{name}').get_config())
+
+  @parameterized.named_parameters(
+      ('num_train_steps_from_epochs', {'num_train_steps': -1}),
+      ('a_given_number_of_steps', {'num_train_steps': 5, 'num_epochs': 0}),
+      ('no_learning', {'learning_rate': 0.0}),
+      ('clipping_off_and_on', {'grad_clip_norm': math.inf}),
+      ('warmup_longer_than_the_run', {'warmup_steps': 10**6}),
+      ('seed_zero', {'seed': 0}),
+      ('whole_image_crops', {'data.crop_area': (1.0, 1.0),
+                             'data.crop_aspect_ratio': (1.0, 1.0)}),
+      ('mesh_of_the_remaining_devices', {'parallel.mesh_shape': (-1, 2)}),
+      ('mesh_from_json', {'parallel.mesh_shape': [4, 2]}),
+      ('dynamic_loss_scale', {'loss_scale.kind': 'dynamic'}))
+  def test_valid(self, settings):
+    config_checks.check(_config(**settings))
+
+  @parameterized.named_parameters(
+      ('seed', {'seed': -1}, 'seed=-1 must be a non-negative 64-bit integer'),
+      ('batch_size', {'batch_size': -8}, 'batch_size=-8 must be positive'),
+      ('eval_batch_size', {'eval_batch_size': -5},
+       'eval_batch_size=-5 must be positive'),
+      ('num_train_steps', {'num_train_steps': 0},
+       'num_train_steps=0 must be positive, or -1 for num_epochs'),
+      ('num_train_steps_below_minus_one', {'num_train_steps': -2},
+       'num_train_steps=-2 must be positive, or -1'),
+      ('num_epochs', {'num_epochs': 0}, 'num_epochs=0 must be positive'),
+      ('learning_rate', {'learning_rate': -1.0},
+       'learning_rate=-1 must be a finite number >= 0'),
+      ('learning_rate_nan', {'learning_rate': math.nan},
+       'learning_rate=nan must be a finite number >= 0'),
+      ('learning_rate_inf', {'learning_rate': math.inf},
+       'learning_rate=inf must be a finite number >= 0'),
+      ('weight_decay', {'weight_decay': -0.1},
+       'weight_decay=-0.1 must be a finite number >= 0'),
+      ('warmup_steps', {'warmup_steps': -3}, 'warmup_steps=-3 must be >= 0'),
+      ('grad_clip_norm', {'grad_clip_norm': -1.0},
+       'grad_clip_norm=-1 must be >= 0 (0: no clipping)'),
+      ('grad_clip_norm_nan', {'grad_clip_norm': math.nan},
+       'grad_clip_norm=nan must be >= 0'),
+      ('log_every_steps', {'log_every_steps': 0},
+       'log_every_steps=0 must be positive'),
+      ('eval_every_steps', {'eval_every_steps': -1},
+       'eval_every_steps=-1 must be positive'),
+      ('checkpoint_every_steps', {'checkpoint_every_steps': 0},
+       'checkpoint_every_steps=0 must be positive'),
+      ('keep_checkpoints', {'keep_checkpoints': 0},
+       'keep_checkpoints=0 must be positive'),
+      ('image_size', {'model.image_size': 0},
+       'model.image_size=0 must be positive'),
+      ('patch_size', {'model.patch_size': 0},
+       'model.patch_size=0 must be positive'),
+      ('patch_size_not_dividing', {'model.patch_size': 5},
+       'model.image_size=32 is not divisible by model.patch_size=5'),
+      ('num_classes', {'model.num_classes': 0},
+       'model.num_classes=0 must be positive'),
+      ('embed_dim', {'model.embed_dim': -1},
+       'model.embed_dim=-1 must be positive'),
+      ('mlp_dim', {'model.mlp_dim': 0}, 'model.mlp_dim=0 must be positive'),
+      ('num_heads', {'model.num_heads': 0},
+       'model.num_heads=0 must be positive'),
+      ('num_heads_not_dividing', {'model.num_heads': 5},
+       'model.embed_dim=384 is not divisible by model.num_heads=5'),
+      ('num_layers', {'model.num_layers': 0},
+       'model.num_layers=0 must be positive'),
+      ('dropout_rate', {'model.dropout_rate': 1.0},
+       'model.dropout_rate=1 must be in [0, 1)'),
+      ('layer_norm_epsilon', {'model.layer_norm_epsilon': 0.0},
+       'model.layer_norm_epsilon=0 must be positive'),
+      ('remat', {'remat': 'some'}, "remat: unknown value 'some'"),
+      ('policy', {'precision.policy': 'p=f32,c=float8'}, 'precision.policy'),
+      ('overrides', {'precision.overrides': 'head'},
+       "precision.overrides: malformed entry 'head'"),
+      ('dot_form', {'precision.dot_form': 'fast'},
+       "precision.dot_form: unknown value 'fast'"),
+      ('loss_scale_kind', {'loss_scale.kind': 'auto'},
+       "loss_scale.kind: unknown kind 'auto'"),
+      ('loss_scale_factor', {'loss_scale.kind': 'dynamic',
+                             'loss_scale.factor': 1.0},
+       'loss_scale.factor: must be > 1, got 1.0'),
+      ('loss_scale_period', {'loss_scale.kind': 'dynamic',
+                             'loss_scale.period': 0},
+       'loss_scale.period: must be a positive integer, got 0'),
+      ('strategy', {'parallel.strategy': 'dp'},
+       "parallel.strategy: unknown strategy 'dp'; expected one of ('single', "
+       "'pmap', 'pjit')"),
+      ('mesh_shape_word', {'parallel.mesh_shape': ('4x2',)},
+       "parallel.mesh_shape='4x2': expected two positive integers (batch, "
+       'model) like (4,2); one may be -1 (the remaining devices)'),
+      ('mesh_shape_one_number', {'parallel.mesh_shape': (4,)},
+       'parallel.mesh_shape=(4,): expected two positive integers'),
+      ('mesh_shape_fraction', {'parallel.mesh_shape': (4.5, 2)},
+       'parallel.mesh_shape=(4.5, 2): expected two positive integers'),
+      ('mesh_shape_zero', {'parallel.mesh_shape': (0, 1)},
+       'parallel.mesh_shape=(0, 1): expected'),
+      ('mesh_shape_two_unknowns', {'parallel.mesh_shape': (-1, -1)},
+       'parallel.mesh_shape=(-1, -1): expected'),
+      ('sharding_rules', {'parallel.sharding_rules': '.*=batchy'},
+       "parallel.sharding_rules: unknown mesh axis 'batchy'"),
+      ('data_source', {'data.source': 'disk'},
+       "data.source: unknown source 'disk'"),
+      ('prefetch_batches', {'data.prefetch_batches': 0},
+       'data.prefetch_batches=0 must be at least 1'),
+      ('crop_area_above_one', {'data.crop_area': (0.5, 1.5)},
+       'data.crop_area=(0.5, 1.5) must be (min, max) fractions of the image '
+       'area with 0 < min <= max <= 1'),
+      ('crop_area_zero', {'data.crop_area': (0.0, 1.0)},
+       'data.crop_area=(0.0, 1.0) must be'),
+      ('crop_area_reversed', {'data.crop_area': (1.0, 0.5)},
+       'data.crop_area=(1.0, 0.5) must be'),
+      ('crop_area_one_number', {'data.crop_area': (0.5,)},
+       'data.crop_area=(0.5,) must be'),
+      ('crop_aspect_ratio', {'data.crop_aspect_ratio': (0.0, 1.1)},
+       'data.crop_aspect_ratio=(0.0, 1.1) must be (min, max) width/height '
+       'ratios with 0 < min <= max'),
+      ('crop_aspect_ratio_infinite', {'data.crop_aspect_ratio': (1.0,
+                                                                 math.inf)},
+       'data.crop_aspect_ratio=(1.0, inf) must be'),
+      ('crop_max_attempts', {'data.crop_max_attempts': 0},
+       'data.crop_max_attempts=0 must be positive'),
+      ('mean', {'data.mean': (0.5, 0.5)},
+       'data.mean=(0.5, 0.5) must be 3 numbers, one per channel'),
+      ('std', {'data.std': (0.2, 0.0, 0.2)},
+       'data.std=(0.2, 0.0, 0.2) must be 3 positive numbers, one per channel'),
+      ('synthetic_train_examples', {'data.synthetic_train_examples': 0},
+       'data.synthetic_train_examples=0 must be positive'),
+      ('synthetic_eval_examples', {'data.synthetic_eval_examples': -1},
+       'data.synthetic_eval_examples=-1 must be positive'))
+  def test_out_of_range(self, settings, message):
+    with self.assertRaises(errors.ConfigError) as raised:
+      config_checks.check(_config(**settings))
+    self.assertIn(message, str(raised.exception))
+    self.assertNotIn('\n', str(raised.exception))
+
+
+class BuildTest(absltest.TestCase):
+
+  def test_build_checks_first(self):
+    config = helpers.tiny_config()
+    config.eval_batch_size = -5
+    with self.assertRaisesRegex(errors.ConfigError,
+                                'eval_batch_size=-5 must be positive'):
+      experiment.build(config)
+
+  def test_warmup_as_long_as_the_run_is_a_warning(self):
+    config = helpers.tiny_config()
+    config.warmup_steps = 10
+    with self.assertLogs(logging.get_absl_logger(), 'WARNING') as logs:
+      experiment.build(config, total_steps=10)
+    self.assertIn("warmup_steps=10 is not shorter than the run's 10 steps: "
+                  'the learning rate rises for the whole run and never decays',
+                  logs.output[0])
+    with self.assertNoLogs(logging.get_absl_logger(), 'WARNING'):
+      experiment.build(config, total_steps=11)
+
+
+if __name__ == '__main__':
+  absltest.main()
