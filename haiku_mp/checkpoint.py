@@ -18,6 +18,7 @@ Checkpoints without a `run` item (older ones) restore with an empty record.
 import contextlib
 import logging as python_logging
 import os
+import re
 import sys
 import threading
 import time
@@ -78,6 +79,9 @@ def _describe(error: BaseException) -> str:
   """One short line for an exception out of orbax or TensorStore, whose
   messages can run over many lines and end in a bound method's repr."""
   text = ' '.join(str(error).split())
+  os_error = re.search(r':\s*([^:\[]+?)\s*\[os_error_code', text)
+  if os_error:  # TensorStore's write error: the OS's reason says it all.
+    return os_error.group(1)
   for cut in (' <bound method', ' [source locations'):
     text = text.split(cut)[0]
   text = text[:160].rstrip(' ,:;')
@@ -117,16 +121,26 @@ def _from_a_failed_save(traceback) -> bool:
   return False
 
 
-def _silence_the_failed_save() -> None:
-  """Drops what a failed save's threads print after it: orbax closes its
-  event loop on the first failed write while TensorStore still completes the
-  others, whose callbacks then raise 'Event loop is closed' (printed through
-  `sys.excepthook`), and its unfinished coroutines are reported at exit
-  (`sys.unraisablehook`), hundreds of tracebacks for one full disk. The
-  process is about to stop with the save's one error; other exceptions still
-  reach the hooks that were there."""
-  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
-  thread_hook = threading.excepthook
+class _UnretrievedOrbaxTasks(python_logging.Filter):
+  """asyncio's 'Task exception was never retrieved' for orbax's writes."""
+
+  def filter(self, record: python_logging.LogRecord) -> bool:
+    return not (record.exc_info and
+                _from_a_failed_save(record.exc_info[2]))
+
+
+@contextlib.contextmanager
+def _failed_save_silenced():
+  """Drops what a failed save's threads print: orbax closes its event loop on
+  the first failed write while TensorStore still completes the others, whose
+  callbacks then raise 'Event loop is closed' (through `sys.excepthook`),
+  asyncio logs each of its tasks' exceptions as never retrieved, and its
+  unfinished coroutines are reported at exit (`sys.unraisablehook`): hundreds
+  of tracebacks for one full disk. Exceptions from elsewhere still reach the
+  hooks that were there. After a failure (the process is about to stop with
+  the save's one error) the quiet hooks stay."""
+  hooks = sys.excepthook, sys.unraisablehook, threading.excepthook
+  excepthook, unraisablehook, thread_hook = hooks
 
   def quiet_excepthook(kind, value, traceback):
     if not _from_a_failed_save(traceback):
@@ -143,6 +157,12 @@ def _silence_the_failed_save() -> None:
   sys.excepthook = quiet_excepthook
   sys.unraisablehook = quiet_unraisablehook
   threading.excepthook = quiet_thread_hook
+  asyncio_logger = python_logging.getLogger('asyncio')
+  unretrieved = _UnretrievedOrbaxTasks()
+  asyncio_logger.addFilter(unretrieved)
+  yield
+  sys.excepthook, sys.unraisablehook, threading.excepthook = hooks
+  asyncio_logger.removeFilter(unretrieved)
 
 
 def _set_aside(path: str) -> str:
@@ -186,13 +206,12 @@ class Checkpointer:
     state = jax.block_until_ready(state)
     start = time.perf_counter()
     try:
-      with _orbax_errors_dropped():
+      with _orbax_errors_dropped(), _failed_save_silenced():
         self._manager.save(step, args=ocp.args.Composite(**{
             _STATE: ocp.args.StandardSave(_to_storable(state)),
             _RUN: ocp.args.JsonSave(run or {})}))
         self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
-      _silence_the_failed_save()
       last = self._manager.latest_step()
       raise errors.RunError(
           f'--workdir={self.workdir}: could not save the checkpoint of step '

@@ -440,9 +440,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         progress.start(step)
       stop = step < total_steps and interruption.stop_after(step)
       if _due(step, config.checkpoint_every_steps, total_steps) or stop:
-        writer.flush()  # What the checkpoint covers is on disk before it.
         state = jax.block_until_ready(state)
         progress.stop(step)  # Rates exclude saving.
+        writer.flush()  # What the checkpoint covers is on disk before it.
         checkpointer.save(step, strategy.unreplicate(state),
                           dict(progress.record(), last_val=last_val))
         progress.start(step)

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -182,11 +183,13 @@ class InterruptTest(parameterized.TestCase):
     self.assertGreater(events[0]['images_per_sec'], 0)
     self.assertGreater(events[7]['images_per_sec'], 0)
     # The summary covers both segments: with a window per step, the train
-    # time is the sum of every window's, and the rate the run's mean.
+    # time is the sum of every window's (and of the log writes after the
+    # last window of each segment, a millisecond or two), the rate the
+    # run's mean.
     summary = _read_json(f'{self.workdir}/summary.json')
     windows = sum(32 / e['images_per_sec'] for e in events)
     self.assertAlmostEqual(summary['train_time_sec'], windows,
-                           delta=1e-3 * windows)
+                           delta=1e-2 * windows)
     self.assertAlmostEqual(summary['images_per_sec'],
                            TOTAL * 32 / summary['train_time_sec'], places=6)
     self.assertGreater(summary['eval_time_sec'], 0)
@@ -199,8 +202,10 @@ class InterruptTest(parameterized.TestCase):
     proc = _run(self.flags, signal_at='INT:7+again')
     self.assertEqual(proc.returncode, 130, proc.stderr[-3000:])
     self.assertNotIn('Traceback', proc.stderr)
-    self.assertLen(_error_lines(proc.stderr), 1)
-    self.assertIn('second Ctrl-C', _error_lines(proc.stderr)[0])
+    self.assertEqual(
+        [line for line in proc.stderr.splitlines() if 'Ctrl-C' in line][-1],
+        'interrupted: a second Ctrl-C: stopped at once, without saving; the '
+        'newest checkpoint is kept')
     self.assertEqual(os.listdir(f'{self.workdir}/checkpoints'), ['5'])
     self._assert_finishes_as_the_straight_run(resumed_at=5)
 
@@ -223,22 +228,23 @@ class InterruptTest(parameterized.TestCase):
     self._assert_finishes_as_the_straight_run(resumed_at=20)
 
   def test_an_unrestorable_checkpoint_is_set_aside_and_saved_again(self):
-    proc = _run(self.flags, signal_at='TERM:12')
+    proc = _run(self.flags, signal_at='TERM:15')
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-    for path in glob.glob(f'{self.workdir}/checkpoints/12/**', recursive=True):
+    for path in glob.glob(f'{self.workdir}/checkpoints/15/**', recursive=True):
       if os.path.isfile(path):
         with open(path, 'r+b') as f:
           f.truncate(os.path.getsize(path) // 2)
-    broken = _digest(f'{self.workdir}/checkpoints/12')
+    broken = _digest(f'{self.workdir}/checkpoints/15')
     proc, _ = self._assert_finishes_as_the_straight_run(resumed_at=10)
     warning = next(line for line in proc.stderr.splitlines()
                    if 'cannot be restored' in line)
-    self.assertIn('/checkpoints/12 cannot be restored (unreadable: ', warning)
+    self.assertIn('/checkpoints/15 cannot be restored (unreadable: ', warning)
     self.assertNotIn('<bound method', warning)
-    # Kept, renamed, for a user who wants it; step 12 saved anew.
-    self.assertEqual(_digest(f'{self.workdir}/checkpoints/12.unrestorable'),
+    # Kept, renamed, for a user who wants it; step 15 saved anew.
+    self.assertEqual(_digest(f'{self.workdir}/checkpoints/15.unrestorable'),
                      broken)
-    self.assertIn('12', os.listdir(f'{self.workdir}/checkpoints'))
+    self.assertIn(f'Saved checkpoint {self.workdir}/checkpoints/15 (',
+                  proc.stderr)
     before = _digest(self.workdir)
     proc = _run(self.flags)
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
@@ -313,6 +319,42 @@ class CheckpointerTest(parameterized.TestCase):
       step, restored = ckpt.restore_latest(jax.eval_shape(lambda: state))
     self.assertEqual((step, int(restored.step)), (1, 1))
     self.assertIn('cannot be restored', '\n'.join(logs.output))
+
+  def test_an_unrestorable_step_is_set_aside_when_asked_and_saved_again(self):
+    ckpt = checkpoint.Checkpointer(self.workdir, keep=3)
+    state = _tiny_state(4)
+    ckpt.save(1, state._replace(step=jnp.asarray(1)), dict(train_sec=1.5))
+    ckpt.save(2, state._replace(step=jnp.asarray(2)), dict(train_sec=3.0))
+    for path in glob.glob(f'{ckpt.directory}/2/**/*', recursive=True):
+      if os.path.isfile(path):
+        with open(path, 'r+b') as f:
+          f.truncate(os.path.getsize(path) // 2)
+    abstract = jax.eval_shape(lambda: state)
+    before = _digest(ckpt.directory)
+    step, _ = ckpt.restore_latest(abstract)  # A reader (the advisor).
+    self.assertEqual(step, 1)
+    self.assertEqual(_digest(ckpt.directory), before)
+    step, _ = ckpt.restore_latest(abstract, set_aside_unrestorable=True)
+    self.assertEqual((step, ckpt.all_steps()), (1, [1]))
+    self.assertEqual(ckpt.run_record(1), dict(train_sec=1.5))
+    self.assertEqual(
+        {p.replace('2.unrestorable/', '2/'): v for p, v in
+         _digest(ckpt.directory).items()}, before)
+    ckpt.save(2, state._replace(step=jnp.asarray(2)), dict(train_sec=2.5))
+    step, restored = ckpt.restore_latest(abstract)
+    self.assertEqual((step, int(restored.step)), (2, 2))
+    self.assertEqual(ckpt.run_record(2), dict(train_sec=2.5))
+
+  def test_the_logged_save_time_excludes_the_steps_still_queued(self):
+    calls = []
+    ckpt = checkpoint.Checkpointer(self.workdir, keep=3)
+    clock = checkpoint.time.perf_counter
+    with mock.patch.object(checkpoint.jax, 'block_until_ready',
+                           lambda x: (calls.append('ready'), x)[1]), \
+        mock.patch.object(checkpoint.time, 'perf_counter',
+                          lambda: (calls.append('clock'), clock())[1]):
+      ckpt.save(1, _tiny_state(4))
+    self.assertEqual(calls, ['ready', 'clock', 'clock'])
 
   def test_checkpoint_of_another_model_is_a_clear_error(self):
     checkpoint.Checkpointer(self.workdir, keep=3).save(1, _tiny_state(4))

@@ -6,9 +6,11 @@ import sys
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import json
 import math
 import tempfile
 import time
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -54,6 +56,37 @@ class MetricsWriterTest(parameterized.TestCase):
                      [(s, float(s)) for s in range(1, 6)] +
                      [(s, 10.0 * s) for s in range(6, 11)])
     self.assertEqual(scalars, helpers.jsonl_scalars(self.workdir))
+
+  def test_a_resume_at_the_last_step_drops_its_test_event(self):
+    writer = metrics.MetricsWriter(self.workdir)
+    for step in range(1, 5):
+      writer.write(step, 'train', dict(loss=1.0))
+    writer.write(4, 'val', dict(loss=1.0))
+    writer.write(4, 'test', dict(loss=1.0))  # Then killed before the summary.
+    writer.close()
+    self.assertEqual(metrics.truncate_after(self.workdir, 4), 1)
+    self.assertEqual([(e['step'], e['split'])
+                      for e in map(json.loads, open(f'{self.workdir}/metrics.jsonl'))],
+                     [(1, 'train'), (2, 'train'), (3, 'train'), (4, 'train'),
+                      (4, 'val')])
+
+  def test_progress_counts_only_the_running_clock_over_every_segment(self):
+    times = iter([10.0, 12.0, 13.0, 20.0, 20.0, 21.0])
+    with mock.patch.object(metrics.time, 'perf_counter', lambda: next(times)):
+      progress = metrics.Progress(total_steps=10, batch_size=4, start_step=2,
+                                  record=dict(train_sec=6.0, train_steps=2,
+                                              eval_sec=1.0))
+      progress.start(2)  # 10.0
+      progress.stop(4)  # 12.0: 2 steps in 2 s, then an evaluation.
+      progress.eval_seconds += 5.0
+      progress.start(4)  # 13.0
+      rates = progress.update(6)  # 20.0: 2 more steps in 7 s; restarts at 20.
+      progress.stop(7)  # 21.0
+      progress.stop(7)  # Stopped: nothing more counts.
+    self.assertEqual(rates, dict(images_per_sec=4 * 4 / 9, eta_sec=4 / (4 / 9)))
+    self.assertEqual(progress.record(), dict(train_sec=16.0, train_steps=7,
+                                             eval_sec=6.0))
+    self.assertEqual(progress.mean_images_per_sec, 7 * 4 / 16.0)
 
   def test_flush_puts_every_point_on_disk(self):
     writer = metrics.MetricsWriter(self.workdir)

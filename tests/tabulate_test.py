@@ -6,6 +6,7 @@ import sys
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import collections
 import json
 
 from absl.testing import absltest
@@ -55,6 +56,21 @@ class TabulateTest(parameterized.TestCase):
       self.assertIn(row['path'], text)
     total = sum(r['param_count'] for r in rows)
     self.assertRegex(text.splitlines()[-1], rf'^total\s+{total}\s')
+
+  def test_summary_line_counts_the_modules_and_policies_in_force(self):
+    config = helpers.tiny_config(
+        'params=float32,compute=float16,output=float32',
+        overrides='*/head:float32')
+    rows = tabulate.module_rows(experiment.build_without_data(config))
+    total = sum(r['param_count'] for r in rows)
+    policies = collections.Counter(r['policy'] for r in rows)
+    self.assertLen(policies, 3)  # Half, LayerNorm's float32, the head's.
+    self.assertEqual(
+        tabulate.summary_line(rows, '*/head:float32'),
+        f'Model: {len(rows)} modules, {total:,} parameters '
+        f'({4 * total / 1e6:.2f} MB); policies (modules): '
+        + '; '.join(f'{p} ({n})' for p, n in policies.most_common())
+        + '; overrides: */head:float32')
 
   def test_command_line_json_with_override(self):
     result = helpers.run_module(

@@ -94,9 +94,25 @@ class TrainerTest(parameterized.TestCase):
       self.assertEqual(json.load(f)['precision']['policy'],
                        'params=float32,compute=float16,output=float32')
 
+  def test_a_finished_run_is_recognized_by_its_config(self):
+    config = _tiny_run_config()
+    self.assertIsNone(trainer.finished_summary(config, self.workdir))
+    summary = trainer.train_and_evaluate(config, self.workdir)
+    on_disk = trainer.finished_summary(config, self.workdir)
+    self.assertEqual(on_disk['test_accuracy'], summary['test_accuracy'])
+    self.assertEqual(on_disk['steps'], 6)
+    with mock.patch.object(input_pipeline, 'load') as load:
+      self.assertEqual(trainer.train_and_evaluate(config, self.workdir),
+                       on_disk)
+    load.assert_not_called()
+    longer = _tiny_run_config()
+    longer.num_train_steps = 7  # Another run: it goes on from step 6.
+    self.assertIsNone(trainer.finished_summary(longer, self.workdir))
+
   def test_any_exit_closes_writer_and_checkpointer_and_restores_sigterm(self):
-    """Ctrl-C after three steps (a KeyboardInterrupt, not even an Exception)
-    still closes the run's resources and gives the SIGTERM handler back."""
+    """A KeyboardInterrupt after three steps (not even an Exception) still
+    closes the run's resources and gives the SIGTERM and SIGINT handlers
+    back."""
     error = KeyboardInterrupt
     make_batches = input_pipeline.train_batches
 
@@ -109,7 +125,7 @@ class TrainerTest(parameterized.TestCase):
     closed = []
     close_writer = metrics_lib.MetricsWriter.close
     close_checkpointer = checkpoint_lib.Checkpointer.close
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with mock.patch.object(input_pipeline, 'train_batches', failing_batches), \
         mock.patch.object(metrics_lib.MetricsWriter, 'close', lambda w: (
             closed.append('writer'), close_writer(w))), \
@@ -118,7 +134,8 @@ class TrainerTest(parameterized.TestCase):
       with self.assertRaisesRegex(error, 'the data went away'):
         trainer.train_and_evaluate(_tiny_run_config(), self.workdir)
     self.assertCountEqual(closed, ['writer', 'checkpointer'])
-    self.assertIs(signal.getsignal(signal.SIGTERM), before)
+    self.assertEqual((signal.getsignal(signal.SIGTERM),
+                      signal.getsignal(signal.SIGINT)), before)
     self.assertEqual([e['step'] for e in _read_jsonl(self.workdir)], [2])
 
   def test_mock_tfds_run_learns(self):
@@ -235,16 +252,26 @@ class LaunchTrainTest(parameterized.TestCase):
     self.assertContainsSubset(sources, OWN_FILES)  # No orbax, JAX, ... INFO.
     for expected in ('Config: configs/vit_fp16.py --config.data.source=',
                      'Data (synthetic): train 45000, val 10, test 10 in memory',
-                     'Devices: ', 'Modules:', 'Compiled the train step',
+                     'Devices: ', 'Model: 16 modules, ',
+                     f'; every module: {workdir}/modules.txt',
+                     'Compiled the train step',
                      'step 1/4 [25%]', 'ETA', 'step 4/4', 'val at step 4:',
                      'test at step 4:', 'Saved checkpoint ',
                      '/checkpoints/4 ('):
       self.assertIn(expected, err)
     self.assertNotIn('oneDNN', err)
     self.assertNotIn('Metadata', err)  # orbax has a checkpoint.py too.
-    # Every library's INFO lines are one flag away.
-    verbose = self._run(f'{workdir}_verbose', *CLI_TINY, '--verbosity=1')
+    self.assertNotIn('config.json', err)  # Named before it was written.
+    # The module table: in the workdir, not on the console.
+    self.assertNotIn('Modules:', err)
+    with open(os.path.join(workdir, 'modules.txt')) as f:
+      table = f.read()
+    self.assertIn('vit/encoder_block_0/mlp_block/fc1', table)
+    # Every library's INFO lines and the table are one flag away.
+    verbose = self._run(f'{workdir}_verbose', *CLI_TINY, '--verbosity=1',
+                        '--modules_table')
     self.assertIn('checkpoint_manager.py', verbose.stderr)
+    self.assertIn('Modules:\n' + table.rstrip('\n'), verbose.stderr)
 
   @parameterized.parameters(
       ('--config.precision.policy=p=f32,c=f12', 'precision.policy'),
