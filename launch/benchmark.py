@@ -33,10 +33,9 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 
 from haiku_mp import compiled_step
-from haiku_mp import errors
 from haiku_mp import model
-from haiku_mp import precision
 from haiku_mp import sharding
+from haiku_mp.lab import checks
 from haiku_mp.lab import compare
 from haiku_mp.lab import pipeline_benchmark
 from haiku_mp.lab import step_benchmark
@@ -52,7 +51,9 @@ _DTYPES = flags.DEFINE_list(
 _JSON = flags.DEFINE_bool('json', False,
                           'End with one JSON object of every figure.')
 _CEILING = flags.DEFINE_integer(
-    'ceiling_size', 2048, 'Side of the square matmul timed as the ceiling.')
+    'ceiling_size', 2048, 'Least side of the square matmul timed as the '
+    'ceiling (it grows to do one step\'s FLOPs, up to '
+    f'{step_benchmark.MAX_GROWN_CEILING_SIZE}).')
 _LAYOUTS = flags.DEFINE_list(
     'layouts', [], 'STRATEGY:BATCHxMODEL layouts to compare compiled cost '
     '(e.g. pjit:8x1,pjit:4x2; single needs no mesh: single:1x1) instead of '
@@ -89,9 +90,23 @@ def _layouts(config):
                         ratios={r['layout']: r['ratios'] for r in results[1:]})))
 
 
+# Each integer flag's least meaningful value.
+_LEAST = ((_STEPS, 1), (_WARMUP, 0), (_CEILING, 1), (_ROUNDS, 1))
+
+
+def _check_flags(config) -> None:
+  """Every flag's range, before anything is compiled."""
+  checks.at_least((f.name, f.value, least) for f, least in _LEAST)
+  if _DTYPES.value:
+    checks.compute_dtypes('dtypes', _DTYPES.value)
+  for layout in _LAYOUTS.value:
+    variant = copy.deepcopy(config)
+    variant.parallel.strategy, variant.parallel.mesh_shape = (
+        sharding.parse_layout(layout))
+    sharding.mesh_for(variant.parallel)
+
+
 def _pipeline(config):
-  if _ROUNDS.value < 1:
-    raise errors.ConfigError(f'--rounds={_ROUNDS.value} must be at least 1')
   result = pipeline_benchmark.run(config, _STEPS.value, _ROUNDS.value)
   step = result['step_time_s']
   print(f'{result["source"]} data, batch {result["batch_size"]}: host '
@@ -111,32 +126,28 @@ def _line(row) -> str:
   mfu = f'{row["mfu"]:.2f}' if row['mfu'] is not None else 'n/a'
   dp = (f' DP-SGD (padded to {row["train_batch_size"]})' if row['privacy']
         else '')
+  note = f' (MFU n/a: {row["mfu_note"]})' if row['mfu_note'] else ''
   return (f'{row["dtype"]:>8} ({row["dot_form"]}){dp} batch '
           f'{row["batch_size"]}: '
           f'{row["step_time_s"] * 1e3:.1f} ms/step, '
           f'{row["images_per_sec"]:.1f} img/s, MFU {mfu} of '
-          f'{row["matmul_ceiling_flops"] / 1e9:.0f} GFLOP/s, '
+          f'{row["matmul_ceiling_flops"] / 1e9:.0f} GFLOP/s '
+          f'({row["matmul_ceiling_size"]}^3 matmul), '
           f'sys {row["sys_cpu_s_per_step"]:.2f} s/step, temp '
-          f'{row["temp_bytes"] / 2**20:.0f} MiB')
+          f'{row["temp_bytes"] / 2**20:.0f} MiB{note}')
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   config = _CONFIG.value
+  _check_flags(config)
   if _LAYOUTS.value:
     _layouts(config)
     return
-  if _STEPS.value < 1:
-    raise errors.ConfigError(f'--steps={_STEPS.value} must be at least 1')
   if _PIPELINE.value:
     _pipeline(config)
     return
-  if _CEILING.value < 1:
-    raise errors.ConfigError(
-        f'--ceiling_size={_CEILING.value} must be at least 1')
-  for dtype in _DTYPES.value:
-    precision.parse_policy(f'compute={dtype}', setting=f'--dtypes ({dtype})')
   dtypes = _DTYPES.value or [
       jnp.dtype(model.make_precision(config).policy.compute_dtype).name]
   rows = step_benchmark.run_dtypes(

@@ -33,6 +33,7 @@ from ml_collections import config_flags
 from haiku_mp import errors
 from haiku_mp.lab import advise
 from haiku_mp.lab import advise_files
+from haiku_mp.lab import checks
 from haiku_mp.lab import dot_algorithms
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
@@ -93,15 +94,22 @@ _COMPILE = flags.DEFINE_bool(
     'compile', True, "memory: also compile each variant's train step.")
 
 
-def _int_list(name, values):
-  try:
-    numbers = [int(v) for v in values]
-  except ValueError:
-    numbers = []
-  if not numbers or min(numbers) <= 0:
-    raise errors.ConfigError(f'--{name}: expected positive integers, got '
-                             f'{",".join(values)!r}')
-  return numbers
+# Each integer flag's least meaningful value (--checkpoint_step: -1 is the
+# newest checkpoint).
+_LEAST = ((_ROWS, 1), (_COLS, 1), (_REPEATS, 1), (_STEPS, 1),
+          (_WARMUP_STEPS, 0), (_NUMERICS_BATCH_SIZE, 1), (_SIZE, 1),
+          (_BATCHES, 1), (_CHECKPOINT_STEP, -1))
+
+
+def _check_flags() -> None:
+  """Every flag's range, before any experiment compiles or writes."""
+  checks.at_least((f.name, f.value, least) for f, least in _LEAST)
+  checks.positive_ints('batch_sizes', _BATCH_SIZES.value)
+  checks.compute_dtypes('dtypes', _DTYPES.value)
+
+
+def _log(line: str) -> None:
+  print(line, flush=True)
 
 
 def _params():
@@ -110,16 +118,18 @@ def _params():
 
 def _sweep():
   result = sweep.run(
-      _CONFIG.value, _DTYPES.value, _int_list('batch_sizes', _BATCH_SIZES.value),
+      _CONFIG.value, _DTYPES.value,
+      checks.positive_ints('batch_sizes', _BATCH_SIZES.value),
       _LAYOUTS.value, _STEPS.value, _WARMUP_STEPS.value, _ISOLATE.value,
-      log=lambda line: print(line, flush=True))
+      log=_log)
   return result, sweep.plot
 
 
 def _memory():
   result = memory.run(
-      _CONFIG.value, _DTYPES.value, _int_list('batch_sizes', _BATCH_SIZES.value),
-      _COMPILE.value, log=lambda line: print(line, flush=True))
+      _CONFIG.value, _DTYPES.value,
+      checks.positive_ints('batch_sizes', _BATCH_SIZES.value),
+      _COMPILE.value, log=_log)
   return result, memory.plot
 
 
@@ -127,8 +137,7 @@ def _precision():
   dtypes = _DTYPES.value if _DTYPES.present else list(precision_lab.DTYPES)
   result = precision_lab.run(
       _CONFIG.value, dtypes, _MATMUL_PRECISIONS.value, _STEPS.value,
-      _int_list('numerics_batch_size', [str(_NUMERICS_BATCH_SIZE.value)])[0],
-      _ISOLATE.value, log=lambda line: print(line, flush=True))
+      _NUMERICS_BATCH_SIZE.value, _ISOLATE.value, log=_log)
   return result, precision_lab.plot
 
 
@@ -141,12 +150,13 @@ def _profile():
 
 
 def _matmul():
-  return (matmul.run(_ROWS.value, _COLS.value, _REPEATS.value), matmul.plot)
+  return (matmul.run(_ROWS.value, _COLS.value, _REPEATS.value, log=_log),
+          matmul.plot)
 
 
 def _dot_algorithms():
-  size = _int_list('size', [str(_SIZE.value)])[0]
-  return dot_algorithms.run(size, _REPEATS.value), dot_algorithms.plot
+  return (dot_algorithms.run(_SIZE.value, _REPEATS.value, log=_log),
+          dot_algorithms.plot)
 
 
 EXPERIMENTS = {'params': _params, 'sweep': _sweep, 'memory': _memory,
@@ -166,15 +176,21 @@ def _report():
   index = report.run(_CONFIG.value, _OUT.value, _PARTS.value, _QUICK.value,
                      seeds, command=shlex.join(['python', '-m', 'launch.lab',
                                                 *sys.argv[1:]]),
-                     log=lambda line: print(line, flush=True))
+                     log=_log)
   print(json.dumps(index))
 
 
 def _advise():
-  """The advisor writes its own files and prints the flags to paste."""
-  result = advise.run(_CONFIG.value, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
-                      _BATCHES.value, _LEVEL.value, _STEPS.value,
-                      log=lambda line: print(line, flush=True))
+  """The advisor writes its own files and prints the flags to paste. With
+  --checkpoint, the run's own config.json is the config (its model, data,
+  precision, loss scale: nothing to repeat); --config.* flags on the command
+  line still win."""
+  config = _CONFIG.value
+  if _CHECKPOINT.value:
+    given = config_flags.get_override_values(flags.FLAGS['config'])
+    config = advise.with_run_config(config, _CHECKPOINT.value, given, log=_log)
+  result = advise.run(config, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
+                      _BATCHES.value, _LEVEL.value, _STEPS.value, log=_log)
   for path in advise_files.write(result, _OUT.value):
     print(f'wrote {path}', flush=True)
   for fmt, suggestion in result['suggestions'].items():
@@ -189,6 +205,7 @@ def main(argv):
     raise errors.ConfigError(f'expected one experiment of {COMMANDS}, '
                              f'got {argv[1:]}')
   experiment = argv[1]
+  _check_flags()
   if experiment in ('report', 'advise'):
     {'report': _report, 'advise': _advise}[experiment]()
     return

@@ -19,7 +19,8 @@ from tests import helpers
 FIELDS = {'device', 'jax_version', 'cpu', 'dtype', 'dot_form', 'policy',
           'batch_size', 'steps', 'step_time_s', 'step_times_s',
           'images_per_sec', 'flops_per_step', 'matmul_ceiling_flops',
-          'matmul_ceiling_size', 'mfu', 'compile_s', 'sys_cpu_s_per_step',
+          'matmul_ceiling_size', 'matmul_ceiling_times_s', 'mfu', 'mfu_note',
+          'compile_s', 'sys_cpu_s_per_step',
           'argument_bytes', 'output_bytes', 'temp_bytes', 'code_bytes',
           'device_peak_bytes', 'privacy', 'train_batch_size',
           'dp_microbatch_size'}
@@ -30,8 +31,11 @@ class StepBenchmarkTest(parameterized.TestCase):
   def test_fields_and_arithmetic_per_dtype(self):
     config = helpers.tiny_config()
     config.batch_size = 8
+    # An 8^3 ceiling matmul is the call's fixed cost, not the device's speed:
+    # the ceiling that gave `report --quick` an MFU above 1 (a 64^3 one against
+    # a step of 9x its FLOPs), here far smaller still.
     rows = step_benchmark.run_dtypes(config, ('float32', 'bfloat16'), steps=2,
-                                     ceiling_size=64, ceiling_repeats=2)
+                                     ceiling_size=8, ceiling_repeats=2)
     self.assertEqual([r['dtype'] for r in rows], ['float32', 'bfloat16'])
     self.assertEqual([r['dot_form'] for r in rows], ['plain', 'native'])
     for row in rows:
@@ -41,9 +45,21 @@ class StepBenchmarkTest(parameterized.TestCase):
                        sorted(row['step_times_s'])[1] / 2)
       self.assertAlmostEqual(row['images_per_sec'], 8 / row['step_time_s'])
       self.assertGreater(row['flops_per_step'], 0)
-      self.assertAlmostEqual(
-          row['mfu'], row['flops_per_step'] / row['step_time_s'] /
-          row['matmul_ceiling_flops'])
+      # The ceiling does at least one step's FLOPs per call, at the speed of
+      # its fastest call.
+      side = row['matmul_ceiling_size']
+      self.assertGreaterEqual(2 * side**3, row['flops_per_step'])
+      self.assertLen(row['matmul_ceiling_times_s'], 2)
+      self.assertEqual(row['matmul_ceiling_flops'],
+                       2 * side**3 / min(row['matmul_ceiling_times_s']))
+      if row['mfu'] is None:  # The step beat the ceiling: no MFU, and why.
+        self.assertIn('above the', row['mfu_note'])
+      else:
+        self.assertIsNone(row['mfu_note'])
+        self.assertBetween(row['mfu'], 0, 1)
+        self.assertAlmostEqual(
+            row['mfu'], row['flops_per_step'] / row['step_time_s'] /
+            row['matmul_ceiling_flops'])
       self.assertGreater(row['temp_bytes'], 0)
       self.assertGreaterEqual(row['sys_cpu_s_per_step'], 0)
     # A bf16 step does the same work: XLA counts (nearly) the same FLOPs.
@@ -77,6 +93,18 @@ class StepBenchmarkTest(parameterized.TestCase):
     self.assertAlmostEqual(private['vs_ordinary']['step_time_s'],
                            private['step_time_s'] / ordinary['step_time_s'])
     self.assertEqual(ordinary['vs_ordinary']['step_time_s'], 1.0)
+
+  def test_the_ceiling_side_and_an_mfu_above_one(self):
+    self.assertEqual(step_benchmark.ceiling_side(None, 64), 64)
+    self.assertEqual(step_benchmark.ceiling_side(2 * 10**6, 64), 100)
+    self.assertEqual(step_benchmark.ceiling_side(2 * 10**6, 512), 512)
+    self.assertEqual(step_benchmark.ceiling_side(1e15, 64),
+                     step_benchmark.MAX_GROWN_CEILING_SIZE)
+    self.assertEqual(step_benchmark.mfu(4e9, 2.0, 4e9), (0.5, None))
+    value, why = step_benchmark.mfu(4e9, 0.5, 4e9)
+    self.assertIsNone(value)
+    self.assertIn('8 GFLOP/s, above the 4 GFLOP/s of the ceiling', why)
+    self.assertEqual(step_benchmark.mfu(None, 1.0, 4e9)[0], None)
 
   def test_cpu_flags(self):
     path = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
@@ -155,9 +183,11 @@ class CommandLineTest(parameterized.TestCase):
     self.assertIn('img/s', lines[0])  # A line a person reads per dtype.
     self.assertIn('float16 vs float32', lines[-2])
 
-  @parameterized.parameters((['--dtypes=float32,float8'], '--dtypes (float8)'),
-                            (['--steps=0'], '--steps=0'),
-                            (['--pipeline', '--rounds=0'], '--rounds=0'))
+  @parameterized.parameters(
+      (['--dtypes=float32,float8'], '--dtypes (float8)'),
+      (['--steps=0'], '--steps=0 must be at least 1'),
+      (['--pipeline', '--rounds=0'], '--rounds=0 must be at least 1'),
+      (['--warmup_steps=-1'], '--warmup_steps=-1 must be at least 0'))
   def test_bad_input_is_one_line(self, flags, message):
     result = helpers.run_module('launch.benchmark',
                                 '--config=configs/vit_fp32.py', *flags)

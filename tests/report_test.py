@@ -70,6 +70,28 @@ class QuickReportTest(parameterized.TestCase):
         self.assertIn(f'({plot})', markdown)
     self.assertIn('Command: `python -m launch.lab report --quick', markdown)
 
+  def test_one_progress_line_per_part_and_variant(self):
+    self.assertEqual(self.result.returncode, 0, self.result.stderr[-3000:])
+    lines = self.result.stdout.strip().splitlines()[:-1]  # Then the index.
+    variants = dict(
+        benchmark=len(_read(self.out, 'benchmark')['results']),
+        memory=len(_read(self.out, 'memory')['results']),
+        precision=sum(len(_read(self.out, 'precision')[k])
+                      for k in ('matmul', 'residual', 'loss_scale')),
+        matmul=len(_read(self.out, 'matmul')['results']),
+        dot_algorithms=len(_read(self.out, 'dot_algorithms')['results']),
+        accuracy=len(_read(self.out, 'accuracy')['runs']))
+    counted = {part: sum(line.startswith((f'{part} ', f'{part}:'))
+                         for line in lines) for part in report.PARTS}
+    # A line per variant and one when the part is done; nothing else.
+    self.assertEqual(counted, {p: n + 1 for p, n in variants.items()})
+    self.assertLen(lines, sum(counted.values()))
+    self.assertLess(max(len(line) for line in lines), 200)
+    # The trainer's own log (startup, progress, checkpoints, summary) is not
+    # shown three times over, nor is a float64 truncation warning.
+    for noise in ('trainer.py', 'checkpoint.py', 'Summary', 'truncated'):
+      self.assertNotIn(noise, self.result.stderr)
+
   def test_benchmark_and_memory_cover_every_dtype(self):
     self.assertEqual(self.result.returncode, 0, self.result.stderr[-3000:])
     for part in ('benchmark', 'memory'):
@@ -80,6 +102,14 @@ class QuickReportTest(parameterized.TestCase):
     for row in bench:
       self.assertAlmostEqual(row['vs_float32']['images_per_sec'],
                              row['images_per_sec'] / bench[0]['images_per_sec'])
+      # An MFU of a quick report was 1.55: its 64^3 ceiling was no ceiling.
+      # The ceiling now does at least a step's FLOPs per call, at --quick's
+      # least side, and the MFU is one.
+      self.assertGreaterEqual(row['matmul_ceiling_size'],
+                              report.QUICK.ceiling_size)
+      self.assertGreaterEqual(2 * row['matmul_ceiling_size']**3,
+                              row['flops_per_step'])
+      self.assertBetween(row['mfu'], 0, 1)
     memory = _read(self.out, 'memory')['results']
     # Half precision keeps fewer activation bytes than float32.
     for row in memory[1:]:
@@ -95,6 +125,11 @@ class QuickReportTest(parameterized.TestCase):
     self.assertLess(f32['relative_error'], 1e-5)
     for row in rows.values():
       self.assertEqual(row['compiles'], row['error'] is None)
+    # Measured with x64 on (a process of its own), not truncated to float32.
+    f64 = rows['F64_F64_F64']
+    self.assertEqual((f64['operand_dtype'], f64['result_dtype'], f64['x64']),
+                     ('float64', 'float64', True))
+    self.assertLess(f64['relative_error'], 1e-12)
 
   def test_accuracy_runs_are_workdirs_with_curves_and_the_gap(self):
     self.assertEqual(self.result.returncode, 0, self.result.stderr[-3000:])
@@ -133,7 +168,7 @@ class WhatDoesNotFitTest(absltest.TestCase):
       return real(variant, *args, **kwargs)
 
     sizes = report.Sizes(batch_sizes=(8, 16), steps=1, ceiling_size=32,
-                         repeats=1)
+                         ceiling_repeats=1)
     with mock.patch.object(step_benchmark, 'run', run):
       rows = report.benchmark(config, sizes, log=lambda _: None)['results']
     self.assertEqual([r['fits'] for r in rows], [True] * 3 + [False] * 3)

@@ -20,10 +20,11 @@ float16 loss scale, measured on the config's model and a few real batches.
 
 import contextlib
 import copy
+import json
 import math
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,47 @@ from haiku_mp.lab import sweep
 
 LEVELS = ('stats', 'knockout')
 HALF_DTYPES = ('float16', 'bfloat16')
+def _flat(value, prefix: str = '') -> dict[str, Any]:
+  """{'model': {'embed_dim': 16}} -> {'model.embed_dim': 16}."""
+  if not isinstance(value, dict):
+    return {prefix: value}
+  flat = {}
+  for key, item in value.items():
+    flat.update(_flat(item, f'{prefix}.{key}' if prefix else key))
+  return flat
+
+
+def with_run_config(config: ml_collections.ConfigDict, workdir: str,
+                    given: Collection[str] = (),
+                    log: Callable[[str], None] = print
+                    ) -> ml_collections.ConfigDict:
+  """`config` with every field of the run in `workdir` (its config.json, as
+  launch.train wrote it: model, data, batch size, precision, loss scale,
+  optimizer; what restores its checkpoint and draws its batches), except the
+  dotted fields in `given` (set on the command line, they win). A workdir
+  without config.json leaves `config` as it is, and says so."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    log(f'advise: no {path}; the config is --config\'s')
+    return config
+  try:
+    with open(path) as f:
+      saved = _flat(json.load(f))
+  except (OSError, ValueError) as e:
+    raise errors.ConfigError(f'--checkpoint={workdir}: {path} cannot be read '
+                             f'({e})') from None
+  config = copy.deepcopy(config)
+  for key, value in saved.items():
+    *parents, name = key.split('.')
+    holder = config
+    for part in parents:
+      holder = holder.get(part) if holder is not None else None
+    if key in given or holder is None or name not in holder:
+      continue  # Set on the command line, or a field no longer in configs.
+    holder[name] = tuple(value) if isinstance(holder[name], tuple) else value
+  log(f'advise: the config of {path}; from the command line: '
+      + (', '.join(f'--config.{k}' for k in sorted(given)) or 'nothing'))
+  return config
 
 
 def reference_config(config: ml_collections.ConfigDict
@@ -376,7 +418,9 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
                   compute_dtype=target,
                   loss_scale=dict(config.loss_scale),
                   model=dict(config.model),
-                  batch_size=config.batch_size),
+                  batch_size=config.batch_size,
+                  data={k: config.data[k] for k in (
+                      'source', 'arrays_path', 'data_dir', 'train_split')}),
       params_from=source, start_step=step, batches=num_batches,
       loss_scales_seen=scales, thresholds=dict(config.advisor),
       exponents=[int(e) for e in numerics.EXPONENTS],

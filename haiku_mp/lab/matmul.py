@@ -13,18 +13,25 @@ from haiku_mp import plots
 DTYPES = ('float64', 'float32', 'float16', 'bfloat16')
 
 
-def median_seconds(fn, args, repeats: int) -> float:
-  """Median wall time of `fn(*args)` (compiled already), each call waited for."""
+def seconds(fn, args, repeats: int) -> list[float]:
+  """Wall time of each of `repeats` calls of `fn(*args)` (compiled already),
+  each call waited for."""
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
-  return float(np.median(times))
+  return times
+
+
+def median_seconds(fn, args, repeats: int) -> float:
+  """Median wall time of `fn(*args)` (compiled already), each call waited for."""
+  return float(np.median(seconds(fn, args, repeats)))
 
 
 def run(rows: int, cols: int, repeats: int,
-        dtypes: Sequence[str] = DTYPES) -> dict[str, Any]:
+        dtypes: Sequence[str] = DTYPES, log=lambda line: None
+        ) -> dict[str, Any]:
   """Median time of `A @ A.T` for A of shape (rows, cols), per dtype."""
   results = []
   for name in dtypes:
@@ -38,6 +45,8 @@ def run(rows: int, cols: int, repeats: int,
     results.append(dict(dtype=name, computed_dtype=computed_dtype,
                         median_sec=median,
                         gflops_per_sec=flops / median / 1e9))
+    log(f'matmul {name}: {results[-1]["gflops_per_sec"]:.1f} GFLOP/s '
+        f'(computed in {computed_dtype})')
   base = results[0]['median_sec']
   for r in results:
     r['time_vs_first'] = r['median_sec'] / base

@@ -30,9 +30,10 @@ def run(config: ml_collections.ConfigDict) -> dict[str, Any]:
   totals = {d: dict(count=count, bytes=count * np.dtype(d).itemsize,
                     megabytes=count * np.dtype(d).itemsize / 1e6)
             for d in DTYPES}
+  float32 = totals['float32']['bytes']
   return dict(experiment='params', modules=modules, totals=totals,
-              note=('MB = 1e6 bytes: 10,695,562 float32 params are 42.78 MB '
-                    '(40.80 MiB).'))
+              note=(f'MB = 1e6 bytes: {count:,} float32 params are '
+                    f'{float32 / 1e6:.2f} MB ({float32 / 2**20:.2f} MiB).'))
 
 
 def plot(result: dict[str, Any], out_dir: str) -> list[str]:

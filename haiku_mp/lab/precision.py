@@ -193,7 +193,10 @@ def run(config: ml_collections.ConfigDict,
         row.update(_measure(exp, lowered, ref, num_steps, numerics_batch_size,
                             isolate),
                    same_program_as=None)
-      log(f'precision {row}')
+      log(f'precision {dtype} matmul_precision {row["matmul_precision"]}: '
+          + (f'the program of {same["matmul_precision"]}' if same else
+             f'{row["median_step_sec"] * 1e3:.1f} ms/step, gradient error '
+             f'{row["grads_relative_error"]:.2e} vs float64'))
       matmul_rows.append(row)
 
   residual_rows = []
@@ -211,7 +214,9 @@ def run(config: ml_collections.ConfigDict,
                                   numerics_batch_size, isolate)
       row.update({k: v for k, v in measured.items()
                   if k not in ('dtype', 'matmul_precision', 'same_program_as')})
-      log(f'residual {row}')
+      log(f'precision {dtype} residual stream {stream}: activations kept '
+          f'{row["kept_activation_bytes"] / 2**20:.1f} MiB, gradient error '
+          f'{row["grads_relative_error"]:.2e} vs float64')
       residual_rows.append(row)
   compare.add_ratios(
       residual_rows, 'vs_compute_stream',
@@ -228,7 +233,8 @@ def run(config: ml_collections.ConfigDict,
                  initial_scale=loss_scaling.LossScaler.from_config(
                      variant.loss_scale).init().scale.item(),
                  **error_vs(variant, ref, numerics_batch_size))
-      log(f'loss scale {row}')
+      log(f'precision float16 loss scale {kind}: gradient error '
+          f'{row["grads_relative_error"]:.2e} vs float64')
       loss_scale_rows.append(row)
   return dict(experiment='precision', device=str(jax.devices()[0].device_kind),
               batch_size=config.batch_size,

@@ -18,6 +18,7 @@ rewrites `report.md` from all the parts' JSON found there):
   resumes from its checkpoints when run again.
 """
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -25,6 +26,7 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
+from absl import logging
 import jax
 import ml_collections
 import numpy as np
@@ -56,6 +58,7 @@ class Sizes:
   batch_sizes: tuple[int, ...] = (128, 1024, 4096)
   steps: int = 5
   ceiling_size: int = 4096
+  ceiling_repeats: int = 5
   matmul_shape: tuple[int, int] = (1024, 65536)
   repeats: int = 5
   matmul_precisions: tuple[str, ...] = precision_lab.MATMUL_PRECISIONS
@@ -66,7 +69,9 @@ class Sizes:
   isolate_precision: bool = True
 
 
-QUICK = Sizes(batch_sizes=(8,), steps=1, ceiling_size=64,
+# --quick's ceiling is still a ceiling: a matmul large enough to keep the
+# device busy (a 64^3 one measured the cost of a call, not the device).
+QUICK = Sizes(batch_sizes=(8,), steps=1, ceiling_size=1024, ceiling_repeats=3,
               matmul_shape=(64, 256), repeats=1, matmul_precisions=('',),
               precision_dtypes=('float16',), numerics_batch_size=4,
               dot_size=32, isolate_memory=False, isolate_precision=False)
@@ -109,7 +114,7 @@ def benchmark(config, sizes: Sizes, log) -> dict[str, Any]:
       try:
         row = step_benchmark.run(variant, sizes.steps,
                                  ceiling_size=sizes.ceiling_size,
-                                 ceiling_repeats=sizes.repeats)
+                                 ceiling_repeats=sizes.ceiling_repeats)
         row['fits'] = True
       except Exception as e:  # pylint: disable=broad-except
         if not _out_of_memory(e):
@@ -117,8 +122,8 @@ def benchmark(config, sizes: Sizes, log) -> dict[str, Any]:
         row = dict(dtype=dtype, batch_size=batch_size, fits=False,
                    error=_first_line(e))
       log(f'benchmark {dtype} batch {batch_size}: '
-          + (f'{row["images_per_sec"]:.1f} img/s' if row['fits'] else
-             'does not fit'))
+          + (f'{row["images_per_sec"]:.1f} img/s, MFU {_mfu(row)}'
+             if row['fits'] else 'does not fit'))
       rows.append(row)
   compare.add_ratios(rows, 'vs_float32', step_benchmark.RATIO_FIELDS,
                      is_base=lambda r: r['dtype'] == 'float32' and r['fits'],
@@ -148,7 +153,9 @@ def memory_part(config, sizes: Sizes, log) -> dict[str, Any]:
         if not (isinstance(e, errors.ConfigError) or _out_of_memory(e)):
           raise
         row.update(fits=False, error=_first_line(e))
-      log(f'memory {dtype} batch {batch_size}: {row}')
+      log(f'memory {dtype} batch {batch_size}: ' + (
+          f'compiled {_mib(row["compiled_total_bytes"])} MiB, activations '
+          f'kept {_mib(kept)} MiB' if row['fits'] else 'does not fit'))
       rows.append(row)
   compare.add_ratios(
       rows, 'vs_float32', ('device_peak_bytes', 'temp_size_in_bytes',
@@ -177,6 +184,21 @@ def accuracy_config(config, dtype: str, seed: int) -> ml_collections.ConfigDict:
   return variant
 
 
+@contextlib.contextmanager
+def _trainer_quiet():
+  """The trainer's INFO log (its startup, progress, checkpoint and summary
+  lines) hidden while the report trains, at the default verbosity: the report
+  prints one line per run, and each run's own record is in its workdir
+  (metrics.jsonl, summary.json). Warnings and errors still show."""
+  verbosity = logging.get_verbosity()
+  if verbosity == logging.INFO:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(verbosity)
+
+
 def accuracy(config, out_dir: str, seeds: Sequence[int], log
              ) -> dict[str, Any]:
   runs = []
@@ -184,13 +206,17 @@ def accuracy(config, out_dir: str, seeds: Sequence[int], log
     for dtype in DTYPES:
       workdir = os.path.join(out_dir, 'accuracy', f'{dtype}_seed{seed}')
       variant = accuracy_config(config, dtype, seed)
-      summary = trainer.train_and_evaluate(
-          variant, workdir, sharding.mesh_for(variant.parallel))
+      start = time.perf_counter()
+      with _trainer_quiet():
+        summary = trainer.train_and_evaluate(
+            variant, workdir, sharding.mesh_for(variant.parallel))
       if 'preempted_at_step' in summary:
         raise errors.ConfigError(
             f'accuracy: {dtype} seed {seed} was stopped at step '
             f'{summary["preempted_at_step"]}; run the report again to resume')
-      log(f'accuracy {dtype} seed {seed}: test {summary["test_accuracy"]:.4f}')
+      log(f'accuracy {dtype} seed {seed}: test {summary["test_accuracy"]:.4f} '
+          f'after {summary["steps"]} steps ({time.perf_counter() - start:.0f} '
+          f's; {os.path.relpath(workdir, out_dir)})')
       runs.append(dict(dtype=dtype, seed=seed, workdir=os.path.relpath(
           workdir, out_dir), **{k: summary[k] for k in (
               'test_accuracy', 'test_loss', 'val_accuracy', 'steps',
@@ -276,10 +302,10 @@ def run(config: ml_collections.ConfigDict, out_dir: str,
       'memory': (lambda: memory_part(config, sizes, log), _memory_plot),
       'precision': (lambda: precision_part(config, sizes, log),
                     precision_lab.plot),
-      'matmul': (lambda: matmul.run(*sizes.matmul_shape, sizes.repeats),
-                 matmul.plot),
+      'matmul': (lambda: matmul.run(*sizes.matmul_shape, sizes.repeats,
+                                    log=log), matmul.plot),
       'dot_algorithms': (lambda: dot_algorithms.run(sizes.dot_size,
-                                                    sizes.repeats),
+                                                    sizes.repeats, log=log),
                          dot_algorithms.plot),
       'accuracy': (lambda: accuracy(config, out_dir, seeds, log),
                    _accuracy_plot),
@@ -305,6 +331,10 @@ def _mib(value) -> str:
   return '-' if value is None else f'{value / 2**20:,.1f}'
 
 
+def _mfu(row) -> str:
+  return 'n/a' if row['mfu'] is None else f'{row["mfu"]:.3f}'
+
+
 def _ratio(row, field) -> str:
   value = (row.get('vs_float32') or {}).get(field)
   return '-' if value is None else f'{value:.2f}x'
@@ -323,12 +353,16 @@ def _benchmark_md(r) -> list[str]:
       rows.append([x['batch_size'], x['dtype'], 'does not fit', '', '', '',
                    ''])
       continue
-    mfu = '-' if x['mfu'] is None else f'{x["mfu"]:.2f}'
     rows.append([x['batch_size'], x['dtype'], x['dot_form'],
                  f'{x["step_time_s"] * 1e3:.1f}', f'{x["images_per_sec"]:.0f}',
-                 _ratio(x, 'images_per_sec'), mfu])
+                 _ratio(x, 'images_per_sec'), _mfu(x),
+                 f'{x["matmul_ceiling_flops"] / 1e9:,.0f} '
+                 f'({x["matmul_ceiling_size"]}^3)'])
+  notes = [f'- {x["dtype"]} batch {x["batch_size"]}: MFU n/a, {x["mfu_note"]}.'
+           for x in r['results'] if x['fits'] and x.get('mfu_note')]
   return _table(('batch', 'dtype', 'dot form', 'ms/step', 'img/s',
-                 'img/s vs f32', 'MFU'), rows)
+                 'img/s vs f32', 'MFU', 'ceiling GFLOP/s (matmul)'), rows) + (
+                     ['', *notes] if notes else [])
 
 
 def _memory_md(r) -> list[str]:

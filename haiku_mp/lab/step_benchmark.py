@@ -6,7 +6,18 @@ pipeline), compile and warm-up excluded; the time is the median of the timed
 steps, each waited for. Its FLOPs are XLA's count for the compiled step. The
 ceiling is a large matmul in the same compute dtype and the same dot form
 (`half_dot`), timed in the same process: `mfu` is the step's FLOP/s over it.
+
+A ceiling must be one. A matmul too small to keep the device busy measures
+the cost of a call (dispatch, waking threads), not the device: --quick's 64^3
+ceiling ran at 3-8 GFLOP/s on a CPU that does 120 at 1024^3, a tiny step did
+its 9x more FLOPs per call at 3, and the report printed an MFU of 1.55. So
+the ceiling's matmul does at least one step's FLOPs per call (its side grows
+to that, up to `MAX_GROWN_CEILING_SIZE`), its FLOP/s is its fastest call's (a
+loaded machine only slows calls down), and an MFU above 1 is not reported as
+one.
 """
+
+import math
 
 from typing import Any, Optional, Sequence
 
@@ -25,6 +36,10 @@ CPU_FLAGS = ('amx_bf16', 'avx512_bf16', 'avx512_fp16')
 # Compared as ratios to the first dtype of a run.
 RATIO_FIELDS = ('step_time_s', 'images_per_sec', 'mfu', 'sys_cpu_s_per_step',
                 'matmul_ceiling_flops', 'temp_bytes')
+# The ceiling matmul's side grows to do one step's FLOPs up to this side: a
+# 4096^3 matmul is 137 GFLOP, a second or more of a CPU, where a call's fixed
+# cost is lost in the noise.
+MAX_GROWN_CEILING_SIZE = 4096
 
 
 def cpu_info(cpuinfo_path: str = '/proc/cpuinfo') -> dict[str, Any]:
@@ -44,14 +59,41 @@ def cpu_info(cpuinfo_path: str = '/proc/cpuinfo') -> dict[str, Any]:
   return dict(model=name, **{flag: flag in flags for flag in CPU_FLAGS})
 
 
-def matmul_ceiling(dtype, form: str, size: int, repeats: int) -> float:
-  """FLOP/s of a `size`^3 matmul with `dtype` operands in `form`."""
+def ceiling_side(flops_per_step: Optional[float], least: int) -> int:
+  """The ceiling matmul's side: at least `least`, and large enough to do one
+  step's FLOPs in one call (up to `MAX_GROWN_CEILING_SIZE`), so that a call's
+  fixed cost weighs no more on the ceiling than on the step."""
+  if not flops_per_step:
+    return least
+  side = math.ceil((flops_per_step / 2) ** (1 / 3))
+  return max(least, min(side, MAX_GROWN_CEILING_SIZE))
+
+
+def matmul_ceiling(dtype, form: str, size: int, repeats: int
+                   ) -> tuple[float, list[float]]:
+  """FLOP/s of the fastest of `repeats` calls of a `size`^3 matmul with
+  `dtype` operands in `form`, and every call's seconds."""
   rng = np.random.default_rng(0)
   a, b = (jnp.asarray(rng.standard_normal((size, size)), dtype)
           for _ in range(2))
   dot = jax.jit(lambda a, b: half_dot.Dots(form).einsum('ij,jk->ik', a, b))
   jax.block_until_ready(dot(a, b))  # Compiles.
-  return 2.0 * size**3 / matmul.median_seconds(dot, (a, b), repeats)
+  times = matmul.seconds(dot, (a, b), repeats)
+  return 2.0 * size**3 / min(times), times
+
+
+def mfu(flops_per_step: Optional[float], step_time: float, ceiling: float
+        ) -> tuple[Optional[float], Optional[str]]:
+  """(MFU, None), or (None, why) when it cannot be one: no FLOP count, or a
+  step faster than the ceiling (then the ceiling was not one)."""
+  if not flops_per_step:
+    return None, 'the backend reports no FLOP count for the step'
+  value = flops_per_step / step_time / ceiling
+  if value > 1:
+    return None, (f'the step ran at {flops_per_step / step_time / 1e9:.3g} '
+                  f'GFLOP/s, above the {ceiling / 1e9:.3g} GFLOP/s of the '
+                  'ceiling matmul: that is no ceiling, and no MFU')
+  return value, None
 
 
 def _flops(compiled) -> Optional[float]:
@@ -71,8 +113,10 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
   form = half_dot.form_for(precision.dot_form, dtype, jax.default_backend())
   timing = compiled_step.time_steps(step, steps, warmup_steps)
   flops = _flops(step.compiled)
-  ceiling = matmul_ceiling(dtype, form, ceiling_size, ceiling_repeats)
+  side = ceiling_side(flops, ceiling_size)
+  ceiling, ceiling_times = matmul_ceiling(dtype, form, side, ceiling_repeats)
   step_time = timing['median_step_sec']
+  utilization, why_not = mfu(flops, step_time, ceiling)
   stats = step.stats
   private = step.experiment.privacy
   return dict(
@@ -94,8 +138,10 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
       images_per_sec=timing['images_per_sec'],
       flops_per_step=flops,
       matmul_ceiling_flops=ceiling,
-      matmul_ceiling_size=ceiling_size,
-      mfu=flops and flops / step_time / ceiling,
+      matmul_ceiling_size=side,
+      matmul_ceiling_times_s=ceiling_times,
+      mfu=utilization,
+      mfu_note=why_not,
       compile_s=stats['compile_sec'],
       sys_cpu_s_per_step=timing['sys_cpu_sec_per_step'],
       argument_bytes=stats['argument_size_in_bytes'],

@@ -1,0 +1,37 @@
+"""The command-line values of the lab and the benchmark, checked before
+anything is compiled or written: a bad one is one ConfigError that names the
+flag and what would be valid."""
+
+from typing import Iterable, Sequence
+
+from haiku_mp import errors
+from haiku_mp import precision
+
+
+def at_least(flags: Iterable[tuple[str, int, int]]) -> None:
+  """Each (name, value, least meaningful value) of integer flags."""
+  for name, value, least in flags:
+    if value < least:
+      raise errors.ConfigError(f'--{name}={value} must be at least {least}')
+
+
+def positive_ints(name: str, values: Sequence[str]) -> list[int]:
+  """A list flag of positive integers (batch sizes), parsed."""
+  try:
+    numbers = [int(v) for v in values]
+  except ValueError:
+    numbers = []
+  if not numbers or min(numbers) <= 0:
+    raise errors.ConfigError(f'--{name}: expected positive integers, got '
+                             f'{",".join(values)!r}')
+  return numbers
+
+
+def compute_dtypes(name: str, dtypes: Sequence[str]) -> list[str]:
+  """A list flag of compute dtypes, each one a jmp policy accepts."""
+  if not dtypes:
+    raise errors.ConfigError(f'--{name}: expected at least one compute dtype, '
+                             'e.g. float32,bfloat16,float16')
+  for dtype in dtypes:
+    precision.parse_policy(f'compute={dtype}', setting=f'--{name} ({dtype})')
+  return list(dtypes)
