@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from haiku_mp import checkpoint as checkpoint_lib
+from haiku_mp import config_checks
 from haiku_mp import errors
 from haiku_mp import experiment
 from haiku_mp import input_pipeline
@@ -35,13 +36,6 @@ _PRIVATE_MEAN_METRICS = ('num_examples', 'example_grad_norm',
                          'clipped_fraction')
 # The module table a run writes into its workdir.
 MODULES_FILE = 'modules.txt'
-
-
-def check_intervals(config: ml_collections.ConfigDict) -> None:
-  for name in ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
-               'keep_checkpoints'):
-    if config[name] <= 0:
-      raise errors.ConfigError(f'{name}={config[name]} must be positive')
 
 
 def _mean_of_kept(values) -> float:
@@ -101,9 +95,12 @@ def evaluate(eval_step, params, batches, unreplicate=lambda x: x
 
 
 def _prepare_workdir(workdir: str, is_writer: bool) -> None:
-  """Creates the workdir, or says in one line why it cannot be written."""
+  """Creates the workdir, or says in one line why it cannot be written
+  (before the data is loaded: a wrong path costs a second, not a load)."""
   if not is_writer:
     return
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise errors.ConfigError(f'--workdir={workdir} is a file, not a directory')
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, '.write_test')
@@ -111,8 +108,9 @@ def _prepare_workdir(workdir: str, is_writer: bool) -> None:
       pass
     os.remove(probe)
   except OSError as e:
+    where = f': {e.filename}' if e.filename and e.filename != workdir else ''
     raise errors.ConfigError(f'--workdir={workdir} is not writable '
-                             f'({e.strerror})') from None
+                             f'({e.strerror}{where})') from None
 
 
 class _Interruption:
@@ -381,7 +379,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   signal handlers are owned by one ExitStack, so every exit (the end,
   divergence, a signal, any exception) closes and restores them.
   """
-  check_intervals(config)
+  config_checks.check(config)
   shard = input_pipeline.Shard.current()
   input_pipeline.local_batch_size(config.batch_size, shard)
   finished = finished_summary(config, workdir)

@@ -290,6 +290,22 @@ class LaunchTrainTest(parameterized.TestCase):
     self.assertNotIn('Traceback', result.stderr)
     self.assertFalse(os.path.exists(workdir))
 
+  @parameterized.named_parameters(
+      ('is_a_file', '', 'is a file, not a directory'),
+      ('under_a_file', 'run', 'is not writable (Not a directory)'))
+  def test_workdir_that_cannot_be_written_stops_before_the_data(
+      self, below, message):
+    blocker = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
+                           'a_file')
+    with open(blocker, 'w') as f:
+      f.write('not a directory')
+    workdir = os.path.join(blocker, below) if below else blocker
+    result = self._run(workdir)
+    self.assertEqual(result.returncode, 2, result.stderr[-3000:])
+    self.assertEqual(result.stderr.strip().splitlines()[-1],
+                     f'error: --workdir={workdir} {message}')
+    self.assertNotIn('Data (', result.stderr)  # Not loaded first.
+
   def test_arrays_run_needs_no_tensorflow(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
     rng = np.random.default_rng(0)
