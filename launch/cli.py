@@ -219,7 +219,9 @@ def run(main: Callable[[list[str]], None]) -> None:
       _exit(f'error: {e}', EXIT_USAGE)
     except errors.RunError as e:
       _exit(f'error: {e}', EXIT_FAILURE)
-    except KeyboardInterrupt:
-      _exit('interrupted (Ctrl-C); stopped without saving', EXIT_INTERRUPTED)
+    except KeyboardInterrupt as e:
+      # The trainer's second-Ctrl-C handler says what it stopped and kept.
+      _exit(f'interrupted: {e}' if str(e) else
+            'interrupted (Ctrl-C); stopped without saving', EXIT_INTERRUPTED)
 
   app.run(guarded, flags_parser=_parse_flags)
