@@ -69,6 +69,8 @@ class QuickReportTest(parameterized.TestCase):
         self.assertGreater(os.path.getsize(os.path.join(self.out, plot)), 100)
         self.assertIn(f'({plot})', markdown)
     self.assertIn('Command: `python -m launch.lab report --quick', markdown)
+    # --quick measures memory in one process, and says so.
+    self.assertIn('Measured with every variant in one process.', markdown)
 
   def test_one_progress_line_per_part_and_variant(self):
     self.assertEqual(self.result.returncode, 0, self.result.stderr[-3000:])

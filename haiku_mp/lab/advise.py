@@ -69,6 +69,8 @@ def with_run_config(config: ml_collections.ConfigDict, workdir: str,
   dotted fields in `given` (set on the command line, they win). A workdir
   without config.json leaves `config` as it is, and says so."""
   path = os.path.join(workdir, 'config.json')
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+    return config  # Not a run: `run` says so before anything is done.
   if not os.path.exists(path):
     log(f'advise: no {path}; the config is --config\'s')
     return config

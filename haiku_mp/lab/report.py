@@ -162,7 +162,7 @@ def memory_part(config, sizes: Sizes, log) -> dict[str, Any]:
                            'compiled_total_bytes', 'kept_activation_bytes'),
       is_base=lambda r: r['dtype'] == 'float32',
       same_group=lambda a, b: a['batch_size'] == b['batch_size'])
-  return dict(results=rows)
+  return dict(results=rows, isolated=sizes.isolate_memory)
 
 
 def precision_part(config, sizes: Sizes, log) -> dict[str, Any]:
@@ -271,7 +271,7 @@ def _memory_plot(result, out_dir) -> list[str]:
            else 'compiled_total_bytes')
   return _by_dtype_and_batch(
       result, out_dir, 'memory_peak', field, 2**20, f'{field} (MiB)',
-      f'one variant per process on {result["device"]}')
+      f'{_where(result)} on {result["device"]}')
 
 
 # ---------------------------------------------------------------- the run --
@@ -365,6 +365,13 @@ def _benchmark_md(r) -> list[str]:
                      ['', *notes] if notes else [])
 
 
+def _where(r) -> str:
+  """Where the memory part measured: a fresh process per variant gives each
+  its own peak; in one process (--quick) the peaks are not each one's own."""
+  return ('one variant per process' if r.get('isolated', not r['quick']) else
+          'every variant in one process')
+
+
 def _memory_md(r) -> list[str]:
   rows = [[x['batch_size'], x['dtype'],
            _mib(x.get('device_peak_bytes')) if x['fits'] else 'does not fit',
@@ -373,9 +380,10 @@ def _memory_md(r) -> list[str]:
            _mib((x.get('params_bytes') or 0) + (x.get('opt_state_bytes') or 0)),
            _ratio(x, 'device_peak_bytes'), _ratio(x, 'kept_activation_bytes')]
           for x in r['results']]
-  return _table(('batch', 'dtype', 'device peak MiB', 'compiled MiB',
-                 'activations kept MiB', 'params + opt state MiB',
-                 'peak vs f32', 'kept vs f32'), rows) + ['', *_fixed_share(r)]
+  return [f'Measured with {_where(r)}.', '', *_table(
+      ('batch', 'dtype', 'device peak MiB', 'compiled MiB',
+       'activations kept MiB', 'params + opt state MiB', 'peak vs f32',
+       'kept vs f32'), rows), '', *_fixed_share(r)]
 
 
 def _fixed_share(r) -> list[str]:
@@ -415,12 +423,14 @@ def _matmul_md(r) -> list[str]:
 def _dot_md(r) -> list[str]:
   rows = []
   for x in r['results']:
+    operands = x['operand_dtype'] + (' (x64 on, a process of its own)'
+                                     if x.get('x64') else '')
     if x['compiles']:
-      rows.append([x['algorithm'], x['operand_dtype'], 'yes',
+      rows.append([x['algorithm'], operands, 'yes',
                    x['result_dtype'], f'{x["relative_error"]:.1e}',
                    f'{x["median_sec"] * 1e3:.2f}'])
     else:
-      rows.append([x['algorithm'], x['operand_dtype'], 'no: ' + x['error'][:120],
+      rows.append([x['algorithm'], operands, 'no: ' + x['error'][:120],
                    '', '', ''])
   return _table(('algorithm', 'operands', 'runs', 'result', 'rel. error',
                  'ms'), rows)
@@ -440,7 +450,7 @@ def _accuracy_md(r) -> list[str]:
 
 
 _MARKDOWN = dict(benchmark=('Step benchmark', _benchmark_md),
-                 memory=('Memory, one variant per process', _memory_md),
+                 memory=('Memory per variant', _memory_md),
                  precision=('Matmul precision', _precision_md),
                  matmul=('The seeds\' jnp.dot(A, A.T)', _matmul_md),
                  dot_algorithms=('Dot algorithms', _dot_md),
