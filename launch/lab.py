@@ -106,6 +106,7 @@ def _check_flags() -> None:
   checks.at_least((f.name, f.value, least) for f, least in _LEAST)
   checks.positive_ints('batch_sizes', _BATCH_SIZES.value)
   checks.compute_dtypes('dtypes', _DTYPES.value)
+  checks.out_dir('out', _OUT.value)
 
 
 def _log(line: str) -> None:

@@ -109,6 +109,17 @@ class FlagChecksTest(parameterized.TestCase):
                                 '^--dtypes: expected at least one'):
       checks.compute_dtypes('dtypes', [])
 
+  def test_out_dir(self):
+    tmp = self.create_tempdir()
+    checks.out_dir('out', tmp.full_path)
+    checks.out_dir('out', os.path.join(tmp.full_path, 'new'))
+    path = tmp.create_file('results.json').full_path
+    with self.assertRaisesWithLiteralMatch(
+        errors.ConfigError, f'--out={path} is a file, not a directory'):
+      checks.out_dir('out', path)
+    with self.assertRaisesRegex(errors.ConfigError, '^--out is empty'):
+      checks.out_dir('out', '')
+
 
 class SweepTest(parameterized.TestCase):
 

@@ -2,6 +2,7 @@
 anything is compiled or written: a bad one is one ConfigError that names the
 flag and what would be valid."""
 
+import os
 from typing import Iterable, Sequence
 
 from haiku_mp import errors
@@ -35,3 +36,12 @@ def compute_dtypes(name: str, dtypes: Sequence[str]) -> list[str]:
   for dtype in dtypes:
     precision.parse_policy(f'compute={dtype}', setting=f'--{name} ({dtype})')
   return list(dtypes)
+
+
+def out_dir(name: str, path: str) -> None:
+  """A directory flag the command writes into: a directory, or none yet."""
+  if not path:
+    raise errors.ConfigError(f'--{name} is empty: expected a directory to write '
+                             'into')
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise errors.ConfigError(f'--{name}={path} is a file, not a directory')
