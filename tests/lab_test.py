@@ -110,10 +110,12 @@ class FlagChecksTest(parameterized.TestCase):
       checks.compute_dtypes('dtypes', [])
 
   def test_out_dir(self):
-    tmp = self.create_tempdir()
-    checks.out_dir('out', tmp.full_path)
-    checks.out_dir('out', os.path.join(tmp.full_path, 'new'))
-    path = tmp.create_file('results.json').full_path
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    checks.out_dir('out', tmp)
+    checks.out_dir('out', os.path.join(tmp, 'new'))
+    path = os.path.join(tmp, 'results.json')
+    with open(path, 'w') as f:
+      f.write('{}')
     with self.assertRaisesWithLiteralMatch(
         errors.ConfigError, f'--out={path} is a file, not a directory'):
       checks.out_dir('out', path)
