@@ -49,6 +49,8 @@ from haiku_mp.lab import sweep
 
 LEVELS = ('stats', 'knockout')
 HALF_DTYPES = ('float16', 'bfloat16')
+
+
 def _flat(value, prefix: str = '') -> dict[str, Any]:
   """{'model': {'embed_dim': 16}} -> {'model.embed_dim': 16}."""
   if not isinstance(value, dict):

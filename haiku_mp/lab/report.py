@@ -351,7 +351,7 @@ def _benchmark_md(r) -> list[str]:
   for x in r['results']:
     if not x['fits']:
       rows.append([x['batch_size'], x['dtype'], 'does not fit', '', '', '',
-                   ''])
+                   '', ''])
       continue
     rows.append([x['batch_size'], x['dtype'], x['dot_form'],
                  f'{x["step_time_s"] * 1e3:.1f}', f'{x["images_per_sec"]:.0f}',
