@@ -1,5 +1,7 @@
-"""Every bad input of README's table: one line naming it, non-zero exit,
-no traceback, and the existing run directory and checkpoint untouched."""
+"""Every bad input of README's table through the real command line: one line
+`error: ...` naming it, printed once (no absl E-line repeats it), exit status 2
+for a usage error, no traceback, and the existing run directory and
+checkpoint untouched."""
 
 import os
 import sys
@@ -7,16 +9,22 @@ import sys
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import contextlib
 import glob
 import hashlib
+import io
+import re
 import shutil
 import tempfile
 import time
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
+from haiku_mp import errors
+from launch import cli
 from tests import fake_cifar10
 from tests import helpers
 
@@ -27,8 +35,12 @@ TINY = ['--config.data.source=synthetic', '--config.num_train_steps=2',
         *helpers.TINY_MODEL_FLAGS]
 
 
-def _train(workdir, *flags, devices=8):
-  return helpers.run_module('launch.train', '--config=configs/vit_fp16.py',
+# An absl ERROR log line: E, then MMDD.
+_ABSL_ERROR = re.compile(r'^E\d{4} ')
+
+
+def _train(workdir, *flags, devices=8, config='configs/vit_fp16.py'):
+  return helpers.run_module('launch.train', f'--config={config}',
                             f'--workdir={workdir}', *TINY, *flags,
                             devices=devices)
 
@@ -51,22 +63,80 @@ class BadInputTest(parameterized.TestCase):
     super().setUpClass()
     cls.tmp = tempfile.mkdtemp()
     cls.finished = os.path.join(cls.tmp, 'finished')
-    result = _train(cls.finished)
+    # A warmup as long as the run: valid, with a warning.
+    result = _train(cls.finished, '--config.warmup_steps=2')
     assert result.returncode == 0, result.stderr[-3000:]
+    cls.finished_stderr = result.stderr
 
   @classmethod
   def tearDownClass(cls):
     shutil.rmtree(cls.tmp)
     super().tearDownClass()
 
-  def _assert_one_line_error(self, result, message):
-    self.assertNotEqual(result.returncode, 0)
+  def _assert_one_line_error(self, result, message, status=cli.EXIT_USAGE):
+    """`message` in the one `error:` line, the last, and in no absl ERROR
+    line; exit `status` (None: any but 0)."""
+    if status is None:
+      self.assertNotEqual(result.returncode, 0)
+    else:
+      self.assertEqual(result.returncode, status, result.stderr[-3000:])
     self.assertNotIn('Traceback', result.stderr)
-    last = result.stderr.strip().splitlines()[-1]
-    self.assertIn(message, last)
+    lines = result.stderr.strip().splitlines()
+    self.assertLen([l for l in lines if l.startswith('error:')], 1,
+                   result.stderr[-3000:])
+    self.assertStartsWith(lines[-1], 'error: ')
+    self.assertIn(message, lines[-1])
+    self.assertEmpty([l for l in lines
+                      if _ABSL_ERROR.match(l) and message in l])
+
+  def test_warmup_as_long_as_the_run_is_a_warning(self):
+    self.assertRegex(
+        self.finished_stderr, r"(?m)^W\d{4} .*warmup_steps=2 is not shorter "
+        r"than the run's 2 steps: the learning rate rises for the whole run "
+        'and never decays$')
 
   @parameterized.named_parameters(
-      ('unknown_config_key', ['--config.batch_sise=3'], 'batch_sise'),
+      ('config_file_missing', ['--config=configs/vit_fp61.py', 'WORKDIR'],
+       'error: --config=configs/vit_fp61.py: no such file; the configs are '
+       'configs/base.py, configs/vit_bf16.py, configs/vit_cpu.py, '
+       'configs/vit_fp16.py, configs/vit_fp32.py'),
+      ('config_variant_unknown', ['--config=configs/vit_cpu.py:fp8',
+                                  'WORKDIR'],
+       "error: --config=configs/vit_cpu.py:fp8: unknown variant 'fp8'; "
+       "expected one of ('fp32', 'bf16', 'fp16')"),
+      ('required_flag_missing', ['--config=configs/vit_fp16.py'],
+       'error: --workdir is required'))
+  def test_command_line(self, args, message):
+    before = _digest(self.finished)
+    args = [f'--workdir={self.finished}' if a == 'WORKDIR' else a
+            for a in args]
+    self._assert_one_line_error(helpers.run_module('launch.train', *args),
+                                message)
+    self.assertEqual(_digest(self.finished), before)
+
+  @parameterized.named_parameters(
+      ('unknown_config_key', ['--config.batch_sise=3'],
+       'error: --config.batch_sise: the config has no such setting; did you '
+       'mean --config.batch_size?'),
+      ('not_a_boolean', ['--config.data.augment=yes'],
+       'error: --config.data.augment=yes: expected true or false'),
+      ('not_an_integer', ['--config.batch_size=eight'],
+       'error: --config.batch_size=eight: expected an integer'),
+      ('mesh_shape_not_two_integers', ['--config.parallel.strategy=pjit',
+                                       '--config.parallel.mesh_shape=4x2'],
+       "error: parallel.mesh_shape='4x2': expected two positive integers "
+       '(batch, model) like (4,2); one may be -1 (the remaining devices)'),
+      ('eval_batch_size', ['--config.eval_batch_size=-5'],
+       'error: eval_batch_size=-5 must be positive'),
+      # One step an epoch: a run that took 0 for -1 would end, not hang.
+      ('no_train_steps', ['--config.num_train_steps=0',
+                          '--config.data.synthetic_train_examples=8'],
+       'error: num_train_steps=0 must be positive, or -1 for num_epochs over '
+       'the train split'),
+      ('negative_learning_rate', ['--config.learning_rate=-1'],
+       'error: learning_rate=-1 must be a finite number >= 0'),
+      ('heads_not_dividing_embed_dim', ['--config.model.num_heads=3'],
+       'error: model.embed_dim=16 is not divisible by model.num_heads=3'),
       ('malformed_override', ['--config.precision.overrides=head'],
        "malformed entry 'head'"),
       ('invalid_policy', ['--config.precision.policy=p=f32,cc=f16'],
@@ -127,7 +197,9 @@ class BadInputTest(parameterized.TestCase):
                     f'--config.data.data_dir={empty}',
                     '--config.data.download=false')
     self._assert_one_line_error(result, 'data.data_dir')
-    self.assertFalse(os.path.exists(workdir))
+    # TFDS's own warning about the same dir asks nothing the error does not.
+    self.assertNotIn('has no dataset_info.json', result.stderr)
+    self.assertEmpty(os.listdir(empty))
 
   def _assert_data_error(self, result, workdir, *messages):
     self._assert_one_line_error(result, messages[0])
@@ -193,12 +265,14 @@ class BadInputTest(parameterized.TestCase):
        'train)'),
       ('image_size', ['--config.model.image_size=8'],
        'model.image_size=8, but data.source=arrays has 32x32 images'),
-      ('not_cifar_arrays', ['--spoil'], 'train_image is float32'))
+      ('not_cifar_arrays', ['--spoil'], 'train_image is float32'),
+      ('fewer_classes_than_the_labels', ['--config.model.num_classes=5'],
+       'model.num_classes=5, but data.source=arrays has labels up to 9'))
   def test_arrays_the_run_cannot_use(self, flags, message):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
     rng = np.random.default_rng(0)
     arrays = dict(train_image=rng.integers(0, 256, (20, 32, 32, 3), np.uint8),
-                  train_label=np.zeros(20, np.int32),
+                  train_label=np.arange(20, dtype=np.int32) % 10,
                   test_image=rng.integers(0, 256, (8, 32, 32, 3), np.uint8),
                   test_label=np.zeros(8, np.int32))
     if flags == ['--spoil']:
@@ -217,7 +291,7 @@ class BadInputTest(parameterized.TestCase):
     with open(blocker, 'w') as f:
       f.write('not a directory')
     result = _train(os.path.join(blocker, 'run'))
-    self._assert_one_line_error(result, 'is not writable')
+    self._assert_one_line_error(result, 'is not writable', status=None)
 
   def test_corrupt_checkpoint_falls_back_or_stops_cleanly(self):
     workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
@@ -243,6 +317,43 @@ class BadInputTest(parameterized.TestCase):
     result = _train(workdir, '--config.num_train_steps=5')
     self._assert_one_line_error(result, 'can be restored')
     self.assertEqual(_digest(workdir), before)
+
+
+class CliTest(parameterized.TestCase):
+  """What `cli.run` makes of a command's errors, in this process."""
+
+  @parameterized.named_parameters(
+      ('config_error', errors.ConfigError('batch_size=-8 must be positive'),
+       'error: batch_size=-8 must be positive', cli.EXIT_USAGE),
+      ('run_error', errors.RunError('cannot write DIR/metrics.jsonl: No space '
+                                    'left on device'),
+       'error: cannot write DIR/metrics.jsonl: No space left on device',
+       cli.EXIT_FAILURE),
+      ('ctrl_c', KeyboardInterrupt(),
+       'interrupted (Ctrl-C); stopped without saving', cli.EXIT_INTERRUPTED))
+  def test_one_line_and_the_exit_status(self, error, line, status):
+
+    def main(argv):
+      del argv
+      raise error
+
+    stderr = io.StringIO()
+    with mock.patch.object(sys, 'argv', ['prog']), \
+        contextlib.redirect_stderr(stderr), \
+        self.assertRaises(SystemExit) as exited:
+      cli.run(main)
+    self.assertEqual(exited.exception.code, status)
+    self.assertEqual(stderr.getvalue(), line + '\n')
+
+  def test_a_bug_keeps_its_traceback(self):
+
+    def main(argv):
+      del argv
+      raise ZeroDivisionError('a bug')
+
+    with mock.patch.object(sys, 'argv', ['prog']), \
+        self.assertRaises(ZeroDivisionError):
+      cli.run(main)
 
 
 if __name__ == '__main__':
