@@ -4,7 +4,8 @@ the project's own INFO lines, not its libraries'.
 
 Exit status: 2 for a usage error (a flag, a config file or setting, an input;
 `errors.ConfigError`), 1 for a failure of the environment (`errors.RunError`),
-130 for Ctrl-C. None of them prints a traceback; anything else is a bug and
+130 for Ctrl-C (a `KeyboardInterrupt`, whose message may say what the command
+did about it). None of them prints a traceback; anything else is a bug and
 keeps its own.
 """
 

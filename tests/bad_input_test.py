@@ -330,7 +330,10 @@ class CliTest(parameterized.TestCase):
        'error: cannot write DIR/metrics.jsonl: No space left on device',
        cli.EXIT_FAILURE),
       ('ctrl_c', KeyboardInterrupt(),
-       'interrupted (Ctrl-C); stopped without saving', cli.EXIT_INTERRUPTED))
+       'interrupted (Ctrl-C); stopped without saving', cli.EXIT_INTERRUPTED),
+      ('ctrl_c_the_command_handled', KeyboardInterrupt(
+          'a second Ctrl-C: stopped at once'),
+       'interrupted: a second Ctrl-C: stopped at once', cli.EXIT_INTERRUPTED))
   def test_one_line_and_the_exit_status(self, error, line, status):
 
     def main(argv):

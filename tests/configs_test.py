@@ -13,6 +13,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from configs import base
+from configs import vit_cpu
+from haiku_mp import errors
 from haiku_mp import loss_scaling
 from haiku_mp import model
 
@@ -57,6 +59,13 @@ class ConfigsTest(parameterized.TestCase):
     diff = {k: v for k, v in config.items() if reference[k] != v}
     self.assertEqual(diff, {k: v for k, v in expected.items()
                             if reference[k] != v})
+
+  def test_unknown_variant_names_the_variants(self):
+    with self.assertRaisesRegex(
+        errors.ConfigError,
+        r"^unknown variant 'fp8'; expected one of \('fp32', 'bf16', "
+        r"'fp16'\)$"):
+      vit_cpu.get_config('fp8')
 
 
 if __name__ == '__main__':
