@@ -94,13 +94,25 @@ def evaluate(eval_step, params, batches, unreplicate=lambda x: x
               accuracy=float(totals['accuracy']) / n, num_examples=int(n))
 
 
-def _prepare_workdir(workdir: str, is_writer: bool) -> None:
-  """Creates the workdir, or says in one line why it cannot be written
-  (before the data is loaded: a wrong path costs a second, not a load)."""
-  if not is_writer:
-    return
+def _check_workdir(workdir: str) -> None:
+  """Says in one line why `workdir` could not be made or written, before the
+  data is loaded (a wrong path costs a second, not a load), and creates
+  nothing: the data may still turn out unusable."""
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise errors.ConfigError(f'--workdir={workdir} is a file, not a directory')
+  existing = os.path.abspath(workdir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise errors.ConfigError(f'--workdir={workdir} is not writable (Not a '
+                             f'directory: {existing})')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise errors.ConfigError(f'--workdir={workdir} is not writable '
+                             f'(Permission denied: {existing})')
+
+
+def _prepare_workdir(workdir: str) -> None:
+  """Creates the workdir, or says in one line why it cannot be written."""
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, '.write_test')
@@ -108,9 +120,8 @@ def _prepare_workdir(workdir: str, is_writer: bool) -> None:
       pass
     os.remove(probe)
   except OSError as e:
-    where = f': {e.filename}' if e.filename and e.filename != workdir else ''
     raise errors.ConfigError(f'--workdir={workdir} is not writable '
-                             f'({e.strerror}{where})') from None
+                             f'({e.strerror})') from None
 
 
 class _Interruption:
@@ -392,13 +403,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   exp = experiment.build(config, mesh)
   strategy, total_steps = exp.strategy, exp.total_steps
   is_writer = jax.process_index() == 0
-  _prepare_workdir(workdir, is_writer)
+  if is_writer:
+    _check_workdir(workdir)
   load_start = time.perf_counter()
   splits = input_pipeline.load(config)
   logging.info('Data (%s): %s in memory in %.1fs.', config.data.source,
                ', '.join(f'{name} {len(split.labels)}' for name, split in
                          zip(splits._fields, splits)), time.perf_counter() -
                load_start)
+  if is_writer:
+    _prepare_workdir(workdir)
   with contextlib.ExitStack() as stack:
     interruption = stack.enter_context(_Interruption(config.log_every_steps))
     checkpointer = stack.enter_context(contextlib.closing(

@@ -292,7 +292,7 @@ class LaunchTrainTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ('is_a_file', '', 'is a file, not a directory'),
-      ('under_a_file', 'run', 'is not writable (Not a directory)'))
+      ('under_a_file', 'run/deeper', 'is not writable (Not a directory: '))
   def test_workdir_that_cannot_be_written_stops_before_the_data(
       self, below, message):
     blocker = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
@@ -303,7 +303,8 @@ class LaunchTrainTest(parameterized.TestCase):
     result = self._run(workdir)
     self.assertEqual(result.returncode, 2, result.stderr[-3000:])
     self.assertEqual(result.stderr.strip().splitlines()[-1],
-                     f'error: --workdir={workdir} {message}')
+                     f'error: --workdir={workdir} {message}'
+                     + (f'{blocker})' if below else ''))
     self.assertNotIn('Data (', result.stderr)  # Not loaded first.
 
   def test_arrays_run_needs_no_tensorflow(self):
