@@ -37,8 +37,11 @@ class PlotsTest(absltest.TestCase):
 
   def test_missing_workdir_is_a_clear_error(self):
     result = helpers.run_module('launch.plot', '--workdirs=/nonexistent/run')
-    self.assertNotEqual(result.returncode, 0)
-    self.assertIn('cannot read /nonexistent/run/metrics.jsonl', result.stderr)
+    self.assertEqual(result.returncode, 2)
+    self.assertNotIn('Traceback', result.stderr)
+    self.assertEqual(result.stderr.strip().splitlines(), [
+        'error: --workdirs: cannot read /nonexistent/run/metrics.jsonl (No '
+        'such file or directory)'])
 
 
 if __name__ == '__main__':
