@@ -35,9 +35,6 @@ _MODULES_TABLE = flags.DEFINE_bool(
 _DISTRIBUTED = flags.DEFINE_bool(
     'distributed', False, 'Call jax.distributed.initialize() with no '
     'arguments (clusters that provide them, e.g. SLURM, Cloud TPU).')
-# A shell's status for a command stopped by Ctrl-C (128 + SIGINT), also after
-# the checkpoint the first Ctrl-C asks for.
-_EXIT_INTERRUPTED = 130
 
 
 def _initialize_distributed() -> None:
@@ -63,8 +60,8 @@ def main(argv):
   mesh = sharding.mesh_for(_CONFIG.value.parallel)
   result = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh,
                                       log_module_table=_MODULES_TABLE.value)
-  if result.get('signal') == 'SIGINT':
-    sys.exit(_EXIT_INTERRUPTED)
+  if result.get('signal') == 'SIGINT':  # Saved, but stopped by Ctrl-C.
+    sys.exit(cli.EXIT_INTERRUPTED)
 
 
 if __name__ == '__main__':
