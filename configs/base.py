@@ -22,6 +22,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every_steps = 1000
   config.checkpoint_every_steps = 1000  # Also at the end and on SIGTERM.
   config.keep_checkpoints = 3
+  # JAX's persistent compilation cache: 'auto' (~/.cache/haiku_mp/jax on a GPU
+  # or TPU, none on the CPU), a directory (on every backend) or '' (off).
+  # A restarted or resumed run then loads its compiled steps.
+  config.compilation_cache_dir = 'auto'
 
   config.model = ml_collections.ConfigDict(dict(
       image_size=32,

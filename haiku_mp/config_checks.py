@@ -14,6 +14,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from haiku_mp import compilation_cache
 from haiku_mp import dropout
 from haiku_mp import errors
 from haiku_mp import input_pipeline
@@ -157,3 +158,4 @@ def check(config: ml_collections.ConfigDict) -> None:
   loss_scaling.LossScaler.from_config(config.loss_scale)
   _check_parallel(config.parallel)
   _check_data(config.data)
+  compilation_cache.check(config.compilation_cache_dir)

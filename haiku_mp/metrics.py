@@ -158,6 +158,8 @@ class Progress:
     self.eval_seconds = float(record.get('eval_sec', 0.0))
     self._window_seconds, self._window_steps = 0.0, 0
     self._step, self._time = start_step, None
+    self._host = dict(waiting_for_batch=0.0, in_step_call=0.0)
+    self._host_steps = 0
 
   def start(self, step: int) -> None:
     """Starts the train clock after `step` (after compiling, an evaluation,
@@ -188,6 +190,23 @@ class Progress:
     return dict(images_per_sec=rate * self.batch_size,
                 eta_sec=(self.total_steps - step) / rate if rate > 0 else
                 float('nan'))
+
+  def host_time(self, waiting_for_batch: float, in_step_call: float) -> None:
+    """Adds one step's host time: waiting for its batch, then in its call.
+
+    Where a run is slower than its compiled step, these say whether the host
+    waited for data or in the call (a full dispatch queue, or a call that
+    does not return before the device is done).
+    """
+    self._host['waiting_for_batch'] += waiting_for_batch
+    self._host['in_step_call'] += in_step_call
+    self._host_steps += 1
+
+  def host_ms_per_step(self) -> dict[str, float]:
+    """Milliseconds per step of each `host_time` part, over the steps this
+    process ran since it started (not the whole run's)."""
+    steps = max(self._host_steps, 1)
+    return {k: 1e3 * v / steps for k, v in self._host.items()}
 
   @property
   def train_seconds(self) -> float:

@@ -117,7 +117,9 @@ class Single(Strategy):
         donate_argnums=0)
     self.eval_step = jax.jit(train_step_lib.make_eval_step(model.forward,
                                                   inputs=model.eval_inputs))
-    self._init = jax.jit(model.init_state)
+    # Committed to the device, as a restored state is: a fresh and a resumed
+    # run then lower the same program (one persistent-cache entry, not two).
+    self._init = jax.jit(model.init_state, out_shardings=self._device)
 
   def init_state(self):
     return self._init()

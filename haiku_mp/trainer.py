@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from haiku_mp import checkpoint as checkpoint_lib
+from haiku_mp import compilation_cache
 from haiku_mp import config_checks
 from haiku_mp import errors
 from haiku_mp import experiment
@@ -287,13 +288,13 @@ class _Evaluator:
     """The split's metrics, written with `extra` ones (DP-SGD's epsilon)."""
     exp = self._exp
     start = time.perf_counter()
-    batches = input_pipeline.prefetch_to_device(
+    with input_pipeline.DevicePrefetch(
         input_pipeline.eval_batches(exp.config,
                                     getattr(self._splits, split_name),
                                     self._shard),
-        exp.strategy.place_batch, exp.config.data.prefetch_batches)
-    result = dict(evaluate(exp.strategy.eval_step, params, batches,
-                           exp.strategy.unreplicate), **extra)
+        exp.strategy.place_batch, exp.config.data.prefetch_batches) as batches:
+      result = dict(evaluate(exp.strategy.eval_step, params, batches,
+                             exp.strategy.unreplicate), **extra)
     self._progress.eval_seconds += time.perf_counter() - start
     self._writer.write(step, split_name, result)
     logging.info('%s at step %d: loss %.4f accuracy %.4f (%d examples)',
@@ -316,10 +317,18 @@ class _CompiledSteps:
     shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))
     if shapes not in self._compiled:
       start = time.perf_counter()
-      self._compiled[shapes] = self._strategy.train_step.lower(
-          state, batch).compile()
-      logging.info('Compiled the train step for a batch of %d in %.1fs.',
-                   batch['label'].size, time.perf_counter() - start)
+      lowered = self._strategy.train_step.lower(state, batch)
+      lowered_at = time.perf_counter()
+      with compilation_cache.hits() as hits:
+        self._compiled[shapes] = lowered.compile()
+      end = time.perf_counter()
+      # Tracing and lowering run every time; XLA's compile is what the
+      # persistent compilation cache saves.
+      logging.info('Compiled the train step for a batch of %d in %.1fs '
+                   '(tracing and lowering %.1fs, XLA %.1fs%s).',
+                   batch['label'].size, end - start, lowered_at - start,
+                   end - lowered_at,
+                   ', loaded from the compilation cache' if hits else '')
     return self._compiled[shapes]
 
   def __call__(self, state, batch):
@@ -327,7 +336,8 @@ class _CompiledSteps:
 
 
 def _train_batches(exp, splits, shard, start_step):
-  """This process's train batches on their way to the devices."""
+  """This process's train batches on their way to the devices, made by a
+  background thread (a context manager)."""
   config = exp.config
   if exp.privacy is None:
     batches = input_pipeline.train_batches(config, splits.train, shard,
@@ -335,7 +345,7 @@ def _train_batches(exp, splits, shard, start_step):
   else:
     batches = input_pipeline.private_train_batches(
         config, splits.train, shard, exp.privacy, exp.total_steps, start_step)
-  return input_pipeline.prefetch_to_device(
+  return input_pipeline.DevicePrefetch(
       batches, exp.strategy.place_batch, config.data.prefetch_batches)
 
 
@@ -354,7 +364,10 @@ def _privacy_summary(exp, steps: int, skipped_steps: int) -> dict[str, Any]:
 def _log_window(exp, window, step, writer, progress) -> None:
   """Summarizes the steps since the last log point: logs, writes, and stops
   the run (after writing) when the loss scale says it diverged."""
-  host_window = jax.device_get([exp.strategy.unreplicate(m) for m in window])
+  # One device_get for the whole window: every copy starts before the first
+  # is waited for. Replicas are dropped on the host, not by a device op per
+  # metric per step.
+  host_window = exp.strategy.unreplicate(jax.device_get(window))
   summary = _window_summary(host_window, exp.privacy is not None)
   _log_overflows(host_window, step - len(window) + 1, exp.param_names)
   rates = progress.update(step)
@@ -430,15 +443,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     evaluator = _Evaluator(exp, splits, shard, writer, progress)
     last_val = record.get('last_val', {})
     if start_step < total_steps:
-      batches = _train_batches(exp, splits, shard, start_step)
+      batches = stack.enter_context(_train_batches(exp, splits, shard,
+                                                   start_step))
       first = next(batches)
       train_step = _CompiledSteps(strategy)
       train_step.compile(state, first)
       batches = itertools.chain([first], batches)
+      # The schedule's ops (run at every log point) compile now, not on the
+      # clock.
+      exp.schedule(start_step)
       progress.start(start_step)
     window = []
     for step in range(start_step + 1, total_steps + 1):
-      state, step_metrics = train_step(state, next(batches))
+      # Between log points the host only dispatches: no device value is read.
+      before_batch = time.perf_counter()
+      batch = next(batches)
+      before_step = time.perf_counter()
+      state, step_metrics = train_step(state, batch)
+      progress.host_time(before_step - before_batch,
+                         time.perf_counter() - before_step)
       window.append(step_metrics)
       if _due(step, config.log_every_steps, total_steps):
         _log_window(exp, window, step, writer, progress)
@@ -474,6 +497,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         train_time_sec=progress.train_seconds,
         eval_time_sec=progress.eval_seconds,
         images_per_sec=progress.mean_images_per_sec,
+        host_ms_per_step=progress.host_ms_per_step(),
         peak_memory_bytes=metrics_lib.peak_memory_bytes(),
         devices=[str(d) for d in jax.devices()],
         strategy=strategy.name,

@@ -18,6 +18,13 @@ train step on a batch already on the device vs fed by the pipeline):
     python -m launch.benchmark --config=configs/vit_bf16.py --pipeline \
         --config.data.source=arrays --config.data.arrays_path=cifar10.npz
 
+The training loop against its compiled step (the trainer itself for --steps
+steps, then the step alone on a batch already on the device, in alternating
+rounds; `loop_over_step` per dtype):
+
+    python -m launch.benchmark --config=configs/vit_bf16.py --loop \
+        --dtypes=float32,bfloat16 --steps=300 --config.data.source=synthetic
+
 Compiled cost per layout (compile time, memory analysis per device):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m \
@@ -32,11 +39,14 @@ from absl import flags
 import jax.numpy as jnp
 from ml_collections import config_flags
 
+from haiku_mp import compilation_cache
 from haiku_mp import compiled_step
+from haiku_mp import errors
 from haiku_mp import model
 from haiku_mp import sharding
 from haiku_mp.lab import checks
 from haiku_mp.lab import compare
+from haiku_mp.lab import loop_benchmark
 from haiku_mp.lab import pipeline_benchmark
 from haiku_mp.lab import step_benchmark
 from launch import cli
@@ -66,9 +76,12 @@ _DP_VS_ORDINARY = flags.DEFINE_bool(
 _PIPELINE = flags.DEFINE_bool(
     'pipeline', False, 'Benchmark the input pipeline of the config\'s data '
     'source against its train step instead (--steps per round).')
+_LOOP = flags.DEFINE_bool(
+    'loop', False, 'Benchmark the training loop (the trainer itself, --steps '
+    'steps a round) against its compiled step on a device batch, per dtype.')
 _ROUNDS = flags.DEFINE_integer(
-    'rounds', 3, '--pipeline: alternating rounds of steps on a device batch '
-    'and fed by the pipeline (the median round is kept).')
+    'rounds', 3, '--pipeline, --loop: alternating rounds of the two '
+    'measurements (the median round is kept).')
 
 _LAYOUT_RATIO_FIELDS = ('temp_size_in_bytes', 'argument_size_in_bytes',
                         'params_bytes', 'opt_state_bytes', 'compile_sec')
@@ -99,6 +112,18 @@ def _check_flags(config) -> None:
   checks.at_least((f.name, f.value, least) for f, least in _LEAST)
   if _DTYPES.value:
     checks.compute_dtypes('dtypes', _DTYPES.value)
+  modes = [name for name, on in (('layouts', bool(_LAYOUTS.value)),
+                                 ('pipeline', _PIPELINE.value),
+                                 ('loop', _LOOP.value)) if on]
+  if len(modes) > 1:
+    raise errors.ConfigError(f'--{modes[0]} and --{modes[1]} are different '
+                             'benchmarks: run one at a time')
+  if _LOOP.value and _STEPS.value < 2 * config.log_every_steps:
+    raise errors.ConfigError(
+        f'--steps={_STEPS.value} is less than two log windows '
+        f'(log_every_steps={config.log_every_steps}): a --loop round is '
+        'timed over its windows after the first; use at least '
+        f'{2 * config.log_every_steps} steps')
   for layout in _LAYOUTS.value:
     variant = copy.deepcopy(config)
     variant.parallel.strategy, variant.parallel.mesh_shape = (
@@ -120,6 +145,28 @@ def _pipeline(config):
         f'({100 * result["fed_slowdown"]:+.1f}%)', flush=True)
   if _JSON.value:
     print(json.dumps(result))
+
+
+def _loop(config, dtypes):
+  rows = loop_benchmark.run_dtypes(config, dtypes, _STEPS.value, _ROUNDS.value,
+                                   log=lambda line: print(line, flush=True))
+  for row in rows:
+    host = row['host_ms_per_step']
+    print(f'{row["dtype"]:>8} batch {row["batch_size"]}: loop '
+          f'{row["loop_images_per_sec"]:.0f} img/s = '
+          f'{row["loop_over_step"]:.2f}x the step\'s '
+          f'{row["step_images_per_sec"]:.0f} img/s ({row["step_ms"]:.2f} '
+          f'ms/step; the loop\'s host: {host["waiting_for_batch"]:.2f} ms '
+          f'waiting for a batch, {host["in_step_call"]:.2f} ms in the step '
+          'call)', flush=True)
+  for row in rows[1:]:
+    ratios = row['vs_first']
+    print(f'{row["dtype"]} vs {rows[0]["dtype"]}: the loop '
+          f'{ratios["loop_images_per_sec"]:.2f}x the images/s, the step '
+          f'{ratios["step_images_per_sec"]:.2f}x')
+  if _JSON.value:
+    print(json.dumps(dict(device=rows[0]['device'], cpu=rows[0]['cpu'],
+                          ratios_vs=rows[0]['dtype'], results=rows)))
 
 
 def _line(row) -> str:
@@ -150,6 +197,11 @@ def main(argv):
     return
   dtypes = _DTYPES.value or [
       jnp.dtype(model.make_precision(config).policy.compute_dtype).name]
+  if _LOOP.value:
+    # Each round is a run: from its second on, it loads its compiled steps.
+    compilation_cache.use(config.compilation_cache_dir)
+    _loop(config, dtypes)
+    return
   rows = step_benchmark.run_dtypes(
       config, dtypes, _STEPS.value, log=lambda row: print(_line(row),
                                                           flush=True),

@@ -16,6 +16,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from haiku_mp import compilation_cache
 from haiku_mp import sharding
 from haiku_mp import trainer
 from launch import cli
@@ -57,6 +58,8 @@ def main(argv):
   logging.info('Config: %s%s',
                config_flags.get_config_filename(flags.FLAGS['config']),
                ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
+  cache = compilation_cache.use(_CONFIG.value.compilation_cache_dir)
+  logging.info('Compilation cache: %s', cache or 'off')
   mesh = sharding.mesh_for(_CONFIG.value.parallel)
   result = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh,
                                       log_module_table=_MODULES_TABLE.value)

@@ -6,8 +6,10 @@ import sys
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import itertools
 import subprocess
 import tempfile
+import threading
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -179,6 +181,64 @@ class BatchesTest(parameterized.TestCase):
     with self.assertRaisesRegex(input_pipeline.DataError, 'batch_size'):
       input_pipeline.local_batch_size(global_size,
                                       input_pipeline.Shard(0, processes))
+
+
+class DevicePrefetchTest(absltest.TestCase):
+
+  def test_every_batch_in_order_placed_by_another_thread(self):
+    placed_by = set()
+
+    def place(batch):
+      placed_by.add(threading.get_ident())
+      return batch * 10
+
+    with input_pipeline.DevicePrefetch(iter(range(7)), place, 2) as batches:
+      self.assertEqual(list(batches), [i * 10 for i in range(7)])
+      self.assertEqual(list(batches), [])  # Ended, and stays ended.
+    self.assertLen(placed_by, 1)
+    self.assertNotIn(threading.get_ident(), placed_by)
+
+  def test_an_error_in_the_thread_is_raised_where_its_batch_was_due(self):
+    def batches():
+      yield 0
+      yield 1
+      raise input_pipeline.DataError('batch 2 is unreadable')
+
+    with input_pipeline.DevicePrefetch(batches(), lambda b: b, 1) as fed:
+      self.assertEqual([next(fed), next(fed)], [0, 1])
+      with self.assertRaisesRegex(input_pipeline.DataError, 'batch 2'):
+        next(fed)
+      self.assertEqual(list(fed), [])
+
+  def test_leaving_early_stops_a_thread_blocked_on_a_full_queue(self):
+    made = []
+
+    def endless():
+      for i in itertools.count():
+        made.append(i)
+        yield i
+
+    fed = input_pipeline.DevicePrefetch(endless(), lambda b: b, 2)
+    with fed:
+      self.assertEqual(next(fed), 0)
+    self.assertFalse(any(t.name == 'haiku_mp-prefetch' and t.is_alive()
+                         for t in threading.enumerate()))
+    # It made no more than the queue's two, the one it was blocked putting
+    # and the one taken, plus the one the emptied queue let it finish.
+    self.assertLessEqual(len(made), 5)
+
+  def test_the_trainers_batches_are_the_pipelines(self):
+    config = _config()
+    split = input_pipeline.load(config).train
+    direct = input_pipeline.train_batches(config, split,
+                                          input_pipeline.Shard(), 3)
+    with input_pipeline.DevicePrefetch(
+        input_pipeline.train_batches(config, split, input_pipeline.Shard(),
+                                     3), lambda b: b, 2) as fed:
+      for _ in range(10):
+        got, want = next(fed), next(direct)
+        np.testing.assert_array_equal(got['image'], want['image'])
+        np.testing.assert_array_equal(got['label'], want['label'])
 
 
 class ArraysSourceTest(parameterized.TestCase):

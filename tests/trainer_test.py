@@ -136,7 +136,9 @@ class TrainerTest(parameterized.TestCase):
     self.assertCountEqual(closed, ['writer', 'checkpointer'])
     self.assertEqual((signal.getsignal(signal.SIGTERM),
                       signal.getsignal(signal.SIGINT)), before)
-    self.assertEqual([e['step'] for e in _read_jsonl(self.workdir)], [2])
+    # Three steps ran (the third evaluated); the fourth's batch raised.
+    self.assertEqual([(e['step'], e['split']) for e in
+                      _read_jsonl(self.workdir)], [(2, 'train'), (3, 'val')])
 
   def test_mock_tfds_run_learns(self):
     config = _tiny_run_config('float32', 'none')

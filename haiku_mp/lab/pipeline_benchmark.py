@@ -78,16 +78,15 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   state = strategy.init_state()
   fixed = strategy.place_batch(next(batches))
   step = strategy.train_step.lower(state, fixed).compile()
-  feeds = dict(
-      device_batch=iter(lambda: fixed, None),
-      pipeline_fed=input_pipeline.prefetch_to_device(
-          batches, strategy.place_batch, config.data.prefetch_batches))
-  state, _ = _round_seconds(step, state, feeds['device_batch'], 1)  # Warm-up.
-  seconds = {name: [] for name in feeds}
-  for _ in range(rounds):
-    for name, feed in feeds.items():
-      state, per_step = _round_seconds(step, state, feed, steps)
-      seconds[name].append(per_step)
+  with input_pipeline.DevicePrefetch(batches, strategy.place_batch,
+                                     config.data.prefetch_batches) as fed:
+    feeds = dict(device_batch=iter(lambda: fixed, None), pipeline_fed=fed)
+    state, _ = _round_seconds(step, state, feeds['device_batch'], 1)  # Warm-up.
+    seconds = {name: [] for name in feeds}
+    for _ in range(rounds):
+      for name, feed in feeds.items():
+        state, per_step = _round_seconds(step, state, feed, steps)
+        seconds[name].append(per_step)
   step_time = {name: float(np.median(s)) for name, s in seconds.items()}
   step_images = config.batch_size / step_time['device_batch']
   slowdown = step_time['pipeline_fed'] / step_time['device_batch'] - 1

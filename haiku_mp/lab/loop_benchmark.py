@@ -1,0 +1,176 @@
+"""The loop benchmark: does the training loop run as fast as its step?
+
+For each compute dtype, in one process and in alternating rounds:
+- `loop`: the trainer itself (`trainer.train_and_evaluate`, not a copy of its
+  loop) for `steps` steps in a fresh workdir, on the config's data source;
+  its images/s is that of its log windows after the first, as the run logs
+  them (its clock stops for compiling, evaluating and saving): a loop's
+  steady pace. The first window also pays for starting (the batch thread
+  filling its queue, first allocations), once per run: the whole round's
+  images/s is `loop_whole_round_images_per_sec`;
+- `step`: the same compiled train step (the trainer's program: uint8 batch,
+  augmentation on the device) dispatched `steps` times on one batch already on
+  the device, and waited for once at the end: what the device can do.
+`loop_over_step` is the ratio of the median rounds. The loop's
+`host_ms_per_step` says where its host time went (waiting for a batch, in
+the step call) when it falls short.
+"""
+
+import contextlib
+import copy
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from haiku_mp import experiment
+from haiku_mp import input_pipeline
+from haiku_mp import model
+from haiku_mp import plots
+from haiku_mp import sharding
+from haiku_mp import trainer
+from haiku_mp.lab import compare
+from haiku_mp.lab import step_benchmark
+from haiku_mp.lab import sweep
+
+# The loop should keep the device this busy (issue target, a benchmark's).
+TARGET_LOOP_OVER_STEP = 0.90
+RATIO_FIELDS = ('loop_images_per_sec', 'step_images_per_sec')
+
+
+def loop_config(config: ml_collections.ConfigDict, steps: int
+                ) -> ml_collections.ConfigDict:
+  """`config` as one loop round runs it: `steps` steps, evaluated and saved
+  only at the end (neither is in a run's images/s), logged as configured.
+  Its warm-up is cut to half the round (the schedule's shape costs nothing;
+  a warm-up as long as the run is only warned about)."""
+  config = copy.deepcopy(config)
+  config.num_train_steps = steps
+  config.eval_every_steps = config.checkpoint_every_steps = steps
+  config.warmup_steps = min(config.warmup_steps, steps // 2)
+  return config
+
+
+def steady_images_per_sec(events: Sequence[dict[str, Any]], batch_size: int
+                          ) -> float:
+  """Images/s over the train log windows after the first, from a run's
+  metrics.jsonl events (each window's steps over its seconds)."""
+  train = [e for e in events if e.get('split') == 'train']
+  if len(train) < 2:
+    raise ValueError('a steady pace needs two log windows or more')
+  steps = seconds = 0.0
+  for before, window in zip(train, train[1:]):
+    n = window['step'] - before['step']
+    steps += n
+    seconds += n * batch_size / window['images_per_sec']
+  return steps * batch_size / seconds
+
+
+@contextlib.contextmanager
+def _quiet_trainer():
+  """The trainer's INFO lines (one per log window) off while rounds run."""
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.WARNING)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(verbosity)
+
+
+def _loop_round(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  with tempfile.TemporaryDirectory() as workdir, _quiet_trainer():
+    summary = trainer.train_and_evaluate(
+        config, workdir, sharding.mesh_for(config.parallel))
+    events = plots.read_metrics(workdir)
+  return dict(images_per_sec=steady_images_per_sec(events, config.batch_size),
+              whole_round_images_per_sec=summary['images_per_sec'],
+              host_ms_per_step=summary['host_ms_per_step'])
+
+
+class _StepRounds:
+  """The trainer's train step compiled for the config's first batch, run on
+  that batch already on the device."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    exp = experiment.build(config, sharding.mesh_for(config.parallel))
+    splits = input_pipeline.load(config)
+    shard = input_pipeline.Shard.current()
+    host_batch = next(input_pipeline.train_batches(config, splits.train,
+                                                   shard))
+    self._batch = exp.strategy.place_batch(host_batch)
+    self._state = exp.strategy.init_state()
+    self._step = exp.strategy.train_step.lower(self._state,
+                                               self._batch).compile()
+    self._batch_size = config.batch_size
+    self.round(1)  # Warm-up: the first call pays for allocations.
+
+  def round(self, steps: int) -> float:
+    """Images/s of `steps` steps dispatched back to back, waited for once."""
+    start = time.perf_counter()
+    for _ in range(steps):
+      self._state, metrics = self._step(self._state, self._batch)
+    jax.block_until_ready(metrics['loss'])
+    return self._batch_size * steps / (time.perf_counter() - start)
+
+
+def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
+        log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+  """The figures above for `config` (its dtype, data source and strategy)."""
+  looped = loop_config(config, steps)
+  step = _StepRounds(looped)
+  loop_rounds, step_rounds = [], []
+  for i in range(rounds):
+    loop_rounds.append(_loop_round(looped))
+    step_rounds.append(step.round(steps))
+    log(f'round {i + 1}/{rounds}: loop '
+        f'{loop_rounds[-1]["images_per_sec"]:.0f} img/s, step '
+        f'{step_rounds[-1]:.0f} img/s')
+  loop_ips = [r['images_per_sec'] for r in loop_rounds]
+  median = int(np.argsort(loop_ips)[len(loop_ips) // 2])
+  loop_images = float(np.median(loop_ips))
+  step_images = float(np.median(step_rounds))
+  return dict(
+      device=str(jax.devices()[0].device_kind),
+      jax_version=jax.__version__,
+      cpu=step_benchmark.cpu_info(),
+      dtype=jnp.dtype(model.make_precision(config).policy.compute_dtype).name,
+      policy=config.precision.policy,
+      source=config.data.source,
+      strategy=config.parallel.strategy,
+      batch_size=config.batch_size,
+      log_every_steps=config.log_every_steps,
+      steps_per_round=steps,
+      rounds=rounds,
+      loop_images_per_sec=loop_images,
+      step_images_per_sec=step_images,
+      loop_over_step=loop_images / step_images,
+      loop_rounds_images_per_sec=loop_ips,
+      loop_whole_round_images_per_sec=float(np.median(
+          [r['whole_round_images_per_sec'] for r in loop_rounds])),
+      step_rounds_images_per_sec=step_rounds,
+      # The median loop round's.
+      host_ms_per_step=loop_rounds[median]['host_ms_per_step'],
+      step_ms=1e3 * config.batch_size / step_images,
+      target=TARGET_LOOP_OVER_STEP,
+      target_met=loop_images / step_images >= TARGET_LOOP_OVER_STEP)
+
+
+def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
+               steps: int, rounds: int = 3,
+               log: Callable[[str], None] = lambda line: None) -> list[dict]:
+  """`run` per compute dtype, each with its loop's and its step's images/s
+  as ratios to the first dtype's (`vs_first`): a run's speed-up from half
+  precision next to its step's."""
+  rows = []
+  for dtype in dtypes:
+    row = run(sweep.in_compute_dtype(config, dtype), steps, rounds,
+              log=lambda line, d=dtype: log(f'{d} {line}'))
+    rows.append(row)
+  compare.add_ratios(rows, 'vs_first', RATIO_FIELDS,
+                     is_base=lambda r: r is rows[0])
+  return rows

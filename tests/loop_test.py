@@ -1,0 +1,162 @@
+"""The training loop: what it computes is a plain loop's, bit for bit, and it
+never waits for the device between log points."""
+
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import contextlib
+import json
+import tempfile
+import threading
+from unittest import mock
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+from jax._src import array as array_lib
+import numpy as np
+
+from haiku_mp import checkpoint as checkpoint_lib
+from haiku_mp import experiment
+from haiku_mp import input_pipeline
+from haiku_mp import sharding
+from haiku_mp import trainer
+from tests import helpers
+
+STEPS, LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY = 12, 4, 6, 6
+
+
+def _config(strategy='single'):
+  config = helpers.tiny_config(
+      'params=float32,compute=float16,output=float32', loss_scale='dynamic')
+  config.batch_size = 8
+  config.eval_batch_size = 16
+  config.num_train_steps = STEPS
+  config.log_every_steps = LOG_EVERY
+  config.eval_every_steps = EVAL_EVERY
+  config.checkpoint_every_steps = CHECKPOINT_EVERY
+  config.data.source = 'synthetic'
+  config.data.synthetic_train_examples = 64
+  config.data.synthetic_eval_examples = 16
+  config.parallel.strategy = strategy
+  return config
+
+
+def _plain_loop(config):
+  """(final state, each step's host metrics): the strategy's own jitted step
+  on the same batches, one after the other, nothing ahead, nothing
+  overlapped: the loop the trainer's must equal."""
+  mesh = sharding.mesh_for(config.parallel)
+  exp = experiment.build(config, mesh)
+  strategy = exp.strategy
+  splits = input_pipeline.load(config)
+  batches = input_pipeline.train_batches(config, splits.train,
+                                         input_pipeline.Shard())
+  state = strategy.init_state()
+  metrics = []
+  for _ in range(STEPS):
+    state, step_metrics = strategy.train_step(
+        state, strategy.place_batch(next(batches)))
+    metrics.append(strategy.unreplicate(jax.device_get(step_metrics)))
+  return exp, strategy.unreplicate(state), metrics
+
+
+def _bits(tree):
+  """Every leaf as host bytes (PRNG keys as their key data)."""
+  def leaf(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    return np.asarray(x)
+  return jax.tree.map(leaf, tree)
+
+
+class LoopTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.workdir = self.enter_context(tempfile.TemporaryDirectory())
+
+  @parameterized.parameters('single', 'pjit')
+  def test_states_and_metrics_are_a_plain_loops_bit_for_bit(self, strategy):
+    config = _config(strategy)
+    trainer.train_and_evaluate(config, self.workdir,
+                               sharding.mesh_for(config.parallel))
+    exp, expected_state, expected = _plain_loop(config)
+
+    abstract = sharding.with_shardings(exp.abstract_state,
+                                       exp.strategy.checkpoint_shardings)
+    with contextlib.closing(checkpoint_lib.Checkpointer(
+        self.workdir, 3)) as checkpointer:
+      step, state = checkpointer.restore_latest(abstract)
+    self.assertEqual(step, STEPS)
+    jax.tree.map(np.testing.assert_array_equal, _bits(state),
+                 _bits(expected_state))
+
+    with open(os.path.join(self.workdir, 'metrics.jsonl')) as f:
+      train = [e for e in map(json.loads, f) if e['split'] == 'train']
+    self.assertEqual([e['step'] for e in train],
+                     list(range(LOG_EVERY, STEPS + 1, LOG_EVERY)))
+    for event in train:
+      window = expected[event['step'] - LOG_EVERY:event['step']]
+      for key in ('loss', 'accuracy', 'grad_norm'):
+        mean = float(np.mean(np.asarray([m[key] for m in window],
+                                        np.float64)))
+        self.assertEqual(event[key], mean, (event['step'], key))
+      self.assertEqual(event['loss_scale'], float(window[-1]['loss_scale']))
+
+  def test_no_device_value_is_read_between_log_points(self):
+    # Every read of a device array's value (float(), np.asarray,
+    # jax.device_get, printing) goes through ArrayImpl._value; each one on
+    # the loop's thread is recorded with the number of steps dispatched so
+    # far, as is every block_until_ready.
+    main = threading.get_ident()
+    dispatched, reads = [0], []
+    value = array_lib.ArrayImpl._value
+    call = trainer._CompiledSteps.__call__
+    block = jax.block_until_ready
+
+    def read(array):
+      if threading.get_ident() == main:
+        reads.append(dispatched[0])
+      return value.fget(array)
+
+    def step(steps, state, batch):
+      dispatched[0] += 1
+      return call(steps, state, batch)
+
+    def wait(tree):
+      reads.append(dispatched[0])
+      return block(tree)
+
+    with mock.patch.object(array_lib.ArrayImpl, '_value', property(read)), \
+        mock.patch.object(trainer._CompiledSteps, '__call__', step), \
+        mock.patch.object(trainer.jax, 'block_until_ready', wait):
+      trainer.train_and_evaluate(_config(), self.workdir)
+
+    pauses = {0} | {s for s in range(1, STEPS + 1)
+                    if s % LOG_EVERY == 0 or s % EVAL_EVERY == 0 or
+                    s % CHECKPOINT_EVERY == 0}
+    self.assertEqual(dispatched[0], STEPS)
+    # The reads were seen (at every log point), and only at pauses.
+    self.assertContainsSubset(range(LOG_EVERY, STEPS + 1, LOG_EVERY), reads)
+    self.assertContainsSubset(
+        set(reads), pauses, 'a device value was read (or waited for) after '
+        'the steps "missing" here, which are no log, eval or checkpoint point')
+
+  def test_the_batch_thread_is_gone_after_any_exit(self):
+    before = set(threading.enumerate())
+    with mock.patch.object(trainer, '_log_window',
+                           side_effect=RuntimeError('a failing log point')):
+      with self.assertRaisesRegex(RuntimeError, 'a failing log point'):
+        trainer.train_and_evaluate(_config(), self.workdir)
+    trainer.train_and_evaluate(_config(), tempfile.mkdtemp(dir=self.workdir))
+    left = [t.name for t in set(threading.enumerate()) - before
+            if t.name.startswith('haiku_mp')]
+    self.assertEmpty(left)
+
+
+if __name__ == '__main__':
+  absltest.main()
