@@ -174,6 +174,10 @@ class BadInputTest(parameterized.TestCase):
        'privacy.delta=2.0 must be in (0, 1)'),
       ('no_prefetch', ['--config.data.prefetch_batches=0'],
        'data.prefetch_batches=0 must be at least 1'),
+      ('compilation_cache_dir_a_file',
+       [f'--config.compilation_cache_dir={os.path.abspath(__file__)}'],
+       f'compilation_cache_dir={os.path.abspath(__file__)} is a file, not a '
+       'directory'),
       ('batch_larger_than_the_train_split',
        ['--config.batch_size=16', '--config.data.synthetic_train_examples=10'],
        "batch_size=16 is larger than the 10 examples of data.train_split="),

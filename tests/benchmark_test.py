@@ -11,7 +11,9 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import numpy as np
 
+from haiku_mp.lab import loop_benchmark
 from haiku_mp.lab import pipeline_benchmark
 from haiku_mp.lab import step_benchmark
 from tests import helpers
@@ -149,6 +151,55 @@ class PipelineBenchmarkTest(parameterized.TestCase):
                            result['step_images_per_sec'])
 
 
+class LoopBenchmarkTest(parameterized.TestCase):
+
+  def test_steady_pace_is_the_windows_after_the_first(self):
+    events = [dict(split='train', step=10, images_per_sec=50.0),
+              dict(split='val', step=10, images_per_sec=None),
+              dict(split='train', step=20, images_per_sec=100.0),
+              dict(split='train', step=25, images_per_sec=400.0)]
+    # Windows 2 and 3: 15 steps of 8 images in 10*8/100 + 5*8/400 s.
+    self.assertAlmostEqual(
+        loop_benchmark.steady_images_per_sec(events, 8),
+        15 * 8 / (0.8 + 0.1))
+    with self.assertRaisesRegex(ValueError, 'two log windows'):
+      loop_benchmark.steady_images_per_sec(events[:2], 8)
+
+  def test_the_loop_against_its_step_per_dtype(self):
+    config = helpers.tiny_config()
+    config.batch_size = 8
+    config.eval_batch_size = 8
+    config.log_every_steps = 2
+    config.data.source = 'synthetic'
+    config.data.synthetic_train_examples = 64
+    config.data.synthetic_eval_examples = 8
+    lines = []
+    rows = loop_benchmark.run_dtypes(config, ['float32', 'bfloat16'], steps=6,
+                                     rounds=2, log=lines.append)
+    self.assertEqual([r['dtype'] for r in rows], ['float32', 'bfloat16'])
+    self.assertLen(lines, 4)  # A line per dtype per round.
+    for row in rows:
+      self.assertEqual((row['steps_per_round'], row['rounds'],
+                        row['source'], row['batch_size']),
+                       (6, 2, 'synthetic', 8))
+      self.assertLen(row['loop_rounds_images_per_sec'], 2)
+      self.assertAlmostEqual(row['loop_images_per_sec'],
+                             np.median(row['loop_rounds_images_per_sec']))
+      self.assertAlmostEqual(row['step_images_per_sec'],
+                             np.median(row['step_rounds_images_per_sec']))
+      self.assertAlmostEqual(row['loop_over_step'],
+                             row['loop_images_per_sec'] /
+                             row['step_images_per_sec'])
+      self.assertEqual(row['target_met'],
+                       row['loop_over_step'] >= row['target'])
+      self.assertEqual(set(row['host_ms_per_step']),
+                       {'waiting_for_batch', 'in_step_call'})
+      self.assertGreater(row['host_ms_per_step']['in_step_call'], 0)
+    self.assertAlmostEqual(
+        rows[1]['vs_first']['loop_images_per_sec'],
+        rows[1]['loop_images_per_sec'] / rows[0]['loop_images_per_sec'])
+
+
 class CommandLineTest(parameterized.TestCase):
 
   def test_pipeline_from_the_command_line(self):
@@ -183,7 +234,27 @@ class CommandLineTest(parameterized.TestCase):
     self.assertIn('img/s', lines[0])  # A line a person reads per dtype.
     self.assertIn('float16 vs float32', lines[-2])
 
+  def test_loop_from_the_command_line(self):
+    result = helpers.run_module(
+        'launch.benchmark', '--config=configs/vit_bf16.py', '--loop',
+        '--steps=4', '--rounds=1', '--json', '--config.batch_size=8',
+        '--config.eval_batch_size=8', '--config.log_every_steps=2',
+        '--config.data.source=synthetic',
+        '--config.data.synthetic_train_examples=64',
+        '--config.data.synthetic_eval_examples=8',
+        '--config.model.image_size=8', *helpers.TINY_MODEL_FLAGS)
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    lines = result.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    self.assertEqual([r['dtype'] for r in summary['results']], ['bfloat16'])
+    self.assertIn('bfloat16 round 1/1: loop', lines[0])
+    self.assertRegex(lines[1], r"loop \d+ img/s = [\d.]+x the step's")
+    # The trainer's own lines stay out of the benchmark's console.
+    self.assertNotIn('Compiled the train step', result.stderr)
+
   @parameterized.parameters(
+      (['--loop', '--pipeline'], '--pipeline and --loop are different'),
+      (['--loop', '--steps=20'], '--steps=20 is less than two log windows'),
       (['--dtypes=float32,float8'], '--dtypes (float8)'),
       (['--steps=0'], '--steps=0 must be at least 1'),
       (['--pipeline', '--rounds=0'], '--rounds=0 must be at least 1'),
