@@ -364,10 +364,7 @@ def _privacy_summary(exp, steps: int, skipped_steps: int) -> dict[str, Any]:
 def _log_window(exp, window, step, writer, progress) -> None:
   """Summarizes the steps since the last log point: logs, writes, and stops
   the run (after writing) when the loss scale says it diverged."""
-  # One device_get for the whole window: every copy starts before the first
-  # is waited for. Replicas are dropped on the host, not by a device op per
-  # metric per step.
-  host_window = exp.strategy.unreplicate(jax.device_get(window))
+  host_window = exp.strategy.to_host(window)  # One transfer.
   summary = _window_summary(host_window, exp.privacy is not None)
   _log_overflows(host_window, step - len(window) + 1, exp.param_names)
   rates = progress.update(step)
