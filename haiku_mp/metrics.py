@@ -202,11 +202,12 @@ class Progress:
     self._host['in_step_call'] += in_step_call
     self._host_steps += 1
 
-  def host_ms_per_step(self) -> dict[str, float]:
+  def host_ms_per_step(self) -> dict[str, Optional[float]]:
     """Milliseconds per step of each `host_time` part, over the steps this
-    process ran since it started (not the whole run's)."""
-    steps = max(self._host_steps, 1)
-    return {k: 1e3 * v / steps for k, v in self._host.items()}
+    process ran since it started (not the whole run's); None if it ran none."""
+    steps = self._host_steps
+    return {k: 1e3 * v / steps if steps else None
+            for k, v in self._host.items()}
 
   @property
   def train_seconds(self) -> float:

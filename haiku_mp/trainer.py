@@ -259,13 +259,30 @@ def _config_text(config: ml_collections.ConfigDict) -> str:
   return config.to_json_best_effort(indent=1, sort_keys=True) + '\n'
 
 
+# Settings that change how a run gets its programs, not what it computes: a
+# finished run is the same run whatever they say.
+_NOT_THE_RUN = (compilation_cache.SETTING,)
+
+
+def _same_run(config_json: str, config: ml_collections.ConfigDict) -> bool:
+  try:
+    saved = json.loads(config_json)
+  except ValueError:
+    return False
+  now = json.loads(_config_text(config))
+  for setting in _NOT_THE_RUN:
+    saved.pop(setting, None)
+    now.pop(setting, None)
+  return saved == now
+
+
 def finished_summary(config: ml_collections.ConfigDict, workdir: str
                      ) -> Optional[dict[str, Any]]:
   """The summary of the run `config` already finished in `workdir`, if it
   did: its summary.json, the same config.json, and the final checkpoint."""
   try:
     with open(os.path.join(workdir, 'config.json')) as f:
-      same_config = f.read() == _config_text(config)
+      same_config = _same_run(f.read(), config)
     with open(os.path.join(workdir, 'summary.json')) as f:
       summary = json.load(f)
   except (OSError, ValueError):

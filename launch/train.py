@@ -58,8 +58,11 @@ def main(argv):
   logging.info('Config: %s%s',
                config_flags.get_config_filename(flags.FLAGS['config']),
                ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
-  cache = compilation_cache.use(_CONFIG.value.compilation_cache_dir)
-  logging.info('Compilation cache: %s', cache or 'off')
+  setting = _CONFIG.value.compilation_cache_dir
+  cache = compilation_cache.use(setting)
+  logging.info('Compilation cache: %s', cache or (
+      f'off ({setting!r} on {jax.default_backend()}; set '
+      '--config.compilation_cache_dir=DIR for one)'))
   mesh = sharding.mesh_for(_CONFIG.value.parallel)
   result = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh,
                                       log_module_table=_MODULES_TABLE.value)

@@ -165,40 +165,6 @@ class LoopBenchmarkTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, 'two log windows'):
       loop_benchmark.steady_images_per_sec(events[:2], 8)
 
-  def test_the_loop_against_its_step_per_dtype(self):
-    config = helpers.tiny_config()
-    config.batch_size = 8
-    config.eval_batch_size = 8
-    config.log_every_steps = 2
-    config.data.source = 'synthetic'
-    config.data.synthetic_train_examples = 64
-    config.data.synthetic_eval_examples = 8
-    lines = []
-    rows = loop_benchmark.run_dtypes(config, ['float32', 'bfloat16'], steps=6,
-                                     rounds=2, log=lines.append)
-    self.assertEqual([r['dtype'] for r in rows], ['float32', 'bfloat16'])
-    self.assertLen(lines, 4)  # A line per dtype per round.
-    for row in rows:
-      self.assertEqual((row['steps_per_round'], row['rounds'],
-                        row['source'], row['batch_size']),
-                       (6, 2, 'synthetic', 8))
-      self.assertLen(row['loop_rounds_images_per_sec'], 2)
-      self.assertAlmostEqual(row['loop_images_per_sec'],
-                             np.median(row['loop_rounds_images_per_sec']))
-      self.assertAlmostEqual(row['step_images_per_sec'],
-                             np.median(row['step_rounds_images_per_sec']))
-      self.assertAlmostEqual(row['loop_over_step'],
-                             row['loop_images_per_sec'] /
-                             row['step_images_per_sec'])
-      self.assertEqual(row['target_met'],
-                       row['loop_over_step'] >= row['target'])
-      self.assertEqual(set(row['host_ms_per_step']),
-                       {'waiting_for_batch', 'in_step_call'})
-      self.assertGreater(row['host_ms_per_step']['in_step_call'], 0)
-    self.assertAlmostEqual(
-        rows[1]['vs_first']['loop_images_per_sec'],
-        rows[1]['loop_images_per_sec'] / rows[0]['loop_images_per_sec'])
-
 
 class CommandLineTest(parameterized.TestCase):
 
@@ -234,10 +200,11 @@ class CommandLineTest(parameterized.TestCase):
     self.assertIn('img/s', lines[0])  # A line a person reads per dtype.
     self.assertIn('float16 vs float32', lines[-2])
 
-  def test_loop_from_the_command_line(self):
+  def test_loop_against_its_step_per_dtype_from_the_command_line(self):
     result = helpers.run_module(
         'launch.benchmark', '--config=configs/vit_bf16.py', '--loop',
-        '--steps=4', '--rounds=1', '--json', '--config.batch_size=8',
+        '--dtypes=float32,bfloat16', '--steps=4', '--rounds=1', '--json',
+        '--config.batch_size=8',
         '--config.eval_batch_size=8', '--config.log_every_steps=2',
         '--config.data.source=synthetic',
         '--config.data.synthetic_train_examples=64',
@@ -246,11 +213,30 @@ class CommandLineTest(parameterized.TestCase):
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     lines = result.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
-    self.assertEqual([r['dtype'] for r in summary['results']], ['bfloat16'])
-    self.assertIn('bfloat16 round 1/1: loop', lines[0])
-    self.assertRegex(lines[1], r"loop \d+ img/s = [\d.]+x the step's")
+    rows = summary['results']
+    self.assertEqual([r['dtype'] for r in rows], ['float32', 'bfloat16'])
+    self.assertIn('float32 round 1/1: loop', lines[0])  # A line per round,
+    self.assertRegex(lines[2], r"loop \d+ img/s = [\d.]+x the step's")  # dtype
+    self.assertIn('bfloat16 vs float32: the loop', lines[-2])  # and ratio.
     # The trainer's own lines stay out of the benchmark's console.
     self.assertNotIn('Compiled the train step', result.stderr)
+    for row in rows:
+      self.assertEqual((row['steps_per_round'], row['rounds'], row['source'],
+                        row['batch_size']), (4, 1, 'synthetic', 8))
+      self.assertEqual(row['loop_rounds_images_per_sec'],
+                       [row['loop_images_per_sec']])
+      self.assertEqual(row['step_rounds_images_per_sec'],
+                       [row['step_images_per_sec']])
+      self.assertAlmostEqual(row['loop_over_step'],
+                             row['loop_images_per_sec'] /
+                             row['step_images_per_sec'])
+      self.assertEqual(row['target_met'],
+                       row['loop_over_step'] >= row['target'])
+      self.assertGreater(row['host_ms_per_step']['in_step_call'], 0)
+      self.assertGreaterEqual(row['host_ms_per_step']['waiting_for_batch'], 0)
+    self.assertAlmostEqual(
+        rows[1]['vs_first']['loop_images_per_sec'],
+        rows[1]['loop_images_per_sec'] / rows[0]['loop_images_per_sec'])
 
   @parameterized.parameters(
       (['--loop', '--pipeline'], '--pipeline and --loop are different'),

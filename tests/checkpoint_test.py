@@ -136,11 +136,22 @@ class InterruptTest(parameterized.TestCase):
     super().setUpClass()
     cls._tmp = tempfile.TemporaryDirectory()
     cls.straight = f'{cls._tmp.name}/straight'
-    proc = _run(_flags('configs/vit_fp16.py', cls.straight))
+    # The class's runs share a compilation cache of their own
+    # (config.compilation_cache_dir) that keeps every program, however quick
+    # (JAX's default skips those under a second, as these are): the straight
+    # run compiles the train step, and every later start, a resume included,
+    # loads it.
+    cls.cache = f'--config.compilation_cache_dir={cls._tmp.name}/cache'
+    cls._environ = mock.patch.dict(
+        os.environ, {'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'})
+    cls._environ.start()
+    proc = _run([*_flags('configs/vit_fp16.py', cls.straight), cls.cache])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'loaded from the compilation cache' not in proc.stderr
 
   @classmethod
   def tearDownClass(cls):
+    cls._environ.stop()
     cls._tmp.cleanup()
     super().tearDownClass()
 
@@ -148,12 +159,16 @@ class InterruptTest(parameterized.TestCase):
     super().setUp()
     self.workdir = os.path.join(
         self.enter_context(tempfile.TemporaryDirectory()), 'run')
-    self.flags = _flags('configs/vit_fp16.py', self.workdir, every=10)
+    self.flags = [*_flags('configs/vit_fp16.py', self.workdir, every=10),
+                  self.cache]
 
   def _assert_finishes_as_the_straight_run(self, resumed_at):
     proc = _run(self.flags)
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
     self.assertIn(f'at step {resumed_at}.', proc.stderr)
+    # A fresh and a resumed run lower the same program: one cache entry.
+    self.assertRegex(proc.stderr, r'Compiled the train step for a batch of '
+                     r'32 in .*, loaded from the compilation cache\)')
     self.assertNotIn('Metadata file does not exist', proc.stderr)
     events = _train_events(self.workdir)
     self.assertEqual([e['step'] for e in events], list(range(1, TOTAL + 1)))

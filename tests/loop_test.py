@@ -17,6 +17,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 from jax._src import array as array_lib
+import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import checkpoint as checkpoint_lib
@@ -73,13 +74,21 @@ def _bits(tree):
   return jax.tree.map(leaf, tree)
 
 
+def _batch_threads(before):
+  """The names of haiku_mp's threads started since `before` and still alive."""
+  return [t.name for t in set(threading.enumerate()) - before
+          if t.name.startswith('haiku_mp')]
+
+
 class LoopTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
     self.workdir = self.enter_context(tempfile.TemporaryDirectory())
 
-  @parameterized.parameters('single', 'pmap', 'pjit')
+  # pjit's batches are placed by the same thread (and its run is single's:
+  # tests/parallel_test.py); pmap's own part, its metrics' fetch, is below.
+  @parameterized.parameters('single', 'pjit')
   def test_states_and_metrics_are_a_plain_loops_bit_for_bit(self, strategy):
     config = _config(strategy)
     trainer.train_and_evaluate(config, self.workdir,
@@ -110,6 +119,18 @@ class LoopTest(parameterized.TestCase):
                                 err_msg=f'step {event["step"]} {key}')
       self.assertEqual(event['loss_scale'], float(window[-1]['loss_scale']))
 
+  def test_pmap_metrics_reach_the_host_as_their_first_replica(self):
+    config = _config('pmap')
+    strategy = experiment.build(config,
+                                sharding.mesh_for(config.parallel)).strategy
+    step = jax.pmap(lambda x: dict(loss=x.mean(), finite=jnp.isfinite(x)),
+                    axis_name='batch')
+    window = [step(jnp.full((8, 3), float(i))) for i in range(2)]
+    host = strategy.to_host(window)
+    self.assertEqual([(h['loss'], h['finite'].tolist()) for h in host],
+                     [(0.0, [True] * 3), (1.0, [True] * 3)])
+    self.assertIsInstance(host[0]['finite'], np.ndarray)
+
   def test_no_device_value_is_read_between_log_points(self):
     # Every read of a device array's value (float(), np.asarray,
     # jax.device_get, printing) goes through ArrayImpl._value; each one on
@@ -134,10 +155,12 @@ class LoopTest(parameterized.TestCase):
       reads.append(dispatched[0])
       return block(tree)
 
+    threads = set(threading.enumerate())
     with mock.patch.object(array_lib.ArrayImpl, '_value', property(read)), \
         mock.patch.object(trainer._CompiledSteps, '__call__', step), \
         mock.patch.object(trainer.jax, 'block_until_ready', wait):
       trainer.train_and_evaluate(_config(), self.workdir)
+    self.assertEmpty(_batch_threads(threads))  # Joined at the end.
 
     pauses = {0} | {s for s in range(1, STEPS + 1)
                     if s % LOG_EVERY == 0 or s % EVAL_EVERY == 0 or
@@ -149,16 +172,13 @@ class LoopTest(parameterized.TestCase):
         set(reads), pauses, 'a device value was read (or waited for) after '
         'the steps "missing" here, which are no log, eval or checkpoint point')
 
-  def test_the_batch_thread_is_gone_after_any_exit(self):
-    before = set(threading.enumerate())
+  def test_the_batch_thread_is_joined_when_the_loop_fails(self):
+    threads = set(threading.enumerate())
     with mock.patch.object(trainer, '_log_window',
                            side_effect=RuntimeError('a failing log point')):
       with self.assertRaisesRegex(RuntimeError, 'a failing log point'):
         trainer.train_and_evaluate(_config(), self.workdir)
-    trainer.train_and_evaluate(_config(), tempfile.mkdtemp(dir=self.workdir))
-    left = [t.name for t in set(threading.enumerate()) - before
-            if t.name.startswith('haiku_mp')]
-    self.assertEmpty(left)
+    self.assertEmpty(_batch_threads(threads))
 
 
 if __name__ == '__main__':

@@ -108,6 +108,9 @@ class TrainerTest(parameterized.TestCase):
     longer = _tiny_run_config()
     longer.num_train_steps = 7  # Another run: it goes on from step 6.
     self.assertIsNone(trainer.finished_summary(longer, self.workdir))
+    cached = _tiny_run_config()  # The same run, its programs kept elsewhere.
+    cached.compilation_cache_dir = os.path.join(self.workdir, 'cache')
+    self.assertEqual(trainer.finished_summary(cached, self.workdir), on_disk)
 
   def test_any_exit_closes_writer_and_checkpointer_and_restores_sigterm(self):
     """A KeyboardInterrupt after three steps (not even an Exception) still
