@@ -186,44 +186,86 @@ class Checkpointer:
         item_handlers={_STATE: ocp.StandardCheckpointHandler(),
                        _RUN: ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=False))
+            max_to_keep=keep, create=True, enable_async_checkpointing=True))
+    # The save whose files are still being written: (step, the ExitStack
+    # that silences its threads, its start), and the seconds it held the loop.
+    self._in_flight = None
+    self._blocking = 0.0
 
   def all_steps(self) -> list[int]:
+    self.wait()
     return sorted(self._manager.all_steps())
 
   def save(self, step: int, state: TrainState,
            run: Optional[dict[str, Any]] = None) -> None:
-    """Saves (blocking) `state` and the JSON-ready `run` record; a no-op if
-    `step` is already saved.
+    """Starts saving `state` and the JSON-ready `run` record (a no-op if
+    `step` is already saved); returns once the state is copied off the
+    device, its files written in the background (orbax's async save) while
+    training goes on. `poll` or `wait` finishes it.
 
     The time logged is the save's own: `state` is made ready first, so the
     steps still queued on the device are not counted. A failed write raises
     `errors.RunError` naming the workdir, the step and the last good
-    checkpoint.
+    checkpoint, from this call or from the `poll` or `wait` that finds it.
     """
     if step in self._manager.all_steps():
       return
+    self.wait()
     state = jax.block_until_ready(state)
     start = time.perf_counter()
+    # What a failed write's threads print is silenced until it is finished.
+    quiet = contextlib.ExitStack()
+    quiet.enter_context(_orbax_errors_dropped())
+    quiet.enter_context(_failed_save_silenced())
+    self._in_flight = (step, quiet, start)
     try:
-      with _orbax_errors_dropped(), _failed_save_silenced():
-        self._manager.save(step, args=ocp.args.Composite(**{
-            _STATE: ocp.args.StandardSave(_to_storable(state)),
-            _RUN: ocp.args.JsonSave(run or {})}))
-        self._manager.wait_until_finished()
+      self._manager.save(step, args=ocp.args.Composite(**{
+          _STATE: ocp.args.StandardSave(_to_storable(state)),
+          _RUN: ocp.args.JsonSave(run or {})}))
     except Exception as e:  # pylint: disable=broad-except
-      last = self._manager.latest_step()
-      raise errors.RunError(
-          f'--workdir={self.workdir}: could not save the checkpoint of step '
-          f'{step} ({_describe(e)}); the last good checkpoint is '
-          + (f'step {last}' if last is not None else 'none')
-          + '. Free space (or fix the cause) and run the same command to '
-          'resume.') from None
-    logging.info('Saved checkpoint %s/%d (%.1fs).', self.directory, step,
+      self._failed(e)
+    self._blocking = time.perf_counter() - start
+
+  def _failed(self, error: Exception):
+    step = self._in_flight[0]
+    self._in_flight = None  # Its quiet hooks stay: the run stops now.
+    last = max((s for s in self._manager.all_steps() if s != step),
+               default=None)
+    raise errors.RunError(
+        f'--workdir={self.workdir}: could not save the checkpoint of step '
+        f'{step} ({_describe(error)}); the last good checkpoint is '
+        + (f'step {last}' if last is not None else 'none')
+        + '. Free space (or fix the cause) and run the same command to '
+        'resume.') from None
+
+  def wait(self) -> None:
+    """Waits for the save in flight, if any (before a stop: the checkpoint
+    is then on disk); logs it, or raises its failure."""
+    if self._in_flight is None:
+      return
+    step, quiet, start = self._in_flight
+    try:
+      self._manager.wait_until_finished()
+      self._manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except
+      self._failed(e)
+    self._in_flight = None
+    quiet.close()
+    # Found done at a log point: the write took at most this long.
+    logging.info('Saved checkpoint %s/%d (%.2fs before training went on, '
+                 'the rest written in the background within %.1fs).',
+                 self.directory, step, self._blocking,
                  time.perf_counter() - start)
+
+  def poll(self) -> None:
+    """`wait` if the save in flight is done (free: no wait, no device op)."""
+    if self._in_flight is not None and not (
+        self._manager.is_saving_in_progress()):
+      self.wait()
 
   def run_record(self, step: int) -> dict[str, Any]:
     """The `run` record saved with `step`; {} for checkpoints without one."""
+    self.wait()
     if not os.path.isdir(os.path.join(self.directory, str(step), _RUN)):
       return {}
     restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -260,6 +302,7 @@ class Checkpointer:
     `set_aside_unrestorable` (a run that will save over those steps again),
     the newer step directories that failed are renamed `STEP.unrestorable`.
     """
+    self.wait()
     steps = [s for s in self.all_steps() if max_step is None or s <= max_step]
     if not steps:
       return None
@@ -294,4 +337,8 @@ class Checkpointer:
     self._manager.reload()
 
   def close(self) -> None:
-    self._manager.close()
+    """Waits for the save in flight (raising its failure), then closes."""
+    try:
+      self.wait()
+    finally:
+      self._manager.close()

@@ -480,6 +480,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       if _due(step, config.log_every_steps, total_steps):
         _log_window(exp, window, step, writer, progress)
         window = []
+        checkpointer.poll()  # A save written meanwhile: logged, or its error.
       if _due(step, config.eval_every_steps, total_steps):
         # Rates exclude evaluation, and evaluation the steps still queued.
         state = jax.block_until_ready(state)
@@ -492,8 +493,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         state = jax.block_until_ready(state)
         progress.stop(step)  # Rates exclude saving.
         writer.flush()  # What the checkpoint covers is on disk before it.
+        # Returns once the state is off the device; the files are written
+        # while training goes on, except before a stop.
         checkpointer.save(step, strategy.unreplicate(state),
                           dict(progress.record(), last_val=last_val))
+        if stop:
+          checkpointer.wait()
         progress.start(step)
       if stop:
         received = interruption.received or 'SIGTERM'  # Or another process's.

@@ -30,15 +30,29 @@ def _signal_main_thread(signum: int) -> None:
 
 def _signal_after_train_write(signum: int, at_step: int, flush: bool) -> None:
   write = metrics.MetricsWriter.write
+  save = checkpoint.Checkpointer.save
+  checkpointers = []
 
   def write_then_signal(self, step, split, values):
     write(self, step, split, values)
     if split == 'train' and step == at_step:
       if flush:
         self.flush()
+      if signum == signal.SIGKILL:
+        # Killed past a checkpoint that is on disk: its files, written in
+        # the background, are finished first (a kill during the write would
+        # lose that checkpoint, and the run would resume from the one before).
+        for saver in checkpointers:
+          saver.wait()
       _signal_main_thread(signum)
 
+  def remember_then_save(self, *args, **kwargs):
+    if self not in checkpointers:
+      checkpointers.append(self)
+    return save(self, *args, **kwargs)
+
   metrics.MetricsWriter.write = write_then_signal
+  checkpoint.Checkpointer.save = remember_then_save
 
 
 def _signal_again_when_saving(signum: int, at_step: int) -> None:
