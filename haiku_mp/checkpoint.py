@@ -16,6 +16,7 @@ Checkpoints without a `run` item (older ones) restore with an empty record.
 """
 
 import contextlib
+import dataclasses
 import logging as python_logging
 import os
 import re
@@ -175,6 +176,15 @@ def _set_aside(path: str) -> str:
   return target
 
 
+@dataclasses.dataclass
+class _Write:
+  """A save whose files are still being written in the background."""
+  step: int
+  quiet: contextlib.ExitStack  # Silences its threads until it is finished.
+  start: float  # perf_counter() when it started.
+  blocking_sec: float = 0.0  # How long it held the loop.
+
+
 class Checkpointer:
   """Saves and restores `TrainState`s under `workdir/checkpoints`."""
 
@@ -187,10 +197,7 @@ class Checkpointer:
                        _RUN: ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=True))
-    # The save whose files are still being written: (step, the ExitStack
-    # that silences its threads, its start), and the seconds it held the loop.
-    self._in_flight = None
-    self._blocking = 0.0
+    self._in_flight: Optional[_Write] = None
 
   def all_steps(self) -> list[int]:
     self.wait()
@@ -217,17 +224,17 @@ class Checkpointer:
     quiet = contextlib.ExitStack()
     quiet.enter_context(_orbax_errors_dropped())
     quiet.enter_context(_failed_save_silenced())
-    self._in_flight = (step, quiet, start)
+    self._in_flight = _Write(step, quiet, start)
     try:
       self._manager.save(step, args=ocp.args.Composite(**{
           _STATE: ocp.args.StandardSave(_to_storable(state)),
           _RUN: ocp.args.JsonSave(run or {})}))
     except Exception as e:  # pylint: disable=broad-except
       self._failed(e)
-    self._blocking = time.perf_counter() - start
+    self._in_flight.blocking_sec = time.perf_counter() - start
 
   def _failed(self, error: Exception):
-    step = self._in_flight[0]
+    step = self._in_flight.step
     self._in_flight = None  # Its quiet hooks stay: the run stops now.
     last = max((s for s in self._manager.all_steps() if s != step),
                default=None)
@@ -243,19 +250,19 @@ class Checkpointer:
     is then on disk); logs it, or raises its failure."""
     if self._in_flight is None:
       return
-    step, quiet, start = self._in_flight
+    write = self._in_flight
     try:
       self._manager.wait_until_finished()
       self._manager.check_for_errors()
     except Exception as e:  # pylint: disable=broad-except
       self._failed(e)
     self._in_flight = None
-    quiet.close()
+    write.quiet.close()
     # Found done at a log point: the write took at most this long.
     logging.info('Saved checkpoint %s/%d (%.2fs before training went on, '
                  'the rest written in the background within %.1fs).',
-                 self.directory, step, self._blocking,
-                 time.perf_counter() - start)
+                 self.directory, write.step, write.blocking_sec,
+                 time.perf_counter() - write.start)
 
   def poll(self) -> None:
     """`wait` if the save in flight is done (free: no wait, no device op)."""
@@ -302,7 +309,6 @@ class Checkpointer:
     `set_aside_unrestorable` (a run that will save over those steps again),
     the newer step directories that failed are renamed `STEP.unrestorable`.
     """
-    self.wait()
     steps = [s for s in self.all_steps() if max_step is None or s <= max_step]
     if not steps:
       return None

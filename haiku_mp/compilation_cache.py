@@ -65,8 +65,8 @@ def check(setting) -> None:
 
 def use(setting: str) -> Optional[str]:
   """Points JAX's cache at `setting`'s directory (call before the first
-  compile); returns the directory JAX uses, if any."""
-  check(setting)
+  compile; `check` has passed, as `config_checks` does for every command);
+  returns the directory JAX uses, if any."""
   path = directory(setting, jax.default_backend())
   if path is not None:
     jax.config.update('jax_compilation_cache_dir', path)

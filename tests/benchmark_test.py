@@ -11,7 +11,6 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import numpy as np
 
 from haiku_mp.lab import loop_benchmark
 from haiku_mp.lab import pipeline_benchmark

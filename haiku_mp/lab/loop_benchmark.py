@@ -19,15 +19,14 @@ the step call) when it falls short.
 import contextlib
 import copy
 import tempfile
-import time
 from typing import Any, Callable, Sequence
 
 from absl import logging
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from haiku_mp import compiled_step
 from haiku_mp import experiment
 from haiku_mp import input_pipeline
 from haiku_mp import model
@@ -111,11 +110,9 @@ class _StepRounds:
 
   def round(self, steps: int) -> float:
     """Images/s of `steps` steps dispatched back to back, waited for once."""
-    start = time.perf_counter()
-    for _ in range(steps):
-      self._state, metrics = self._step(self._state, self._batch)
-    jax.block_until_ready(metrics['loss'])
-    return self._batch_size * steps / (time.perf_counter() - start)
+    self._state, seconds = compiled_step.dispatch_round(
+        self._step, self._state, iter(lambda: self._batch, None), steps)
+    return self._batch_size / seconds
 
 
 def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
@@ -135,9 +132,7 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   loop_images = float(np.median(loop_ips))
   step_images = float(np.median(step_rounds))
   return dict(
-      device=str(jax.devices()[0].device_kind),
-      jax_version=jax.__version__,
-      cpu=step_benchmark.cpu_info(),
+      **step_benchmark.machine(),
       dtype=jnp.dtype(model.make_precision(config).policy.compute_dtype).name,
       policy=config.precision.policy,
       source=config.data.source,

@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from haiku_mp import augment
+from haiku_mp import compiled_step
 from haiku_mp import experiment
 from haiku_mp import input_pipeline
 from haiku_mp import sharding
@@ -39,16 +40,6 @@ def _images_per_sec(fn, batch_size: int, repeats: int) -> float:
   for _ in range(repeats):
     fn()
   return batch_size * repeats / (time.perf_counter() - start)
-
-
-def _round_seconds(step, state, feed, steps: int):
-  """(state, seconds per step) of `steps` steps dispatched as the trainer
-  does, waited for once at the end."""
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, metrics = step(state, next(feed))
-  jax.block_until_ready(metrics['loss'])
-  return state, (time.perf_counter() - start) / steps
 
 
 def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
@@ -81,19 +72,17 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   with input_pipeline.DevicePrefetch(batches, strategy.place_batch,
                                      config.data.prefetch_batches) as fed:
     feeds = dict(device_batch=iter(lambda: fixed, None), pipeline_fed=fed)
-    state, _ = _round_seconds(step, state, feeds['device_batch'], 1)  # Warm-up.
+    state, _ = compiled_step.dispatch_round(step, state, feeds['device_batch'], 1)  # Warm-up.
     seconds = {name: [] for name in feeds}
     for _ in range(rounds):
       for name, feed in feeds.items():
-        state, per_step = _round_seconds(step, state, feed, steps)
+        state, per_step = compiled_step.dispatch_round(step, state, feed, steps)
         seconds[name].append(per_step)
   step_time = {name: float(np.median(s)) for name, s in seconds.items()}
   step_images = config.batch_size / step_time['device_batch']
   slowdown = step_time['pipeline_fed'] / step_time['device_batch'] - 1
   return dict(
-      device=str(jax.devices()[0].device_kind),
-      jax_version=jax.__version__,
-      cpu=step_benchmark.cpu_info(),
+      **step_benchmark.machine(),
       source=config.data.source,
       policy=config.precision.policy,
       batch_size=config.batch_size,

@@ -59,6 +59,12 @@ def cpu_info(cpuinfo_path: str = '/proc/cpuinfo') -> dict[str, Any]:
   return dict(model=name, **{flag: flag in flags for flag in CPU_FLAGS})
 
 
+def machine() -> dict[str, Any]:
+  """What a measurement ran on: the device, JAX's version, the host CPU."""
+  return dict(device=str(jax.devices()[0].device_kind),
+              jax_version=jax.__version__, cpu=cpu_info())
+
+
 def ceiling_side(flops_per_step: Optional[float], least: int) -> int:
   """The ceiling matmul's side: at least `least`, and large enough to do one
   step's FLOPs in one call (up to `MAX_GROWN_CEILING_SIZE`), so that a call's
@@ -120,9 +126,7 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
   stats = step.stats
   private = step.experiment.privacy
   return dict(
-      device=str(jax.devices()[0].device_kind),
-      jax_version=jax.__version__,
-      cpu=cpu_info(),
+      **machine(),
       dtype=dtype.name,
       dot_form=form,
       policy=config.precision.policy,
