@@ -10,6 +10,7 @@ import tests  # pylint: disable=unused-import
 
 LONGEST_FIRST = (
     'tests/parallel_test.py::MultiProcessTest',
+    'tests/checkpoint_test.py::InterruptTest',
     'tests/report_test.py::QuickReportTest',
     'tests/lab_test.py::PrecisionExperimentTest',
     'tests/checkpoint_test.py::ResumeTest',

@@ -86,11 +86,11 @@ class LoopTest(parameterized.TestCase):
     super().setUp()
     self.workdir = self.enter_context(tempfile.TemporaryDirectory())
 
-  # pjit's batches are placed by the same thread (and its run is single's:
-  # tests/parallel_test.py); pmap's own part, its metrics' fetch, is below.
-  @parameterized.parameters('single', 'pjit')
-  def test_states_and_metrics_are_a_plain_loops_bit_for_bit(self, strategy):
-    config = _config(strategy)
+  # pjit's and pmap's runs are single's (tests/parallel_test.py), their
+  # batches placed by the same thread; pmap's own part, its metrics' fetch,
+  # is below.
+  def test_states_and_metrics_are_a_plain_loops_bit_for_bit(self):
+    config = _config()
     trainer.train_and_evaluate(config, self.workdir,
                                sharding.mesh_for(config.parallel))
     exp, expected_state, expected = _plain_loop(config)
