@@ -18,6 +18,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.weight_decay = 0.0
   config.warmup_steps = 0
   config.grad_clip_norm = 0.0  # 0: no clipping.
+  # The train loss's targets: (1 - label_smoothing) on the label (or the mixed
+  # labels) plus label_smoothing spread evenly over the classes.
+  config.label_smoothing = 0.0
   config.log_every_steps = 50
   config.eval_every_steps = 1000
   config.checkpoint_every_steps = 1000  # Also at the end and on SIGTERM.
@@ -36,6 +39,10 @@ def get_config() -> ml_collections.ConfigDict:
       num_heads=8,
       num_layers=6,
       dropout_rate=0.1,
+      # Stochastic depth: each block's two residual branches dropped for a
+      # random subset of examples, at rates rising linearly from 0 in the
+      # first block to drop_path_rate in the last.
+      drop_path_rate=0.0,
       layer_norm_epsilon=1e-6,  # The seeds' (Haiku's default is 1e-5).
   ))
   # What each encoder block keeps for the backward pass: 'none' (every
@@ -140,10 +147,31 @@ def get_config() -> ml_collections.ConfigDict:
       train_split='train[:45000]',
       val_split='train[45000:]',
       test_split='test',
+      # The train augmentation, on the device (haiku_mp/augment.py), in this
+      # order; False: images only normalized.
       augment=True,
-      crop_area=(0.9, 1.0),  # Random resized crop: fraction of the image area,
-      crop_aspect_ratio=(0.9, 1.1),  # and aspect ratio range.
+      # 'resized': a random crop of crop_area of the area with aspect ratio in
+      # crop_aspect_ratio, resized back; 'pad': a random crop of the image's
+      # size from the image padded with crop_padding black pixels; 'none'.
+      crop='resized',
+      crop_area=(0.9, 1.0),
+      crop_aspect_ratio=(0.9, 1.1),
       crop_max_attempts=10,
+      crop_padding=4,
+      flip=True,  # A random horizontal flip.
+      # 'none', 'randaugment' (randaugment_ops operations drawn per image, each
+      # at randaugment_magnitude of 10) or 'autoaugment' (AutoAugment's
+      # CIFAR-10 policy). haiku_mp/auto_augment.py.
+      policy='none',
+      randaugment_ops=2,
+      randaugment_magnitude=9.0,
+      # Random erasing: a box of noise, on this share of the images.
+      erasing_probability=0.0,
+      # Mixup and CutMix of neighbouring examples with soft labels; the
+      # ratio is Beta(alpha, alpha); 0 turns a method off; both on: even odds
+      # per example.
+      mixup_alpha=0.0,
+      cutmix_alpha=0.0,
       mean=(0.4914, 0.4822, 0.4465),
       std=(0.2023, 0.1994, 0.2010),
       prefetch_batches=2,  # Batches on their way to the devices.

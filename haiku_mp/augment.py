@@ -1,18 +1,36 @@
 """CIFAR-10 augmentation on the device, in JAX, from uint8 images.
 
-The seeds' augmentation: a random crop of `crop_area` of the image's area
-with aspect ratio in `crop_aspect_ratio`, resized back to the image's size
-bilinearly, and a random horizontal flip; then per-channel normalization.
-Keyed by a JAX key (the step's), so a batch is a function of (seed, step),
-and traceable, so it runs inside the jitted program: only uint8 images cross
-from the host. Evaluation images are only normalized.
+In order, each a `data` setting: a crop (`crop`: the seeds' random resized
+crop of `crop_area` of the image's area with aspect ratio in
+`crop_aspect_ratio`, resized back bilinearly; or `pad`: a random crop of the
+image's size from the image padded with `crop_padding` black pixels), a
+random horizontal flip, a `policy` (RandAugment or AutoAugment's CIFAR-10
+policy, `auto_augment.py`), per-channel normalization, random erasing, and
+mixup / CutMix with soft labels (`mixing.py`). Keyed by a JAX key (the
+step's), so a batch is a function of (seed, step), and traceable, so it runs
+inside the jitted program: only uint8 images cross from the host. Evaluation
+images are only normalized.
 """
 
+import math
 from typing import Mapping, NamedTuple, Optional
 
+import dm_pix as pix
 import jax
 import jax.numpy as jnp
 import ml_collections
+
+from haiku_mp import auto_augment
+from haiku_mp import errors
+from haiku_mp import mixing
+
+CROPS = ('resized', 'pad', 'none')
+POLICIES = ('none', 'randaugment', 'autoaugment')
+# Random erasing's box (Zhong et al., 2017): a share of the image's area and
+# an aspect ratio, drawn as the crop's windows are.
+_ERASE_AREA = (0.02, 1.0 / 3.0)
+_ERASE_ASPECT_RATIO = (0.3, 1.0 / 0.3)
+_ERASE_ATTEMPTS = 10
 
 Batch = Mapping[str, jax.Array]
 
@@ -89,21 +107,104 @@ def _crop_and_resize(image: jax.Array, window: Windows) -> jax.Array:
   return rows[:, x0] * (1 - fx)[None, :, None] + rows[:, x1] * fx[None, :, None]
 
 
+def _pad_and_crop(key: jax.Array, image: jax.Array, padding: int
+                  ) -> jax.Array:
+  """A random crop of the image's size from it padded with black."""
+  height, width, channels = image.shape
+  padded = pix.pad_to_size(image, height + 2 * padding, width + 2 * padding)
+  return pix.random_crop(key, padded, (height, width, channels))
+
+
+def _erase(key: jax.Array, image: jax.Array, probability: float
+           ) -> jax.Array:
+  """Random erasing: with `probability`, a box of the (normalized) image
+  filled with one standard normal value per channel (timm's 'rand' mode;
+  noise per pixel drew more random bits than the rest of the
+  augmentation)."""
+  height, width, _ = image.shape
+  k_apply, k_box, k_noise = jax.random.split(key, 3)
+  box = jax.tree.map(
+      lambda x: x[0],
+      crop_windows(k_box[None], height, width, _ERASE_AREA,
+                   _ERASE_ASPECT_RATIO, _ERASE_ATTEMPTS))
+  rows = jnp.arange(height)[:, None]
+  cols = jnp.arange(width)[None, :]
+  inside = ((rows >= box.top) & (rows < box.top + box.height) &
+            (cols >= box.left) & (cols < box.left + box.width))
+  # No box found in the attempts is the whole image (crop_windows): kept.
+  erase = (jax.random.bernoulli(k_apply, probability) &
+           (box.height * box.width < height * width))
+  noise = jax.random.normal(k_noise, image.shape[-1:], image.dtype)
+  return jnp.where(erase & inside[..., None], noise, image)
+
+
+def check_settings(data_config: ml_collections.ConfigDict) -> None:
+  """The augmentation's names and ranges (`config_checks` runs this)."""
+  if data_config.crop not in CROPS:
+    raise errors.ConfigError(f'data.crop={data_config.crop!r} must be one of '
+                             f'{CROPS}')
+  if data_config.policy not in POLICIES:
+    raise errors.ConfigError(f'data.policy={data_config.policy!r} must be one '
+                             f'of {POLICIES}')
+  magnitude = data_config.randaugment_magnitude
+  if not 0 <= magnitude <= auto_augment.MAX_LEVEL:
+    raise errors.ConfigError(
+        f'data.randaugment_magnitude={magnitude:g} must be in '
+        f'[0, {auto_augment.MAX_LEVEL:g}]')
+  if not 0 <= data_config.erasing_probability <= 1:
+    raise errors.ConfigError(
+        f'data.erasing_probability={data_config.erasing_probability:g} must '
+        'be in [0, 1]')
+  for name in ('mixup_alpha', 'cutmix_alpha'):
+    alpha = data_config[name]
+    if not (0 <= alpha < math.inf):
+      raise errors.ConfigError(f'data.{name}={alpha:g} must be a finite '
+                               'number >= 0 (0: off)')
+
+
+def mixes(data_config: ml_collections.ConfigDict) -> bool:
+  """Whether the train batch is mixed (mixup or CutMix): soft labels, and
+  examples in pairs."""
+  return data_config.augment and (data_config.mixup_alpha > 0 or
+                                  data_config.cutmix_alpha > 0)
+
+
 def augment(keys: jax.Array, images: jax.Array,
             data_config: ml_collections.ConfigDict) -> jax.Array:
   """uint8 [B, H, W, 3] -> the augmented, normalized float32 batch; image i
   is a function of `keys[i]` alone, so a batch split over devices is
-  augmented as it would be whole."""
+  augmented as it would be whole. (Mixing, which pairs images, is
+  `train_inputs`'.)"""
   _, height, width, _ = images.shape
   k_crop, k_flip = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
-  windows = crop_windows(k_crop, height, width, data_config.crop_area,
-                         data_config.crop_aspect_ratio,
-                         data_config.crop_max_attempts)
+  # The recipe's draws come from keys of their own: the seeds' crop and flip
+  # draw what they always drew.
+  k_policy, k_erase = jnp.moveaxis(
+      jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 1)))(keys),
+      1, 0)
   pixels = images.astype(jnp.float32)
-  pixels = jax.vmap(_crop_and_resize)(pixels, windows)
-  flip = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5))(k_flip)
-  pixels = jnp.where(flip[:, None, None, None], pixels[:, :, ::-1], pixels)
-  return normalize(pixels, data_config)
+  if data_config.crop == 'resized':
+    windows = crop_windows(k_crop, height, width, data_config.crop_area,
+                           data_config.crop_aspect_ratio,
+                           data_config.crop_max_attempts)
+    pixels = jax.vmap(_crop_and_resize)(pixels, windows)
+  elif data_config.crop == 'pad':
+    pixels = jax.vmap(_pad_and_crop, in_axes=(0, 0, None))(
+        k_crop, pixels, data_config.crop_padding)
+  if data_config.flip:
+    flip = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5))(k_flip)
+    pixels = jnp.where(flip[:, None, None, None], pixels[:, :, ::-1], pixels)
+  if data_config.policy == 'randaugment':
+    pixels = jax.vmap(auto_augment.randaugment, in_axes=(0, 0, None, None))(
+        k_policy, pixels, data_config.randaugment_ops,
+        data_config.randaugment_magnitude)
+  elif data_config.policy == 'autoaugment':
+    pixels = jax.vmap(auto_augment.autoaugment)(k_policy, pixels)
+  pixels = normalize(pixels, data_config)
+  if data_config.erasing_probability > 0:
+    pixels = jax.vmap(_erase, in_axes=(0, 0, None))(
+        k_erase, pixels, data_config.erasing_probability)
+  return pixels
 
 
 def example_keys(key: jax.Array, local_batch: int,
@@ -120,19 +221,30 @@ def example_keys(key: jax.Array, local_batch: int,
 
 
 def train_inputs(data_config: ml_collections.ConfigDict, key: jax.Array,
-                 batch: Batch, axis_name: Optional[str] = None) -> Batch:
+                 batch: Batch, axis_name: Optional[str] = None,
+                 num_classes: int = 0) -> Batch:
   """A train batch as the model takes it. uint8 pixels are augmented (if
   `data.augment`) and normalized here, on the device; float images are
-  taken as already normalized model inputs (measurements feed those)."""
+  taken as already normalized model inputs (measurements feed those). A
+  mixed batch (`mixes`) gains 'targets', soft labels over `num_classes`."""
   images = batch['image']
   if images.dtype != jnp.uint8:
     return batch
-  if data_config.augment:
-    images = augment(example_keys(key, images.shape[0], axis_name), images,
-                     data_config)
-  else:
-    images = normalize(images, data_config)
-  return dict(batch, image=images)
+  if not data_config.augment:
+    return dict(batch, image=normalize(images, data_config))
+  keys = example_keys(key, images.shape[0], axis_name)
+  images = augment(keys, images, data_config)
+  if not mixes(data_config):
+    return dict(batch, image=images)
+  if images.shape[0] % 2:
+    raise errors.ConfigError(
+        f'mixup and CutMix pair the examples of a device\'s batch, and it '
+        f'holds {images.shape[0]}: make batch_size an even number per device')
+  mix_keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys)
+  images, targets = mixing.mix(mix_keys, images, batch['label'], num_classes,
+                               data_config.mixup_alpha,
+                               data_config.cutmix_alpha)
+  return dict(batch, image=images, targets=targets)
 
 
 def eval_inputs(data_config: ml_collections.ConfigDict, batch: Batch

@@ -14,6 +14,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from haiku_mp import augment
 from haiku_mp import compilation_cache
 from haiku_mp import dropout
 from haiku_mp import errors
@@ -29,8 +30,8 @@ _POSITIVE = ('batch_size', 'eval_batch_size', 'log_every_steps',
              'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints')
 _POSITIVE_MODEL = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
                    'mlp_dim', 'num_heads', 'num_layers')
-_POSITIVE_DATA = ('crop_max_attempts', 'synthetic_train_examples',
-                  'synthetic_eval_examples')
+_POSITIVE_DATA = ('crop_max_attempts', 'randaugment_ops',
+                  'synthetic_train_examples', 'synthetic_eval_examples')
 # What `np.random.default_rng` and `jax.random.key` both take.
 _MAX_SEED = np.iinfo(np.int64).max
 _CHANNELS = 3
@@ -91,6 +92,14 @@ def _check_training(config: ml_collections.ConfigDict) -> None:
            'warmup_steps', config.warmup_steps, '>= 0')
   _require(config.grad_clip_norm >= 0, 'grad_clip_norm', config.grad_clip_norm,
            '>= 0 (0: no clipping)')
+  _require(0 <= config.label_smoothing < 1, 'label_smoothing',
+           config.label_smoothing, 'in [0, 1)')
+  if config.privacy.enabled and augment.mixes(config.data):
+    raise errors.ConfigError(
+        f'data.mixup_alpha={config.data.mixup_alpha:g} / data.cutmix_alpha='
+        f'{config.data.cutmix_alpha:g} with privacy.enabled: a mixed example '
+        'holds two, so DP-SGD\'s per-example clipping bounds neither; set '
+        'both to 0')
 
 
 def _check_model(config: ml_collections.ConfigDict) -> None:
@@ -106,6 +115,8 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
         f'model.embed_dim={model.embed_dim} is not divisible by '
         f'model.num_heads={model.num_heads}')
   dropout.check_rate(model.dropout_rate)
+  _require(0 <= model.drop_path_rate < 1, 'model.drop_path_rate',
+           model.drop_path_rate, 'in [0, 1)')
   _require(model.layer_norm_epsilon > 0, 'model.layer_norm_epsilon',
            model.layer_norm_epsilon, 'positive')
   remat.check(config.remat)
@@ -137,8 +148,11 @@ def _check_range(setting: str, value: Any, low: float, high: float,
 
 def _check_data(data: ml_collections.ConfigDict) -> None:
   input_pipeline.check_settings(data)
+  augment.check_settings(data)
   for name in _POSITIVE_DATA:
     _positive(f'data.{name}', data[name])
+  _require(_is_int(data.crop_padding) and data.crop_padding >= 0,
+           'data.crop_padding', data.crop_padding, 'an integer >= 0')
   _check_range('data.crop_area', data.crop_area, 0, 1,
                '(min, max) fractions of the image area with 0 < min <= max '
                '<= 1')

@@ -30,13 +30,17 @@ def check_rate(rate: float) -> float:
   return rate
 
 
-def dropout(key: jax.Array, rate: float, x: jax.Array) -> jax.Array:
+def dropout(key: jax.Array, rate: float, x: jax.Array,
+            per_example: bool = False) -> jax.Array:
   """`x` with each element zeroed with probability `rate` (to 2**-16) and
-  the rest scaled so the expectation is `x` (to one rounding)."""
+  the rest scaled so the expectation is `x` (to one rounding). With
+  `per_example`, one draw per index of the leading axis zeroes or keeps the
+  whole example (stochastic depth's drop path)."""
   threshold = round(check_rate(rate) * _LEVELS)
   if threshold == 0:
     return x
-  keep = uniform_draws(key, x.shape) >= threshold
+  shape = (x.shape[0],) + (1,) * (x.ndim - 1) if per_example else x.shape
+  keep = uniform_draws(key, shape) >= threshold
   # Scaled in float32 and rounded once: a half-precision keep probability
   # (0.9 is 0.8984 in bf16) would bias every kept value the same way.
   wide = jnp.promote_types(x.dtype, jnp.float32)

@@ -42,6 +42,9 @@ class Experiment:
   module_calls: list[precision_lib.ModuleCall]
   forward: hk.Transformed
   loss_fn: train_step_lib.LossFn
+  # (key, uint8 batch[, axis_name]) -> the batch the model trains on: the
+  # augmentation and mixing the train step runs first.
+  train_inputs: train_step_lib.TrainInputs
   total_steps: int
   schedule: optax.Schedule
   optimizer: optax.GradientTransformation
@@ -151,7 +154,8 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
                                            precision.half_params)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
   init_state = _init_state_fn(config, forward, optimizer, scaler)
-  loss_fn = train_step_lib.make_classification_loss(forward)
+  loss_fn = train_step_lib.make_classification_loss(forward,
+                                                    config.label_smoothing)
   private = privacy_lib.from_config(
       config, input_pipeline.num_train_examples(config.data), total_steps,
       batch_devices=1 if mesh is None else mesh.shape[sharding.BATCH],
@@ -159,14 +163,16 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
   gradients = (functools.partial(train_step_lib.gradients, loss_fn, scaler)
                if private is None else
                privacy_lib.make_gradients(loss_fn, scaler, private))
+  train_inputs = functools.partial(augment.train_inputs, config.data,
+                                   num_classes=config.model.num_classes)
   strategy = parallel.make_strategy(config, mesh, parallel.Model(
       forward, loss_fn, optimizer, scaler, init_state,
-      train_inputs=functools.partial(augment.train_inputs, config.data),
+      train_inputs=train_inputs,
       eval_inputs=functools.partial(augment.eval_inputs, config.data),
       gradients=gradients))
   return Experiment(
       config=config, mesh=mesh, precision=precision, module_calls=calls,
-      forward=forward, loss_fn=loss_fn,
+      forward=forward, loss_fn=loss_fn, train_inputs=train_inputs,
       total_steps=total_steps,
       schedule=optimizer_lib.learning_rate_schedule(config, total_steps),
       optimizer=optimizer, scaler=scaler, privacy=private,

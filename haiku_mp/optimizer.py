@@ -27,9 +27,16 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
       decay_steps=max(total_steps, warmup + 1))
 
 
-def _decay_mask(params):
-  """Weight decay on matrices and kernels only, not on biases or LayerNorm."""
-  return jax.tree.map(lambda p: p.ndim > 1, params)
+# The only params weight decay shrinks: Linear and Conv weights. Biases,
+# LayerNorm's scale and offset, the cls token and the position embedding
+# keep their values (as in ViT and DeiT recipes).
+_DECAYED = 'w'
+
+
+def decay_mask(params):
+  """True where weight decay applies (`_DECAYED` leaves), by param name."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], 'key', None) == _DECAYED, params)
 
 
 class MasterState(NamedTuple):
@@ -81,7 +88,7 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
   a float32 master copy (`float32_master`).
   """
   optimizer = optax.adamw(learning_rate_schedule(config, total_steps),
-                          weight_decay=config.weight_decay, mask=_decay_mask)
+                          weight_decay=config.weight_decay, mask=decay_mask)
   if config.grad_clip_norm > 0:
     optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
                             optimizer)

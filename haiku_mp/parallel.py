@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from haiku_mp import augment
 from haiku_mp import errors
 from haiku_mp import loss_scaling
 from haiku_mp import sharding
@@ -282,4 +283,11 @@ def make_strategy(config: ml_collections.ConfigDict, mesh: Optional[Mesh],
   check_batch('batch_size', config.batch_size, strategy.batch_devices)
   check_batch('eval_batch_size', config.eval_batch_size,
               strategy.batch_devices)
+  if augment.mixes(config.data) and (
+      config.batch_size // strategy.batch_devices) % 2:
+    raise errors.ConfigError(
+        f'batch_size={config.batch_size} gives each of the '
+        f'{strategy.batch_devices} devices of the batch axis an odd batch, '
+        'and mixup / CutMix mix its examples in pairs: make it an even '
+        'number per device')
   return strategy

@@ -161,11 +161,28 @@ def make_train_step(loss_fn: LossFn,
   return train_step
 
 
+def _losses(logits: jax.Array, batch: Batch,
+            label_smoothing: float) -> jax.Array:
+  """Per-example float32 cross-entropy against the integer labels, or, with
+  soft labels (`batch['targets']`, from mixing) or label smoothing, against
+  those targets smoothed."""
+  labels = batch['label']
+  if 'targets' not in batch and not label_smoothing:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  targets = batch.get('targets')
+  if targets is None:
+    targets = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)
+  targets = optax.smooth_labels(targets.astype(jnp.float32), label_smoothing)
+  return optax.softmax_cross_entropy(logits, targets)
+
+
 def _weighted_metrics(logits: jax.Array, batch: Batch,
-                      axis_name: Optional[str] = None) -> dict[str, Any]:
+                      axis_name: Optional[str] = None,
+                      label_smoothing: float = 0.0) -> dict[str, Any]:
   """float32 cross-entropy and accuracy, masked by `batch['mask']` if present.
 
   With `axis_name`, the means are over the examples of every replica.
+  Accuracy is against each example's own label, mixed or not.
   """
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   labels = batch['label']
@@ -173,7 +190,7 @@ def _weighted_metrics(logits: jax.Array, batch: Batch,
   if mask is None:
     mask = jnp.ones(labels.shape, jnp.float32)
   mask = mask.astype(jnp.float32)
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  losses = _losses(logits, batch, label_smoothing)
   correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
   sums = dict(loss=(losses * mask).sum(), correct=(correct * mask).sum(),
               num_examples=mask.sum())
@@ -184,12 +201,15 @@ def _weighted_metrics(logits: jax.Array, batch: Batch,
               num_examples=sums['num_examples'])
 
 
-def make_classification_loss(forward: hk.Transformed) -> LossFn:
-  """The training loss of a classifier `forward(images, is_training)`."""
+def make_classification_loss(forward: hk.Transformed,
+                             label_smoothing: float = 0.0) -> LossFn:
+  """The training loss of a classifier `forward(images, is_training)`:
+  cross-entropy in float32, its targets smoothed by `label_smoothing`."""
 
   def loss_fn(params, rng, batch):
     logits = forward.apply(params, rng, batch['image'], True)
-    metrics = _weighted_metrics(logits, batch)
+    metrics = _weighted_metrics(logits, batch,
+                                label_smoothing=label_smoothing)
     return metrics.pop('loss'), metrics
 
   return loss_fn

@@ -104,6 +104,22 @@ def _dropout(x: jax.Array, rate: float, is_training: bool) -> jax.Array:
   return dropout.dropout(hk.next_rng_key(), rate, x)
 
 
+class DropPath(hk.Module):
+  """Stochastic depth (Huang et al., 2016): a residual branch zeroed for a
+  random share `rate` of the examples, the others scaled by 1 / (1 - rate).
+  A module, so it runs under its caller's precision policy (or its own, as
+  'DropPath' in precision.overrides)."""
+
+  def __init__(self, rate: float, name: Optional[str] = None):
+    super().__init__(name=name)
+    self.rate = rate
+
+  def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
+    if not is_training:
+      return x
+    return dropout.dropout(hk.next_rng_key(), self.rate, x, per_example=True)
+
+
 def _layer_norm(name: str, eps: float) -> hk.LayerNorm:
   return hk.LayerNorm(axis=-1, create_scale=True, create_offset=True, eps=eps,
                       name=name)
@@ -115,23 +131,31 @@ class EncoderBlock(hk.Module):
   def __init__(self, num_heads: int, mlp_dim: int, dropout_rate: float,
                layer_norm_epsilon: float,
                dots: half_dot.Dots = half_dot.Dots(),
+               drop_path_rate: float = 0.0,
                name: Optional[str] = None):
     super().__init__(name=name)
     self.num_heads = num_heads
+    self.drop_path_rate = drop_path_rate
     self.dots = dots
     self.mlp_dim = mlp_dim
     self.dropout_rate = dropout_rate
     self.layer_norm_epsilon = layer_norm_epsilon
 
   def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
+    def drop_path(name, y):
+      # A block at rate 0 has no DropPath module (nor a module call).
+      if not self.drop_path_rate:
+        return y
+      return DropPath(self.drop_path_rate, name=name)(y, is_training)
+
     # Branch outputs are cast to the residual stream's dtype, so an override on
     # a sub-module (say output=float32) cannot silently promote the stream.
     y = Attention(self.num_heads, self.dots)(
         _layer_norm('ln_attention', self.layer_norm_epsilon)(x))
-    x = x + y.astype(x.dtype)
+    x = x + drop_path('drop_path_attention', y).astype(x.dtype)
     y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dots)(
         _layer_norm('ln_mlp', self.layer_norm_epsilon)(x), is_training)
-    return x + y.astype(x.dtype)
+    return x + drop_path('drop_path_mlp', y).astype(x.dtype)
 
 
 class VisionTransformer(hk.Module):
@@ -140,6 +164,7 @@ class VisionTransformer(hk.Module):
   def __init__(self, *, image_size: int, patch_size: int, num_classes: int,
                embed_dim: int, mlp_dim: int, num_heads: int, num_layers: int,
                dropout_rate: float, layer_norm_epsilon: float,
+               drop_path_rate: float = 0.0,
                float32_residual: bool = False,
                dots: half_dot.Dots = half_dot.Dots(),
                remat: str = 'none',
@@ -167,6 +192,7 @@ class VisionTransformer(hk.Module):
     self.num_layers = num_layers
     self.dropout_rate = dropout_rate
     self.layer_norm_epsilon = layer_norm_epsilon
+    self.drop_path_rate = drop_path_rate
     self.float32_residual = float32_residual
     self.dots = dots
     self.remat = remat
@@ -184,9 +210,11 @@ class VisionTransformer(hk.Module):
     if self.float32_residual:
       x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     for i in range(self.num_layers):
+      # Stochastic depth's rate rises linearly with depth (Huang et al.).
+      rate = self.drop_path_rate * i / max(self.num_layers - 1, 1)
       block = EncoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate,
                            self.layer_norm_epsilon, self.dots,
-                           name=f'encoder_block_{i}')
+                           drop_path_rate=rate, name=f'encoder_block_{i}')
       x = remat_lib.wrap(block, self.remat, static_argnums=(1,))(
           x, is_training)
     x = _layer_norm('ln_final', self.layer_norm_epsilon)(x[:, 0])

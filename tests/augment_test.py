@@ -14,10 +14,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import base
+from configs import vit_recipe
 from haiku_mp import augment
 
 DATA = base.get_config().data
 SIZE = 32
+
+
+def _recipe_data(**settings):
+  """The recipe's train augmentation (configs/vit_recipe.py), changed by
+  `settings`."""
+  data = vit_recipe.get_config().data
+  data.update(settings)
+  return data
+
+
+def _pixels(normalized, data):
+  """Normalized images back to pixel values."""
+  return np.asarray(normalized) * np.float32(data.std) * 255 + np.float32(
+      data.mean) * 255
 
 
 def _images(batch, seed=0):
@@ -128,6 +143,74 @@ class AugmentTest(parameterized.TestCase):
     np.testing.assert_array_equal(whole, np.concatenate(halves))
 
 
+class RecipeAugmentTest(parameterized.TestCase):
+
+  def test_pad_and_crop_is_a_window_of_the_padded_image(self):
+    data = _recipe_data(policy='none', flip=False, erasing_probability=0.0)
+    count = 800  # 81 offsets: each drawn (missing one: 1 in 300 seeds).
+    images = jnp.tile(_images(1), (count, 1, 1, 1))
+    out = np.round(_pixels(augment.augment(_keys(4, count), images, data),
+                           data))
+    pad = data.crop_padding
+    padded = np.pad(np.asarray(images[0], np.float32),
+                    ((pad, pad), (pad, pad), (0, 0)))
+    offsets = set()
+    for image in out:
+      found = [(dy, dx) for dy in range(2 * pad + 1)
+               for dx in range(2 * pad + 1)
+               if np.array_equal(image, padded[dy:dy + SIZE, dx:dx + SIZE])]
+      self.assertLen(found, 1)
+      offsets.add(found[0])
+    self.assertLen(offsets, (2 * pad + 1)**2)  # Every offset drawn.
+
+  def test_erasing_fills_one_box_per_image_at_its_probability(self):
+    count = 400
+    plain = _recipe_data(policy='none', flip=False, crop='none',
+                         erasing_probability=0.0)
+    erased = _recipe_data(policy='none', flip=False, crop='none',
+                          erasing_probability=0.5)
+    images = _images(count)
+    keys = _keys(5, count)
+    before = np.asarray(augment.augment(keys, images, plain))
+    after = np.asarray(augment.augment(keys, images, erased))
+    changed = np.any(before != after, axis=-1)
+    hit = changed.any(axis=(1, 2))
+    self.assertAlmostEqual(hit.mean(), 0.5, delta=5 * 0.5 / np.sqrt(count))
+    for image, box in zip(after[hit], changed[hit]):
+      rows, cols = np.nonzero(box)
+      top, left = rows.min(), cols.min()
+      height, width = np.ptp(rows) + 1, np.ptp(cols) + 1
+      self.assertBetween(height * width / SIZE**2, 0.02 - 0.01, 1 / 3 + 0.01)
+      inside = image[top:top + height, left:left + width].reshape(-1, 3)
+      np.testing.assert_array_equal(inside, np.broadcast_to(inside[0],
+                                                            inside.shape))
+
+  @parameterized.parameters('randaugment', 'autoaugment')
+  def test_a_recipe_image_depends_on_its_own_key_alone(self, policy):
+    data = _recipe_data(policy=policy)
+    images = _images(8)
+    keys = _keys(2, 8)
+    whole = augment.augment(keys, images, data)
+    halves = [augment.augment(keys[i:i + 4], images[i:i + 4], data)
+              for i in (0, 4)]
+    np.testing.assert_array_equal(whole, np.concatenate(halves))
+    self.assertFalse(np.array_equal(whole, augment.augment(_keys(3, 8),
+                                                           images, data)))
+
+  def test_the_seeds_draws_are_unchanged_by_the_recipe_keys(self):
+    """The seeds' crop and flip draw from the keys they always did: turning
+    a recipe op on changes nothing else."""
+    images = _images(8)
+    keys = _keys(6, 8)
+    seeds = np.asarray(augment.augment(keys, images, DATA))
+    data = base.get_config().data
+    data.erasing_probability = 1.0
+    erased = np.asarray(augment.augment(keys, images, data))
+    kept = np.all(erased == seeds, axis=-1)
+    self.assertTrue(np.all(kept.mean(axis=(1, 2)) >= 2 / 3 - 0.01))
+    self.assertFalse(kept.all())
+
+
 class ModelInputsTest(parameterized.TestCase):
 
   def test_train_inputs_augment_uint8_and_keep_labels(self):
@@ -165,6 +248,29 @@ class ModelInputsTest(parameterized.TestCase):
         lambda x: augment.augment(augment.example_keys(key, 2, 'b'), x, DATA),
         axis_name='b')(images.reshape(n, 2, SIZE, SIZE, 3))
     np.testing.assert_array_equal(per_replica.reshape(one.shape), one)
+
+  def test_every_replica_mixes_its_pairs_as_one_device_would(self):
+    n = jax.local_device_count()
+    if n < 2:
+      self.skipTest('needs several devices (run under the suite\'s XLA_FLAGS)')
+    data = _recipe_data()
+    batch = dict(image=_images(4 * n), label=jnp.arange(4 * n) % 10)
+    key = jax.random.key(9)
+    one = augment.train_inputs(data, key, batch, num_classes=10)
+    per_replica = jax.pmap(
+        lambda b: augment.train_inputs(data, key, b, 'b', num_classes=10),
+        axis_name='b')(jax.tree.map(lambda x: x.reshape(n, 4, *x.shape[1:]),
+                                    batch))
+    for name in ('image', 'targets'):
+      np.testing.assert_array_equal(
+          per_replica[name].reshape(one[name].shape), one[name])
+    self.assertGreater(np.count_nonzero(one['targets'] % 1), 0)  # Mixed.
+
+  def test_an_odd_batch_cannot_be_mixed(self):
+    batch = dict(image=_images(3), label=jnp.arange(3))
+    with self.assertRaisesRegex(ValueError, 'even number per device'):
+      augment.train_inputs(_recipe_data(), jax.random.key(0), batch,
+                           num_classes=10)
 
 
 if __name__ == '__main__':

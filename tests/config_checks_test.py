@@ -13,11 +13,13 @@ import math
 from absl import logging
 from absl.testing import absltest
 from absl.testing import parameterized
+import jax
 
 from configs import base
 from haiku_mp import config_checks
 from haiku_mp import errors
 from haiku_mp import experiment
+from haiku_mp import sharding
 from tests import configs_test
 from tests import helpers
 
@@ -52,7 +54,15 @@ class CheckTest(parameterized.TestCase):
                              'data.crop_aspect_ratio': (1.0, 1.0)}),
       ('mesh_of_the_remaining_devices', {'parallel.mesh_shape': (-1, 2)}),
       ('mesh_from_json', {'parallel.mesh_shape': [4, 2]}),
-      ('dynamic_loss_scale', {'loss_scale.kind': 'dynamic'}))
+      ('dynamic_loss_scale', {'loss_scale.kind': 'dynamic'}),
+      ('the_whole_recipe', {'data.crop': 'pad', 'data.policy': 'autoaugment',
+                            'data.erasing_probability': 1.0,
+                            'data.mixup_alpha': 0.8, 'data.cutmix_alpha': 1.0,
+                            'label_smoothing': 0.1,
+                            'model.drop_path_rate': 0.1}),
+      ('mixing_alphas_without_augmentation_with_privacy',
+       {'data.augment': False, 'data.mixup_alpha': 0.8,
+        'privacy.enabled': True}))
   def test_valid(self, settings):
     config_checks.check(_config(**settings))
 
@@ -166,7 +176,33 @@ class CheckTest(parameterized.TestCase):
       ('synthetic_train_examples', {'data.synthetic_train_examples': 0},
        'data.synthetic_train_examples=0 must be positive'),
       ('synthetic_eval_examples', {'data.synthetic_eval_examples': -1},
-       'data.synthetic_eval_examples=-1 must be positive'))
+       'data.synthetic_eval_examples=-1 must be positive'),
+      ('label_smoothing', {'label_smoothing': 1.0},
+       'label_smoothing=1 must be in [0, 1)'),
+      ('drop_path_rate', {'model.drop_path_rate': -0.1},
+       'model.drop_path_rate=-0.1 must be in [0, 1)'),
+      ('crop', {'data.crop': 'random'},
+       "data.crop='random' must be one of ('resized', 'pad', 'none')"),
+      ('crop_padding', {'data.crop_padding': -4},
+       'data.crop_padding=-4 must be an integer >= 0'),
+      ('data_policy', {'data.policy': 'trivialaugment'},
+       "data.policy='trivialaugment' must be one of ('none', 'randaugment', "
+       "'autoaugment')"),
+      ('randaugment_ops', {'data.randaugment_ops': 0},
+       'data.randaugment_ops=0 must be positive'),
+      ('randaugment_magnitude', {'data.randaugment_magnitude': 30.0},
+       'data.randaugment_magnitude=30 must be in [0, 10]'),
+      ('erasing_probability', {'data.erasing_probability': 1.5},
+       'data.erasing_probability=1.5 must be in [0, 1]'),
+      ('mixup_alpha', {'data.mixup_alpha': -1.0},
+       'data.mixup_alpha=-1 must be a finite number >= 0 (0: off)'),
+      ('cutmix_alpha', {'data.cutmix_alpha': math.inf},
+       'data.cutmix_alpha=inf must be a finite number >= 0 (0: off)'),
+      ('mixing_with_privacy', {'data.mixup_alpha': 0.8,
+                               'privacy.enabled': True},
+       "data.mixup_alpha=0.8 / data.cutmix_alpha=0 with privacy.enabled: a "
+       "mixed example holds two, so DP-SGD's per-example clipping bounds "
+       'neither; set both to 0'))
   def test_out_of_range(self, settings, message):
     with self.assertRaises(errors.ConfigError) as raised:
       config_checks.check(_config(**settings))
@@ -175,6 +211,23 @@ class CheckTest(parameterized.TestCase):
 
 
 class BuildTest(absltest.TestCase):
+
+  def test_mixing_needs_an_even_batch_on_every_device(self):
+    config = helpers.tiny_config()
+    config.data.mixup_alpha = 0.8
+    config.data.source = 'synthetic'
+    config.batch_size = 6
+    experiment.build(config)  # One device: 6 is even.
+    if jax.device_count() < 2:
+      self.skipTest('needs several devices (run under the suite\'s XLA_FLAGS)')
+    config.parallel.strategy = 'pmap'
+    config.parallel.mesh_shape = (2, 1)
+    with self.assertRaisesRegex(
+        errors.ConfigError,
+        r'^batch_size=6 gives each of the 2 devices of the batch axis an odd '
+        r'batch, and mixup / CutMix mix its examples in pairs'):
+      experiment.build(config, sharding.make_mesh(
+          (2, 1), jax.devices()[:2]))
 
   def test_build_checks_first(self):
     config = helpers.tiny_config()

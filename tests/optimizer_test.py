@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from haiku_mp import model as model_lib
 from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import precision
 from tests import helpers
@@ -78,6 +79,33 @@ class Float32MasterTest(parameterized.TestCase):
       state = optimizer_lib.make_optimizer(
           config, 10, plan.half_params).init({'w': jnp.ones((2, 2))})
       self.assertEqual(isinstance(state, optimizer_lib.MasterState), expected)
+
+
+class WeightDecayTest(absltest.TestCase):
+
+  def test_decay_skips_biases_layer_norm_cls_token_and_positions(self):
+    config = helpers.tiny_config()
+    config.weight_decay = 0.5
+    config.learning_rate = 0.1
+    forward, _ = model_lib.build(config)
+    params = forward.init(jax.random.key(0), helpers.random_batch(config)[
+        'image'], True)
+    params = jax.tree.map(lambda p: p + 0.1, params)  # None at zero.
+    optimizer = optimizer_lib.make_optimizer(config, total_steps=10)
+    state = optimizer.init(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    # Past the first step's learning rate of 0 (cosine from the peak: no
+    # warmup), zero gradients leave only the decay.
+    updates, _ = optimizer.update(zeros, state, params)
+    names = {}
+    for path, update in jax.tree_util.tree_flatten_with_path(updates)[0]:
+      module, name = path[0].key, path[1].key
+      names[f'{module}/{name}'] = bool(np.any(np.asarray(update) != 0))
+    decayed = {n for n, moved in names.items() if moved}
+    self.assertEqual(decayed, {n for n in names if n.endswith('/w')})
+    self.assertIn('vit/cls_token', names)
+    self.assertIn('vit/pos_embedding', names)
+    self.assertTrue(any('ln_' in n for n in names))
 
 
 class ScheduleTest(absltest.TestCase):

@@ -216,6 +216,45 @@ class TrainingTest(parameterized.TestCase):
                        {jnp.dtype(jnp.float32)})
 
 
+class SoftTargetsTest(parameterized.TestCase):
+  """The train loss against smoothed or mixed targets, in float32."""
+
+  def _loss(self, logits, batch, label_smoothing):
+    forward = hk.transform(lambda images, is_training: logits)
+    loss_fn = train_step_lib.make_classification_loss(forward, label_smoothing)
+    return loss_fn({}, jax.random.key(0), batch)
+
+  def test_label_smoothing_spreads_the_target(self):
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 5)),
+                         jnp.bfloat16)
+    labels = jnp.array([0, 3, 4, 1])
+    loss, metrics = self._loss(logits, dict(image=None, label=labels), 0.1)
+    chex.assert_type(loss, jnp.float32)
+    log_p = jax.nn.log_softmax(np.float32(logits))
+    target = 0.9 * np.eye(5)[labels] + 0.1 / 5
+    np.testing.assert_allclose(loss, -(target * log_p).sum(1).mean(),
+                               rtol=1e-6)
+    plain, _ = self._loss(logits, dict(image=None, label=labels), 0.0)
+    np.testing.assert_allclose(
+        plain, -log_p[np.arange(4), labels].mean(), rtol=1e-6)
+    np.testing.assert_allclose(
+        metrics['accuracy'], np.mean(np.argmax(log_p, 1) == labels))
+
+  def test_mixed_targets_are_smoothed_and_accuracy_keeps_own_labels(self):
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3)),
+                         jnp.float32)
+    targets = jnp.array([[0.7, 0.3, 0.0], [0.0, 0.4, 0.6]])
+    labels = jnp.array([0, 1])
+    loss, metrics = self._loss(
+        logits, dict(image=None, label=labels, targets=targets), 0.3)
+    smoothed = 0.7 * np.asarray(targets) + 0.3 / 3
+    log_p = jax.nn.log_softmax(np.asarray(logits))
+    np.testing.assert_allclose(loss, -(smoothed * log_p).sum(1).mean(),
+                               rtol=1e-6)
+    np.testing.assert_allclose(
+        metrics['accuracy'], np.mean(np.argmax(log_p, 1) == labels))
+
+
 class EvalStepTest(parameterized.TestCase):
 
   def test_deterministic_and_masked(self):

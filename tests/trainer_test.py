@@ -19,6 +19,7 @@ from absl.testing import parameterized
 import numpy as np
 import tensorflow_datasets as tfds
 
+from configs import vit_recipe
 from haiku_mp import checkpoint as checkpoint_lib
 from haiku_mp import cifar_arrays
 from haiku_mp import input_pipeline
@@ -159,6 +160,28 @@ class TrainerTest(parameterized.TestCase):
     losses = [e['loss'] for e in _read_jsonl(self.workdir)
               if e['split'] == 'train']
     self.assertLess(losses[-1], losses[0] * 0.7)  # 8 examples memorized.
+
+  def test_the_recipe_trains_in_float16(self):
+    """Every recipe setting on (configs/vit_recipe.py) in one compiled step:
+    augmentation policy, erasing, mixing, smoothing, drop path, decay."""
+    config = vit_recipe.get_config('fp16')
+    config.model.update(helpers.tiny_config().model.to_dict())
+    config.model.update(dict(image_size=32, patch_size=8, dropout_rate=0.0,
+                             drop_path_rate=0.1))
+    config.data.source = 'tfds'
+    config.batch_size = 8
+    config.eval_batch_size = 8
+    config.num_train_steps = 40
+    config.warmup_steps = 5
+    config.log_every_steps = 10
+    config.eval_every_steps = 40
+    config.checkpoint_every_steps = 40
+    config.learning_rate = 3e-3
+    with tfds.testing.mock_data(num_examples=8):
+      trainer.train_and_evaluate(config, self.workdir)
+    train = [e for e in _read_jsonl(self.workdir) if e['split'] == 'train']
+    self.assertLess(train[-1]['loss'], 0.85 * train[0]['loss'])
+    self.assertEqual(train[-1]['skipped_steps'], 0)
 
   def test_real_cifar10_few_steps(self):
     helpers.skip_without_real_data(self)

@@ -11,10 +11,12 @@ from absl.testing import parameterized
 import chex
 import haiku as hk
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from configs import base
 from haiku_mp import model
+from haiku_mp import vit
 from tests import helpers
 
 
@@ -91,6 +93,48 @@ class VitTest(parameterized.TestCase):
     forward0, _ = model.build(no_dropout)
     np.testing.assert_allclose(forward0.apply(params, None, images, False),
                                evaluate, rtol=1e-6)
+
+  def test_drop_path_drops_whole_examples_at_rates_rising_with_depth(self):
+    config = helpers.tiny_config(dropout_rate=0.0, drop_path_rate=0.5,
+                                 num_layers=3)
+    config.precision.policy = 'params=float32,compute=bfloat16,output=float32'
+    calls = []
+    forward = model.make_forward(config.model, model.make_precision(config),
+                                 calls.append)
+    images = helpers.random_batch(config, batch_size=64)['image']
+    params = forward.init(jax.random.key(0), images, True)
+    # A non-zero head so that the encoder's randomness reaches the logits.
+    params = hk.data_structures.map(
+        lambda m, n, p: p + 0.1 if m == 'vit/head' else p, params)
+    drops = {c.path: c for c in calls if c.class_name == 'DropPath'}
+    # Block 0's rate is 0: no module; blocks 1 and 2: 0.25 and 0.5.
+    self.assertEqual(sorted(drops), [
+        f'vit/encoder_block_{i}/drop_path_{branch}'
+        for i in (1, 2) for branch in ('attention', 'mlp')])
+    for call in drops.values():
+      args, _ = call.args
+      chex.assert_type(args[0], jnp.bfloat16)  # Under the caller's policy.
+
+    def branch_out(rate, seed):
+      out = hk.transform(lambda x: vit.DropPath(rate)(x, True)).apply(
+          {}, jax.random.key(seed), jnp.ones((4000, 3, 2), jnp.bfloat16))
+      return np.asarray(out, np.float32)
+
+    out = branch_out(0.25, 1)
+    per_example = out.reshape(4000, -1)
+    self.assertTrue(np.all(per_example == per_example[:, :1]))  # Whole.
+    self.assertEqual(set(np.unique(out)), {0.0, np.float32(
+        jnp.bfloat16(1 / 0.75))})
+    self.assertAlmostEqual(np.mean(per_example[:, 0] == 0), 0.25, delta=0.04)
+    train = forward.apply(params, jax.random.key(1), images, True)
+    self.assertFalse(np.array_equal(
+        train, forward.apply(params, jax.random.key(2), images, True)))
+    evaluate = forward.apply(params, None, images, False)
+    no_drop = helpers.tiny_config(dropout_rate=0.0, num_layers=3)
+    no_drop.precision.policy = config.precision.policy
+    plain, _ = model.build(no_drop)
+    np.testing.assert_array_equal(evaluate,
+                                  plain.apply(params, None, images, False))
 
   @parameterized.parameters(
       (dict(image_size=10, patch_size=4), 'model.image_size=10'),

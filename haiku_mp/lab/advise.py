@@ -32,7 +32,6 @@ import ml_collections
 import numpy as np
 
 from haiku_mp import advice
-from haiku_mp import augment
 from haiku_mp import checkpoint as checkpoint_lib
 from haiku_mp import compiled_step
 from haiku_mp import errors
@@ -184,11 +183,10 @@ def _train(exp: experiment.Experiment, state, batches,
   return state
 
 
-def _model_inputs(config: ml_collections.ConfigDict, batches, seed: int):
+def _model_inputs(exp: experiment.Experiment, batches, seed: int):
   """Each batch augmented and normalized as the train step does, keyed per
   batch from `seed`."""
-  inputs = jax.jit(lambda key, batch: augment.train_inputs(config.data, key,
-                                                           batch))
+  inputs = jax.jit(exp.train_inputs)
   key = jax.random.key(seed)
   return [inputs(jax.random.fold_in(key, i), batch)
           for i, batch in enumerate(batches)]
@@ -402,7 +400,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   if init_steps:
     state = _train(exp, state, batches[:init_steps], log)
     source += f' + {init_steps} float32 steps'
-  inputs = _model_inputs(reference, batches[init_steps:], reference.seed)
+  inputs = _model_inputs(exp, batches[init_steps:], reference.seed)
   modules, scales, stats, state = measure(exp, state, inputs, log)
   judged = advice.judge(modules, thresholds)
   rows = []

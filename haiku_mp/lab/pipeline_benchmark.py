@@ -12,7 +12,6 @@ Measured in one process, on the config's own data source and train step:
   alternating rounds. `fed_slowdown` is how much slower the fed step is.
 """
 
-import functools
 import time
 from typing import Any
 
@@ -20,7 +19,6 @@ import jax
 import ml_collections
 import numpy as np
 
-from haiku_mp import augment
 from haiku_mp import compiled_step
 from haiku_mp import experiment
 from haiku_mp import input_pipeline
@@ -55,7 +53,7 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   local_batch = input_pipeline.local_batch_size(config.batch_size, shard)
 
   host = _images_per_sec(lambda: next(batches), local_batch, repeats)
-  augment_fn = jax.jit(functools.partial(augment.train_inputs, config.data))
+  augment_fn = jax.jit(exp.train_inputs)
   key = jax.random.key(config.seed)
   device_batch = jax.device_put(next(batches))
   on_device = _images_per_sec(
