@@ -142,7 +142,8 @@ def _pipeline(config):
         f'{result["step_images_per_sec"]:.1f} img/s', flush=True)
   print(f'step on a device batch {step["device_batch"] * 1e3:.1f} ms, fed by '
         f'the pipeline {step["pipeline_fed"] * 1e3:.1f} ms '
-        f'({100 * result["fed_slowdown"]:+.1f}%)', flush=True)
+        f'({100 * result["fed_slowdown"]:+.1f}%); augmentation alone '
+        f'{100 * result["augment_share_of_step"]:.1f}% of the step', flush=True)
   if _JSON.value:
     print(json.dumps(result))
 

@@ -266,6 +266,24 @@ class ModelInputsTest(parameterized.TestCase):
           per_replica[name].reshape(one[name].shape), one[name])
     self.assertGreater(np.count_nonzero(one['targets'] % 1), 0)  # Mixed.
 
+  def test_a_batch_sharded_over_devices_is_augmented_as_on_one(self):
+    """pjit's layout: the batch axis sharded, one program for all devices."""
+    n = jax.device_count()
+    if n < 2:
+      self.skipTest('needs several devices (run under the suite\'s XLA_FLAGS)')
+    data = _recipe_data(policy='randaugment')
+    batch = dict(image=_images(2 * n), label=jnp.arange(2 * n) % 10)
+    key = jax.random.key(4)
+    inputs = lambda k, b: augment.train_inputs(data, k, b, num_classes=10)
+    one = jax.jit(inputs)(key, batch)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ('batch',))
+    spread = jax.device_put(batch, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec('batch')))
+    sharded = jax.jit(inputs)(key, spread)
+    self.assertLen(sharded['image'].sharding.device_set, n)
+    for name in ('image', 'targets'):
+      np.testing.assert_array_equal(sharded[name], one[name])
+
   def test_an_odd_batch_cannot_be_mixed(self):
     batch = dict(image=_images(3), label=jnp.arange(3))
     with self.assertRaisesRegex(ValueError, 'even number per device'):

@@ -148,6 +148,9 @@ class PipelineBenchmarkTest(parameterized.TestCase):
     self.assertAlmostEqual(result['pipeline_over_step'],
                            result['pipeline_images_per_sec'] /
                            result['step_images_per_sec'])
+    self.assertAlmostEqual(result['augment_share_of_step'],
+                           8 / result['augment_images_per_sec'] /
+                           step['device_batch'])
 
 
 class LoopBenchmarkTest(parameterized.TestCase):

@@ -2,8 +2,9 @@
 
 Measured in one process, on the config's own data source and train step:
 - `host_images_per_sec`: the host's part, batch indices and uint8 gathers;
-- `augment_images_per_sec`: the device's part alone (crop, resize, flip,
-  normalize), jitted on a batch already there;
+- `augment_images_per_sec`: the device's part alone (the config's
+  augmentation, normalization and mixing), jitted on a batch already there;
+  `augment_share_of_step`: its time per batch over the train step's;
 - `pipeline_images_per_sec`: both in sequence, each batch moved to the device
   and augmented before the next is read (no overlap: a lower bound);
 - the same compiled train step run on one fixed batch already on the device
@@ -29,6 +30,8 @@ from haiku_mp.lab import step_benchmark
 # slowdown against the step on a device batch.
 TARGET_PIPELINE_OVER_STEP = 20.0
 TARGET_FED_SLOWDOWN = 0.05
+# The augmentation's time per batch over the reference step's.
+TARGET_AUGMENT_SHARE = 0.05
 
 
 def _images_per_sec(fn, batch_size: int, repeats: int) -> float:
@@ -79,17 +82,20 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   step_time = {name: float(np.median(s)) for name, s in seconds.items()}
   step_images = config.batch_size / step_time['device_batch']
   slowdown = step_time['pipeline_fed'] / step_time['device_batch'] - 1
+  augment_share = (local_batch / on_device) / step_time['device_batch']
   return dict(
       **step_benchmark.machine(),
       source=config.data.source,
       policy=config.precision.policy,
       batch_size=config.batch_size,
       augment=config.data.augment,
+      augment_policy=config.data.policy if config.data.augment else None,
       strategy=strategy.name,
       train_examples=len(splits.train.labels),
       load_sec=load_seconds,
       host_images_per_sec=host,
       augment_images_per_sec=on_device,
+      augment_share_of_step=augment_share,
       pipeline_images_per_sec=pipeline,
       steps_per_round=steps,
       rounds=rounds,
@@ -103,4 +109,6 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
           pipeline_over_step_met=pipeline / step_images
           >= TARGET_PIPELINE_OVER_STEP,
           fed_slowdown=TARGET_FED_SLOWDOWN,
-          fed_slowdown_met=slowdown <= TARGET_FED_SLOWDOWN))
+          fed_slowdown_met=slowdown <= TARGET_FED_SLOWDOWN,
+          augment_share_of_step=TARGET_AUGMENT_SHARE,
+          augment_share_of_step_met=augment_share <= TARGET_AUGMENT_SHARE))
