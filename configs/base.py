@@ -21,6 +21,9 @@ def get_config() -> ml_collections.ConfigDict:
   # The train loss's targets: (1 - label_smoothing) on the label (or the mixed
   # labels) plus label_smoothing spread evenly over the classes.
   config.label_smoothing = 0.0
+  # > 0: a moving average of the params (this decay per step) is kept and
+  # evaluated beside them (val_ema and test_ema events, ema_* in the summary).
+  config.ema_decay = 0.0
   config.log_every_steps = 50
   config.eval_every_steps = 1000
   config.checkpoint_every_steps = 1000  # Also at the end and on SIGTERM.

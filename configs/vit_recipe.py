@@ -4,7 +4,8 @@ The seeds' configs (vit_fp32/bf16/fp16.py) keep the seeds' settings; this
 one turns on what trains a ViT from scratch on a small dataset well: pad-and-
 crop + flip, AutoAugment's CIFAR-10 policy, random erasing, mixup / CutMix,
 label smoothing, AdamW whose decay skips biases, LayerNorm, the cls token and
-the position embedding, warmup + cosine, clipping and stochastic depth. The
+the position embedding, warmup + cosine, clipping, stochastic depth, and a
+moving average of the params evaluated beside them. The
 argument after the colon picks the precision; float32 here means float32
 matmuls (matmul_precision 'highest'), so a GPU's TF32 is not called float32.
 
@@ -28,6 +29,7 @@ def get_config(precision: str = 'bf16'):
   config.warmup_steps = 5 * steps_per_epoch
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.1
+  config.ema_decay = 0.9998  # A time constant of about 60 of 200 epochs.
   config.log_every_steps = 100
   config.eval_every_steps = 10 * steps_per_epoch
   config.checkpoint_every_steps = 10 * steps_per_epoch

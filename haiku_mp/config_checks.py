@@ -94,6 +94,8 @@ def _check_training(config: ml_collections.ConfigDict) -> None:
            '>= 0 (0: no clipping)')
   _require(0 <= config.label_smoothing < 1, 'label_smoothing',
            config.label_smoothing, 'in [0, 1)')
+  _require(0 <= config.ema_decay < 1, 'ema_decay', config.ema_decay,
+           'in [0, 1) (0: no moving average)')
   if config.privacy.enabled and augment.mixes(config.data):
     raise errors.ConfigError(
         f'data.mixup_alpha={config.data.mixup_alpha:g} / data.cutmix_alpha='

@@ -30,8 +30,9 @@ def to_python(value: Any) -> Any:
 
 
 def truncate_after(workdir: str, step: int) -> int:
-  """Drops metrics.jsonl events after `step` and every test event (a resumed
-  run redoes them; a run resumed at its last step still evaluates on test).
+  """Drops metrics.jsonl events after `step` and every test event, test_ema
+  included (a resumed run redoes them; a run resumed at its last step still
+  evaluates on test).
 
   Returns how many were dropped. The file is replaced atomically.
   """
@@ -44,7 +45,8 @@ def truncate_after(workdir: str, step: int) -> int:
   for line in lines:
     try:
       event = json.loads(line)
-      if event['step'] <= step and event.get('split') != 'test':
+      if event['step'] <= step and not event.get('split', '').startswith(
+          'test'):
         kept.append(line.rstrip('\n') + '\n')
     except (ValueError, KeyError):
       pass  # A line cut short by a kill.

@@ -7,7 +7,7 @@ rounded after every step (so updates smaller than a half-precision ulp are not
 lost).
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,36 @@ def float32_master(inner: optax.GradientTransformation
   return optax.GradientTransformation(init, update)
 
 
+class EmaState(NamedTuple):
+  ema_params: optax.Params  # float32: the moving average of the params.
+
+
+def track_ema(decay: float) -> optax.GradientTransformation:
+  """Passes updates through and keeps an exponential moving average of the
+  params they make (from the initial params, no bias correction), in
+  float32, for evaluation beside the params. It is optimizer state, so it is
+  checkpointed, sharded like the params, and left as it was by a skipped
+  step. (optax.ema averages updates, not params.)"""
+
+  def init(params):
+    return EmaState(jax.tree.map(
+        lambda p: jnp.array(p, jnp.float32, copy=True), params))
+
+  def update(updates, state, params):
+    new_params = optax.apply_updates(params, updates)
+    ema = jax.tree.map(
+        lambda e, p: decay * e + (1.0 - decay) * p.astype(jnp.float32),
+        state.ema_params, new_params)
+    return updates, EmaState(ema)
+
+  return optax.GradientTransformation(init, update)
+
+
+def ema_params(opt_state: optax.OptState) -> Optional[optax.Params]:
+  """The moving average `track_ema` keeps in `opt_state`, or None."""
+  return optax.tree_utils.tree_get(opt_state, 'ema_params')
+
+
 def apply_updates(params: optax.Params, updates: optax.Updates,
                   new_opt_state: optax.OptState) -> optax.Params:
   """`optax.apply_updates`, or the rounded master copy under `float32_master`."""
@@ -82,9 +112,10 @@ def apply_updates(params: optax.Params, updates: optax.Updates,
 
 def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
                    half_params: bool = False) -> optax.GradientTransformation:
-  """Clipping by global norm (if `grad_clip_norm` > 0), then AdamW.
+  """Clipping by global norm (if `grad_clip_norm` > 0), then AdamW, then
+  the params' moving average (if `ema_decay` > 0).
 
-  With `half_params` (some params stored in float16 / bfloat16), both run on
+  With `half_params` (some params stored in float16 / bfloat16), they run on
   a float32 master copy (`float32_master`).
   """
   optimizer = optax.adamw(learning_rate_schedule(config, total_steps),
@@ -92,4 +123,6 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
   if config.grad_clip_norm > 0:
     optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
                             optimizer)
+  if config.ema_decay > 0:
+    optimizer = optax.chain(optimizer, track_ema(config.ema_decay))
   return float32_master(optimizer) if half_params else optimizer

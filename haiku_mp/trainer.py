@@ -27,6 +27,7 @@ from haiku_mp import errors
 from haiku_mp import experiment
 from haiku_mp import input_pipeline
 from haiku_mp import metrics as metrics_lib
+from haiku_mp import optimizer as optimizer_lib
 from haiku_mp import sharding
 from haiku_mp import tabulate
 
@@ -300,9 +301,12 @@ class _Evaluator:
     self._exp, self._splits, self._shard = exp, splits, shard
     self._writer, self._progress = writer, progress
 
-  def __call__(self, split_name: str, step: int, params, **extra
-               ) -> dict[str, float]:
-    """The split's metrics, written with `extra` ones (DP-SGD's epsilon)."""
+  def __call__(self, split_name: str, step: int, params,
+               label: Optional[str] = None, **extra) -> dict[str, float]:
+    """The split's metrics, written with `extra` ones (DP-SGD's epsilon) as
+    the split `label` (default: its name; 'val_ema' for the params' moving
+    average)."""
+    label = label or split_name
     exp = self._exp
     start = time.perf_counter()
     with input_pipeline.DevicePrefetch(
@@ -313,9 +317,9 @@ class _Evaluator:
       result = dict(evaluate(exp.strategy.eval_step, params, batches,
                              exp.strategy.unreplicate), **extra)
     self._progress.eval_seconds += time.perf_counter() - start
-    self._writer.write(step, split_name, result)
+    self._writer.write(step, label, result)
     logging.info('%s at step %d: loss %.4f accuracy %.4f (%d examples)',
-                 split_name, step, result['loss'], result['accuracy'],
+                 label, step, result['loss'], result['accuracy'],
                  result['num_examples'])
     return result
 
@@ -456,6 +460,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                     record)
     evaluator = _Evaluator(exp, splits, shard, writer, progress)
     last_val = record.get('last_val', {})
+    last_val_ema = record.get('last_val_ema', {})
     if start_step < total_steps:
       batches = stack.enter_context(_train_batches(exp, splits, shard,
                                                    start_step))
@@ -487,6 +492,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         progress.stop(step)
         last_val = evaluator('val', step, state.params, **_epsilon(
             exp, step, int(strategy.unreplicate(state.skipped_steps))))
+        ema = optimizer_lib.ema_params(state.opt_state)
+        if ema is not None:
+          last_val_ema = evaluator('val', step, ema, label='val_ema')
         progress.start(step)
       stop = step < total_steps and interruption.stop_after(step)
       if _due(step, config.checkpoint_every_steps, total_steps) or stop:
@@ -496,7 +504,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         # Returns once the state is off the device; the files are written
         # while training goes on, except before a stop.
         checkpointer.save(step, strategy.unreplicate(state),
-                          dict(progress.record(), last_val=last_val))
+                          dict(progress.record(), last_val=last_val,
+                               last_val_ema=last_val_ema))
         if stop:
           checkpointer.wait()
         progress.start(step)
@@ -506,6 +515,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         return dict(preempted_at_step=step, signal=received)
 
     test = evaluator('test', total_steps, state.params)
+    ema = optimizer_lib.ema_params(state.opt_state)
+    ema_summary = {}
+    if ema is not None:
+      test_ema = evaluator('test', total_steps, ema, label='test_ema')
+      ema_summary = dict(
+          ema_test_accuracy=test_ema['accuracy'], ema_test_loss=test_ema['loss'],
+          ema_val_accuracy=last_val_ema.get('accuracy'))
     skipped_steps = int(strategy.unreplicate(state.skipped_steps))
     summary = dict(
         test_accuracy=test['accuracy'], test_loss=test['loss'],
@@ -523,6 +539,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         mesh_shape=mesh and list(mesh.devices.shape),
         precision_policy=config.precision.policy,
         loss_scale_kind=config.loss_scale.kind,
+        **ema_summary,
         **_privacy_summary(exp, total_steps, skipped_steps))
   if is_writer:
     metrics_lib.write_json(os.path.join(workdir, 'summary.json'), summary)

@@ -179,6 +179,8 @@ class CheckTest(parameterized.TestCase):
        'data.synthetic_eval_examples=-1 must be positive'),
       ('label_smoothing', {'label_smoothing': 1.0},
        'label_smoothing=1 must be in [0, 1)'),
+      ('ema_decay', {'ema_decay': 1.0},
+       'ema_decay=1 must be in [0, 1) (0: no moving average)'),
       ('drop_path_rate', {'model.drop_path_rate': -0.1},
        'model.drop_path_rate=-0.1 must be in [0, 1)'),
       ('crop', {'data.crop': 'random'},

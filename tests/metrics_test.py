@@ -57,18 +57,20 @@ class MetricsWriterTest(parameterized.TestCase):
                      [(s, 10.0 * s) for s in range(6, 11)])
     self.assertEqual(scalars, helpers.jsonl_scalars(self.workdir))
 
-  def test_a_resume_at_the_last_step_drops_its_test_event(self):
+  def test_a_resume_at_the_last_step_drops_its_test_events(self):
     writer = metrics.MetricsWriter(self.workdir)
     for step in range(1, 5):
       writer.write(step, 'train', dict(loss=1.0))
     writer.write(4, 'val', dict(loss=1.0))
-    writer.write(4, 'test', dict(loss=1.0))  # Then killed before the summary.
+    writer.write(4, 'val_ema', dict(loss=1.0))
+    writer.write(4, 'test', dict(loss=1.0))
+    writer.write(4, 'test_ema', dict(loss=1.0))  # Killed before the summary.
     writer.close()
-    self.assertEqual(metrics.truncate_after(self.workdir, 4), 1)
+    self.assertEqual(metrics.truncate_after(self.workdir, 4), 2)
     self.assertEqual([(e['step'], e['split'])
                       for e in map(json.loads, open(f'{self.workdir}/metrics.jsonl'))],
                      [(1, 'train'), (2, 'train'), (3, 'train'), (4, 'train'),
-                      (4, 'val')])
+                      (4, 'val'), (4, 'val_ema')])
 
   def test_progress_counts_only_the_running_clock_over_every_segment(self):
     times = iter([10.0, 12.0, 13.0, 20.0, 20.0, 21.0])

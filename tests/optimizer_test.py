@@ -108,6 +108,32 @@ class WeightDecayTest(absltest.TestCase):
     self.assertTrue(any('ln_' in n for n in names))
 
 
+class EmaTest(absltest.TestCase):
+
+  def test_the_average_follows_the_params_in_float32(self):
+    config = helpers.tiny_config()
+    config.ema_decay = 0.75
+    config.learning_rate = 0.01
+    params = {'m': {'w': jnp.ones(4, jnp.bfloat16)}}
+    optimizer = optimizer_lib.make_optimizer(config, total_steps=STEPS,
+                                             half_params=True)
+    self.assertIsNone(optimizer_lib.ema_params(
+        optimizer_lib.make_optimizer(helpers.tiny_config(), STEPS).init(
+            params)))
+    state = optimizer.init(params)
+    expected = np.ones(4, np.float32)
+    for _ in range(3):
+      grads = jax.tree.map(jnp.ones_like, params)
+      updates, state = optimizer.update(grads, state, params)
+      params = optimizer_lib.apply_updates(params, updates, state)
+      master = np.asarray(state.master['m']['w'])
+      expected = 0.75 * expected + 0.25 * master
+      ema = optimizer_lib.ema_params(state)['m']['w']
+      chex.assert_type(ema, jnp.float32)
+      np.testing.assert_allclose(ema, expected, rtol=1e-6)
+    self.assertTrue(np.all(np.asarray(ema) > master))  # It lags behind.
+
+
 class ScheduleTest(absltest.TestCase):
 
   def test_warmup_then_cosine_to_zero(self):

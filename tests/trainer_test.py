@@ -177,11 +177,22 @@ class TrainerTest(parameterized.TestCase):
     config.eval_every_steps = 40
     config.checkpoint_every_steps = 40
     config.learning_rate = 3e-3
+    config.ema_decay = 0.9
     with tfds.testing.mock_data(num_examples=8):
       trainer.train_and_evaluate(config, self.workdir)
-    train = [e for e in _read_jsonl(self.workdir) if e['split'] == 'train']
+    events = _read_jsonl(self.workdir)
+    train = [e for e in events if e['split'] == 'train']
     self.assertLess(train[-1]['loss'], 0.85 * train[0]['loss'])
     self.assertEqual(train[-1]['skipped_steps'], 0)
+    # The params' moving average evaluated beside them: a different model.
+    self.assertEqual([(e['step'], e['split']) for e in events
+                      if e['split'] != 'train'],
+                     [(40, 'val'), (40, 'val_ema'), (40, 'test'),
+                      (40, 'test_ema')])
+    with open(os.path.join(self.workdir, 'summary.json')) as f:
+      summary = json.load(f)
+    self.assertNotEqual(summary['ema_test_loss'], summary['test_loss'])
+    self.assertEqual(summary['ema_val_accuracy'], events[-3]['accuracy'])
 
   def test_real_cifar10_few_steps(self):
     helpers.skip_without_real_data(self)
