@@ -232,14 +232,14 @@ def train_inputs(data_config: ml_collections.ConfigDict, key: jax.Array,
     return batch
   if not data_config.augment:
     return dict(batch, image=normalize(images, data_config))
+  if mixes(data_config) and images.shape[0] % 2:
+    raise errors.ConfigError(
+        f'mixup and CutMix pair the examples of a device\'s batch, and it '
+        f'holds {images.shape[0]}: make batch_size an even number per device')
   keys = example_keys(key, images.shape[0], axis_name)
   images = augment(keys, images, data_config)
   if not mixes(data_config):
     return dict(batch, image=images)
-  if images.shape[0] % 2:
-    raise errors.ConfigError(
-        f'mixup and CutMix pair the examples of a device\'s batch, and it '
-        f'holds {images.shape[0]}: make batch_size an even number per device')
   mix_keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys)
   images, targets = mixing.mix(mix_keys, images, batch['label'], num_classes,
                                data_config.mixup_alpha,

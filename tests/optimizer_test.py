@@ -88,15 +88,17 @@ class WeightDecayTest(absltest.TestCase):
     config.weight_decay = 0.5
     config.learning_rate = 0.1
     forward, _ = model_lib.build(config)
-    params = forward.init(jax.random.key(0), helpers.random_batch(config)[
-        'image'], True)
-    params = jax.tree.map(lambda p: p + 0.1, params)  # None at zero.
+    images = helpers.random_batch(config)['image']
+    shapes = jax.eval_shape(
+        lambda: forward.init(jax.random.key(0), images, True))
+    # Every param non-zero, so that a decayed one moves.
+    params = jax.tree.map(lambda p: jnp.full(p.shape, 0.1, p.dtype), shapes)
     optimizer = optimizer_lib.make_optimizer(config, total_steps=10)
     state = optimizer.init(params)
     zeros = jax.tree.map(jnp.zeros_like, params)
-    # Past the first step's learning rate of 0 (cosine from the peak: no
-    # warmup), zero gradients leave only the decay.
-    updates, _ = optimizer.update(zeros, state, params)
+    # The first step's learning rate is the peak (no warmup): zero gradients
+    # leave only the decay.
+    updates, _ = jax.jit(optimizer.update)(zeros, state, params)
     names = {}
     for path, update in jax.tree_util.tree_flatten_with_path(updates)[0]:
       module, name = path[0].key, path[1].key

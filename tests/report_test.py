@@ -44,8 +44,8 @@ class QuickReportTest(parameterized.TestCase):
     cls.out = os.path.join(cls.tmp.name, 'report')
     cls.result = helpers.run_module(
         'launch.lab', 'report', '--quick', f'--out={cls.out}',
-        # The recipe: its augmentation, mixing and schedule in every part.
-        '--config=configs/vit_recipe.py:fp32', '--config.data.source=arrays',
+        # The CPU recipe: its augmentation, loss and schedule in every part.
+        '--config=configs/vit_cpu_recipe.py:fp32', '--config.data.source=arrays',
         f'--config.data.arrays_path={path}',
         '--config.data.train_split=train[:32]',
         '--config.data.val_split=train[32:]')

@@ -98,11 +98,11 @@ class VitTest(parameterized.TestCase):
     config = helpers.tiny_config(dropout_rate=0.0, drop_path_rate=0.5,
                                  num_layers=3)
     config.precision.policy = 'params=float32,compute=bfloat16,output=float32'
-    calls = []
-    forward = model.make_forward(config.model, model.make_precision(config),
-                                 calls.append)
+    calls, _ = model.trace_modules(config.model, model.make_precision(config))
+    forward, _ = model.build(config)
     images = helpers.random_batch(config, batch_size=64)['image']
-    params = forward.init(jax.random.key(0), images, True)
+    params = jax.jit(lambda k, x: forward.init(k, x, True))(
+        jax.random.key(0), images)
     # A non-zero head so that the encoder's randomness reaches the logits.
     params = hk.data_structures.map(
         lambda m, n, p: p + 0.1 if m == 'vit/head' else p, params)
@@ -113,7 +113,7 @@ class VitTest(parameterized.TestCase):
         for i in (1, 2) for branch in ('attention', 'mlp')])
     for call in drops.values():
       args, _ = call.args
-      chex.assert_type(args[0], jnp.bfloat16)  # Under the caller's policy.
+      self.assertEqual(args[0].dtype, jnp.bfloat16)  # The caller's policy.
 
     def branch_out(rate, seed):
       out = hk.transform(lambda x: vit.DropPath(rate)(x, True)).apply(
@@ -126,15 +126,17 @@ class VitTest(parameterized.TestCase):
     self.assertEqual(set(np.unique(out)), {0.0, np.float32(
         jnp.bfloat16(1 / 0.75))})
     self.assertAlmostEqual(np.mean(per_example[:, 0] == 0), 0.25, delta=0.04)
-    train = forward.apply(params, jax.random.key(1), images, True)
+    apply = jax.jit(forward.apply, static_argnums=3)
+    train = apply(params, jax.random.key(1), images, True)
     self.assertFalse(np.array_equal(
-        train, forward.apply(params, jax.random.key(2), images, True)))
-    evaluate = forward.apply(params, None, images, False)
+        train, apply(params, jax.random.key(2), images, True)))
+    evaluate = apply(params, None, images, False)
     no_drop = helpers.tiny_config(dropout_rate=0.0, num_layers=3)
     no_drop.precision.policy = config.precision.policy
     plain, _ = model.build(no_drop)
-    np.testing.assert_array_equal(evaluate,
-                                  plain.apply(params, None, images, False))
+    np.testing.assert_array_equal(
+        evaluate, jax.jit(plain.apply, static_argnums=3)(params, None, images,
+                                                          False))
 
   @parameterized.parameters(
       (dict(image_size=10, patch_size=4), 'model.image_size=10'),
