@@ -1,4 +1,4 @@
-"""The image operations of RandAugment and AutoAugment, in JAX, as PIL does them.
+"""RandAugment's and AutoAugment's image operations, in JAX, as PIL does them.
 
 Each takes one image [H, W, 3] of float32 pixel values that are whole numbers
 in [0, 255] and returns one of the same kind: the rounding PIL does on uint8

@@ -520,7 +520,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if ema is not None:
       test_ema = evaluator('test', total_steps, ema, label='test_ema')
       ema_summary = dict(
-          ema_test_accuracy=test_ema['accuracy'], ema_test_loss=test_ema['loss'],
+          ema_test_accuracy=test_ema['accuracy'],
+          ema_test_loss=test_ema['loss'],
           ema_val_accuracy=last_val_ema.get('accuracy'))
     skipped_steps = int(strategy.unreplicate(state.skipped_steps))
     summary = dict(
