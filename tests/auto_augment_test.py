@@ -27,9 +27,13 @@ def _images(count):
                                for seed in range(count)]), jnp.float32)
 
 
+# One compiled program for every op, level and sign (all traced values).
+_apply_op = jax.jit(auto_augment.apply_op)
+
+
 def _op(image, name, level, sign=1.0):
-  return auto_augment.apply_op(image, jnp.int32(OPS.index(name)),
-                               jnp.float32(level), jnp.float32(sign))
+  return _apply_op(image, jnp.int32(OPS.index(name)), jnp.float32(level),
+                   jnp.float32(sign))
 
 
 class LevelTest(parameterized.TestCase):
@@ -58,7 +62,7 @@ class LevelTest(parameterized.TestCase):
   def test_level_and_sign_give_the_op_its_parameter(self, name, level, sign,
                                                      expected):
     image = _images(1)[0]
-    got = jax.jit(_op, static_argnums=1)(image, name, level, sign)
+    got = _op(image, name, level, sign)
     np.testing.assert_allclose(got, expected(image), atol=1e-4)
 
   @parameterized.parameters('rotate', 'shear_x', 'translate_y', 'brightness',
