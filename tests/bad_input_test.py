@@ -176,16 +176,6 @@ class BadInputTest(parameterized.TestCase):
       ('unknown_augmentation_policy', ['--config.data.policy=trivialaugment'],
        "data.policy='trivialaugment' must be one of ('none', 'randaugment', "
        "'autoaugment')"),
-      ('mixing_with_privacy', ['--config.privacy.enabled=true',
-                               '--config.data.cutmix_alpha=1'],
-       "data.mixup_alpha=0 / data.cutmix_alpha=1 with privacy.enabled: a "
-       "mixed example holds two"),
-      ('mixing_an_odd_batch_per_device', ['--config.parallel.strategy=pmap',
-                                          '--config.parallel.mesh_shape=(8,1)',
-                                          '--config.batch_size=24',
-                                          '--config.data.mixup_alpha=0.8'],
-       'batch_size=24 gives each of the 8 devices of the batch axis an odd '
-       'batch, and mixup / CutMix mix its examples in pairs'),
       ('no_prefetch', ['--config.data.prefetch_batches=0'],
        'data.prefetch_batches=0 must be at least 1'),
       ('compilation_cache_dir_a_file',
