@@ -177,11 +177,12 @@ def augment(keys: jax.Array, images: jax.Array,
   `train_inputs`'.)"""
   _, height, width, _ = images.shape
   k_crop, k_flip = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
-  # The recipe's draws come from keys of their own: the seeds' crop and flip
-  # draw what they always drew.
-  k_policy, k_erase = jnp.moveaxis(
-      jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 1)))(keys),
-      1, 0)
+  # The recipe's draws come from keys of their own (split only when a recipe
+  # step is on): the seeds' crop and flip draw what they always drew.
+  if data_config.policy != 'none' or data_config.erasing_probability > 0:
+    k_policy, k_erase = jnp.moveaxis(
+        jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 1)))(keys),
+        1, 0)
   pixels = images.astype(jnp.float32)
   if data_config.crop == 'resized':
     windows = crop_windows(k_crop, height, width, data_config.crop_area,
