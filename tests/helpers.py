@@ -1,5 +1,6 @@
 """Shared test helpers: tiny configs and a jaxpr walker."""
 
+import atexit
 import contextlib
 import json
 import os
@@ -22,6 +23,7 @@ from haiku_mp import half_dot
 from haiku_mp import input_pipeline
 from haiku_mp import numerics
 import tests
+from tests import forked_commands
 
 MATMUL_PRIMITIVES = ('dot_general', 'conv_general_dilated')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,16 +33,73 @@ TINY_MODEL_FLAGS = ('--config.model.num_layers=1',
                     '--config.model.mlp_dim=16', '--config.model.num_heads=2')
 
 
-def run_module(module: str, *args: str, devices=None, env=None, **kwargs
-               ) -> subprocess.CompletedProcess:
+class _ForkedCommands:
+  """One `tests.forked_commands` launcher per test process, started on first
+  use with the environment the process had when this module was imported,
+  and ended (its stdin closed) with that process."""
+
+  def __init__(self):
+    self._launcher = None
+    self._env = dict(os.environ)
+
+  def serves(self, module: str, env: dict[str, str]) -> bool:
+    """Whether the launcher runs `module` under `env` as a fresh process
+    would: a project command whose environment is the launcher's but for
+    the variables no preloaded library reads as it is imported."""
+    return (module.startswith(forked_commands.RUNNABLE_PREFIX) and
+            _read_on_import(env) == _read_on_import(self._env))
+
+  def run(self, module: str, args: list[str], env: dict[str, str],
+          timeout: float) -> subprocess.CompletedProcess:
+    if self._launcher is None:
+      self._launcher = subprocess.Popen(
+          [sys.executable, '-m', 'tests.forked_commands'], cwd=ROOT,
+          env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+          text=True)
+      atexit.register(self._launcher.stdin.close)
+    self._launcher.stdin.write(json.dumps(dict(
+        module=module, args=list(args), env=env, cwd=ROOT,
+        timeout=timeout)) + '\n')
+    self._launcher.stdin.flush()
+    reply = json.loads(self._launcher.stdout.readline())
+    command = [sys.executable, '-m', module, *args]
+    if reply['timed_out']:
+      raise subprocess.TimeoutExpired(command, timeout, reply['stdout'],
+                                      reply['stderr'])
+    return subprocess.CompletedProcess(command, reply['returncode'],
+                                       reply['stdout'], reply['stderr'])
+
+
+# XLA reads XLA_FLAGS when JAX creates a backend, after the fork; pytest sets
+# PYTEST_CURRENT_TEST for each test.
+_SET_AFTER_IMPORT = ('XLA_FLAGS', 'PYTEST_CURRENT_TEST')
+
+
+def _read_on_import(env) -> dict[str, str]:
+  return {k: v for k, v in env.items() if k not in _SET_AFTER_IMPORT}
+
+
+_FORKED = _ForkedCommands()
+
+
+def run_module(module: str, *args: str, devices=None, env=None, check=False,
+               timeout: float = 600) -> subprocess.CompletedProcess:
   """`python -m module *args` in the repository root, output captured as
-  text; `devices` sets the number of virtual CPU devices it sees."""
+  text; `devices` sets the number of virtual CPU devices it sees. A project
+  command is forked from a process with its libraries imported (see
+  `tests.forked_commands`), anything else started afresh."""
   env = dict(os.environ, **(env or {}))
   if devices is not None:
     env['XLA_FLAGS'] = tests.xla_flags(devices)
-  kwargs.setdefault('capture_output', True)
-  return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT,
-                        env=env, text=True, **kwargs)
+  if _FORKED.serves(module, env):
+    result = _FORKED.run(module, args, env, timeout)
+  else:
+    result = subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT,
+                            env=env, text=True, capture_output=True,
+                            timeout=timeout)
+  if check:
+    result.check_returncode()
+  return result
 
 
 def tiny_config(policy: str = 'params=float32,compute=float32,output=float32',

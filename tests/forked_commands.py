@@ -1,0 +1,104 @@
+"""Runs the tests' `python -m launch...` commands in processes forked from one
+that has already imported their libraries.
+
+A fresh interpreter spends over a second of CPU importing JAX, Haiku, optax
+and orbax before a command reads its first flag; the suite starts about a
+hundred commands (sixty for the bad-input table alone), and on two cores that
+second is most of what such a test costs. Each command here is still a
+process of its own: forked before JAX has created a backend (XLA reads
+XLA_FLAGS, and so the device count, when it does), with its own argv,
+environment, working directory, stdout and stderr, its module run as
+`__main__` the way `python -m` runs it, exiting through the interpreter's
+normal shutdown. What the preloaded libraries read from the environment as
+they were imported (JAX's JAX_* settings) is the launcher's: `helpers`
+sends only commands whose environment differs from the launcher's in
+XLA_FLAGS alone, and starts any other afresh.
+
+    python -m tests.forked_commands  # a JSON request per line on stdin, a
+                                     # JSON reply per line on stdout
+"""
+
+import json
+import os
+import runpy
+import select
+import signal
+import sys
+import tempfile
+import traceback
+
+# What every `launch` command imports; none of it defines a flag (the launch
+# modules do, so they are imported by each command itself).
+import haiku_mp.experiment  # pylint: disable=unused-import
+import haiku_mp.trainer  # pylint: disable=unused-import
+import launch.cli  # pylint: disable=unused-import
+
+# The modules a request may run: the project's commands, not test wrappers
+# that hide a preloaded package.
+RUNNABLE_PREFIX = 'launch.'
+
+
+def _run_as_main(module: str, args: list[str], env: dict[str, str], cwd: str,
+                 stdout: str, stderr: str) -> None:
+  """In the forked child: `python -m module *args`, then exit as it would."""
+  devnull = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(devnull, 0)
+  for fd, path in ((1, stdout), (2, stderr)):
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+  os.environ.clear()
+  os.environ.update(env)
+  os.chdir(cwd)
+  sys.argv = [module, *args]
+  try:
+    runpy.run_module(module, run_name='__main__', alter_sys=True)
+  except SystemExit:
+    raise
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()  # As the interpreter does, then status 1.
+    sys.exit(1)
+  sys.exit(0)
+
+
+def _wait(pid: int, timeout: float) -> tuple[int, bool]:
+  """The child's status as subprocess reports it, and whether it timed out
+  (then it is killed)."""
+  pidfd = os.pidfd_open(pid)
+  try:
+    ready, _, _ = select.select([pidfd], [], [], timeout)
+  finally:
+    os.close(pidfd)
+  if not ready:
+    os.kill(pid, signal.SIGKILL)
+  _, status = os.waitpid(pid, 0)
+  return os.waitstatus_to_exitcode(status), not ready
+
+
+def _temp_file(name: str) -> str:
+  fd, path = tempfile.mkstemp(prefix=f'forked_{name}_')
+  os.close(fd)
+  return path
+
+
+def _serve() -> None:
+  for line in sys.stdin:
+    request = json.loads(line)
+    # Files the parent removes: the child leaves through the interpreter's
+    # shutdown, which unwinds this function, so it owns nothing to clean up.
+    out, err = _temp_file('stdout'), _temp_file('stderr')
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+      _run_as_main(request['module'], request['args'], request['env'],
+                   request['cwd'], out, err)
+    returncode, timed_out = _wait(pid, request['timeout'])
+    reply = dict(returncode=returncode, timed_out=timed_out)
+    for key, path in (('stdout', out), ('stderr', err)):
+      with open(path, errors='replace') as f:
+        reply[key] = f.read()
+      os.remove(path)
+    sys.stdout.write(json.dumps(reply) + '\n')
+    sys.stdout.flush()
+
+
+if __name__ == '__main__':
+  _serve()

@@ -1,0 +1,46 @@
+"""The tests' command launcher: each command a process of its own, with its
+own device count, environment and exit status."""
+
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from tests import helpers
+
+_MESH_FLAGS = ('--config=configs/vit_fp16.py', '--config.parallel.strategy=pjit',
+               '--config.parallel.mesh_shape=(8,2)')
+
+
+class ForkedCommandsTest(parameterized.TestCase):
+
+  @parameterized.parameters(8, 4, 8)
+  def test_each_command_sees_its_own_devices(self, devices):
+    workdir = os.path.join(
+        self.enter_context(tempfile.TemporaryDirectory()), 'run')
+    result = helpers.run_module('launch.train', *_MESH_FLAGS,
+                                f'--workdir={workdir}', devices=devices)
+    self.assertEqual(result.returncode, 2, result.stderr[-2000:])
+    self.assertEqual(result.stderr.strip().splitlines()[-1],
+                     'error: parallel.mesh_shape=(8, 2) needs 16 devices; '
+                     f'there are {devices}')
+    self.assertFalse(os.path.exists(workdir))
+
+  def test_an_environment_the_launcher_lacks_starts_afresh(self):
+    # JAX reads JAX_PLATFORMS as it is imported: a launcher's forked command
+    # would run on the CPU the launcher's JAX chose.
+    out = os.path.join(self.enter_context(tempfile.TemporaryDirectory()), 'o')
+    result = helpers.run_module('launch.lab', 'params', f'--out={out}',
+                                env={'JAX_PLATFORMS': 'tpu'})
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("Unable to initialize backend 'tpu'", result.stderr)
+
+
+if __name__ == '__main__':
+  absltest.main()
