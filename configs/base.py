@@ -50,7 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
   ))
   # What each encoder block keeps for the backward pass: 'none' (every
   # residual), 'dots' (the weight matmuls' outputs; the rest recomputed) or
-  # 'full' (the block's input; the block recomputed). haiku_mp/remat.py.
+  # 'full' (the block's input; the block recomputed). haiku_mp/model/remat.py.
   config.remat = 'none'
 
   config.precision = ml_collections.ConfigDict(dict(
@@ -90,11 +90,11 @@ def get_config() -> ml_collections.ConfigDict:
       strategy='single',  # 'single' | 'pmap' | 'pjit'
       mesh_shape=(-1, 1),  # (batch, model); -1: the remaining devices.
       # 'REGEX=SPEC;...' over 'module/path/param', e.g. '.*/head/w=None,model';
-      # tried before the built-in rules (haiku_mp/sharding.py).
+      # tried before the built-in rules (haiku_mp/parallel/sharding.py).
       sharding_rules='',
   ))
 
-  # DP-SGD (haiku_mp/privacy.py, on JAX Privacy). On: batch_size is the
+  # DP-SGD (haiku_mp/privacy/dp_sgd.py, on JAX Privacy). On: batch_size is the
   # expected size of a Poisson-sampled batch; each example's gradient is
   # clipped to l2_clip_norm and Gaussian noise of std noise_multiplier *
   # l2_clip_norm is added to their float32 sum; epsilon at delta is reported.
@@ -117,7 +117,7 @@ def get_config() -> ml_collections.ConfigDict:
       padding_stddevs=3.0,
   ))
 
-  # The precision advisor (`python -m launch.lab advise`, haiku_mp/advice.py):
+  # The precision advisor (`python -m launch.lab advise`, haiku_mp/lab/verdicts.py):
   # how much of a tensor a half format may lose before a module keeps float32.
   config.advisor = ml_collections.ConfigDict(dict(
       # What a format may cost an output or gradient, relative to its norm:
@@ -150,7 +150,7 @@ def get_config() -> ml_collections.ConfigDict:
       train_split='train[:45000]',
       val_split='train[45000:]',
       test_split='test',
-      # The train augmentation, on the device (haiku_mp/augment.py), in this
+      # The train augmentation, on the device (haiku_mp/data/augment.py), in this
       # order; False: images only normalized.
       augment=True,
       # 'resized': a random crop of crop_area of the area with aspect ratio in
@@ -164,7 +164,7 @@ def get_config() -> ml_collections.ConfigDict:
       flip=True,  # A random horizontal flip.
       # 'none', 'randaugment' (randaugment_ops operations drawn per image, each
       # at randaugment_magnitude of 10) or 'autoaugment' (AutoAugment's
-      # CIFAR-10 policy). haiku_mp/auto_augment.py.
+      # CIFAR-10 policy). haiku_mp/data/auto_augment.py.
       policy='none',
       randaugment_ops=2,
       randaugment_magnitude=9.0,

@@ -39,11 +39,11 @@ from absl import flags
 import jax.numpy as jnp
 from ml_collections import config_flags
 
-from haiku_mp import compilation_cache
-from haiku_mp import compiled_step
+from haiku_mp.train import compilation_cache
+from haiku_mp.lab import timing
 from haiku_mp import errors
-from haiku_mp import model
-from haiku_mp import sharding
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.parallel import sharding
 from haiku_mp.lab import checks
 from haiku_mp.lab import compare
 from haiku_mp.lab import loop_benchmark
@@ -94,7 +94,7 @@ def _layouts(config):
     variant = copy.deepcopy(config)
     variant.parallel.strategy = strategy
     variant.parallel.mesh_shape = shape
-    result = dict(layout=layout, **compiled_step.compiled_step_stats(variant))
+    result = dict(layout=layout, **timing.compiled_step_stats(variant))
     results.append(result)
     print(json.dumps(result), flush=True)
   compare.add_ratios(results, 'ratios', _LAYOUT_RATIO_FIELDS,
@@ -197,7 +197,7 @@ def main(argv):
     _pipeline(config)
     return
   dtypes = _DTYPES.value or [
-      jnp.dtype(model.make_precision(config).policy.compute_dtype).name]
+      jnp.dtype(forward_lib.make_precision(config).policy.compute_dtype).name]
   if _LOOP.value:
     # Each round is a run: from its second on, it loads its compiled steps.
     compilation_cache.use(config.compilation_cache_dir)

@@ -23,7 +23,7 @@ import ml_collections
 # The package exports no test for a config-file flag; its module does.
 from ml_collections.config_flags.config_flags import is_config_flag
 
-from haiku_mp import config_checks
+from haiku_mp.train import config_checks
 from haiku_mp import errors
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

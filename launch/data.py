@@ -4,7 +4,7 @@ python -m launch.data export --out=cifar10.npz [--config=configs/base.py] \
   [--config.data.data_dir=DIR]
 
 `export` writes the prepared TFDS CIFAR-10 (train and test, in the TFDS copy's
-order) as uint8 arrays in one `.npz` (haiku_mp/cifar_arrays.py), which NumPy
+order) as uint8 arrays in one `.npz` (haiku_mp/data/npz_source.py), which NumPy
 reads without TensorFlow.
 """
 
@@ -14,7 +14,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp import cifar_arrays
+from haiku_mp.data import npz_source
 from haiku_mp import errors
 from launch import cli
 
@@ -37,7 +37,7 @@ def main(argv):
   directory = os.path.dirname(os.path.abspath(out))
   if not os.path.isdir(directory):
     raise errors.ConfigError(f'--out={out}: {directory} is not a directory')
-  counts = cifar_arrays.export_from_tfds(_CONFIG.value.data, out)
+  counts = npz_source.export_from_tfds(_CONFIG.value.data, out)
   print(f'wrote {out}: {counts["train"]} train, {counts["test"]} test images')
 
 

@@ -16,7 +16,7 @@ python -m launch.lab advise --config=configs/vit_fp16.py [--checkpoint=WORKDIR] 
 JSON, plots and one report.md (haiku_mp/lab/report.py). `advise` says which
 precision each module can run in and which float16 loss scale, and prints the
 flags to paste; it writes advise.json, advise.md and a plot
-(haiku_mp/lab/advise.py, advise_files.py).
+(haiku_mp/lab/advisor.py, advisor_files.py).
 
 Each experiment prints its result as one JSON line and writes
 `<experiment>.json` and its plots into --out.
@@ -31,8 +31,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from haiku_mp import errors
-from haiku_mp.lab import advise
-from haiku_mp.lab import advise_files
+from haiku_mp.lab import advisor
+from haiku_mp.lab import advisor_files
 from haiku_mp.lab import checks
 from haiku_mp.lab import dot_algorithms
 from haiku_mp.lab import matmul
@@ -189,10 +189,10 @@ def _advise():
   config = _CONFIG.value
   if _CHECKPOINT.value:
     given = config_flags.get_override_values(flags.FLAGS['config'])
-    config = advise.with_run_config(config, _CHECKPOINT.value, given, log=_log)
-  result = advise.run(config, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
+    config = advisor.with_run_config(config, _CHECKPOINT.value, given, log=_log)
+  result = advisor.run(config, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
                       _BATCHES.value, _LEVEL.value, _STEPS.value, log=_log)
-  for path in advise_files.write(result, _OUT.value):
+  for path in advisor_files.write(result, _OUT.value):
     print(f'wrote {path}', flush=True)
   for fmt, suggestion in result['suggestions'].items():
     print(f'{fmt}: ' + ' '.join(suggestion['flags']), flush=True)

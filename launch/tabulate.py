@@ -9,9 +9,9 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp import experiment
-from haiku_mp import sharding
-from haiku_mp import tabulate
+from haiku_mp.train import experiment
+from haiku_mp.parallel import sharding
+from haiku_mp.model import module_table
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
@@ -24,11 +24,11 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   config = experiment.on_synthetic_data(_CONFIG.value)
   exp = experiment.build(config, sharding.mesh_for(config.parallel))
-  rows = tabulate.module_rows(exp)
+  rows = module_table.module_rows(exp)
   if _JSON.value:
     print(json.dumps(rows, indent=1))
   else:
-    print(tabulate.format_table(rows))
+    print(module_table.format_table(rows))
 
 
 if __name__ == '__main__':

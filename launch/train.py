@@ -16,9 +16,9 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from haiku_mp import compilation_cache
-from haiku_mp import sharding
-from haiku_mp import trainer
+from haiku_mp.train import compilation_cache
+from haiku_mp.parallel import sharding
+from haiku_mp.train import loop
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
@@ -64,7 +64,7 @@ def main(argv):
       f'off ({setting!r} on {jax.default_backend()}; set '
       '--config.compilation_cache_dir=DIR for one)'))
   mesh = sharding.mesh_for(_CONFIG.value.parallel)
-  result = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh,
+  result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh,
                                       log_module_table=_MODULES_TABLE.value)
   if result.get('signal') == 'SIGINT':  # Saved, but stopped by Ctrl-C.
     sys.exit(cli.EXIT_INTERRUPTED)

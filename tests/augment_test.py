@@ -15,7 +15,7 @@ import numpy as np
 
 from configs import base
 from configs import vit_recipe
-from haiku_mp import augment
+from haiku_mp.data import augment
 
 DATA = base.get_config().data
 SIZE = 32

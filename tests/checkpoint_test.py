@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 
-from haiku_mp import checkpoint
-from haiku_mp import loss_scaling
-from haiku_mp import optimizer as optimizer_lib
-from haiku_mp import train_step as train_step_lib
+from haiku_mp.train import checkpoint
+from haiku_mp.train import loss_scaling
+from haiku_mp.train import optimizer as optimizer_lib
+from haiku_mp.train import step as step_lib
 import tests
 from tests import helpers
 from tests import disk_full_at_step
@@ -69,7 +69,7 @@ def _train_events(workdir):
 
 def _tiny_state(width):
   params = {'linear': {'w': jnp.ones((3, width)), 'b': jnp.zeros((width,))}}
-  return train_step_lib.init_train_state(
+  return step_lib.init_train_state(
       params, optax.adam(1e-3), loss_scaling.LossScaler('dynamic'),
       jax.random.key(0))
 
@@ -336,7 +336,7 @@ class CheckpointerTest(parameterized.TestCase):
   def test_half_params_and_their_master_copy_restore_exactly(self):
     params = {'w': jnp.linspace(-1, 1, 6, dtype=jnp.float32).reshape(2, 3)}
     optimizer = optimizer_lib.float32_master(optax.adam(1e-3))
-    state = train_step_lib.init_train_state(
+    state = step_lib.init_train_state(
         jax.tree.map(lambda p: p.astype(jnp.bfloat16), params), optimizer,
         loss_scaling.LossScaler('none'), jax.random.key(0))
     state = state._replace(opt_state=state.opt_state._replace(

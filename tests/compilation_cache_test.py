@@ -13,7 +13,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from haiku_mp import compilation_cache
+from haiku_mp.train import compilation_cache
 from haiku_mp import errors
 
 HOME = {'HOME': '/home/u'}

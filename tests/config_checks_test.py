@@ -16,10 +16,10 @@ from absl.testing import parameterized
 import jax
 
 from configs import base
-from haiku_mp import config_checks
+from haiku_mp.train import config_checks
 from haiku_mp import errors
-from haiku_mp import experiment
-from haiku_mp import sharding
+from haiku_mp.train import experiment
+from haiku_mp.parallel import sharding
 from tests import configs_test
 from tests import helpers
 

@@ -15,8 +15,8 @@ from absl.testing import parameterized
 from configs import base
 from configs import vit_cpu
 from haiku_mp import errors
-from haiku_mp import loss_scaling
-from haiku_mp import model
+from haiku_mp.train import loss_scaling
+from haiku_mp.model import forward as forward_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_NAMES = sorted(os.path.basename(p)[:-3]
@@ -42,7 +42,7 @@ class ConfigsTest(parameterized.TestCase):
     config = importlib.import_module(f'configs.{name}').get_config()
     with self.assertRaises(AttributeError):
       config.batch_sise = 3
-    model.make_precision(config)
+    forward_lib.make_precision(config)
     loss_scaling.LossScaler.from_config(config.loss_scale)
 
   @parameterized.parameters(

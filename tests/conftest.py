@@ -17,7 +17,7 @@ LONGEST_FIRST = (
     'tests/parallel_test.py::StrategiesAgreeTest',
     'tests/lab_test.py::SweepTest',
     'tests/lab_test.py::CommandLineTest',
-    'tests/privacy_test.py::StrategiesTest',
+    'tests/dp_sgd_test.py::StrategiesTest',
 )
 
 

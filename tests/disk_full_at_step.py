@@ -14,7 +14,7 @@ import resource
 import runpy
 import signal
 
-from haiku_mp import checkpoint
+from haiku_mp.train import checkpoint
 
 ENV = 'DISK_FULL_AT_STEP'
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp import dropout
+from haiku_mp.model import dropout
 from haiku_mp import errors
 from tests import helpers
 

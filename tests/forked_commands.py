@@ -29,8 +29,8 @@ import traceback
 
 # What every `launch` command imports; none of it defines a flag (the launch
 # modules do, so they are imported by each command itself).
-import haiku_mp.experiment  # pylint: disable=unused-import
-import haiku_mp.trainer  # pylint: disable=unused-import
+import haiku_mp.train.experiment  # pylint: disable=unused-import
+import haiku_mp.train.loop  # pylint: disable=unused-import
 import launch.cli  # pylint: disable=unused-import
 
 # The modules a request may run: the project's commands, not test wrappers

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp import half_dot
+from haiku_mp.model import half_dot
 from haiku_mp.lab import precision as precision_lab
 from haiku_mp.lab import sweep
 from tests import helpers

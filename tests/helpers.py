@@ -19,9 +19,9 @@ from tensorboard.backend.event_processing import plugin_event_accumulator
 from tensorboard.util import tensor_util
 
 from configs import base
-from haiku_mp import half_dot
-from haiku_mp import input_pipeline
-from haiku_mp import numerics
+from haiku_mp.model import half_dot
+from haiku_mp.data import pipeline
+from haiku_mp.lab import numerics
 import tests
 from tests import forked_commands
 
@@ -130,7 +130,7 @@ def dots_as_on(platform: str):
 def random_batch(config, batch_size: int = 8, seed: int = 0):
   """The library's seeded random batch (drawn in float64, the draws the
   tests' thresholds were set on), as float32 device arrays."""
-  batch = input_pipeline.random_batch(config.model, batch_size, seed,
+  batch = pipeline.random_batch(config.model, batch_size, seed,
                                       np.float64)
   return dict(image=jnp.asarray(batch['image'], jnp.float32),
               label=jnp.asarray(batch['label']))

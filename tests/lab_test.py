@@ -18,7 +18,7 @@ import numpy as np
 
 from configs import base
 from haiku_mp import errors
-from haiku_mp import experiment
+from haiku_mp.train import experiment
 from haiku_mp.lab import checks
 from haiku_mp.lab import compare
 from haiku_mp.lab import matmul

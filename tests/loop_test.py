@@ -20,11 +20,11 @@ from jax._src import array as array_lib
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp import checkpoint as checkpoint_lib
-from haiku_mp import experiment
-from haiku_mp import input_pipeline
-from haiku_mp import sharding
-from haiku_mp import trainer
+from haiku_mp.train import checkpoint as checkpoint_lib
+from haiku_mp.train import experiment
+from haiku_mp.data import pipeline
+from haiku_mp.parallel import sharding
+from haiku_mp.train import loop
 from tests import helpers
 
 STEPS, LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY = 12, 4, 6, 6
@@ -53,9 +53,9 @@ def _plain_loop(config):
   mesh = sharding.mesh_for(config.parallel)
   exp = experiment.build(config, mesh)
   strategy = exp.strategy
-  splits = input_pipeline.load(config)
-  batches = input_pipeline.train_batches(config, splits.train,
-                                         input_pipeline.Shard())
+  splits = pipeline.load(config)
+  batches = pipeline.train_batches(config, splits.train,
+                                         pipeline.Shard())
   state = strategy.init_state()
   metrics = []
   for _ in range(STEPS):
@@ -91,7 +91,7 @@ class LoopTest(parameterized.TestCase):
   # is below.
   def test_states_and_metrics_are_a_plain_loops_bit_for_bit(self):
     config = _config()
-    trainer.train_and_evaluate(config, self.workdir,
+    loop.train_and_evaluate(config, self.workdir,
                                sharding.mesh_for(config.parallel))
     exp, expected_state, expected = _plain_loop(config)
 
@@ -139,7 +139,7 @@ class LoopTest(parameterized.TestCase):
     main = threading.get_ident()
     dispatched, reads = [0], []
     value = array_lib.ArrayImpl._value
-    call = trainer._CompiledSteps.__call__
+    call = loop._CompiledSteps.__call__
     block = jax.block_until_ready
 
     def read(array):
@@ -157,9 +157,9 @@ class LoopTest(parameterized.TestCase):
 
     threads = set(threading.enumerate())
     with mock.patch.object(array_lib.ArrayImpl, '_value', property(read)), \
-        mock.patch.object(trainer._CompiledSteps, '__call__', step), \
-        mock.patch.object(trainer.jax, 'block_until_ready', wait):
-      trainer.train_and_evaluate(_config(), self.workdir)
+        mock.patch.object(loop._CompiledSteps, '__call__', step), \
+        mock.patch.object(loop.jax, 'block_until_ready', wait):
+      loop.train_and_evaluate(_config(), self.workdir)
     self.assertEmpty(_batch_threads(threads))  # Joined at the end.
 
     pauses = {0} | {s for s in range(1, STEPS + 1)
@@ -174,10 +174,10 @@ class LoopTest(parameterized.TestCase):
 
   def test_the_batch_thread_is_joined_when_the_loop_fails(self):
     threads = set(threading.enumerate())
-    with mock.patch.object(trainer, '_log_window',
+    with mock.patch.object(loop, '_log_window',
                            side_effect=RuntimeError('a failing log point')):
       with self.assertRaisesRegex(RuntimeError, 'a failing log point'):
-        trainer.train_and_evaluate(_config(), self.workdir)
+        loop.train_and_evaluate(_config(), self.workdir)
     self.assertEmpty(_batch_threads(threads))
 
 

@@ -16,7 +16,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from haiku_mp import metrics
+from haiku_mp.train import metrics
 from tests import helpers
 
 

@@ -16,8 +16,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from haiku_mp import experiment
-from haiku_mp import model
+from haiku_mp.train import experiment
+from haiku_mp.model import forward as forward_lib
 from tests import helpers
 
 POLICIES = dict(
@@ -150,7 +150,7 @@ class ResidualStreamTest(parameterized.TestCase):
   def test_stream_dtype_and_matmuls_stay_half(self, stream, stream_dtype):
     config = helpers.tiny_config(POLICIES['bf16'][0])
     config.precision.residual_stream = stream
-    calls, _ = model.trace_modules(config.model, model.make_precision(config))
+    calls, _ = forward_lib.trace_modules(config.model, forward_lib.make_precision(config))
     blocks = [c for c in calls if c.class_name == 'EncoderBlock']
     self.assertLen(blocks, 2)
     for call in blocks:

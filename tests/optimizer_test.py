@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from haiku_mp import model as model_lib
-from haiku_mp import optimizer as optimizer_lib
-from haiku_mp import precision
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.train import optimizer as optimizer_lib
+from haiku_mp.model import policies
 from tests import helpers
 
 LEARNING_RATE = 1e-4  # Below half of float16's spacing at 1.0 (2**-10).
@@ -74,7 +74,7 @@ class Float32MasterTest(parameterized.TestCase):
         ('p=f32,c=bf16,o=f32', '', False),
         ('p=bf16,c=bf16,o=f32', '', True),
         ('p=f32,c=f16,o=f32', '*/head:p=f16,c=f16,o=f32', True)):
-      plan = precision.make_precision(policy, overrides, model_class='X')
+      plan = policies.make_precision(policy, overrides, model_class='X')
       self.assertEqual(plan.half_params, expected, policy + overrides)
       state = optimizer_lib.make_optimizer(
           config, 10, plan.half_params).init({'w': jnp.ones((2, 2))})
@@ -87,7 +87,7 @@ class WeightDecayTest(absltest.TestCase):
     config = helpers.tiny_config()
     config.weight_decay = 0.5
     config.learning_rate = 0.1
-    forward, _ = model_lib.build(config)
+    forward, _ = forward_lib.build(config)
     images = helpers.random_batch(config)['image']
     shapes = jax.eval_shape(
         lambda: forward.init(jax.random.key(0), images, True))

@@ -17,8 +17,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorflow_datasets as tfds
 
-from haiku_mp import loss_scaling
-from haiku_mp import trainer
+from haiku_mp.train import loss_scaling
+from haiku_mp.train import loop
 from tests import helpers
 
 OVERFLOW, FINITE = jnp.asarray(False), jnp.asarray(True)
@@ -118,7 +118,7 @@ class OverflowStormTest(parameterized.TestCase):
     # 16 fixed examples (a no-op download under mock_data): learnable.
     with self.assertLogs(level='WARNING') as logs, \
         tfds.testing.mock_data(num_examples=16):
-      summary = trainer.train_and_evaluate(config, workdir)
+      summary = loop.train_and_evaluate(config, workdir)
     events = _events(workdir)
     skipped = [e['step'] for e in events if e['window_skipped_steps']]
     self.assertNotEmpty(skipped)

@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp import experiment
-from haiku_mp import tabulate
+from haiku_mp.train import experiment
+from haiku_mp.model import module_table
 import tests
 from tests import helpers
 from tests import signal_at_step
@@ -186,12 +186,12 @@ class ShardingRulesTest(parameterized.TestCase):
 
   def test_tabulate_shows_shardings(self):
     config = _config('pjit', (4, 2))
-    rows = {r['path']: r for r in tabulate.module_rows(
+    rows = {r['path']: r for r in module_table.module_rows(
         experiment.build_without_data(config))}
     fc2 = rows['vit/encoder_block_0/mlp_block/fc2']['params']
     self.assertEqual((fc2['w']['sharding'], fc2['b']['sharding']),
                      ('model,None', 'replicated'))
-    text = tabulate.format_table(list(rows.values()))
+    text = module_table.format_table(list(rows.values()))
     self.assertIn('w:None,model', text)
 
 

@@ -11,7 +11,7 @@ import tempfile
 
 from absl.testing import absltest
 
-from haiku_mp import plots
+from haiku_mp.lab import plots
 from tests import helpers
 
 

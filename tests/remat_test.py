@@ -14,8 +14,8 @@ import jax
 
 from configs import base
 from haiku_mp import errors
-from haiku_mp import experiment
-from haiku_mp import remat
+from haiku_mp.train import experiment
+from haiku_mp.model import remat
 from haiku_mp.lab import memory
 from haiku_mp.lab import sweep
 from tests import helpers

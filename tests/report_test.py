@@ -14,7 +14,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from haiku_mp import cifar_arrays
+from haiku_mp.data import npz_source
 from haiku_mp import errors
 from haiku_mp.lab import isolated
 from haiku_mp.lab import report
@@ -40,7 +40,7 @@ class QuickReportTest(parameterized.TestCase):
     arrays.update({f'{s}_label': rng.integers(0, 10, n).astype(np.int32)
                    for s, n in (('train', 40), ('test', 16))})
     path = os.path.join(cls.tmp.name, 'cifar10.npz')
-    cifar_arrays.save(path, arrays)
+    npz_source.save(path, arrays)
     cls.out = os.path.join(cls.tmp.name, 'report')
     cls.result = helpers.run_module(
         'launch.lab', 'report', '--quick', f'--out={cls.out}',
@@ -92,7 +92,7 @@ class QuickReportTest(parameterized.TestCase):
     self.assertLess(max(len(line) for line in lines), 200)
     # The trainer's own log (startup, progress, checkpoints, summary) is not
     # shown three times over, nor is a float64 truncation warning.
-    for noise in ('trainer.py', 'checkpoint.py', 'Summary', 'truncated'):
+    for noise in ('loop.py', 'checkpoint.py', 'Summary', 'truncated'):
       self.assertNotIn(noise, self.result.stderr)
 
   def test_benchmark_and_memory_cover_every_dtype(self):

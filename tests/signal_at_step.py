@@ -16,8 +16,8 @@ import runpy
 import signal
 import threading
 
-from haiku_mp import checkpoint
-from haiku_mp import metrics
+from haiku_mp.train import checkpoint
+from haiku_mp.train import metrics
 
 ENV = 'SIGNAL_AT_STEP'
 

@@ -20,11 +20,11 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from configs import vit_recipe
-from haiku_mp import checkpoint as checkpoint_lib
-from haiku_mp import cifar_arrays
-from haiku_mp import input_pipeline
-from haiku_mp import metrics as metrics_lib
-from haiku_mp import trainer
+from haiku_mp.train import checkpoint as checkpoint_lib
+from haiku_mp.data import npz_source
+from haiku_mp.data import pipeline
+from haiku_mp.train import metrics as metrics_lib
+from haiku_mp.train import loop
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +74,7 @@ class TrainerTest(parameterized.TestCase):
     self.workdir = self.enter_context(tempfile.TemporaryDirectory())
 
   def test_synthetic_run_writes_metrics_tensorboard_and_summary(self):
-    summary = trainer.train_and_evaluate(_tiny_run_config(), self.workdir)
+    summary = loop.train_and_evaluate(_tiny_run_config(), self.workdir)
     events = _read_jsonl(self.workdir)
     train = [e for e in events if e['split'] == 'train']
     self.assertEqual([e['step'] for e in train], [2, 4, 6])
@@ -97,28 +97,28 @@ class TrainerTest(parameterized.TestCase):
 
   def test_a_finished_run_is_recognized_by_its_config(self):
     config = _tiny_run_config()
-    self.assertIsNone(trainer.finished_summary(config, self.workdir))
-    summary = trainer.train_and_evaluate(config, self.workdir)
-    on_disk = trainer.finished_summary(config, self.workdir)
+    self.assertIsNone(loop.finished_summary(config, self.workdir))
+    summary = loop.train_and_evaluate(config, self.workdir)
+    on_disk = loop.finished_summary(config, self.workdir)
     self.assertEqual(on_disk['test_accuracy'], summary['test_accuracy'])
     self.assertEqual(on_disk['steps'], 6)
-    with mock.patch.object(input_pipeline, 'load') as load:
-      self.assertEqual(trainer.train_and_evaluate(config, self.workdir),
+    with mock.patch.object(pipeline, 'load') as load:
+      self.assertEqual(loop.train_and_evaluate(config, self.workdir),
                        on_disk)
     load.assert_not_called()
     longer = _tiny_run_config()
     longer.num_train_steps = 7  # Another run: it goes on from step 6.
-    self.assertIsNone(trainer.finished_summary(longer, self.workdir))
+    self.assertIsNone(loop.finished_summary(longer, self.workdir))
     cached = _tiny_run_config()  # The same run, its programs kept elsewhere.
     cached.compilation_cache_dir = os.path.join(self.workdir, 'cache')
-    self.assertEqual(trainer.finished_summary(cached, self.workdir), on_disk)
+    self.assertEqual(loop.finished_summary(cached, self.workdir), on_disk)
 
   def test_any_exit_closes_writer_and_checkpointer_and_restores_sigterm(self):
     """A KeyboardInterrupt after three steps (not even an Exception) still
     closes the run's resources and gives the SIGTERM and SIGINT handlers
     back."""
     error = KeyboardInterrupt
-    make_batches = input_pipeline.train_batches
+    make_batches = pipeline.train_batches
 
     def failing_batches(*args):
       batches = make_batches(*args)
@@ -130,13 +130,13 @@ class TrainerTest(parameterized.TestCase):
     close_writer = metrics_lib.MetricsWriter.close
     close_checkpointer = checkpoint_lib.Checkpointer.close
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    with mock.patch.object(input_pipeline, 'train_batches', failing_batches), \
+    with mock.patch.object(pipeline, 'train_batches', failing_batches), \
         mock.patch.object(metrics_lib.MetricsWriter, 'close', lambda w: (
             closed.append('writer'), close_writer(w))), \
         mock.patch.object(checkpoint_lib.Checkpointer, 'close', lambda c: (
             closed.append('checkpointer'), close_checkpointer(c))):
       with self.assertRaisesRegex(error, 'the data went away'):
-        trainer.train_and_evaluate(_tiny_run_config(), self.workdir)
+        loop.train_and_evaluate(_tiny_run_config(), self.workdir)
     self.assertCountEqual(closed, ['writer', 'checkpointer'])
     self.assertEqual((signal.getsignal(signal.SIGTERM),
                       signal.getsignal(signal.SIGINT)), before)
@@ -156,7 +156,7 @@ class TrainerTest(parameterized.TestCase):
     config.data.augment = False
     config.learning_rate = 3e-3
     with tfds.testing.mock_data(num_examples=8):
-      trainer.train_and_evaluate(config, self.workdir)
+      loop.train_and_evaluate(config, self.workdir)
     losses = [e['loss'] for e in _read_jsonl(self.workdir)
               if e['split'] == 'train']
     self.assertLess(losses[-1], losses[0] * 0.7)  # 8 examples memorized.
@@ -179,7 +179,7 @@ class TrainerTest(parameterized.TestCase):
     config.learning_rate = 3e-3
     config.ema_decay = 0.9
     with tfds.testing.mock_data(num_examples=8):
-      trainer.train_and_evaluate(config, self.workdir)
+      loop.train_and_evaluate(config, self.workdir)
     events = _read_jsonl(self.workdir)
     train = [e for e in events if e['split'] == 'train']
     self.assertLess(train[-1]['loss'], 0.85 * train[0]['loss'])
@@ -206,7 +206,7 @@ class TrainerTest(parameterized.TestCase):
     config.eval_batch_size = 1000
     config.num_train_steps = 10
     config.eval_every_steps = 10
-    summary = trainer.train_and_evaluate(config, self.workdir)
+    summary = loop.train_and_evaluate(config, self.workdir)
     events = _read_jsonl(self.workdir)
     self.assertEqual([(e['split'], e['num_examples']) for e in events
                       if e['split'] in ('val', 'test')],
@@ -231,7 +231,7 @@ class PrivateRunTest(absltest.TestCase):
     config.privacy.microbatch_size = 4
     workdir = self.enter_context(tempfile.TemporaryDirectory())
     with self.assertLogs('absl', 'INFO') as logs:
-      summary = trainer.train_and_evaluate(config, workdir)
+      summary = loop.train_and_evaluate(config, workdir)
     taken = summary['private_steps']
     # Skipped as in ordinary training: the dynamic scale backed off.
     self.assertGreater(summary['skipped_steps'], 0)
@@ -286,7 +286,7 @@ class LaunchTrainTest(parameterized.TestCase):
     err = result.stderr
     sources = {m.group(2) for m in map(LOG_LINE.match, err.splitlines())
                if m and m.group(1) == 'I'}
-    self.assertContainsSubset({'train.py', 'trainer.py', 'checkpoint.py'},
+    self.assertContainsSubset({'train.py', 'loop.py', 'checkpoint.py'},
                               sources)
     self.assertContainsSubset(sources, OWN_FILES)  # No orbax, JAX, ... INFO.
     for expected in ('Config: configs/vit_fp16.py --config.data.source=',
@@ -354,7 +354,7 @@ class LaunchTrainTest(parameterized.TestCase):
     arrays.update({f'{s}_label': rng.integers(0, 10, n).astype(np.int32)
                    for s, n in (('train', 40), ('test', 10))})
     path = os.path.join(tmp, 'cifar10.npz')
-    cifar_arrays.save(path, arrays)
+    npz_source.save(path, arrays)
     workdir = os.path.join(tmp, 'run')
     result = helpers.run_module(
         'tests.without_modules', 'tensorflow,tensorflow_datasets',

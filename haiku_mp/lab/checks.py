@@ -6,7 +6,7 @@ import os
 from typing import Iterable, Sequence
 
 from haiku_mp import errors
-from haiku_mp import precision
+from haiku_mp.model import policies
 
 
 def at_least(flags: Iterable[tuple[str, int, int]]) -> None:
@@ -34,7 +34,7 @@ def compute_dtypes(name: str, dtypes: Sequence[str]) -> list[str]:
     raise errors.ConfigError(f'--{name}: expected at least one compute dtype, '
                              'e.g. float32,bfloat16,float16')
   for dtype in dtypes:
-    precision.parse_policy(f'compute={dtype}', setting=f'--{name} ({dtype})')
+    policies.parse_policy(f'compute={dtype}', setting=f'--{name} ({dtype})')
   return list(dtypes)
 
 

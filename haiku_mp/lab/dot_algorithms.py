@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp import plots
+from haiku_mp.lab import plots
 from haiku_mp.lab import matmul
 
 X64_ENV = 'JAX_ENABLE_X64'

@@ -14,19 +14,19 @@ from typing import Any
 import jax
 import ml_collections
 
-from haiku_mp import compiled_step
+from haiku_mp.lab import timing
 from haiku_mp import errors
-from haiku_mp import input_pipeline
+from haiku_mp.data import pipeline
 
 
-def measure_compiled(step: compiled_step.CompiledStep, num_steps: int,
+def measure_compiled(step: timing.CompiledStep, num_steps: int,
                      warmup_steps: int) -> dict[str, Any]:
   """The compiled step's stats, its timing, and the epoch time that implies."""
-  timing = compiled_step.time_steps(step, num_steps, warmup_steps)
-  epoch_examples = input_pipeline.num_train_examples(
+  times = timing.time_steps(step, num_steps, warmup_steps)
+  epoch_examples = pipeline.num_train_examples(
       step.experiment.config.data)
-  return dict(**step.stats, **timing,
-              epoch_sec=epoch_examples / timing['images_per_sec'],
+  return dict(**step.stats, **times,
+              epoch_sec=epoch_examples / times['images_per_sec'],
               device=str(jax.devices()[0].device_kind))
 
 
@@ -35,7 +35,7 @@ def measure(config: ml_collections.ConfigDict, num_steps: int,
   """`measure_compiled` of `config`'s train step, in a fresh process if
   `isolate`. A variant that fails there is one ConfigError naming it."""
   if not isolate:
-    return measure_compiled(compiled_step.compile_train_step(config),
+    return measure_compiled(timing.compile_train_step(config),
                             num_steps, warmup_steps)
   request = dict(config=config.to_json(), num_steps=num_steps,
                  warmup_steps=warmup_steps)

@@ -1,7 +1,7 @@
 """The loop benchmark: does the training loop run as fast as its step?
 
 For each compute dtype, in one process and in alternating rounds:
-- `loop`: the trainer itself (`trainer.train_and_evaluate`, not a copy of its
+- `loop`: the trainer itself (`loop.train_and_evaluate`, not a copy of its
   loop) for `steps` steps in a fresh workdir, on the config's data source;
   its images/s is that of its log windows after the first, as the run logs
   them (its clock stops for compiling, evaluating and saving): a loop's
@@ -26,13 +26,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp import compiled_step
-from haiku_mp import experiment
-from haiku_mp import input_pipeline
-from haiku_mp import model
-from haiku_mp import plots
-from haiku_mp import sharding
-from haiku_mp import trainer
+from haiku_mp.lab import timing
+from haiku_mp.train import experiment
+from haiku_mp.data import pipeline
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.lab import plots
+from haiku_mp.parallel import sharding
+from haiku_mp.train import loop
 from haiku_mp.lab import compare
 from haiku_mp.lab import step_benchmark
 from haiku_mp.lab import sweep
@@ -83,7 +83,7 @@ def _quiet_trainer():
 
 def _loop_round(config: ml_collections.ConfigDict) -> dict[str, Any]:
   with tempfile.TemporaryDirectory() as workdir, _quiet_trainer():
-    summary = trainer.train_and_evaluate(
+    summary = loop.train_and_evaluate(
         config, workdir, sharding.mesh_for(config.parallel))
     events = plots.read_metrics(workdir)
   return dict(images_per_sec=steady_images_per_sec(events, config.batch_size),
@@ -97,9 +97,9 @@ class _StepRounds:
 
   def __init__(self, config: ml_collections.ConfigDict):
     exp = experiment.build(config, sharding.mesh_for(config.parallel))
-    splits = input_pipeline.load(config)
-    shard = input_pipeline.Shard.current()
-    host_batch = next(input_pipeline.train_batches(config, splits.train,
+    splits = pipeline.load(config)
+    shard = pipeline.Shard.current()
+    host_batch = next(pipeline.train_batches(config, splits.train,
                                                    shard))
     self._batch = exp.strategy.place_batch(host_batch)
     self._state = exp.strategy.init_state()
@@ -110,7 +110,7 @@ class _StepRounds:
 
   def round(self, steps: int) -> float:
     """Images/s of `steps` steps dispatched back to back, waited for once."""
-    self._state, seconds = compiled_step.dispatch_round(
+    self._state, seconds = timing.dispatch_round(
         self._step, self._state, iter(lambda: self._batch, None), steps)
     return self._batch_size / seconds
 
@@ -133,7 +133,7 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   step_images = float(np.median(step_rounds))
   return dict(
       **step_benchmark.machine(),
-      dtype=jnp.dtype(model.make_precision(config).policy.compute_dtype).name,
+      dtype=jnp.dtype(forward_lib.make_precision(config).policy.compute_dtype).name,
       policy=config.precision.policy,
       source=config.data.source,
       strategy=config.parallel.strategy,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp import plots
+from haiku_mp.lab import plots
 
 DTYPES = ('float64', 'float32', 'float16', 'bfloat16')
 

@@ -24,10 +24,10 @@ from jax.extend import core as jex_core
 import ml_collections
 import numpy as np
 
-from haiku_mp import experiment
-from haiku_mp import model
-from haiku_mp import plots
-from haiku_mp import compiled_step
+from haiku_mp.train import experiment
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.lab import plots
+from haiku_mp.lab import timing
 from haiku_mp.lab import compare
 from haiku_mp.lab import sweep
 
@@ -73,7 +73,7 @@ def saved_residuals(exp: experiment.Experiment,
   `module` is the path of the module that computed it.
   """
   loss_fn = exp.loss_fn
-  images = model.dummy_images(exp.config.model, batch_size)
+  images = forward_lib.dummy_images(exp.config.model, batch_size)
   params = exp.abstract_state.params
   batch = dict(image=jax.ShapeDtypeStruct(images.shape, jnp.float32),
                label=jax.ShapeDtypeStruct((batch_size,), jnp.int32))
@@ -140,7 +140,7 @@ def breakdown(config: ml_collections.ConfigDict, compile_step: bool
   """Params, gradients, optimizer state, kept activations, compiled temp."""
   exp = experiment.build_without_data(config)
   residuals = residual_summary(exp, config.batch_size)
-  step = compiled_step.compile_experiment(exp) if compile_step else None
+  step = timing.compile_experiment(exp) if compile_step else None
   state = exp.abstract_state
   row = dict(
       params_bytes=_tree_bytes(state.params),

@@ -12,16 +12,16 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from haiku_mp import experiment
-from haiku_mp import plots
-from haiku_mp import tabulate
+from haiku_mp.train import experiment
+from haiku_mp.lab import plots
+from haiku_mp.model import module_table
 
 DTYPES = ('float32', 'float16', 'bfloat16')
 
 
 def run(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """{'modules': [...], 'totals': {dtype: {count, bytes, megabytes}}}."""
-  rows = tabulate.module_rows(experiment.build_without_data(config))
+  rows = module_table.module_rows(experiment.build_without_data(config))
   modules = [dict(path=r['path'], param_count=r['param_count'],
                   **{f'bytes_{d}': r['param_count'] * np.dtype(d).itemsize
                      for d in DTYPES})

@@ -20,10 +20,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from haiku_mp import compiled_step
-from haiku_mp import experiment
-from haiku_mp import input_pipeline
-from haiku_mp import sharding
+from haiku_mp.lab import timing
+from haiku_mp.train import experiment
+from haiku_mp.data import pipeline
+from haiku_mp.parallel import sharding
 from haiku_mp.lab import step_benchmark
 
 # Targets of the pipeline: images/s over the step's, and the fed step's
@@ -49,11 +49,11 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   exp = experiment.build(config, sharding.mesh_for(config.parallel))
   strategy = exp.strategy
   load_start = time.perf_counter()
-  splits = input_pipeline.load(config)
+  splits = pipeline.load(config)
   load_seconds = time.perf_counter() - load_start
-  shard = input_pipeline.Shard.current()
-  batches = input_pipeline.train_batches(config, splits.train, shard)
-  local_batch = input_pipeline.local_batch_size(config.batch_size, shard)
+  shard = pipeline.Shard.current()
+  batches = pipeline.train_batches(config, splits.train, shard)
+  local_batch = pipeline.local_batch_size(config.batch_size, shard)
 
   host = _images_per_sec(lambda: next(batches), local_batch, repeats)
   augment_fn = jax.jit(exp.train_inputs)
@@ -62,7 +62,7 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   on_device = _images_per_sec(
       lambda: jax.block_until_ready(augment_fn(key, device_batch)),
       local_batch, repeats)
-  pipeline = _images_per_sec(
+  through_pipeline = _images_per_sec(
       lambda: jax.block_until_ready(
           augment_fn(key, jax.device_put(next(batches)))),
       local_batch, repeats)
@@ -70,14 +70,14 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   state = strategy.init_state()
   fixed = strategy.place_batch(next(batches))
   step = strategy.train_step.lower(state, fixed).compile()
-  with input_pipeline.DevicePrefetch(batches, strategy.place_batch,
-                                     config.data.prefetch_batches) as fed:
+  with pipeline.DevicePrefetch(batches, strategy.place_batch,
+                               config.data.prefetch_batches) as fed:
     feeds = dict(device_batch=iter(lambda: fixed, None), pipeline_fed=fed)
-    state, _ = compiled_step.dispatch_round(step, state, feeds['device_batch'], 1)  # Warm-up.
+    state, _ = timing.dispatch_round(step, state, feeds['device_batch'], 1)  # Warm-up.
     seconds = {name: [] for name in feeds}
     for _ in range(rounds):
       for name, feed in feeds.items():
-        state, per_step = compiled_step.dispatch_round(step, state, feed, steps)
+        state, per_step = timing.dispatch_round(step, state, feed, steps)
         seconds[name].append(per_step)
   step_time = {name: float(np.median(s)) for name, s in seconds.items()}
   step_images = config.batch_size / step_time['device_batch']
@@ -96,17 +96,17 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
       host_images_per_sec=host,
       augment_images_per_sec=on_device,
       augment_share_of_step=augment_share,
-      pipeline_images_per_sec=pipeline,
+      pipeline_images_per_sec=through_pipeline,
       steps_per_round=steps,
       rounds=rounds,
       step_time_s=step_time,
       step_times_s=seconds,
       step_images_per_sec=step_images,
-      pipeline_over_step=pipeline / step_images,
+      pipeline_over_step=through_pipeline / step_images,
       fed_slowdown=slowdown,
       targets=dict(
           pipeline_over_step=TARGET_PIPELINE_OVER_STEP,
-          pipeline_over_step_met=pipeline / step_images
+          pipeline_over_step_met=through_pipeline / step_images
           >= TARGET_PIPELINE_OVER_STEP,
           fed_slowdown=TARGET_FED_SLOWDOWN,
           fed_slowdown_met=slowdown <= TARGET_FED_SLOWDOWN,

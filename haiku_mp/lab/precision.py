@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp import experiment
-from haiku_mp import input_pipeline
-from haiku_mp import loss_scaling
-from haiku_mp import model
-from haiku_mp import plots
-from haiku_mp import compiled_step
-from haiku_mp import train_step as train_step_lib
+from haiku_mp.train import experiment
+from haiku_mp.data import pipeline
+from haiku_mp.train import loss_scaling
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.lab import plots
+from haiku_mp.lab import timing
+from haiku_mp.train import step as step_lib
 from haiku_mp.lab import compare
 from haiku_mp.lab import isolated
 from haiku_mp.lab import memory
@@ -47,7 +47,7 @@ def _deterministic(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
 
 
 def _batch(config, batch_size: int, dtype) -> dict[str, jax.Array]:
-  batch = input_pipeline.random_batch(config.model, batch_size, config.seed,
+  batch = pipeline.random_batch(config.model, batch_size, config.seed,
                                       np.float64)
   return dict(image=jnp.asarray(batch['image'], dtype),
               label=jnp.asarray(batch['label']))
@@ -61,7 +61,7 @@ def _logits_and_grads(exp: experiment.Experiment, params, batch):
   @jax.jit
   def run(params, batch):
     logits = exp.forward.apply(params, None, batch['image'], False)
-    grads, loss, _ = train_step_lib.gradients(
+    grads, loss, _ = step_lib.gradients(
         exp.loss_fn, exp.scaler, exp.scaler.init(), params,
         jax.random.key(0), batch)
     return logits, loss, grads
@@ -78,7 +78,7 @@ def _initial_params(exp: experiment.Experiment) -> Any:
   @jax.jit
   def init():
     params = exp.forward.init(jax.random.key(config.seed),
-                              model.dummy_images(config.model), True)
+                              forward_lib.dummy_images(config.model), True)
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(config.seed + 1), len(leaves))
     leaves = [jnp.where(p == 0, 0.02 * jax.random.normal(k, p.shape, p.dtype),
@@ -148,8 +148,8 @@ def _variant(config, dtype, batch_size, matmul_precision='',
 def _lowered(variant):
   """The variant's experiment, its lowered train step and its fingerprint."""
   exp = experiment.build_without_data(variant)
-  lowered = compiled_step.lower_train_step(exp)
-  return exp, lowered, compiled_step.fingerprint(lowered.as_text())
+  lowered = timing.lower_train_step(exp)
+  return exp, lowered, timing.fingerprint(lowered.as_text())
 
 
 def _measure(exp, lowered, ref, num_steps, numerics_batch_size, isolate
@@ -160,7 +160,7 @@ def _measure(exp, lowered, ref, num_steps, numerics_batch_size, isolate
     measured = isolated.measure(exp.config, num_steps, 1)
   else:
     measured = isolated.measure_compiled(
-        compiled_step.compile_experiment(exp, lowered), num_steps, 1)
+        timing.compile_experiment(exp, lowered), num_steps, 1)
   keep = ('compile_sec', 'temp_size_in_bytes', 'compiled_total_bytes',
           'program_sha256', 'median_step_sec', 'images_per_sec',
           'device_peak_bytes')
@@ -176,7 +176,7 @@ def run(config: ml_collections.ConfigDict,
   """Both sets of variants at `config.batch_size`, against one reference."""
   for dtype in dtypes:  # Every setting is checked before anything runs.
     for name in matmul_precisions:
-      model.make_precision(_variant(config, dtype, config.batch_size, name))
+      forward_lib.make_precision(_variant(config, dtype, config.batch_size, name))
   ref = reference(config, numerics_batch_size)
   matmul_rows = []
   for dtype in dtypes:

@@ -30,9 +30,9 @@ from typing import Any
 import jax
 import ml_collections
 
-from haiku_mp import model
-from haiku_mp import plots
-from haiku_mp import compiled_step
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.lab import plots
+from haiku_mp.lab import timing
 from haiku_mp.lab import memory
 
 STEP_NAME = 'train'
@@ -50,8 +50,8 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 def run(config: ml_collections.ConfigDict, out_dir: str, num_steps: int,
         warmup_steps: int = 1) -> dict[str, Any]:
   """Compiles, warms up, then traces `num_steps` steps into `out_dir/profile`."""
-  step = compiled_step.compile_train_step(config)
-  state, batch = compiled_step.random_inputs(step.experiment)
+  step = timing.compile_train_step(config)
+  state, batch = timing.random_inputs(step.experiment)
   for _ in range(warmup_steps):
     state, metrics = step.compiled(state, batch)
   jax.block_until_ready(state)
@@ -206,7 +206,7 @@ def _ops_by_self_time(ops, op_names, modules: set[str]
 
 
 def _module_paths(config) -> set[str]:
-  calls, _ = model.trace_modules(config.model, model.make_precision(config))
+  calls, _ = forward_lib.trace_modules(config.model, forward_lib.make_precision(config))
   return {c.path for c in calls}
 
 

@@ -32,10 +32,10 @@ import ml_collections
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp import experiment
-from haiku_mp import plots
-from haiku_mp import sharding
-from haiku_mp import trainer
+from haiku_mp.train import experiment
+from haiku_mp.lab import plots
+from haiku_mp.parallel import sharding
+from haiku_mp.train import loop
 from haiku_mp.lab import compare
 from haiku_mp.lab import dot_algorithms
 from haiku_mp.lab import isolated
@@ -208,7 +208,7 @@ def accuracy(config, out_dir: str, seeds: Sequence[int], log
       variant = accuracy_config(config, dtype, seed)
       start = time.perf_counter()
       with _trainer_quiet():
-        summary = trainer.train_and_evaluate(
+        summary = loop.train_and_evaluate(
             variant, workdir, sharding.mesh_for(variant.parallel))
       if 'preempted_at_step' in summary:
         raise errors.ConfigError(

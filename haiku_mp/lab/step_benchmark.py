@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp import compiled_step
-from haiku_mp import half_dot
+from haiku_mp.lab import timing
+from haiku_mp.model import half_dot
 from haiku_mp.lab import compare
 from haiku_mp.lab import matmul
 from haiku_mp.lab import sweep
@@ -113,15 +113,15 @@ def _flops(compiled) -> Optional[float]:
 def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
         ceiling_size: int = 2048, ceiling_repeats: int = 5) -> dict[str, Any]:
   """Times `config`'s train step; one dict of the figures above."""
-  step = compiled_step.compile_train_step(config)
+  step = timing.compile_train_step(config)
   precision = step.experiment.precision
   dtype = jnp.dtype(precision.policy.compute_dtype)
   form = half_dot.form_for(precision.dot_form, dtype, jax.default_backend())
-  timing = compiled_step.time_steps(step, steps, warmup_steps)
+  times = timing.time_steps(step, steps, warmup_steps)
   flops = _flops(step.compiled)
   side = ceiling_side(flops, ceiling_size)
   ceiling, ceiling_times = matmul_ceiling(dtype, form, side, ceiling_repeats)
-  step_time = timing['median_step_sec']
+  step_time = times['median_step_sec']
   utilization, why_not = mfu(flops, step_time, ceiling)
   stats = step.stats
   private = step.experiment.privacy
@@ -138,8 +138,8 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
       dp_microbatch_size=private and private.microbatch_size,
       steps=steps,
       step_time_s=step_time,
-      step_times_s=timing['step_times_sec'],
-      images_per_sec=timing['images_per_sec'],
+      step_times_s=times['step_times_sec'],
+      images_per_sec=times['images_per_sec'],
       flops_per_step=flops,
       matmul_ceiling_flops=ceiling,
       matmul_ceiling_size=side,
@@ -147,12 +147,12 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
       mfu=utilization,
       mfu_note=why_not,
       compile_s=stats['compile_sec'],
-      sys_cpu_s_per_step=timing['sys_cpu_sec_per_step'],
+      sys_cpu_s_per_step=times['sys_cpu_sec_per_step'],
       argument_bytes=stats['argument_size_in_bytes'],
       output_bytes=stats['output_size_in_bytes'],
       temp_bytes=stats['temp_size_in_bytes'],
       code_bytes=stats['generated_code_size_in_bytes'],
-      device_peak_bytes=timing['device_peak_bytes'])
+      device_peak_bytes=times['device_peak_bytes'])
 
 
 def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],

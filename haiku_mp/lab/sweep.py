@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from haiku_mp import plots
-from haiku_mp import precision
-from haiku_mp import sharding
+from haiku_mp.lab import plots
+from haiku_mp.model import policies
+from haiku_mp.parallel import sharding
 from haiku_mp.lab import compare
 from haiku_mp.lab import isolated
 
@@ -36,11 +36,11 @@ def in_compute_dtype(config: ml_collections.ConfigDict, dtype: str
   """A copy of `config` computing in `dtype` (params and outputs as they
   were); float16 gets dynamic loss scaling when the config has none, as
   configs/vit_fp16.py does."""
-  policy = precision.parse_policy(config.precision.policy)
+  policy = policies.parse_policy(config.precision.policy)
   name = lambda d: jnp.dtype(d).name
   text = (f'params={name(policy.param_dtype)},compute={dtype},'
           f'output={name(policy.output_dtype)}')
-  precision.parse_policy(text, setting=f'sweep dtype {dtype!r}')
+  policies.parse_policy(text, setting=f'sweep dtype {dtype!r}')
   config = copy.deepcopy(config)
   config.precision.policy = text
   if dtype == 'float16' and config.loss_scale.kind == 'none':

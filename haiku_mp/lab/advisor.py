@@ -1,0 +1,442 @@
+"""Experiment `advise`: which precision each module can run in, and which
+float16 loss scale, measured on the config's model and a few real batches.
+
+1. Statistics: the config's model computing in float32 (its params' dtype,
+   optimizer and loss scale kept, so a run's checkpoint restores into it)
+   takes `batches` training steps from its params (a checkpoint, or init
+   after `advisor.init_steps` steps: a zero-initialized head passes almost
+   no gradient back at first, which says nothing about a run); before each,
+   one extra jitted forward and backward (`probes`) measures every module's
+   output, the gradient flowing into it and its params' gradients
+   (`numerics`), the float16 shares at the step's loss scale.
+2. Verdicts per module and format, the float16 loss-scale window, and the
+   config to paste (`advice`).
+3. `--level=knockout`: one module at a time in the half format (a path
+   override on the float32 model), its loss and logits against float32's
+   on the same batches, ranked.
+4. Cost: the statistics pass against the config's own train step, timed on
+   the same batch in this process.
+"""
+
+import contextlib
+import copy
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Collection, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from haiku_mp.lab import verdicts
+from haiku_mp.train import checkpoint as checkpoint_lib
+from haiku_mp.lab import timing
+from haiku_mp import errors
+from haiku_mp.train import experiment
+from haiku_mp.data import pipeline
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.lab import numerics
+from haiku_mp.model import policies
+from haiku_mp.lab import probes
+from haiku_mp.train import step as step_lib
+from haiku_mp.lab import matmul
+from haiku_mp.lab import step_benchmark
+from haiku_mp.lab import sweep
+
+LEVELS = ('stats', 'knockout')
+HALF_DTYPES = ('float16', 'bfloat16')
+
+
+def _flat(value, prefix: str = '') -> dict[str, Any]:
+  """{'model': {'embed_dim': 16}} -> {'model.embed_dim': 16}."""
+  if not isinstance(value, dict):
+    return {prefix: value}
+  flat = {}
+  for key, item in value.items():
+    flat.update(_flat(item, f'{prefix}.{key}' if prefix else key))
+  return flat
+
+
+def with_run_config(config: ml_collections.ConfigDict, workdir: str,
+                    given: Collection[str] = (),
+                    log: Callable[[str], None] = print
+                    ) -> ml_collections.ConfigDict:
+  """`config` with every field of the run in `workdir` (its config.json, as
+  launch.train wrote it: model, data, batch size, precision, loss scale,
+  optimizer; what restores its checkpoint and draws its batches), except the
+  dotted fields in `given` (set on the command line, they win). A workdir
+  without config.json leaves `config` as it is, and says so."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+    return config  # Not a run: `run` says so before anything is done.
+  if not os.path.exists(path):
+    log(f'advise: no {path}; the config is --config\'s')
+    return config
+  try:
+    with open(path) as f:
+      saved = _flat(json.load(f))
+  except (OSError, ValueError) as e:
+    raise errors.ConfigError(f'--checkpoint={workdir}: {path} cannot be read '
+                             f'({e})') from None
+  config = copy.deepcopy(config)
+  for key, value in saved.items():
+    *parents, name = key.split('.')
+    holder = config
+    for part in parents:
+      holder = holder.get(part) if holder is not None else None
+    if key in given or holder is None or name not in holder:
+      continue  # Set on the command line, or a field no longer in configs.
+    holder[name] = tuple(value) if isinstance(holder[name], tuple) else value
+  log(f'advise: the config of {path}; from the command line: '
+      + (', '.join(f'--config.{k}' for k in sorted(given)) or 'nothing'))
+  return config
+
+
+def reference_config(config: ml_collections.ConfigDict
+                     ) -> ml_collections.ConfigDict:
+  """`config` computing in float32 everywhere, on one device: its params'
+  dtype, optimizer and loss scale kept (its checkpoints restore), overrides
+  dropped, matmuls at full float32 precision, nothing rematerialized, no
+  DP-SGD."""
+  config = _one_device(sweep.in_compute_dtype(config, 'float32'))
+  config.precision.overrides = ''
+  config.precision.float32_layer_norm = True
+  config.precision.residual_stream = 'compute'
+  config.precision.matmul_precision = 'highest'
+  config.remat = 'none'
+  return config
+
+
+def _one_device(config: ml_collections.ConfigDict
+                ) -> ml_collections.ConfigDict:
+  """A copy of `config` on one device, without DP-SGD."""
+  config = copy.deepcopy(config)
+  config.privacy.enabled = False
+  config.parallel.strategy = 'single'
+  config.parallel.mesh_shape = (1, 1)
+  return config
+
+
+def compute_dtype(config: ml_collections.ConfigDict) -> str:
+  return jnp.dtype(policies.parse_policy(
+      config.precision.policy).compute_dtype).name
+
+
+def _check(num_batches: int, level: str, steps: int, checkpoint: str,
+           init_steps: int) -> None:
+  if init_steps < 0:
+    raise errors.ConfigError(f'advisor.init_steps={init_steps} must be >= 0')
+  if checkpoint and not os.path.isdir(os.path.join(checkpoint, 'checkpoints')):
+    raise errors.ConfigError(
+        f'--checkpoint={checkpoint}: no checkpoints directory in it (a '
+        'workdir of launch.train holds one)')
+  if num_batches < 1:
+    raise errors.ConfigError(f'--batches={num_batches} must be at least 1')
+  if level not in LEVELS:
+    raise errors.ConfigError(f'--level={level!r}: expected one of {LEVELS}')
+  if steps < 1:
+    raise errors.ConfigError(f'--steps={steps} must be at least 1')
+
+
+def initial_state(exp: experiment.Experiment, checkpoint: str,
+                  checkpoint_step: int):
+  """(state, step, where from): init, or a run's checkpoint (the newest, or
+  the newest at or before `checkpoint_step`). Reads and never writes the
+  run's directory."""
+  if not checkpoint:
+    return exp.init_state(), 0, 'init'
+  with contextlib.closing(checkpoint_lib.Checkpointer(checkpoint, 1)) as ckpt:
+    restored = ckpt.restore_latest(
+        exp.abstract_state,
+        max_step=None if checkpoint_step < 0 else checkpoint_step)
+  if restored is None:
+    raise errors.ConfigError(
+        f'--checkpoint={checkpoint}: no checkpoint'
+        + (f' at or before step {checkpoint_step}' if checkpoint_step >= 0
+           else ''))
+  step, state = restored
+  return state, step, f'checkpoint {checkpoint} step {step}'
+
+
+def training_batches(config: ml_collections.ConfigDict, count: int,
+                     start_step: int) -> list[dict[str, np.ndarray]]:
+  """The uint8 train batches of steps `start_step` on, as the run draws them."""
+  splits = pipeline.load(config)
+  batches = pipeline.train_batches(config, splits.train,
+                                         pipeline.Shard(), start_step)
+  return [next(batches) for _ in range(count)]
+
+
+def _train(exp: experiment.Experiment, state, batches,
+           log: Callable[[str], None]):
+  """`state` after the float32 train steps of `batches`."""
+  start = time.perf_counter()
+  for i, batch in enumerate(batches):
+    state, metrics = exp.strategy.train_step(state,
+                                             exp.strategy.place_batch(batch))
+    if (i + 1) % max(1, len(batches) // 4) == 0 or i + 1 == len(batches):
+      log(f'advise: float32 step {i + 1}/{len(batches)} from init, loss '
+          f'{float(metrics["loss"]):.4f} ({time.perf_counter() - start:.0f} s)')
+  return state
+
+
+def _model_inputs(exp: experiment.Experiment, batches, seed: int):
+  """Each batch augmented and normalized as the train step does, keyed per
+  batch from `seed`."""
+  inputs = jax.jit(exp.train_inputs)
+  key = jax.random.key(seed)
+  return [inputs(jax.random.fold_in(key, i), batch)
+          for i, batch in enumerate(batches)]
+
+
+def _modules(exp: experiment.Experiment) -> dict[str, str]:
+  """Each module path called (in call order) -> its class name."""
+  return {c.path: c.class_name for c in exp.module_calls
+          if c.method == '__call__'}
+
+
+def _accumulate(totals: dict, key, stats) -> None:
+  stats = np.asarray(stats, np.float64)
+  totals[key] = stats if key not in totals else numerics.merge(totals[key],
+                                                               stats)
+
+
+def measure(exp: experiment.Experiment, state, inputs,
+            log: Callable[[str], None],
+            loss_fn: Optional[probes.LossFn] = None):
+  """Statistics over `inputs`, a train step between batches.
+
+  Returns (modules, loss scales seen, the statistics function, the state
+  after the steps; `state` itself is donated to them). `loss_fn`
+  (default: the experiment's) is what is differentiated; a test plants
+  faults through it.
+  """
+  classes = _modules(exp)
+  stats = probes.statistics_fn(loss_fn or exp.loss_fn, classes)
+  outputs, gradients, params = {}, {}, {}
+  scales = []
+  key = jax.random.key(exp.config.seed + 1)
+  for i, batch in enumerate(inputs):
+    start = time.perf_counter()
+    scales.append(float(state.loss_scale.scale))
+    modules, param_stats = stats.fn(state.params, jax.random.fold_in(key, i),
+                                    batch, scales[-1])
+    for path, vector in jax.tree.map(np.asarray, modules).items():
+      _accumulate(outputs, path, vector[:numerics.SIZE])
+      _accumulate(gradients, path, vector[numerics.SIZE:])
+    for module, names in param_stats.items():
+      for name, vector in names.items():
+        _accumulate(params, (module, name), vector)
+    if i + 1 < len(inputs):
+      state, _ = exp.strategy.train_step(state, exp.strategy.place_batch(batch))
+    log(f'advise: batch {i + 1}/{len(inputs)} measured (loss scale '
+        f'{scales[-1]:g}, {time.perf_counter() - start:.1f} s)')
+  modules = []
+  for path in classes:
+    source = stats.aliases.get(path, path)
+    modules.append(verdicts.Module(
+        path, classes[path], outputs[source], gradients[source],
+        {name: v for (module, name), v in params.items() if module == path},
+        same_as=stats.aliases.get(path)))
+  _mark_equal_containers(modules)
+  return modules, scales, stats, state
+
+
+def _same_values(a: verdicts.Module, b: verdicts.Module) -> bool:
+  """Whether two modules saw the same values: equal counts, histograms and
+  largest magnitudes, sums equal to float32 rounding."""
+  for x, y in ((a.output, b.output), (a.gradient, b.gradient)):
+    if not (np.array_equal(numerics.histogram_of(x), numerics.histogram_of(y))
+            and np.allclose(x, y, rtol=1e-5, atol=0)):
+      return False
+  return True
+
+
+def _mark_equal_containers(modules: list[verdicts.Module]) -> None:
+  """A container whose values are a descendant's (a reshape of them, say)
+  is `same_as` that descendant."""
+  for m in modules:
+    if m.same_as is not None:
+      continue
+    for d in modules:
+      if (d is not m and d.same_as is None and d.path.startswith(m.path + '/')
+          and _same_values(m, d)):
+        m.same_as = d.path
+        break
+
+
+def _stats_json(stats: np.ndarray) -> dict[str, Any]:
+  named = numerics.as_dict(stats)
+  return {k: named[k] for k in (
+      'count', 'nonzero', 'zeros', 'nonfinite', 'amax', 'f16_flush_share',
+      'f16_subnormal_share', 'f16_overflow_share', 'f16_relative_error',
+      'bf16_relative_error', 'histogram')}
+
+
+def _scale_json(window) -> dict[str, Any]:
+  lo, hi = window
+  return dict(exponents=[lo, hi],
+              scales=[None if lo is None else 2.0**lo,
+                      None if hi is None else 2.0**hi])
+
+
+def _inherits(exp: experiment.Experiment) -> dict[str, bool]:
+  """Whether each module call has no precision rule of its own (it inherits
+  its caller's policy) in the config."""
+  return {c.path: exp.precision.rule_for(c.class_name, c.path) is None
+          for c in exp.module_calls}
+
+
+def _suggestion(config, exp, modules, judged: verdicts.Advice, fmt: str
+                ) -> dict[str, Any]:
+  """The config for half format `fmt` that follows from the verdicts."""
+  half = verdicts.policy(config.precision.policy, fmt, fmt)
+  policy = verdicts.policy(config.precision.policy, fmt, 'float32')
+  overrides = verdicts.overrides(modules, judged, fmt, _inherits(exp), half)
+  flags = [f'--config.precision.policy={policy}',
+           f"--config.precision.overrides='{overrides}'"]
+  lo, hi = judged.scale_window
+  loss_scale = dict(kind='none')
+  if fmt == 'float16':
+    loss_scale = dict(kind='dynamic')
+    if hi is not None:
+      loss_scale['initial'] = 2.0**hi
+    if lo is not None:
+      loss_scale['minimum'] = 2.0**lo
+  flags += [f'--config.loss_scale.{k}={v:g}' if isinstance(v, float) else
+            f'--config.loss_scale.{k}={v}' for k, v in loss_scale.items()]
+  kept = [p for p, v in judged.verdicts.items() if getattr(v, fmt) ==
+          verdicts.KEEP]
+  return dict(policy=policy, overrides=overrides, loss_scale=loss_scale,
+              keep_f32=kept, flags=flags)
+
+
+def knockout(config: ml_collections.ConfigDict, params, inputs,
+             paths: list[str], dtypes: list[str], log: Callable[[str], None]
+             ) -> dict[str, list[dict[str, Any]]]:
+  """Per dtype, each module alone in it (a path override on the float32
+  model): its eval loss and logits against the float32 model's, over
+  `inputs`, most sensitive first."""
+
+  def logits_and_loss(variant):
+    precision = forward_lib.make_precision(variant)
+    step = jax.jit(step_lib.make_eval_step(
+        forward_lib.make_forward(variant.model, precision)))
+    outs = [step(params, batch) for batch in inputs]
+    return (np.concatenate([np.asarray(o['logits'], np.float64) for o in outs]),
+            float(np.mean([float(o['loss']) for o in outs])))
+
+  ref_logits, ref_loss = logits_and_loss(config)
+  norm = np.linalg.norm(ref_logits)
+  ranked = {}
+  for dtype in dtypes:
+    half = verdicts.policy(config.precision.policy, dtype, dtype)
+    rows = []
+    for i, path in enumerate(paths):
+      variant = copy.deepcopy(config)
+      variant.precision.overrides = f'{path}:{half}'
+      logits, loss = logits_and_loss(variant)
+      finite = bool(np.all(np.isfinite(logits)))
+      error = (float(np.linalg.norm(logits - ref_logits) / norm)
+               if finite and norm else math.inf)
+      rows.append(dict(path=path, loss=loss, loss_change=loss - ref_loss,
+                       logits_relative_error=error, finite=finite))
+      log(f'advise: knockout {dtype} {i + 1}/{len(paths)} {path}: logits '
+          f'error {error:.3g}')
+    ranked[dtype] = sorted(rows, key=lambda r: -r['logits_relative_error'])
+  return ranked
+
+
+def _time(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())  # Compiles, or warms up.
+  return matmul.median_seconds(fn, (), repeats)
+
+
+def cost(config: ml_collections.ConfigDict, stats: probes.StatisticsFn,
+         state, batch, repeats: int) -> dict[str, Any]:
+  """The statistics pass against the config's own train step (its
+  precision, one device), on the same batch, in this process."""
+  config = _one_device(config)
+  step = timing.compile_experiment(
+      experiment.build_without_data(config))
+  step_state = step.experiment.strategy.init_state()
+  placed = step.experiment.strategy.place_batch(batch)
+
+  def train():
+    nonlocal step_state
+    step_state, metrics = step.compiled(step_state, placed)
+    return metrics['loss']
+
+  key = jax.random.key(0)
+  stats_sec = _time(lambda: stats.fn(state.params, key, batch,
+                                     state.loss_scale.scale), repeats)
+  train_sec = _time(train, repeats)
+  return dict(statistics_pass_sec=stats_sec, train_step_sec=train_sec,
+              ratio=stats_sec / train_sec, batch_size=config.batch_size,
+              train_step_policy=config.precision.policy)
+
+
+def run(config: ml_collections.ConfigDict, checkpoint: str = '',
+        checkpoint_step: int = -1, num_batches: int = 8,
+        level: str = 'stats', repeats: int = 3,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+  """The advisor's result as a JSON-ready dict (`advisor_files.write` makes
+  the files)."""
+  _check(num_batches, level, repeats, checkpoint, config.advisor.init_steps)
+  thresholds = verdicts.Thresholds.from_config(config.advisor)
+  target = compute_dtype(config)
+  formats = [target] if target in HALF_DTYPES else list(HALF_DTYPES)
+  reference = reference_config(config)
+  exp = experiment.build(reference)
+  state, step, source = initial_state(exp, checkpoint, checkpoint_step)
+  init_steps = 0 if checkpoint else config.advisor.init_steps
+  start = time.perf_counter()
+  batches = training_batches(reference, init_steps + num_batches, step)
+  log(f'advise: {init_steps + num_batches} batches of {config.batch_size} '
+      f'from step {step} ({time.perf_counter() - start:.1f} s to load)')
+  if init_steps:
+    state = _train(exp, state, batches[:init_steps], log)
+    source += f' + {init_steps} float32 steps'
+  inputs = _model_inputs(exp, batches[init_steps:], reference.seed)
+  modules, scales, stats, state = measure(exp, state, inputs, log)
+  judged = verdicts.judge(modules, thresholds)
+  rows = []
+  for m in modules:
+    verdict = judged.verdicts.get(m.path) or judged.verdicts[m.same_as]
+    rows.append(dict(
+        path=m.path, class_name=m.class_name, same_as=m.same_as,
+        verdicts=dict(bfloat16=verdict.bfloat16, float16=verdict.float16),
+        reasons=verdict.reasons if m.path in judged.verdicts else {},
+        window=_scale_json(verdict.window),
+        output=_stats_json(m.output), gradient=_stats_json(m.gradient),
+        param_gradients={n: _stats_json(s)
+                         for n, s in sorted(m.param_gradients.items())}))
+  result = dict(
+      config=dict(policy=config.precision.policy,
+                  overrides=config.precision.overrides,
+                  compute_dtype=target,
+                  loss_scale=dict(config.loss_scale),
+                  model=dict(config.model),
+                  batch_size=config.batch_size,
+                  data={k: config.data[k] for k in (
+                      'source', 'arrays_path', 'data_dir', 'train_split')}),
+      params_from=source, start_step=step, batches=num_batches,
+      loss_scales_seen=scales, thresholds=dict(config.advisor),
+      exponents=[int(e) for e in numerics.EXPONENTS],
+      float16_window=_scale_json(judged.scale_window),
+      suggestions={fmt: _suggestion(config, exp, modules, judged, fmt)
+                   for fmt in HALF_DTYPES},
+      target=target, modules=rows,
+      device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
+      cpu=step_benchmark.cpu_info())
+  if level == 'knockout':
+    paths = [m.path for m in modules if m.same_as is None]
+    result['knockout'] = knockout(reference, state.params, inputs, paths,
+                                  formats, log)
+  result['cost'] = cost(config, stats, state, inputs[0], repeats)
+  log(f'advise: statistics pass {result["cost"]["statistics_pass_sec"]:.3f} s '
+      f'= {result["cost"]["ratio"]:.2f}x the train step')
+  return result

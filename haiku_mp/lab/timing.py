@@ -1,0 +1,139 @@
+"""What a compiled train step costs: compile time, memory analysis, step time.
+
+Works on abstract inputs (`jax.ShapeDtypeStruct` with shardings), so measuring
+the reference model needs no real batch and allocates nothing but the step.
+"""
+
+import dataclasses
+import hashlib
+import math
+import resource
+import time
+from typing import Any, Optional
+
+import jax
+import ml_collections
+import numpy as np
+
+from haiku_mp.train import experiment
+from haiku_mp.train import metrics as metrics_lib
+
+_MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes',
+                  'temp_size_in_bytes', 'generated_code_size_in_bytes',
+                  'alias_size_in_bytes')
+
+
+def _per_device_bytes(tree, shardings) -> int:
+  """Bytes one device holds of `tree` laid out by `shardings`."""
+  leaves = jax.tree.leaves(tree)
+  shards = jax.tree.leaves(shardings) if shardings is not None else [None] * len(
+      leaves)
+  total = 0
+  for leaf, sharding in zip(leaves, shards):
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else (
+        leaf.shape)
+    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def fingerprint(text: Optional[str]) -> Optional[str]:
+  return text and hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+  """The reference train step compiled for one config and layout."""
+  experiment: experiment.Experiment
+  compiled: Any  # Called as compiled(state, batch), donating the state.
+  stats: dict[str, Any]  # compile_sec, memory analysis, per-device bytes.
+
+
+def lower_train_step(exp: experiment.Experiment):
+  """The train step lowered on abstract inputs (cheap: no XLA compilation)."""
+  return exp.strategy.train_step.lower(*exp.abstract_inputs())
+
+
+def compile_train_step(config: ml_collections.ConfigDict) -> CompiledStep:
+  """Compiles the train step on abstract inputs and reads its memory analysis."""
+  return compile_experiment(experiment.build_without_data(config))
+
+
+def compile_experiment(exp: experiment.Experiment,
+                       lowered: Any = None) -> CompiledStep:
+  """`compile_train_step` of a built experiment, from its `lowered` step if
+  the caller already has it (`compile_sec` then excludes the lowering)."""
+  config, mesh = exp.config, exp.mesh
+  start = time.perf_counter()
+  lowered = lowered or lower_train_step(exp)
+  compiled = lowered.compile()
+  compile_seconds = time.perf_counter() - start
+  analysis = compiled.memory_analysis()
+  memory = {f: int(getattr(analysis, f, 0) or 0) for f in _MEMORY_FIELDS}
+  # What the step needs at once: donated outputs reuse their arguments' bytes.
+  memory['compiled_total_bytes'] = (
+      memory['argument_size_in_bytes'] + memory['output_size_in_bytes'] -
+      memory['alias_size_in_bytes'] + memory['temp_size_in_bytes'])
+  abstract_state = exp.abstract_state
+  shardings = exp.strategy.state_shardings
+  per_device = dict(
+      params_bytes=_per_device_bytes(
+          abstract_state.params, shardings and shardings.params),
+      opt_state_bytes=_per_device_bytes(
+          abstract_state.opt_state, shardings and shardings.opt_state))
+  stats = dict(strategy=exp.strategy.name,
+               mesh_shape=mesh and list(mesh.devices.shape),
+               batch_size=config.batch_size,
+               policy=config.precision.policy,
+               compile_sec=compile_seconds, **memory, **per_device,
+               # Equal fingerprints: the same program (as lowered for XLA).
+               program_sha256=fingerprint(lowered.as_text()))
+  return CompiledStep(exp, compiled, stats)
+
+
+def compiled_step_stats(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Compile time and per-device memory analysis of the train step."""
+  return compile_train_step(config).stats
+
+
+def random_inputs(exp: experiment.Experiment):
+  """The initial state and a fixed random batch, placed for the strategy."""
+  return exp.strategy.init_state(), exp.strategy.place_batch(
+      exp.example_batch(exp.config.seed))
+
+
+def time_steps(step: CompiledStep, num_steps: int, warmup_steps: int = 1
+               ) -> dict[str, Any]:
+  """Median wall time of `num_steps` train steps on a fixed random batch.
+
+  Each step is waited for (its loss read back), so a time is one whole step;
+  the first `warmup_steps` are not counted.
+  """
+  config = step.experiment.config
+  state, batch = random_inputs(step.experiment)
+  times = []
+  for i in range(warmup_steps + num_steps):
+    if i == warmup_steps:
+      system_start = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+    start = time.perf_counter()
+    state, step_metrics = step.compiled(state, batch)
+    jax.block_until_ready(step_metrics['loss'])
+    if i >= warmup_steps:
+      times.append(time.perf_counter() - start)
+  system = resource.getrusage(resource.RUSAGE_SELF).ru_stime - system_start
+  median = float(np.median(times))
+  return dict(step_times_sec=times, median_step_sec=median,
+              images_per_sec=config.batch_size / median,
+              # The kernel's share (all threads): mapping memory, waking
+              # threads; on XLA:CPU a large part of a big step.
+              sys_cpu_sec_per_step=system / num_steps,
+              device_peak_bytes=metrics_lib.peak_memory_bytes())
+
+
+def dispatch_round(step, state, feed, steps: int):
+  """(state, seconds per step) of `steps` compiled steps on `next(feed)`'s
+  batches, dispatched as the trainer does and waited for once at the end."""
+  start = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = step(state, next(feed))
+  jax.block_until_ready(metrics['loss'])
+  return state, (time.perf_counter() - start) / steps

@@ -1,0 +1,88 @@
+"""The model as pure functions: a ViT forward pass under a precision policy."""
+
+from typing import Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from haiku_mp.model import policies
+from haiku_mp.model import remat as remat_lib
+from haiku_mp.model import vit
+
+MODEL_FIELDS = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
+                'mlp_dim', 'num_heads', 'num_layers', 'dropout_rate',
+                'drop_path_rate', 'layer_norm_epsilon')
+
+
+def make_precision(config: ml_collections.ConfigDict) -> policies.Precision:
+  """The `Precision` that `config.precision` describes for the ViT."""
+  return policies.make_precision(
+      config.precision.policy, config.precision.overrides,
+      model_class=vit.MODEL_CLASS,
+      float32_layer_norm=config.precision.float32_layer_norm,
+      matmul_precision=config.precision.matmul_precision,
+      residual_stream=config.precision.residual_stream,
+      dot_form=config.precision.dot_form)
+
+
+def make_forward(model_config: ml_collections.ConfigDict,
+                 precision: policies.Precision,
+                 observer: Optional[policies.Observer] = None,
+                 remat: str = 'none') -> hk.Transformed:
+  """`forward(images, is_training) -> logits` transformed, with `precision`
+  applied and `remat` (`remat.CHOICES`) per encoder block."""
+  remat_lib.check(remat)
+  kwargs = {k: model_config[k] for k in MODEL_FIELDS}
+  kwargs['float32_residual'] = precision.float32_residual
+  kwargs['dots'] = precision.dots
+  kwargs['remat'] = remat
+
+  def forward(images: jax.Array, is_training: bool) -> jax.Array:
+    with policies.apply(precision, observer):
+      return vit.VisionTransformer(**kwargs)(images, is_training)
+
+  return hk.transform(forward)
+
+
+def dummy_images(model_config: ml_collections.ConfigDict,
+                 batch_size: int = 1) -> jax.Array:
+  size = model_config.image_size
+  return jnp.zeros((batch_size, size, size, 3), jnp.float32)
+
+
+def trace_modules(model_config: ml_collections.ConfigDict,
+                  precision: policies.Precision,
+                  batch_size: int = 1
+                  ) -> tuple[list[policies.ModuleCall], hk.Params]:
+  """Every module call of one forward pass and the params' shapes and dtypes.
+
+  Traced abstractly with `jax.eval_shape`: no FLOPs, no memory for params.
+  """
+  calls = []
+  forward = make_forward(model_config, precision, calls.append)
+  images = dummy_images(model_config, batch_size)
+  params = jax.eval_shape(
+      lambda: forward.init(jax.random.key(0), images, True))
+  return calls, params
+
+
+def checked_precision(config: ml_collections.ConfigDict
+                      ) -> tuple[policies.Precision,
+                                 list[policies.ModuleCall]]:
+  """`config`'s Precision, every override checked against the module calls
+  of one (abstract) forward pass, and those calls."""
+  precision = make_precision(config)
+  calls, _ = trace_modules(config.model, precision)
+  precision.check_overrides({(c.class_name, c.path) for c in calls})
+  return precision, calls
+
+
+def build(config: ml_collections.ConfigDict
+          ) -> tuple[hk.Transformed, policies.Precision]:
+  """The forward function for `config` (the model alone; a whole run is
+  `experiment.build`)."""
+  precision, _ = checked_precision(config)
+  return (make_forward(config.model, precision, remat=config.remat),
+          precision)

@@ -1,0 +1,259 @@
+"""Matmuls that really run in half precision: half operands, float32 sums.
+
+`jnp.dot(bf16, bf16)` asks XLA for a bf16 result. XLA:CPU runs that as
+convert -> float32 dot -> convert, and JAX's transpose of a dot with a float32
+result hands the backward pass mixed float32 x half dots, which fall back to
+float32 too. Written as `dot_general(half, half, preferred_element_type=f32)`
+the same product goes to the backend's half-precision kernel (the CPU's bf16
+instructions, a GPU's tensor cores) and accumulates in float32, rounded once to
+the result dtype: the standard mixed-precision numerics on every backend.
+
+`einsum` is that dot with a custom VJP whose two backward dots take the
+cotangent in the operands' dtype and are written the same way. `Linear` and
+`Conv2D` are Haiku's modules (same class names, param names, shapes and
+initializers, so checkpoints, sharding rules and overrides keep working) whose
+matmul is `einsum`, with the bias added to the float32 sums before the one
+rounding, and whose output is tagged for `remat`'s ``dots``; `Conv2D` does so
+for the patch embedding's stride = kernel convolution, a matmul over patches.
+Float32 operands take Haiku's and JAX's own path, so a float32 policy's
+program is what it was.
+
+Which form a half dtype gets is decided in one place, `form_for`:
+
+- ``native``: half x half -> float32, rounded once to the result dtype;
+- ``upcast``: both operands converted to float32 first (what XLA does itself
+  for a dtype the backend has no kernel for), rounded once;
+- ``plain``: Haiku's and JAX's own ops, half x half -> half.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from haiku_mp import errors
+from haiku_mp.model import remat
+
+FORMS = ('auto', 'native', 'upcast', 'plain')
+# The measured fastest form per (backend, half dtype) for `auto`: see
+# BENCHMARKS.md "Dot forms" for the numbers behind each entry.
+_AUTO = {('cpu', 'bfloat16'): 'native', ('cpu', 'float16'): 'upcast'}
+_DEFAULT_AUTO = 'native'  # GPUs: half operands, float32 accumulation.
+# Backends whose half-precision matmul kernel takes a weight gradient only
+# with its first operand transposed in memory (see `_einsum_bwd`): XLA:CPU's.
+_TRANSPOSE_FOR_KERNEL = ('cpu',)
+
+
+def check_form(form: str) -> str:
+  if form not in FORMS:
+    raise errors.ConfigError(
+        f'precision.dot_form: unknown value {form!r}; expected one of {FORMS}')
+  return form
+
+
+def form_for(form: str, dtype, platform: str, batched: bool = False) -> str:
+  """The form a dot with `dtype` operands runs in on `platform`; `batched`:
+  the dot has batch dimensions (attention's einsums)."""
+  if jnp.finfo(dtype).bits >= 32:
+    return 'plain'  # Float32 (and float64) operands: JAX's own dot.
+  if form == 'auto':
+    form = _AUTO.get((platform, jnp.dtype(dtype).name), _DEFAULT_AUTO)
+  if form == 'native' and batched and platform == 'cpu':
+    # XLA:CPU (jaxlib 0.10) runs half x half -> float32 only in the dots it
+    # fuses into its matmul library; a batched one left outside fails at run
+    # time ("Unsupported element type for DotThunk: BF16 x BF16 = F32").
+    return 'upcast'
+  return form
+
+
+def _split_spec(spec: str) -> tuple[str, str, str]:
+  """'ab,bc->ac' -> ('ab', 'bc', 'ac')."""
+  lhs, out = spec.split('->')
+  a, b = lhs.split(',')
+  return a, b, out
+
+
+def _is_batched(spec: str) -> bool:
+  a, b, out = _split_spec(spec)
+  return bool(set(a) & set(b) & set(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class Dots:
+  """How a model's matmuls run: the form for half operands and the
+  `jax.default_matmul_precision` name in force (None: JAX's default), which
+  the backward pass, traced later and outside it, must use as well."""
+  form: str = 'auto'
+  matmul_precision: Optional[str] = None
+
+  def einsum(self, spec: str, a: jax.Array, b: jax.Array,
+             out_dtype=None) -> jax.Array:
+    """`jnp.einsum(spec, a, b)` accumulated in float32 (at least), returned in
+    `out_dtype` (default: the operands' dtype)."""
+    dtype = jnp.result_type(a, b)
+    form = form_for(self.form, dtype, jax.default_backend(), _is_batched(spec))
+    if form == 'plain':
+      if out_dtype is None:
+        return jnp.einsum(spec, a, b)
+      # A result dtype asked for (attention's float32 logits): accumulated
+      # in it, the backward dots back in the operands' dtype.
+      form = 'native'
+    return _einsum(spec, form, self.matmul_precision,
+                   jnp.dtype(out_dtype or dtype), a, b)
+
+
+def _dot(spec, form, out_dtype, a, b):
+  accumulate = jnp.promote_types(out_dtype, jnp.float32)
+  if form == 'upcast':
+    a, b = a.astype(accumulate), b.astype(accumulate)
+  out = jnp.einsum(spec, a, b, preferred_element_type=accumulate)
+  return out.astype(out_dtype)
+
+
+def _precision(name):
+  return (jax.default_matmul_precision(name) if name
+          else contextlib.nullcontext())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _einsum(spec, form, matmul_precision, out_dtype, a, b):
+  with _precision(matmul_precision):
+    return _dot(spec, form, out_dtype, a, b)
+
+
+def _einsum_fwd(spec, form, matmul_precision, out_dtype, a, b):
+  return _einsum(spec, form, matmul_precision, out_dtype, a, b), (a, b)
+
+
+def _einsum_bwd(spec, form, matmul_precision, out_dtype, residuals, g):
+  """Both operands' cotangents as dots of the cotangent (in the operands'
+  dtype) with the other operand: for ``A,B->C``, ``C,B->A`` and ``C,A->B``
+  (every index of A is in B or C, as in any matmul)."""
+  del out_dtype
+  a, b = residuals
+  a_spec, b_spec, out = _split_spec(spec)
+  g = g.astype(a.dtype)
+  with _precision(matmul_precision):
+    da = _dot(f'{out},{b_spec}->{a_spec}', form, a.dtype, g, b)
+    if _weight_gradient_transposed(spec, form):
+      # A weight gradient `a.T @ g` contracts both operands' leading axis, a
+      # layout XLA:CPU's half-precision matmul kernel does not take (it
+      # converts such a dot to float32). The same dot with `a` transposed in
+      # memory first runs on the kernel: ~3x faster for an fc1 at batch 128.
+      m, k = a_spec
+      db = _dot(f'{k}{m},{out}->{b_spec}', form, b.dtype,
+                _transposed_in_memory(a), g)
+    else:
+      db = _dot(f'{out},{a_spec}->{b_spec}', form, b.dtype, g, a)
+  return da, db
+
+
+def _weight_gradient_transposed(spec: str, form: str) -> bool:
+  """Whether the backward pass of `spec` transposes its first operand in
+  memory for the weight gradient: a native 2-D matmul ``mk,kn->mn`` on a
+  backend whose half-precision kernel needs it (`_TRANSPOSE_FOR_KERNEL`)."""
+  a, b, out = _split_spec(spec)
+  is_matmul = (len(a) == len(b) == 2 and a[1] == b[0]
+               and out == a[0] + b[1])
+  return (form == 'native' and is_matmul
+          and jax.default_backend() in _TRANSPOSE_FOR_KERNEL)
+
+
+def _transposed_in_memory(a: jax.Array) -> jax.Array:
+  """`a.T` (2-D) as a row-major array. A plain transpose is a layout change
+  XLA folds into the dot; a transpose through a 3-D view of the leading axis
+  has to be materialized. Falls back to `a.T` when that axis cannot be split."""
+  rows, cols = a.shape
+  # A split near sqrt(rows) transposes ~2x faster on XLA:CPU than a split
+  # in two (BENCHMARKS.md).
+  split = max((d for d in range(2, math.isqrt(rows) + 1) if rows % d == 0),
+              default=None)
+  if split is None:
+    return a.T
+  return a.reshape(split, rows // split, cols).transpose(2, 0, 1).reshape(
+      cols, rows)
+
+
+_einsum.defvjp(_einsum_fwd, _einsum_bwd)
+
+
+class Linear(hk.Linear):
+  """`hk.Linear` whose matmul is `Dots.einsum` (half operands, float32 sums)."""
+
+  def __init__(self, output_size: int, dots: Dots = Dots(), **kwargs):
+    super().__init__(output_size, **kwargs)
+    self.dots = dots
+
+  def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
+    if form_for(self.dots.form, inputs.dtype, jax.default_backend()) == 'plain':
+      return remat.tag_matmul_output(
+          super().__call__(inputs, precision=precision))
+    input_size = inputs.shape[-1]
+    # The params exactly as hk.Linear creates them (name, shape, initializer).
+    w_init = self.w_init or hk.initializers.TruncatedNormal(
+        1.0 / np.sqrt(input_size))
+    w = hk.get_parameter('w', [input_size, self.output_size], inputs.dtype,
+                         init=w_init)
+    sums = self.dots.einsum('ni,io->no', inputs.reshape(-1, input_size), w,
+                            out_dtype=jnp.float32)
+    b = (hk.get_parameter('b', [self.output_size], inputs.dtype,
+                          init=self.b_init) if self.with_bias else None)
+    out = _biased_and_rounded(sums, b, inputs.dtype)
+    out = out.reshape(inputs.shape[:-1] + (self.output_size,))
+    return remat.tag_matmul_output(out)
+
+
+def _biased_and_rounded(sums: jax.Array, b: Optional[jax.Array],
+                        dtype) -> jax.Array:
+  """`sums + b` in float32, rounded once to `dtype`: a GPU matmul's bias
+  epilogue. Its gradient is a float32 sum of the float32 cotangent; a half
+  bias added after rounding has a half sum instead, which XLA:CPU runs as a
+  slow windowed tree reduction (fc1 at batch 128: 48 ms, BENCHMARKS.md)."""
+  if b is not None:
+    sums = sums + b.astype(sums.dtype)
+  return sums.astype(dtype)
+
+
+class Conv2D(hk.Conv2D):
+  """`hk.Conv2D`; as a patch embedding (stride = kernel, VALID, NHWC) its
+  convolution is a `Dots.einsum` over the image's patches."""
+
+  def __init__(self, output_channels: int, dots: Dots = Dots(), **kwargs):
+    super().__init__(output_channels, **kwargs)
+    self.dots = dots
+
+  def _is_patch_embedding(self) -> bool:
+    return (self.stride == self.kernel_shape and self.padding == 'VALID'
+            and self.data_format == 'NHWC' and self.feature_group_count == 1
+            and self.kernel_dilation == (1, 1) and self.mask is None)
+
+  def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
+    form = form_for(self.dots.form, inputs.dtype, jax.default_backend())
+    ph, pw = self.kernel_shape
+    if (form == 'plain' or not self._is_patch_embedding() or inputs.ndim != 4
+        or inputs.shape[1] % ph or inputs.shape[2] % pw):
+      return remat.tag_matmul_output(
+          super().__call__(inputs, precision=precision))
+    batch, height, width, channels = inputs.shape
+    w_shape = (ph, pw, channels, self.output_channels)
+    # The params exactly as hk.Conv2D creates them.
+    w_init = self.w_init or hk.initializers.TruncatedNormal(
+        1.0 / np.sqrt(ph * pw * channels))
+    w = hk.get_parameter('w', w_shape, inputs.dtype, init=w_init)
+    rows, cols = height // ph, width // pw
+    patches = inputs.reshape(batch, rows, ph, cols, pw, channels)
+    patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(-1, ph * pw * channels)
+    sums = self.dots.einsum('np,pd->nd', patches,
+                            w.reshape(ph * pw * channels, -1),
+                            out_dtype=jnp.float32)
+    b = (hk.get_parameter('b', (self.output_channels,), inputs.dtype,
+                          init=self.b_init) if self.with_bias else None)
+    out = _biased_and_rounded(sums, b, inputs.dtype)
+    out = out.reshape(batch, rows, cols, self.output_channels)
+    return remat.tag_matmul_output(out)

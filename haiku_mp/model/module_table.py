@@ -1,0 +1,116 @@
+"""A per-module table of a model: policy in force, params, input/output dtypes."""
+
+import collections
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from haiku_mp.train import experiment
+from haiku_mp.model import policies
+from haiku_mp.parallel import sharding
+
+_COLUMNS = (('path', 'path'), ('class', 'class'), ('policy', 'policy'),
+            ('rule', 'policy_source'), ('params', 'param_count'),
+            ('bytes', 'param_bytes'), ('param dtypes', 'param_dtypes'),
+            ('in', 'input_dtypes'), ('out', 'output_dtypes'))
+
+
+def _dtype_names(tree: Any) -> list[str]:
+  return [jnp.dtype(x.dtype).name for x in jax.tree.leaves(tree)
+          if hasattr(x, 'dtype')]
+
+
+def _source(rule: policies.Rule | None) -> str:
+  if rule is None:
+    return 'inherited'
+  return f'{rule.source} {rule.target}'
+
+
+def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
+  """One row per module, in call order, for the experiment's model.
+
+  Under the `pjit` strategy each parameter also shows how it is sharded
+  (PartitionSpec over the ('batch', 'model') mesh).
+  """
+  calls, params = exp.module_calls, exp.abstract_state.params
+  shardings = exp.strategy.state_shardings
+  specs = shardings and shardings.params
+  rows = {}
+  for call in calls:
+    if call.method != '__call__' or call.path in rows:
+      continue
+    own = params.get(call.path, {})
+    rows[call.path] = {
+        'path': call.path,
+        'class': call.class_name,
+        'policy': policies.policy_str(call.policy),
+        'policy_source': _source(call.rule),
+        'params': {name: dict(shape=list(p.shape), dtype=p.dtype.name,
+                              sharding=_spec(specs, call.path, name))
+                   for name, p in own.items()},
+        'param_dtypes': sorted({p.dtype.name for p in own.values()}),
+        'param_count': sum(math.prod(p.shape) for p in own.values()),
+        'param_bytes': sum(math.prod(p.shape) * p.dtype.itemsize
+                           for p in own.values()),
+        'input_dtypes': _dtype_names(call.args),
+        'output_dtypes': _dtype_names(call.output),
+    }
+  return sorted(rows.values(), key=lambda r: _preorder_key(r['path'], calls))
+
+
+def _preorder_key(path: str, calls: list[policies.ModuleCall]):
+  """Sorts a module before its children: calls are recorded as they finish."""
+  first = min(i for i, c in enumerate(calls)
+              if c.path == path or c.path.startswith(path + '/'))
+  return first, path.count('/')
+
+
+def _spec(specs, path: str, name: str) -> str:
+  if specs is None:
+    return 'replicated'
+  return sharding.describe(specs[path][name])
+
+
+def _sharding_cell(row: dict[str, Any]) -> str:
+  sharded = [f'{n}:{p["sharding"]}' for n, p in sorted(row['params'].items())
+             if p['sharding'] != 'replicated']
+  return ' '.join(sharded) or '-'
+
+
+def _cell(value: Any) -> str:
+  if isinstance(value, list):
+    return ','.join(sorted(set(value))) if value else '-'
+  return str(value)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+  """A plain-text table with a total line."""
+  header = [title for title, _ in _COLUMNS] + ['sharded']
+  body = [[_cell(row[key]) for _, key in _COLUMNS] + [_sharding_cell(row)]
+          for row in rows]
+  total_count = sum(r['param_count'] for r in rows)
+  total_bytes = sum(r['param_bytes'] for r in rows)
+  body.append(['total', '', '', '', str(total_count), str(total_bytes),
+               '', '', '', ''])
+  widths = [max(len(line[i]) for line in [header] + body)
+            for i in range(len(header))]
+  fmt = lambda line: '  '.join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+  rule = '  '.join('-' * w for w in widths)
+  return '\n'.join([fmt(header), rule] + [fmt(l) for l in body[:-1]] +
+                   [rule, fmt(body[-1])])
+
+
+
+def summary_line(rows: list[dict[str, Any]], overrides: str) -> str:
+  """The model in one line: modules, parameters, the policies in force (how
+  many modules each) and the overrides, for a console the table would fill."""
+  count = sum(r['param_count'] for r in rows)
+  megabytes = sum(r['param_bytes'] for r in rows) / 1e6
+  counts = collections.Counter(r['policy'] for r in rows)
+  in_force = '; '.join(f'{policy} ({n})' for policy, n in
+                       counts.most_common())
+  return (f'Model: {len(rows)} modules, {count:,} parameters '
+          f'({megabytes:.2f} MB); policies (modules): {in_force}; '
+          f'overrides: {overrides or "none"}')

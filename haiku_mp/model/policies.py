@@ -1,0 +1,273 @@
+"""Mixed-precision policies per Haiku module class and per module path.
+
+A `Precision` maps modules to jmp policies. Its rules are resolved for every
+module call, in this order:
+
+1. a path override: the first `precision.overrides` target that is an fnmatch
+   glob matching the module's full path (e.g. ``*/head``);
+2. a class override: a `precision.overrides` target equal to the module's class
+   name (e.g. ``Linear``, ``Attention``);
+3. a class default: the main policy on the model's class, and a float32 policy
+   on ``LayerNorm`` (statistics in float32, output cast back to the compute
+   dtype so that the next matmul runs in half precision);
+4. otherwise the module inherits the policy of the module that called it.
+
+The semantics are those of `hk.mixed_precision`: a module with a policy casts its
+floating inputs to the compute dtype and its outputs to the output dtype;
+parameters are created in the param dtype of the innermost policy in force and
+cast to its compute dtype when read. `hk.mixed_precision` keys policies on the
+exact class, keeps one thread-local policy stack, and its parameter getter runs
+outermost, so a per-instance policy cannot be layered on top of it (dm-haiku
+issue #680). haiku_mp therefore applies class and path rules in one method
+interceptor of its own, entered with `apply()` inside the transformed function:
+nothing leaks into other models or threads once the function returns.
+`policies_test.py` checks that, for class-only rules, the traced program is the
+one `hk.mixed_precision` produces.
+
+Every place a dtype is decided in a step:
+
+- this module's interceptor: params, module inputs and outputs (the policies);
+- `half_dot`: every matmul takes compute-dtype operands and sums in float32,
+  forward and backward, rounded once to the compute dtype (`precision.dot_form`
+  picks the form per backend);
+- `vit.Attention`: logits and softmax in float32 (at least), their backward
+  matmuls back in the operands' dtype;
+- `vit.EncoderBlock`: each branch cast to the residual stream's dtype before
+  the add; `vit.VisionTransformer`: cls token and position embedding cast to
+  the activations', the stream in float32 under `residual_stream=float32`;
+- `train_step`: the loss in float32 from whatever the logits are; gradients
+  cast to float32 (at least) before unscaling and the finite check;
+- `optimizer.float32_master`: a float32 master copy when params are half;
+- `loss_scaling`: the scale itself is always float32 (jmp #47).
+"""
+
+import contextlib
+import dataclasses
+import fnmatch
+from typing import Any, Callable, Mapping, Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import jmp
+
+from haiku_mp import errors
+from haiku_mp.model import half_dot
+
+LAYER_NORM_CLASS = 'LayerNorm'
+_GLOB_CHARS = frozenset('*?[')
+
+
+class PrecisionError(errors.ConfigError):
+  """A policy string or override that cannot be used; names the setting."""
+
+
+def parse_policy(text: str, setting: str = 'precision.policy') -> jmp.Policy:
+  """Parses a jmp policy string (``params=float32,compute=bfloat16,...``)."""
+  if not isinstance(text, str) or not text.strip():
+    raise PrecisionError(f'{setting}: empty policy string {text!r}')
+  try:
+    return jmp.get_policy(text.strip())
+  except (ValueError, KeyError) as e:
+    raise PrecisionError(
+        f'{setting}: invalid policy string {text!r} ({e}); expected e.g. '
+        "'params=float32,compute=bfloat16,output=float32' or 'p=f32,c=f16,o=f32'"
+    ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One policy rule: `target` is a class name or a glob over module paths."""
+  target: str
+  policy: jmp.Policy
+  source: str  # 'override' or 'default', shown by launch.tabulate.
+
+
+def parse_overrides(text: str) -> tuple[Rule, ...]:
+  """Parses ``'TARGET:POLICY;TARGET:POLICY'`` into override rules."""
+  rules = []
+  for item in (text or '').split(';'):
+    item = item.strip()
+    if not item:
+      continue
+    target, sep, policy_text = item.rpartition(':')
+    target = target.strip()
+    if not sep or not target:
+      raise PrecisionError(
+          f'precision.overrides: malformed entry {item!r}; expected '
+          "'TARGET:POLICY', e.g. '*/head:float32' or 'Attention:p=f32,c=f32,o=bf16'")
+    if any(r.target == target for r in rules):
+      raise PrecisionError(f'precision.overrides: target {target!r} given twice')
+    policy = parse_policy(policy_text, f'precision.overrides[{target!r}]')
+    rules.append(Rule(target, policy, 'override'))
+  return tuple(rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+  """Which jmp policy each module of a model runs under."""
+  policy: jmp.Policy
+  defaults: Mapping[str, Rule]
+  overrides: tuple[Rule, ...] = ()
+  # A `jax.default_matmul_precision` name for every matmul; None: JAX's default.
+  matmul_precision: Optional[str] = None
+  float32_residual: bool = False  # Residual stream in float32 (see vit.py).
+  dot_form: str = 'auto'  # How half matmuls run (see half_dot.py).
+
+  @property
+  def dots(self) -> half_dot.Dots:
+    return half_dot.Dots(self.dot_form, self.matmul_precision)
+
+  def rule_for(self, class_name: str, path: str) -> Optional[Rule]:
+    """The module's own rule, or None when it inherits its caller's policy."""
+    for rule in self.overrides:
+      if fnmatch.fnmatchcase(path, rule.target):
+        return rule
+    for rule in self.overrides:
+      if rule.target == class_name:
+        return rule
+    return self.defaults.get(class_name)
+
+  @property
+  def half_params(self) -> bool:
+    """Whether any rule stores params in a dtype narrower than float32."""
+    rules = (*self.defaults.values(), *self.overrides)
+    return any(jnp.finfo(r.policy.param_dtype).bits < 32 for r in rules)
+
+  def check_overrides(self, modules: set[tuple[str, str]]) -> None:
+    """Raises unless every override matched one of `(class, path)` modules."""
+    classes = sorted({c for c, _ in modules})
+    paths = sorted({p for _, p in modules})
+    for rule in self.overrides:
+      t = rule.target
+      if t in classes or any(fnmatch.fnmatchcase(p, t) for p in paths):
+        continue
+      hint = ''
+      if not _GLOB_CHARS & set(t):
+        hint = f" (to match a module path ending in it, write '*/{t}')"
+      raise PrecisionError(
+          f'precision.overrides: target {t!r} matches no module class or '
+          f'module path{hint}. Classes: {", ".join(classes)}. '
+          f'Paths start like: {", ".join(paths[:4])}, ...')
+
+
+RESIDUAL_STREAMS = ('compute', 'float32')
+
+
+def _check_matmul_precision(name: str) -> Optional[str]:
+  if not name:
+    return None
+  try:
+    with jax.default_matmul_precision(name):
+      pass
+  except ValueError:
+    raise PrecisionError(
+        f'precision.matmul_precision: unknown value {name!r}; expected one of '
+        "'default', 'high', 'highest', 'bfloat16', 'tensorfloat32', 'float32' "
+        "(or a jax dot algorithm name such as 'BF16_BF16_F32'), or '' for "
+        "JAX's default") from None
+  return name
+
+
+def make_precision(policy: str, overrides: str = '', *, model_class: str,
+                   float32_layer_norm: bool = True, matmul_precision: str = '',
+                   residual_stream: str = 'compute',
+                   dot_form: str = 'auto') -> Precision:
+  """Builds a `Precision` from config strings.
+
+  Args:
+    policy: the main jmp policy, applied to the model class `model_class`.
+    overrides: ``'TARGET:POLICY;...'`` class or path overrides.
+    model_class: the class name of the model's top module.
+    float32_layer_norm: keep LayerNorm in float32 (output in compute dtype).
+    matmul_precision: a `jax.default_matmul_precision` name, '' for the default.
+    residual_stream: 'compute' (the compute dtype) or 'float32'.
+    dot_form: how matmuls with half operands run (`half_dot.FORMS`).
+  """
+  main = parse_policy(policy)
+  if residual_stream not in RESIDUAL_STREAMS:
+    raise PrecisionError(
+        f'precision.residual_stream: unknown value {residual_stream!r}; '
+        f'expected one of {RESIDUAL_STREAMS}')
+  defaults = {model_class: Rule(model_class, main, 'default')}
+  if float32_layer_norm:
+    defaults[LAYER_NORM_CLASS] = Rule(
+        LAYER_NORM_CLASS,
+        jmp.Policy(param_dtype=jnp.float32, compute_dtype=jnp.float32,
+                   output_dtype=main.compute_dtype), 'default')
+  return Precision(main, defaults, parse_overrides(overrides),
+                   _check_matmul_precision(matmul_precision),
+                   residual_stream == 'float32', half_dot.check_form(dot_form))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleCall:
+  """What `apply` saw of one module method call (for tables and tests)."""
+  path: str
+  class_name: str
+  method: str
+  rule: Optional[Rule]
+  policy: Optional[jmp.Policy]  # the policy in force: own rule or inherited.
+  args: Any
+  output: Any
+
+
+Observer = Callable[[ModuleCall], None]
+
+
+@contextlib.contextmanager
+def apply(precision: Precision, observer: Optional[Observer] = None):
+  """Applies `precision` to the Haiku modules called inside the context.
+
+  Use inside a function passed to `hk.transform`. `observer`, if given, is
+  called once per module method call with the cast inputs and outputs.
+  """
+  stack: list[jmp.Policy] = []
+
+  def creator(next_creator, shape, dtype, init, context):
+    del context
+    if jnp.issubdtype(dtype, jnp.floating):
+      dtype = stack[-1].param_dtype
+    return next_creator(shape, dtype, init)
+
+  def getter(next_getter, value, context):
+    del context
+    return next_getter(stack[-1].cast_to_compute(value))
+
+  def interceptor(next_f, args, kwargs, context: hk.MethodContext):
+    if context.method_name == '__init__':  # The module has no path yet.
+      return next_f(*args, **kwargs)
+    module = context.module
+    class_name = type(module).__name__
+    rule = precision.rule_for(class_name, module.module_name)
+    with contextlib.ExitStack() as ctx:
+      if rule is not None:
+        if not stack:
+          ctx.enter_context(hk.custom_creator(creator))
+          ctx.enter_context(hk.custom_getter(getter, state=True))
+        stack.append(rule.policy)
+        ctx.callback(stack.pop)
+        args, kwargs = rule.policy.cast_to_compute((args, kwargs))
+      out = next_f(*args, **kwargs)
+      if rule is not None:
+        out = rule.policy.cast_to_output(out)
+      if observer is not None:
+        observer(ModuleCall(module.module_name, class_name,
+                            context.method_name, rule,
+                            stack[-1] if stack else None, (args, kwargs), out))
+      return out
+
+  with contextlib.ExitStack() as ctx:
+    if precision.matmul_precision is not None:
+      ctx.enter_context(jax.default_matmul_precision(precision.matmul_precision))
+    ctx.enter_context(hk.intercept_methods(interceptor))
+    yield
+
+
+def policy_str(policy: Optional[jmp.Policy]) -> str:
+  """A compact policy description, e.g. ``p=f32,c=bf16,o=f32``."""
+  if policy is None:
+    return 'none'
+  short = lambda d: jnp.dtype(d).name.replace('float', 'f')
+  return (f'p={short(policy.param_dtype)},c={short(policy.compute_dtype)},'
+          f'o={short(policy.output_dtype)}')

@@ -1,0 +1,293 @@
+"""Training strategies: `single` device, `pmap` data parallel, `pjit` mesh.
+
+Every strategy is a `Strategy` built the same way, `Cls(config, mesh, model)`,
+and answers the same questions: where the state lives, how a process-local
+host batch becomes device input, what the compiled steps are, what abstract
+inputs they take, how a replicated value is read back. Callers never branch on
+a strategy's name.
+"""
+
+import abc
+from typing import Any, Callable, NamedTuple, Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import ml_collections
+import numpy as np
+import optax
+
+from haiku_mp.data import augment
+from haiku_mp import errors
+from haiku_mp.train import loss_scaling
+from haiku_mp.parallel import sharding
+from haiku_mp.train import step as step_lib
+
+TrainState = step_lib.TrainState
+
+
+class Model(NamedTuple):
+  """What a strategy compiles: the model, its optimizer and loss scaling."""
+  forward: hk.Transformed
+  loss_fn: step_lib.LossFn
+  optimizer: optax.GradientTransformation
+  scaler: loss_scaling.LossScaler
+  # A no-argument function that builds the initial TrainState (jittable).
+  init_state: Callable[[], TrainState]
+  # Host batch -> model inputs, inside the compiled steps (augmentation).
+  train_inputs: step_lib.TrainInputs
+  eval_inputs: step_lib.EvalInputs
+  # The train step's gradients: ordinary, or DP-SGD's.
+  gradients: step_lib.GradientsFn
+
+
+class Strategy(abc.ABC):
+  """The strategy-specific half of a training loop."""
+
+  name: str
+  # The state's shardings over the mesh (pjit), or None.
+  state_shardings: Optional[TrainState] = None
+
+  def __init__(self, config: ml_collections.ConfigDict, mesh: Optional[Mesh],
+               model: Model):
+    self.mesh = mesh
+    # The initial state's shapes and dtypes (jax.ShapeDtypeStruct leaves).
+    self.abstract_state = jax.eval_shape(model.init_state)
+
+  @property
+  def batch_devices(self) -> int:
+    """Devices the global batch is split over."""
+    return 1 if self.mesh is None else self.mesh.shape[sharding.BATCH]
+
+  @abc.abstractmethod
+  def init_state(self) -> TrainState:
+    """The initial TrainState on the devices, laid out for the strategy."""
+
+  @abc.abstractmethod
+  def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """A process-local host batch as the steps' input."""
+
+  @abc.abstractmethod
+  def place_state(self, state: TrainState) -> TrainState:
+    """A restored (unreplicated) state as the strategy's state."""
+
+  def unreplicate(self, tree: Any) -> Any:
+    """A replicated device value (metric, state field) as a single one."""
+    return tree
+
+  def to_host(self, tree: Any) -> Any:
+    """Replicated device values (metrics of many steps) as host values, in
+    one `device_get`: every copy starts before the first is waited for, and
+    no device op runs."""
+    return jax.device_get(tree)
+
+  @property
+  @abc.abstractmethod
+  def checkpoint_shardings(self) -> Any:
+    """Where a restored state is loaded (a tree of shardings or a prefix)."""
+
+  @abc.abstractmethod
+  def abstract_inputs(self, host_batch: dict[str, np.ndarray]
+                      ) -> tuple[Any, Any]:
+    """Abstract (state, batch) in the layout `train_step` expects, for a
+    global batch shaped as `host_batch` (NumPy arrays)."""
+
+  # (state, batch) -> (state, metrics), donating the state.
+  train_step: Callable[..., Any]
+  eval_step: Callable[..., Any]  # (params, batch) -> metrics.
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+class Single(Strategy):
+  """One device, `jax.jit`."""
+
+  name = 'single'
+
+  def __init__(self, config, mesh, model):
+    super().__init__(config, mesh, model)
+    if jax.process_count() > 1:
+      raise errors.ConfigError(
+          f'parallel.strategy=single cannot span {jax.process_count()} '
+          'processes; use pmap or pjit')
+    self._device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    self.train_step = jax.jit(
+        step_lib.make_train_step(model.loss_fn, model.optimizer,
+                                       model.scaler,
+                                       inputs=model.train_inputs,
+                                       gradients_fn=model.gradients),
+        donate_argnums=0)
+    self.eval_step = jax.jit(step_lib.make_eval_step(model.forward,
+                                                  inputs=model.eval_inputs))
+    # Committed to the device, as a restored state is: a fresh and a resumed
+    # run then lower the same program (one persistent-cache entry, not two).
+    self._init = jax.jit(model.init_state, out_shardings=self._device)
+
+  def init_state(self):
+    return self._init()
+
+  def place_batch(self, batch):
+    return jax.device_put(batch)
+
+  def place_state(self, state):
+    return state
+
+  @property
+  def checkpoint_shardings(self):
+    return self._device
+
+  def abstract_inputs(self, host_batch):
+    return self.abstract_state, _abstract(host_batch)
+
+
+class Pmap(Strategy):
+  """Data parallel over the mesh's `batch` axis: a replicated state,
+  per-device batches, gradients averaged before the finite check."""
+
+  name = 'pmap'
+
+  def __init__(self, config, mesh, model):
+    super().__init__(config, mesh, model)
+    if mesh.shape[sharding.MODEL] != 1:
+      raise sharding.ShardingError(
+          f'parallel.strategy=pmap is data parallel only: parallel.mesh_shape '
+          f'must be (N, 1), got {tuple(mesh.devices.shape)}')
+    devices = list(mesh.devices.flatten())
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    self._n = len(local)
+    self.train_step = jax.pmap(
+        step_lib.make_train_step(model.loss_fn, model.optimizer,
+                                       model.scaler, axis_name=sharding.BATCH,
+                                       inputs=model.train_inputs,
+                                       gradients_fn=model.gradients),
+        axis_name=sharding.BATCH, donate_argnums=0, devices=devices)
+    self.eval_step = jax.pmap(
+        step_lib.make_eval_step(model.forward, axis_name=sharding.BATCH,
+                                      inputs=model.eval_inputs),
+        axis_name=sharding.BATCH, devices=devices)
+    # One copy per local device, laid out the way pmap returns its outputs.
+    self._replicas = NamedSharding(Mesh(np.array(local), (sharding.BATCH,)),
+                                   P(sharding.BATCH))
+    self._first = jax.sharding.SingleDeviceSharding(local[0])
+    self._init = jax.jit(model.init_state)
+
+  def init_state(self):
+    return self.place_state(self._init())
+
+  def place_batch(self, batch):
+    n = self._n
+    return jax.tree.map(
+        lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+
+  def place_state(self, state):
+    n = self._n
+    return jax.tree.map(lambda x: jax.device_put(
+        jnp.broadcast_to(x, (n,) + x.shape), self._replicas), state)
+
+  def unreplicate(self, tree):
+    return jax.tree.map(lambda y: y[0], tree)
+
+  def to_host(self, tree):
+    # This process's first replica as it lies on its device (a view, no
+    # slicing op), fetched, then its leading axis of one dropped on the host.
+    local = jax.tree.map(lambda y: y.addressable_shards[0].data, tree)
+    return jax.tree.map(lambda y: y[0], jax.device_get(local))
+
+  @property
+  def checkpoint_shardings(self):
+    return self._first
+
+  def abstract_inputs(self, host_batch):
+    state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((self._n,) + x.shape, x.dtype),
+        self.abstract_state)
+    return state, _abstract(self.place_batch(host_batch))
+
+
+class Pjit(Strategy):
+  """`jax.jit` with NamedShardings over the ('batch', 'model') mesh: the
+  batch split on `batch`, kernels split on `model` by the sharding rules."""
+
+  name = 'pjit'
+
+  def __init__(self, config, mesh, model):
+    super().__init__(config, mesh, model)
+    specs = sharding.param_specs(self.abstract_state.params,
+                                 sharding.rules(config.parallel), mesh)
+    self.state_shardings = sharding.state_shardings(
+        self.abstract_state, specs, model.optimizer, mesh)
+    self._batch = NamedSharding(mesh, P(sharding.BATCH))
+    replicated = NamedSharding(mesh, P())
+    self.train_step = jax.jit(
+        step_lib.make_train_step(model.loss_fn, model.optimizer,
+                                       model.scaler,
+                                       inputs=model.train_inputs,
+                                       gradients_fn=model.gradients),
+        in_shardings=(self.state_shardings, self._batch),
+        out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+    metrics = dict(loss=replicated, accuracy=replicated,
+                   num_examples=replicated, logits=self._batch)
+    self.eval_step = jax.jit(
+        step_lib.make_eval_step(model.forward, inputs=model.eval_inputs),
+        in_shardings=(self.state_shardings.params, self._batch),
+        out_shardings=metrics)
+    # Computed in place: no process holds the whole state on one device.
+    self._init = jax.jit(model.init_state, out_shardings=self.state_shardings)
+
+  def init_state(self):
+    return self._init()
+
+  def place_batch(self, batch):
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(self._batch, x),
+        batch)
+
+  def place_state(self, state):
+    return state
+
+  @property
+  def checkpoint_shardings(self):
+    return self.state_shardings
+
+  def abstract_inputs(self, host_batch):
+    state = sharding.with_shardings(self.abstract_state, self.state_shardings)
+    return state, _abstract(host_batch)
+
+
+STRATEGIES = {cls.name: cls for cls in (Single, Pmap, Pjit)}
+
+
+def check_batch(name: str, batch_size: int, num_shards: int) -> None:
+  if batch_size % num_shards:
+    raise sharding.ShardingError(
+        f'{name}={batch_size} is not divisible by the {num_shards} devices '
+        "of the mesh's 'batch' axis")
+
+
+def make_strategy(config: ml_collections.ConfigDict, mesh: Optional[Mesh],
+                  model: Model) -> Strategy:
+  """The strategy `config.parallel.strategy` on `mesh` (None for `single`)."""
+  name = config.parallel.strategy
+  if name not in STRATEGIES:
+    raise errors.ConfigError(
+        f'parallel.strategy: unknown strategy {name!r}; expected one of '
+        f'{tuple(STRATEGIES)}')
+  if name != 'single' and mesh is None:
+    raise errors.ConfigError(f'parallel.strategy={name} needs a device mesh')
+  strategy = STRATEGIES[name](config, mesh, model)
+  check_batch('batch_size', config.batch_size, strategy.batch_devices)
+  check_batch('eval_batch_size', config.eval_batch_size,
+              strategy.batch_devices)
+  if augment.mixes(config.data) and (
+      config.batch_size // strategy.batch_devices) % 2:
+    raise errors.ConfigError(
+        f'batch_size={config.batch_size} gives each of the '
+        f'{strategy.batch_devices} devices of the batch axis an odd batch, '
+        'and mixup / CutMix mix its examples in pairs: make it an even '
+        'number per device')
+  return strategy

@@ -1,0 +1,177 @@
+"""Every setting of a config against its valid range, from the config alone.
+
+`check` runs first in every command, before a dataset is opened, anything is
+compiled or a file is written: a bad setting then costs a second, not a run.
+What needs data, devices or files to check (splits, the mesh against the
+devices, a checkpoint) is checked where it is read; the advisor's settings
+by `launch.lab advise`, DP-SGD's by `privacy.from_config`.
+"""
+
+import math
+import numbers
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from haiku_mp.data import augment
+from haiku_mp.train import compilation_cache
+from haiku_mp.model import dropout
+from haiku_mp import errors
+from haiku_mp.data import pipeline
+from haiku_mp.train import loss_scaling
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.parallel import strategies
+from haiku_mp.model import remat
+from haiku_mp.parallel import sharding
+
+# Settings that count something (steps, examples, sizes): a positive integer.
+_POSITIVE = ('batch_size', 'eval_batch_size', 'log_every_steps',
+             'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints')
+_POSITIVE_MODEL = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
+                   'mlp_dim', 'num_heads', 'num_layers')
+_POSITIVE_DATA = ('crop_max_attempts', 'randaugment_ops',
+                  'synthetic_train_examples', 'synthetic_eval_examples')
+# What `np.random.default_rng` and `jax.random.key` both take.
+_MAX_SEED = np.iinfo(np.int64).max
+_CHANNELS = 3
+
+
+def _shown(value: Any) -> str:
+  """A value as a message shows it: floats short, strings quoted, and a word
+  the command line made a tuple of (`4x2` -> ('4x2',)) as the word typed."""
+  if isinstance(value, float):
+    return f'{value:g}'
+  if isinstance(value, str):
+    return repr(value)
+  if (isinstance(value, (tuple, list)) and len(value) == 1 and
+      isinstance(value[0], str)):
+    return repr(value[0])
+  return str(tuple(value) if isinstance(value, list) else value)
+
+
+def _require(ok: bool, setting: str, value: Any, valid: str) -> None:
+  if not ok:
+    raise errors.ConfigError(f'{setting}={_shown(value)} must be {valid}')
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _numbers(value: Any, count: int) -> bool:
+  """Whether `value` is `count` finite numbers."""
+  return (isinstance(value, (tuple, list)) and len(value) == count and
+          all(_is_number(v) and math.isfinite(v) for v in value))
+
+
+def _positive(setting: str, value: Any) -> None:
+  _require(_is_int(value) and value > 0, setting, value, 'positive')
+
+
+def _check_training(config: ml_collections.ConfigDict) -> None:
+  _require(_is_int(config.seed) and 0 <= config.seed <= _MAX_SEED, 'seed',
+           config.seed, 'a non-negative 64-bit integer')
+  for name in _POSITIVE:
+    _positive(name, config[name])
+  steps = config.num_train_steps
+  _require(_is_int(steps) and (steps > 0 or steps == -1), 'num_train_steps',
+           steps, 'positive, or -1 for num_epochs over the train split')
+  if steps == -1:
+    _require(config.num_epochs > 0, 'num_epochs', config.num_epochs,
+             'positive (or set num_train_steps)')
+  _require(0 <= config.learning_rate < math.inf, 'learning_rate',
+           config.learning_rate, 'a finite number >= 0')
+  _require(0 <= config.weight_decay < math.inf, 'weight_decay',
+           config.weight_decay, 'a finite number >= 0')
+  _require(_is_int(config.warmup_steps) and config.warmup_steps >= 0,
+           'warmup_steps', config.warmup_steps, '>= 0')
+  _require(config.grad_clip_norm >= 0, 'grad_clip_norm', config.grad_clip_norm,
+           '>= 0 (0: no clipping)')
+  _require(0 <= config.label_smoothing < 1, 'label_smoothing',
+           config.label_smoothing, 'in [0, 1)')
+  _require(0 <= config.ema_decay < 1, 'ema_decay', config.ema_decay,
+           'in [0, 1) (0: no moving average)')
+  if config.privacy.enabled and augment.mixes(config.data):
+    raise errors.ConfigError(
+        f'data.mixup_alpha={config.data.mixup_alpha:g} / data.cutmix_alpha='
+        f'{config.data.cutmix_alpha:g} with privacy.enabled: a mixed example '
+        'holds two, so DP-SGD\'s per-example clipping bounds neither; set '
+        'both to 0')
+
+
+def _check_model(config: ml_collections.ConfigDict) -> None:
+  model = config.model
+  for name in _POSITIVE_MODEL:
+    _positive(f'model.{name}', model[name])
+  if model.image_size % model.patch_size:
+    raise errors.ConfigError(
+        f'model.image_size={model.image_size} is not divisible by '
+        f'model.patch_size={model.patch_size}')
+  if model.embed_dim % model.num_heads:
+    raise errors.ConfigError(
+        f'model.embed_dim={model.embed_dim} is not divisible by '
+        f'model.num_heads={model.num_heads}')
+  dropout.check_rate(model.dropout_rate)
+  _require(0 <= model.drop_path_rate < 1, 'model.drop_path_rate',
+           model.drop_path_rate, 'in [0, 1)')
+  _require(model.layer_norm_epsilon > 0, 'model.layer_norm_epsilon',
+           model.layer_norm_epsilon, 'positive')
+  remat.check(config.remat)
+  forward_lib.make_precision(config)
+
+
+def _check_parallel(parallel_config: ml_collections.ConfigDict) -> None:
+  name = parallel_config.strategy
+  if name not in strategies.STRATEGIES:
+    raise errors.ConfigError(
+        f'parallel.strategy: unknown strategy {name!r}; expected one of '
+        f'{tuple(strategies.STRATEGIES)}')
+  shape = parallel_config.mesh_shape
+  if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and
+          all(_is_int(d) and (d > 0 or d == -1) for d in shape) and
+          list(shape).count(-1) < 2):
+    raise errors.ConfigError(
+        f'parallel.mesh_shape={_shown(shape)}: expected two positive integers '
+        '(batch, model) like (4,2); one may be -1 (the remaining devices)')
+  sharding.parse_rules(parallel_config.sharding_rules)
+
+
+def _check_range(setting: str, value: Any, low: float, high: float,
+                 valid: str) -> None:
+  """A (min, max) pair of numbers with low < min <= max <= high."""
+  _require(_numbers(value, 2) and low < value[0] <= value[1] <= high,
+           setting, value, valid)
+
+
+def _check_data(data: ml_collections.ConfigDict) -> None:
+  pipeline.check_settings(data)
+  augment.check_settings(data)
+  for name in _POSITIVE_DATA:
+    _positive(f'data.{name}', data[name])
+  _require(_is_int(data.crop_padding) and data.crop_padding >= 0,
+           'data.crop_padding', data.crop_padding, 'an integer >= 0')
+  _check_range('data.crop_area', data.crop_area, 0, 1,
+               '(min, max) fractions of the image area with 0 < min <= max '
+               '<= 1')
+  _check_range('data.crop_aspect_ratio', data.crop_aspect_ratio, 0, math.inf,
+               '(min, max) width/height ratios with 0 < min <= max')
+  _require(_numbers(data.mean, _CHANNELS), 'data.mean', data.mean,
+           f'{_CHANNELS} numbers, one per channel')
+  _require(_numbers(data.std, _CHANNELS) and min(data.std) > 0, 'data.std',
+           data.std, f'{_CHANNELS} positive numbers, one per channel')
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """Raises `errors.ConfigError` naming the first setting out of its range,
+  its value and what would be valid."""
+  _check_training(config)
+  _check_model(config)
+  loss_scaling.LossScaler.from_config(config.loss_scale)
+  _check_parallel(config.parallel)
+  _check_data(config.data)
+  compilation_cache.check(config.compilation_cache_dir)

@@ -1,0 +1,231 @@
+"""`TrainState` and the pure, loss-scaled `train_step` / `eval_step`.
+
+One step: forward in the compute dtype -> float32 loss -> x loss scale ->
+gradients -> cast to float32 and unscaled -> finite check -> optax update on the
+float32 master params (the params themselves, or a copy the optimizer keeps when
+the policy stores params in half precision) (clipping, if configured, is the optimizer's first
+transform, so it sees unscaled gradients) -> if any gradient is not finite,
+params and optimizer state stay exactly as they were -> loss scale adjusted.
+"""
+
+import functools
+from typing import Any, Callable, Mapping, NamedTuple, Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import jmp
+import optax
+
+from haiku_mp.train import loss_scaling
+from haiku_mp.train import optimizer as optimizer_lib
+
+Batch = Mapping[str, jax.Array]
+Metrics = dict[str, jax.Array]
+# loss_fn(params, rng, batch) -> (float32 scalar loss, metrics such as accuracy).
+LossFn = Callable[[hk.Params, jax.Array, Batch], tuple[jax.Array, Metrics]]
+# train_inputs(key, batch, axis_name) -> the batch the model takes (augmented
+# and normalized on the device); eval_inputs(batch) -> the same, no randomness.
+TrainInputs = Callable[[jax.Array, Batch, Optional[str]], Batch]
+EvalInputs = Callable[[Batch], Batch]
+
+
+def _as_is_train(key, batch, axis_name):
+  del key, axis_name
+  return batch
+
+
+class TrainState(NamedTuple):
+  """Everything a step reads and writes; checkpointing this resumes a run."""
+  step: jax.Array  # int32 scalar: steps taken, skipped ones included.
+  # In the policy's param dtype: float32 master weights, or half-precision
+  # params whose float32 master copy lives in `opt_state` (float32_master).
+  params: hk.Params
+  opt_state: optax.OptState  # optimizer state of float32 params.
+  loss_scale: loss_scaling.LossScaleState  # scale and finite-step counter.
+  rng: jax.Array  # PRNG key, split every step for dropout.
+  skipped_steps: jax.Array  # int32 scalar: steps skipped for non-finite grads.
+
+
+def init_train_state(params: hk.Params,
+                     optimizer: optax.GradientTransformation,
+                     loss_scaler: loss_scaling.LossScaler,
+                     rng: jax.Array) -> TrainState:
+  return TrainState(
+      step=jnp.zeros([], jnp.int32),
+      params=params,
+      opt_state=optimizer.init(params),
+      loss_scale=loss_scaler.init(),
+      rng=rng,
+      skipped_steps=jnp.zeros([], jnp.int32))
+
+
+def _cross_replica_mean(tree, axis_name):
+  """Means over `axis_name`; `num_examples` is summed."""
+  if axis_name is None:
+    return tree
+  return {k: (jax.lax.psum(v, axis_name) if k == 'num_examples' else
+              jax.lax.pmean(v, axis_name)) for k, v in tree.items()}
+
+
+def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
+              loss_scale: loss_scaling.LossScaleState, params: hk.Params,
+              rng: jax.Array, batch: Batch, axis_name: Optional[str] = None
+              ) -> tuple[hk.Params, jax.Array, Metrics]:
+  """(gradients, loss, metrics) as the train step takes them: of the scaled
+  loss, cast to at least float32 (half gradients of float32 params), averaged
+  over `axis_name` replicas, then unscaled. Not yet checked for finiteness.
+  Each replica draws its own dropout masks from `rng`; the loss and metrics
+  cover every replica."""
+
+  if axis_name is not None:
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+
+  def scaled_loss(params):
+    loss, aux = loss_fn(params, rng, batch)
+    return loss_scaler.scale(loss_scale, loss), (loss, aux)
+
+  grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
+  grads = jax.tree.map(
+      lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
+  if axis_name is not None:
+    grads = jax.lax.pmean(grads, axis_name)
+  metrics = _cross_replica_mean(dict(aux, loss=loss), axis_name)
+  return (loss_scaler.unscale(loss_scale, grads), metrics.pop('loss'),
+          metrics)
+
+
+# gradients_fn(loss_scale, params, rng, batch, axis_name) -> (float32
+# gradients, loss, metrics over every replica): `gradients` bound to a loss
+# and scaler, or DP-SGD's (`privacy.make_gradients`).
+GradientsFn = Callable[..., tuple[hk.Params, jax.Array, Metrics]]
+
+
+def make_train_step(loss_fn: LossFn,
+                    optimizer: optax.GradientTransformation,
+                    loss_scaler: loss_scaling.LossScaler,
+                    axis_name: Optional[str] = None,
+                    inputs: TrainInputs = _as_is_train,
+                    gradients_fn: Optional[GradientsFn] = None
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+  """A pure `train_step(state, batch) -> (state, metrics)`.
+
+  Jit it with `donate_argnums=0`; every metric is a device scalar, so nothing
+  syncs with the host until the caller reads one. Under `jax.pmap`, pass its
+  `axis_name`: gradients are then averaged over replicas before the finite
+  check, so every replica takes the same skip decision and keeps the same
+  loss scale, and each replica draws its own dropout masks. `inputs` turns
+  the host batch into the model's (augmentation on the device), keyed by the
+  step's own key, the same on every replica. `gradients_fn` (default: the
+  ordinary `gradients` of `loss_fn`) takes the step's key as it is on every
+  replica.
+  """
+  if gradients_fn is None:
+    gradients_fn = functools.partial(gradients, loss_fn, loss_scaler)
+
+  def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    rng, step_rng, inputs_rng = jax.random.split(state.rng, 3)
+    batch = inputs(inputs_rng, batch, axis_name)
+    grads, loss, aux = gradients_fn(state.loss_scale, state.params, step_rng,
+                                    batch, axis_name)
+    # One flag per gradient leaf: the skip decision, and where float16
+    # overflowed for the log of a skipped step.
+    nonfinite = jnp.stack([~jnp.isfinite(g).all()
+                           for g in jax.tree.leaves(grads)])
+    grads_finite = ~nonfinite.any()
+    updates, new_opt_state = optimizer.update(grads, state.opt_state,
+                                              state.params)
+    new_params = optimizer_lib.apply_updates(state.params, updates,
+                                             new_opt_state)
+    params, opt_state = jmp.select_tree(
+        grads_finite, (new_params, new_opt_state),
+        (state.params, state.opt_state))
+    skipped_steps = state.skipped_steps + (~grads_finite).astype(jnp.int32)
+    new_state = TrainState(
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        loss_scale=loss_scaler.adjust(state.loss_scale, grads_finite),
+        rng=rng,
+        skipped_steps=skipped_steps)
+    metrics = dict(
+        aux, loss=loss,
+        nonfinite_grads=nonfinite,  # In the order of jax.tree.leaves.
+        consecutive_skips=new_state.loss_scale.overflows,
+        loss_scale=state.loss_scale.scale,
+        grads_finite=grads_finite,
+        grad_norm=optax.tree.norm(grads),
+        skipped_steps=skipped_steps)
+    return new_state, metrics
+
+  return train_step
+
+
+def _losses(logits: jax.Array, batch: Batch,
+            label_smoothing: float) -> jax.Array:
+  """Per-example float32 cross-entropy against the integer labels, or, with
+  soft labels (`batch['targets']`, from mixing) or label smoothing, against
+  those targets smoothed."""
+  labels = batch['label']
+  if 'targets' not in batch and not label_smoothing:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  targets = batch.get('targets')
+  if targets is None:
+    targets = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)
+  targets = optax.smooth_labels(targets.astype(jnp.float32), label_smoothing)
+  return optax.softmax_cross_entropy(logits, targets)
+
+
+def _weighted_metrics(logits: jax.Array, batch: Batch,
+                      axis_name: Optional[str] = None,
+                      label_smoothing: float = 0.0) -> dict[str, Any]:
+  """float32 cross-entropy and accuracy, masked by `batch['mask']` if present.
+
+  With `axis_name`, the means are over the examples of every replica.
+  Accuracy is against each example's own label, mixed or not.
+  """
+  logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+  labels = batch['label']
+  mask = batch.get('mask')
+  if mask is None:
+    mask = jnp.ones(labels.shape, jnp.float32)
+  mask = mask.astype(jnp.float32)
+  losses = _losses(logits, batch, label_smoothing)
+  correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+  sums = dict(loss=(losses * mask).sum(), correct=(correct * mask).sum(),
+              num_examples=mask.sum())
+  if axis_name is not None:
+    sums = jax.lax.psum(sums, axis_name)
+  count = jnp.maximum(sums['num_examples'], 1.0)
+  return dict(loss=sums['loss'] / count, accuracy=sums['correct'] / count,
+              num_examples=sums['num_examples'])
+
+
+def make_classification_loss(forward: hk.Transformed,
+                             label_smoothing: float = 0.0) -> LossFn:
+  """The training loss of a classifier `forward(images, is_training)`:
+  cross-entropy in float32, its targets smoothed by `label_smoothing`."""
+
+  def loss_fn(params, rng, batch):
+    logits = forward.apply(params, rng, batch['image'], True)
+    metrics = _weighted_metrics(logits, batch,
+                                label_smoothing=label_smoothing)
+    return metrics.pop('loss'), metrics
+
+  return loss_fn
+
+
+def make_eval_step(forward: hk.Transformed, axis_name: Optional[str] = None,
+                   inputs: EvalInputs = lambda batch: batch
+                   ) -> Callable[[hk.Params, Batch], Metrics]:
+  """`eval_step(params, batch) -> {logits, loss, accuracy, num_examples}`, no dropout.
+
+  Under `jax.pmap` pass its `axis_name`: the metrics then cover every replica.
+  """
+
+  def eval_step(params: hk.Params, batch: Batch) -> Metrics:
+    batch = inputs(batch)
+    logits = forward.apply(params, None, batch['image'], False)
+    return dict(_weighted_metrics(logits, batch, axis_name), logits=logits)
+
+  return eval_step

@@ -1,0 +1,186 @@
+"""The advisor on a tiny ViT with planted faults: it names exactly the
+modules planted, with the right verdicts; the loss-scale window moves with
+the gradients; the config it suggests builds."""
+
+import contextlib
+import copy
+import functools
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl.testing import absltest
+import haiku as hk
+import jax
+
+from configs import base
+from haiku_mp.lab import verdicts
+from haiku_mp.train import experiment
+from haiku_mp.lab import numerics
+from haiku_mp.lab import advisor
+from tests import helpers
+from tests import probes_test
+
+FP16 = 'params=float32,compute=float16,output=float32'
+FC1 = 'vit/encoder_block_0/mlp_block/fc1'
+THRESHOLDS = verdicts.Thresholds.from_config(base.get_config().advisor)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scale_gradient(x, factor):
+  del factor
+  return x
+
+
+_scale_gradient.defvjp(lambda x, factor: (x, None),
+                       lambda factor, _, g: (g * factor,))
+
+
+@contextlib.contextmanager
+def _planted_underflow(path, factor):
+  """The gradient reaching `path`'s output multiplied by `factor`, and
+  divided by it again at the module's input: only that module's gradients
+  change. Haiku runs the first interceptor registered outermost: entered
+  before the advisor's probes, this one runs outside them."""
+  running = set()
+
+  def intercept(next_f, args, kwargs, context):
+    if (context.method_name != '__call__' or
+        context.module.module_name != path or path in running):
+      return next_f(*args, **kwargs)
+    running.add(path)
+    args = jax.tree.map(lambda a: _scale_gradient(a, 1 / factor), args)
+    try:
+      return _scale_gradient(next_f(*args, **kwargs), factor)
+    finally:
+      running.discard(path)
+
+  with hk.intercept_methods(intercept):
+    yield
+
+
+def _scaled_loss(loss_fn, factor):
+  def scaled(params, rng, batch):
+    loss, aux = loss_fn(params, rng, batch)
+    return loss * factor, aux
+  return scaled
+
+
+class AdvisorTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.config = helpers.tiny_config(FP16, loss_scale='dynamic')
+    cls.exp, cls.params = probes_test.tiny_reference(cls.config)
+    cls.inputs = [helpers.random_batch(cls.config, 8, seed=s)
+                  for s in range(2)]
+
+  def _judge(self, params=None, loss_fn=None, inputs=None):
+    state = self.exp.init_state()._replace(
+        params=copy.deepcopy(params or self.params))
+    modules, _, _, _ = advisor.measure(self.exp, state, inputs or self.inputs,
+                                      lambda line: None, loss_fn=loss_fn)
+    return modules, verdicts.judge(modules, THRESHOLDS)
+
+  def _kept(self, judged, fmt):
+    return {p for p, v in judged.verdicts.items()
+            if getattr(v, fmt) == verdicts.KEEP}
+
+  def test_unplanted_tiny_model_runs_in_every_format(self):
+    _, judged = self._judge()
+    self.assertEqual(self._kept(judged, 'float16'), set())
+    self.assertEqual(self._kept(judged, 'bfloat16'), set())
+    lo, hi = judged.scale_window
+    self.assertLessEqual(lo, hi)
+
+  def test_planted_overflow_names_the_head_alone(self):
+    params = copy.deepcopy(self.params)
+    params['vit/head'] = jax.tree.map(lambda p: p * 1e5, params['vit/head'])
+    modules, judged = self._judge(params, inputs=self.inputs[:1])
+    self.assertEqual(self._kept(judged, 'float16'), {'vit/head'})
+    self.assertIn('output overflows float16',
+                  judged.verdicts['vit/head'].reasons['float16'])
+    self.assertEqual(self._kept(judged, 'bfloat16'), set())
+    # The top module hands on the head's logits: not judged again.
+    self.assertEqual({m.path: m.same_as for m in modules}['vit'], 'vit/head')
+    overrides = verdicts.overrides(modules, judged, 'float16',
+                                 advisor._inherits(self.exp),  # pylint: disable=protected-access
+                                 'params=float32,compute=float16,output=float16')
+    self.assertEqual(overrides, f'vit/head:{verdicts.F32_POLICY}')
+    # The config it suggests builds: its override names a real module.
+    config = copy.deepcopy(self.config)
+    config.precision.overrides = overrides
+    experiment.build_without_data(config)
+    # Knockout: the head alone in float16 is what breaks the logits.
+    rows = advisor.knockout(self.exp.config, params, self.inputs[:1],
+                           ['vit/head', FC1], ['float16'],
+                           lambda line: None)['float16']
+    self.assertEqual(rows[0]['path'], 'vit/head')
+    self.assertFalse(rows[0]['finite'])
+    self.assertTrue(rows[1]['finite'])
+    self.assertLess(rows[1]['logits_relative_error'], 1e-2)
+
+  def test_planted_underflow_names_that_module_alone(self):
+    # One batch: no train step is traced (and cached) with the fault.
+    with _planted_underflow(FC1, 1e-9):
+      modules, judged = self._judge(inputs=self.inputs[:1])
+    self.assertEqual(self._kept(judged, 'float16'), {FC1})
+    self.assertIn('need a loss scale', judged.verdicts[FC1].reasons['float16'])
+    self.assertEqual(self._kept(judged, 'bfloat16'), set())
+    # Its gradients really are 1e-9 of the unplanted ones, the rest equal.
+    plain = {m.path: m for m in self._judge(inputs=self.inputs[:1])[0]}
+    for m in modules:
+      ratio = (numerics.as_dict(m.gradient)['amax'] /
+               numerics.as_dict(plain[m.path].gradient)['amax'])
+      self.assertAlmostEqual(ratio, 1e-9 if m.path == FC1 else 1.0,
+                             delta=1e-3 * (1e-9 if m.path == FC1 else 1),
+                             msg=m.path)
+
+  def test_a_loss_scaled_by_two_to_the_minus_20_moves_every_window_by_20(self):
+    _, plain = self._judge()
+    _, scaled = self._judge(loss_fn=_scaled_loss(self.exp.loss_fn, 2.0**-20))
+    for path, verdict in plain.verdicts.items():
+      lo, hi = verdict.window
+      self.assertEqual(scaled.verdicts[path].window, (lo + 20, hi + 20), path)
+    lo, hi = plain.scale_window
+    self.assertEqual(scaled.scale_window, (lo + 20, hi + 20))
+    # Tiny gradients: float16 needs a loss scale everywhere.
+    self.assertEqual({v.float16 for v in scaled.verdicts.values()},
+                     {verdicts.F16_SCALED})
+
+
+class OverridesTest(absltest.TestCase):
+  """Which targets the overrides string names, on made-up verdicts."""
+
+  def _advice(self, kept):
+    judged = {p: verdicts.Verdict(verdicts.BF16_OK,
+                                  verdicts.KEEP if p in kept else verdicts.F16_OK,
+                                  (None, None), {}) for p in PATHS}
+    return verdicts.Advice(judged, (None, None))
+
+  def test_classes_kept_whole_and_children_given_back(self):
+    modules = [verdicts.Module(p, c, None, None, {})
+               for p, c in zip(PATHS, CLASSES)]
+    inherits = {p: c != 'LayerNorm' for p, c in zip(PATHS, CLASSES)}
+    half = 'params=float32,compute=float16,output=float16'
+    f32 = verdicts.F32_POLICY
+    judged = self._advice({'b/ln_1', 'b/ln_2'})
+    self.assertEqual(verdicts.overrides(modules, judged, 'float16', inherits,
+                                      half), f'LayerNorm:{f32}')
+    judged = self._advice({'b', 'b/ln_1'})
+    self.assertEqual(
+        verdicts.overrides(modules, judged, 'float16', inherits, half),
+        f'b:{f32};b/ln_1:{f32};b/fc:{half}')
+    self.assertEqual(verdicts.overrides(modules, self._advice(set()),
+                                      'float16', inherits, half), '')
+
+
+PATHS = ('b', 'b/ln_1', 'b/fc', 'b/ln_2')
+CLASSES = ('Block', 'LayerNorm', 'Linear', 'LayerNorm')
+
+
+if __name__ == '__main__':
+  absltest.main()
