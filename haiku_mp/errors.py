@@ -17,3 +17,10 @@ class DataError(ConfigError):
 class RunError(Exception):
   """The environment failed a valid run (a full disk, say); the message says
   what failed and where."""
+
+
+def check_choice(setting: str, value, choices, error=ConfigError) -> None:
+  """Raises `error` naming `setting` unless `value` is one of `choices`."""
+  if value not in choices:
+    raise error(f'{setting}: unknown value {value!r}; expected one of '
+                f'{tuple(choices)}')

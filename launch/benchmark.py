@@ -39,16 +39,16 @@ from absl import flags
 import jax.numpy as jnp
 from ml_collections import config_flags
 
-from haiku_mp.train import compilation_cache
-from haiku_mp.lab import timing
 from haiku_mp import errors
-from haiku_mp.model import forward as forward_lib
-from haiku_mp.parallel import sharding
 from haiku_mp.lab import checks
 from haiku_mp.lab import compare
 from haiku_mp.lab import loop_benchmark
 from haiku_mp.lab import pipeline_benchmark
 from haiku_mp.lab import step_benchmark
+from haiku_mp.lab import timing
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.parallel import sharding
+from haiku_mp.train import compilation_cache
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',

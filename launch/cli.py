@@ -23,8 +23,8 @@ import ml_collections
 # The package exports no test for a config-file flag; its module does.
 from ml_collections.config_flags.config_flags import is_config_flag
 
-from haiku_mp.train import config_checks
 from haiku_mp import errors
+from haiku_mp.train import config_checks
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OWN_CODE = tuple(os.path.join(_ROOT, package) + os.sep

@@ -37,11 +37,12 @@ from haiku_mp.lab import checks
 from haiku_mp.lab import dot_algorithms
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
+from haiku_mp.lab import params
 from haiku_mp.lab import precision as precision_lab
 from haiku_mp.lab import profile
-from haiku_mp.lab import params
 from haiku_mp.lab import report
 from haiku_mp.lab import sweep
+from haiku_mp.lab import variants
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/vit_fp32.py',
@@ -50,10 +51,10 @@ _OUT = flags.DEFINE_string('out', 'lab', 'Directory for JSON and PNG files.')
 _ROWS = flags.DEFINE_integer('rows', 1024, 'matmul: rows of A.')
 _COLS = flags.DEFINE_integer('cols', 1024 * 64, 'matmul: columns of A.')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'matmul: timed repetitions.')
-_DTYPES = flags.DEFINE_list('dtypes', list(sweep.DTYPES),
+_DTYPES = flags.DEFINE_list('dtypes', list(variants.DTYPES),
                             'sweep, memory: compute dtypes.')
 _BATCH_SIZES = flags.DEFINE_list('batch_sizes',
-                                 [str(b) for b in sweep.BATCH_SIZES],
+                                 [str(b) for b in variants.BATCH_SIZES],
                                  'sweep, memory: global batch sizes.')
 _LAYOUTS = flags.DEFINE_list(
     'layouts', ['single:1x1'],

@@ -16,8 +16,8 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from haiku_mp.train import compilation_cache
 from haiku_mp.parallel import sharding
+from haiku_mp.train import compilation_cache
 from haiku_mp.train import loop
 from launch import cli
 

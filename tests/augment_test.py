@@ -85,7 +85,7 @@ class AugmentTest(parameterized.TestCase):
   def test_the_whole_window_is_the_image(self):
     image = _images(1)[0].astype(jnp.float32)
     whole = augment.Windows(*(jnp.int32(v) for v in (0, 0, SIZE, SIZE)))
-    np.testing.assert_allclose(augment._crop_and_resize(image, whole), image,
+    np.testing.assert_allclose(augment.crop_and_resize(image, whole), image,
                                atol=1e-4)
 
   def test_resize_matches_tensorflow_bilinear(self):
@@ -98,7 +98,7 @@ class AugmentTest(parameterized.TestCase):
                                      (2, 0, 30, 32)):
       window = augment.Windows(*(jnp.int32(v)
                                  for v in (top, left, height, width)))
-      ours = augment._crop_and_resize(jnp.asarray(image), window)
+      ours = augment.crop_and_resize(jnp.asarray(image), window)
       theirs = tf.image.resize(
           image[top:top + height, left:left + width], (SIZE, SIZE),
           method='bilinear').numpy()

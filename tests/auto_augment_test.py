@@ -23,7 +23,7 @@ OPS = auto_augment.OPS
 def _images(count):
   """Images whose channels span less than [0, 255] (so autocontrast is not
   the identity)."""
-  return jnp.asarray(np.stack([image_ops_test._image(seed, 30, 200)
+  return jnp.asarray(np.stack([image_ops_test.sample_image(seed, 30, 200)
                                for seed in range(count)]), jnp.float32)
 
 

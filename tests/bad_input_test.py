@@ -1,4 +1,4 @@
-"""Every bad input of README's table through the real command line: one line
+"""Every bad input of docs/bad_input.md's table through the real command line: one line
 `error: ...` naming it, printed once (no absl E-line repeats it), exit status 2
 for a usage error, no traceback, and the existing run directory and
 checkpoint untouched."""
@@ -16,7 +16,6 @@ import io
 import re
 import shutil
 import tempfile
-import time
 from unittest import mock
 
 from absl.testing import absltest
@@ -164,9 +163,10 @@ class BadInputTest(parameterized.TestCase):
                           '--config.parallel.mesh_shape=(8,2)'],
        'needs 16 devices; there are 8'),
       ('unknown_strategy', ['--config.parallel.strategy=dp'],
-       "parallel.strategy: unknown strategy 'dp'"),
+       "parallel.strategy: unknown value 'dp'; expected one of ('single', "
+       "'pmap', 'pjit')"),
       ('unknown_loss_scale', ['--config.loss_scale.kind=auto'],
-       'loss_scale.kind'),
+       "loss_scale.kind: unknown value 'auto'"),
       ('non_positive_layer_norm_epsilon',
        ['--config.model.layer_norm_epsilon=0'],
        'model.layer_norm_epsilon=0 must be positive'),
@@ -174,8 +174,8 @@ class BadInputTest(parameterized.TestCase):
                                       '--config.privacy.delta=2'],
        'privacy.delta=2.0 must be in (0, 1)'),
       ('unknown_augmentation_policy', ['--config.data.policy=trivialaugment'],
-       "data.policy='trivialaugment' must be one of ('none', 'randaugment', "
-       "'autoaugment')"),
+       "data.policy: unknown value 'trivialaugment'; expected one of ('none', "
+       "'randaugment', 'autoaugment')"),
       ('no_prefetch', ['--config.data.prefetch_batches=0'],
        'data.prefetch_batches=0 must be at least 1'),
       ('compilation_cache_dir_a_file',
@@ -219,13 +219,12 @@ class BadInputTest(parameterized.TestCase):
   def test_unreachable_download_server(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
     url = self.enter_context(fake_cifar10.refusing_url())
-    start = time.monotonic()
     result = fake_cifar10.train(url, f'{tmp}/run',
                                 f'--config.data.data_dir={tmp}/d')
+    # "cannot reach" is said only by the download's fail-fast, at urllib3's
+    # first retry (TFDS alone would retry for over three minutes).
     self._assert_data_error(result, f'{tmp}/run', f'cannot reach {url}',
                             '--config.data.data_dir')
-    # TFDS alone would retry for over three minutes.
-    self.assertLess(time.monotonic() - start, 120)
 
   def test_missing_python_module_for_the_download(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())

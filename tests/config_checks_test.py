@@ -16,10 +16,10 @@ from absl.testing import parameterized
 import jax
 
 from configs import base
-from haiku_mp.train import config_checks
 from haiku_mp import errors
-from haiku_mp.train import experiment
 from haiku_mp.parallel import sharding
+from haiku_mp.train import config_checks
+from haiku_mp.train import experiment
 from tests import configs_test
 from tests import helpers
 
@@ -125,7 +125,7 @@ class CheckTest(parameterized.TestCase):
       ('dot_form', {'precision.dot_form': 'fast'},
        "precision.dot_form: unknown value 'fast'"),
       ('loss_scale_kind', {'loss_scale.kind': 'auto'},
-       "loss_scale.kind: unknown kind 'auto'"),
+       "loss_scale.kind: unknown value 'auto'"),
       ('loss_scale_factor', {'loss_scale.kind': 'dynamic',
                              'loss_scale.factor': 1.0},
        'loss_scale.factor: must be > 1, got 1.0'),
@@ -133,7 +133,7 @@ class CheckTest(parameterized.TestCase):
                              'loss_scale.period': 0},
        'loss_scale.period: must be a positive integer, got 0'),
       ('strategy', {'parallel.strategy': 'dp'},
-       "parallel.strategy: unknown strategy 'dp'; expected one of ('single', "
+       "parallel.strategy: unknown value 'dp'; expected one of ('single', "
        "'pmap', 'pjit')"),
       ('mesh_shape_word', {'parallel.mesh_shape': ('4x2',)},
        "parallel.mesh_shape='4x2': expected two positive integers (batch, "
@@ -149,7 +149,7 @@ class CheckTest(parameterized.TestCase):
       ('sharding_rules', {'parallel.sharding_rules': '.*=batchy'},
        "parallel.sharding_rules: unknown mesh axis 'batchy'"),
       ('data_source', {'data.source': 'disk'},
-       "data.source: unknown source 'disk'"),
+       "data.source: unknown value 'disk'"),
       ('prefetch_batches', {'data.prefetch_batches': 0},
        'data.prefetch_batches=0 must be at least 1'),
       ('crop_area_above_one', {'data.crop_area': (0.5, 1.5)},
@@ -184,12 +184,13 @@ class CheckTest(parameterized.TestCase):
       ('drop_path_rate', {'model.drop_path_rate': -0.1},
        'model.drop_path_rate=-0.1 must be in [0, 1)'),
       ('crop', {'data.crop': 'random'},
-       "data.crop='random' must be one of ('resized', 'pad', 'none')"),
+       "data.crop: unknown value 'random'; expected one of ('resized', 'pad', "
+       "'none')"),
       ('crop_padding', {'data.crop_padding': -4},
        'data.crop_padding=-4 must be an integer >= 0'),
       ('data_policy', {'data.policy': 'trivialaugment'},
-       "data.policy='trivialaugment' must be one of ('none', 'randaugment', "
-       "'autoaugment')"),
+       "data.policy: unknown value 'trivialaugment'; expected one of ('none', "
+       "'randaugment', 'autoaugment')"),
       ('randaugment_ops', {'data.randaugment_ops': 0},
        'data.randaugment_ops=0 must be positive'),
       ('randaugment_magnitude', {'data.randaugment_magnitude': 30.0},

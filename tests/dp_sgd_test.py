@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.train import experiment
-from haiku_mp.privacy import dp_sgd
 from haiku_mp.parallel import sharding
+from haiku_mp.privacy import dp_sgd
+from haiku_mp.train import experiment
 from tests import helpers
 
 F32 = 'float32'
@@ -318,8 +318,9 @@ class AccountingTest(absltest.TestCase):
     # Small enough for the accountant to answer in seconds.
     config = _config(target_epsilon=2.0, delta=1e-5)
     config.batch_size = 100
-    settings = dp_sgd.from_config(config, 1000, total_steps=50,
-                                   batch_devices=1)
+    settings = dp_sgd.from_config(config.privacy, config.batch_size, 1000,
+                                  total_steps=50, batch_devices=1)
+    self.assertTrue(settings.calibrated)
     spent = dp_sgd.epsilon(50, settings.noise_multiplier, 1000, 100, 1e-5)
     self.assertAlmostEqual(spent, 2.0, delta=0.02)
     self.assertLessEqual(spent, 2.0)
@@ -335,11 +336,11 @@ class AccountingTest(absltest.TestCase):
         ('l2_clip_norm', float('inf'), 'privacy.l2_clip_norm=inf bounds no')):
       config = _config(**{setting: value})
       with self.assertRaisesRegex(errors.ConfigError, message):
-        dp_sgd.from_config(config, EXAMPLES, 10, 1)
+        dp_sgd.from_config(config.privacy, config.batch_size, EXAMPLES, 10, 1)
     config = _config()
     config.batch_size = 200
     with self.assertRaisesRegex(errors.ConfigError, 'batch_size=200'):
-      dp_sgd.from_config(config, EXAMPLES, 10, 1)
+      dp_sgd.from_config(config.privacy, config.batch_size, EXAMPLES, 10, 1)
 
 
 if __name__ == '__main__':

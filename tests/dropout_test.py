@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.model import dropout
 from haiku_mp import errors
+from haiku_mp.model import dropout
 from tests import helpers
 
 SIZE = 2**20

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.model import half_dot
 from haiku_mp.lab import precision as precision_lab
-from haiku_mp.lab import sweep
+from haiku_mp.lab import variants
+from haiku_mp.model import half_dot
 from tests import helpers
 
 LOGITS = 'bqhd,bkhd->bhqk'
@@ -186,7 +186,7 @@ class ModelTest(parameterized.TestCase):
     cls.reference = precision_lab.reference(cls.config, 8)
 
   def _errors(self, dtype, form):
-    variant = sweep.variant_config(self.config, dtype, 8, 'single:1x1')
+    variant = variants.variant_config(self.config, dtype, 8, 'single:1x1')
     variant.precision.dot_form = form
     return precision_lab.error_vs(variant, self.reference, 8)
 

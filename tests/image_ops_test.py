@@ -22,7 +22,7 @@ SIZE = 32
 _FILL = (int(image_ops.FILL),) * 3
 
 
-def _image(seed=0, low=0, high=256):
+def sample_image(seed=0, low=0, high=256):
   """A photo-like image: smooth gradients plus noise, in [low, high)."""
   rng = np.random.default_rng(seed)
   ramp = np.linspace(0, 1, SIZE)
@@ -88,7 +88,7 @@ class PilReferenceTest(parameterized.TestCase):
   @parameterized.named_parameters(*_CASES)
   def test_matches_pil(self, ours, pil, max_error, share):
     for seed, (low, high) in enumerate(((0, 256), (40, 190))):
-      image = _image(seed, low, high)
+      image = sample_image(seed, low, high)
       got = jax.jit(ours)(jnp.asarray(image, jnp.float32))
       chex.assert_type(got, jnp.float32)
       want = np.asarray(pil(Image.fromarray(image)), np.float32)
@@ -97,7 +97,7 @@ class PilReferenceTest(parameterized.TestCase):
       self.assertLessEqual(np.mean(error > 0), share)
 
   def test_ops_take_a_parameter_per_image_under_vmap(self):
-    images = jnp.asarray(np.stack([_image(s) for s in range(3)]), jnp.float32)
+    images = jnp.asarray(np.stack([sample_image(s) for s in range(3)]), jnp.float32)
     factors = jnp.array([0.5, 1.0, 1.5])
     got = jax.vmap(image_ops.contrast)(images, factors)
     for image, factor, out in zip(images, factors, got):

@@ -18,15 +18,16 @@ import numpy as np
 
 from configs import base
 from haiku_mp import errors
-from haiku_mp.train import experiment
 from haiku_mp.lab import checks
 from haiku_mp.lab import compare
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
+from haiku_mp.lab import params
 from haiku_mp.lab import precision as precision_lab
 from haiku_mp.lab import profile
-from haiku_mp.lab import params
 from haiku_mp.lab import sweep
+from haiku_mp.lab import variants
+from haiku_mp.train import experiment
 from tests import helpers
 
 TINY_FLAGS = ('--config.model.num_layers=1', '--config.model.embed_dim=16',
@@ -160,7 +161,7 @@ class SweepTest(parameterized.TestCase):
 class MemoryTest(parameterized.TestCase):
 
   def test_residuals_match_jax_and_are_attributed_to_modules(self):
-    config = sweep.variant_config(helpers.tiny_config(), 'bfloat16', 8,
+    config = variants.variant_config(helpers.tiny_config(), 'bfloat16', 8,
                                   'single:1x1')
     exp = experiment.build(config)
     summary = memory.residual_summary(exp, 8)
@@ -264,7 +265,7 @@ class PrecisionExperimentTest(parameterized.TestCase):
     ref = precision_lab.reference(config, 8)
     errors = {}
     for kind, initial in (('none', 1), ('dynamic', 2**15), ('static', 2**24)):
-      variant = sweep.variant_config(config, 'float16', 8, 'single:1x1')
+      variant = variants.variant_config(config, 'float16', 8, 'single:1x1')
       variant.loss_scale.update(kind=kind, initial=initial)
       errors[kind] = precision_lab.error_vs(variant, ref, 8)['grads_relative_error']
     self.assertLess(errors['none'], 1e-2)
@@ -326,20 +327,20 @@ class ProfileTest(parameterized.TestCase):
     # fusion [1, 4) at the same time and a copy [20, 21) later.
     ops = [op('while.1', 0, 10), op('copy.2', 2, 3), op('copy.3', 5, 3),
            op('fusion.4', 1, 3, tid=2), op('copy.5', 20, 1, tid=2)]
-    self.assertEqual(profile._nesting(ops), [(4, ''), (3, 'while.1'),
+    self.assertEqual(profile.nesting(ops), [(4, ''), (3, 'while.1'),
                                              (3, 'while.1'), (3, ''), (1, '')])
-    self.assertEqual(profile._busy_us(ops), 11)
+    self.assertEqual(profile.busy_us(ops), 11)
     modules = {'vit', 'vit/encoder_block_0/mlp_block'}
     names = {'while.1': 'jit(train_step)/jvp(vit)/encoder_block_0/mlp_block/'
                         'jit(_bernoulli)/while',
              'fusion.4': 'jit(train_step)/add', 'copy.2': '', 'copy.3': '',
              'copy.5': ''}
-    rows = {r['hlo_op']: r for r in profile._ops_by_self_time(ops, names,
+    rows = {r['hlo_op']: r for r in profile.ops_by_self_time(ops, names,
                                                               modules)}
     self.assertEqual(rows['copy.2']['module'], 'vit/encoder_block_*/mlp_block')
     self.assertEqual(rows['fusion.4']['module'], profile.OUTSIDE_MODEL)
     self.assertEqual(rows['copy.5']['module'], profile.NO_OP_NAME)
-    self.assertEqual(profile._by_module(rows.values(), num_steps=1), {
+    self.assertEqual(profile.ms_per_step_by_module(rows.values(), num_steps=1), {
         'vit/encoder_block_*/mlp_block': 10.0 / 1e3,
         profile.OUTSIDE_MODEL: 3 / 1e3, profile.NO_OP_NAME: 1 / 1e3})
 
@@ -353,7 +354,7 @@ class ProfileTest(parameterized.TestCase):
         '  %wrapped_transpose = f32[8] fusion(%q), kind=kLoop',
         '  ROOT %cudnn-conv.3 = (bf16[8], u8[0]) custom-call(%r), '
         'metadata={op_name="jit(train_step)/jvp(vit)/patch_embed/conv/x"}'])
-    names = profile._op_names(hlo)
+    names = profile.hlo_op_names(hlo)
     self.assertEqual(names, {
         'loop_add_fusion.9': 'jit(train_step)/jvp(vit)/encoder_block_0/add',
         'wrapped_transpose': '',
@@ -376,12 +377,12 @@ class ProfileTest(parameterized.TestCase):
         event('Wait for donation holds', 0, 20, 'x', pid=7),
         event('fusion.1', 0, 20, 'fusion.1', pid=7),
     ]
-    ops = profile._op_events(events, names)
+    ops = profile.op_events(events, names)
     self.assertEqual([op['name'] for op in ops],
                      ['loop_add_fusion.9', 'nvjet_sm90_tst_96x128',
                       'wrapped_transpose', 'cudnn-conv.3'])
     modules = {'vit', 'vit/encoder_block_0', 'vit/patch_embed/conv'}
-    rows = {r['hlo_op']: r for r in profile._ops_by_self_time(ops, names,
+    rows = {r['hlo_op']: r for r in profile.ops_by_self_time(ops, names,
                                                               modules)}
     self.assertEqual({op: (r['self_ms'], r['module'])
                       for op, r in rows.items()}, {
@@ -389,7 +390,7 @@ class ProfileTest(parameterized.TestCase):
         'nvjet_sm90_tst_96x128': (2e-3, profile.LIBRARY_KERNEL),
         'wrapped_transpose': (1e-3, profile.NO_OP_NAME),
         'cudnn-conv.3': (3e-3, 'vit/patch_embed/conv')})
-    self.assertEqual(profile._busy_us(ops), 8)
+    self.assertEqual(profile.busy_us(ops), 8)
 
 
 class CommandLineTest(parameterized.TestCase):
@@ -488,7 +489,7 @@ class CommandLineTest(parameterized.TestCase):
                    "'precision', 'matmul', 'profile', 'dot_algorithms', "
                    "'report', 'advise')"),
       (['advise', '--batches=0'], '--batches=0 must be at least 1'),
-      (['advise', '--level=deep'], "--level='deep': expected one of"),
+      (['advise', '--level=deep'], "--level: unknown value 'deep'; expected one of"),
       (['advise', '--checkpoint=/nonexistent'],
        '--checkpoint=/nonexistent: no checkpoints directory in it'),
       (['advise', '--config.advisor.max_relative_error=2'],

@@ -20,11 +20,12 @@ from jax._src import array as array_lib
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.train import checkpoint as checkpoint_lib
-from haiku_mp.train import experiment
 from haiku_mp.data import pipeline
 from haiku_mp.parallel import sharding
+from haiku_mp.train import checkpoint as checkpoint_lib
+from haiku_mp.train import experiment
 from haiku_mp.train import loop
+from haiku_mp.train import metrics as metrics_lib
 from tests import helpers
 
 STEPS, LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY = 12, 4, 6, 6
@@ -174,7 +175,7 @@ class LoopTest(parameterized.TestCase):
 
   def test_the_batch_thread_is_joined_when_the_loop_fails(self):
     threads = set(threading.enumerate())
-    with mock.patch.object(loop, '_log_window',
+    with mock.patch.object(metrics_lib, 'window_summary',
                            side_effect=RuntimeError('a failing log point')):
       with self.assertRaisesRegex(RuntimeError, 'a failing log point'):
         loop.train_and_evaluate(_config(), self.workdir)

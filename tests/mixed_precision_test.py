@@ -16,8 +16,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from haiku_mp.train import experiment
 from haiku_mp.model import forward as forward_lib
+from haiku_mp.train import experiment
 from tests import helpers
 
 POLICIES = dict(

@@ -12,8 +12,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from haiku_mp.data import npz_source
 from haiku_mp import errors
+from haiku_mp.data import npz_source
 from haiku_mp.data import tfds_source
 from tests import helpers
 

@@ -15,8 +15,8 @@ import numpy as np
 import optax
 
 from haiku_mp.model import forward as forward_lib
-from haiku_mp.train import optimizer as optimizer_lib
 from haiku_mp.model import policies
+from haiku_mp.train import optimizer as optimizer_lib
 from tests import helpers
 
 LEARNING_RATE = 1e-4  # Below half of float16's spacing at 1.0 (2**-10).
@@ -69,7 +69,6 @@ class Float32MasterTest(parameterized.TestCase):
     self.assertEqual(mastered['h'].dtype, jnp.bfloat16)
 
   def test_wrapped_only_when_the_policy_stores_half_params(self):
-    config = helpers.tiny_config()
     for policy, overrides, expected in (
         ('p=f32,c=bf16,o=f32', '', False),
         ('p=bf16,c=bf16,o=f32', '', True),
@@ -77,7 +76,8 @@ class Float32MasterTest(parameterized.TestCase):
       plan = policies.make_precision(policy, overrides, model_class='X')
       self.assertEqual(plan.half_params, expected, policy + overrides)
       state = optimizer_lib.make_optimizer(
-          config, 10, plan.half_params).init({'w': jnp.ones((2, 2))})
+          optax.constant_schedule(1e-3), half_params=plan.half_params).init(
+              {'w': jnp.ones((2, 2))})
       self.assertEqual(isinstance(state, optimizer_lib.MasterState), expected)
 
 
@@ -85,15 +85,15 @@ class WeightDecayTest(absltest.TestCase):
 
   def test_decay_skips_biases_layer_norm_cls_token_and_positions(self):
     config = helpers.tiny_config()
-    config.weight_decay = 0.5
-    config.learning_rate = 0.1
     forward, _ = forward_lib.build(config)
     images = helpers.random_batch(config)['image']
     shapes = jax.eval_shape(
         lambda: forward.init(jax.random.key(0), images, True))
     # Every param non-zero, so that a decayed one moves.
     params = jax.tree.map(lambda p: jnp.full(p.shape, 0.1, p.dtype), shapes)
-    optimizer = optimizer_lib.make_optimizer(config, total_steps=10)
+    optimizer = optimizer_lib.make_optimizer(
+        optimizer_lib.learning_rate_schedule(0.1, 0, total_steps=10),
+        weight_decay=0.5)
     state = optimizer.init(params)
     zeros = jax.tree.map(jnp.zeros_like, params)
     # The first step's learning rate is the peak (no warmup): zero gradients
@@ -113,15 +113,12 @@ class WeightDecayTest(absltest.TestCase):
 class EmaTest(absltest.TestCase):
 
   def test_the_average_follows_the_params_in_float32(self):
-    config = helpers.tiny_config()
-    config.ema_decay = 0.75
-    config.learning_rate = 0.01
+    schedule = optimizer_lib.learning_rate_schedule(0.01, 0, STEPS)
     params = {'m': {'w': jnp.ones(4, jnp.bfloat16)}}
-    optimizer = optimizer_lib.make_optimizer(config, total_steps=STEPS,
+    optimizer = optimizer_lib.make_optimizer(schedule, ema_decay=0.75,
                                              half_params=True)
     self.assertIsNone(optimizer_lib.ema_params(
-        optimizer_lib.make_optimizer(helpers.tiny_config(), STEPS).init(
-            params)))
+        optimizer_lib.make_optimizer(schedule).init(params)))
     state = optimizer.init(params)
     expected = np.ones(4, np.float32)
     for _ in range(3):
@@ -139,9 +136,8 @@ class EmaTest(absltest.TestCase):
 class ScheduleTest(absltest.TestCase):
 
   def test_warmup_then_cosine_to_zero(self):
-    config = helpers.tiny_config()
-    config.learning_rate, config.warmup_steps = 1e-3, 10
-    schedule = optimizer_lib.learning_rate_schedule(config, 100)
+    schedule = optimizer_lib.learning_rate_schedule(1e-3, warmup_steps=10,
+                                                    total_steps=100)
     self.assertEqual(float(schedule(0)), 0.0)
     self.assertAlmostEqual(float(schedule(10)), 1e-3, places=9)
     self.assertAlmostEqual(float(schedule(100)), 0.0, places=9)

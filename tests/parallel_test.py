@@ -9,6 +9,7 @@ import sys
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import contextlib
 import json
 import re
 import socket
@@ -23,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.train import experiment
 from haiku_mp.model import module_table
+from haiku_mp.train import experiment
 import tests
 from tests import helpers
 from tests import signal_at_step
@@ -219,10 +220,16 @@ class BadSettingsTest(parameterized.TestCase):
       _setup(config)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
+@contextlib.contextmanager
+def _reserved_port():
+  """A port no other process can take while in use, which the coordinator
+  can still bind: this socket holds it with SO_REUSEPORT, never listening,
+  and the coordinator's gRPC server binds with SO_REUSEPORT too (a port
+  merely found free could be taken before the coordinator binds it)."""
+  with socket.socket() as sock:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(('127.0.0.1', 0))
+    yield sock.getsockname()[1]
 
 
 MULTI_FLAGS = ('--config=configs/vit_fp16.py', '--config.data.source=synthetic',
@@ -243,7 +250,11 @@ def _env(devices, **extra):
 
 def _two_processes(flags, workdir, signal_at_process_1=None):
   """Runs launch.train as 2 processes of 4 devices; their (returncode, log)."""
-  port = _free_port()
+  with _reserved_port() as port:
+    return _run_two(flags, workdir, signal_at_process_1, port)
+
+
+def _run_two(flags, workdir, signal_at_process_1, port):
   procs = []
   for i in range(2):
     env, module = _env(4), 'launch.train'

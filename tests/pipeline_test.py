@@ -17,8 +17,8 @@ import numpy as np
 
 from haiku_mp.data import npz_source
 from haiku_mp.data import pipeline
-from haiku_mp.privacy import dp_sgd
 from haiku_mp.data import tfds_source
+from haiku_mp.privacy import dp_sgd
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,8 +257,7 @@ class ArraysSourceTest(parameterized.TestCase):
     self.assertEqual(_ids(splits.val.images), list(range(40, 50)))
     self.assertEqual(_ids(splits.test.images), list(range(20)))
     np.testing.assert_array_equal(splits.val.labels, np.arange(40, 50) % 10)
-    self.assertEqual(pipeline.num_train_examples(self.config.data), 40)
-    pipeline.check_available(self.config.data)
+    self.assertEqual(pipeline.check_available(self.config.data), 40)
 
   def test_an_epoch_reads_every_training_example_once(self):
     split = pipeline.load(self.config).train
@@ -356,10 +355,10 @@ class RealDataTest(parameterized.TestCase):
     sizes = [builder.info.splits[s].num_examples
              for s in (data.train_split, data.val_split, data.test_split)]
     self.assertEqual(sizes, [45000, 5000, 10000])
-    self.assertEqual(pipeline.num_train_examples(data), 45000)
+    self.assertEqual(pipeline.check_available(data), 45000)
 
   def test_real_images_normalize_to_zero_mean(self):
-    from haiku_mp import augment  # pylint: disable=g-import-not-at-top
+    from haiku_mp.data import augment  # pylint: disable=g-import-not-at-top
     builder = tfds_source.builder(self.config.data)
     images, labels = tfds_source.read_split(builder, self.config.data.val_split)
     self.assertEqual(images.shape, (5000, 32, 32, 3))

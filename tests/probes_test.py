@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.train import experiment
+from haiku_mp.lab import advisor
 from haiku_mp.lab import numerics
 from haiku_mp.lab import probes
-from haiku_mp.lab import advisor
+from haiku_mp.lab import variants
+from haiku_mp.train import experiment
 from tests import helpers
 
 SCALE = 2.0**12
@@ -26,7 +27,7 @@ def tiny_reference(config=None):
   """The float32 reference of `config` (default: the tiny ViT) and its
   params with a random (not zero) head, so that gradients reach every
   module."""
-  exp = experiment.build_without_data(advisor.reference_config(
+  exp = experiment.build_without_data(variants.float32_reference(
       config or helpers.tiny_config()))
   params = exp.init_state().params
   head = params['vit/head']
@@ -68,7 +69,7 @@ class StatisticsTest(absltest.TestCase):
     exp, params = tiny_reference()
     batch = helpers.random_batch(exp.config, 8)
     rng = jax.random.key(3)
-    paths = list(advisor._modules(exp))  # pylint: disable=protected-access
+    paths = list(advisor.module_classes(exp))
     stats = probes.statistics_fn(exp.loss_fn, paths)
     modules, param_stats = stats.fn(params, rng, batch, SCALE)
     self.assertEqual(stats.aliases, {

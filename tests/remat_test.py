@@ -14,10 +14,10 @@ import jax
 
 from configs import base
 from haiku_mp import errors
-from haiku_mp.train import experiment
-from haiku_mp.model import remat
 from haiku_mp.lab import memory
-from haiku_mp.lab import sweep
+from haiku_mp.lab import variants
+from haiku_mp.model import remat
+from haiku_mp.train import experiment
 from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'
@@ -55,7 +55,7 @@ class RematTest(parameterized.TestCase):
     def kept_bytes(setting, dtype):
       config = base.get_config()
       config.remat = setting
-      exp = experiment.build_without_data(sweep.variant_config(
+      exp = experiment.build_without_data(variants.variant_config(
           config, dtype, batch_size, 'single:1x1'))
       return memory.residual_summary(exp, batch_size)['kept_bytes']
 

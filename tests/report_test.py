@@ -14,11 +14,12 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from haiku_mp.data import npz_source
 from haiku_mp import errors
+from haiku_mp.data import npz_source
 from haiku_mp.lab import isolated
 from haiku_mp.lab import report
 from haiku_mp.lab import step_benchmark
+from haiku_mp.lab import variants
 from tests import helpers
 
 
@@ -100,7 +101,7 @@ class QuickReportTest(parameterized.TestCase):
     for part in ('benchmark', 'memory'):
       rows = _read(self.out, part)['results']
       self.assertEqual([(r['dtype'], r['fits']) for r in rows],
-                       [(d, True) for d in report.DTYPES])
+                       [(d, True) for d in variants.DTYPES])
     bench = _read(self.out, 'benchmark')['results']
     for row in bench:
       self.assertAlmostEqual(row['vs_float32']['images_per_sec'],
@@ -137,7 +138,7 @@ class QuickReportTest(parameterized.TestCase):
   def test_accuracy_runs_are_workdirs_with_curves_and_the_gap(self):
     self.assertEqual(self.result.returncode, 0, self.result.stderr[-3000:])
     result = _read(self.out, 'accuracy')
-    self.assertEqual([r['dtype'] for r in result['runs']], list(report.DTYPES))
+    self.assertEqual([r['dtype'] for r in result['runs']], list(variants.DTYPES))
     for run in result['runs']:
       self.assertEqual(run['steps'], report.QUICK_TRAIN_STEPS)
       workdir = os.path.join(self.out, run['workdir'])

@@ -20,11 +20,12 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from configs import vit_recipe
-from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.data import npz_source
 from haiku_mp.data import pipeline
-from haiku_mp.train import metrics as metrics_lib
+from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import loop
+from haiku_mp.train import run_dir
+from haiku_mp.train import metrics as metrics_lib
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,9 +98,9 @@ class TrainerTest(parameterized.TestCase):
 
   def test_a_finished_run_is_recognized_by_its_config(self):
     config = _tiny_run_config()
-    self.assertIsNone(loop.finished_summary(config, self.workdir))
+    self.assertIsNone(run_dir.finished_summary(config, self.workdir))
     summary = loop.train_and_evaluate(config, self.workdir)
-    on_disk = loop.finished_summary(config, self.workdir)
+    on_disk = run_dir.finished_summary(config, self.workdir)
     self.assertEqual(on_disk['test_accuracy'], summary['test_accuracy'])
     self.assertEqual(on_disk['steps'], 6)
     with mock.patch.object(pipeline, 'load') as load:
@@ -108,10 +109,10 @@ class TrainerTest(parameterized.TestCase):
     load.assert_not_called()
     longer = _tiny_run_config()
     longer.num_train_steps = 7  # Another run: it goes on from step 6.
-    self.assertIsNone(loop.finished_summary(longer, self.workdir))
+    self.assertIsNone(run_dir.finished_summary(longer, self.workdir))
     cached = _tiny_run_config()  # The same run, its programs kept elsewhere.
     cached.compilation_cache_dir = os.path.join(self.workdir, 'cache')
-    self.assertEqual(loop.finished_summary(cached, self.workdir), on_disk)
+    self.assertEqual(run_dir.finished_summary(cached, self.workdir), on_disk)
 
   def test_any_exit_closes_writer_and_checkpointer_and_restores_sigterm(self):
     """A KeyboardInterrupt after three steps (not even an Exception) still

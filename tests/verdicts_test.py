@@ -16,10 +16,10 @@ import haiku as hk
 import jax
 
 from configs import base
+from haiku_mp.lab import advisor
+from haiku_mp.lab import numerics
 from haiku_mp.lab import verdicts
 from haiku_mp.train import experiment
-from haiku_mp.lab import numerics
-from haiku_mp.lab import advisor
 from tests import helpers
 from tests import probes_test
 
@@ -107,7 +107,7 @@ class AdvisorTest(absltest.TestCase):
     # The top module hands on the head's logits: not judged again.
     self.assertEqual({m.path: m.same_as for m in modules}['vit'], 'vit/head')
     overrides = verdicts.overrides(modules, judged, 'float16',
-                                 advisor._inherits(self.exp),  # pylint: disable=protected-access
+                                 advisor.inherits(self.exp),
                                  'params=float32,compute=float16,output=float16')
     self.assertEqual(overrides, f'vit/head:{verdicts.F32_POLICY}')
     # The config it suggests builds: its override names a real module.

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from haiku_mp.data import auto_augment
 from haiku_mp import errors
+from haiku_mp.data import auto_augment
 from haiku_mp.data import mixing
 
 CROPS = ('resized', 'pad', 'none')
@@ -94,7 +94,7 @@ def _bilinear_taps(start, size, out_size: int):
   return low, high, position - low
 
 
-def _crop_and_resize(image: jax.Array, window: Windows) -> jax.Array:
+def crop_and_resize(image: jax.Array, window: Windows) -> jax.Array:
   """One float image's window, resized bilinearly to the image's size.
 
   Written out rather than `jax.image.scale_and_translate`, which samples
@@ -140,12 +140,8 @@ def _erase(key: jax.Array, image: jax.Array, probability: float
 
 def check_settings(data_config: ml_collections.ConfigDict) -> None:
   """The augmentation's names and ranges (`config_checks` runs this)."""
-  if data_config.crop not in CROPS:
-    raise errors.ConfigError(f'data.crop={data_config.crop!r} must be one of '
-                             f'{CROPS}')
-  if data_config.policy not in POLICIES:
-    raise errors.ConfigError(f'data.policy={data_config.policy!r} must be one '
-                             f'of {POLICIES}')
+  errors.check_choice('data.crop', data_config.crop, CROPS)
+  errors.check_choice('data.policy', data_config.policy, POLICIES)
   magnitude = data_config.randaugment_magnitude
   if not 0 <= magnitude <= auto_augment.MAX_LEVEL:
     raise errors.ConfigError(
@@ -188,7 +184,7 @@ def augment(keys: jax.Array, images: jax.Array,
     windows = crop_windows(k_crop, height, width, data_config.crop_area,
                            data_config.crop_aspect_ratio,
                            data_config.crop_max_attempts)
-    pixels = jax.vmap(_crop_and_resize)(pixels, windows)
+    pixels = jax.vmap(crop_and_resize)(pixels, windows)
   elif data_config.crop == 'pad':
     pixels = jax.vmap(_pad_and_crop, in_axes=(0, 0, None))(
         k_crop, pixels, data_config.crop_padding)

@@ -19,17 +19,17 @@ import math
 import queue
 import re
 import threading
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
 import ml_collections
 import numpy as np
 
-from haiku_mp.data import npz_source
 from haiku_mp import errors
-from haiku_mp.privacy import dp_sgd
+from haiku_mp.data import npz_source
 from haiku_mp.data import sampling
 from haiku_mp.data import tfds_source
+from haiku_mp.privacy import dp_sgd
 
 Batch = dict[str, np.ndarray]
 
@@ -96,9 +96,7 @@ def random_batch(model_config: ml_collections.ConfigDict, batch_size: int,
 
 
 def _source(data_config: ml_collections.ConfigDict) -> str:
-  if data_config.source not in SOURCES:
-    raise DataError(f'data.source: unknown source {data_config.source!r}; '
-                    f'expected one of {SOURCES}')
+  errors.check_choice('data.source', data_config.source, SOURCES, DataError)
   return data_config.source
 
 
@@ -211,17 +209,21 @@ def check_settings(data_config: ml_collections.ConfigDict) -> None:
                     'must be at least 1')
 
 
-def check_available(data_config: ml_collections.ConfigDict) -> None:
-  """Raises `DataError` now, before a run writes anything, if data is missing
-  or a split setting names examples the dataset does not have."""
+def check_available(data_config: ml_collections.ConfigDict) -> Optional[int]:
+  """The train split's size (all processes: epochs, ETAs, DP-SGD's
+  sampling), from the dataset's metadata read once (None where it has none:
+  tfds.testing.mock_data); raises `DataError` now, before a run writes or
+  loads anything, if data is missing or a split setting names examples the
+  dataset does not have."""
   check_settings(data_config)
   source = _source(data_config)
+  if source == 'synthetic':
+    return data_config.synthetic_train_examples
   if source == 'arrays':
     sizes = npz_source.split_sizes(data_config.arrays_path)
-    for setting in SPLIT_SETTINGS:
-      split_slice(setting, data_config[setting], sizes)
-  if source != 'tfds':
-    return
+    examples = {setting: split_slice(setting, data_config[setting], sizes)[1]
+                for setting in SPLIT_SETTINGS}
+    return len(examples['train_split'])
   builder = tfds_source.builder(data_config)
   for setting in SPLIT_SETTINGS:
     split = data_config[setting]
@@ -232,18 +234,10 @@ def check_available(data_config: ml_collections.ConfigDict) -> None:
     except ValueError as e:
       raise DataError(f'data.{setting}={split!r}: '
                       f'{str(e).splitlines()[0]}') from None
-
-
-def num_train_examples(data_config: ml_collections.ConfigDict) -> int:
-  """Examples in the training split (all processes), for epochs and ETAs."""
-  source = _source(data_config)
-  if source == 'synthetic':
-    return data_config.synthetic_train_examples
-  if source == 'arrays':
-    sizes = npz_source.split_sizes(data_config.arrays_path)
-    return len(split_slice('train_split', data_config.train_split, sizes)[1])
-  builder = tfds_source.builder(data_config)
-  return builder.info.splits[data_config.train_split].num_examples
+  try:
+    return builder.info.splits[data_config.train_split].num_examples
+  except KeyError:
+    return None
 
 
 # ------------------------------------------------------------------ batches --

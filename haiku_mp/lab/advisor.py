@@ -27,24 +27,21 @@ import time
 from typing import Any, Callable, Collection, Optional
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp.lab import verdicts
-from haiku_mp.train import checkpoint as checkpoint_lib
-from haiku_mp.lab import timing
 from haiku_mp import errors
-from haiku_mp.train import experiment
 from haiku_mp.data import pipeline
-from haiku_mp.model import forward as forward_lib
 from haiku_mp.lab import numerics
-from haiku_mp.model import policies
 from haiku_mp.lab import probes
-from haiku_mp.train import step as step_lib
-from haiku_mp.lab import matmul
 from haiku_mp.lab import step_benchmark
-from haiku_mp.lab import sweep
+from haiku_mp.lab import timing
+from haiku_mp.lab import variants
+from haiku_mp.lab import verdicts
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.train import checkpoint as checkpoint_lib
+from haiku_mp.train import experiment
+from haiku_mp.train import step as step_lib
 
 LEVELS = ('stats', 'knockout')
 HALF_DTYPES = ('float16', 'bfloat16')
@@ -95,36 +92,6 @@ def with_run_config(config: ml_collections.ConfigDict, workdir: str,
   return config
 
 
-def reference_config(config: ml_collections.ConfigDict
-                     ) -> ml_collections.ConfigDict:
-  """`config` computing in float32 everywhere, on one device: its params'
-  dtype, optimizer and loss scale kept (its checkpoints restore), overrides
-  dropped, matmuls at full float32 precision, nothing rematerialized, no
-  DP-SGD."""
-  config = _one_device(sweep.in_compute_dtype(config, 'float32'))
-  config.precision.overrides = ''
-  config.precision.float32_layer_norm = True
-  config.precision.residual_stream = 'compute'
-  config.precision.matmul_precision = 'highest'
-  config.remat = 'none'
-  return config
-
-
-def _one_device(config: ml_collections.ConfigDict
-                ) -> ml_collections.ConfigDict:
-  """A copy of `config` on one device, without DP-SGD."""
-  config = copy.deepcopy(config)
-  config.privacy.enabled = False
-  config.parallel.strategy = 'single'
-  config.parallel.mesh_shape = (1, 1)
-  return config
-
-
-def compute_dtype(config: ml_collections.ConfigDict) -> str:
-  return jnp.dtype(policies.parse_policy(
-      config.precision.policy).compute_dtype).name
-
-
 def _check(num_batches: int, level: str, steps: int, checkpoint: str,
            init_steps: int) -> None:
   if init_steps < 0:
@@ -135,8 +102,7 @@ def _check(num_batches: int, level: str, steps: int, checkpoint: str,
         'workdir of launch.train holds one)')
   if num_batches < 1:
     raise errors.ConfigError(f'--batches={num_batches} must be at least 1')
-  if level not in LEVELS:
-    raise errors.ConfigError(f'--level={level!r}: expected one of {LEVELS}')
+  errors.check_choice('--level', level, LEVELS)
   if steps < 1:
     raise errors.ConfigError(f'--steps={steps} must be at least 1')
 
@@ -192,7 +158,7 @@ def _model_inputs(exp: experiment.Experiment, batches, seed: int):
           for i, batch in enumerate(batches)]
 
 
-def _modules(exp: experiment.Experiment) -> dict[str, str]:
+def module_classes(exp: experiment.Experiment) -> dict[str, str]:
   """Each module path called (in call order) -> its class name."""
   return {c.path: c.class_name for c in exp.module_calls
           if c.method == '__call__'}
@@ -214,7 +180,7 @@ def measure(exp: experiment.Experiment, state, inputs,
   (default: the experiment's) is what is differentiated; a test plants
   faults through it.
   """
-  classes = _modules(exp)
+  classes = module_classes(exp)
   stats = probes.statistics_fn(loss_fn or exp.loss_fn, classes)
   outputs, gradients, params = {}, {}, {}
   scales = []
@@ -283,7 +249,7 @@ def _scale_json(window) -> dict[str, Any]:
                       None if hi is None else 2.0**hi])
 
 
-def _inherits(exp: experiment.Experiment) -> dict[str, bool]:
+def inherits(exp: experiment.Experiment) -> dict[str, bool]:
   """Whether each module call has no precision rule of its own (it inherits
   its caller's policy) in the config."""
   return {c.path: exp.precision.rule_for(c.class_name, c.path) is None
@@ -295,7 +261,7 @@ def _suggestion(config, exp, modules, judged: verdicts.Advice, fmt: str
   """The config for half format `fmt` that follows from the verdicts."""
   half = verdicts.policy(config.precision.policy, fmt, fmt)
   policy = verdicts.policy(config.precision.policy, fmt, 'float32')
-  overrides = verdicts.overrides(modules, judged, fmt, _inherits(exp), half)
+  overrides = verdicts.overrides(modules, judged, fmt, inherits(exp), half)
   flags = [f'--config.precision.policy={policy}',
            f"--config.precision.overrides='{overrides}'"]
   lo, hi = judged.scale_window
@@ -352,14 +318,14 @@ def knockout(config: ml_collections.ConfigDict, params, inputs,
 
 def _time(fn, repeats: int) -> float:
   jax.block_until_ready(fn())  # Compiles, or warms up.
-  return matmul.median_seconds(fn, (), repeats)
+  return timing.median_seconds(fn, (), repeats)
 
 
 def cost(config: ml_collections.ConfigDict, stats: probes.StatisticsFn,
          state, batch, repeats: int) -> dict[str, Any]:
   """The statistics pass against the config's own train step (its
   precision, one device), on the same batch, in this process."""
-  config = _one_device(config)
+  config = variants.on_one_device(config)
   step = timing.compile_experiment(
       experiment.build_without_data(config))
   step_state = step.experiment.strategy.init_state()
@@ -387,9 +353,9 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   the files)."""
   _check(num_batches, level, repeats, checkpoint, config.advisor.init_steps)
   thresholds = verdicts.Thresholds.from_config(config.advisor)
-  target = compute_dtype(config)
+  target = variants.compute_dtype(config)
   formats = [target] if target in HALF_DTYPES else list(HALF_DTYPES)
-  reference = reference_config(config)
+  reference = variants.float32_reference(config)
   exp = experiment.build(reference)
   state, step, source = initial_state(exp, checkpoint, checkpoint_step)
   init_steps = 0 if checkpoint else config.advisor.init_steps

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp.lab import plots
-from haiku_mp.lab import matmul
+from haiku_mp.lab import timing
 
 X64_ENV = 'JAX_ENABLE_X64'
 
@@ -61,7 +61,7 @@ def _one(preset, size: int, repeats: int) -> dict[str, Any]:
   error = np.linalg.norm(np.asarray(out, np.float64) - exact)
   row.update(compiles=True, error=None, result_dtype=out.dtype.name,
              relative_error=float(error / np.linalg.norm(exact)),
-             median_sec=matmul.median_seconds(dot, (a, b), repeats))
+             median_sec=timing.median_seconds(dot, (a, b), repeats))
   return row
 
 

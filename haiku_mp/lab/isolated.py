@@ -14,17 +14,15 @@ from typing import Any
 import jax
 import ml_collections
 
-from haiku_mp.lab import timing
 from haiku_mp import errors
-from haiku_mp.data import pipeline
+from haiku_mp.lab import timing
 
 
 def measure_compiled(step: timing.CompiledStep, num_steps: int,
                      warmup_steps: int) -> dict[str, Any]:
   """The compiled step's stats, its timing, and the epoch time that implies."""
   times = timing.time_steps(step, num_steps, warmup_steps)
-  epoch_examples = pipeline.num_train_examples(
-      step.experiment.config.data)
+  epoch_examples = step.experiment.num_train_examples
   return dict(**step.stats, **times,
               epoch_sec=epoch_examples / times['images_per_sec'],
               device=str(jax.devices()[0].device_kind))

@@ -26,16 +26,16 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp.lab import timing
-from haiku_mp.train import experiment
 from haiku_mp.data import pipeline
-from haiku_mp.model import forward as forward_lib
-from haiku_mp.lab import plots
-from haiku_mp.parallel import sharding
-from haiku_mp.train import loop
 from haiku_mp.lab import compare
+from haiku_mp.lab import plots
 from haiku_mp.lab import step_benchmark
-from haiku_mp.lab import sweep
+from haiku_mp.lab import timing
+from haiku_mp.lab import variants
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.parallel import sharding
+from haiku_mp.train import experiment
+from haiku_mp.train import loop
 
 # The loop should keep the device this busy (issue target, a benchmark's).
 TARGET_LOOP_OVER_STEP = 0.90
@@ -163,7 +163,7 @@ def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
   precision next to its step's."""
   rows = []
   for dtype in dtypes:
-    row = run(sweep.in_compute_dtype(config, dtype), steps, rounds,
+    row = run(variants.in_compute_dtype(config, dtype), steps, rounds,
               log=lambda line, d=dtype: log(f'{d} {line}'))
     rows.append(row)
   compare.add_ratios(rows, 'vs_first', RATIO_FIELDS,

@@ -1,7 +1,6 @@
 """Experiment `matmul`: the seeds' `jnp.dot(A, A.T)` per dtype, time and FLOP/s."""
 
 import os
-import time
 from typing import Any, Sequence
 
 import jax
@@ -9,24 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp.lab import plots
+from haiku_mp.lab import timing
 
 DTYPES = ('float64', 'float32', 'float16', 'bfloat16')
-
-
-def seconds(fn, args, repeats: int) -> list[float]:
-  """Wall time of each of `repeats` calls of `fn(*args)` (compiled already),
-  each call waited for."""
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return times
-
-
-def median_seconds(fn, args, repeats: int) -> float:
-  """Median wall time of `fn(*args)` (compiled already), each call waited for."""
-  return float(np.median(seconds(fn, args, repeats)))
 
 
 def run(rows: int, cols: int, repeats: int,
@@ -40,7 +24,7 @@ def run(rows: int, cols: int, repeats: int,
                       name)
       dot = jax.jit(lambda x: jnp.dot(x, x.T))
       computed_dtype = dot(a).block_until_ready().dtype.name  # Compiles.
-      median = median_seconds(dot, (a,), repeats)
+      median = timing.median_seconds(dot, (a,), repeats)
     flops = 2.0 * rows * rows * cols
     results.append(dict(dtype=name, computed_dtype=computed_dtype,
                         median_sec=median,

@@ -24,14 +24,13 @@ from jax.extend import core as jex_core
 import ml_collections
 import numpy as np
 
-from haiku_mp.train import experiment
-from haiku_mp.model import forward as forward_lib
+from haiku_mp.lab import compare
 from haiku_mp.lab import plots
 from haiku_mp.lab import timing
-from haiku_mp.lab import compare
-from haiku_mp.lab import sweep
+from haiku_mp.lab import variants
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.train import experiment
 
-BATCH_SIZES = (128, 1024, 4096)
 OUTSIDE_MODEL = '(loss, outside the model)'
 _TRANSFORM = re.compile(r'^\w+\((.*)\)$')  # 'jvp(vit)' -> 'vit'.
 _BLOCK_INDEX = re.compile(r'_\d+(?=/|$)')  # 'encoder_block_3' -> 'encoder_block_*'.
@@ -158,14 +157,14 @@ def breakdown(config: ml_collections.ConfigDict, compile_step: bool
 
 
 def run(config: ml_collections.ConfigDict,
-        dtypes: Sequence[str] = sweep.DTYPES,
-        batch_sizes: Sequence[int] = BATCH_SIZES,
+        dtypes: Sequence[str] = variants.DTYPES,
+        batch_sizes: Sequence[int] = variants.BATCH_SIZES,
         compile_step: bool = True, log=print) -> dict[str, Any]:
   """The breakdown for every dtype x batch size, and ratios to float32."""
   results = []
   for batch_size in batch_sizes:
     for dtype in dtypes:
-      variant = sweep.variant_config(config, dtype, batch_size, 'single:1x1')
+      variant = variants.variant_config(config, dtype, batch_size, 'single:1x1')
       result = dict(dtype=dtype, batch_size=batch_size,
                     policy=variant.precision.policy,
                     **breakdown(variant, compile_step))

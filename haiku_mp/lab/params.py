@@ -12,9 +12,9 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from haiku_mp.train import experiment
 from haiku_mp.lab import plots
 from haiku_mp.model import module_table
+from haiku_mp.train import experiment
 
 DTYPES = ('float32', 'float16', 'bfloat16')
 

@@ -20,11 +20,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from haiku_mp.lab import timing
-from haiku_mp.train import experiment
 from haiku_mp.data import pipeline
-from haiku_mp.parallel import sharding
 from haiku_mp.lab import step_benchmark
+from haiku_mp.lab import timing
+from haiku_mp.parallel import sharding
+from haiku_mp.train import experiment
 
 # Targets of the pipeline: images/s over the step's, and the fed step's
 # slowdown against the step on a device batch.
@@ -37,10 +37,7 @@ TARGET_AUGMENT_SHARE = 0.05
 def _images_per_sec(fn, batch_size: int, repeats: int) -> float:
   """Images/s of `fn()` (which handles one batch and waits for it)."""
   fn()  # Compiles, or warms up.
-  start = time.perf_counter()
-  for _ in range(repeats):
-    fn()
-  return batch_size * repeats / (time.perf_counter() - start)
+  return batch_size * repeats / sum(timing.seconds(fn, (), repeats))
 
 
 def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,

@@ -12,7 +12,6 @@ the same float32 initial params and the same batch):
   per half compute dtype: saved-residual bytes, compiled memory, time, error.
 """
 
-import copy
 import os
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -21,29 +20,23 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp.train import experiment
 from haiku_mp.data import pipeline
-from haiku_mp.train import loss_scaling
-from haiku_mp.model import forward as forward_lib
-from haiku_mp.lab import plots
-from haiku_mp.lab import timing
-from haiku_mp.train import step as step_lib
 from haiku_mp.lab import compare
 from haiku_mp.lab import isolated
 from haiku_mp.lab import memory
-from haiku_mp.lab import sweep
+from haiku_mp.lab import plots
+from haiku_mp.lab import timing
+from haiku_mp.lab import variants
+from haiku_mp.model import forward as forward_lib
+from haiku_mp.train import experiment
+from haiku_mp.train import loss_scaling
+from haiku_mp.train import step as step_lib
 
 MATMUL_PRECISIONS = ('', 'default', 'high', 'highest', 'bfloat16',
                      'tensorfloat32', 'float32')
 DTYPES = ('float32', 'bfloat16')
 RESIDUAL_STREAMS = ('compute', 'float32')
 _REFERENCE_POLICY = 'params=float64,compute=float64,output=float64'
-
-
-def _deterministic(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  config = copy.deepcopy(config)
-  config.model.dropout_rate = 0.0  # Same function in every variant.
-  return config
 
 
 def _batch(config, batch_size: int, dtype) -> dict[str, jax.Array]:
@@ -101,7 +94,7 @@ class Reference(NamedTuple):
 def reference(config: ml_collections.ConfigDict, batch_size: int
               ) -> Reference:
   """Logits, loss and gradients with every dtype float64."""
-  config = _deterministic(config)
+  config = variants.without_dropout(config)
   config.precision.update(policy='float32', overrides='')
   params = _initial_params(experiment.build_without_data(config))
   config.precision.update(policy=_REFERENCE_POLICY, float32_layer_norm=False,
@@ -121,7 +114,7 @@ def _relative(a, b) -> float:
 def error_vs(config: ml_collections.ConfigDict, ref, batch_size: int
              ) -> dict[str, float]:
   """How far the config's logits, loss and gradients are from `ref`."""
-  exp = experiment.build_without_data(_deterministic(config))
+  exp = experiment.build_without_data(variants.without_dropout(config))
   params = jax.tree.map(lambda p, a: jnp.asarray(p, a.dtype), ref.params,
                         exp.abstract_state.params)  # As the policy stores them.
   logits, loss, grads = _logits_and_grads(
@@ -139,7 +132,7 @@ def error_vs(config: ml_collections.ConfigDict, ref, batch_size: int
 
 def _variant(config, dtype, batch_size, matmul_precision='',
              residual_stream='compute'):
-  config = sweep.variant_config(config, dtype, batch_size, 'single:1x1')
+  config = variants.variant_config(config, dtype, batch_size, 'single:1x1')
   config.precision.matmul_precision = matmul_precision
   config.precision.residual_stream = residual_stream
   return config

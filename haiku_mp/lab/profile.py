@@ -30,10 +30,10 @@ from typing import Any
 import jax
 import ml_collections
 
-from haiku_mp.model import forward as forward_lib
+from haiku_mp.lab import memory
 from haiku_mp.lab import plots
 from haiku_mp.lab import timing
-from haiku_mp.lab import memory
+from haiku_mp.model import forward as forward_lib
 
 STEP_NAME = 'train'
 TOP_OPS = 20
@@ -70,9 +70,9 @@ def run(config: ml_collections.ConfigDict, out_dir: str, num_steps: int,
   steps = sorted((e for e in events
                   if e.get('name') == STEP_NAME and e.get('ph') == 'X'),
                  key=lambda e: e['ts'])
-  op_names = _op_names(step.compiled.as_text())
-  ops = _op_events(events, op_names)
-  by_op = _ops_by_self_time(ops, op_names, _module_paths(config))
+  op_names = hlo_op_names(step.compiled.as_text())
+  ops = op_events(events, op_names)
+  by_op = ops_by_self_time(ops, op_names, _module_paths(config))
   return dict(
       experiment='profile', device=str(jax.devices()[0].device_kind),
       num_steps=num_steps, warmup_steps=warmup_steps,
@@ -81,9 +81,9 @@ def run(config: ml_collections.ConfigDict, out_dir: str, num_steps: int,
       traced_steps=len(steps),
       step_ms=[e['dur'] / 1e3 for e in steps],
       op_ms_per_step=sum(op['self_ms'] for op in by_op) / num_steps,
-      busy_ms_per_step=_busy_us(ops) / 1e3 / num_steps,
+      busy_ms_per_step=busy_us(ops) / 1e3 / num_steps,
       top_ops=by_op[:TOP_OPS],
-      ms_per_step_by_module=_by_module(by_op, num_steps),
+      ms_per_step_by_module=ms_per_step_by_module(by_op, num_steps),
       open_with=[f'tensorboard --logdir {log_dir}  (needs the '
                  'tensorboard-plugin-profile package)',
                  f'xprof --logdir {log_dir}  (pip install xprof)',
@@ -98,7 +98,7 @@ def _trace_events(files) -> list[dict[str, Any]]:
     return json.load(f).get('traceEvents', [])
 
 
-def _op_events(events, op_names: dict[str, str]) -> list[dict[str, Any]]:
+def op_events(events, op_names: dict[str, str]) -> list[dict[str, Any]]:
   """The executions of compiled ops, each event named after its HLO op.
 
   A trace with device planes (a GPU's `/device:GPU:0`) holds the kernels each
@@ -133,7 +133,7 @@ def _kernel_op(kernel: str, hlo_op: str, op_names: dict[str, str]) -> str:
   return kernel
 
 
-def _busy_us(ops) -> float:
+def busy_us(ops) -> float:
   """Microseconds during which at least one op ran (overlaps counted once)."""
   busy, end = 0.0, -math.inf
   for start, stop in sorted((e['ts'], e['ts'] + e['dur']) for e in ops):
@@ -142,7 +142,7 @@ def _busy_us(ops) -> float:
   return busy
 
 
-def _nesting(ops) -> list[tuple[float, str]]:
+def nesting(ops) -> list[tuple[float, str]]:
   """Per op execution: its self time in us and the op it ran inside ('' at top).
 
   A while loop's (or call's) event spans the events of the ops in its body on
@@ -172,7 +172,7 @@ def _nesting(ops) -> list[tuple[float, str]]:
   return result
 
 
-def _op_names(hlo_text: str) -> dict[str, str]:
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
   """Every HLO instruction's name -> the JAX op name (with module path) it
   came from, '' for the ones XLA made."""
   names = {}
@@ -182,7 +182,7 @@ def _op_names(hlo_text: str) -> dict[str, str]:
   return names
 
 
-def _ops_by_self_time(ops, op_names, modules: set[str]
+def ops_by_self_time(ops, op_names, modules: set[str]
                       ) -> list[dict[str, Any]]:
   """Every traced op by self time summed over the steps, longest first, with
   the module it ran in; an op XLA made inside another (a while loop's body)
@@ -190,7 +190,7 @@ def _ops_by_self_time(ops, op_names, modules: set[str]
   total = collections.Counter()
   calls = collections.Counter()
   inside = {}
-  for e, (self_us, parent) in zip(ops, _nesting(ops)):
+  for e, (self_us, parent) in zip(ops, nesting(ops)):
     total[e['name']] += self_us
     calls[e['name']] += 1
     inside.setdefault(e['name'], parent)
@@ -221,7 +221,7 @@ def _module_of(op_name: str, modules: set[str]) -> str:
   return memory.merge_block_indices(path)
 
 
-def _by_module(ops, num_steps) -> dict[str, float]:
+def ms_per_step_by_module(ops, num_steps) -> dict[str, float]:
   """Op time per step by module, longest first; every op counted once, so the
   values add up to `op_ms_per_step` (up to rounding)."""
   total = collections.Counter()

@@ -32,22 +32,22 @@ import ml_collections
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.train import experiment
-from haiku_mp.lab import plots
-from haiku_mp.parallel import sharding
-from haiku_mp.train import loop
 from haiku_mp.lab import compare
 from haiku_mp.lab import dot_algorithms
 from haiku_mp.lab import isolated
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
+from haiku_mp.lab import plots
 from haiku_mp.lab import precision as precision_lab
+from haiku_mp.lab import report_markdown
 from haiku_mp.lab import step_benchmark
-from haiku_mp.lab import sweep
+from haiku_mp.lab import variants
+from haiku_mp.parallel import sharding
+from haiku_mp.train import experiment
+from haiku_mp.train import loop
 
 PARTS = ('benchmark', 'memory', 'precision', 'matmul', 'dot_algorithms',
          'accuracy')
-DTYPES = ('float32', 'bfloat16', 'float16')
 # The accuracy target of bf16 and fp16 against float32 (test accuracy).
 PARITY_POINTS = 0.3
 
@@ -62,7 +62,7 @@ class Sizes:
   matmul_shape: tuple[int, int] = (1024, 65536)
   repeats: int = 5
   matmul_precisions: tuple[str, ...] = precision_lab.MATMUL_PRECISIONS
-  precision_dtypes: tuple[str, ...] = DTYPES
+  precision_dtypes: tuple[str, ...] = variants.DTYPES
   numerics_batch_size: int = 32
   dot_size: int = 2048
   isolate_memory: bool = True
@@ -84,15 +84,8 @@ QUICK_SYNTHETIC_EXAMPLES = 64  # Per split, when the data is synthetic.
 
 def quick_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """`config` shrunk for --quick: a tiny model and a few training steps."""
-  config = copy.deepcopy(config)
-  config.model.update(QUICK_MODEL)
-  config.num_train_steps = QUICK_TRAIN_STEPS
-  config.log_every_steps = config.eval_every_steps = QUICK_TRAIN_STEPS
-  config.checkpoint_every_steps = QUICK_TRAIN_STEPS
-  config.batch_size = config.eval_batch_size = QUICK.batch_sizes[0]
-  config.data.synthetic_train_examples = QUICK_SYNTHETIC_EXAMPLES
-  config.data.synthetic_eval_examples = QUICK_SYNTHETIC_EXAMPLES
-  return config
+  return variants.shrunk(config, QUICK_MODEL, QUICK_TRAIN_STEPS,
+                         QUICK.batch_sizes[0], QUICK_SYNTHETIC_EXAMPLES)
 
 
 def _first_line(e: BaseException) -> str:
@@ -109,8 +102,8 @@ def _out_of_memory(e: BaseException) -> bool:
 def benchmark(config, sizes: Sizes, log) -> dict[str, Any]:
   rows = []
   for batch_size in sizes.batch_sizes:
-    for dtype in DTYPES:
-      variant = sweep.variant_config(config, dtype, batch_size)
+    for dtype in variants.DTYPES:
+      variant = variants.variant_config(config, dtype, batch_size)
       try:
         row = step_benchmark.run(variant, sizes.steps,
                                  ceiling_size=sizes.ceiling_size,
@@ -122,7 +115,7 @@ def benchmark(config, sizes: Sizes, log) -> dict[str, Any]:
         row = dict(dtype=dtype, batch_size=batch_size, fits=False,
                    error=_first_line(e))
       log(f'benchmark {dtype} batch {batch_size}: '
-          + (f'{row["images_per_sec"]:.1f} img/s, MFU {_mfu(row)}'
+          + (f'{row["images_per_sec"]:.1f} img/s, MFU {report_markdown.mfu(row)}'
              if row['fits'] else 'does not fit'))
       rows.append(row)
   compare.add_ratios(rows, 'vs_float32', step_benchmark.RATIO_FIELDS,
@@ -135,8 +128,8 @@ def memory_part(config, sizes: Sizes, log) -> dict[str, Any]:
   """Each variant in a fresh process: its own peak, no allocator history."""
   rows = []
   for batch_size in sizes.batch_sizes:
-    for dtype in DTYPES:
-      variant = sweep.variant_config(config, dtype, batch_size, 'single:1x1')
+    for dtype in variants.DTYPES:
+      variant = variants.variant_config(config, dtype, batch_size, 'single:1x1')
       kept = memory.residual_summary(experiment.build_without_data(variant),
                                      batch_size)['kept_bytes']
       row = dict(dtype=dtype, batch_size=batch_size,
@@ -154,8 +147,8 @@ def memory_part(config, sizes: Sizes, log) -> dict[str, Any]:
           raise
         row.update(fits=False, error=_first_line(e))
       log(f'memory {dtype} batch {batch_size}: ' + (
-          f'compiled {_mib(row["compiled_total_bytes"])} MiB, activations '
-          f'kept {_mib(kept)} MiB' if row['fits'] else 'does not fit'))
+          f'compiled {report_markdown.mib(row["compiled_total_bytes"])} MiB, activations '
+          f'kept {report_markdown.mib(kept)} MiB' if row['fits'] else 'does not fit'))
       rows.append(row)
   compare.add_ratios(
       rows, 'vs_float32', ('device_peak_bytes', 'temp_size_in_bytes',
@@ -172,16 +165,6 @@ def precision_part(config, sizes: Sizes, log) -> dict[str, Any]:
                            sizes.matmul_precisions,
                            sizes.steps, sizes.numerics_batch_size,
                            sizes.isolate_precision, log=log)
-
-
-def accuracy_config(config, dtype: str, seed: int) -> ml_collections.ConfigDict:
-  """`config` in `dtype` (float32 with matmul precision highest, float16
-  with dynamic loss scaling), on the config's own data."""
-  variant = sweep.in_compute_dtype(config, dtype)
-  variant.seed = seed
-  if dtype == 'float32':
-    variant.precision.matmul_precision = 'highest'
-  return variant
 
 
 @contextlib.contextmanager
@@ -203,9 +186,9 @@ def accuracy(config, out_dir: str, seeds: Sequence[int], log
              ) -> dict[str, Any]:
   runs = []
   for seed in seeds:
-    for dtype in DTYPES:
+    for dtype in variants.DTYPES:
       workdir = os.path.join(out_dir, 'accuracy', f'{dtype}_seed{seed}')
-      variant = accuracy_config(config, dtype, seed)
+      variant = variants.for_accuracy(config, dtype, seed)
       start = time.perf_counter()
       with _trainer_quiet():
         summary = loop.train_and_evaluate(
@@ -226,11 +209,11 @@ def accuracy(config, out_dir: str, seeds: Sequence[int], log
                                   if r['dtype'] == d]))
   # Rounded: accuracies are counts over the test set, and 0.3 points must
   # not read as 0.30000000000000027.
-  gaps = {d: round(100 * (mean(d) - mean('float32')), 6) for d in DTYPES[1:]}
+  gaps = {d: round(100 * (mean(d) - mean('float32')), 6) for d in variants.DTYPES[1:]}
   return dict(seeds=list(seeds), epochs=config.num_epochs,
               num_train_steps=config.num_train_steps,
               data_source=config.data.source, runs=runs,
-              mean_test_accuracy={d: mean(d) for d in DTYPES},
+              mean_test_accuracy={d: mean(d) for d in variants.DTYPES},
               gap_points_vs_float32=gaps, target_points=PARITY_POINTS,
               target_met={d: abs(g) <= PARITY_POINTS for d, g in gaps.items()})
 
@@ -255,7 +238,7 @@ def _by_dtype_and_batch(result, out_dir, name: str, field: str, scale: float,
   plots.grouped_bar_chart(
       path, batch_sizes,
       {d: [values.get((d, b), 0) / scale for b in batch_sizes]
-       for d in DTYPES}, ylabel, title, 'global batch size')
+       for d in variants.DTYPES}, ylabel, title, 'global batch size')
   return [path]
 
 
@@ -271,7 +254,7 @@ def _memory_plot(result, out_dir) -> list[str]:
            else 'compiled_total_bytes')
   return _by_dtype_and_batch(
       result, out_dir, 'memory_peak', field, 2**20, f'{field} (MiB)',
-      f'{_where(result)} on {result["device"]}')
+      f'{report_markdown.where_measured(result)} on {result["device"]}')
 
 
 # ---------------------------------------------------------------- the run --
@@ -320,163 +303,5 @@ def run(config: ml_collections.ConfigDict, out_dir: str,
     with open(os.path.join(out_dir, f'{part}.json'), 'w') as f:
       json.dump(result, f, indent=1)
     log(f'{part}: done in {result["seconds"]:.0f}s')
-  path = write_markdown(out_dir)
+  path = report_markdown.write(out_dir)
   return dict(out=out_dir, parts=list(parts), report=path)
-
-
-# --------------------------------------------------------------- report.md --
-
-
-def _mib(value) -> str:
-  return '-' if value is None else f'{value / 2**20:,.1f}'
-
-
-def _mfu(row) -> str:
-  return 'n/a' if row['mfu'] is None else f'{row["mfu"]:.3f}'
-
-
-def _ratio(row, field) -> str:
-  value = (row.get('vs_float32') or {}).get(field)
-  return '-' if value is None else f'{value:.2f}x'
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-  return (['| ' + ' | '.join(header) + ' |',
-           '|' + '---|' * len(header)] +
-          ['| ' + ' | '.join(str(c) for c in row) + ' |' for row in rows])
-
-
-def _benchmark_md(r) -> list[str]:
-  rows = []
-  for x in r['results']:
-    if not x['fits']:
-      rows.append([x['batch_size'], x['dtype'], 'does not fit', '', '', '',
-                   '', ''])
-      continue
-    rows.append([x['batch_size'], x['dtype'], x['dot_form'],
-                 f'{x["step_time_s"] * 1e3:.1f}', f'{x["images_per_sec"]:.0f}',
-                 _ratio(x, 'images_per_sec'), _mfu(x),
-                 f'{x["matmul_ceiling_flops"] / 1e9:,.0f} '
-                 f'({x["matmul_ceiling_size"]}^3)'])
-  notes = [f'- {x["dtype"]} batch {x["batch_size"]}: MFU n/a, {x["mfu_note"]}.'
-           for x in r['results'] if x['fits'] and x.get('mfu_note')]
-  return _table(('batch', 'dtype', 'dot form', 'ms/step', 'img/s',
-                 'img/s vs f32', 'MFU', 'ceiling GFLOP/s (matmul)'), rows) + (
-                     ['', *notes] if notes else [])
-
-
-def _where(r) -> str:
-  """Where the memory part measured: a fresh process per variant gives each
-  its own peak; in one process (--quick) the peaks are not each one's own."""
-  return ('one variant per process' if r.get('isolated', not r['quick']) else
-          'every variant in one process')
-
-
-def _memory_md(r) -> list[str]:
-  rows = [[x['batch_size'], x['dtype'],
-           _mib(x.get('device_peak_bytes')) if x['fits'] else 'does not fit',
-           _mib(x.get('compiled_total_bytes')),
-           _mib(x['kept_activation_bytes']),
-           _mib((x.get('params_bytes') or 0) + (x.get('opt_state_bytes') or 0)),
-           _ratio(x, 'device_peak_bytes'), _ratio(x, 'kept_activation_bytes')]
-          for x in r['results']]
-  return [f'Measured with {_where(r)}.', '', *_table(
-      ('batch', 'dtype', 'device peak MiB', 'compiled MiB',
-       'activations kept MiB', 'params + opt state MiB', 'peak vs f32',
-       'kept vs f32'), rows), '', *_fixed_share(r)]
-
-
-def _fixed_share(r) -> list[str]:
-  """Why half precision moves the peak little at a small batch: the share of
-  float32's compiled bytes that no activation dtype changes."""
-  lines = []
-  for x in r['results']:
-    total = x.get('compiled_total_bytes')
-    if x['dtype'] != 'float32' or not total:
-      continue
-    fixed = 2 * x['params_bytes'] + x['opt_state_bytes']  # + the gradients.
-    lines.append(
-        f'- batch {x["batch_size"]}: params, their float32 gradients and the '
-        f'optimizer state are {100 * fixed / total:.0f}% of float32\'s '
-        f'compiled bytes; the activations kept for backward '
-        f'{100 * x["kept_activation_bytes"] / total:.0f}%.')
-  return lines
-
-
-def _precision_md(r) -> list[str]:
-  rows = [[x['dtype'], x['matmul_precision'],
-           x.get('same_program_as') or '',
-           f'{x["grads_relative_error"]:.2e}', f'{x["logits_relative_error"]:.2e}',
-           f'{x["median_step_sec"] * 1e3:.1f}'] for x in r['matmul']]
-  return _table(('dtype', 'matmul precision', 'same program as',
-                 'grad rel. error vs f64', 'logit rel. error', 'ms/step'),
-                rows)
-
-
-def _matmul_md(r) -> list[str]:
-  return _table(('dtype', 'computed as', 'ms', 'GFLOP/s', 'time vs first'),
-                [[x['dtype'], x['computed_dtype'], f'{x["median_sec"] * 1e3:.2f}',
-                  f'{x["gflops_per_sec"]:.0f}', f'{x["time_vs_first"]:.2f}']
-                 for x in r['results']])
-
-
-def _dot_md(r) -> list[str]:
-  rows = []
-  for x in r['results']:
-    operands = x['operand_dtype'] + (' (x64 on, a process of its own)'
-                                     if x.get('x64') else '')
-    if x['compiles']:
-      rows.append([x['algorithm'], operands, 'yes',
-                   x['result_dtype'], f'{x["relative_error"]:.1e}',
-                   f'{x["median_sec"] * 1e3:.2f}'])
-    else:
-      rows.append([x['algorithm'], operands, 'no: ' + x['error'][:120],
-                   '', '', ''])
-  return _table(('algorithm', 'operands', 'runs', 'result', 'rel. error',
-                 'ms'), rows)
-
-
-def _accuracy_md(r) -> list[str]:
-  rows = [[x['dtype'], x['seed'], x['steps'], f'{100 * x["test_accuracy"]:.2f}',
-           f'{x["test_loss"]:.4f}', x['skipped_steps'],
-           f'{x["final_loss_scale"]:g}', f'{x["images_per_sec"]:.0f}']
-          for x in r['runs']]
-  lines = _table(('dtype', 'seed', 'steps', 'test acc %', 'test loss',
-                  'skipped', 'final scale', 'img/s'), rows)
-  gaps = ', '.join(f'{d} {g:+.2f} points ({"within" if r["target_met"][d] else "outside"} '
-                   f'{r["target_points"]})'
-                   for d, g in r['gap_points_vs_float32'].items())
-  return lines + ['', f'Mean test accuracy vs float32: {gaps}.']
-
-
-_MARKDOWN = dict(benchmark=('Step benchmark', _benchmark_md),
-                 memory=('Memory per variant', _memory_md),
-                 precision=('Matmul precision', _precision_md),
-                 matmul=('The seeds\' jnp.dot(A, A.T)', _matmul_md),
-                 dot_algorithms=('Dot algorithms', _dot_md),
-                 accuracy=('Accuracy parity', _accuracy_md))
-
-
-def write_markdown(out_dir: str) -> str:
-  """`report.md` from every part's JSON in `out_dir`."""
-  lines = ['# haiku_mp lab report', '']
-  for part in PARTS:
-    path = os.path.join(out_dir, f'{part}.json')
-    if not os.path.exists(path):
-      continue
-    with open(path) as f:
-      result = json.load(f)
-    title, table = _MARKDOWN[part]
-    lines += [f'## {title}', '',
-              f'{result["device"]} ({result["backend"]}, {result["devices"]} '
-              f'devices), jax {result["jax_version"]}, CPU '
-              f'{result["cpu"]["model"]}, {result["date"]}'
-              f'{", --quick" if result["quick"] else ""}; '
-              f'{result["seconds"]:.0f} s.',
-              f'Command: `{result["command"]}`' if result['command'] else '',
-              '', *table(result), '',
-              *(f'![{p}]({p})' for p in result['plots']), '']
-  path = os.path.join(out_dir, 'report.md')
-  with open(path, 'w') as f:
-    f.write('\n'.join(lines) + '\n')
-  return path

@@ -26,11 +26,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp.lab import timing
-from haiku_mp.model import half_dot
 from haiku_mp.lab import compare
-from haiku_mp.lab import matmul
-from haiku_mp.lab import sweep
+from haiku_mp.lab import timing
+from haiku_mp.lab import variants
+from haiku_mp.model import half_dot
 
 CPU_FLAGS = ('amx_bf16', 'avx512_bf16', 'avx512_fp16')
 # Compared as ratios to the first dtype of a run.
@@ -84,7 +83,7 @@ def matmul_ceiling(dtype, form: str, size: int, repeats: int
           for _ in range(2))
   dot = jax.jit(lambda a, b: half_dot.Dots(form).einsum('ij,jk->ik', a, b))
   jax.block_until_ready(dot(a, b))  # Compiles.
-  times = matmul.seconds(dot, (a, b), repeats)
+  times = timing.seconds(dot, (a, b), repeats)
   return 2.0 * size**3 / min(times), times
 
 
@@ -168,7 +167,7 @@ def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
   rows = []
   for dtype in dtypes:
     for private in privacy_variants:
-      variant = sweep.variant_config(config, dtype, config.batch_size)
+      variant = variants.variant_config(config, dtype, config.batch_size)
       variant.privacy.enabled = private
       rows.append(run(variant, steps, **kwargs))
       log(rows[-1])

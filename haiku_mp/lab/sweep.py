@@ -9,73 +9,37 @@ peak is that variant's own and no compile cache or allocator state carries
 over from the variant before.
 """
 
-import copy
 import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
-from haiku_mp.lab import plots
-from haiku_mp.model import policies
-from haiku_mp.parallel import sharding
 from haiku_mp.lab import compare
 from haiku_mp.lab import isolated
+from haiku_mp.lab import plots
+from haiku_mp.lab import variants
+from haiku_mp.parallel import sharding
 
-DTYPES = ('float32', 'bfloat16', 'float16')
-BATCH_SIZES = (128, 1024, 4096)
 # Compared as ratios to float32 at the same batch size and layout.
 RATIO_FIELDS = ('median_step_sec', 'temp_size_in_bytes',
                 'argument_size_in_bytes', 'device_peak_bytes')
 
 
-def in_compute_dtype(config: ml_collections.ConfigDict, dtype: str
-                     ) -> ml_collections.ConfigDict:
-  """A copy of `config` computing in `dtype` (params and outputs as they
-  were); float16 gets dynamic loss scaling when the config has none, as
-  configs/vit_fp16.py does."""
-  policy = policies.parse_policy(config.precision.policy)
-  name = lambda d: jnp.dtype(d).name
-  text = (f'params={name(policy.param_dtype)},compute={dtype},'
-          f'output={name(policy.output_dtype)}')
-  policies.parse_policy(text, setting=f'sweep dtype {dtype!r}')
-  config = copy.deepcopy(config)
-  config.precision.policy = text
-  if dtype == 'float16' and config.loss_scale.kind == 'none':
-    config.loss_scale.kind = 'dynamic'
-  return config
-
-
-def variant_config(config: ml_collections.ConfigDict, dtype: str,
-                   batch_size: int, layout: Optional[str] = None
-                   ) -> ml_collections.ConfigDict:
-  """`config` in the compute dtype (`in_compute_dtype`), batch size and
-  layout (None: the config's own) of one variant, on synthetic data."""
-  config = in_compute_dtype(config, dtype)
-  if layout is not None:
-    strategy, mesh_shape = sharding.parse_layout(layout)
-    config.parallel.strategy = strategy
-    config.parallel.mesh_shape = mesh_shape
-  config.batch_size = config.eval_batch_size = batch_size
-  config.data.source = 'synthetic'
-  return config
-
-
 def run(config: ml_collections.ConfigDict,
-        dtypes: Sequence[str] = DTYPES,
-        batch_sizes: Sequence[int] = BATCH_SIZES,
+        dtypes: Sequence[str] = variants.DTYPES,
+        batch_sizes: Sequence[int] = variants.BATCH_SIZES,
         layouts: Sequence[str] = ('single:1x1',),
         num_steps: int = 3, warmup_steps: int = 1,
         isolate: bool = True, log=print) -> dict[str, Any]:
   """Every variant's result, and ratios to float32 within this one run."""
-  variants = [(d, b, l) for l in layouts for b in batch_sizes for d in dtypes]
-  configs = [variant_config(config, *v) for v in variants]
+  chosen = [(d, b, l) for l in layouts for b in batch_sizes for d in dtypes]
+  configs = [variants.variant_config(config, *v) for v in chosen]
   for variant in configs:  # Every layout must fit the devices before any runs.
     sharding.mesh_for(variant.parallel)
   results = []
-  for (dtype, batch_size, layout), variant in zip(variants, configs):
+  for (dtype, batch_size, layout), variant in zip(chosen, configs):
     result = dict(dtype=dtype, layout=layout, **isolated.measure(
         variant, num_steps, warmup_steps, isolate))
     log(json.dumps(result))

@@ -1,7 +1,9 @@
-"""What a compiled train step costs: compile time, memory analysis, step time.
+"""The lab's one clock: what a compiled train step costs (compile time,
+memory analysis, step time), and the wall time of any compiled call.
 
-Works on abstract inputs (`jax.ShapeDtypeStruct` with shardings), so measuring
-the reference model needs no real batch and allocates nothing but the step.
+A step works on abstract inputs (`jax.ShapeDtypeStruct` with shardings), so
+measuring the reference model needs no real batch and allocates nothing but
+the step.
 """
 
 import dataclasses
@@ -99,6 +101,22 @@ def random_inputs(exp: experiment.Experiment):
   """The initial state and a fixed random batch, placed for the strategy."""
   return exp.strategy.init_state(), exp.strategy.place_batch(
       exp.example_batch(exp.config.seed))
+
+
+def seconds(fn, args, repeats: int) -> list[float]:
+  """Wall time of each of `repeats` calls of `fn(*args)` (compiled already),
+  each call waited for."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def median_seconds(fn, args, repeats: int) -> float:
+  """Median wall time of `fn(*args)` (compiled already), each call waited for."""
+  return float(np.median(seconds(fn, args, repeats)))
 
 
 def time_steps(step: CompiledStep, num_steps: int, warmup_steps: int = 1

@@ -51,9 +51,7 @@ _TRANSPOSE_FOR_KERNEL = ('cpu',)
 
 
 def check_form(form: str) -> str:
-  if form not in FORMS:
-    raise errors.ConfigError(
-        f'precision.dot_form: unknown value {form!r}; expected one of {FORMS}')
+  errors.check_choice('precision.dot_form', form, FORMS)
   return form
 
 

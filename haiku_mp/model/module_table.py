@@ -7,9 +7,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from haiku_mp.train import experiment
 from haiku_mp.model import policies
 from haiku_mp.parallel import sharding
+from haiku_mp.train import experiment
 
 _COLUMNS = (('path', 'path'), ('class', 'class'), ('policy', 'policy'),
             ('rule', 'policy_source'), ('params', 'param_count'),

@@ -185,10 +185,8 @@ def make_precision(policy: str, overrides: str = '', *, model_class: str,
     dot_form: how matmuls with half operands run (`half_dot.FORMS`).
   """
   main = parse_policy(policy)
-  if residual_stream not in RESIDUAL_STREAMS:
-    raise PrecisionError(
-        f'precision.residual_stream: unknown value {residual_stream!r}; '
-        f'expected one of {RESIDUAL_STREAMS}')
+  errors.check_choice('precision.residual_stream', residual_stream,
+                      RESIDUAL_STREAMS, PrecisionError)
   defaults = {model_class: Rule(model_class, main, 'default')}
   if float32_layer_norm:
     defaults[LAYER_NORM_CLASS] = Rule(
@@ -265,9 +263,8 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
 
 
 def policy_str(policy: Optional[jmp.Policy]) -> str:
-  """A compact policy description, e.g. ``p=f32,c=bf16,o=f32``."""
+  """jmp's own description of a policy, e.g. ``p=f32,c=bf16,o=f32``, with
+  float32 written as in policy strings (jmp writes it `full`)."""
   if policy is None:
     return 'none'
-  short = lambda d: jnp.dtype(d).name.replace('float', 'f')
-  return (f'p={short(policy.param_dtype)},c={short(policy.compute_dtype)},'
-          f'o={short(policy.output_dtype)}')
+  return str(policy).replace('=full', '=f32')

@@ -35,9 +35,7 @@ _POLICIES = {
 
 
 def check(remat: str) -> str:
-  if remat not in CHOICES:
-    raise errors.ConfigError(
-        f'remat: unknown value {remat!r}; expected one of {CHOICES}')
+  errors.check_choice('remat', remat, CHOICES)
   return remat
 
 

@@ -17,8 +17,8 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from haiku_mp.model import dropout
 from haiku_mp import errors
+from haiku_mp.model import dropout
 from haiku_mp.model import half_dot
 from haiku_mp.model import remat as remat_lib
 

@@ -1,6 +1,6 @@
 """Training strategies: `single` device, `pmap` data parallel, `pjit` mesh.
 
-Every strategy is a `Strategy` built the same way, `Cls(config, mesh, model)`,
+Every strategy is a `Strategy` built the same way, `Cls(mesh, model, rules)`,
 and answers the same questions: where the state lives, how a process-local
 host batch becomes device input, what the compiled steps are, what abstract
 inputs they take, how a replicated value is read back. Callers never branch on
@@ -8,7 +8,7 @@ a strategy's name.
 """
 
 import abc
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import haiku as hk
 import jax
@@ -16,14 +16,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import ml_collections
 import numpy as np
 import optax
 
-from haiku_mp.data import augment
 from haiku_mp import errors
-from haiku_mp.train import loss_scaling
 from haiku_mp.parallel import sharding
+from haiku_mp.train import loss_scaling
 from haiku_mp.train import step as step_lib
 
 TrainState = step_lib.TrainState
@@ -32,7 +30,6 @@ TrainState = step_lib.TrainState
 class Model(NamedTuple):
   """What a strategy compiles: the model, its optimizer and loss scaling."""
   forward: hk.Transformed
-  loss_fn: step_lib.LossFn
   optimizer: optax.GradientTransformation
   scaler: loss_scaling.LossScaler
   # A no-argument function that builds the initial TrainState (jittable).
@@ -48,14 +45,27 @@ class Strategy(abc.ABC):
   """The strategy-specific half of a training loop."""
 
   name: str
+  # The mapped axis the steps average gradients and metrics over (pmap), or
+  # None (jit: XLA partitions the global computation itself).
+  axis_name: Optional[str] = None
   # The state's shardings over the mesh (pjit), or None.
   state_shardings: Optional[TrainState] = None
 
-  def __init__(self, config: ml_collections.ConfigDict, mesh: Optional[Mesh],
-               model: Model):
+  def __init__(self, mesh: Optional[Mesh], model: Model,
+               rules: Sequence[tuple[str, str]] = ()):
+    """`rules`: (parameter pattern, spec) pairs, for a strategy that shards
+    parameters (`sharding.rules`)."""
+    del rules  # Only a strategy that shards parameters reads them.
     self.mesh = mesh
     # The initial state's shapes and dtypes (jax.ShapeDtypeStruct leaves).
     self.abstract_state = jax.eval_shape(model.init_state)
+    # The steps, built here once; each strategy only wraps them (jit, pmap,
+    # jit with shardings).
+    self._train_step = step_lib.make_train_step(
+        model.gradients, model.optimizer, model.scaler,
+        axis_name=self.axis_name, inputs=model.train_inputs)
+    self._eval_step = step_lib.make_eval_step(
+        model.forward, axis_name=self.axis_name, inputs=model.eval_inputs)
 
   @property
   def batch_devices(self) -> int:
@@ -109,21 +119,15 @@ class Single(Strategy):
 
   name = 'single'
 
-  def __init__(self, config, mesh, model):
-    super().__init__(config, mesh, model)
+  def __init__(self, mesh, model, rules=()):
+    super().__init__(mesh, model)
     if jax.process_count() > 1:
       raise errors.ConfigError(
           f'parallel.strategy=single cannot span {jax.process_count()} '
           'processes; use pmap or pjit')
     self._device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    self.train_step = jax.jit(
-        step_lib.make_train_step(model.loss_fn, model.optimizer,
-                                       model.scaler,
-                                       inputs=model.train_inputs,
-                                       gradients_fn=model.gradients),
-        donate_argnums=0)
-    self.eval_step = jax.jit(step_lib.make_eval_step(model.forward,
-                                                  inputs=model.eval_inputs))
+    self.train_step = jax.jit(self._train_step, donate_argnums=0)
+    self.eval_step = jax.jit(self._eval_step)
     # Committed to the device, as a restored state is: a fresh and a resumed
     # run then lower the same program (one persistent-cache entry, not two).
     self._init = jax.jit(model.init_state, out_shardings=self._device)
@@ -150,9 +154,10 @@ class Pmap(Strategy):
   per-device batches, gradients averaged before the finite check."""
 
   name = 'pmap'
+  axis_name = sharding.BATCH
 
-  def __init__(self, config, mesh, model):
-    super().__init__(config, mesh, model)
+  def __init__(self, mesh, model, rules=()):
+    super().__init__(mesh, model)
     if mesh.shape[sharding.MODEL] != 1:
       raise sharding.ShardingError(
           f'parallel.strategy=pmap is data parallel only: parallel.mesh_shape '
@@ -160,16 +165,10 @@ class Pmap(Strategy):
     devices = list(mesh.devices.flatten())
     local = [d for d in devices if d.process_index == jax.process_index()]
     self._n = len(local)
-    self.train_step = jax.pmap(
-        step_lib.make_train_step(model.loss_fn, model.optimizer,
-                                       model.scaler, axis_name=sharding.BATCH,
-                                       inputs=model.train_inputs,
-                                       gradients_fn=model.gradients),
-        axis_name=sharding.BATCH, donate_argnums=0, devices=devices)
-    self.eval_step = jax.pmap(
-        step_lib.make_eval_step(model.forward, axis_name=sharding.BATCH,
-                                      inputs=model.eval_inputs),
-        axis_name=sharding.BATCH, devices=devices)
+    self.train_step = jax.pmap(self._train_step, axis_name=self.axis_name,
+                               donate_argnums=0, devices=devices)
+    self.eval_step = jax.pmap(self._eval_step, axis_name=self.axis_name,
+                              devices=devices)
     # One copy per local device, laid out the way pmap returns its outputs.
     self._replicas = NamedSharding(Mesh(np.array(local), (sharding.BATCH,)),
                                    P(sharding.BATCH))
@@ -215,26 +214,20 @@ class Pjit(Strategy):
 
   name = 'pjit'
 
-  def __init__(self, config, mesh, model):
-    super().__init__(config, mesh, model)
-    specs = sharding.param_specs(self.abstract_state.params,
-                                 sharding.rules(config.parallel), mesh)
+  def __init__(self, mesh, model, rules=()):
+    super().__init__(mesh, model)
+    specs = sharding.param_specs(self.abstract_state.params, rules, mesh)
     self.state_shardings = sharding.state_shardings(
         self.abstract_state, specs, model.optimizer, mesh)
     self._batch = NamedSharding(mesh, P(sharding.BATCH))
     replicated = NamedSharding(mesh, P())
     self.train_step = jax.jit(
-        step_lib.make_train_step(model.loss_fn, model.optimizer,
-                                       model.scaler,
-                                       inputs=model.train_inputs,
-                                       gradients_fn=model.gradients),
-        in_shardings=(self.state_shardings, self._batch),
+        self._train_step, in_shardings=(self.state_shardings, self._batch),
         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
     metrics = dict(loss=replicated, accuracy=replicated,
                    num_examples=replicated, logits=self._batch)
     self.eval_step = jax.jit(
-        step_lib.make_eval_step(model.forward, inputs=model.eval_inputs),
-        in_shardings=(self.state_shardings.params, self._batch),
+        self._eval_step, in_shardings=(self.state_shardings.params, self._batch),
         out_shardings=metrics)
     # Computed in place: no process holds the whole state on one device.
     self._init = jax.jit(model.init_state, out_shardings=self.state_shardings)
@@ -262,32 +255,28 @@ class Pjit(Strategy):
 STRATEGIES = {cls.name: cls for cls in (Single, Pmap, Pjit)}
 
 
-def check_batch(name: str, batch_size: int, num_shards: int) -> None:
-  if batch_size % num_shards:
-    raise sharding.ShardingError(
-        f'{name}={batch_size} is not divisible by the {num_shards} devices '
-        "of the mesh's 'batch' axis")
-
-
-def make_strategy(config: ml_collections.ConfigDict, mesh: Optional[Mesh],
-                  model: Model) -> Strategy:
-  """The strategy `config.parallel.strategy` on `mesh` (None for `single`)."""
-  name = config.parallel.strategy
-  if name not in STRATEGIES:
+def check_batches(batch_devices: int, batch_size: int, eval_batch_size: int,
+                  mixes: bool) -> None:
+  """The global batches split evenly over the mesh's `batch` axis (and, for
+  mixup / CutMix, in pairs on each device)."""
+  for name, size in (('batch_size', batch_size),
+                     ('eval_batch_size', eval_batch_size)):
+    if size % batch_devices:
+      raise sharding.ShardingError(
+          f'{name}={size} is not divisible by the {batch_devices} devices '
+          "of the mesh's 'batch' axis")
+  if mixes and (batch_size // batch_devices) % 2:
     raise errors.ConfigError(
-        f'parallel.strategy: unknown strategy {name!r}; expected one of '
-        f'{tuple(STRATEGIES)}')
+        f'batch_size={batch_size} gives each of the {batch_devices} devices '
+        'of the batch axis an odd batch, and mixup / CutMix mix its examples '
+        'in pairs: make it an even number per device')
+
+
+def make_strategy(name: str, mesh: Optional[Mesh], model: Model,
+                  rules: Sequence[tuple[str, str]] = ()) -> Strategy:
+  """The strategy `name` (`parallel.strategy`) on `mesh` (None for
+  `single`); `rules` place the parameters of a strategy that shards them."""
+  errors.check_choice('parallel.strategy', name, STRATEGIES)
   if name != 'single' and mesh is None:
     raise errors.ConfigError(f'parallel.strategy={name} needs a device mesh')
-  strategy = STRATEGIES[name](config, mesh, model)
-  check_batch('batch_size', config.batch_size, strategy.batch_devices)
-  check_batch('eval_batch_size', config.eval_batch_size,
-              strategy.batch_devices)
-  if augment.mixes(config.data) and (
-      config.batch_size // strategy.batch_devices) % 2:
-    raise errors.ConfigError(
-        f'batch_size={config.batch_size} gives each of the '
-        f'{strategy.batch_devices} devices of the batch axis an odd batch, '
-        'and mixup / CutMix mix its examples in pairs: make it an even '
-        'number per device')
-  return strategy
+  return STRATEGIES[name](mesh, model, rules)

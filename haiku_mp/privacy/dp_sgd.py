@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp.data import augment
 from haiku_mp import errors
+from haiku_mp.data import augment
 from haiku_mp.train import loss_scaling
 
 # The noise search's tolerance: JAX Privacy's default (0.01 in sigma) left
@@ -62,6 +62,8 @@ class DpSgd(NamedTuple):
   # Examples of the global batch whose per-example gradients exist at once
   # (JAX Privacy's microbatching); None: all of them.
   microbatch_size: Optional[int] = None
+  # Whether `noise_multiplier` was calibrated to a target epsilon.
+  calibrated: bool = False
 
   @property
   def sampling_probability(self) -> float:
@@ -70,6 +72,33 @@ class DpSgd(NamedTuple):
   def epsilon(self, steps_taken: int) -> float:
     return epsilon(steps_taken, self.noise_multiplier, self.num_examples,
                    self.batch_size, self.delta)
+
+  def describe(self, total_steps: int) -> str:
+    """One line for a run's start: the settings and the whole run's cost."""
+    return (f'DP-SGD: clip {self.l2_clip_norm:g}, noise multiplier '
+            f'{self.noise_multiplier:.4g}'
+            f'{" (calibrated)" if self.calibrated else ""}; Poisson sampling '
+            f'of expected batch {self.batch_size} of {self.num_examples} '
+            f'examples (q={self.sampling_probability:.3g}), padded to '
+            f'{self.padded_batch_size}, microbatch '
+            f'{self.microbatch_size or "none"}; epsilon '
+            f'{self.epsilon(total_steps):.4g} at delta {self.delta:g} after '
+            f'all {total_steps} steps')
+
+  def summary(self, steps: int, skipped_steps: int) -> dict[str, Any]:
+    """The guarantee and settings for a run's summary.json; a skipped step
+    released nothing."""
+    return dict(
+        epsilon=self.epsilon(steps - skipped_steps), delta=self.delta,
+        noise_multiplier=self.noise_multiplier,
+        l2_clip_norm=self.l2_clip_norm, private_steps=steps - skipped_steps,
+        sampling=f'poisson (expected batch {self.batch_size} of '
+        f'{self.num_examples}, padded to {self.padded_batch_size})')
+
+
+# Metrics a private step adds, averaged over a log window: the sampled batch's
+# size and its examples' gradients.
+MEAN_METRICS = ('num_examples', 'example_grad_norm', 'clipped_fraction')
 
 
 def _check(privacy: ml_collections.ConfigDict) -> None:
@@ -110,31 +139,30 @@ def padded_batch_size(batch_size: int, num_examples: int, stddevs: float,
   return -(-size // multiple) * multiple
 
 
-def from_config(config: ml_collections.ConfigDict, num_examples: int,
-                total_steps: int, batch_devices: int,
+def from_config(privacy: ml_collections.ConfigDict, batch_size: int,
+                num_examples: int, total_steps: int, batch_devices: int,
                 num_processes: int = 1) -> DpSgd:
-  """`config.privacy` as a run on `batch_devices` data-parallel devices uses
-  it. With `target_epsilon` > 0 the noise multiplier is calibrated to spend
-  it in `total_steps`."""
-  privacy = config.privacy
+  """`privacy` (the config's) as a run of expected batch `batch_size` on
+  `batch_devices` data-parallel devices uses it. With `target_epsilon` > 0
+  the noise multiplier is calibrated to spend it in `total_steps`."""
   _check(privacy)
-  if config.batch_size > num_examples:
+  if batch_size > num_examples:
     raise errors.ConfigError(
-        f'batch_size={config.batch_size} (the expected Poisson batch) is '
+        f'batch_size={batch_size} (the expected Poisson batch) is '
         f'larger than the {num_examples} training examples')
   microbatch = privacy.microbatch_size * batch_devices or None
   multiple = math.lcm(microbatch or batch_devices, num_processes)
   noise = float(privacy.noise_multiplier)
   if privacy.target_epsilon > 0:
     noise = calibrate_noise(privacy.target_epsilon, total_steps, num_examples,
-                            config.batch_size, privacy.delta)
+                            batch_size, privacy.delta)
   return DpSgd(
       l2_clip_norm=float(privacy.l2_clip_norm), noise_multiplier=noise,
-      batch_size=int(config.batch_size), num_examples=int(num_examples),
+      batch_size=int(batch_size), num_examples=int(num_examples),
       delta=float(privacy.delta),
-      padded_batch_size=padded_batch_size(config.batch_size, num_examples,
+      padded_batch_size=padded_batch_size(batch_size, num_examples,
                                           privacy.padding_stddevs, multiple),
-      microbatch_size=microbatch)
+      microbatch_size=microbatch, calibrated=privacy.target_epsilon > 0)
 
 
 def add_noise(summed, key: jax.Array, settings: DpSgd):

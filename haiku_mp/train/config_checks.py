@@ -14,16 +14,16 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from haiku_mp.data import augment
-from haiku_mp.train import compilation_cache
-from haiku_mp.model import dropout
 from haiku_mp import errors
+from haiku_mp.data import augment
 from haiku_mp.data import pipeline
-from haiku_mp.train import loss_scaling
+from haiku_mp.model import dropout
 from haiku_mp.model import forward as forward_lib
-from haiku_mp.parallel import strategies
 from haiku_mp.model import remat
 from haiku_mp.parallel import sharding
+from haiku_mp.parallel import strategies
+from haiku_mp.train import compilation_cache
+from haiku_mp.train import loss_scaling
 
 # Settings that count something (steps, examples, sizes): a positive integer.
 _POSITIVE = ('batch_size', 'eval_batch_size', 'log_every_steps',
@@ -127,10 +127,7 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
 
 def _check_parallel(parallel_config: ml_collections.ConfigDict) -> None:
   name = parallel_config.strategy
-  if name not in strategies.STRATEGIES:
-    raise errors.ConfigError(
-        f'parallel.strategy: unknown strategy {name!r}; expected one of '
-        f'{tuple(strategies.STRATEGIES)}')
+  errors.check_choice('parallel.strategy', name, strategies.STRATEGIES)
   shape = parallel_config.mesh_shape
   if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and
           all(_is_int(d) and (d > 0 or d == -1) for d in shape) and

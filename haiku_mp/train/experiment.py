@@ -8,7 +8,7 @@ initial state and strategy together, so what is measured is what is trained.
 import copy
 import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from absl import logging
 import haiku as hk
@@ -18,17 +18,17 @@ import ml_collections
 import numpy as np
 import optax
 
-from haiku_mp.data import augment
-from haiku_mp.train import config_checks
 from haiku_mp import errors
+from haiku_mp.data import augment
 from haiku_mp.data import pipeline
-from haiku_mp.train import loss_scaling
 from haiku_mp.model import forward as forward_lib
-from haiku_mp.train import optimizer as optimizer_lib
-from haiku_mp.parallel import strategies
 from haiku_mp.model import policies
-from haiku_mp.privacy import dp_sgd
 from haiku_mp.parallel import sharding
+from haiku_mp.parallel import strategies
+from haiku_mp.privacy import dp_sgd
+from haiku_mp.train import config_checks
+from haiku_mp.train import loss_scaling
+from haiku_mp.train import optimizer as optimizer_lib
 from haiku_mp.train import step as step_lib
 
 
@@ -45,6 +45,9 @@ class Experiment:
   # (key, uint8 batch[, axis_name]) -> the batch the model trains on: the
   # augmentation and mixing the train step runs first.
   train_inputs: step_lib.TrainInputs
+  # The train split's size, all processes; None where nothing needed it
+  # (`num_train_steps` given, no DP-SGD, real data), so none was read.
+  num_train_examples: Optional[int]
   total_steps: int
   schedule: optax.Schedule
   optimizer: optax.GradientTransformation
@@ -86,13 +89,51 @@ class Experiment:
     """Abstract (state, batch) of the train step, in the strategy's layout."""
     return self.strategy.abstract_inputs(self.example_batch())
 
+  # What a run of this experiment does beyond ordinary training (DP-SGD's
+  # sampling and accounting) is asked of it here, so the loop never branches.
 
-def total_train_steps(config: ml_collections.ConfigDict) -> int:
+  def train_batches(self, split: pipeline.Split, shard: pipeline.Shard,
+                    start_step: int) -> Iterator[dict[str, np.ndarray]]:
+    """This process's uint8 train batches from `start_step` on: drawn by
+    index, or DP-SGD's padded Poisson samples."""
+    if self.privacy is None:
+      return pipeline.train_batches(self.config, split, shard, start_step)
+    return pipeline.private_train_batches(
+        self.config, split, shard, self.privacy, self.total_steps, start_step)
+
+  @property
+  def mean_metrics(self) -> tuple[str, ...]:
+    """The train step's metrics a log window averages."""
+    ordinary = ('loss', 'accuracy', 'grad_norm')
+    return ordinary + (() if self.privacy is None else dp_sgd.MEAN_METRICS)
+
+  def spent(self, step: int, skipped_steps: int) -> dict[str, float]:
+    """{'epsilon': spent by the steps taken up to `step`} under DP-SGD (a
+    skipped step released nothing), for the logs beside the metrics; else
+    {}."""
+    if self.privacy is None:
+      return {}
+    return dict(epsilon=self.privacy.epsilon(step - skipped_steps))
+
+  def summary_fields(self, steps: int, skipped_steps: int) -> dict[str, Any]:
+    """What summary.json adds for this experiment (DP-SGD's guarantee)."""
+    if self.privacy is None:
+      return {}
+    return self.privacy.summary(steps, skipped_steps)
+
+  def describe(self) -> list[str]:
+    """Lines for a run's start beyond the model's (DP-SGD's settings)."""
+    if self.privacy is None:
+      return []
+    return [self.privacy.describe(self.total_steps)]
+
+
+def total_train_steps(config: ml_collections.ConfigDict,
+                      num_train_examples: int) -> int:
   """`num_train_steps`, or `num_epochs` over the train split."""
   if config.num_train_steps > 0:
     return int(config.num_train_steps)
-  examples = pipeline.num_train_examples(config.data)
-  steps = int(config.num_epochs * (examples // config.batch_size))
+  steps = int(config.num_epochs * (num_train_examples // config.batch_size))
   if steps <= 0:
     raise errors.ConfigError(
         f'num_epochs={config.num_epochs} with batch_size={config.batch_size} '
@@ -131,50 +172,63 @@ def _init_state_fn(config, forward, optimizer, scaler):
 
 
 def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
-          total_steps: Optional[int] = None) -> Experiment:
+          total_steps: Optional[int] = None,
+          num_train_examples: Optional[int] = None) -> Experiment:
   """The run `config` describes on `mesh` (None for the `single` strategy).
 
-  `total_steps` (the learning-rate schedule's length) defaults to the
-  config's; it reads the train split's size when `num_train_steps` is -1.
-  Checks every setting, override and parallel setting; compiles nothing.
+  `num_train_examples` is the train split's size, as
+  `pipeline.check_available` read it (read here when None and something
+  needs it); `total_steps` (the learning-rate schedule's length) defaults to
+  the config's. Checks every setting, override and parallel setting;
+  compiles nothing.
   """
   config_checks.check(config)
+  needs_size = ((total_steps is None and config.num_train_steps <= 0) or
+                config.privacy.enabled or config.data.source == 'synthetic')
+  if num_train_examples is None and needs_size:
+    num_train_examples = pipeline.check_available(config.data)
   precision, calls = forward_lib.checked_precision(config)
   forward = forward_lib.make_forward(config.model, precision,
-                                   remat=config.remat)
+                                     remat=config.remat)
   if total_steps is None:
-    total_steps = total_train_steps(config)
+    total_steps = total_train_steps(config, num_train_examples)
   if config.warmup_steps >= total_steps:
     # Valid (a run may stop early on purpose), but rarely meant.
     logging.warning(
         'warmup_steps=%d is not shorter than the run\'s %d steps: the '
         'learning rate rises for the whole run and never decays',
         config.warmup_steps, total_steps)
-  optimizer = optimizer_lib.make_optimizer(config, total_steps,
-                                           precision.half_params)
+  schedule = optimizer_lib.learning_rate_schedule(
+      config.learning_rate, config.warmup_steps, total_steps)
+  optimizer = optimizer_lib.make_optimizer(
+      schedule, weight_decay=config.weight_decay,
+      grad_clip_norm=config.grad_clip_norm, ema_decay=config.ema_decay,
+      half_params=precision.half_params)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
   init_state = _init_state_fn(config, forward, optimizer, scaler)
-  loss_fn = step_lib.make_classification_loss(forward,
-                                                    config.label_smoothing)
+  loss_fn = step_lib.make_classification_loss(forward, config.label_smoothing)
+  batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
   private = dp_sgd.from_config(
-      config, pipeline.num_train_examples(config.data), total_steps,
-      batch_devices=1 if mesh is None else mesh.shape[sharding.BATCH],
+      config.privacy, config.batch_size, num_train_examples, total_steps,
+      batch_devices=batch_devices,
       num_processes=jax.process_count()) if config.privacy.enabled else None
-  gradients = (functools.partial(step_lib.gradients, loss_fn, scaler)
+  gradients = (step_lib.ordinary_gradients(loss_fn, scaler)
                if private is None else
                dp_sgd.make_gradients(loss_fn, scaler, private))
   train_inputs = functools.partial(augment.train_inputs, config.data,
                                    num_classes=config.model.num_classes)
-  strategy = strategies.make_strategy(config, mesh, strategies.Model(
-      forward, loss_fn, optimizer, scaler, init_state,
-      train_inputs=train_inputs,
-      eval_inputs=functools.partial(augment.eval_inputs, config.data),
-      gradients=gradients))
+  strategies.check_batches(batch_devices, config.batch_size,
+                           config.eval_batch_size, augment.mixes(config.data))
+  strategy = strategies.make_strategy(
+      config.parallel.strategy, mesh, strategies.Model(
+          forward, optimizer, scaler, init_state, train_inputs=train_inputs,
+          eval_inputs=functools.partial(augment.eval_inputs, config.data),
+          gradients=gradients),
+      rules=sharding.rules(config.parallel))
   return Experiment(
       config=config, mesh=mesh, precision=precision, module_calls=calls,
       forward=forward, loss_fn=loss_fn, train_inputs=train_inputs,
-      total_steps=total_steps,
-      schedule=optimizer_lib.learning_rate_schedule(config, total_steps),
-      optimizer=optimizer, scaler=scaler, privacy=private,
+      num_train_examples=num_train_examples, total_steps=total_steps,
+      schedule=schedule, optimizer=optimizer, scaler=scaler, privacy=private,
       init_state=init_state,
       abstract_state=strategy.abstract_state, strategy=strategy)

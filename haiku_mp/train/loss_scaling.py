@@ -56,9 +56,7 @@ class LossScaler:
   max_consecutive_skips: int = 50
 
   def __post_init__(self):
-    if self.kind not in KINDS:
-      raise LossScaleError(
-          f'loss_scale.kind: unknown kind {self.kind!r}; expected one of {KINDS}')
+    errors.check_choice('loss_scale.kind', self.kind, KINDS, LossScaleError)
     if self.kind == 'none':
       return
     if not np.isfinite(self.initial) or self.initial <= 0:

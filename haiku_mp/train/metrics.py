@@ -8,8 +8,9 @@ import json
 import math
 import os
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
+from absl import logging
 import jax
 import numpy as np
 from tensorboardX import event_file_writer
@@ -84,9 +85,13 @@ class MetricsWriter:
     self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
     logdir = os.path.join(workdir, 'tensorboard')
     os.makedirs(logdir, exist_ok=True)
-    # The pid keeps two writers started in the same second apart.
+    # TensorBoard reads event files in name order, and the name starts with
+    # the second the writer opened: the step it starts from, then the pid,
+    # order (and keep apart) writers opened in the same second, as a resume
+    # soon after a stop is.
     self._tensorboard = event_file_writer.EventsWriter(
-        os.path.join(logdir, 'events'), filename_suffix=f'.{os.getpid()}')
+        os.path.join(logdir, 'events'),
+        filename_suffix=f'.{start_step:010d}.{os.getpid()}')
     self._tensorboard.write_event(event_pb2.Event(
         wall_time=time.time(), step=start_step + 1,
         session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
@@ -235,3 +240,52 @@ def peak_memory_bytes() -> Optional[int]:
     if stats and 'peak_bytes_in_use' in stats:
       peaks.append(int(stats['peak_bytes_in_use']))
   return max(peaks) if peaks else None
+
+
+# ------------------------------------------------------------ log windows --
+
+
+def _mean_of_kept(values) -> float:
+  """The mean of the values that are not NaN; NaN, without numpy's warning,
+  when a whole window of steps was skipped."""
+  values = np.asarray(values, np.float64)
+  kept = values[~np.isnan(values)]
+  return float(kept.mean()) if kept.size else float('nan')
+
+
+def window_summary(window: list[dict[str, Any]], means: Sequence[str]
+                   ) -> dict[str, float]:
+  """Host summary of the metrics of the steps since the last log point:
+  `means` averaged, the loss scale and skipped steps as they stand."""
+  summary = {k: _mean_of_kept([m[k] for m in window]) for k in means}
+  last = window[-1]
+  summary['loss_scale'] = float(last['loss_scale'])
+  summary['skipped_steps'] = int(last['skipped_steps'])
+  summary['window_skipped_steps'] = int(
+      sum(not bool(m['grads_finite']) for m in window))
+  return summary
+
+
+def log_overflows(window, first_step: int, param_names: list[str],
+                   most: int = 5) -> None:
+  """Names the parameters whose gradients were not finite at skipped steps."""
+  for i, m in enumerate(window):
+    if bool(m['grads_finite']):
+      continue
+    bad = [n for n, flag in zip(param_names, m['nonfinite_grads']) if flag]
+    more = f' and {len(bad) - most} more' if len(bad) > most else ''
+    logging.warning('step %d skipped (loss scale %g): non-finite gradients in '
+                    '%s%s', first_step + i, float(m['loss_scale']),
+                    ', '.join(bad[:most]), more)
+
+
+def log_line(step: int, total: int, summary: Mapping[str, Any],
+             progress: Mapping[str, float]) -> str:
+  """The console's line for a log window."""
+  epsilon = (f'eps {summary["epsilon"]:.2f} ' if 'epsilon' in summary
+             else '')
+  return (f'step {step}/{total} [{100 * step / total:.0f}%] '
+          f'loss {summary["loss"]:.4f} acc {summary["accuracy"]:.3f} '
+          f'scale {summary["loss_scale"]:g} skipped {summary["skipped_steps"]} '
+          f'{epsilon}| {progress["images_per_sec"]:.0f} img/s '
+          f'| ETA {format_duration(progress["eta_sec"])}')

@@ -11,19 +11,17 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 
-def learning_rate_schedule(config: ml_collections.ConfigDict,
+def learning_rate_schedule(learning_rate: float, warmup_steps: int,
                            total_steps: int) -> optax.Schedule:
   """Linear warmup to `learning_rate`, then cosine decay to 0 at `total_steps`."""
-  warmup = max(int(config.warmup_steps), 0)
+  warmup = max(int(warmup_steps), 0)
   if not warmup:
-    return optax.cosine_decay_schedule(config.learning_rate,
-                                       max(total_steps, 1))
+    return optax.cosine_decay_schedule(learning_rate, max(total_steps, 1))
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=config.learning_rate, warmup_steps=warmup,
+      init_value=0.0, peak_value=learning_rate, warmup_steps=warmup,
       decay_steps=max(total_steps, warmup + 1))
 
 
@@ -110,19 +108,20 @@ def apply_updates(params: optax.Params, updates: optax.Updates,
   return optax.apply_updates(params, updates)
 
 
-def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
+def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0,
+                   grad_clip_norm: float = 0.0, ema_decay: float = 0.0,
                    half_params: bool = False) -> optax.GradientTransformation:
-  """Clipping by global norm (if `grad_clip_norm` > 0), then AdamW, then
-  the params' moving average (if `ema_decay` > 0).
+  """Clipping by global norm (if `grad_clip_norm` > 0), then AdamW on
+  `schedule`, then the params' moving average (if `ema_decay` > 0).
 
   With `half_params` (some params stored in float16 / bfloat16), they run on
   a float32 master copy (`float32_master`).
   """
-  optimizer = optax.adamw(learning_rate_schedule(config, total_steps),
-                          weight_decay=config.weight_decay, mask=decay_mask)
-  if config.grad_clip_norm > 0:
-    optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
+  optimizer = optax.adamw(schedule, weight_decay=weight_decay,
+                          mask=decay_mask)
+  if grad_clip_norm > 0:
+    optimizer = optax.chain(optax.clip_by_global_norm(grad_clip_norm),
                             optimizer)
-  if config.ema_decay > 0:
-    optimizer = optax.chain(optimizer, track_ema(config.ema_decay))
+  if ema_decay > 0:
+    optimizer = optax.chain(optimizer, track_ema(ema_decay))
   return float32_master(optimizer) if half_params else optimizer

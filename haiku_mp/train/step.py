@@ -96,17 +96,23 @@ def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
 
 
 # gradients_fn(loss_scale, params, rng, batch, axis_name) -> (float32
-# gradients, loss, metrics over every replica): `gradients` bound to a loss
-# and scaler, or DP-SGD's (`privacy.make_gradients`).
+# gradients, loss, metrics over every replica): `ordinary_gradients`, or
+# DP-SGD's (`dp_sgd.make_gradients`).
 GradientsFn = Callable[..., tuple[hk.Params, jax.Array, Metrics]]
 
 
-def make_train_step(loss_fn: LossFn,
+def ordinary_gradients(loss_fn: LossFn,
+                       loss_scaler: loss_scaling.LossScaler) -> GradientsFn:
+  """`gradients` of `loss_fn` under `loss_scaler`: the train step's, unless
+  the run is private."""
+  return functools.partial(gradients, loss_fn, loss_scaler)
+
+
+def make_train_step(gradients_fn: GradientsFn,
                     optimizer: optax.GradientTransformation,
                     loss_scaler: loss_scaling.LossScaler,
                     axis_name: Optional[str] = None,
-                    inputs: TrainInputs = _as_is_train,
-                    gradients_fn: Optional[GradientsFn] = None
+                    inputs: TrainInputs = _as_is_train
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """A pure `train_step(state, batch) -> (state, metrics)`.
 
@@ -116,12 +122,9 @@ def make_train_step(loss_fn: LossFn,
   check, so every replica takes the same skip decision and keeps the same
   loss scale, and each replica draws its own dropout masks. `inputs` turns
   the host batch into the model's (augmentation on the device), keyed by the
-  step's own key, the same on every replica. `gradients_fn` (default: the
-  ordinary `gradients` of `loss_fn`) takes the step's key as it is on every
-  replica.
+  step's own key, the same on every replica. `gradients_fn` takes the
+  step's key as it is on every replica.
   """
-  if gradients_fn is None:
-    gradients_fn = functools.partial(gradients, loss_fn, loss_scaler)
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     rng, step_rng, inputs_rng = jax.random.split(state.rng, 3)

@@ -1,0 +1,120 @@
+"""The lab's derived configs: a config in another compute dtype, batch size
+or layout, on one device, as a float32 reference, shrunk for a quick report.
+
+Every experiment derives its variants here, so that "bfloat16 at batch 1024"
+means the same config in the sweep, the memory lab, the report and the
+advisor.
+"""
+
+import copy
+from typing import Optional
+
+import jax.numpy as jnp
+import ml_collections
+
+from haiku_mp.model import policies
+from haiku_mp.parallel import sharding
+
+# The compute dtypes and batch sizes an experiment compares by default.
+DTYPES = ('float32', 'bfloat16', 'float16')
+BATCH_SIZES = (128, 1024, 4096)
+
+
+def compute_dtype(config: ml_collections.ConfigDict) -> str:
+  """The name of the config's main compute dtype."""
+  return jnp.dtype(policies.parse_policy(
+      config.precision.policy).compute_dtype).name
+
+
+def in_compute_dtype(config: ml_collections.ConfigDict, dtype: str
+                     ) -> ml_collections.ConfigDict:
+  """A copy of `config` computing in `dtype` (params and outputs as they
+  were); float16 gets dynamic loss scaling when the config has none, as
+  configs/vit_fp16.py does."""
+  policy = policies.parse_policy(config.precision.policy)
+  name = lambda d: jnp.dtype(d).name
+  text = (f'params={name(policy.param_dtype)},compute={dtype},'
+          f'output={name(policy.output_dtype)}')
+  policies.parse_policy(text, setting=f'sweep dtype {dtype!r}')
+  config = copy.deepcopy(config)
+  config.precision.policy = text
+  if dtype == 'float16' and config.loss_scale.kind == 'none':
+    config.loss_scale.kind = 'dynamic'
+  return config
+
+
+def variant_config(config: ml_collections.ConfigDict, dtype: str,
+                   batch_size: int, layout: Optional[str] = None
+                   ) -> ml_collections.ConfigDict:
+  """`config` in the compute dtype (`in_compute_dtype`), batch size and
+  layout (None: the config's own) of one variant, on synthetic data."""
+  config = in_compute_dtype(config, dtype)
+  if layout is not None:
+    strategy, mesh_shape = sharding.parse_layout(layout)
+    config.parallel.strategy = strategy
+    config.parallel.mesh_shape = mesh_shape
+  config.batch_size = config.eval_batch_size = batch_size
+  config.data.source = 'synthetic'
+  return config
+
+
+def on_one_device(config: ml_collections.ConfigDict
+                  ) -> ml_collections.ConfigDict:
+  """A copy of `config` on one device, without DP-SGD."""
+  config = copy.deepcopy(config)
+  config.privacy.enabled = False
+  config.parallel.strategy = 'single'
+  config.parallel.mesh_shape = (1, 1)
+  return config
+
+
+def float32_reference(config: ml_collections.ConfigDict
+                      ) -> ml_collections.ConfigDict:
+  """`config` computing in float32 everywhere, on one device: its params'
+  dtype, optimizer and loss scale kept (its checkpoints restore), overrides
+  dropped, matmuls at full float32 precision, nothing rematerialized, no
+  DP-SGD."""
+  config = on_one_device(in_compute_dtype(config, 'float32'))
+  config.precision.overrides = ''
+  config.precision.float32_layer_norm = True
+  config.precision.residual_stream = 'compute'
+  config.precision.matmul_precision = 'highest'
+  config.remat = 'none'
+  return config
+
+
+def for_accuracy(config: ml_collections.ConfigDict, dtype: str, seed: int
+                 ) -> ml_collections.ConfigDict:
+  """`config` in `dtype` (float32 with matmul precision highest, float16
+  with dynamic loss scaling), on the config's own data."""
+  variant = in_compute_dtype(config, dtype)
+  variant.seed = seed
+  if dtype == 'float32':
+    variant.precision.matmul_precision = 'highest'
+  return variant
+
+
+def without_dropout(config: ml_collections.ConfigDict
+                    ) -> ml_collections.ConfigDict:
+  """A copy of `config` without dropout: the same function in every
+  variant, for comparing their numbers."""
+  config = copy.deepcopy(config)
+  config.model.dropout_rate = 0.0
+  return config
+
+
+def shrunk(config: ml_collections.ConfigDict, model: dict, steps: int,
+           batch_size: int, synthetic_examples: int
+           ) -> ml_collections.ConfigDict:
+  """`config` with the `model` settings, `steps` training steps (each a log,
+  eval and checkpoint point), batch `batch_size` and `synthetic_examples`
+  per synthetic split: a report's quick run."""
+  config = copy.deepcopy(config)
+  config.model.update(model)
+  config.num_train_steps = steps
+  config.log_every_steps = config.eval_every_steps = steps
+  config.checkpoint_every_steps = steps
+  config.batch_size = config.eval_batch_size = batch_size
+  config.data.synthetic_train_examples = synthetic_examples
+  config.data.synthetic_eval_examples = synthetic_examples
+  return config
