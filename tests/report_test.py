@@ -18,6 +18,7 @@ from haiku_mp import errors
 from haiku_mp.data import npz_source
 from haiku_mp.lab import isolated
 from haiku_mp.lab import report
+from haiku_mp.lab import report_markdown
 from haiku_mp.lab import step_benchmark
 from haiku_mp.lab import variants
 from tests import helpers
@@ -60,12 +61,14 @@ class QuickReportTest(parameterized.TestCase):
     self.assertEqual(self.result.returncode, 0, self.result.stderr[-3000:])
     index = json.loads(self.result.stdout.strip().splitlines()[-1])
     self.assertEqual(index['parts'], list(report.PARTS))
+    # report.md has a section for every part, in the report's order.
+    self.assertEqual(tuple(report_markdown.SECTIONS), report.PARTS)
     with open(os.path.join(self.out, 'report.md')) as f:
       markdown = f.read()
     for part in report.PARTS:
       result = _read(self.out, part)
       self.assertEqual((result['part'], result['quick']), (part, True))
-      self.assertIn(f'## {report._MARKDOWN[part][0]}', markdown)  # pylint: disable=protected-access
+      self.assertIn(f'## {report_markdown.SECTIONS[part][0]}', markdown)
       self.assertNotEmpty(result['plots'])
       for plot in result['plots']:
         self.assertGreater(os.path.getsize(os.path.join(self.out, plot)), 100)
@@ -157,7 +160,7 @@ class QuickReportTest(parameterized.TestCase):
     with open(os.path.join(self.out, 'report.md')) as f:
       markdown = f.read()
     for part in report.PARTS:
-      self.assertIn(f'## {report._MARKDOWN[part][0]}', markdown)  # pylint: disable=protected-access
+      self.assertIn(f'## {report_markdown.SECTIONS[part][0]}', markdown)
 
 
 class WhatDoesNotFitTest(absltest.TestCase):

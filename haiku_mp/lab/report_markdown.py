@@ -134,7 +134,8 @@ def _accuracy_md(r) -> list[str]:
   return lines + ['', f'Mean test accuracy vs float32: {gaps}.']
 
 
-_MARKDOWN = dict(benchmark=('Step benchmark', _benchmark_md),
+# Each part's section of report.md, in the report's order: title, table.
+SECTIONS = dict(benchmark=('Step benchmark', _benchmark_md),
                  memory=('Memory per variant', _memory_md),
                  precision=('Matmul precision', _precision_md),
                  matmul=('The seeds\' jnp.dot(A, A.T)', _matmul_md),
@@ -145,7 +146,7 @@ _MARKDOWN = dict(benchmark=('Step benchmark', _benchmark_md),
 def write(out_dir: str) -> str:
   """`report.md` from every part's JSON in `out_dir`."""
   lines = ['# haiku_mp lab report', '']
-  for part, (title, table) in _MARKDOWN.items():
+  for part, (title, table) in SECTIONS.items():
     path = os.path.join(out_dir, f'{part}.json')
     if not os.path.exists(path):
       continue
