@@ -1,7 +1,7 @@
-"""Every bad input of docs/bad_input.md's table through the real command line: one line
-`error: ...` naming it, printed once (no absl E-line repeats it), exit status 2
-for a usage error, no traceback, and the existing run directory and
-checkpoint untouched."""
+"""Every bad input of docs/bad_input.md's table through the real command
+line: one line `error: ...` naming it, printed once (no absl E-line repeats
+it), exit status 2 for a usage error, no traceback, and the existing run
+directory and checkpoint untouched."""
 
 import os
 import sys

@@ -1,4 +1,4 @@
-"""The README's train command on a machine with network and no data yet.
+"""The README's first-run command on a machine with network and no data yet.
 
 A local server stands in for CIFAR-10's host: `launch.train` downloads,
 prepares into an empty data dir (TFDS's own download and preparation; only the

@@ -489,7 +489,8 @@ class CommandLineTest(parameterized.TestCase):
                    "'precision', 'matmul', 'profile', 'dot_algorithms', "
                    "'report', 'advise')"),
       (['advise', '--batches=0'], '--batches=0 must be at least 1'),
-      (['advise', '--level=deep'], "--level: unknown value 'deep'; expected one of"),
+      (['advise', '--level=deep'],
+       "--level: unknown value 'deep'; expected one of"),
       (['advise', '--checkpoint=/nonexistent'],
        '--checkpoint=/nonexistent: no checkpoints directory in it'),
       (['advise', '--config.advisor.max_relative_error=2'],

@@ -70,7 +70,8 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   with pipeline.DevicePrefetch(batches, strategy.place_batch,
                                config.data.prefetch_batches) as fed:
     feeds = dict(device_batch=iter(lambda: fixed, None), pipeline_fed=fed)
-    state, _ = timing.dispatch_round(step, state, feeds['device_batch'], 1)  # Warm-up.
+    # Warm-up.
+    state, _ = timing.dispatch_round(step, state, feeds['device_batch'], 1)
     seconds = {name: [] for name in feeds}
     for _ in range(rounds):
       for name, feed in feeds.items():

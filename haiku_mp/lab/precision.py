@@ -130,14 +130,6 @@ def error_vs(config: ml_collections.ConfigDict, ref, batch_size: int
       grads_relative_error=_relative(flat(grads), flat(ref_grads)))
 
 
-def _variant(config, dtype, batch_size, matmul_precision='',
-             residual_stream='compute'):
-  config = variants.variant_config(config, dtype, batch_size, 'single:1x1')
-  config.precision.matmul_precision = matmul_precision
-  config.precision.residual_stream = residual_stream
-  return config
-
-
 def _lowered(variant):
   """The variant's experiment, its lowered train step and its fingerprint."""
   exp = experiment.build_without_data(variant)
@@ -169,13 +161,14 @@ def run(config: ml_collections.ConfigDict,
   """Both sets of variants at `config.batch_size`, against one reference."""
   for dtype in dtypes:  # Every setting is checked before anything runs.
     for name in matmul_precisions:
-      forward_lib.make_precision(_variant(config, dtype, config.batch_size, name))
+      forward_lib.make_precision(variants.matmul_variant(
+          config, dtype, config.batch_size, name))
   ref = reference(config, numerics_batch_size)
   matmul_rows = []
   for dtype in dtypes:
     for name in matmul_precisions:
       exp, lowered, fingerprint = _lowered(
-          _variant(config, dtype, config.batch_size, name))
+          variants.matmul_variant(config, dtype, config.batch_size, name))
       row = dict(dtype=dtype, matmul_precision=name or '(jax default)')
       # Lowering is cheap; an identical program is not measured twice.
       same = _same_program(fingerprint, dtype, matmul_rows)
@@ -196,7 +189,7 @@ def run(config: ml_collections.ConfigDict,
   for dtype in dtypes:
     streams = RESIDUAL_STREAMS if dtype != 'float32' else ('compute',)
     for stream in streams:
-      variant = _variant(config, dtype, config.batch_size,
+      variant = variants.matmul_variant(config, dtype, config.batch_size,
                          residual_stream=stream)
       exp, lowered, fingerprint = _lowered(variant)
       residuals = memory.residual_summary(exp, config.batch_size)
@@ -220,7 +213,7 @@ def run(config: ml_collections.ConfigDict,
   loss_scale_rows = []
   if 'float16' in dtypes:
     for kind in ('none', 'dynamic'):
-      variant = _variant(config, 'float16', config.batch_size)
+      variant = variants.matmul_variant(config, 'float16', config.batch_size)
       variant.loss_scale.kind = kind
       row = dict(dtype='float16', loss_scale=kind,
                  initial_scale=loss_scaling.LossScaler.from_config(

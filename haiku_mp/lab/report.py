@@ -115,7 +115,8 @@ def benchmark(config, sizes: Sizes, log) -> dict[str, Any]:
         row = dict(dtype=dtype, batch_size=batch_size, fits=False,
                    error=_first_line(e))
       log(f'benchmark {dtype} batch {batch_size}: '
-          + (f'{row["images_per_sec"]:.1f} img/s, MFU {report_markdown.mfu(row)}'
+          + (f'{row["images_per_sec"]:.1f} img/s, '
+             f'MFU {report_markdown.mfu(row)}'
              if row['fits'] else 'does not fit'))
       rows.append(row)
   compare.add_ratios(rows, 'vs_float32', step_benchmark.RATIO_FIELDS,
@@ -147,8 +148,9 @@ def memory_part(config, sizes: Sizes, log) -> dict[str, Any]:
           raise
         row.update(fits=False, error=_first_line(e))
       log(f'memory {dtype} batch {batch_size}: ' + (
-          f'compiled {report_markdown.mib(row["compiled_total_bytes"])} MiB, activations '
-          f'kept {report_markdown.mib(kept)} MiB' if row['fits'] else 'does not fit'))
+          f'compiled {report_markdown.mib(row["compiled_total_bytes"])} MiB, '
+          f'activations kept {report_markdown.mib(kept)} MiB' if row['fits']
+          else 'does not fit'))
       rows.append(row)
   compare.add_ratios(
       rows, 'vs_float32', ('device_peak_bytes', 'temp_size_in_bytes',
@@ -209,7 +211,8 @@ def accuracy(config, out_dir: str, seeds: Sequence[int], log
                                   if r['dtype'] == d]))
   # Rounded: accuracies are counts over the test set, and 0.3 points must
   # not read as 0.30000000000000027.
-  gaps = {d: round(100 * (mean(d) - mean('float32')), 6) for d in variants.DTYPES[1:]}
+  gaps = {d: round(100 * (mean(d) - mean('float32')), 6)
+          for d in variants.DTYPES[1:]}
   return dict(seeds=list(seeds), epochs=config.num_epochs,
               num_train_steps=config.num_train_steps,
               data_source=config.data.source, runs=runs,

@@ -58,6 +58,18 @@ def variant_config(config: ml_collections.ConfigDict, dtype: str,
   return config
 
 
+def matmul_variant(config: ml_collections.ConfigDict, dtype: str,
+                   batch_size: int, matmul_precision: str = '',
+                   residual_stream: str = 'compute'
+                   ) -> ml_collections.ConfigDict:
+  """`variant_config` on one device with the matmul precision and residual
+  stream of one variant of the precision lab."""
+  config = variant_config(config, dtype, batch_size, 'single:1x1')
+  config.precision.matmul_precision = matmul_precision
+  config.precision.residual_stream = residual_stream
+  return config
+
+
 def on_one_device(config: ml_collections.ConfigDict
                   ) -> ml_collections.ConfigDict:
   """A copy of `config` on one device, without DP-SGD."""

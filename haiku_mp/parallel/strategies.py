@@ -227,7 +227,8 @@ class Pjit(Strategy):
     metrics = dict(loss=replicated, accuracy=replicated,
                    num_examples=replicated, logits=self._batch)
     self.eval_step = jax.jit(
-        self._eval_step, in_shardings=(self.state_shardings.params, self._batch),
+        self._eval_step,
+        in_shardings=(self.state_shardings.params, self._batch),
         out_shardings=metrics)
     # Computed in place: no process holds the whole state on one device.
     self._init = jax.jit(model.init_state, out_shardings=self.state_shardings)
