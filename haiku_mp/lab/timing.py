@@ -128,15 +128,15 @@ def time_steps(step: CompiledStep, num_steps: int, warmup_steps: int = 1
   """
   config = step.experiment.config
   state, batch = random_inputs(step.experiment)
-  times = []
-  for i in range(warmup_steps + num_steps):
-    if i == warmup_steps:
-      system_start = resource.getrusage(resource.RUSAGE_SELF).ru_stime
-    start = time.perf_counter()
+
+  def one_step():
+    nonlocal state
     state, step_metrics = step.compiled(state, batch)
-    jax.block_until_ready(step_metrics['loss'])
-    if i >= warmup_steps:
-      times.append(time.perf_counter() - start)
+    return step_metrics['loss']
+
+  seconds(one_step, (), warmup_steps)
+  system_start = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+  times = seconds(one_step, (), num_steps)
   system = resource.getrusage(resource.RUSAGE_SELF).ru_stime - system_start
   median = float(np.median(times))
   return dict(step_times_sec=times, median_step_sec=median,
