@@ -12,7 +12,7 @@ Subprocesses get the same flags through `xla_flags`.
 Many of those programs are the same program: the two pytest workers and every
 `python -m launch...` a test starts compile the tiny train steps of the same
 few configs. JAX's persistent compilation cache (a directory under the system
-temp dir, shared by every process of the suite and capped in size) compiles
+temp dir, shared by every process of the suite) compiles
 each of them once per machine; a cached executable keeps its HLO text, memory
 and cost analyses, which the tests read.
 """
@@ -34,8 +34,12 @@ for _name, _value in (
     ('JAX_COMPILATION_CACHE_DIR',
      os.path.join(tempfile.gettempdir(), 'haiku_mp_tests_jax_cache')),
     # Train steps and the like, not the thousands of one-op programs eager
-    # code compiles (each write locks and scans the capped directory).
+    # code compiles.
     ('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5'),
     ('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1'),
-    ('JAX_COMPILATION_CACHE_MAX_SIZE', str(2 * 2**30))):
+    # Uncapped: a capped cache reads every entry's access-time file on each
+    # write, so one entry left without it (a process killed, or out of file
+    # size, mid-write) fails every later write of every process, and a cold
+    # run then compiles everything many times over.
+    ('JAX_COMPILATION_CACHE_MAX_SIZE', '-1')):
   os.environ.setdefault(_name, _value)

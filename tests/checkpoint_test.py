@@ -56,6 +56,10 @@ def _run(flags, signal_at=None, disk_full_at=None):
     module = 'tests.signal_at_step'
   if disk_full_at:
     env[disk_full_at_step.ENV] = str(disk_full_at)
+    # The file size limit that stands for the full disk would also cut the
+    # compilation cache's writes short, leaving partial entries in the
+    # suite's shared cache: no persistent cache for this run.
+    env['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
     module = 'tests.disk_full_at_step'
   return subprocess.run([sys.executable, '-m', module, *flags], cwd=ROOT,
                         env=env, stdout=subprocess.DEVNULL,
