@@ -57,8 +57,8 @@ def _run(flags, signal_at=None, disk_full_at=None):
   if disk_full_at:
     env[disk_full_at_step.ENV] = str(disk_full_at)
     # The file size limit that stands for the full disk would also cut the
-    # compilation cache's writes short, leaving partial entries in the
-    # suite's shared cache: no persistent cache for this run.
+    # compilation cache's writes short, leaving partial entries in a cache
+    # other runs read: no persistent cache for this run.
     env['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
     module = 'tests.disk_full_at_step'
   return subprocess.run([sys.executable, '-m', module, *flags], cwd=ROOT,
@@ -242,12 +242,7 @@ class InterruptTest(parameterized.TestCase):
     self.assertEqual(os.listdir(f'{self.workdir}/checkpoints'), ['10'])
 
   def test_a_full_disk_is_one_line_and_the_next_run_resumes(self):
-    # Without the class's compilation cache: the file size limit that stands
-    # for the full disk would also fail its writes of the programs compiled
-    # after step 30 (the eval step, when a loaded machine finds the failed
-    # save only at step 40), each a two-line JAX warning.
-    without_cache = [flag for flag in self.flags if flag != self.cache]
-    proc = _run(without_cache, disk_full_at=30)
+    proc = _run(self.flags, disk_full_at=30)
     self.assertEqual(proc.returncode, 1, proc.stderr[-3000:])
     self.assertNotIn('Traceback', proc.stderr)
     self.assertNotIn('Event loop is closed', proc.stderr)

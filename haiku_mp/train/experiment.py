@@ -164,7 +164,8 @@ def _init_state_fn(config, forward, optimizer, scaler):
 
   def init_state() -> step_lib.TrainState:
     init_rng, state_rng = jax.random.split(jax.random.key(config.seed))
-    params = forward.init(init_rng, forward_lib.dummy_images(config.model), True)
+    images = forward_lib.dummy_images(config.model)
+    params = forward.init(init_rng, images, True)
     return step_lib.init_train_state(params, optimizer, scaler,
                                            state_rng)
 
