@@ -4,9 +4,14 @@ test module runs alone as well as under pytest. XLA reads the flag when JAX
 first creates its CPU backend, not when jax is imported.
 
 The tests' programs are tiny and each is run a few times, so compiling them is
-most of the suite's time. LLVM's optimization level 0 compiles XLA:CPU
-programs about a third faster; it changes how the machine code is generated,
-not what XLA's HLO passes decide (fusion, buffer assignment, memory analysis).
+most of the suite's time. Two flags change how XLA:CPU generates machine
+code, not what its HLO passes decide (fusion, buffer assignment, memory
+analysis): LLVM's optimization level 0 compiles about a third faster, and
+XLA's elemental emitters instead of its MLIR fusion emitters halve what is
+left (a tiny train step: 2.1 s, then 1.1 s on two cores). The elemental
+emitters fuse some multiply-adds into one rounding (FMA), so two programs of
+the same arithmetic (a device's part and the whole batch, say) may differ in
+a last bit; the tests compare such results to float32 rounding.
 Subprocesses get the same flags through `xla_flags`.
 
 Many of those programs are the same program: the two pytest workers and every
@@ -20,7 +25,8 @@ and cost analyses, which the tests read.
 import os
 import tempfile
 
-FAST_COMPILE_FLAGS = '--xla_backend_optimization_level=0'
+FAST_COMPILE_FLAGS = ('--xla_backend_optimization_level=0 '
+                      '--xla_cpu_use_fusion_emitters=false')
 
 
 def xla_flags(devices: int) -> str:
@@ -33,9 +39,9 @@ os.environ.setdefault('XLA_FLAGS', xla_flags(8))
 for _name, _value in (
     ('JAX_COMPILATION_CACHE_DIR',
      os.path.join(tempfile.gettempdir(), 'haiku_mp_tests_jax_cache')),
-    # Train steps and the like, not the thousands of one-op programs eager
-    # code compiles.
-    ('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5'),
+    # Train and eval steps and the like (a tiny one compiles in a few tenths
+    # of a second), not the thousands of one-op programs eager code compiles.
+    ('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.1'),
     ('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1'),
     # Uncapped: a capped cache reads every entry's access-time file on each
     # write, so one entry left without it (a process killed, or out of file

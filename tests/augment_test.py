@@ -19,6 +19,11 @@ from haiku_mp.data import augment
 
 DATA = base.get_config().data
 SIZE = 32
+# Two programs of different shapes (a device's part, the whole batch) give the
+# same draws and the same arithmetic, but the one may fuse a multiply-add the
+# other rounds twice: equal to float32 rounding (a different draw is off by
+# far more).
+_SAME_DRAWS = dict(rtol=1e-6, atol=1e-6)
 
 
 def _recipe_data(**settings):
@@ -269,9 +274,9 @@ class ModelInputsTest(parameterized.TestCase):
         lambda b: augment.train_inputs(data, key, b, 'b', num_classes=10),
         axis_name='b')(jax.tree.map(lambda x: x.reshape(n, 4, *x.shape[1:]),
                                     batch))
-    for name in ('image', 'targets'):
-      np.testing.assert_array_equal(
-          per_replica[name].reshape(one[name].shape), one[name])
+    for name in ('image', 'targets'):  # The same draws; see _SAME_DRAWS.
+      np.testing.assert_allclose(
+          per_replica[name].reshape(one[name].shape), one[name], **_SAME_DRAWS)
     self.assertGreater(np.count_nonzero(one['targets'] % 1), 0)  # Mixed.
 
   def test_a_batch_sharded_over_devices_is_augmented_as_on_one(self):
@@ -290,7 +295,7 @@ class ModelInputsTest(parameterized.TestCase):
     sharded = jax.jit(inputs)(key, spread)
     self.assertLen(sharded['image'].sharding.device_set, n)
     for name in ('image', 'targets'):
-      np.testing.assert_array_equal(sharded[name], one[name])
+      np.testing.assert_allclose(sharded[name], one[name], **_SAME_DRAWS)
 
   def test_an_odd_batch_cannot_be_mixed(self):
     batch = dict(image=_images(3), label=jnp.arange(3))

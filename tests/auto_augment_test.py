@@ -62,8 +62,11 @@ class LevelTest(parameterized.TestCase):
   def test_level_and_sign_give_the_op_its_parameter(self, name, level, sign,
                                                      expected):
     image = _images(1)[0]
-    got = _op(image, name, level, sign)
-    np.testing.assert_allclose(got, expected(image), atol=1e-4)
+    error = np.abs(_op(image, name, level, sign) - expected(image))
+    # Two programs: one may fuse a multiply-add that the other rounds twice,
+    # a level apart on a pixel that lands on a rounding boundary.
+    self.assertLessEqual(error.max(), 1)
+    self.assertLess(np.mean(error > 1e-4), 0.02)
 
   @parameterized.parameters('rotate', 'shear_x', 'translate_y', 'brightness',
                             'color', 'contrast', 'sharpness', 'posterize',

@@ -11,7 +11,6 @@ import glob
 import json
 import shutil
 import signal
-import subprocess
 import tempfile
 from unittest import mock
 
@@ -27,12 +26,10 @@ from haiku_mp.train import checkpoint
 from haiku_mp.train import loss_scaling
 from haiku_mp.train import optimizer as optimizer_lib
 from haiku_mp.train import step as step_lib
-import tests
 from tests import helpers
 from tests import disk_full_at_step
 from tests import signal_at_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HALF, TOTAL = 20, 40
 
 
@@ -47,10 +44,10 @@ def _flags(config, workdir, every=HALF):
 
 
 def _run(flags, signal_at=None, disk_full_at=None):
-  """Runs launch.train to its end; `signal_at` ('KILL:23') interrupts it,
-  `disk_full_at` (a step) leaves no room for that step's checkpoint."""
-  env = dict(os.environ, XLA_FLAGS=tests.xla_flags(1))
-  module = 'launch.train'
+  """Runs launch.train to its end on one device; `signal_at` ('KILL:23')
+  interrupts it, `disk_full_at` (a step) leaves no room for that step's
+  checkpoint."""
+  env, module = {}, 'launch.train'
   if signal_at:
     env[signal_at_step.ENV] = signal_at
     module = 'tests.signal_at_step'
@@ -61,9 +58,7 @@ def _run(flags, signal_at=None, disk_full_at=None):
     # other runs read: no persistent cache for this run.
     env['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
     module = 'tests.disk_full_at_step'
-  return subprocess.run([sys.executable, '-m', module, *flags], cwd=ROOT,
-                        env=env, stdout=subprocess.DEVNULL,
-                        stderr=subprocess.PIPE, text=True, timeout=300)
+  return helpers.run_module(module, *flags, devices=1, env=env, timeout=300)
 
 
 def _train_events(workdir):
@@ -142,22 +137,16 @@ class InterruptTest(parameterized.TestCase):
     cls._tmp = tempfile.TemporaryDirectory()
     cls.straight = f'{cls._tmp.name}/straight'
     # The class's runs share a compilation cache of their own
-    # (config.compilation_cache_dir) that keeps every program, however quick
-    # (JAX's default skips those under a second, as these are): the straight
-    # run compiles the train step, and every later start, a resume included,
-    # loads it.
+    # (config.compilation_cache_dir) that keeps what the suite's keeps
+    # (`tests`: programs of 0.1 s and more): the straight run compiles the
+    # train step, and every later start, a resume included, loads it.
     cls.cache = f'--config.compilation_cache_dir={cls._tmp.name}/cache'
-    cls._environ = mock.patch.dict(
-        os.environ, {'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0.1',
-                     'JAX_COMPILATION_CACHE_MAX_SIZE': '-1'})
-    cls._environ.start()
     proc = _run([*_flags('configs/vit_fp16.py', cls.straight), cls.cache])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'loaded from the compilation cache' not in proc.stderr
 
   @classmethod
   def tearDownClass(cls):
-    cls._environ.stop()
     cls._tmp.cleanup()
     super().tearDownClass()
 

@@ -12,7 +12,8 @@ environment, working directory, stdout and stderr, its module run as
 normal shutdown. What the preloaded libraries read from the environment as
 they were imported (JAX's JAX_* settings) is the launcher's: `helpers`
 sends only commands whose environment differs from the launcher's in
-XLA_FLAGS alone, and starts any other afresh.
+variables read after the fork alone (XLA_FLAGS, say), and starts any
+other afresh.
 
     python -m tests.forked_commands  # a JSON request per line on stdin, a
                                      # JSON reply per line on stdout
@@ -27,15 +28,19 @@ import sys
 import tempfile
 import traceback
 
-# What every `launch` command imports; none of it defines a flag (the launch
-# modules do, so they are imported by each command itself).
+# What every `launch` command imports, and matplotlib (through the plots),
+# most of what a lab, benchmark or plot command imports besides; none of it
+# defines a flag (the launch modules do, so each command imports its own).
+import haiku_mp.lab.plots  # pylint: disable=unused-import
 import haiku_mp.train.experiment  # pylint: disable=unused-import
 import haiku_mp.train.loop  # pylint: disable=unused-import
 import launch.cli  # pylint: disable=unused-import
 
-# The modules a request may run: the project's commands, not test wrappers
-# that hide a preloaded package.
+# The modules a request may run: the project's commands, and the test wrapper
+# that only patches the train loop's classes before it runs `launch.train`
+# (not those that hide a preloaded package or limit the process's files).
 RUNNABLE_PREFIX = 'launch.'
+RUNNABLE_WRAPPERS = ('tests.signal_at_step',)
 
 
 def _run_as_main(module: str, args: list[str], env: dict[str, str], cwd: str,

@@ -24,6 +24,7 @@ from haiku_mp.lab import numerics
 from haiku_mp.model import half_dot
 import tests
 from tests import forked_commands
+from tests import signal_at_step
 
 MATMUL_PRIMITIVES = ('dot_general', 'conv_general_dilated')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,8 @@ class _ForkedCommands:
     """Whether the launcher runs `module` under `env` as a fresh process
     would: a project command whose environment is the launcher's but for
     the variables no preloaded library reads as it is imported."""
-    return (module.startswith(forked_commands.RUNNABLE_PREFIX) and
+    return ((module.startswith(forked_commands.RUNNABLE_PREFIX) or
+             module in forked_commands.RUNNABLE_WRAPPERS) and
             _read_on_import(env) == _read_on_import(self._env))
 
   def run(self, module: str, args: list[str], env: dict[str, str],
@@ -71,8 +73,9 @@ class _ForkedCommands:
 
 
 # XLA reads XLA_FLAGS when JAX creates a backend, after the fork; pytest sets
-# PYTEST_CURRENT_TEST for each test.
-_SET_AFTER_IMPORT = ('XLA_FLAGS', 'PYTEST_CURRENT_TEST')
+# PYTEST_CURRENT_TEST for each test; `tests.signal_at_step` reads its variable
+# as it runs.
+_SET_AFTER_IMPORT = ('XLA_FLAGS', 'PYTEST_CURRENT_TEST', signal_at_step.ENV)
 
 
 def _read_on_import(env) -> dict[str, str]:
@@ -110,7 +113,7 @@ def tiny_config(policy: str = 'params=float32,compute=float32,output=float32',
   config.precision.overrides = overrides
   config.loss_scale.kind = loss_scale
   config.model.update(dict(image_size=8, patch_size=4, embed_dim=16,
-                           mlp_dim=32, num_heads=2, num_layers=2,
+                           mlp_dim=32, num_heads=2, num_layers=1,
                            dropout_rate=0.1))
   config.model.update(model)
   return config

@@ -39,7 +39,10 @@ def _affine(a, b, c, d, e, f):
 
 # (name, ours(image), PIL's(image), largest difference, share that may differ)
 # Color's grayscale is ITU-R 601 in float32; PIL's is fixed-point, so a
-# luma value a rounding apart is one level off now and then.
+# luma value a rounding apart is one level off now and then. A stronger
+# contrast's blend lands near a rounding boundary on a few pixels: a backend
+# that fuses its multiply-add (one rounding where PIL has two; the tests'
+# XLA:CPU flags do) is one level off there.
 _CASES = [
     ('brightness_darker', lambda x: image_ops.brightness(x, 0.3),
      lambda im: ImageEnhance.Brightness(im).enhance(0.3), 0, 0),
@@ -52,7 +55,7 @@ _CASES = [
     ('contrast_less', lambda x: image_ops.contrast(x, 0.4),
      lambda im: ImageEnhance.Contrast(im).enhance(0.4), 0, 0),
     ('contrast_more', lambda x: image_ops.contrast(x, 1.6),
-     lambda im: ImageEnhance.Contrast(im).enhance(1.6), 0, 0),
+     lambda im: ImageEnhance.Contrast(im).enhance(1.6), 1, 0.02),
     ('sharpness_blurred', lambda x: image_ops.sharpness(x, 0.1),
      lambda im: ImageEnhance.Sharpness(im).enhance(0.1), 0, 0),
     ('sharpness_sharper', lambda x: image_ops.sharpness(x, 1.9),

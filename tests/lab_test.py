@@ -190,7 +190,7 @@ class MemoryTest(parameterized.TestCase):
                      {('float32', False), ('bfloat16', True)})
 
   def test_memory_breakdown_arithmetic(self):
-    config = helpers.tiny_config()
+    config = helpers.tiny_config(num_layers=2)
     result = memory.run(config, ('float32', 'bfloat16'), (4, 8, 16),
                         compile_step=False, log=lambda _: None)
     rows = {(r['dtype'], r['batch_size']): r['breakdown']

@@ -30,7 +30,7 @@ FLOAT32_ISLAND_PRIMITIVES = ('reduce_max', 'reduce_sum', 'exp', 'log', 'rsqrt')
 
 
 def _setup(policy, overrides='', **precision):
-  config = helpers.tiny_config(policy, overrides)
+  config = helpers.tiny_config(policy, overrides, num_layers=2)
   config.precision.update(precision)
   exp = experiment.build_without_data(config)
   batch = helpers.random_batch(config)
@@ -148,7 +148,7 @@ class ResidualStreamTest(parameterized.TestCase):
   @parameterized.named_parameters(('compute', 'compute', 'bfloat16'),
                                   ('float32', 'float32', 'float32'))
   def test_stream_dtype_and_matmuls_stay_half(self, stream, stream_dtype):
-    config = helpers.tiny_config(POLICIES['bf16'][0])
+    config = helpers.tiny_config(POLICIES['bf16'][0], num_layers=2)
     config.precision.residual_stream = stream
     calls, _ = forward_lib.trace_modules(config.model, forward_lib.make_precision(config))
     blocks = [c for c in calls if c.class_name == 'EncoderBlock']

@@ -38,7 +38,8 @@ BAD_STEP = 2  # This step's batch holds an inf: every strategy must skip it.
 
 
 def _config(strategy, mesh_shape, policy=FP16, loss_scale='dynamic'):
-  config = helpers.tiny_config(policy, loss_scale=loss_scale, dropout_rate=0.0)
+  config = helpers.tiny_config(policy, loss_scale=loss_scale, dropout_rate=0.0,
+                               num_layers=2)
   config.batch_size = config.eval_batch_size = 16
   config.parallel.strategy = strategy
   config.parallel.mesh_shape = mesh_shape or (1, 1)
@@ -161,7 +162,7 @@ class ShardingRulesTest(parameterized.TestCase):
     self.assertEqual(state.params['vit/head']['w'].sharding.spec,
                      P(None, 'model'))
     self.assertEqual(
-        state.params['vit/encoder_block_1/mlp_block/fc1']['w'].sharding.spec,
+        state.params['vit/encoder_block_0/mlp_block/fc1']['w'].sharding.spec,
         P())
 
   def test_half_params_master_copy_is_sharded_like_the_params(self):

@@ -22,6 +22,11 @@ BF16 = 'params=float32,compute=bfloat16,output=float32'
 FP16 = 'params=float32,compute=float16,output=float32'
 
 
+def _two_blocks(*args, **kwargs):
+  """The tiny config with a second block, for rules that tell blocks apart."""
+  return helpers.tiny_config(*args, num_layers=2, **kwargs)
+
+
 def _policies_by_path(config):
   """{path: (policy in force, input dtypes)} of every module's __call__."""
   calls, _ = forward_lib.trace_modules(config.model, forward_lib.make_precision(config))
@@ -76,7 +81,7 @@ class ParseTest(parameterized.TestCase):
 
   @parameterized.parameters('BatchNorm', '*/no_such_module', 'head')
   def test_unmatched_override_is_an_error_naming_it(self, target):
-    config = helpers.tiny_config(BF16, overrides=f'{target}:float32')
+    config = _two_blocks(BF16, overrides=f'{target}:float32')
     with self.assertRaises(policies.PrecisionError) as cm:
       forward_lib.build(config)
     self.assertIn(repr(target), str(cm.exception))
@@ -86,7 +91,7 @@ class ParseTest(parameterized.TestCase):
 class RuleTest(parameterized.TestCase):
 
   def test_defaults_model_policy_and_float32_layer_norm(self):
-    paths = _policies_by_path(helpers.tiny_config(FP16))
+    paths = _policies_by_path(_two_blocks(FP16))
     self.assertEqual(paths['vit'][0], 'p=f32,c=f16,o=f32')
     self.assertEqual(paths['vit/encoder_block_0/attention/query'][0],
                      'p=f32,c=f16,o=f32')
@@ -95,8 +100,8 @@ class RuleTest(parameterized.TestCase):
     self.assertEqual(ln[1], (jnp.float32,))  # Statistics see float32 inputs.
 
   def test_class_override_changes_exactly_that_class_and_children(self):
-    base = _policies_by_path(helpers.tiny_config(BF16))
-    over = _policies_by_path(helpers.tiny_config(
+    base = _policies_by_path(_two_blocks(BF16))
+    over = _policies_by_path(_two_blocks(
         BF16, overrides='Attention:p=f32,c=f32,o=bf16'))
     changed = {p for p in base if base[p] != over[p]}
     expected = {p for p in base if '/attention' in p}
@@ -106,8 +111,8 @@ class RuleTest(parameterized.TestCase):
                      ('p=f32,c=f32,o=bf16', (jnp.float32,)))
 
   def test_path_override_beats_class_policy(self):
-    base = _policies_by_path(helpers.tiny_config(BF16))
-    over = _policies_by_path(helpers.tiny_config(
+    base = _policies_by_path(_two_blocks(BF16))
+    over = _policies_by_path(_two_blocks(
         BF16, overrides='Linear:p=f32,c=f16,o=f16;*/head:float32'))
     self.assertEqual(over['vit/head'], ('p=f32,c=f32,o=f32', (jnp.float32,)))
     linears = {p for p in base if p.endswith(('query', 'key', 'value', 'out',
@@ -118,7 +123,7 @@ class RuleTest(parameterized.TestCase):
     self.assertEqual(changed, linears | {'vit/head'})
 
   def test_path_glob_matches_a_whole_block(self):
-    over = _policies_by_path(helpers.tiny_config(
+    over = _policies_by_path(_two_blocks(
         BF16, overrides='*encoder_block_1*:float32'))
     for path, (policy, _) in over.items():
       expected = ('p=f32,c=f32,o=f32' if 'encoder_block_1' in path else
@@ -128,7 +133,7 @@ class RuleTest(parameterized.TestCase):
       self.assertEqual(policy, expected, path)
 
   def test_layer_norm_float32_can_be_switched_off(self):
-    config = helpers.tiny_config(FP16)
+    config = _two_blocks(FP16)
     config.precision.float32_layer_norm = False
     self.assertEqual(_policies_by_path(config)['vit/ln_final'][0],
                      'p=f32,c=f16,o=f32')
@@ -137,7 +142,7 @@ class RuleTest(parameterized.TestCase):
 class ScopeTest(parameterized.TestCase):
 
   def test_same_program_as_hk_mixed_precision_for_class_rules(self):
-    config = helpers.tiny_config(FP16)
+    config = _two_blocks(FP16)
     ours = forward_lib.make_forward(config.model, forward_lib.make_precision(config))
     kwargs = {k: config.model[k] for k in forward_lib.MODEL_FIELDS}
     main = policies.parse_policy(FP16)
@@ -159,8 +164,8 @@ class ScopeTest(parameterized.TestCase):
     self.assertEqual(str(ours_jaxpr), str(theirs_jaxpr))
 
   def test_two_models_in_one_process_do_not_leak(self):
-    fp16 = helpers.tiny_config(FP16)
-    fp32 = helpers.tiny_config('float32')
+    fp16 = _two_blocks(FP16)
+    fp32 = _two_blocks('float32')
     images = helpers.random_batch(fp16)['image']
     f16_forward, _ = forward_lib.build(fp16)
     f32_forward, _ = forward_lib.build(fp32)

@@ -74,7 +74,6 @@ class StatisticsTest(absltest.TestCase):
     modules, param_stats = stats.fn(params, rng, batch, SCALE)
     self.assertEqual(stats.aliases, {
         'vit/encoder_block_0/attention': 'vit/encoder_block_0/attention/out',
-        'vit/encoder_block_1/attention': 'vit/encoder_block_1/attention/out',
         'vit': 'vit/head'})
     self.assertEqual(set(modules), set(paths) - set(stats.aliases))
     outputs, grads = _capture(exp.loss_fn, params, rng, batch, set(paths))

@@ -27,7 +27,8 @@ KEPT_INSIDE = {'dots': {'Linear', 'EncoderBlock'}, 'full': {'EncoderBlock'}}
 
 
 def _config(remat_setting, policy=helpers.tiny_config().precision.policy):
-  config = helpers.tiny_config(policy)
+  # Two blocks: a block's output is kept as the next one's input.
+  config = helpers.tiny_config(policy, num_layers=2)
   config.remat = remat_setting
   return config
 

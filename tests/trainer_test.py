@@ -167,8 +167,9 @@ class TrainerTest(parameterized.TestCase):
     augmentation policy, erasing, mixing, smoothing, drop path, decay."""
     config = vit_recipe.get_config('fp16')
     config.model.update(helpers.tiny_config().model.to_dict())
+    # Two blocks: drop path's rate rises from 0 in the first.
     config.model.update(dict(image_size=32, patch_size=8, dropout_rate=0.0,
-                             drop_path_rate=0.1))
+                             drop_path_rate=0.1, num_layers=2))
     config.data.source = 'tfds'
     config.batch_size = 8
     config.eval_batch_size = 8
