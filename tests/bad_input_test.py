@@ -31,7 +31,7 @@ TINY = ['--config.data.source=synthetic', '--config.num_train_steps=2',
         '--config.log_every_steps=1', '--config.eval_every_steps=2',
         '--config.checkpoint_every_steps=1', '--config.batch_size=8',
         '--config.eval_batch_size=8', '--config.data.synthetic_eval_examples=8',
-        *helpers.TINY_MODEL_FLAGS]
+        '--config.data.synthetic_train_examples=64', *helpers.TINY_MODEL_FLAGS]
 
 
 # An absl ERROR log line: E, then MMDD.
@@ -248,8 +248,13 @@ class BadInputTest(parameterized.TestCase):
       os.makedirs(data_dir)
     with open(os.path.join(data_dir, name) if name else data_dir, 'wb') as f:
       f.write(b'not TFDS data')
-    result = _train(f'{tmp}/run', '--config.data.source=tfds',
-                    f'--config.data.data_dir={data_dir}')
+    # The listing alone tells, before TensorFlow is imported: the same line
+    # where it is not installed (the GPU machines).
+    result = helpers.run_module(
+        'tests.without_modules', 'tensorflow,tensorflow_datasets',
+        'launch.train', '--config=configs/vit_fp16.py', f'--workdir={tmp}/run',
+        *TINY, '--config.data.source=tfds', f'--config.data.data_dir={data_dir}',
+        devices=8)
     self._assert_data_error(result, f'{tmp}/run', message)
 
   @parameterized.named_parameters(

@@ -40,6 +40,8 @@ def _flags(config, workdir, every=HALF):
           f'--config.checkpoint_every_steps={every}', '--config.batch_size=32',
           '--config.eval_batch_size=16',
           '--config.data.synthetic_eval_examples=16',
+          # Epochs of 10 steps: the runs resume across their boundaries.
+          '--config.data.synthetic_train_examples=320',
           *helpers.TINY_MODEL_FLAGS]
 
 

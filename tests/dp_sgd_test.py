@@ -70,7 +70,7 @@ class PrecisionRulesTest(parameterized.TestCase):
       self, text, half, microbatch_size):
     exp = experiment.build_without_data(_config(
         text, loss_scale='dynamic', microbatch_size=microbatch_size))
-    state = exp.init_state()
+    state = exp.strategy.init_state()
     batch = _batch(exp.config, exp.train_batch_size, BATCH)
     grads = dp_sgd.make_gradients(exp.loss_fn, exp.scaler, exp.privacy)
     with helpers.dots_as_on('gpu'):  # XLA:CPU upcasts float16 matmuls.
@@ -121,7 +121,7 @@ class ClippingTest(absltest.TestCase):
     cls.exp = experiment.build_without_data(_config(
         BF16, loss_scale='static', l2_clip_norm=cls.CLIP,
         noise_multiplier=0.0))
-    cls.state = cls.exp.init_state()
+    cls.state = cls.exp.strategy.init_state()
     cls.gradients = staticmethod(_private_gradients(cls.exp))
     cls.batch = _batch(cls.exp.config, cls.exp.train_batch_size, BATCH)
 

@@ -36,7 +36,7 @@ def _setup(policy, overrides='', **precision):
   batch = helpers.random_batch(config)
   rng = jax.random.key(1)
   loss = lambda p: exp.loss_fn(p, rng, batch)[0]
-  return exp.forward, exp.init_state().params, batch, loss
+  return exp.forward, exp.strategy.init_state().params, batch, loss
 
 
 class MatmulDtypeTest(parameterized.TestCase):

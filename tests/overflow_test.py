@@ -147,7 +147,8 @@ class DivergenceTest(parameterized.TestCase):
         '--config.log_every_steps=1', '--config.eval_every_steps=30',
         '--config.checkpoint_every_steps=1', '--config.batch_size=16',
         '--config.eval_batch_size=16',
-        '--config.data.synthetic_eval_examples=16', *helpers.TINY_MODEL_FLAGS,
+        '--config.data.synthetic_eval_examples=16',
+        '--config.data.synthetic_train_examples=64', *helpers.TINY_MODEL_FLAGS,
         '--config.learning_rate=1e38')
 
   @parameterized.named_parameters(

@@ -29,7 +29,7 @@ def tiny_reference(config=None):
   module."""
   exp = experiment.build_without_data(variants.float32_reference(
       config or helpers.tiny_config()))
-  params = exp.init_state().params
+  params = exp.strategy.init_state().params
   head = params['vit/head']
   params['vit/head'] = dict(
       w=jax.random.normal(jax.random.key(1), head['w'].shape) * 0.3,

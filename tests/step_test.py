@@ -71,7 +71,7 @@ def _vit_setup(policy, loss_scale_kind, **loss_scale):
   step = step_lib.make_train_step(
       step_lib.ordinary_gradients(exp.loss_fn, exp.scaler), exp.optimizer,
       exp.scaler)
-  return exp.forward, helpers.random_batch(config), exp.init_state(), step
+  return exp.forward, helpers.random_batch(config), exp.strategy.init_state(), step
 
 
 def _copy(tree):

@@ -47,6 +47,7 @@ def _tiny_run_config(policy='params=float32,compute=float16,output=float32',
   config.eval_every_steps = 3
   config.data.source = 'synthetic'
   config.data.synthetic_eval_examples = 20
+  config.data.synthetic_train_examples = 64
   return config
 
 
@@ -54,6 +55,7 @@ CLI_TINY = ('--config.num_train_steps=4', '--config.log_every_steps=1',
             '--config.eval_every_steps=4', '--config.batch_size=8',
             '--config.eval_batch_size=10',
             '--config.data.synthetic_eval_examples=10',
+            '--config.data.synthetic_train_examples=64',
             '--config.model.num_layers=1', '--config.model.embed_dim=16',
             '--config.model.mlp_dim=16', '--config.model.num_heads=2')
 # absl's log line: level and date, time, thread, then `file.py:line]`.

@@ -79,7 +79,7 @@ class AdvisorTest(absltest.TestCase):
                   for s in range(2)]
 
   def _judge(self, params=None, loss_fn=None, inputs=None):
-    state = self.exp.init_state()._replace(
+    state = self.exp.strategy.init_state()._replace(
         params=copy.deepcopy(params or self.params))
     modules, _, _, _ = advisor.measure(self.exp, state, inputs or self.inputs,
                                       lambda line: None, loss_fn=loss_fn)

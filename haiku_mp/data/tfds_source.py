@@ -157,18 +157,40 @@ def _download_error(e: Exception, name: str, where: str) -> DataError:
                    f'into {where} ({_one_line(e)[:300]})')
 
 
+def _not_prepared(name: str, where: str) -> DataError:
+  return DataError(
+      f'data.data_dir: {name} is not prepared in {where}, and data.download '
+      'is False. Point --config.data.data_dir at a prepared copy, or allow '
+      'the download.')
+
+
+def _check_without_tensorflow(data_dir: str, name: str, download: bool,
+                              where: str) -> None:
+  """What a data dir's listing alone shows wrong, found in a moment rather
+  than after TensorFlow's import (seconds): a file, a folder of something
+  else, or no `name` in it and no download allowed."""
+  if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+    raise DataError(f'data.data_dir={data_dir} is a file, not a directory')
+  if os.path.isdir(data_dir) and name in os.listdir(data_dir):
+    return  # Prepared or not, TFDS tells.
+  if os.path.isdir(data_dir):
+    _check_not_foreign(data_dir, name)
+  if not download:
+    raise _not_prepared(name, where)
+
+
 def builder(data_config: ml_collections.ConfigDict):
   """The TFDS builder of `data_config.name`, prepared (downloaded if allowed).
 
   Every way this can fail is a one-line `DataError` naming the setting.
   """
-  tensorflow()  # Before TFDS imports it.
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   name = data_config.name
   data_dir = data_config.data_dir or None
   where = data_dir or 'the TFDS default data dir (TFDS_DATA_DIR)'
-  if data_dir and os.path.exists(data_dir) and not os.path.isdir(data_dir):
-    raise DataError(f'data.data_dir={data_dir} is a file, not a directory')
+  if data_dir:
+    _check_without_tensorflow(data_dir, name, data_config.download, where)
+  tensorflow()  # Before TFDS imports it.
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   absl_log = python_logging.getLogger('absl')  # TFDS logs through absl.
   quiet = _NoEmptyVariantWarning()
   absl_log.addFilter(quiet)
@@ -185,10 +207,7 @@ def builder(data_config: ml_collections.ConfigDict):
   if data_dir and os.path.isdir(data_dir):
     _check_not_foreign(data_dir, name)
   if not data_config.download:
-    raise DataError(
-        f'data.data_dir: {name} is not prepared in {where}, and '
-        'data.download is False. Point --config.data.data_dir at a prepared '
-        'copy, or allow the download.')
+    raise _not_prepared(name, where)
   urllib3_log = python_logging.getLogger('urllib3.connectionpool')
   fail_fast = _FailFastWhenUnreachable()
   urllib3_log.addFilter(fail_fast)
