@@ -31,17 +31,18 @@ from tests import disk_full_at_step
 from tests import signal_at_step
 
 HALF, TOTAL = 20, 40
+BATCH = 16
 
 
 def _flags(config, workdir, every=HALF):
   return [f'--config={config}', f'--workdir={workdir}',
           '--config.data.source=synthetic', f'--config.num_train_steps={TOTAL}',
           '--config.log_every_steps=1', f'--config.eval_every_steps={TOTAL}',
-          f'--config.checkpoint_every_steps={every}', '--config.batch_size=32',
+          f'--config.checkpoint_every_steps={every}', f'--config.batch_size={BATCH}',
           '--config.eval_batch_size=16',
           '--config.data.synthetic_eval_examples=16',
           # Epochs of 10 steps: the runs resume across their boundaries.
-          '--config.data.synthetic_train_examples=320',
+          f'--config.data.synthetic_train_examples={10 * BATCH}',
           *helpers.TINY_MODEL_FLAGS]
 
 
@@ -165,7 +166,7 @@ class InterruptTest(parameterized.TestCase):
     self.assertIn(f'at step {resumed_at}.', proc.stderr)
     # A fresh and a resumed run lower the same program: one cache entry.
     self.assertRegex(proc.stderr, r'Compiled the train step for a batch of '
-                     r'32 in .*, loaded from the compilation cache\)')
+                     rf'{BATCH} in .*, loaded from the compilation cache\)')
     self.assertNotIn('Metadata file does not exist', proc.stderr)
     events = _train_events(self.workdir)
     self.assertEqual([e['step'] for e in events], list(range(1, TOTAL + 1)))
@@ -199,11 +200,11 @@ class InterruptTest(parameterized.TestCase):
     # last window of each segment, a millisecond or two), the rate the
     # run's mean.
     summary = _read_json(f'{self.workdir}/summary.json')
-    windows = sum(32 / e['images_per_sec'] for e in events)
+    windows = sum(BATCH / e['images_per_sec'] for e in events)
     self.assertAlmostEqual(summary['train_time_sec'], windows,
                            delta=1e-2 * windows)
     self.assertAlmostEqual(summary['images_per_sec'],
-                           TOTAL * 32 / summary['train_time_sec'], places=6)
+                           TOTAL * BATCH / summary['train_time_sec'], places=6)
     self.assertGreater(summary['eval_time_sec'], 0)
     straight = _read_json(f'{self.straight}/summary.json')
     for key in ('val_accuracy', 'val_loss', 'test_accuracy', 'test_loss',

@@ -308,9 +308,8 @@ class MultiProcessTest(parameterized.TestCase):
       self.assertEqual(returncode, 0, out[-3000:])
       self.assertIn(f'at step {saved[0]}.', out)
     one = f'{tmp}/one'
-    subprocess.run([sys.executable, '-m', 'launch.train', *flags,
-                    f'--workdir={one}'], cwd=ROOT, env=_env(8), check=True,
-                   capture_output=True)
+    helpers.run_module('launch.train', *flags, f'--workdir={one}', devices=8,
+                       check=True)
     # One shared workdir (as on a cluster's shared filesystem); only process 0
     # writes metrics, so no event is there twice; the stop and the resume
     # change nothing.

@@ -294,7 +294,7 @@ class LaunchTrainTest(parameterized.TestCase):
                               sources)
     self.assertContainsSubset(sources, OWN_FILES)  # No orbax, JAX, ... INFO.
     for expected in ('Config: configs/vit_fp16.py --config.data.source=',
-                     'Data (synthetic): train 45000, val 10, test 10 in memory',
+                     'Data (synthetic): train 64, val 10, test 10 in memory',
                      'Devices: ', 'Model: 16 modules, ',
                      f'; every module: {workdir}/modules.txt',
                      'Compiled the train step',
