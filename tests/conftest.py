@@ -13,7 +13,6 @@ LONGEST_FIRST = (
     'tests/checkpoint_test.py::InterruptTest',
     'tests/report_test.py::QuickReportTest',
     'tests/lab_test.py::PrecisionExperimentTest',
-    'tests/checkpoint_test.py::ResumeTest',
     'tests/parallel_test.py::StrategiesAgreeTest',
     'tests/lab_test.py::SweepTest',
     'tests/lab_test.py::CommandLineTest',
