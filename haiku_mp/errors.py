@@ -5,6 +5,8 @@ error); a `RunError` is a failure of the environment the run met, not of its
 input (exit status 1). Anything else is a bug and keeps its traceback.
 """
 
+import os
+
 
 class ConfigError(ValueError):
   """A setting, input or file that cannot be used; the message names it."""
@@ -24,3 +26,20 @@ def check_choice(setting: str, value, choices, error=ConfigError) -> None:
   if value not in choices:
     raise error(f'{setting}: unknown value {value!r}; expected one of '
                 f'{tuple(choices)}')
+
+
+def check_writable_directory(setting: str, path: str) -> None:
+  """A ConfigError naming `setting` unless `path` is a directory, or none yet
+  under a folder that can be written; creates nothing, so a wrong path fails
+  before anything is loaded or made."""
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(f'{setting}={path} is a file, not a directory')
+  existing = os.path.abspath(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ConfigError(f'{setting}={path} is not writable (Not a directory: '
+                      f'{existing})')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f'{setting}={path} is not writable (Permission denied: '
+                      f'{existing})')

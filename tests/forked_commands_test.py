@@ -7,6 +7,7 @@ import sys
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import subprocess
 import tempfile
 
 from absl.testing import absltest
@@ -40,6 +41,28 @@ class ForkedCommandsTest(parameterized.TestCase):
                                 env={'JAX_PLATFORMS': 'tpu'})
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("Unable to initialize backend 'tpu'", result.stderr)
+
+
+  def test_a_command_leaves_as_the_interpreter_would(self):
+    """At exit: a thread's work finished, executors' idle threads stopped
+    (not waited on forever), atexit functions run, buffered output written,
+    and `sys.exit`'s status."""
+    script = '\n'.join((
+        'import atexit, concurrent.futures, sys, threading',
+        'from tests import forked_commands',
+        'atexit.register(lambda: sys.stdout.write(" atexit"))',
+        'concurrent.futures.ThreadPoolExecutor(1).submit(int).result()',
+        'go = threading.Event()',
+        # Work that outlasts the main thread's exit unless waited for.
+        'threading.Thread(target=lambda: go.wait() and sys.stdout.write(',
+        '    " thread" * (sum(range(3 * 10**6)) > 0))).start()',
+        'sys.stdout.write("buffered")',
+        'go.set()',
+        'forked_commands.exit_as_python("a message")'))
+    result = subprocess.run([sys.executable, '-c', script], cwd=helpers.ROOT,
+                            capture_output=True, text=True, timeout=120)
+    self.assertEqual((result.returncode, result.stdout, result.stderr),
+                     (1, 'buffered thread atexit', 'a message\n'))
 
 
 if __name__ == '__main__':

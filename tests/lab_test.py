@@ -120,6 +120,11 @@ class FlagChecksTest(parameterized.TestCase):
     with self.assertRaisesWithLiteralMatch(
         errors.ConfigError, f'--out={path} is a file, not a directory'):
       checks.out_dir('out', path)
+    under = os.path.join(path, 'run')
+    with self.assertRaisesWithLiteralMatch(
+        errors.ConfigError,
+        f'--out={under} is not writable (Not a directory: {path})'):
+      checks.out_dir('out', under)
     with self.assertRaisesRegex(errors.ConfigError, '^--out is empty'):
       checks.out_dir('out', '')
 

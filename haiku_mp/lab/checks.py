@@ -2,7 +2,6 @@
 anything is compiled or written: a bad one is one ConfigError that names the
 flag and what would be valid."""
 
-import os
 from typing import Iterable, Sequence
 
 from haiku_mp import errors
@@ -43,5 +42,4 @@ def out_dir(name: str, path: str) -> None:
   if not path:
     raise errors.ConfigError(f'--{name} is empty: expected a directory to write '
                              'into')
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise errors.ConfigError(f'--{name}={path} is a file, not a directory')
+  errors.check_writable_directory(f'--{name}', path)

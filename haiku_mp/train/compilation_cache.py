@@ -52,15 +52,7 @@ def check(setting) -> None:
                              f"'{AUTO}' or '' (off)")
   if setting in ('', AUTO):
     return
-  path = os.path.abspath(os.path.expanduser(setting))
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise errors.ConfigError(f'{SETTING}={setting} is a file, not a directory')
-  existing = path
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-    raise errors.ConfigError(f'{SETTING}={setting} is not writable '
-                             f'({existing})')
+  errors.check_writable_directory(SETTING, os.path.expanduser(setting))
 
 
 def use(setting: str) -> Optional[str]:

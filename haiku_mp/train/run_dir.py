@@ -23,17 +23,7 @@ def check_writable(workdir: str) -> None:
   """Says in one line why `workdir` could not be made or written, before the
   data is loaded (a wrong path costs a second, not a load), and creates
   nothing: the data may still turn out unusable."""
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise errors.ConfigError(f'--workdir={workdir} is a file, not a directory')
-  existing = os.path.abspath(workdir)
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing):
-    raise errors.ConfigError(f'--workdir={workdir} is not writable (Not a '
-                             f'directory: {existing})')
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise errors.ConfigError(f'--workdir={workdir} is not writable '
-                             f'(Permission denied: {existing})')
+  errors.check_writable_directory('--workdir', workdir)
 
 
 def prepare(workdir: str) -> None:
