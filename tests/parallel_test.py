@@ -50,6 +50,23 @@ def _setup(config):
   return experiment.build_without_data(config).strategy
 
 
+def _uint8_losses(config, steps=2):
+  """The losses of `steps` steps on 32x32 uint8 batches, augmented in the
+  step."""
+  config.model.image_size = 32
+  config.model.patch_size = 8
+  par = _setup(config)
+  state = par.init_state()
+  rng = np.random.default_rng(0)
+  losses = []
+  for _ in range(steps):
+    batch = dict(image=rng.integers(0, 256, (16, 32, 32, 3), np.uint8),
+                 label=rng.integers(0, 10, 16).astype(np.int32))
+    state, metrics = par.train_step(state, par.place_batch(batch))
+    losses.append(float(par.unreplicate(metrics)['loss']))
+  return losses
+
+
 def _train(config, steps=5):
   par = _setup(config)
   state = par.init_state()
@@ -71,7 +88,7 @@ class StrategiesAgreeTest(parameterized.TestCase):
 
   # Float16 with a dynamic scale: the skip and the scale's fall as well as
   # the losses (the skip without a scaler is the same step code; the float32
-  # strategies agree in test_remat_gives_the_same_steps_under_every_strategy).
+  # strategies agree in test_remat_and_uint8_batches_give_the_same_steps...).
   @parameterized.named_parameters(('fp16_dynamic', FP16, 'dynamic'))
   def test_first_steps_agree_and_skip_together(self, policy, loss_scale):
     results = {}
@@ -91,38 +108,17 @@ class StrategiesAgreeTest(parameterized.TestCase):
                                  err_msg=str(layout))
     self.assertLess(reference[-1], reference[0])
 
-
-  def test_remat_gives_the_same_steps_under_every_strategy(self):
-    steps = BAD_STEP  # The steps before the one with an inf.
-    plain = _train(_config('single', None, 'float32', 'none'), steps)[0]
+  def test_remat_and_uint8_batches_give_the_same_steps_on_every_strategy(self):
+    """Rematerialization changes no step, and the augmentation inside the
+    step, per example keyed by the step's key, gives the same images however
+    the batch is split: every strategy's losses with remat are those of one
+    device without it."""
+    plain = _uint8_losses(_config('single', None, 'float32', 'none'))
     for strategy, mesh_shape in (('single', None), ('pmap', (8, 1)),
                                  ('pjit', (4, 2))):
       config = _config(strategy, mesh_shape, 'float32', 'none')
       config.remat = 'dots'
-      losses = _train(config, steps)[0]
-      np.testing.assert_allclose(losses, plain, rtol=2e-5, err_msg=strategy)
-
-
-  def test_uint8_batches_are_augmented_alike_under_every_strategy(self):
-    """The augmentation runs inside the step, per example keyed by the step's
-    key: the same images (so the same losses) however the batch is split."""
-    results = {}
-    for strategy, mesh_shape in LAYOUTS[:3]:
-      config = _config(strategy, mesh_shape, 'float32', 'none')
-      config.model.image_size = 32
-      config.model.patch_size = 8
-      par = _setup(config)
-      state = par.init_state()
-      rng = np.random.default_rng(0)
-      losses = []
-      for _ in range(2):
-        batch = dict(image=rng.integers(0, 256, (16, 32, 32, 3), np.uint8),
-                     label=rng.integers(0, 10, 16).astype(np.int32))
-        state, metrics = par.train_step(state, par.place_batch(batch))
-        losses.append(float(par.unreplicate(metrics)['loss']))
-      results[strategy] = losses
-    for strategy, losses in results.items():
-      np.testing.assert_allclose(losses, results['single'], rtol=2e-5,
+      np.testing.assert_allclose(_uint8_losses(config), plain, rtol=2e-5,
                                  err_msg=strategy)
 
 
