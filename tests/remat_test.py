@@ -1,6 +1,7 @@
 """Rematerialization: what each `remat` setting keeps, and that it changes
 nothing but memory."""
 
+import functools
 import os
 import sys
 
@@ -33,6 +34,17 @@ def _config(remat_setting, policy=helpers.tiny_config().precision.policy):
   return config
 
 
+@functools.cache
+def _reference_kept_bytes(setting, dtype, batch_size):
+  """The bytes the reference model's backward pass keeps, traced abstractly
+  (no FLOPs, no memory): the reference model itself."""
+  config = base.get_config()
+  config.remat = setting
+  exp = experiment.build_without_data(variants.variant_config(
+      config, dtype, batch_size, 'single:1x1'))
+  return memory.residual_summary(exp, batch_size)['kept_bytes']
+
+
 class RematTest(parameterized.TestCase):
 
   def test_unknown_setting_is_a_config_error(self):
@@ -52,17 +64,10 @@ class RematTest(parameterized.TestCase):
   @parameterized.product(setting=('dots', 'full'), batch_size=(128, 4096))
   def test_half_precision_keeps_at_most_055_of_float32(self, setting,
                                                        batch_size):
-    # Traced abstractly (no FLOPs, no memory): the reference model itself.
-    def kept_bytes(setting, dtype):
-      config = base.get_config()
-      config.remat = setting
-      exp = experiment.build_without_data(variants.variant_config(
-          config, dtype, batch_size, 'single:1x1'))
-      return memory.residual_summary(exp, batch_size)['kept_bytes']
-
-    kept = {dtype: kept_bytes(setting, dtype)
+    kept = {dtype: _reference_kept_bytes(setting, dtype, batch_size)
             for dtype in ('float32', 'bfloat16', 'float16')}
-    self.assertLess(kept['float32'], 0.25 * kept_bytes('none', 'float32'))
+    self.assertLess(kept['float32'],
+                    0.25 * _reference_kept_bytes('none', 'float32', batch_size))
     self.assertLessEqual(kept['bfloat16'], 0.55 * kept['float32'])
     self.assertLessEqual(kept['float16'], 0.55 * kept['float32'])
 

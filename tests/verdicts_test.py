@@ -77,11 +77,14 @@ class AdvisorTest(absltest.TestCase):
     cls.exp, cls.params = probes_test.tiny_reference(cls.config)
     cls.inputs = [helpers.random_batch(cls.config, 8, seed=s)
                   for s in range(2)]
+    # The unplanted model's verdicts, which two tests read.
+    _, cls.plain = cls._judge()
 
-  def _judge(self, params=None, loss_fn=None, inputs=None):
-    state = self.exp.strategy.init_state()._replace(
-        params=copy.deepcopy(params or self.params))
-    modules, _, _, _ = advisor.measure(self.exp, state, inputs or self.inputs,
+  @classmethod
+  def _judge(cls, params=None, loss_fn=None, inputs=None):
+    state = cls.exp.strategy.init_state()._replace(
+        params=copy.deepcopy(params or cls.params))
+    modules, _, _, _ = advisor.measure(cls.exp, state, inputs or cls.inputs,
                                       lambda line: None, loss_fn=loss_fn)
     return modules, verdicts.judge(modules, THRESHOLDS)
 
@@ -90,7 +93,7 @@ class AdvisorTest(absltest.TestCase):
             if getattr(v, fmt) == verdicts.KEEP}
 
   def test_unplanted_tiny_model_runs_in_every_format(self):
-    _, judged = self._judge()
+    judged = self.plain
     self.assertEqual(self._kept(judged, 'float16'), set())
     self.assertEqual(self._kept(judged, 'bfloat16'), set())
     lo, hi = judged.scale_window
@@ -140,7 +143,7 @@ class AdvisorTest(absltest.TestCase):
                              msg=m.path)
 
   def test_a_loss_scaled_by_two_to_the_minus_20_moves_every_window_by_20(self):
-    _, plain = self._judge()
+    plain = self.plain
     _, scaled = self._judge(loss_fn=_scaled_loss(self.exp.loss_fn, 2.0**-20))
     for path, verdict in plain.verdicts.items():
       lo, hi = verdict.window
