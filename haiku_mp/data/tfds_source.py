@@ -204,8 +204,6 @@ def builder(data_config: ml_collections.ConfigDict):
     absl_log.removeFilter(quiet)
   if prepared:
     return dataset
-  if data_dir and os.path.isdir(data_dir):
-    _check_not_foreign(data_dir, name)
   if not data_config.download:
     raise _not_prepared(name, where)
   urllib3_log = python_logging.getLogger('urllib3.connectionpool')
