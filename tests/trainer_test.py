@@ -343,7 +343,11 @@ class LaunchTrainTest(parameterized.TestCase):
     with open(blocker, 'w') as f:
       f.write('not a directory')
     workdir = os.path.join(blocker, below) if below else blocker
-    result = self._run(workdir)
+    # TFDS data that is not there, and may not be downloaded: the workdir's
+    # error comes first, before the data is even looked for.
+    result = self._run(workdir, '--config.data.source=tfds',
+                       f'--config.data.data_dir={blocker}_data',
+                       '--config.data.download=false')
     self.assertEqual(result.returncode, 2, result.stderr[-3000:])
     self.assertEqual(result.stderr.strip().splitlines()[-1],
                      f'error: --workdir={workdir} {message}'

@@ -162,12 +162,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                  'summary: %s', finished['steps'], finished['steps'],
                  os.path.join(workdir, run_dir.SUMMARY_FILE))
     return finished
+  is_writer = jax.process_index() == 0
+  if is_writer:  # Before the data is looked for (a download, perhaps).
+    run_dir.check_writable(workdir)
   exp = experiment.build(config, mesh, num_train_examples=(
       pipeline.check_available(config.data)))
   strategy, total_steps = exp.strategy, exp.total_steps
-  is_writer = jax.process_index() == 0
-  if is_writer:
-    run_dir.check_writable(workdir)
   load_start = time.perf_counter()
   splits = pipeline.load(config)
   logging.info('Data (%s): %s in memory in %.1fs.', config.data.source,
