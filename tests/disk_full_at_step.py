@@ -13,10 +13,28 @@ import os
 import resource
 import runpy
 import signal
+from typing import Callable
 
 from haiku_mp.train import checkpoint
 
 ENV = 'DISK_FULL_AT_STEP'
+
+
+def leave_no_room(directory: str) -> Callable[[], None]:
+  """Sets the process's file size limit to half the largest file under
+  `directory` (SIGXFSZ ignored, so that a write fails instead); returns a
+  function that gives the room back."""
+  sizes = [os.path.getsize(os.path.join(root, name))
+           for root, _, names in os.walk(directory) for name in names]
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (max(sizes) // 2, limits[1]))
+
+  def give_room_back():
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    signal.signal(signal.SIGXFSZ, handler)
+
+  return give_room_back
 
 
 def _no_room_from(at_step: int) -> None:
@@ -24,11 +42,7 @@ def _no_room_from(at_step: int) -> None:
 
   def save_without_room(self, step, *args, **kwargs):
     if step >= at_step:
-      sizes = [os.path.getsize(os.path.join(root, name))
-               for root, _, names in os.walk(self.directory) for name in names]
-      signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-      resource.setrlimit(resource.RLIMIT_FSIZE,
-                         (max(sizes) // 2, resource.RLIM_INFINITY))
+      leave_no_room(self.directory)
     return save(self, step, *args, **kwargs)
 
   checkpoint.Checkpointer.save = save_without_room

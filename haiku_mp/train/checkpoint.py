@@ -23,6 +23,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Optional
 
 from absl import logging
@@ -100,15 +101,20 @@ class _DropOrbaxErrors(python_logging.Filter):
                 f'{os.sep}orbax{os.sep}' in record.pathname)
 
 
-@contextlib.contextmanager
-def _orbax_errors_dropped():
-  logger = logging.get_absl_logger()  # orbax logs through absl's logger.
-  drop = _DropOrbaxErrors()
-  logger.addFilter(drop)
-  try:
-    yield
-  finally:
-    logger.removeFilter(drop)
+class _OrbaxErrorsDropped:
+  """Drops orbax's error logs while it is entered (a class, not a generator,
+  so that one left entered after a failed save stays so when it is freed)."""
+
+  def __init__(self):
+    self._logger = logging.get_absl_logger()  # orbax logs through absl's.
+    self._filter = _DropOrbaxErrors()
+
+  def __enter__(self):
+    self._logger.addFilter(self._filter)
+    return self
+
+  def __exit__(self, *exc_info):
+    self._logger.removeFilter(self._filter)
 
 
 def _from_a_failed_save(traceback) -> bool:
@@ -122,48 +128,65 @@ def _from_a_failed_save(traceback) -> bool:
   return False
 
 
-class _UnretrievedOrbaxTasks(python_logging.Filter):
-  """asyncio's 'Task exception was never retrieved' for orbax's writes."""
+class _UnretrievedOrbaxWrites(python_logging.Filter):
+  """asyncio's 'Task exception was never retrieved' for orbax's writes (the
+  exception raised through orbax's code) and 'Future exception was never
+  retrieved' (the exception set on the future by TensorStore, never raised:
+  it has no traceback at all). Nothing else in a training process uses
+  asyncio while a save is in flight."""
 
   def filter(self, record: python_logging.LogRecord) -> bool:
-    return not (record.exc_info and
-                _from_a_failed_save(record.exc_info[2]))
+    if not record.exc_info:
+      return True
+    traceback = record.exc_info[2]
+    return not (traceback is None or _from_a_failed_save(traceback))
 
 
-@contextlib.contextmanager
-def _failed_save_silenced():
+class _FailedSaveSilenced:
   """Drops what a failed save's threads print: orbax closes its event loop on
   the first failed write while TensorStore still completes the others, whose
   callbacks then raise 'Event loop is closed' (through `sys.excepthook`),
-  asyncio logs each of its tasks' exceptions as never retrieved, and its
-  unfinished coroutines are reported at exit (`sys.unraisablehook`): hundreds
-  of tracebacks for one full disk. Exceptions from elsewhere still reach the
-  hooks that were there. After a failure (the process is about to stop with
-  the save's one error) the quiet hooks stay."""
-  hooks = sys.excepthook, sys.unraisablehook, threading.excepthook
-  excepthook, unraisablehook, thread_hook = hooks
+  asyncio logs each of its tasks' and futures' exceptions as never retrieved
+  when they are freed, Python warns of each coroutine never awaited, and the
+  unfinished ones are reported at exit (`sys.unraisablehook`): hundreds of
+  tracebacks for one full disk, at any time until the process ends.
+  Exceptions from elsewhere still reach the hooks that were there. After a
+  failure (the process is about to stop with the save's one error) it is
+  left entered: a class, not a generator, so freeing it changes nothing."""
 
-  def quiet_excepthook(kind, value, traceback):
-    if not _from_a_failed_save(traceback):
-      excepthook(kind, value, traceback)
+  # The message of Python's RuntimeWarning for a coroutine never awaited.
+  _UNAWAITED = r"coroutine '.*' was never awaited"
 
-  def quiet_unraisablehook(unraisable):
-    if not _from_a_failed_save(unraisable.exc_traceback):
-      unraisablehook(unraisable)
+  def __enter__(self):
+    self._hooks = sys.excepthook, sys.unraisablehook, threading.excepthook
+    excepthook, unraisablehook, thread_hook = self._hooks
 
-  def quiet_thread_hook(args):
-    if not _from_a_failed_save(args.exc_traceback):
-      thread_hook(args)
+    def quiet_excepthook(kind, value, traceback):
+      if not _from_a_failed_save(traceback):
+        excepthook(kind, value, traceback)
 
-  sys.excepthook = quiet_excepthook
-  sys.unraisablehook = quiet_unraisablehook
-  threading.excepthook = quiet_thread_hook
-  asyncio_logger = python_logging.getLogger('asyncio')
-  unretrieved = _UnretrievedOrbaxTasks()
-  asyncio_logger.addFilter(unretrieved)
-  yield
-  sys.excepthook, sys.unraisablehook, threading.excepthook = hooks
-  asyncio_logger.removeFilter(unretrieved)
+    def quiet_unraisablehook(unraisable):
+      if not _from_a_failed_save(unraisable.exc_traceback):
+        unraisablehook(unraisable)
+
+    def quiet_thread_hook(args):
+      if not _from_a_failed_save(args.exc_traceback):
+        thread_hook(args)
+
+    sys.excepthook = quiet_excepthook
+    sys.unraisablehook = quiet_unraisablehook
+    threading.excepthook = quiet_thread_hook
+    self._unretrieved = _UnretrievedOrbaxWrites()
+    python_logging.getLogger('asyncio').addFilter(self._unretrieved)
+    self._warnings = warnings.catch_warnings()
+    self._warnings.__enter__()
+    warnings.filterwarnings('ignore', self._UNAWAITED, RuntimeWarning)
+    return self
+
+  def __exit__(self, *exc_info):
+    self._warnings.__exit__(*exc_info)
+    python_logging.getLogger('asyncio').removeFilter(self._unretrieved)
+    sys.excepthook, sys.unraisablehook, threading.excepthook = self._hooks
 
 
 def _set_aside(path: str) -> str:
@@ -222,8 +245,8 @@ class Checkpointer:
     start = time.perf_counter()
     # What a failed write's threads print is silenced until it is finished.
     quiet = contextlib.ExitStack()
-    quiet.enter_context(_orbax_errors_dropped())
-    quiet.enter_context(_failed_save_silenced())
+    quiet.enter_context(_OrbaxErrorsDropped())
+    quiet.enter_context(_FailedSaveSilenced())
     self._in_flight = _Write(step, quiet, start)
     try:
       self._manager.save(step, args=ocp.args.Composite(**{
@@ -283,14 +306,14 @@ class Checkpointer:
                ) -> tuple[Optional[str], Optional[TrainState]]:
     """(None, state) if `step` restores into `target`, else (why not, None)."""
     try:
-      with _orbax_errors_dropped():
+      with _OrbaxErrorsDropped():
         metadata = self._manager.item_metadata(step)
       tree = metadata.get(_STATE) if metadata is not None else None
       problem = _first_mismatch(
           _shapes(getattr(tree, 'tree', tree) or {}), _shapes(target))
       if problem is not None:
         return problem, None
-      with _orbax_errors_dropped():
+      with _OrbaxErrorsDropped():
         restored = self._manager.restore(step, args=ocp.args.Composite(
             **{_STATE: ocp.args.StandardRestore(target)}))
       return None, restored[_STATE]
