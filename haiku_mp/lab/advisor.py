@@ -337,8 +337,10 @@ def cost(config: ml_collections.ConfigDict, stats: probes.StatisticsFn,
     return metrics['loss']
 
   key = jax.random.key(0)
-  stats_sec = _time(lambda: stats.fn(state.params, key, batch,
-                                     state.loss_scale.scale), repeats)
+  # The scale as `measure` passed it (a Python float): the same program, not
+  # a second compile for a strongly typed float32.
+  scale = float(state.loss_scale.scale)
+  stats_sec = _time(lambda: stats.fn(state.params, key, batch, scale), repeats)
   train_sec = _time(train, repeats)
   return dict(statistics_pass_sec=stats_sec, train_step_sec=train_sec,
               ratio=stats_sec / train_sec, batch_size=config.batch_size,
