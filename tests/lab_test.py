@@ -460,8 +460,9 @@ class CommandLineTest(parameterized.TestCase):
     pasted = result['suggestions']['float16']['flags']
     self.assertIn('float16: ' + ' '.join(pasted), done.stdout)
     # From a run's checkpoint: its params and loss scale, its files untouched;
-    # its config.json gives the model, data and loss scale (no flag
-    # repeated), a flag on the command line wins.
+    # its config.json gives the model, data, batch and loss scale (no flag
+    # repeated), a flag on the command line wins (a threshold: the programs
+    # stay those already compiled for this model and batch).
     workdir = os.path.join(out, 'run')
     helpers.run_module('launch.train', *flags, f'--workdir={workdir}',
                        '--config.num_train_steps=2',
@@ -470,10 +471,10 @@ class CommandLineTest(parameterized.TestCase):
               for root, _, files in os.walk(workdir) for p in files}
     done = helpers.run_module('launch.lab', 'advise', '--batches=1',
                               '--steps=1', f'--checkpoint={workdir}',
-                              '--config.batch_size=2',
+                              '--config.advisor.max_relative_error=0.02',
                               f'--out={out}/run_advice', check=True)
     self.assertIn(f'the config of {workdir}/config.json; from the command '
-                  'line: --config.batch_size', done.stdout)
+                  'line: --config.advisor.max_relative_error', done.stdout)
     with open(os.path.join(out, 'run_advice', 'advise.json')) as f:
       result = json.load(f)
     self.assertEqual(result['params_from'], f'checkpoint {workdir} step 2')
@@ -484,7 +485,8 @@ class CommandLineTest(parameterized.TestCase):
                       result['config']['policy'],
                       result['config']['batch_size']),
                      (16, 'synthetic',
-                      'params=float32,compute=float16,output=float32', 2))
+                      'params=float32,compute=float16,output=float32', 4))
+    self.assertEqual(result['thresholds']['max_relative_error'], 0.02)
     after = {p: os.path.getmtime(os.path.join(root, p))
              for root, _, files in os.walk(workdir) for p in files}
     self.assertEqual(after, before)
