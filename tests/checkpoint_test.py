@@ -364,8 +364,11 @@ class CheckpointerTest(parameterized.TestCase):
     for logger in (logging.getLogger('asyncio'), absl_logging.get_absl_logger()):
       self.enter_context(mock.patch.object(logger, 'filters', []))
     ckpt = checkpoint.Checkpointer(self.workdir, keep=3)
-    state = _tiny_state(1024)._replace(params={'w': jax.random.normal(
-        jax.random.key(1), (8, 1024))})  # Random: files that do not shrink.
+    # Random params: files that do not compress to nothing.
+    state = step_lib.init_train_state(
+        {'w': jax.random.normal(jax.random.key(1), (8, 1024))},
+        optax.adam(1e-3), loss_scaling.LossScaler('dynamic'),
+        jax.random.key(0))
     ckpt.save(1, state)
     ckpt.wait()
     give_room_back = disk_full_at_step.leave_no_room(ckpt.directory)

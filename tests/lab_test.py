@@ -461,8 +461,8 @@ class CommandLineTest(parameterized.TestCase):
     self.assertIn('float16: ' + ' '.join(pasted), done.stdout)
     # From a run's checkpoint: its params and loss scale, its files untouched;
     # its config.json gives the model, data, batch and loss scale (no flag
-    # repeated), a flag on the command line wins (a threshold: the programs
-    # stay those already compiled for this model and batch).
+    # repeated), a flag on the command line wins (a threshold, which changes
+    # no program).
     workdir = os.path.join(out, 'run')
     helpers.run_module('launch.train', *flags, f'--workdir={workdir}',
                        '--config.num_train_steps=2',
