@@ -28,6 +28,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every_steps = 1000
   config.checkpoint_every_steps = 1000  # Also at the end and on SIGTERM.
   config.keep_checkpoints = 3
+  # Train (and eval) steps the host dispatches ahead of the devices: a few
+  # keep them fed; a stop or a checkpoint waits for as many. At most 16:
+  # XLA:CPU stalls multi-device programs when a device queue (32) fills.
+  config.steps_in_flight = 2
+  # A step (or eval batch) not finished after this long, or after 4x the
+  # slowest so far, ends the run with one line (a stalled device); 0: never.
+  config.stall_timeout_sec = 300.0
   # JAX's persistent compilation cache: 'auto' (~/.cache/haiku_mp/jax on a GPU
   # or TPU, none on the CPU), a directory (on every backend) or '' (off).
   # A restarted or resumed run then loads its compiled steps.

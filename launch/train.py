@@ -8,6 +8,7 @@ Many hosts: start one process per host with the same flags plus
 --distributed on clusters where jax.distributed.initialize() finds them).
 """
 
+import os
 import sys
 
 from absl import app
@@ -18,6 +19,7 @@ from ml_collections import config_flags
 
 from haiku_mp.parallel import sharding
 from haiku_mp.train import compilation_cache
+from haiku_mp.train import in_flight
 from haiku_mp.train import loop
 from launch import cli
 
@@ -53,6 +55,9 @@ def _initialize_distributed() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  # Read by XLA when JAX first makes a backend, below.
+  os.environ['XLA_FLAGS'] = in_flight.xla_flags(
+      os.environ.get('XLA_FLAGS', ''), _CONFIG.value.stall_timeout_sec)
   _initialize_distributed()
   overrides = config_flags.get_override_values(flags.FLAGS['config'])
   logging.info('Config: %s%s',

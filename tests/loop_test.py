@@ -132,13 +132,16 @@ class LoopTest(parameterized.TestCase):
                      [(0.0, [True] * 3), (1.0, [True] * 3)])
     self.assertIsInstance(host[0]['finite'], np.ndarray)
 
-  def test_no_device_value_is_read_between_log_points(self):
+  def test_the_host_reads_no_value_between_log_points_and_stays_close(self):
     # Every read of a device array's value (float(), np.asarray,
     # jax.device_get, printing) goes through ArrayImpl._value; each one on
     # the loop's thread is recorded with the number of steps dispatched so
-    # far, as is every block_until_ready.
+    # far. Every block_until_ready of a step's metrics is recorded with the
+    # step it waits for.
+    config = _config()
     main = threading.get_ident()
-    dispatched, reads = [0], []
+    dispatched, reads, waits, ahead = [0], [], [], []
+    step_of = {}
     value = array_lib.ArrayImpl._value
     call = loop._CompiledSteps.__call__
     block = jax.block_until_ready
@@ -149,18 +152,23 @@ class LoopTest(parameterized.TestCase):
       return value.fget(array)
 
     def step(steps, state, batch):
+      # Steps not yet waited for, this one included.
+      ahead.append(dispatched[0] + 1 - max((w for _, w in waits), default=0))
       dispatched[0] += 1
-      return call(steps, state, batch)
+      out = call(steps, state, batch)
+      step_of[id(out[1])] = dispatched[0]
+      return out
 
     def wait(tree):
-      reads.append(dispatched[0])
+      if id(tree) in step_of:
+        waits.append((dispatched[0], step_of[id(tree)]))
       return block(tree)
 
     threads = set(threading.enumerate())
     with mock.patch.object(array_lib.ArrayImpl, '_value', property(read)), \
         mock.patch.object(loop._CompiledSteps, '__call__', step), \
-        mock.patch.object(loop.jax, 'block_until_ready', wait):
-      loop.train_and_evaluate(_config(), self.workdir)
+        mock.patch.object(jax, 'block_until_ready', wait):
+      loop.train_and_evaluate(config, self.workdir)
     self.assertEmpty(_batch_threads(threads))  # Joined at the end.
 
     pauses = {0} | {s for s in range(1, STEPS + 1)
@@ -170,8 +178,18 @@ class LoopTest(parameterized.TestCase):
     # The reads were seen (at every log point), and only at pauses.
     self.assertContainsSubset(range(LOG_EVERY, STEPS + 1, LOG_EVERY), reads)
     self.assertContainsSubset(
-        set(reads), pauses, 'a device value was read (or waited for) after '
-        'the steps "missing" here, which are no log, eval or checkpoint point')
+        set(reads), pauses, 'a device value was read after the steps '
+        '"missing" here, which are no log, eval or checkpoint point')
+    # Between pauses the host waits only for the step steps_in_flight back,
+    # never for one it has just dispatched: the device always has that many
+    # queued. Every step was waited for, and at no dispatch were more than
+    # steps_in_flight + 1 unfinished (XLA's queue never fills).
+    k = config.steps_in_flight
+    between = [(at, w) for at, w in waits if at not in pauses]
+    self.assertNotEmpty(between)
+    self.assertEqual([at - w for at, w in between], [k] * len(between))
+    self.assertEqual(sorted(w for _, w in waits), list(range(1, STEPS + 1)))
+    self.assertLessEqual(max(ahead), k + 1)
 
   def test_the_batch_thread_is_joined_when_the_loop_fails(self):
     threads = set(threading.enumerate())

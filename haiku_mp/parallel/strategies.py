@@ -173,6 +173,11 @@ class Pmap(Strategy):
     self._replicas = NamedSharding(Mesh(np.array(local), (sharding.BATCH,)),
                                    P(sharding.BATCH))
     self._first = jax.sharding.SingleDeviceSharding(local[0])
+    firsts = {}
+    for d in devices:
+      firsts.setdefault(d.process_index, d)
+    self._one_per_process = NamedSharding(
+        Mesh(np.array(list(firsts.values())), ('process',)), P())
     self._init = jax.jit(model.init_state)
 
   def init_state(self):
@@ -189,7 +194,17 @@ class Pmap(Strategy):
         jnp.broadcast_to(x, (n,) + x.shape), self._replicas), state)
 
   def unreplicate(self, tree):
-    return jax.tree.map(lambda y: y[0], tree)
+    # The first local replica as it lies on its device, its axis of one
+    # dropped there: a one-device program per leaf. `y[0]` would be a program
+    # on every device per leaf (a select and an all-reduce), dozens of them
+    # back to back for a state, which fill XLA:CPU's queues (in_flight.py).
+    local = jax.tree.map(lambda y: y.addressable_shards[0].data[0], tree)
+    if jax.process_count() == 1:
+      return local
+    # Several processes: one global value, held once by each (a checkpoint
+    # of it is then written once, not by every process).
+    return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+        x.shape, self._one_per_process, [x]), local)
 
   def to_host(self, tree):
     # This process's first replica as it lies on its device (a view, no

@@ -23,6 +23,7 @@ from haiku_mp.model import remat
 from haiku_mp.parallel import sharding
 from haiku_mp.parallel import strategies
 from haiku_mp.train import compilation_cache
+from haiku_mp.train import in_flight
 from haiku_mp.train import loss_scaling
 
 # Settings that count something (steps, examples, sizes): a positive integer.
@@ -88,6 +89,15 @@ def _check_training(config: ml_collections.ConfigDict) -> None:
            config.learning_rate, 'a finite number >= 0')
   _require(0 <= config.weight_decay < math.inf, 'weight_decay',
            config.weight_decay, 'a finite number >= 0')
+  _require(_is_int(config.steps_in_flight) and
+           1 <= config.steps_in_flight <= in_flight.MAX_LIMIT,
+           'steps_in_flight', config.steps_in_flight,
+           f'an integer in [1, {in_flight.MAX_LIMIT}] (XLA:CPU stalls '
+           'multi-device programs when 32 wait on a device)')
+  _require(_is_number(config.stall_timeout_sec) and
+           0 <= config.stall_timeout_sec < math.inf, 'stall_timeout_sec',
+           config.stall_timeout_sec, 'a finite number of seconds >= 0 (0: '
+           'never)')
   _require(_is_int(config.warmup_steps) and config.warmup_steps >= 0,
            'warmup_steps', config.warmup_steps, '>= 0')
   _require(config.grad_clip_norm >= 0, 'grad_clip_norm', config.grad_clip_norm,

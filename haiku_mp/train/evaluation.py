@@ -4,40 +4,54 @@ import time
 from typing import Optional
 
 from absl import logging
-import jax
-import jax.numpy as jnp
 
 from haiku_mp.data import pipeline
+from haiku_mp.train import in_flight
 
 
-def evaluate(eval_step, params, batches, unreplicate=lambda x: x
-             ) -> dict[str, float]:
+_SUMMED = ('loss', 'accuracy', 'num_examples')
+
+
+def evaluate(eval_step, params, batches, to_host,
+             watch: in_flight.InFlight) -> dict[str, float]:
   """Loss and accuracy over every (unpadded) example of `batches`.
 
   `eval_step` returns metrics over the whole global batch, so the result
-  covers every process's examples.
+  covers every process's examples. Each batch is one program on the devices:
+  its metrics are summed on the host (`to_host`: the strategy's copy of
+  replicated values) once it is finished, with at most `watch.limit`
+  batches in flight (`watch`: an empty `InFlight`).
   """
-  totals = None
-  for batch in batches:
+  sums = dict.fromkeys(_SUMMED, 0.0)
+
+  def add(finished):
+    _, out = finished
+    out = to_host(out)
+    n = float(out['num_examples'])
+    sums['loss'] += float(out['loss']) * n
+    sums['accuracy'] += float(out['accuracy']) * n
+    sums['num_examples'] += n
+
+  for i, batch in enumerate(batches):
     out = eval_step(params, batch)
-    out = unreplicate({k: out[k] for k in ('loss', 'accuracy',
-                                           'num_examples')})
-    n = out['num_examples']
-    sums = dict(loss=out['loss'] * n, accuracy=out['accuracy'] * n,
-                num_examples=n)
-    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-  totals = jax.device_get(totals)
-  n = float(totals['num_examples'])
-  return dict(loss=float(totals['loss']) / n,
-              accuracy=float(totals['accuracy']) / n, num_examples=int(n))
+    finished = watch.push(f'eval batch {i + 1}', {k: out[k] for k in _SUMMED})
+    if finished is not None:
+      add(finished)
+  for finished in watch.drain():
+    add(finished)
+  n = sums['num_examples']
+  return dict(loss=sums['loss'] / n, accuracy=sums['accuracy'] / n,
+              num_examples=int(n))
 
 
 class Evaluator:
   """Evaluates on a split, logs and writes the result, keeps the time spent."""
 
-  def __init__(self, exp, splits, shard, writer, progress):
+  def __init__(self, exp, splits, shard, writer, progress,
+               on_stall: Optional[in_flight.OnStall] = None):
     self._exp, self._splits, self._shard = exp, splits, shard
     self._writer, self._progress = writer, progress
+    self._on_stall = on_stall
 
   def __call__(self, split_name: str, step: int, params,
                label: Optional[str] = None, **extra) -> dict[str, float]:
@@ -51,9 +65,12 @@ class Evaluator:
         pipeline.eval_batches(exp.config,
                                     getattr(self._splits, split_name),
                                     self._shard),
-        exp.strategy.place_batch, exp.config.data.prefetch_batches) as batches:
+        exp.strategy.place_batch, exp.config.data.prefetch_batches
+    ) as batches, in_flight.InFlight(
+        exp.config.steps_in_flight, exp.config.stall_timeout_sec,
+        self._on_stall) as watch:
       result = dict(evaluate(exp.strategy.eval_step, params, batches,
-                             exp.strategy.unreplicate), **extra)
+                             exp.strategy.to_host, watch), **extra)
     self._progress.eval_seconds += time.perf_counter() - start
     self._writer.write(step, label, result)
     logging.info('%s at step %d: loss %.4f accuracy %.4f (%d examples)',

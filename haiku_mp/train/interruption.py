@@ -1,30 +1,40 @@
 """Stopping a run on a signal: SIGTERM or Ctrl-C save a checkpoint first."""
 
 import signal
+from typing import Iterator, Optional
 
 from absl import logging
 import jax
-from jax.experimental import multihost_utils
 import numpy as np
+
+from haiku_mp.train import step as step_lib
+
+Batch = dict[str, np.ndarray]
 
 
 class Interruption:
   """SIGTERM or a first Ctrl-C on any process stops every process after the
   same step, with a checkpoint; a second Ctrl-C stops at once, unsaved.
 
-  One process checks its own flag after every step. Several decide together
-  at log points, in a collective all of them take part in: a scheduler may
-  signal only some of them, and one that stopped to save alone would leave the
-  others waiting in the next step's collectives (and the save's barrier).
-  A context manager: the previous handlers are back on every exit path.
+  One process stops after the step it is dispatching when its own flag is
+  seen, which the loop looks at after every step: with `steps_in_flight`
+  steps ahead of the devices, the save holds that many steps more than the
+  one running when the signal came. Several processes agree without a host
+  sync of their own: each train batch carries its process's flag
+  (`tag`), the step reduces the flags of the whole global batch into its
+  `stop_requested` metric, and every process reads that metric from the same
+  finished step, so all stop after the same step; a scheduler may signal only
+  some of them, and one that stopped to save alone would leave the others
+  waiting in the next step's collectives. A context manager: the previous
+  handlers are back on every exit path.
   """
 
   _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-  def __init__(self, log_every_steps: int):
-    self._log_every_steps = log_every_steps
+  def __init__(self):
     self.received = None  # The name of the first signal, e.g. 'SIGINT'.
     self._previous = {}
+    self._several = jax.process_count() > 1
 
   def __enter__(self):
     for signum in self._SIGNALS:
@@ -40,21 +50,40 @@ class Interruption:
     if self.received is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt('a second Ctrl-C: stopped at once, without '
                               'saving; the newest checkpoint is kept')
-    if self.received is None:
-      self.received = signal.Signals(signum).name
+    if self.received is not None:
+      return
+    self.received = signal.Signals(signum).name
     if signum == signal.SIGINT:
-      logging.warning('Ctrl-C: finishing this step, then saving a checkpoint '
-                      '(Ctrl-C again stops at once, without saving).')
+      logging.warning('Ctrl-C: finishing the steps under way, then saving a '
+                      'checkpoint (Ctrl-C again stops at once, without '
+                      'saving).')
+    else:
+      logging.warning('%s: finishing the steps under way, then saving a '
+                      'checkpoint and stopping.', self.received)
 
-  def stop_after(self, step: int) -> bool:
-    """Whether to checkpoint and stop after `step` (the same on every process)."""
-    if jax.process_count() == 1:
+  def tag(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+    """`batches`, each with this process's stop request per example when the
+    run has several processes (as made: the flag lags by the batches
+    prefetched); as they are for one."""
+    if not self._several:
+      return batches
+    return (dict(batch, **{step_lib.STOP_REQUEST: np.full(
+        len(batch['label']), self.received is not None)}) for batch in batches)
+
+  def stop_after(self, finished_metrics: Optional[dict]) -> bool:
+    """Whether to checkpoint and stop after the step just dispatched, the
+    same on every process. `finished_metrics`: the device metrics of the
+    newest step known finished (None before the first), whose
+    `stop_requested` decides for several processes (a copy of a value that
+    is ready: no wait)."""
+    if not self._several:
       return self.received is not None
-    if step % self._log_every_steps:
+    if finished_metrics is None:
       return False
-    flags = multihost_utils.process_allgather(
-        np.int32(self.received is not None))
-    return bool(np.max(flags))
+    # This process's copy of the replicated flag (global arrays of several
+    # processes are read shard by shard).
+    flag = finished_metrics['stop_requested'].addressable_shards[0].data
+    return bool(np.any(np.asarray(flag)))
 
 
 def stop_line(signal_name: str, step: int) -> str:

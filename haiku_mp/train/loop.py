@@ -23,6 +23,7 @@ from haiku_mp.train import compilation_cache
 from haiku_mp.train import config_checks
 from haiku_mp.train import evaluation
 from haiku_mp.train import experiment
+from haiku_mp.train import in_flight
 from haiku_mp.train import interruption as interruption_lib
 from haiku_mp.train import metrics as metrics_lib
 from haiku_mp.train import optimizer as optimizer_lib
@@ -119,6 +120,13 @@ class _CompiledSteps:
     return self.compile(state, batch)(state, batch)
 
 
+def _settle(steps: in_flight.InFlight, finished):
+  """Waits for every step in flight; the (label, metrics) of the newest
+  finished step: the last of those, or `finished` if none was in flight."""
+  done = steps.drain()
+  return done[-1] if done else finished
+
+
 def _log_window(exp, window, step, writer, progress) -> None:
   """Summarizes the steps since the last log point: logs, writes, and stops
   the run (after writing) when the loss scale says it diverged."""
@@ -177,10 +185,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if is_writer:
     run_dir.prepare(workdir)
   with contextlib.ExitStack() as stack:
-    interruption = stack.enter_context(
-        interruption_lib.Interruption(config.log_every_steps))
+    interruption = stack.enter_context(interruption_lib.Interruption())
     checkpointer = stack.enter_context(contextlib.closing(
         checkpoint_lib.Checkpointer(workdir, config.keep_checkpoints)))
+    on_stall = in_flight.exit_on_stall(
+        f'The newest checkpoint in {checkpointer.directory} is whole: run the '
+        'same command to resume (--config.stall_timeout_sec='
+        f'{config.stall_timeout_sec:g} is how long a step may take).')
+    # At most steps_in_flight steps ahead of the devices, every wait watched.
+    steps = stack.enter_context(in_flight.InFlight(
+        config.steps_in_flight, config.stall_timeout_sec, on_stall))
     start_step, state, record = _restore_or_init(exp, checkpointer, workdir,
                                                  is_writer)
     if is_writer:
@@ -190,12 +204,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         workdir, enabled=is_writer, start_step=start_step)))
     progress = metrics_lib.Progress(total_steps, config.batch_size, start_step,
                                     record)
-    evaluator = evaluation.Evaluator(exp, splits, shard, writer, progress)
+    evaluator = evaluation.Evaluator(exp, splits, shard, writer, progress,
+                                     on_stall)
     last_val = record.get('last_val', {})
     last_val_ema = record.get('last_val_ema', {})
     if start_step < total_steps:
       batches = stack.enter_context(pipeline.DevicePrefetch(
-          exp.train_batches(splits.train, shard, start_step),
+          interruption.tag(exp.train_batches(splits.train, shard,
+                                             start_step)),
           strategy.place_batch, config.data.prefetch_batches))
       first = next(batches)
       train_step = _CompiledSteps(strategy)
@@ -207,7 +223,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       progress.start(start_step)
     window = []
     for step in range(start_step + 1, total_steps + 1):
-      # Between log points the host only dispatches: no device value is read.
+      # Between log points the host only dispatches, and waits for the step
+      # steps_in_flight back: no device value is read.
       before_batch = time.perf_counter()
       batch = next(batches)
       before_step = time.perf_counter()
@@ -215,13 +232,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       progress.host_time(before_step - before_batch,
                          time.perf_counter() - before_step)
       window.append(step_metrics)
+      finished = steps.push(f'step {step}', step_metrics)
       if _due(step, config.log_every_steps, total_steps):
+        finished = _settle(steps, finished)  # The window, waited for.
         _log_window(exp, window, step, writer, progress)
         window = []
         checkpointer.poll()  # A save written meanwhile: logged, or its error.
       if _due(step, config.eval_every_steps, total_steps):
         # Rates exclude evaluation, and evaluation the steps still queued.
-        state = jax.block_until_ready(state)
+        finished = _settle(steps, finished)
         progress.stop(step)
         last_val = evaluator('val', step, state.params, **exp.spent(
             step, int(strategy.unreplicate(state.skipped_steps))))
@@ -229,9 +248,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if ema is not None:
           last_val_ema = evaluator('val', step, ema, label='val_ema')
         progress.start(step)
-      stop = step < total_steps and interruption.stop_after(step)
+      stop = step < total_steps and interruption.stop_after(
+          finished and finished[1])
       if _due(step, config.checkpoint_every_steps, total_steps) or stop:
-        state = jax.block_until_ready(state)
+        finished = _settle(steps, finished)
         progress.stop(step)  # Rates exclude saving.
         writer.flush()  # What the checkpoint covers is on disk before it.
         # Returns once the state is off the device; the files are written

@@ -30,6 +30,13 @@ TrainInputs = Callable[[jax.Array, Batch, Optional[str]], Batch]
 EvalInputs = Callable[[Batch], Batch]
 
 
+# A batch field by which processes agree to stop (`interruption`): one flag
+# per example, its process's request when the batch was made. The step's
+# `stop_requested` metric says whether any example of the global batch asks,
+# the same on every process, with no host sync of its own.
+STOP_REQUEST = 'stop_request'
+
+
 def _as_is_train(key, batch, axis_name):
   del key, axis_name
   return batch
@@ -127,6 +134,8 @@ def make_train_step(gradients_fn: GradientsFn,
   """
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    batch = dict(batch)
+    stop_request = batch.pop(STOP_REQUEST, None)
     rng, step_rng, inputs_rng = jax.random.split(state.rng, 3)
     batch = inputs(inputs_rng, batch, axis_name)
     grads, loss, aux = gradients_fn(state.loss_scale, state.params, step_rng,
@@ -159,6 +168,11 @@ def make_train_step(gradients_fn: GradientsFn,
         grads_finite=grads_finite,
         grad_norm=optax.tree.norm(grads),
         skipped_steps=skipped_steps)
+    if stop_request is not None:
+      requested = jnp.any(stop_request).astype(jnp.int32)
+      if axis_name is not None:
+        requested = jax.lax.pmax(requested, axis_name)
+      metrics['stop_requested'] = requested > 0
     return new_state, metrics
 
   return train_step

@@ -1,0 +1,170 @@
+"""The host at most a few programs ahead of the devices, and never stuck.
+
+A compiled call returns as soon as its program is queued, so a loop that only
+dispatches runs ahead until XLA's queue is full: 32 programs per device on
+XLA:CPU. Dozens of queued steps buy no speed (a few keep a device fed); they
+delay a stop or a checkpoint by as many steps, and on XLA:CPU with several
+devices they stall the run for good. The CPU client launches a multi-device
+program on a pool of max(cores, devices) threads; a launch that waits for room
+in a full device queue holds one of those threads, and the program running
+then has a collective whose last participant finds no thread: 7 of 8 arrive,
+and XLA aborts after 40 s (docs/training.md, "Runs that never hang").
+
+`InFlight` keeps at most `limit` dispatched programs unfinished: each push
+past the limit waits for the oldest. A wait that lasts longer than the stall
+limit ends the process with one line (`exit_on_stall`): nothing else can
+interrupt a wait inside the runtime, and the newest checkpoint is whole.
+"""
+
+import collections
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Hashable, Optional
+
+import jax
+
+# The most programs a loop may keep in flight: half XLA:CPU's queue of 32 per
+# device, whose filling stalls multi-device programs (above).
+MAX_LIMIT = 16
+# A wait may take this many times the longest one seen before it counts as a
+# stall, so that a run of slow steps (a large batch on a CPU) is not one.
+SLOWEST_WAIT_FACTOR = 4.0
+# How often the watchdog looks at the wait in progress, at most.
+_POLL_SEC = 1.0
+EXIT_STALLED = 1  # A failure of the environment, as `errors.RunError` exits.
+
+OnStall = Callable[[Hashable, float], None]
+
+# XLA:CPU's own limits on a collective that not every device has reached:
+# after 20 s it logs a warning per device, after 40 s it aborts the process
+# with a hundred lines of stacks. -1: never.
+_XLA_CPU_RENDEZVOUS_FLAGS = (
+    'xla_cpu_collective_call_warn_stuck_timeout_seconds',
+    'xla_cpu_collective_call_terminate_timeout_seconds')
+
+
+def xla_flags(existing: str, stall_sec: float) -> str:
+  """XLA_FLAGS (`existing`, as set) for a run whose waits are watched for
+  `stall_sec`: XLA:CPU's rendezvous limits off, so that a stalled collective
+  ends with the watchdog's one line; flags already set are kept, and with
+  `stall_sec` 0 (no watchdog) XLA's limits stay."""
+  if stall_sec <= 0:
+    return existing
+  added = [f'--{name}=-1' for name in _XLA_CPU_RENDEZVOUS_FLAGS
+           if f'--{name}=' not in existing]
+  return ' '.join([existing.strip(), *added]).strip()
+
+
+def exit_on_stall(advice: str) -> OnStall:
+  """An `OnStall` that prints `error: ...` with `advice` (what to do) and
+  ends the process at once: the stalled thread holds the runtime, so no
+  Python cleanup could run."""
+
+  def report(label, seconds):
+    sys.stderr.write(
+        f'error: {label} has not finished after {seconds:.0f}s: the devices '
+        'stalled (a collective that not every device reached, or a lost '
+        f'process of the run). {advice}\n')
+    sys.stderr.flush()
+    os._exit(EXIT_STALLED)  # pylint: disable=protected-access
+
+  return report
+
+
+class _Watchdog:
+  """A thread that calls `on_stall` once when a wait outlasts the limit:
+  `stall_sec`, or `SLOWEST_WAIT_FACTOR` times the longest wait so far."""
+
+  def __init__(self, stall_sec: float, on_stall: OnStall):
+    self._stall_sec, self._on_stall = stall_sec, on_stall
+    self._waiting = None  # (label, monotonic start) of the wait in progress.
+    self._longest = 0.0
+    self._closed = threading.Event()
+    self._thread = threading.Thread(target=self._watch, daemon=True,
+                                    name='haiku_mp-stall-watchdog')
+    self._thread.start()
+
+  def limit(self) -> float:
+    return max(self._stall_sec, SLOWEST_WAIT_FACTOR * self._longest)
+
+  def wait(self, label: Hashable, outputs: Any) -> Any:
+    start = time.monotonic()
+    self._waiting = (label, start)
+    try:
+      return jax.block_until_ready(outputs)
+    finally:
+      self._waiting = None
+      self._longest = max(self._longest, time.monotonic() - start)
+
+  def _watch(self) -> None:
+    while not self._closed.wait(min(_POLL_SEC, self._stall_sec / 4)):
+      waiting = self._waiting
+      if waiting is None:
+        continue
+      label, start = waiting
+      seconds = time.monotonic() - start
+      if seconds > self.limit():
+        self._on_stall(label, seconds)
+        return
+
+  def close(self) -> None:
+    self._closed.set()
+    self._thread.join()
+
+
+class InFlight:
+  """At most `limit` pushed programs unfinished, their waits watched.
+
+  `push(label, outputs)` records a dispatched program by its outputs (any
+  pytree of device arrays); past the limit it waits for the oldest and
+  returns its (label, outputs), ready, so that reading them costs a copy,
+  not a wait. With `stall_sec` > 0 a wait that lasts longer than the
+  watchdog's limit calls `on_stall(label, seconds)`. A context manager: the
+  watchdog's thread ends with it; what is still in flight is left to run.
+  """
+
+  def __init__(self, limit: int, stall_sec: float = 0.0,
+               on_stall: Optional[OnStall] = None):
+    if limit < 1:
+      raise ValueError(f'limit={limit} must be at least 1')
+    self.limit = limit
+    self._pending = collections.deque()
+    self._watchdog = None
+    if stall_sec > 0:
+      self._watchdog = _Watchdog(stall_sec, on_stall or exit_on_stall(''))
+
+  def _wait(self, item):
+    label, outputs = item
+    if self._watchdog is None:
+      return label, jax.block_until_ready(outputs)
+    return label, self._watchdog.wait(label, outputs)
+
+  def push(self, label: Hashable, outputs: Any):
+    """(label, outputs) of the oldest program once more than `limit` are in
+    flight (waited for), else None."""
+    self._pending.append((label, outputs))
+    if len(self._pending) > self.limit:
+      return self._wait(self._pending.popleft())
+    return None
+
+  def drain(self) -> list[tuple[Hashable, Any]]:
+    """Waits for every program in flight; their (label, outputs) in order."""
+    done = []
+    while self._pending:
+      done.append(self._wait(self._pending.popleft()))
+    return done
+
+  def __len__(self) -> int:
+    return len(self._pending)
+
+  def close(self) -> None:
+    if self._watchdog is not None:
+      self._watchdog.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc_info):
+    self.close()
