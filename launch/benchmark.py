@@ -20,10 +20,13 @@ train step on a batch already on the device vs fed by the pipeline):
 
 The training loop against its compiled step (the trainer itself for --steps
 steps, then the step alone on a batch already on the device, in alternating
-rounds; `loop_over_step` per dtype):
+rounds; `loop_over_step` per dtype, and per bound on the steps the host runs
+ahead with --steps_in_flight):
 
     python -m launch.benchmark --config=configs/vit_bf16.py --loop \
         --dtypes=float32,bfloat16 --steps=300 --config.data.source=synthetic
+    python -m launch.benchmark --config=configs/vit_cpu.py --loop \
+        --steps_in_flight=16,2 --steps=100 --config.data.source=synthetic
 
 Compiled cost per layout (compile time, memory analysis per device):
 
@@ -49,6 +52,7 @@ from haiku_mp.lab import timing
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.parallel import sharding
 from haiku_mp.train import compilation_cache
+from haiku_mp.train import in_flight
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
@@ -79,6 +83,10 @@ _PIPELINE = flags.DEFINE_bool(
 _LOOP = flags.DEFINE_bool(
     'loop', False, 'Benchmark the training loop (the trainer itself, --steps '
     'steps a round) against its compiled step on a device batch, per dtype.')
+_STEPS_IN_FLIGHT = flags.DEFINE_list(
+    'steps_in_flight', [], '--loop: bounds on the steps the host runs ahead '
+    'of the device to compare in one run, e.g. 16,2 (default: the config\'s '
+    'steps_in_flight); ratios are to the first.')
 _ROUNDS = flags.DEFINE_integer(
     'rounds', 3, '--pipeline, --loop: alternating rounds of the two '
     'measurements (the median round is kept).')
@@ -118,6 +126,11 @@ def _check_flags(config) -> None:
   if len(modes) > 1:
     raise errors.ConfigError(f'--{modes[0]} and --{modes[1]} are different '
                              'benchmarks: run one at a time')
+  if _STEPS_IN_FLIGHT.value and not _LOOP.value:
+    raise errors.ConfigError('--steps_in_flight compares training loops: '
+                             'add --loop')
+  checks.ints_in('steps_in_flight', _STEPS_IN_FLIGHT.value, 1,
+                 in_flight.MAX_LIMIT)
   if _LOOP.value and _STEPS.value < 2 * config.log_every_steps:
     raise errors.ConfigError(
         f'--steps={_STEPS.value} is less than two log windows '
@@ -149,11 +162,15 @@ def _pipeline(config):
 
 
 def _loop(config, dtypes):
+  limits = [int(v) for v in _STEPS_IN_FLIGHT.value]
   rows = loop_benchmark.run_dtypes(config, dtypes, _STEPS.value, _ROUNDS.value,
-                                   log=lambda line: print(line, flush=True))
+                                   log=lambda line: print(line, flush=True),
+                                   steps_in_flight=limits)
+  name = lambda row: row['dtype'] + (
+      f' steps_in_flight={row["steps_in_flight"]}' if limits else '')
   for row in rows:
     host = row['host_ms_per_step']
-    print(f'{row["dtype"]:>8} batch {row["batch_size"]}: loop '
+    print(f'{name(row):>8} batch {row["batch_size"]}: loop '
           f'{row["loop_images_per_sec"]:.0f} img/s = '
           f'{row["loop_over_step"]:.2f}x the step\'s '
           f'{row["step_images_per_sec"]:.0f} img/s ({row["step_ms"]:.2f} '
@@ -162,12 +179,12 @@ def _loop(config, dtypes):
           'call)', flush=True)
   for row in rows[1:]:
     ratios = row['vs_first']
-    print(f'{row["dtype"]} vs {rows[0]["dtype"]}: the loop '
+    print(f'{name(row)} vs {name(rows[0])}: the loop '
           f'{ratios["loop_images_per_sec"]:.2f}x the images/s, the step '
           f'{ratios["step_images_per_sec"]:.2f}x')
   if _JSON.value:
     print(json.dumps(dict(device=rows[0]['device'], cpu=rows[0]['cpu'],
-                          ratios_vs=rows[0]['dtype'], results=rows)))
+                          ratios_vs=name(rows[0]), results=rows)))
 
 
 def _line(row) -> str:

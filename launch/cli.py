@@ -10,6 +10,8 @@ keeps its own.
 """
 
 import glob
+import importlib.util
+import inspect
 import logging as python_logging
 import os
 import re
@@ -23,6 +25,7 @@ import ml_collections
 # The package exports no test for a config-file flag; its module does.
 from ml_collections.config_flags.config_flags import is_config_flag
 
+from configs import vit_cpu
 from haiku_mp import errors
 from haiku_mp.train import config_checks
 
@@ -126,13 +129,34 @@ def _unknown_field(key_error: KeyError, argv: list[str]) -> str:
   return f'the config has no setting {key!r}'
 
 
+def _takes_a_variant(path: str) -> bool:
+  """Whether the config file at `path` has a `get_config(variant)`."""
+  spec = importlib.util.spec_from_file_location('_config_for_help', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return bool(inspect.signature(module.get_config).parameters)
+
+
+def _variant_error(name: str, value: str) -> Optional[str]:
+  """A variant (`:bf16`) given to a config file that takes none."""
+  path, colon, variant = value.partition(':')
+  if not colon or not os.path.exists(path) or _takes_a_variant(path):
+    return None
+  with_variants = [c for c in _config_names().split(', ')
+                   if _takes_a_variant(os.path.join(_ROOT, c))]
+  return (f'--{name}={value}: {path} takes no variant (:{variant}); the '
+          f'configs that do are {", ".join(with_variants)} (:VARIANT, one of '
+          f'{vit_cpu.VARIANTS})')
+
+
 def _bad_value(name: str, value: str, reason: str, e: BaseException) -> str:
   """A flag value that did not parse, with what the flag takes."""
   flag = flags.FLAGS[name] if name in flags.FLAGS else None
   if flag is None:
     return f'--{name}={value}: {reason}'
   if is_config_flag(flag):
-    return f'--{name}={value}: {_innermost(e)}'
+    return (_variant_error(name, value) or
+            f'--{name}={value}: {_innermost(e)}')
   kind = flag.parser.flag_type()
   if kind == 'bool':
     return f'--{name}={value}: expected true or false'
@@ -163,6 +187,10 @@ def _flag_error(e: Exception, argv: list[str]) -> str:
   return _innermost(e)
 
 
+def _no_such_config(name: str, path: str) -> str:
+  return f'--{name}={path}: no such file; the configs are {_config_names()}'
+
+
 def _config_file_error() -> Optional[str]:
   """Why a `--config` file could not be loaded, if it could not.
 
@@ -179,8 +207,7 @@ def _config_file_error() -> Optional[str]:
     path = flag.config_filename
     file = path.split(':', 1)[0]
     if not os.path.exists(file):
-      return (f'--{name}={path}: no such file; the configs are '
-              f'{_config_names()}')
+      return _no_such_config(name, path)
     try:
       value.lock()
     except OSError as e:
@@ -188,12 +215,26 @@ def _config_file_error() -> Optional[str]:
   return None
 
 
+def _missing_config_file(argv: list[str]) -> Optional[str]:
+  """A `--NAME=PATH` of a config-file flag whose file does not exist."""
+  for arg in argv[1:]:
+    name, equals, value = arg.lstrip('-').partition('=')
+    if (equals and name in flags.FLAGS and is_config_flag(flags.FLAGS[name])
+        and not os.path.exists(value.split(':', 1)[0])):
+      return _no_such_config(name, value)
+  return None
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's parsing; a bad flag, config file or config field is one line."""
   try:
     argv = flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
-    _exit(f'error: {_flag_error(e, argv)}', EXIT_USAGE)
+  except (flags.Error, AttributeError, KeyError, ValueError, TypeError,
+          OSError) as e:
+    # A config file that did not load fails every override of its fields
+    # too: the file is the error to report.
+    _exit(f'error: {_missing_config_file(argv) or _flag_error(e, argv)}',
+          EXIT_USAGE)
   error = _config_file_error()
   if error:
     _exit(f'error: {error}', EXIT_USAGE)

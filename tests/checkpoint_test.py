@@ -55,8 +55,8 @@ def _flags(config, workdir, every=HALF):
 
 def _run(flags, signal_at=None, disk_full_at=None):
   """Runs launch.train to its end on one device; `signal_at` ('KILL:23')
-  interrupts it, `disk_full_at` (a step) leaves no room for that step's
-  checkpoint."""
+  interrupts it, `disk_full_at` (a step, '30+close': orbax's closing fails
+  too) leaves no room for that step's checkpoint."""
   env, module = {}, 'launch.train'
   if signal_at:
     env[signal_at_step.ENV] = signal_at
@@ -228,6 +228,20 @@ class InterruptTest(parameterized.TestCase):
     self.assertEqual(helpers.tensorboard_scalars(f'{self.workdir}/tensorboard'),
                      helpers.jsonl_scalars(self.workdir))
     self._assert_finishes_as_the_straight_run(resumed_at=20)
+
+  def test_a_second_failure_from_orbax_does_not_hide_the_first(self):
+    # A full disk also fails orbax's closing (its metadata writes): an error
+    # of orbax on the main thread, after the save's. It replaced the save's
+    # error, and the hooks that hide a failed save's threads hid it too: the
+    # run ended with status 1 and not a line (1 of 8 runs on a small tmpfs).
+    proc = _run(self.flags, disk_full_at='30+close')
+    self.assertEqual(proc.returncode, 1, proc.stderr[-3000:])
+    self.assertNotIn('Traceback', proc.stderr)
+    self.assertEqual(
+        [line.split(' (')[0] for line in _error_lines(proc.stderr)],
+        [f'error: --workdir={self.workdir}: could not save the checkpoint of '
+         'step 30'])
+    self.assertIn('the last good checkpoint is step 20', proc.stderr)
 
   def test_an_unrestorable_checkpoint_is_set_aside_and_saved_again(self):
     proc = _run(self.flags, signal_at='TERM:20')

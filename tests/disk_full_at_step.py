@@ -1,6 +1,11 @@
 """`launch.train` whose checkpoint of a given step finds no room to write.
 
     DISK_FULL_AT_STEP=10 python -m tests.disk_full_at_step <launch.train flags>
+    DISK_FULL_AT_STEP=10+close ...
+
+`+close`: orbax's closing of its checkpoint manager then fails too, as it
+does when its metadata writes (a thread of their own) also found no room:
+a second error from orbax, on the main thread, after the save's.
 
 A test cannot fill a real disk, and mounting a small one needs privileges a
 test machine may not grant. From the save of that step on, the process's file
@@ -9,11 +14,14 @@ checkpoints' largest file, so that TensorStore's write of the new one fails
 inside orbax as it does on a full disk; files already larger are not touched.
 """
 
+import errno
 import os
 import resource
 import runpy
 import signal
 from typing import Callable
+
+import orbax.checkpoint as ocp
 
 from haiku_mp.train import checkpoint
 
@@ -37,17 +45,31 @@ def leave_no_room(directory: str) -> Callable[[], None]:
   return give_room_back
 
 
-def _no_room_from(at_step: int) -> None:
+def _no_room_from(at_step: int, closing_fails: bool) -> None:
   save = checkpoint.Checkpointer.save
+  no_room = []
 
   def save_without_room(self, step, *args, **kwargs):
     if step >= at_step:
       leave_no_room(self.directory)
+      no_room.append(step)
     return save(self, step, *args, **kwargs)
 
   checkpoint.Checkpointer.save = save_without_room
+  if closing_fails:
+    # What CheckpointManager.close calls last, after its own waits.
+    close = ocp.AsyncCheckpointer.close
+
+    def close_without_room(self):
+      close(self)
+      if no_room:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
+                      f'checkpoint {no_room[0]}/_CHECKPOINT_METADATA')
+
+    ocp.AsyncCheckpointer.close = close_without_room
 
 
 if __name__ == '__main__':
-  _no_room_from(int(os.environ[ENV]))
+  step, _, option = os.environ[ENV].partition('+')
+  _no_room_from(int(step), option == 'close')
   runpy.run_module('launch.train', run_name='__main__', alter_sys=True)

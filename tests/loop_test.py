@@ -141,7 +141,7 @@ class LoopTest(parameterized.TestCase):
     config = _config()
     main = threading.get_ident()
     dispatched, reads, waits, ahead = [0], [], [], []
-    step_of = {}
+    step_of, kept = {}, []  # Kept alive: no other tree takes their ids.
     value = array_lib.ArrayImpl._value
     call = loop._CompiledSteps.__call__
     block = jax.block_until_ready
@@ -157,6 +157,7 @@ class LoopTest(parameterized.TestCase):
       dispatched[0] += 1
       out = call(steps, state, batch)
       step_of[id(out[1])] = dispatched[0]
+      kept.append(out[1])
       return out
 
     def wait(tree):

@@ -27,6 +27,18 @@ def positive_ints(name: str, values: Sequence[str]) -> list[int]:
   return numbers
 
 
+def ints_in(name: str, values: Sequence[str], low: int, high: int) -> None:
+  """A list flag of integers in [low, high] (empty: nothing to check)."""
+  for value in values:
+    try:
+      ok = low <= int(value) <= high
+    except ValueError:
+      ok = False
+    if not ok:
+      raise errors.ConfigError(f'--{name}={",".join(values)}: expected '
+                               f'integers in [{low}, {high}]')
+
+
 def compute_dtypes(name: str, dtypes: Sequence[str]) -> list[str]:
   """A list flag of compute dtypes, each one a jmp policy accepts."""
   if not dtypes:

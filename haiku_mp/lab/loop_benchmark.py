@@ -106,12 +106,15 @@ class _StepRounds:
     self._step = exp.strategy.train_step.lower(self._state,
                                                self._batch).compile()
     self._batch_size = config.batch_size
+    self._steps_in_flight = config.steps_in_flight
     self.round(1)  # Warm-up: the first call pays for allocations.
 
   def round(self, steps: int) -> float:
-    """Images/s of `steps` steps dispatched back to back, waited for once."""
+    """Images/s of `steps` steps dispatched back to back, as the trainer
+    does (steps_in_flight ahead), the last waited for."""
     self._state, seconds = timing.dispatch_round(
-        self._step, self._state, iter(lambda: self._batch, None), steps)
+        self._step, self._state, iter(lambda: self._batch, None), steps,
+        self._steps_in_flight)
     return self._batch_size / seconds
 
 
@@ -138,6 +141,7 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
       source=config.data.source,
       strategy=config.parallel.strategy,
       batch_size=config.batch_size,
+      steps_in_flight=config.steps_in_flight,
       log_every_steps=config.log_every_steps,
       steps_per_round=steps,
       rounds=rounds,
@@ -157,15 +161,20 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
 
 def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
                steps: int, rounds: int = 3,
-               log: Callable[[str], None] = lambda line: None) -> list[dict]:
-  """`run` per compute dtype, each with its loop's and its step's images/s
-  as ratios to the first dtype's (`vs_first`): a run's speed-up from half
-  precision next to its step's."""
+               log: Callable[[str], None] = lambda line: None,
+               steps_in_flight: Sequence[int] = ()) -> list[dict]:
+  """`run` per compute dtype (and per `steps_in_flight` value, the config's
+  if none), each with its loop's and its step's images/s as ratios to the
+  first row's (`vs_first`): a run's speed-up from half precision next to its
+  step's, or what the host's bound on steps ahead of the device costs."""
   rows = []
   for dtype in dtypes:
-    row = run(variants.in_compute_dtype(config, dtype), steps, rounds,
-              log=lambda line, d=dtype: log(f'{d} {line}'))
-    rows.append(row)
+    for limit in steps_in_flight or [config.steps_in_flight]:
+      variant = variants.in_compute_dtype(config, dtype)
+      variant.steps_in_flight = limit
+      name = f'{dtype} steps_in_flight={limit}' if steps_in_flight else dtype
+      rows.append(run(variant, steps, rounds,
+                      log=lambda line, n=name: log(f'{n} {line}')))
   compare.add_ratios(rows, 'vs_first', RATIO_FIELDS,
                      is_base=lambda r: r is rows[0])
   return rows

@@ -71,11 +71,13 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
                                config.data.prefetch_batches) as fed:
     feeds = dict(device_batch=iter(lambda: fixed, None), pipeline_fed=fed)
     # Warm-up.
-    state, _ = timing.dispatch_round(step, state, feeds['device_batch'], 1)
+    state, _ = timing.dispatch_round(step, state, feeds['device_batch'], 1,
+                                     config.steps_in_flight)
     seconds = {name: [] for name in feeds}
     for _ in range(rounds):
       for name, feed in feeds.items():
-        state, per_step = timing.dispatch_round(step, state, feed, steps)
+        state, per_step = timing.dispatch_round(
+            step, state, feed, steps, config.steps_in_flight)
         seconds[name].append(per_step)
   step_time = {name: float(np.median(s)) for name, s in seconds.items()}
   step_images = config.batch_size / step_time['device_batch']

@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 
 from haiku_mp.train import experiment
+from haiku_mp.train import in_flight
 from haiku_mp.train import metrics as metrics_lib
 
 _MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes',
@@ -147,11 +148,14 @@ def time_steps(step: CompiledStep, num_steps: int, warmup_steps: int = 1
               device_peak_bytes=metrics_lib.peak_memory_bytes())
 
 
-def dispatch_round(step, state, feed, steps: int):
+def dispatch_round(step, state, feed, steps: int, steps_in_flight: int):
   """(state, seconds per step) of `steps` compiled steps on `next(feed)`'s
-  batches, dispatched as the trainer does and waited for once at the end."""
+  batches, dispatched as the trainer does: at most `steps_in_flight` ahead
+  of the device, the last waited for at the end."""
   start = time.perf_counter()
-  for _ in range(steps):
-    state, metrics = step(state, next(feed))
-  jax.block_until_ready(metrics['loss'])
+  with in_flight.InFlight(steps_in_flight) as queue:
+    for i in range(steps):
+      state, metrics = step(state, next(feed))
+      queue.push(i, metrics['loss'])
+    queue.drain()
   return state, (time.perf_counter() - start) / steps

@@ -162,7 +162,10 @@ class _FailedSaveSilenced:
     excepthook, unraisablehook, thread_hook = self._hooks
 
     def quiet_excepthook(kind, value, traceback):
-      if not _from_a_failed_save(traceback):
+      # The main thread's own uncaught exception is never a failed save's
+      # leftover: it ends the process, and must be seen.
+      if (threading.current_thread() is threading.main_thread() or
+          not _from_a_failed_save(traceback)):
         excepthook(kind, value, traceback)
 
     def quiet_unraisablehook(unraisable):
@@ -366,8 +369,26 @@ class Checkpointer:
     self._manager.reload()
 
   def close(self) -> None:
-    """Waits for the save in flight (raising its failure), then closes."""
+    """Waits for the save in flight (raising its failure), then closes.
+
+    orbax's own closing waits for its metadata writes, which fail too when
+    the save did (a full disk): the save's error is the one raised, not a
+    second one from orbax (which a failed save's silenced hooks would also
+    have hidden: the run then ended with no line at all).
+    """
+    failure = None
     try:
       self.wait()
-    finally:
-      self._manager.close()
+    except errors.RunError as e:
+      failure = e
+    try:
+      with _OrbaxErrorsDropped():
+        self._manager.close()
+    except Exception as e:  # pylint: disable=broad-except
+      if failure is None:
+        failure = errors.RunError(
+            f'--workdir={self.workdir}: could not finish writing the '
+            f'checkpoints in {self.directory} ({_describe(e)}). Free space '
+            '(or fix the cause) and run the same command to resume.')
+    if failure is not None:
+      raise failure

@@ -1,7 +1,7 @@
 """Stopping a run on a signal: SIGTERM or Ctrl-C save a checkpoint first."""
 
 import signal
-from typing import Iterator, Optional
+from typing import Any, Callable, Optional
 
 from absl import logging
 import jax
@@ -20,8 +20,8 @@ class Interruption:
   seen, which the loop looks at after every step: with `steps_in_flight`
   steps ahead of the devices, the save holds that many steps more than the
   one running when the signal came. Several processes agree without a host
-  sync of their own: each train batch carries its process's flag
-  (`tag`), the step reduces the flags of the whole global batch into its
+  sync of their own: each train batch carries its process's flag, set as the
+  step is dispatched (`tag`), the step reduces the flags of the whole global batch into its
   `stop_requested` metric, and every process reads that metric from the same
   finished step, so all stop after the same step; a scheduler may signal only
   some of them, and one that stopped to save alone would leave the others
@@ -61,14 +61,15 @@ class Interruption:
       logging.warning('%s: finishing the steps under way, then saving a '
                       'checkpoint and stopping.', self.received)
 
-  def tag(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-    """`batches`, each with this process's stop request per example when the
-    run has several processes (as made: the flag lags by the batches
-    prefetched); as they are for one."""
+  def tag(self, batch: dict[str, Any], place: Callable[[Batch], Any],
+          local_shards: int) -> dict[str, Any]:
+    """`batch` (placed) with this process's stop request when the run has
+    several processes, one flag per batch shard it holds (`local_shards`,
+    placed by `place`, as a batch is); as it is for one process."""
     if not self._several:
-      return batches
-    return (dict(batch, **{step_lib.STOP_REQUEST: np.full(
-        len(batch['label']), self.received is not None)}) for batch in batches)
+      return batch
+    flags = np.full(local_shards, self.received is not None)
+    return dict(batch, **place({step_lib.STOP_REQUEST: flags}))
 
   def stop_after(self, finished_metrics: Optional[dict]) -> bool:
     """Whether to checkpoint and stop after the step just dispatched, the

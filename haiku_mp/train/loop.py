@@ -88,6 +88,30 @@ def _restore_or_init(exp, checkpointer, workdir: str, is_writer: bool):
           checkpointer.run_record(start_step))
 
 
+class _Closed:
+  """Closes a resource on leaving the block. Leaving on an error, an error
+  of the closing itself is dropped: the first failure is the one reported
+  (a full disk that failed a save fails the checkpoints' and the metrics'
+  closing too, and would replace the save's error with theirs)."""
+
+  def __init__(self, resource):
+    self._resource = resource
+
+  def __enter__(self):
+    return self._resource
+
+  def __exit__(self, kind, value, traceback):
+    if kind is None:
+      self._resource.close()
+      return False
+    try:
+      self._resource.close()
+    except Exception:  # pylint: disable=broad-except
+      logging.debug('Closing %s after an error failed too.', self._resource,
+                    exc_info=True)
+    return False
+
+
 class _CompiledSteps:
   """The train step compiled ahead of a step of each batch shape it meets, so
   that every logged rate, the first window's after a start or a resume
@@ -186,7 +210,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     run_dir.prepare(workdir)
   with contextlib.ExitStack() as stack:
     interruption = stack.enter_context(interruption_lib.Interruption())
-    checkpointer = stack.enter_context(contextlib.closing(
+    checkpointer = stack.enter_context(_Closed(
         checkpoint_lib.Checkpointer(workdir, config.keep_checkpoints)))
     on_stall = in_flight.exit_on_stall(
         f'The newest checkpoint in {checkpointer.directory} is whole: run the '
@@ -200,7 +224,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if is_writer:
       run_dir.write_config(workdir, config)
     log_startup(exp, state, workdir, is_writer, log_module_table)
-    writer = stack.enter_context(contextlib.closing(metrics_lib.MetricsWriter(
+    writer = stack.enter_context(_Closed(metrics_lib.MetricsWriter(
         workdir, enabled=is_writer, start_step=start_step)))
     progress = metrics_lib.Progress(total_steps, config.batch_size, start_step,
                                     record)
@@ -208,14 +232,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                      on_stall)
     last_val = record.get('last_val', {})
     last_val_ema = record.get('last_val_ema', {})
+    local_batch_shards = strategy.batch_devices // jax.process_count()
     if start_step < total_steps:
       batches = stack.enter_context(pipeline.DevicePrefetch(
-          interruption.tag(exp.train_batches(splits.train, shard,
-                                             start_step)),
+          exp.train_batches(splits.train, shard, start_step),
           strategy.place_batch, config.data.prefetch_batches))
       first = next(batches)
       train_step = _CompiledSteps(strategy)
-      train_step.compile(state, first)
+      # As every step is called: with the processes' stop requests, if any.
+      train_step.compile(state, interruption.tag(
+          first, strategy.place_batch, local_batch_shards))
       batches = itertools.chain([first], batches)
       # The schedule's ops (run at every log point) compile now, not on the
       # clock.
@@ -226,7 +252,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       # Between log points the host only dispatches, and waits for the step
       # steps_in_flight back: no device value is read.
       before_batch = time.perf_counter()
-      batch = next(batches)
+      batch = interruption.tag(next(batches), strategy.place_batch,
+                               local_batch_shards)
       before_step = time.perf_counter()
       state, step_metrics = train_step(state, batch)
       progress.host_time(before_step - before_batch,
