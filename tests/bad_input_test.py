@@ -74,7 +74,7 @@ class BadInputTest(parameterized.TestCase):
 
   def _assert_one_line_error(self, result, message, status=cli.EXIT_USAGE):
     """`message` in the one `error:` line, the last, and in no absl ERROR
-    line; exit `status` (None: any but 0)."""
+    line; exit `status` (None: any but 0). Returns the line."""
     if status is None:
       self.assertNotEqual(result.returncode, 0)
     else:
@@ -87,6 +87,7 @@ class BadInputTest(parameterized.TestCase):
     self.assertIn(message, lines[-1])
     self.assertEmpty([l for l in lines
                       if _ABSL_ERROR.match(l) and message in l])
+    return lines[-1]
 
   def test_warmup_as_long_as_the_run_is_a_warning(self):
     self.assertRegex(
@@ -320,6 +321,21 @@ class BadInputTest(parameterized.TestCase):
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     self.assertIn('cannot be restored', result.stderr)
     self.assertIn('at step 1.', result.stderr)
+    # Every checkpoint's arrays cut short (their metadata whole): one line
+    # that names an array and says what to do, not "See full TensorStore
+    # details" (which were shown nowhere).
+    for path in glob.glob(f'{workdir}/checkpoints/*/default/ocdbt.process_0/'
+                          'd/*'):
+      with open(path, 'r+b') as f:
+        f.truncate(8)
+    result = _train(workdir, '--config.num_train_steps=5')
+    line = self._assert_one_line_error(result, 'can be restored')
+    self.assertRegex(line, r'unreadable: its array [\w./]+ cannot be read: '
+                     'damaged or cut short')
+    self.assertIn(f'Move {workdir}/checkpoints aside (or delete it) to train '
+                  'this run again from step 0, or give another --workdir',
+                  line)
+    self.assertNotIn('See full TensorStore details', result.stderr)
     # Every checkpoint corrupt: one line, and nothing rewritten.
     for path in glob.glob(f'{workdir}/checkpoints/**', recursive=True):
       if os.path.isfile(path):

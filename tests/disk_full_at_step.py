@@ -2,6 +2,10 @@
 
     DISK_FULL_AT_STEP=10 python -m tests.disk_full_at_step <launch.train flags>
     DISK_FULL_AT_STEP=10+close ...
+    DISK_FULL_AT_STEP=0 ...
+
+`0`: no file can grow past a few bytes from the start (the run's first
+files, before any checkpoint, find no room).
 
 `+close`: orbax's closing of its checkpoint manager then fails too, as it
 does when its metadata writes (a thread of their own) also found no room:
@@ -69,7 +73,14 @@ def _no_room_from(at_step: int, closing_fails: bool) -> None:
     ocp.AsyncCheckpointer.close = close_without_room
 
 
+# What a file may hold with `DISK_FULL_AT_STEP=0`: less than any the run writes.
+_FROM_THE_START_BYTES = 16
+
 if __name__ == '__main__':
   step, _, option = os.environ[ENV].partition('+')
+  if int(step) == 0:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (
+        _FROM_THE_START_BYTES, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
   _no_room_from(int(step), option == 'close')
   runpy.run_module('launch.train', run_name='__main__', alter_sys=True)

@@ -58,6 +58,29 @@ class CifarArraysTest(parameterized.TestCase):
     with self.assertRaisesRegex(errors.DataError, message):
       npz_source.load(path)
 
+  @parameterized.named_parameters(
+      ('cut_short', lambda good: good[:len(good) // 2],
+       r'cannot be read as .npz \(File is not a zip file\): it is cut short '
+       'or damaged; write one with `python -m launch.data export`'),
+      ('a_text_file', lambda good: b'not arrays',
+       r"is not a .npz \(a zip of NumPy arrays\): it begins with b'not '; "
+       'write one with'),
+      ('an_npy_file', lambda good: b'\x93NUMPY' + good[:40],
+       r"is not a .npz .*begins with b'\\x93NUM'"))
+  def test_a_damaged_or_foreign_file_is_one_line_naming_the_setting(
+      self, spoil, message):
+    good = os.path.join(self._tmp(), 'good.npz')
+    npz_source.save(good, _arrays())
+    with open(good, 'rb') as f:
+      data = spoil(f.read())
+    bad = os.path.join(self._tmp(), 'bad.npz')
+    with open(bad, 'wb') as f:
+      f.write(data)
+    for read in (npz_source.load, npz_source.split_sizes):
+      with self.assertRaisesRegex(errors.DataError,
+                                  f'^data.arrays_path={bad} {message}'):
+        read(bad)
+
   def test_unreadable_or_unset_path(self):
     with self.assertRaisesRegex(errors.DataError, 'cannot be read as .npz'):
       npz_source.load(os.path.join(self._tmp(), 'no'))

@@ -9,6 +9,7 @@ copy's order; `load` checks it and names what is wrong in one line.
 
 import os
 from typing import Callable
+import zipfile
 
 import ml_collections
 import numpy as np
@@ -44,18 +45,42 @@ def check(arrays: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
   return arrays
 
 
+# How a .npz (a zip archive) begins: a file's local header, or an empty
+# archive's end record.
+_ZIP_MAGICS = (b'PK\x03\x04', b'PK\x05\x06')
+_WRITE_ONE = 'write one with `python -m launch.data export`'
+
+
+def _check_is_npz(path: str) -> None:
+  """A one-line DataError unless `path` begins as a .npz does: np.load
+  takes anything else for a pickle, and says so in words of its own."""
+  with open(path, 'rb') as f:
+    head = f.read(len(_ZIP_MAGICS[0]))
+  if head not in _ZIP_MAGICS:
+    raise errors.DataError(
+        f'data.arrays_path={path} is not a .npz (a zip of NumPy arrays): it '
+        f'begins with {head!r}; {_WRITE_ONE}')
+
+
 def _read(path: str, keys=None) -> dict[str, np.ndarray]:
   """The arrays `keys` (all by default) of the `.npz` at `path`, or a
   one-line DataError naming `data.arrays_path`."""
   if not path:
     raise errors.DataError('data.arrays_path is empty; the arrays source reads '
-                           'a .npz written by `python -m launch.data export`')
+                           f'a .npz: {_WRITE_ONE}')
+  try:
+    _check_is_npz(path)
+  except OSError as e:
+    raise errors.DataError(f'data.arrays_path={path} cannot be read as .npz '
+                           f'({e})') from None
   try:
     with np.load(path, allow_pickle=False) as npz:
       return {k: npz[k] for k in npz.files if keys is None or k in keys}
-  except (OSError, ValueError, EOFError) as e:
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+    reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     raise errors.DataError(f'data.arrays_path={path} cannot be read as .npz '
-                           f'({str(e).splitlines()[0][:200]})') from None
+                           f'({reason}): it is cut short or damaged; '
+                           f'{_WRITE_ONE}') from None
 
 
 def load(path: str) -> dict[str, np.ndarray]:

@@ -101,7 +101,8 @@ class DpSgd(NamedTuple):
 MEAN_METRICS = ('num_examples', 'example_grad_norm', 'clipped_fraction')
 
 
-def _check(privacy: ml_collections.ConfigDict) -> None:
+def check_settings(privacy: ml_collections.ConfigDict) -> None:
+  """DP-SGD's ranges, whether or not it is on (`config_checks` runs this)."""
   if not privacy.l2_clip_norm > 0:
     raise errors.ConfigError(
         f'privacy.l2_clip_norm={privacy.l2_clip_norm} must be positive')
@@ -145,7 +146,7 @@ def from_config(privacy: ml_collections.ConfigDict, batch_size: int,
   """`privacy` (the config's) as a run of expected batch `batch_size` on
   `batch_devices` data-parallel devices uses it. With `target_epsilon` > 0
   the noise multiplier is calibrated to spend it in `total_steps`."""
-  _check(privacy)
+  check_settings(privacy)
   if batch_size > num_examples:
     raise errors.ConfigError(
         f'batch_size={batch_size} (the expected Poisson batch) is '

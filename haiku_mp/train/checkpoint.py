@@ -84,6 +84,11 @@ def _describe(error: BaseException) -> str:
   os_error = re.search(r':\s*([^:\[]+?)\s*\[os_error_code', text)
   if os_error:  # TensorStore's write error: the OS's reason says it all.
     return os_error.group(1)
+  # orbax's read error ends "See full TensorStore details: <the array's
+  # spec>": the array it could not read is the detail worth a line.
+  array = re.findall(r"'path': '([^/'][^']*?)/?'", text)
+  if array and 'error while reading array' in text:
+    return f'its array {array[-1]} cannot be read: damaged or cut short'
   for cut in (' <bound method', ' [source locations'):
     text = text.split(cut)[0]
   text = text[:160].rstrip(' ,:;')
@@ -143,7 +148,7 @@ class _UnretrievedOrbaxWrites(python_logging.Filter):
 
 
 class _FailedSaveSilenced:
-  """Drops what a failed save's threads print: orbax closes its event loop on
+  """Drops what a failed save's (or restore's) threads print: orbax closes its event loop on
   the first failed write while TensorStore still completes the others, whose
   callbacks then raise 'Event loop is closed' (through `sys.excepthook`),
   asyncio logs each of its tasks' and futures' exceptions as never retrieved
@@ -316,11 +321,16 @@ class Checkpointer:
           _shapes(getattr(tree, 'tree', tree) or {}), _shapes(target))
       if problem is not None:
         return problem, None
+      # A failed read leaves what a failed write does (the hooks' text):
+      # silenced from the start, and for good once it has failed.
+      leftovers = _FailedSaveSilenced().__enter__()
       with _OrbaxErrorsDropped():
         restored = self._manager.restore(step, args=ocp.args.Composite(
             **{_STATE: ocp.args.StandardRestore(target)}))
+      leftovers.__exit__(None, None, None)
       return None, restored[_STATE]
     except Exception as e:  # pylint: disable=broad-except
+      logging.vlog(1, 'Checkpoint %s/%d: %s', self.directory, step, e)
       return f'unreadable: {_describe(e)}', None
 
   def restore_latest(self, abstract_state: TrainState,
@@ -353,8 +363,11 @@ class Checkpointer:
       logging.warning('Checkpoint %s/%d cannot be restored (%s); trying the '
                       'one before.', self.directory, step, problem)
     raise CheckpointError(
-        f'no checkpoint in {self.directory} can be restored: '
-        + '; '.join(f'step {s}: {p}' for s, p in failures))
+        f'no checkpoint in {self.directory} can be restored ('
+        + '; '.join(f'step {s}: {p}' for s, p in failures)
+        + f'). Move {self.directory} aside (or delete it) to train this run '
+        'again from step 0, or give another --workdir; --verbosity=1 logs '
+        "TensorStore's full errors")
 
   def _set_aside(self, steps: list[int]) -> None:
     """Renames the step directories (process 0; every process waits for it)

@@ -16,12 +16,14 @@ import numpy as np
 
 from haiku_mp import errors
 from haiku_mp.data import augment
+from haiku_mp.data import auto_augment
 from haiku_mp.data import pipeline
 from haiku_mp.model import dropout
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import remat
 from haiku_mp.parallel import sharding
 from haiku_mp.parallel import strategies
+from haiku_mp.privacy import dp_sgd
 from haiku_mp.train import compilation_cache
 from haiku_mp.train import in_flight
 from haiku_mp.train import loss_scaling
@@ -155,13 +157,20 @@ def _check_range(setting: str, value: Any, low: float, high: float,
            setting, value, valid)
 
 
-def _check_data(data: ml_collections.ConfigDict) -> None:
+def _check_data(data: ml_collections.ConfigDict, image_size: int) -> None:
   pipeline.check_settings(data)
   augment.check_settings(data)
   for name in _POSITIVE_DATA:
     _positive(f'data.{name}', data[name])
-  _require(_is_int(data.crop_padding) and data.crop_padding >= 0,
-           'data.crop_padding', data.crop_padding, 'an integer >= 0')
+  ops = len(auto_augment.RANDAUGMENT_OPS)
+  _require(data.randaugment_ops <= ops, 'data.randaugment_ops',
+           data.randaugment_ops, f'in [1, {ops}] (operations applied to each '
+           f'image, drawn among RandAugment\'s {ops})')
+  # A crop from beyond half the image's side would be mostly padding.
+  most = image_size // 2
+  _require(_is_int(data.crop_padding) and 0 <= data.crop_padding <= most,
+           'data.crop_padding', data.crop_padding,
+           f'an integer in [0, {most}] (half of model.image_size={image_size})')
   _check_range('data.crop_area', data.crop_area, 0, 1,
                '(min, max) fractions of the image area with 0 < min <= max '
                '<= 1')
@@ -179,6 +188,10 @@ def check(config: ml_collections.ConfigDict) -> None:
   _check_training(config)
   _check_model(config)
   loss_scaling.LossScaler.from_config(config.loss_scale)
+  # Every loss-scale setting in its range, whichever kind reads it.
+  loss_scaling.LossScaler.from_config(ml_collections.ConfigDict(
+      dict(config.loss_scale.to_dict(), kind='dynamic')))
   _check_parallel(config.parallel)
-  _check_data(config.data)
+  _check_data(config.data, config.model.image_size)
+  dp_sgd.check_settings(config.privacy)
   compilation_cache.check(config.compilation_cache_dir)

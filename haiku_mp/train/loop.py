@@ -51,8 +51,7 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
   table = module_table.format_table(rows)
   path = os.path.join(workdir, MODULES_FILE)
   if is_writer:
-    with open(path, 'w') as f:
-      f.write(table + '\n')
+    metrics_lib.write_atomically(path, table + '\n')
   logging.info('%s; every module: %s', module_table.summary_line(
       rows, exp.config.precision.overrides), path)
   if log_module_table:
@@ -222,6 +221,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     start_step, state, record = _restore_or_init(exp, checkpointer, workdir,
                                                  is_writer)
     if is_writer:
+      changes = run_dir.config_changes(config, workdir)
+      if changes:
+        logging.warning('%s', run_dir.describe_changes(changes, workdir,
+                                                       start_step))
       run_dir.write_config(workdir, config)
     log_startup(exp, state, workdir, is_writer, log_module_table)
     writer = stack.enter_context(_Closed(metrics_lib.MetricsWriter(

@@ -51,7 +51,7 @@ def truncate_after(workdir: str, step: int) -> int:
         kept.append(line.rstrip('\n') + '\n')
     except (ValueError, KeyError):
       pass  # A line cut short by a kill.
-  _write_atomically(path, ''.join(kept))
+  write_atomically(path, ''.join(kept))
   return len(lines) - len(kept)
 
 
@@ -100,8 +100,11 @@ class MetricsWriter:
   def write(self, step: int, split: str, metrics: Mapping[str, Any]) -> None:
     record = dict(step=int(step), split=split, **to_python(metrics))
     if self._jsonl is not None:
-      self._jsonl.write(json.dumps(record) + '\n')
-      self._jsonl.flush()
+      try:
+        self._jsonl.write(json.dumps(record) + '\n')
+        self._jsonl.flush()
+      except OSError as e:  # A full disk: the error names the file.
+        raise OSError(e.errno, e.strerror, self._jsonl.name) from None
     if self._tensorboard is not None:
       summary = summary_pb2.Summary(value=[
           summary_pb2.Summary.Value(tag=f'{split}/{key}', simple_value=value)
@@ -121,17 +124,23 @@ class MetricsWriter:
       self._tensorboard.close()
 
 
-def _write_atomically(path: str, text: str) -> None:
-  """A temp file renamed over `path`: a kill leaves the old or the new file."""
+def write_atomically(path: str, text: str) -> None:
+  """A temp file renamed over `path`: a kill leaves the old or the new file,
+  and so does a failed write (a full disk), whose OSError names `path`."""
   tmp = f'{path}.tmp'
-  with open(tmp, 'w') as f:
-    f.write(text)
-  os.replace(tmp, path)
+  try:
+    with open(tmp, 'w') as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except OSError as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise OSError(e.errno, e.strerror, path) from None
 
 
 def write_json(path: str, data: Mapping[str, Any]) -> None:
   """Writes `data` atomically."""
-  _write_atomically(path, json.dumps(to_python(data), indent=1) + '\n')
+  write_atomically(path, json.dumps(to_python(data), indent=1) + '\n')
 
 
 def format_duration(seconds: float) -> str:

@@ -14,6 +14,7 @@ import ml_collections
 
 from haiku_mp import errors
 from haiku_mp.train import compilation_cache
+from haiku_mp.train import metrics
 
 CONFIG_FILE = 'config.json'
 SUMMARY_FILE = 'summary.json'
@@ -45,32 +46,23 @@ def config_text(config: ml_collections.ConfigDict) -> str:
 
 # Settings that change how a run gets its programs, not what it computes: a
 # finished run is the same run whatever they say.
-_NOT_THE_RUN = (compilation_cache.SETTING,)
-
-
-def _same_run(config_json: str, config: ml_collections.ConfigDict) -> bool:
-  try:
-    saved = json.loads(config_json)
-  except ValueError:
-    return False
-  now = json.loads(config_text(config))
-  for setting in _NOT_THE_RUN:
-    saved.pop(setting, None)
-    now.pop(setting, None)
-  return saved == now
+_NOT_THE_RUN = (compilation_cache.SETTING, 'steps_in_flight',
+                'stall_timeout_sec')
+# Changed settings a warning names before it counts the rest.
+_CHANGES_NAMED = 4
 
 
 def finished_summary(config: ml_collections.ConfigDict, workdir: str
                      ) -> Optional[dict[str, Any]]:
   """The summary of the run `config` already finished in `workdir`, if it
   did: its summary.json, the same config.json, and the final checkpoint."""
+  saved = _saved_config(workdir)
   try:
-    with open(os.path.join(workdir, CONFIG_FILE)) as f:
-      same_config = _same_run(f.read(), config)
     with open(os.path.join(workdir, SUMMARY_FILE)) as f:
       summary = json.load(f)
   except (OSError, ValueError):
     return None
+  same_config = saved is not None and not _changes(saved, config)
   final = os.path.join(workdir, 'checkpoints', str(summary.get('steps')))
   if same_config and isinstance(summary, dict) and os.path.isdir(final):
     return summary
@@ -79,5 +71,53 @@ def finished_summary(config: ml_collections.ConfigDict, workdir: str
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
   """config.json: what `finished_summary` compares a later start with."""
-  with open(os.path.join(workdir, CONFIG_FILE), 'w') as f:
-    f.write(config_text(config))
+  metrics.write_atomically(os.path.join(workdir, CONFIG_FILE),
+                           config_text(config))
+
+
+def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  flat = {}
+  for key, value in tree.items():
+    flat.update(_flat(value, f'{prefix}{key}.' if isinstance(value, dict)
+                      else f'{prefix}{key}'))
+  return flat
+
+
+def _saved_config(workdir: str) -> Optional[dict[str, Any]]:
+  """The workdir's config.json as {dotted setting: value}, if readable."""
+  try:
+    with open(os.path.join(workdir, CONFIG_FILE)) as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return _flat(saved) if isinstance(saved, dict) else None
+
+
+def _changes(saved: dict[str, Any], config: ml_collections.ConfigDict
+             ) -> list[tuple[str, Any, Any]]:
+  now = _flat(json.loads(config_text(config)))
+  return [(k, saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
+          if saved.get(k) != now.get(k) and k not in _NOT_THE_RUN]
+
+
+def config_changes(config: ml_collections.ConfigDict, workdir: str
+                   ) -> list[tuple[str, Any, Any]]:
+  """(setting, in the workdir's config.json, in `config`) for each setting
+  that differs, the compilation cache's aside; [] without a readable one."""
+  saved = _saved_config(workdir)
+  return [] if saved is None else _changes(saved, config)
+
+
+def describe_changes(changes: list[tuple[str, Any, Any]], workdir: str,
+                     start_step: int) -> str:
+  """One line: which settings this command changes against the run's
+  config.json, and what the run does with them."""
+  named = ', '.join(f'{k} {old!r} -> {new!r}'
+                    for k, old, new in changes[:_CHANGES_NAMED])
+  more = (f' and {len(changes) - _CHANGES_NAMED} more'
+          if len(changes) > _CHANGES_NAMED else '')
+  return (f'{os.path.join(workdir, CONFIG_FILE)} differs from this '
+          f'command\'s config ({named}{more}): this command\'s settings '
+          f'apply from step {start_step} on, and config.json now holds them.')
