@@ -8,11 +8,105 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
 
 import json
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
+from absl.testing import parameterized
+import matplotlib.pyplot as plt
 
+from haiku_mp.lab import dot_algorithms
+from haiku_mp.lab import matmul
+from haiku_mp.lab import memory
+from haiku_mp.lab import params
 from haiku_mp.lab import plots
+from haiku_mp.lab import precision
+from haiku_mp.lab import profile
+from haiku_mp.lab import report
+from haiku_mp.lab import sweep
 from tests import helpers
+
+DTYPES = ('float32', 'bfloat16', 'float16')
+MIB = 2**20
+# A curve of points at every height of its panel, in a scattered order: a
+# legend inside the axes covers some of them wherever it goes.
+SCATTER_POINTS = 24
+SCATTER_STRIDE = 7  # Coprime with SCATTER_POINTS: each height once.
+
+
+def _scattered():
+  """(step, height) pairs that fill a panel."""
+  return [(s, s * SCATTER_STRIDE % SCATTER_POINTS)
+          for s in range(SCATTER_POINTS)]
+
+
+def _sweep_result(value=1.0):
+  """Two batch sizes, every dtype's bar equally tall: bars in every corner
+  of the axes, where a legend inside must cover one."""
+  return dict(device='cpu', results=[
+      dict(layout='single:1x1', batch_size=b, dtype=d,
+           compiled_total_bytes=value * MIB, median_step_sec=value,
+           epoch_sec=value) for b in (8, 16) for d in DTYPES])
+
+
+def _memory_result():
+  breakdown = dict(params_bytes=MIB, float32_gradient_bytes=MIB,
+                   opt_state_bytes=2 * MIB, kept_activation_bytes=3 * MIB,
+                   temp_size_in_bytes=4 * MIB)
+  return dict(device='cpu', results=[
+      dict(batch_size=b, dtype=d, breakdown=breakdown)
+      for b in (8, 16) for d in DTYPES])
+
+
+def _write_metrics(workdir, events):
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'metrics.jsonl'), 'w') as f:
+    f.writelines(json.dumps(e) + '\n' for e in events)
+
+
+def _accuracy_result(tmp, events):
+  """The report's accuracy part, each dtype's run writing `events`."""
+  runs = []
+  for d in DTYPES:
+    _write_metrics(os.path.join(tmp, d), events)
+    runs.append(dict(dtype=d, seed=0, workdir=d))
+  return dict(runs=runs, data_source='synthetic', device='cpu')
+
+
+def _report_memory_result():
+  return dict(device='cpu', quick=True, results=[
+      dict(batch_size=8, dtype=d, compiled_total_bytes=MIB) for d in DTYPES])
+
+
+# One tiny result per plot the lab writes: (name, plot function, result).
+LAB_PLOTS = (
+    ('params', params.plot, lambda tmp: dict(totals={
+        d: dict(megabytes=1.0, count=1) for d in DTYPES})),
+    ('sweep', sweep.plot, lambda tmp: _sweep_result()),
+    ('memory', memory.plot, lambda tmp: _memory_result()),
+    ('precision', precision.plot, lambda tmp: dict(
+        device='cpu', batch_size=8,
+        matmul=[dict(dtype=d, matmul_precision=p, grads_relative_error=1e-3)
+                for d in DTYPES for p in ('default', 'highest')],
+        residual=[dict(dtype=d, residual_stream=s, kept_activation_bytes=MIB,
+                       grads_relative_error=1e-3)
+                  for d in DTYPES for s in ('compute', 'float32')])),
+    ('matmul', matmul.plot, lambda tmp: dict(
+        shape=[2, 2], device='cpu',
+        results=[dict(dtype=d, gflops_per_sec=1.0) for d in DTYPES])),
+    ('dot_algorithms', dot_algorithms.plot, lambda tmp: dict(
+        device='cpu', results=[dict(algorithm='F32_F32_F32', compiles=True,
+                                    relative_error=1e-7)])),
+    ('profile', profile.plot, lambda tmp: dict(
+        policy='p=f32,c=bf16,o=f32', batch_size=8, device='cpu', step_ms=[2.0],
+        busy_ms_per_step=1.0, ms_per_step_by_module={'vit/head': 1.0})),
+    ('report_benchmark', report._benchmark_plot, lambda tmp: dict(
+        device='cpu', results=[dict(batch_size=8, dtype=d, images_per_sec=1.0)
+                               for d in DTYPES])),
+    ('report_memory', report._memory_plot, lambda tmp: _report_memory_result()),
+    ('report_accuracy', report._accuracy_plot, lambda tmp: _accuracy_result(
+        tmp, [dict(step=s, split='train', loss=1.0, loss_scale=1.0)
+              for s in (2, 4)] + [dict(step=4, split='val', accuracy=0.5)])),
+)
 
 
 
@@ -42,6 +136,106 @@ class PlotsTest(absltest.TestCase):
     self.assertEqual(result.stderr.strip().splitlines(), [
         'error: --workdirs: cannot read /nonexistent/run/metrics.jsonl (No '
         'such file or directory)'])
+
+
+class FiguresTest(parameterized.TestCase):
+  """The figures the lab draws, inspected after they are rendered."""
+
+  def _figures(self, plot, result_fn):
+    """The rendered figures `plot(result, out_dir)` draws."""
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    figures = []
+    # Every figure is saved (so rendered) and then closed: keep it open.
+    with mock.patch.object(plt, 'close', side_effect=figures.append):
+      plot(result_fn(tmp), tmp)
+    for fig in figures:
+      self.addCleanup(plt.close, fig)
+    self.assertNotEmpty(figures)
+    return figures
+
+  @parameterized.named_parameters(
+      (name, plot, result_fn) for name, plot, result_fn in LAB_PLOTS)
+  def test_axis_labels_are_readable(self, plot, result_fn):
+    for fig in self._figures(plot, result_fn):
+      for ax in fig.axes:
+        labels = [ax.get_xlabel(), ax.get_ylabel()]
+        self.assertTrue(any(labels))
+        for label in filter(None, labels):
+          self.assertNotRegex(label, r'\w_\w')  # No raw field name.
+          self.assertIn(label.split(' (')[0], plots.FIELD_LABELS.values())
+
+  def test_axis_label_adds_the_unit(self):
+    self.assertEqual(plots.axis_label('temp_size_in_bytes', 'MiB'),
+                     'compiled temp memory (MiB)')
+    self.assertEqual(plots.axis_label('step'), 'step')
+    with self.assertRaises(KeyError):
+      plots.axis_label('no_such_field')
+
+  @parameterized.named_parameters(
+      ('sweep', sweep.plot, lambda tmp: _sweep_result()),
+      ('memory', memory.plot, lambda tmp: _memory_result()),
+      ('runs', report._accuracy_plot, lambda tmp: _accuracy_result(tmp, [
+          dict(step=s, split=split, loss=h, accuracy=h / SCATTER_POINTS,
+               loss_scale=2.0**h) for s, h in _scattered()
+          for split in ('train', 'val')])))
+  def test_legend_covers_no_point(self, plot, result_fn):
+    for fig in self._figures(plot, result_fn):
+      legends = fig.legends + [ax.get_legend() for ax in fig.axes
+                               if ax.get_legend()]
+      self.assertNotEmpty(legends)
+      boxes = [legend.get_window_extent() for legend in legends]
+      for box in boxes:
+        self.assertTrue(fig.bbox.containsx(box.x0) and
+                        fig.bbox.containsx(box.x1))  # Not cut off.
+      for ax in fig.axes:
+        for line in ax.get_lines():
+          for x, y in ax.transData.transform(line.get_xydata()):
+            for box in boxes:
+              self.assertFalse(box.contains(x, y), (line.get_label(), x, y))
+        for bar in ax.patches:
+          for box in boxes:
+            self.assertFalse(box.overlaps(bar.get_window_extent()))
+
+  @parameterized.named_parameters(
+      ('one_eval', [dict(step=4, split='train', loss=2.0, loss_scale=2.0**15),
+                    dict(step=4, split='val', accuracy=0.25)]),
+      ('two_logs', [dict(step=s, split='train', loss=2.0, loss_scale=2.0**15)
+                    for s in (2, 4)] + [dict(step=4, split='val',
+                                             accuracy=0.25)]))
+  def test_every_panel_shows_its_points(self, events):
+    fig, = self._figures(report._accuracy_plot,
+                         lambda tmp: _accuracy_result(tmp, events))
+    for ax in fig.axes:
+      visible = [line for line in ax.get_lines() if len(line.get_xdata()) and (
+          line.get_marker() not in ('None', '', None) or
+          len(line.get_xdata()) >= plots.LINE_MIN_POINTS)]
+      self.assertLen(visible, len(DTYPES), ax.get_ylabel())
+
+  def test_panel_without_points_says_so(self):
+    events = [dict(step=4, split='train', loss=2.0, loss_scale=1.0)]
+    fig, = self._figures(report._accuracy_plot,
+                         lambda tmp: _accuracy_result(tmp, events))
+    texts = {ax.get_ylabel(): [t.get_text() for t in ax.texts]
+             for ax in fig.axes}
+    self.assertEqual(texts, {'train loss': [],
+                             'val accuracy': [plots.NO_POINTS_TEXT],
+                             'loss scale (log)': []})
+
+  def test_exact_zero_is_not_a_tiny_bar(self):
+    errors = dict(BF16_BF16_F32=4e-3, F32_F32_F32=1e-7, F64_F64_F64=0.0)
+    result = dict(device='cpu', results=[
+        dict(algorithm=a, compiles=True, relative_error=e)
+        for a, e in errors.items()] + [
+            dict(algorithm='F16_F16_F32', compiles=False, relative_error=None)])
+    fig, = self._figures(dot_algorithms.plot, lambda tmp: result)
+    ax, = fig.axes
+    self.assertEqual(sorted(bar.get_width() for bar in ax.patches),
+                     [1e-7, 4e-3])
+    zero_row = list(errors).index('F64_F64_F64')
+    self.assertEqual([(t.get_text(), t.xy[1]) for t in ax.texts],
+                     [(plots.EXACT_ZERO_TEXT, zero_row)])
+    self.assertEqual([t.get_text() for t in ax.get_yticklabels()],
+                     list(errors))
 
 
 if __name__ == '__main__':

@@ -41,6 +41,7 @@ def run(rows: int, cols: int, repeats: int,
 def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   path = os.path.join(out_dir, 'matmul.png')
   plots.bar_chart(path, [r['dtype'] for r in result['results']],
-                  [r['gflops_per_sec'] for r in result['results']], 'GFLOP/s',
+                  [r['gflops_per_sec'] for r in result['results']],
+                  plots.axis_label('gflops_per_sec', 'GFLOP/s'),
                   f'A @ A.T, A {result["shape"]}, {result["device"]}')
   return [path]

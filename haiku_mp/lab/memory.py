@@ -194,7 +194,8 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
       'activations kept for backward': [
           mib(r['breakdown']['kept_activation_bytes']) for r in rows]}
   path = os.path.join(out_dir, 'memory_breakdown.png')
-  plots.stacked_bar_chart(path, labels, parts, 'MiB',
+  plots.stacked_bar_chart(path, labels, parts,
+                          plots.axis_label('breakdown', 'MiB'),
                           'train step memory by part (batch size / dtype)')
   paths = [path]
   if all('temp_size_in_bytes' in r['breakdown'] for r in rows):
@@ -207,8 +208,9 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
       series = {d: [mib(values[d, b]['breakdown'][field]) for b in batch_sizes]
                 for d in dtypes}
       plots.grouped_bar_chart(
-          path, batch_sizes, series, f'{field} (MiB)',
+          path, batch_sizes, series, plots.axis_label(field, 'MiB'),
           f'{name}: saved for backward (any backend)' if name == 'residuals'
-          else f'compiled temp on {result["device"]}', 'global batch size')
+          else f'compiled temp on {result["device"]}',
+          plots.axis_label('batch_size'))
       paths.append(path)
   return paths

@@ -40,6 +40,7 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   path = os.path.join(out_dir, 'params.png')
   dtypes = list(result['totals'])
   plots.bar_chart(path, dtypes,
-                  [result['totals'][d]['megabytes'] for d in dtypes], 'MB',
+                  [result['totals'][d]['megabytes'] for d in dtypes],
+                  plots.axis_label('megabytes', 'MB'),
                   f'{result["totals"]["float32"]["count"]:,} parameters')
   return [path]

@@ -1,4 +1,8 @@
-"""Plots of runs from their metrics.jsonl: train loss and val accuracy by step."""
+"""Plots of runs from their metrics.jsonl and the lab's bar charts.
+
+Every axis label comes from `FIELD_LABELS`, legends sit outside the axes (so
+they never cover a bar or a point), a series of one point is drawn as a
+marker, and an exact zero on a log axis is written as such."""
 
 import json
 import os
@@ -8,6 +12,42 @@ import matplotlib
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# Readable axis labels of the fields the plots draw (a result's or a
+# metrics.jsonl event's key); `axis_label` adds the unit.
+FIELD_LABELS = {
+    'step': 'step',
+    'loss': 'train loss',
+    'accuracy': 'val accuracy',
+    'loss_scale': 'loss scale',
+    'batch_size': 'global batch size',
+    'megabytes': 'parameter memory',
+    'breakdown': 'train step memory',
+    'device_peak_bytes': 'device peak memory',
+    'compiled_total_bytes': 'compiled memory, total',
+    'temp_size_in_bytes': 'compiled temp memory',
+    'kept_activation_bytes': 'activations kept for backward',
+    'median_step_sec': 'median step time',
+    'epoch_sec': 'epoch time',
+    'images_per_sec': 'throughput',
+    'gflops_per_sec': 'matmul throughput',
+    'matmul_precision': 'matmul precision',
+    'grads_relative_error': 'gradient relative error vs float64',
+    'relative_error': 'relative error vs float64',
+    'ms_per_step_by_module': 'op self time per step',
+}
+# A line needs two points; a shorter series is drawn as markers alone.
+LINE_MIN_POINTS = 2
+NO_POINTS_TEXT = 'no points to draw'
+# What a log axis shows for an exact zero, which it cannot draw as a bar.
+EXACT_ZERO_TEXT = 'exact (0)'
+_DPI = 100
+
+
+def axis_label(field: str, unit: str = '') -> str:
+  """`FIELD_LABELS[field]`, with the unit in parentheses (a KeyError for a
+  field without a readable label, so none reaches a plot raw)."""
+  return f'{FIELD_LABELS[field]} ({unit})' if unit else FIELD_LABELS[field]
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -21,45 +61,70 @@ def _series(events, split, key):
   return [p[0] for p in points], [p[1] for p in points]
 
 
+def _figure(*args, **kwargs):
+  """A figure whose constrained layout makes room for a legend outside."""
+  return plt.subplots(*args, layout='constrained', **kwargs)
+
+
+def _legend_outside(fig) -> None:
+  """One legend for all axes, right of them: `loc='best'` still covers a
+  point when the data fill every corner."""
+  by_label = {}
+  for ax in fig.axes:
+    for handle, label in zip(*ax.get_legend_handles_labels()):
+      by_label.setdefault(label, handle)
+  if by_label:
+    fig.legend(by_label.values(), by_label.keys(), loc='outside right upper')
+
+
+def _save(fig, out_path: str) -> None:
+  fig.savefig(out_path, dpi=_DPI)
+  plt.close(fig)
+
+
 def plot_runs(runs: Mapping[str, list[dict]], out_path: str,
               title: str = '') -> None:
   """Train loss, val accuracy and loss scale of several runs, one PNG."""
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-  for name, events in runs.items():
-    axes[0].plot(*_series(events, 'train', 'loss'), label=name)
-    axes[1].plot(*_series(events, 'val', 'accuracy'), marker='o', label=name)
-    axes[2].plot(*_series(events, 'train', 'loss_scale'), label=name)
-  for ax, ylabel in zip(axes, ('train loss', 'val accuracy',
-                               'loss scale (log)')):
-    ax.set_xlabel('step')
-    ax.set_ylabel(ylabel)
+  fig, axes = _figure(1, 3, figsize=(15, 4.2))
+  panels = (('train', 'loss', ''), ('val', 'accuracy', ''),
+            ('train', 'loss_scale', 'log'))
+  for ax, (split, key, unit) in zip(axes, panels):
+    drawn = False
+    for name, events in runs.items():
+      steps, values = _series(events, split, key)
+      # Val accuracy is sparse (an eval per epoch): always show its points.
+      few = len(steps) < LINE_MIN_POINTS or split == 'val'
+      # Plotted even when empty, so a run keeps its colour in every panel.
+      ax.plot(steps, values, marker='o' if few else None, label=name)
+      drawn = drawn or bool(steps)
+    if not drawn:
+      ax.text(0.5, 0.5, NO_POINTS_TEXT, transform=ax.transAxes,
+              ha='center', va='center')
+    ax.set_xlabel(axis_label('step'))
+    ax.set_ylabel(axis_label(key, unit))
     ax.grid(alpha=0.3)
-    ax.legend()
   axes[2].set_yscale('log', base=2)
+  _legend_outside(fig)
   if title:
     fig.suptitle(title)
-  fig.tight_layout()
-  fig.savefig(out_path, dpi=100)
-  plt.close(fig)
+  _save(fig, out_path)
 
 
 def bar_chart(out_path: str, labels, values, ylabel: str, title: str) -> None:
   """One bar per label, each annotated with its value."""
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = _figure(figsize=(6, 4))
   ax.bar(labels, values)
   ax.set_ylabel(ylabel)
   ax.set_title(title)
   for i, v in enumerate(values):
     ax.annotate(f'{v:.3g}', (i, v), ha='center', va='bottom')
-  fig.tight_layout()
-  fig.savefig(out_path, dpi=100)
-  plt.close(fig)
+  _save(fig, out_path)
 
 
 def grouped_bar_chart(out_path: str, groups, series: Mapping[str, list],
                       ylabel: str, title: str, xlabel: str = '') -> None:
   """Bars grouped by `groups` (e.g. batch sizes), one colour per series."""
-  fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) + 2), 4))
+  fig, ax = _figure(figsize=(max(7, 1.6 * len(groups) + 3), 4))
   width = 0.8 / max(len(series), 1)
   for i, (name, values) in enumerate(series.items()):
     xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
@@ -69,16 +134,14 @@ def grouped_bar_chart(out_path: str, groups, series: Mapping[str, list],
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
   ax.set_title(title)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(out_path, dpi=100)
-  plt.close(fig)
+  _legend_outside(fig)
+  _save(fig, out_path)
 
 
 def stacked_bar_chart(out_path: str, labels, parts: Mapping[str, list],
                       ylabel: str, title: str) -> None:
   """One bar per label, stacked from `parts` (name -> value per label)."""
-  fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels) + 3), 4.5))
+  fig, ax = _figure(figsize=(max(6, 0.9 * len(labels) + 5), 4.5))
   bottom = [0.0] * len(labels)
   for name, values in parts.items():
     ax.bar(range(len(labels)), values, bottom=bottom, label=name)
@@ -89,23 +152,28 @@ def stacked_bar_chart(out_path: str, labels, parts: Mapping[str, list],
   ax.set_xticks(range(len(labels)), labels, fontsize=7)
   ax.set_ylabel(ylabel)
   ax.set_title(title)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(out_path, dpi=100)
-  plt.close(fig)
+  _legend_outside(fig)
+  _save(fig, out_path)
 
 
 def horizontal_bar_chart(out_path: str, labels, values, xlabel: str,
                          title: str, log: bool = False) -> None:
-  """One horizontal bar per label, in order from the top, for long labels."""
-  fig, ax = plt.subplots(figsize=(8, 0.35 * len(labels) + 1.5))
-  ax.barh(range(len(labels)), values)
+  """One horizontal bar per label, in order from the top, for long labels.
+
+  On a log axis a value of exactly 0 gets no bar (any bar would be a made-up
+  tiny value) but `EXACT_ZERO_TEXT` at the axis' left edge."""
+  fig, ax = _figure(figsize=(8, 0.35 * len(labels) + 1.5))
+  drawn = [(i, v) for i, v in enumerate(values) if not (log and v == 0)]
+  ax.barh([i for i, _ in drawn], [v for _, v in drawn])
   if log:
     ax.set_xscale('log')
+    for i, v in enumerate(values):
+      if v == 0:
+        ax.annotate(EXACT_ZERO_TEXT, (0, i), xycoords=('axes fraction', 'data'),
+                    xytext=(3, 0), textcoords='offset points', va='center',
+                    fontsize=8)
   ax.set_yticks(range(len(labels)), labels, fontsize=8)
-  ax.invert_yaxis()
+  ax.set_ylim(len(labels) - 0.5, -0.5)
   ax.set_xlabel(xlabel)
   ax.set_title(title, fontsize=9)
-  fig.tight_layout()
-  fig.savefig(out_path, dpi=100)
-  plt.close(fig)
+  _save(fig, out_path)

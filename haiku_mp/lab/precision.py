@@ -248,17 +248,18 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   plots.grouped_bar_chart(
       path, names,
       {d: [by_key[d, n]['grads_relative_error'] for n in names] for d in dtypes},
-      'gradient relative error vs float64',
-      f'matmul precision on {result["device"]}', 'jax.default_matmul_precision')
+      plots.axis_label('grads_relative_error'),
+      f'jax.default_matmul_precision on {result["device"]}',
+      plots.axis_label('matmul_precision'))
   paths.append(path)
   rows = result['residual']
   labels = [f'{r["dtype"]}\n{r["residual_stream"]}' for r in rows]
-  for name, field, scale, ylabel in (
-      ('memory', 'kept_activation_bytes', 2**20,
-       'activations kept for backward (MiB)'),
-      ('error', 'grads_relative_error', 1, 'gradient relative error')):
+  for name, field, scale, unit in (
+      ('memory', 'kept_activation_bytes', 2**20, 'MiB'),
+      ('error', 'grads_relative_error', 1, '')):
     path = os.path.join(out_dir, f'precision_residual_{name}.png')
-    plots.bar_chart(path, labels, [r[field] / scale for r in rows], ylabel,
+    plots.bar_chart(path, labels, [r[field] / scale for r in rows],
+                    plots.axis_label(field, unit),
                     f'residual stream, batch {result["batch_size"]}')
     paths.append(path)
   return paths

@@ -238,7 +238,8 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   path = os.path.join(out_dir, 'profile_by_module.png')
   names = [n.replace('vit/encoder_block_*/', 'block/') for n in by_module]
   plots.horizontal_bar_chart(
-      path, names, list(by_module.values()), 'ms per step (op self time)',
+      path, names, list(by_module.values()),
+      plots.axis_label('ms_per_step_by_module', 'ms'),
       f'{result["policy"]}, batch {result["batch_size"]} on {result["device"]}\n'
       f'step {statistics.median(result["step_ms"]):.1f} ms, ops busy '
       f'{result["busy_ms_per_step"]:.1f} ms of it')

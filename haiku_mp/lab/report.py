@@ -231,9 +231,9 @@ def _accuracy_plot(result, out_dir) -> list[str]:
 
 
 def _by_dtype_and_batch(result, out_dir, name: str, field: str, scale: float,
-                       ylabel: str, title: str) -> list[str]:
-  """A grouped bar chart of `field` (/ `scale`) per batch size and dtype;
-  variants that did not fit are 0."""
+                       unit: str, title: str) -> list[str]:
+  """A grouped bar chart of `field` (/ `scale`, in `unit`) per batch size and
+  dtype; variants that did not fit are 0."""
   rows = result['results']
   batch_sizes = list(dict.fromkeys(r['batch_size'] for r in rows))
   values = {(r['dtype'], r['batch_size']): r.get(field) or 0 for r in rows}
@@ -241,7 +241,8 @@ def _by_dtype_and_batch(result, out_dir, name: str, field: str, scale: float,
   plots.grouped_bar_chart(
       path, batch_sizes,
       {d: [values.get((d, b), 0) / scale for b in batch_sizes]
-       for d in variants.DTYPES}, ylabel, title, 'global batch size')
+       for d in variants.DTYPES}, plots.axis_label(field, unit), title,
+      plots.axis_label('batch_size'))
   return [path]
 
 
@@ -256,7 +257,7 @@ def _memory_plot(result, out_dir) -> list[str]:
            if any(r.get('device_peak_bytes') for r in result['results'])
            else 'compiled_total_bytes')
   return _by_dtype_and_batch(
-      result, out_dir, 'memory_peak', field, 2**20, f'{field} (MiB)',
+      result, out_dir, 'memory_peak', field, 2**20, 'MiB',
       f'{report_markdown.where_measured(result)} on {result["device"]}')
 
 

@@ -71,13 +71,14 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
     on_gpu = any(r.get('device_peak_bytes') for r in rows)
     memory_field = 'device_peak_bytes' if on_gpu else 'compiled_total_bytes'
     tag = layout.replace(':', '_')
-    for name, field, scale, ylabel in (
-        ('memory', memory_field, 2**20, f'{memory_field} (MiB)'),
-        ('step_time', 'median_step_sec', 1, 'median step time (s)'),
-        ('epoch_time', 'epoch_sec', 1, 'epoch time (s, from step time)')):
+    for name, field, scale, unit in (
+        ('memory', memory_field, 2**20, 'MiB'),
+        ('step_time', 'median_step_sec', 1, 's'),
+        ('epoch_time', 'epoch_sec', 1, 's, from step time')):
       path = os.path.join(out_dir, f'sweep_{name}_{tag}.png')
-      plots.grouped_bar_chart(path, batch_sizes, series(field, scale), ylabel,
+      plots.grouped_bar_chart(path, batch_sizes, series(field, scale),
+                              plots.axis_label(field, unit),
                               f'train step, {layout} on {result["device"]}',
-                              'global batch size')
+                              plots.axis_label('batch_size'))
       paths.append(path)
   return paths
