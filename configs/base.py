@@ -9,14 +9,14 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.seed = 0
-  config.batch_size = 128
+  config.seed = 0  # Params, dropout, data order and augmentation draws.
+  config.batch_size = 128  # Train images per step, over every device.
   config.eval_batch_size = 1000  # Divides val (5,000) and test (10,000).
-  config.num_epochs = 10
+  config.num_epochs = 10  # Passes over the train split (num_train_steps=-1).
   config.num_train_steps = -1  # -1: derived from num_epochs.
-  config.learning_rate = 1e-3
-  config.weight_decay = 0.0
-  config.warmup_steps = 0
+  config.learning_rate = 1e-3  # Adam's peak rate, reached after warmup.
+  config.weight_decay = 0.0  # AdamW's decoupled weight decay.
+  config.warmup_steps = 0  # Linear warm-up, then cosine decay to 0.
   config.grad_clip_norm = 0.0  # 0: no clipping.
   # The train loss's targets: (1 - label_smoothing) on the label (or the mixed
   # labels) plus label_smoothing spread evenly over the classes.
@@ -24,10 +24,10 @@ def get_config() -> ml_collections.ConfigDict:
   # > 0: a moving average of the params (this decay per step) is kept and
   # evaluated beside them (val_ema and test_ema events, ema_* in the summary).
   config.ema_decay = 0.0
-  config.log_every_steps = 50
-  config.eval_every_steps = 1000
+  config.log_every_steps = 50  # A progress line and a metrics event.
+  config.eval_every_steps = 1000  # On val; also at the end (and test).
   config.checkpoint_every_steps = 1000  # Also at the end and on SIGTERM.
-  config.keep_checkpoints = 3
+  config.keep_checkpoints = 3  # The newest kept; older ones deleted.
   # Train (and eval) steps the host dispatches ahead of the devices: a few
   # keep them fed; a stop or a checkpoint waits for as many. At most 16:
   # XLA:CPU stalls multi-device programs when a device queue (32) fills.
@@ -41,14 +41,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.compilation_cache_dir = 'auto'
 
   config.model = ml_collections.ConfigDict(dict(
-      image_size=32,
-      patch_size=4,
-      num_classes=10,
-      embed_dim=384,
-      mlp_dim=1536,
-      num_heads=8,
-      num_layers=6,
-      dropout_rate=0.1,
+      image_size=32,  # Side of the square input images (CIFAR-10: 32).
+      patch_size=4,  # Side of the square patches that become tokens.
+      num_classes=10,  # Logits (CIFAR-10: 10).
+      embed_dim=384,  # Token width.
+      mlp_dim=1536,  # Hidden width of each block's MLP.
+      num_heads=8,  # Attention heads (they divide embed_dim).
+      num_layers=6,  # Encoder blocks.
+      dropout_rate=0.1,  # Dropout in each block's MLP.
       # Stochastic depth: each block's two residual branches dropped for a
       # random subset of examples, at rates rising linearly from 0 in the
       # first block to drop_path_rate in the last.
@@ -65,7 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
       policy='params=float32,compute=float32,output=float32',
       # 'TARGET:POLICY;...': TARGET is a module class name or a path glob.
       overrides='',
-      float32_layer_norm=True,
+      float32_layer_norm=True,  # LayerNorm in float32 under any policy.
       # A jax.default_matmul_precision name for every matmul ('highest',
       # 'tensorfloat32', ...); '' keeps JAX's default.
       matmul_precision='',
@@ -106,13 +106,13 @@ def get_config() -> ml_collections.ConfigDict:
   # clipped to l2_clip_norm and Gaussian noise of std noise_multiplier *
   # l2_clip_norm is added to their float32 sum; epsilon at delta is reported.
   config.privacy = ml_collections.ConfigDict(dict(
-      enabled=False,
-      l2_clip_norm=1.0,
-      noise_multiplier=1.0,
+      enabled=False,  # DP-SGD on or off.
+      l2_clip_norm=1.0,  # Each example's gradient is clipped to this norm.
+      noise_multiplier=1.0,  # The noise's std over l2_clip_norm.
       # > 0: the noise multiplier that spends this epsilon in the run's steps
       # (replaces noise_multiplier); 0: noise_multiplier as set.
       target_epsilon=0.0,
-      delta=1e-5,
+      delta=1e-5,  # The delta of the (epsilon, delta) guarantee reported.
       # Examples per device whose per-example gradients exist at once (JAX
       # Privacy's microbatching); 0: all of a device's batch. The reference
       # ViT's 162 at once need 7.5 GB of temp on a CPU; 32 need 1.7 GB, less
@@ -151,12 +151,13 @@ def get_config() -> ml_collections.ConfigDict:
       # pixels). Every split is held in memory and augmented on the device.
       source='tfds',
       arrays_path='',  # The .npz of the arrays source.
-      name='cifar10',
+      name='cifar10',  # The TFDS dataset (its images must fit the model).
       data_dir='',  # empty: the TFDS default (or TFDS_DATA_DIR).
       download=True,  # Download if not prepared in data_dir.
+      # TFDS split strings (the arrays source reads the same syntax).
       train_split='train[:45000]',
-      val_split='train[45000:]',
-      test_split='test',
+      val_split='train[45000:]',  # Evaluated every eval_every_steps.
+      test_split='test',  # Evaluated once, at the end.
       # The train augmentation, on the device (haiku_mp/data/augment.py), in this
       # order; False: images only normalized.
       augment=True,
@@ -166,27 +167,28 @@ def get_config() -> ml_collections.ConfigDict:
       crop='resized',
       crop_area=(0.9, 1.0),
       crop_aspect_ratio=(0.9, 1.1),
-      crop_max_attempts=10,
-      crop_padding=4,
+      crop_max_attempts=10,  # 'resized': draws before the whole image.
+      crop_padding=4,  # 'pad': black pixels on each side.
       flip=True,  # A random horizontal flip.
       # 'none', 'randaugment' (randaugment_ops operations drawn per image, each
       # at randaugment_magnitude of 10) or 'autoaugment' (AutoAugment's
       # CIFAR-10 policy). haiku_mp/data/auto_augment.py.
       policy='none',
-      randaugment_ops=2,
-      randaugment_magnitude=9.0,
+      randaugment_ops=2,  # 'randaugment': operations per image (1-14).
+      randaugment_magnitude=9.0,  # 'randaugment': strength, 0-10.
       # Random erasing: a box of noise, on this share of the images.
       erasing_probability=0.0,
       # Mixup and CutMix of neighbouring examples with soft labels; the
       # ratio is Beta(alpha, alpha); 0 turns a method off; both on: even odds
       # per example.
       mixup_alpha=0.0,
-      cutmix_alpha=0.0,
+      cutmix_alpha=0.0,  # CutMix's Beta(alpha, alpha); 0: off.
+      # Per-channel normalization of pixels in [0, 1] (CIFAR-10's).
       mean=(0.4914, 0.4822, 0.4465),
-      std=(0.2023, 0.1994, 0.2010),
+      std=(0.2023, 0.1994, 0.2010),  # Divides each channel, mean taken.
       prefetch_batches=2,  # Batches on their way to the devices.
-      synthetic_train_examples=45000,
-      synthetic_eval_examples=5000,
+      synthetic_train_examples=45000,  # 'synthetic': train split size.
+      synthetic_eval_examples=5000,  # 'synthetic': val and test sizes.
   ))
   config.lock()
   return config

@@ -225,14 +225,8 @@ def main(argv):
                                                           flush=True),
       warmup_steps=_WARMUP.value, ceiling_size=_CEILING.value,
       dp_vs_ordinary=_DP_VS_ORDINARY.value)
-  name = lambda row: row['dtype'] + (' DP-SGD' if row['privacy'] else '')
-  for row in rows[1:]:
-    ratio = row['vs_first'].get('images_per_sec')
-    print(f'{name(row)} vs {name(rows[0])}: {ratio:.2f}x the images/s')
-  for row in rows:
-    if row.get('vs_ordinary') and row['privacy']:
-      print(f'{name(row)} vs ordinary {row["dtype"]}: '
-            f'{row["vs_ordinary"]["images_per_sec"]:.2f}x the images/s')
+  for line in step_benchmark.ratio_lines(rows):
+    print(line)
   if _JSON.value:
     if len(rows) == 1:
       print(json.dumps(rows[0]))

@@ -3,12 +3,13 @@ line, once, before it reads data or writes a file; and a console that shows
 the project's own INFO lines, not its libraries'.
 
 Exit status: 2 for a usage error (a flag, a config file or setting, an input;
-`errors.ConfigError`), 1 for a failure of the environment (`errors.RunError`),
-130 for Ctrl-C (a `KeyboardInterrupt`, whose message may say what the command
+`errors.ConfigError`), 1 for a failure of the environment (`errors.RunError`,
+or a file the disk had no room for), 130 for Ctrl-C (a `KeyboardInterrupt`, whose message may say what the command
 did about it). None of them prints a traceback; anything else is a bug and
 keeps its own.
 """
 
+import errno
 import glob
 import importlib.util
 import inspect
@@ -28,6 +29,7 @@ from ml_collections.config_flags.config_flags import is_config_flag
 from configs import vit_cpu
 from haiku_mp import errors
 from haiku_mp.train import config_checks
+from launch import command_help
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OWN_CODE = tuple(os.path.join(_ROOT, package) + os.sep
@@ -36,6 +38,10 @@ _OWN_CODE = tuple(os.path.join(_ROOT, package) + os.sep
 EXIT_USAGE = 2  # What argparse and the shells' builtins exit with.
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it.
+# Failures of the disk under a file being written: no room, a quota, a file
+# size limit, a read-only or failing filesystem.
+_ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS,
+                       errno.EIO)
 
 # absl's "flag --NAME=VALUE: REASON".
 _FLAG_MESSAGE = re.compile(r'^flag --([^=\s]+)=(.*?): (.*)$', re.DOTALL)
@@ -227,6 +233,8 @@ def _missing_config_file(argv: list[str]) -> Optional[str]:
 
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's parsing; a bad flag, config file or config field is one line."""
+  if command_help.wanted(argv):  # Before a required flag is asked for.
+    command_help.show(argv)
   try:
     argv = flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, ValueError, TypeError,
@@ -261,6 +269,14 @@ def run(main: Callable[[list[str]], None]) -> None:
       _exit(f'error: {e}', EXIT_USAGE)
     except errors.RunError as e:
       _exit(f'error: {e}', EXIT_FAILURE)
+    except OSError as e:
+      if e.errno not in _ENVIRONMENT_ERRNOS:
+        raise
+      # A file the command writes found no room (or no disk): the
+      # environment, not a bug; what ran so far is kept.
+      _exit(f'error: cannot write {e.filename or "a file"} ({e.strerror}). '
+            'Free space (or fix the cause) and run the same command again.',
+            EXIT_FAILURE)
     except KeyboardInterrupt as e:
       # The trainer's second-Ctrl-C handler says what it stopped and kept.
       _exit(f'interrupted: {e}' if str(e) else

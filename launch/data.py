@@ -5,7 +5,10 @@ python -m launch.data export --out=cifar10.npz [--config=configs/base.py] \
 
 `export` writes the prepared TFDS CIFAR-10 (train and test, in the TFDS copy's
 order) as uint8 arrays in one `.npz` (haiku_mp/data/npz_source.py), which NumPy
-reads without TensorFlow.
+reads without TensorFlow. Where the data dir lacks it and `data.download`
+allows, TFDS downloads and prepares it first (its progress shown once the
+server answers); a download that fails is one `error:` line and leaves the data
+dir as it was (haiku_mp/data/tfds_source.py).
 """
 
 import os

@@ -12,6 +12,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from haiku_mp.lab import compare
 from haiku_mp.lab import loop_benchmark
 from haiku_mp.lab import pipeline_benchmark
 from haiku_mp.lab import step_benchmark
@@ -94,6 +95,28 @@ class StepBenchmarkTest(parameterized.TestCase):
     self.assertAlmostEqual(private['vs_ordinary']['step_time_s'],
                            private['step_time_s'] / ordinary['step_time_s'])
     self.assertEqual(ordinary['vs_ordinary']['step_time_s'], 1.0)
+
+  @parameterized.named_parameters(
+      ('one_dtype_dp_vs_ordinary', (('float32', False), ('float32', True)),
+       ['float32 DP-SGD vs ordinary float32: 0.50x the images/s']),
+      ('two_dtypes_dp_vs_ordinary',
+       (('float32', False), ('float32', True), ('bfloat16', False),
+        ('bfloat16', True)),
+       ['bfloat16 vs float32: 1.50x the images/s',
+        'float32 DP-SGD vs ordinary float32: 0.50x the images/s',
+        'bfloat16 DP-SGD vs ordinary bfloat16: 0.50x the images/s']),
+      ('two_dtypes', (('float32', False), ('bfloat16', False)),
+       ['bfloat16 vs float32: 1.50x the images/s']))
+  def test_each_comparison_is_printed_once(self, kinds, lines):
+    speed = dict(float32=100.0, bfloat16=150.0)
+    rows = [dict(dtype=d, privacy=p,
+                 images_per_sec=speed[d] / (2 if p else 1)) for d, p in kinds]
+    compare.add_ratios(rows, 'vs_first', ('images_per_sec',),
+                       is_base=lambda r: r is rows[0])
+    compare.add_ratios(rows, 'vs_ordinary', ('images_per_sec',),
+                       is_base=lambda r: not r['privacy'],
+                       same_group=lambda a, b: a['dtype'] == b['dtype'])
+    self.assertEqual(step_benchmark.ratio_lines(rows), lines)
 
   def test_the_ceiling_side_and_an_mfu_above_one(self):
     self.assertEqual(step_benchmark.ceiling_side(None, 64), 64)
@@ -202,6 +225,31 @@ class CommandLineTest(parameterized.TestCase):
     self.assertIn('img/s', lines[0])  # A line a person reads per dtype.
     self.assertIn('float16 vs float32', lines[-2])
 
+  def test_loops_with_other_bounds_on_steps_in_flight_in_one_run(self):
+    result = helpers.run_module(
+        'launch.benchmark', '--config=configs/vit_bf16.py', '--loop',
+        '--dtypes=float32', '--steps_in_flight=16,1', '--steps=4',
+        '--rounds=2', '--json', '--config.batch_size=8',
+        '--config.eval_batch_size=8', '--config.log_every_steps=2',
+        '--config.data.source=synthetic',
+        '--config.data.synthetic_train_examples=64',
+        '--config.data.synthetic_eval_examples=8',
+        '--config.model.image_size=8', *helpers.TINY_MODEL_FLAGS)
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    lines = result.stdout.strip().splitlines()
+    # The variants' rounds alternate.
+    self.assertEqual([line.split(': loop')[0] for line in lines[:4]],
+                     ['float32 steps_in_flight=16 round 1/2',
+                      'float32 steps_in_flight=1 round 1/2',
+                      'float32 steps_in_flight=16 round 2/2',
+                      'float32 steps_in_flight=1 round 2/2'])
+    self.assertIn('float32 steps_in_flight=1 vs float32 steps_in_flight=16: '
+                  'the loop', lines[-2])
+    summary = json.loads(lines[-1])
+    self.assertEqual([r['steps_in_flight'] for r in summary['results']],
+                     [16, 1])
+    self.assertEqual(summary['ratios_vs'], 'float32 steps_in_flight=16')
+
   def test_loop_against_its_step_per_dtype_from_the_command_line(self):
     result = helpers.run_module(
         'launch.benchmark', '--config=configs/vit_bf16.py', '--loop',
@@ -246,7 +294,11 @@ class CommandLineTest(parameterized.TestCase):
       (['--dtypes=float32,float8'], '--dtypes (float8)'),
       (['--steps=0'], '--steps=0 must be at least 1'),
       (['--pipeline', '--rounds=0'], '--rounds=0 must be at least 1'),
-      (['--warmup_steps=-1'], '--warmup_steps=-1 must be at least 0'))
+      (['--warmup_steps=-1'], '--warmup_steps=-1 must be at least 0'),
+      (['--loop', '--steps_in_flight=2,17', '--steps=100'],
+       '--steps_in_flight=2,17: expected integers in [1, 16]'),
+      (['--steps_in_flight=2'], '--steps_in_flight compares training loops: '
+       'add --loop'))
   def test_bad_input_is_one_line(self, flags, message):
     result = helpers.run_module('launch.benchmark',
                                 '--config=configs/vit_fp32.py', *flags)

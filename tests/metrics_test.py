@@ -88,6 +88,26 @@ class MetricsWriterTest(parameterized.TestCase):
                                              eval_sec=6.0))
     self.assertEqual(progress.mean_images_per_sec, 7 * 4 / 16.0)
 
+  def test_the_summary_line_is_rounded_and_names_the_file(self):
+    summary = dict(test_accuracy=0.39875, test_loss=1.65432109,
+                   val_accuracy=0.4002, val_loss=1.6412345, steps=300,
+                   skipped_steps=0, final_loss_scale=32768.0,
+                   images_per_sec=125.64756154787665, train_time_sec=199.7,
+                   eval_time_sec=25.2)
+    self.assertEqual(
+        metrics.summary_line(summary, 'runs/first/summary.json'),
+        'Summary: test 39.88% (loss 1.6543), val 40.02% (loss 1.6412); 300 '
+        'steps, 0 skipped, final loss scale 32768; 126 img/s, train 3m19s, '
+        'eval 0m25s. Every figure: runs/first/summary.json')
+    private = dict(summary, epsilon=2.314, val_accuracy=None, val_loss=None,
+                   ema_test_accuracy=0.41, ema_val_accuracy=0.415)
+    self.assertEqual(
+        metrics.summary_line(private, 's.json'),
+        'Summary: test 39.88% (loss 1.6543), val -; moving average: test '
+        '41.00%, val 41.50%; 300 steps, 0 skipped, final loss scale 32768; '
+        'epsilon 2.31; 126 img/s, train 3m19s, eval 0m25s. Every figure: '
+        's.json')
+
   def test_flush_puts_every_point_on_disk(self):
     writer = metrics.MetricsWriter(self.workdir)
     for step in range(1, 50):

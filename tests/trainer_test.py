@@ -303,8 +303,11 @@ class LaunchTrainTest(parameterized.TestCase):
                      'Compiled the train step',
                      'step 1/4 [25%]', 'ETA', 'step 4/4', 'val at step 4:',
                      'test at step 4:', 'Saved checkpoint ',
-                     '/checkpoints/4 ('):
+                     '/checkpoints/4 (', 'Summary: test ',
+                     f'. Every figure: {workdir}/summary.json'):
       self.assertIn(expected, err)
+    self.assertNotIn("'images_per_sec':", err)  # No raw dict of the summary.
+    self.assertNotIn('before training went on', err)  # None follows.
     self.assertNotIn('oneDNN', err)
     self.assertNotIn('Metadata', err)  # orbax has a checkpoint.py too.
     self.assertNotIn('config.json', err)  # Named before it was written.

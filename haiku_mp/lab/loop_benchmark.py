@@ -118,18 +118,9 @@ class _StepRounds:
     return self._batch_size / seconds
 
 
-def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
-        log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-  """The figures above for `config` (its dtype, data source and strategy)."""
-  looped = loop_config(config, steps)
-  step = _StepRounds(looped)
-  loop_rounds, step_rounds = [], []
-  for i in range(rounds):
-    loop_rounds.append(_loop_round(looped))
-    step_rounds.append(step.round(steps))
-    log(f'round {i + 1}/{rounds}: loop '
-        f'{loop_rounds[-1]["images_per_sec"]:.0f} img/s, step '
-        f'{step_rounds[-1]:.0f} img/s')
+def _row(config: ml_collections.ConfigDict, steps: int, loop_rounds: list,
+         step_rounds: list) -> dict[str, Any]:
+  """The figures above from one config's rounds."""
   loop_ips = [r['images_per_sec'] for r in loop_rounds]
   median = int(np.argsort(loop_ips)[len(loop_ips) // 2])
   loop_images = float(np.median(loop_ips))
@@ -144,7 +135,7 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
       steps_in_flight=config.steps_in_flight,
       log_every_steps=config.log_every_steps,
       steps_per_round=steps,
-      rounds=rounds,
+      rounds=len(loop_rounds),
       loop_images_per_sec=loop_images,
       step_images_per_sec=step_images,
       loop_over_step=loop_images / step_images,
@@ -159,22 +150,51 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
       target_met=loop_images / step_images >= TARGET_LOOP_OVER_STEP)
 
 
+def run_configs(configs: Sequence[ml_collections.ConfigDict],
+                names: Sequence[str], steps: int, rounds: int = 3,
+                log: Callable[[str], None] = lambda line: None) -> list[dict]:
+  """The figures above for each of `configs`, their rounds alternating (each
+  round runs every config once), so that a machine that slows or speeds up
+  during the run weighs on them all alike."""
+  looped = [loop_config(c, steps) for c in configs]
+  step = [_StepRounds(c) for c in looped]
+  loop_rounds = [[] for _ in configs]
+  step_rounds = [[] for _ in configs]
+  for i in range(rounds):
+    for j, config in enumerate(looped):
+      loop_rounds[j].append(_loop_round(config))
+      step_rounds[j].append(step[j].round(steps))
+      log(f'{names[j]} round {i + 1}/{rounds}: loop '
+          f'{loop_rounds[j][-1]["images_per_sec"]:.0f} img/s, step '
+          f'{step_rounds[j][-1]:.0f} img/s')
+  return [_row(c, steps, loop_rounds[j], step_rounds[j])
+          for j, c in enumerate(configs)]
+
+
+def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
+        log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+  """The figures above for `config` (its dtype, data source and strategy)."""
+  return run_configs([config], [''], steps, rounds,
+                     log=lambda line: log(line.lstrip()))[0]
+
+
 def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
                steps: int, rounds: int = 3,
                log: Callable[[str], None] = lambda line: None,
                steps_in_flight: Sequence[int] = ()) -> list[dict]:
-  """`run` per compute dtype (and per `steps_in_flight` value, the config's
+  """The figures per compute dtype (and per `steps_in_flight` value, the config's
   if none), each with its loop's and its step's images/s as ratios to the
   first row's (`vs_first`): a run's speed-up from half precision next to its
   step's, or what the host's bound on steps ahead of the device costs."""
-  rows = []
+  configs, names = [], []
   for dtype in dtypes:
     for limit in steps_in_flight or [config.steps_in_flight]:
       variant = variants.in_compute_dtype(config, dtype)
       variant.steps_in_flight = limit
-      name = f'{dtype} steps_in_flight={limit}' if steps_in_flight else dtype
-      rows.append(run(variant, steps, rounds,
-                      log=lambda line, n=name: log(f'{n} {line}')))
+      configs.append(variant)
+      names.append(f'{dtype} steps_in_flight={limit}' if steps_in_flight
+                   else dtype)
+  rows = run_configs(configs, names, steps, rounds, log)
   compare.add_ratios(rows, 'vs_first', RATIO_FIELDS,
                      is_base=lambda r: r is rows[0])
   return rows

@@ -179,3 +179,20 @@ def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
                        same_group=lambda a, b: a['dtype'] == b['dtype'])
   return rows
 
+
+
+def _name(row: dict) -> str:
+  return row['dtype'] + (' DP-SGD' if row['privacy'] else '')
+
+
+def ratio_lines(rows: Sequence[dict]) -> list[str]:
+  """The console's comparisons of `run_dtypes`' rows, each said once: every
+  dtype against the first (ordinary steps with ordinary ones), and each
+  DP-SGD step against its own dtype's ordinary one."""
+  lines = [f'{_name(row)} vs {_name(rows[0])}: '
+           f'{row["vs_first"]["images_per_sec"]:.2f}x the images/s'
+           for row in rows[1:] if row['privacy'] == rows[0]['privacy']]
+  lines += [f'{_name(row)} vs ordinary {row["dtype"]}: '
+            f'{row["vs_ordinary"]["images_per_sec"]:.2f}x the images/s'
+            for row in rows if row['privacy'] and row.get('vs_ordinary')]
+  return lines

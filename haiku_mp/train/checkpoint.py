@@ -290,8 +290,8 @@ class Checkpointer:
     self._in_flight = None
     write.quiet.close()
     # Found done at a log point: the write took at most this long.
-    logging.info('Saved checkpoint %s/%d (%.2fs before training went on, '
-                 'the rest written in the background within %.1fs).',
+    logging.info('Saved checkpoint %s/%d (off the device in %.2fs, its files '
+                 'written in the background within %.1fs).',
                  self.directory, write.step, write.blocking_sec,
                  time.perf_counter() - write.start)
 

@@ -305,7 +305,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       ema_summary = dict(
           ema_test_accuracy=test_ema['accuracy'],
           ema_test_loss=test_ema['loss'],
-          ema_val_accuracy=last_val_ema.get('accuracy'))
+          ema_val_accuracy=last_val_ema.get('accuracy'),
+          ema_val_loss=last_val_ema.get('loss'))
     skipped_steps = int(strategy.unreplicate(state.skipped_steps))
     summary = dict(
         test_accuracy=test['accuracy'], test_loss=test['loss'],
@@ -325,8 +326,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         loss_scale_kind=config.loss_scale.kind,
         **ema_summary,
         **exp.summary_fields(total_steps, skipped_steps))
+  path = os.path.join(workdir, run_dir.SUMMARY_FILE)
   if is_writer:
-    metrics_lib.write_json(os.path.join(workdir, run_dir.SUMMARY_FILE),
-                           summary)
-  logging.info('Summary: %s', summary)
+    metrics_lib.write_json(path, summary)
+  logging.info('%s', metrics_lib.summary_line(summary, path))
   return summary
