@@ -99,10 +99,12 @@ def _innermost(e: BaseException) -> str:
 
 
 def _config_names() -> str:
-  """The repository's config files, as `--config` takes them from its root."""
+  """The repository's config files, as `--config` takes them from here."""
   paths = sorted(glob.glob(os.path.join(_ROOT, 'configs', '*.py')))
-  return ', '.join(os.path.relpath(p, _ROOT) for p in paths
-                   if not p.endswith('__init__.py'))
+  # As a path from here: relative under the root, whole from elsewhere.
+  shown = [p if os.path.relpath(p).startswith('..') else os.path.relpath(p)
+           for p in paths if not p.endswith('__init__.py')]
+  return ', '.join(shown)
 
 
 def _key_error(e: BaseException) -> Optional[KeyError]:

@@ -106,7 +106,19 @@ class BadInputTest(parameterized.TestCase):
        "error: --config=configs/vit_cpu.py:fp8: unknown variant 'fp8'; "
        "expected one of ('fp32', 'bf16', 'fp16')"),
       ('required_flag_missing', ['--config=configs/vit_fp16.py'],
-       'error: --workdir is required'))
+       'error: --workdir is required'),
+      # A missing file failed every override of its fields with a 58-line
+      # traceback.
+      ('config_file_missing_with_an_override',
+       ['--config=configs/vit_fp61.py', '--config.batch_size=3', 'WORKDIR'],
+       'error: --config=configs/vit_fp61.py: no such file; the configs are '
+       'configs/base.py, '),
+      ('a_variant_to_a_config_without_one',
+       ['--config=configs/vit_fp32.py:bf16', 'WORKDIR'],
+       'error: --config=configs/vit_fp32.py:bf16: configs/vit_fp32.py takes '
+       'no variant (:bf16); the configs that do are configs/vit_cpu.py, '
+       'configs/vit_cpu_recipe.py, configs/vit_recipe.py (:VARIANT, one of '
+       "('fp32', 'bf16', 'fp16'))"))
   def test_command_line(self, args, message):
     before = _digest(self.finished)
     args = [f'--workdir={self.finished}' if a == 'WORKDIR' else a
@@ -179,6 +191,18 @@ class BadInputTest(parameterized.TestCase):
        "'randaugment', 'autoaugment')"),
       ('no_prefetch', ['--config.data.prefetch_batches=0'],
        'data.prefetch_batches=0 must be at least 1'),
+      ('randaugment_ops_beyond_the_operations',
+       ['--config.data.randaugment_ops=99'],
+       'data.randaugment_ops=99 must be in [1, 14]'),
+      ('crop_padding_beyond_half_the_image', ['--config.data.crop_padding=100'],
+       'data.crop_padding=100 must be an integer in [0, 16]'),
+      ('too_many_steps_in_flight', ['--config.steps_in_flight=40'],
+       'steps_in_flight=40 must be an integer in [1, 16]'),
+      ('negative_stall_timeout', ['--config.stall_timeout_sec=-1'],
+       'stall_timeout_sec=-1 must be a finite number of seconds >= 0'),
+      ('loss_scale_period_of_a_static_scale',
+       ['--config.loss_scale.kind=static', '--config.loss_scale.period=0'],
+       'loss_scale.period: must be a positive integer, got 0'),
       ('compilation_cache_dir_a_file',
        [f'--config.compilation_cache_dir={os.path.abspath(__file__)}'],
        f'compilation_cache_dir={os.path.abspath(__file__)} is a file, not a '
