@@ -150,11 +150,19 @@ class InterruptTest(parameterized.TestCase):
                      helpers.jsonl_scalars(self.workdir))
     return proc, events
 
-  @parameterized.named_parameters(('sigterm', 'TERM', 0, 'SIGTERM'),
-                                  ('ctrl_c', 'INT', 130, 'Ctrl-C (SIGINT)'))
-  def test_a_signal_saves_and_the_resumed_run_is_exact(self, name, code, by):
+  @parameterized.named_parameters(
+      ('sigterm', 'TERM', 0, 'SIGTERM', 'SIGTERM: finishing the steps under '
+       'way, then saving a checkpoint and stopping.'),
+      ('ctrl_c', 'INT', 130, 'Ctrl-C (SIGINT)', 'Ctrl-C: finishing the steps '
+       'under way, then saving a checkpoint (Ctrl-C again stops at once, '
+       'without saving).'))
+  def test_a_signal_saves_and_the_resumed_run_is_exact(self, name, code, by,
+                                                        arrival):
     proc = _run(self.flags, signal_at=f'{name}:7')
     self.assertEqual(proc.returncode, code, proc.stderr[-3000:])
+    self.assertIn(arrival, proc.stderr)  # As it arrives, before the save.
+    self.assertLess(proc.stderr.index(arrival),
+                    proc.stderr.index('saved a checkpoint at step 7'))
     self.assertIn(f'{by}: saved a checkpoint at step 7; stopping. Run the '
                   'same command to resume.', proc.stderr)
     self.assertNotIn('Traceback', proc.stderr)
@@ -277,6 +285,20 @@ class InterruptTest(parameterized.TestCase):
     self.assertNotIn('Compiled', proc.stderr)
     self.assertNotIn('Data (', proc.stderr)  # Not even loaded.
     self.assertEqual(_digest(self.workdir), before)
+
+  def test_a_config_json_edited_by_hand_is_named_not_silently_rewritten(self):
+    shutil.copytree(self.straight, self.workdir)
+    config_json = f'{self.workdir}/config.json'
+    saved = _read_json(config_json)
+    with open(config_json, 'w') as f:
+      json.dump(dict(saved, label_smoothing=0.1), f)
+    proc = _run([*_flags('configs/vit_fp16.py', self.workdir), self.cache])
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertIn(f'{config_json} differs from this command\'s config '
+                  "(label_smoothing 0.1 -> 0.0): this command's settings "
+                  'apply from step 40 on, and config.json now holds them.',
+                  proc.stderr)
+    self.assertEqual(_read_json(config_json), saved)
 
 
 def _raw_checkpoint(workdir, step):

@@ -194,6 +194,19 @@ class MemoryTest(parameterized.TestCase):
                       for r in layer_norm},
                      {('float32', False), ('bfloat16', True)})
 
+  def test_a_memory_progress_line_is_short_and_in_mib(self):
+    result = dict(dtype='bfloat16', batch_size=128, breakdown=dict(
+        params_bytes=2**21, gradient_bytes=2**21,
+        float32_gradient_bytes=2**22, opt_state_bytes=2**22 + 8,
+        kept_activation_bytes=3 * 2**20, temp_size_in_bytes=10 * 2**20,
+        compiled_total_bytes=12 * 2**20, argument_size_in_bytes=5,
+        compile_sec=3.21))
+    self.assertEqual(
+        memory.progress_line(result),
+        'memory bfloat16 batch 128: params 2.0, gradients 2.0, optimizer '
+        '4.0, activations kept 3.0, compiled temp 10.0, compiled total 12.0 '
+        'MiB; compiled in 3.2s')
+
   def test_memory_breakdown_arithmetic(self):
     config = helpers.tiny_config(num_layers=2)
     result = memory.run(config, ('float32', 'bfloat16'), (4, 8, 16),

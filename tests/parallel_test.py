@@ -319,6 +319,30 @@ class MultiProcessTest(parameterized.TestCase):
     self.assertEqual([e['num_examples'] for e in multi_events
                       if e['split'] != 'train'], [20, 20])
 
+  def test_pmap_over_two_processes_stops_together_and_resumes(self):
+    # pmap's program compiled ahead expected the global replicas' shapes and
+    # refused every call of a process (its own): each process's first step
+    # was a traceback.
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    flags = [*(f for f in MULTI_FLAGS if '.parallel.' not in f),
+             '--config.parallel.strategy=pmap',
+             '--config.parallel.mesh_shape=(8,1)',
+             '--config.num_train_steps=6', '--config.eval_every_steps=6',
+             '--config.checkpoint_every_steps=6']
+    results = _two_processes(flags, f'{tmp}/run', signal_at_process_1='TERM:3')
+    saved = set()
+    for returncode, out in results:
+      self.assertEqual(returncode, 0, out[-3000:])
+      saved.update(re.findall(r'SIGTERM: saved a checkpoint at step (\d+)',
+                              out))
+    self.assertLen(saved, 1)  # The same step on both processes.
+    step = saved.pop()
+    for returncode, out in _two_processes(flags, f'{tmp}/run'):
+      self.assertEqual(returncode, 0, out[-3000:])
+      self.assertIn(f'Resuming from {tmp}/run/checkpoints at step {step}.',
+                    out)
+      self.assertIn('test at step 6:', out)
+
 
 if __name__ == '__main__':
   absltest.main()

@@ -156,6 +156,26 @@ def breakdown(config: ml_collections.ConfigDict, compile_step: bool
   return dict(residuals=residuals, breakdown=row)
 
 
+# A progress line's figures: (breakdown field, what the line calls it).
+_LINE_FIELDS = (('params_bytes', 'params'), ('gradient_bytes', 'gradients'),
+                ('opt_state_bytes', 'optimizer'),
+                ('kept_activation_bytes', 'activations kept'),
+                ('temp_size_in_bytes', 'compiled temp'),
+                ('compiled_total_bytes', 'compiled total'))
+_MIB = 2**20
+
+
+def progress_line(result: dict[str, Any]) -> str:
+  """One short line for a (dtype, batch) result: its sizes in MiB."""
+  row = result['breakdown']
+  sizes = ', '.join(f'{name} {row[field] / _MIB:.1f}'
+                    for field, name in _LINE_FIELDS if field in row)
+  compile_sec = (f'; compiled in {row["compile_sec"]:.1f}s'
+                 if 'compile_sec' in row else '')
+  return (f'memory {result["dtype"]} batch {result["batch_size"]}: {sizes} '
+          f'MiB{compile_sec}')
+
+
 def run(config: ml_collections.ConfigDict,
         dtypes: Sequence[str] = variants.DTYPES,
         batch_sizes: Sequence[int] = variants.BATCH_SIZES,
@@ -168,8 +188,7 @@ def run(config: ml_collections.ConfigDict,
       result = dict(dtype=dtype, batch_size=batch_size,
                     policy=variant.precision.policy,
                     **breakdown(variant, compile_step))
-      log(f'memory {dtype} batch {batch_size}: '
-          f'{result["breakdown"]}')
+      log(progress_line(result))
       results.append(result)
   compare.add_ratios(
       results, 'vs_float32', ('kept_activation_bytes', 'temp_size_in_bytes',

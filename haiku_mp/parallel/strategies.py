@@ -50,6 +50,9 @@ class Strategy(abc.ABC):
   axis_name: Optional[str] = None
   # The state's shardings over the mesh (pjit), or None.
   state_shardings: Optional[TrainState] = None
+  # Whether `train_step.lower(state, batch).compile()` makes a program that
+  # calls with this process's (state, batch) accept.
+  compiles_ahead: bool = True
 
   def __init__(self, mesh: Optional[Mesh], model: Model,
                rules: Sequence[tuple[str, str]] = ()):
@@ -167,6 +170,10 @@ class Pmap(Strategy):
     self._n = len(local)
     self.train_step = jax.pmap(self._train_step, axis_name=self.axis_name,
                                donate_argnums=0, devices=devices)
+    # Over several processes, pmap lowers for the global devices' shapes
+    # (8 replicas) while each process calls with its own (4): its ahead-of-
+    # time program refuses every call. Its own call compiles the same.
+    self.compiles_ahead = jax.process_count() == 1
     self.eval_step = jax.pmap(self._eval_step, axis_name=self.axis_name,
                               devices=devices)
     # One copy per local device, laid out the way pmap returns its outputs.

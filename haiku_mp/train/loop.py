@@ -123,6 +123,12 @@ class _CompiledSteps:
 
   def compile(self, state, batch):
     shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))
+    if shapes not in self._compiled and not self._strategy.compiles_ahead:
+      logging.info('The train step compiles in its first call (%s over %d '
+                   'processes cannot be compiled ahead): the first log '
+                   "window's rate includes it.", self._strategy.name,
+                   jax.process_count())
+      self._compiled[shapes] = self._strategy.train_step
     if shapes not in self._compiled:
       start = time.perf_counter()
       lowered = self._strategy.train_step.lower(state, batch)
