@@ -225,36 +225,12 @@ class CommandLineTest(parameterized.TestCase):
     self.assertIn('img/s', lines[0])  # A line a person reads per dtype.
     self.assertIn('float16 vs float32', lines[-2])
 
-  def test_loops_with_other_bounds_on_steps_in_flight_in_one_run(self):
+  def test_loop_against_its_step_per_dtype_and_bound_from_the_command_line(
+      self):
     result = helpers.run_module(
         'launch.benchmark', '--config=configs/vit_bf16.py', '--loop',
-        '--dtypes=float32', '--steps_in_flight=16,1', '--steps=4',
-        '--rounds=2', '--json', '--config.batch_size=8',
-        '--config.eval_batch_size=8', '--config.log_every_steps=2',
-        '--config.data.source=synthetic',
-        '--config.data.synthetic_train_examples=64',
-        '--config.data.synthetic_eval_examples=8',
-        '--config.model.image_size=8', *helpers.TINY_MODEL_FLAGS)
-    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
-    lines = result.stdout.strip().splitlines()
-    # The variants' rounds alternate.
-    self.assertEqual([line.split(': loop')[0] for line in lines[:4]],
-                     ['float32 steps_in_flight=16 round 1/2',
-                      'float32 steps_in_flight=1 round 1/2',
-                      'float32 steps_in_flight=16 round 2/2',
-                      'float32 steps_in_flight=1 round 2/2'])
-    self.assertIn('float32 steps_in_flight=1 vs float32 steps_in_flight=16: '
-                  'the loop', lines[-2])
-    summary = json.loads(lines[-1])
-    self.assertEqual([r['steps_in_flight'] for r in summary['results']],
-                     [16, 1])
-    self.assertEqual(summary['ratios_vs'], 'float32 steps_in_flight=16')
-
-  def test_loop_against_its_step_per_dtype_from_the_command_line(self):
-    result = helpers.run_module(
-        'launch.benchmark', '--config=configs/vit_bf16.py', '--loop',
-        '--dtypes=float32,bfloat16', '--steps=4', '--rounds=1', '--json',
-        '--config.batch_size=8',
+        '--dtypes=float32,bfloat16', '--steps_in_flight=16,1', '--steps=4',
+        '--rounds=1', '--json', '--config.batch_size=8',
         '--config.eval_batch_size=8', '--config.log_every_steps=2',
         '--config.data.source=synthetic',
         '--config.data.synthetic_train_examples=64',
@@ -264,10 +240,18 @@ class CommandLineTest(parameterized.TestCase):
     lines = result.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
     rows = summary['results']
-    self.assertEqual([r['dtype'] for r in rows], ['float32', 'bfloat16'])
-    self.assertIn('float32 round 1/1: loop', lines[0])  # A line per round,
-    self.assertRegex(lines[2], r"loop \d+ img/s = [\d.]+x the step's")  # dtype
-    self.assertIn('bfloat16 vs float32: the loop', lines[-2])  # and ratio.
+    self.assertEqual([(r['dtype'], r['steps_in_flight']) for r in rows],
+                     [('float32', 16), ('float32', 1), ('bfloat16', 16),
+                      ('bfloat16', 1)])
+    self.assertEqual(summary['ratios_vs'], 'float32 steps_in_flight=16')
+    # A line per round (the variants' rounds alternate), per variant and
+    # per ratio.
+    self.assertEqual([line.split(': loop')[0] for line in lines[:4]],
+                     [f'{d} steps_in_flight={k} round 1/1'
+                      for d in ('float32', 'bfloat16') for k in (16, 1)])
+    self.assertRegex(lines[4], r"loop \d+ img/s = [\d.]+x the step's")
+    self.assertIn('bfloat16 steps_in_flight=1 vs float32 steps_in_flight=16: '
+                  'the loop', lines[-2])
     # The trainer's own lines stay out of the benchmark's console.
     self.assertNotIn('Compiled the train step', result.stderr)
     for row in rows:
@@ -285,8 +269,8 @@ class CommandLineTest(parameterized.TestCase):
       self.assertGreater(row['host_ms_per_step']['in_step_call'], 0)
       self.assertGreaterEqual(row['host_ms_per_step']['waiting_for_batch'], 0)
     self.assertAlmostEqual(
-        rows[1]['vs_first']['loop_images_per_sec'],
-        rows[1]['loop_images_per_sec'] / rows[0]['loop_images_per_sec'])
+        rows[2]['vs_first']['loop_images_per_sec'],
+        rows[2]['loop_images_per_sec'] / rows[0]['loop_images_per_sec'])
 
   @parameterized.parameters(
       (['--loop', '--pipeline'], '--pipeline and --loop are different'),
