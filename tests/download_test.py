@@ -11,6 +11,7 @@ import sys
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import glob
 import json
 import tempfile
 
@@ -31,8 +32,13 @@ class DownloadTest(absltest.TestCase):
           f'--config.data.data_dir={data_dir}')
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     self.assertIn('GET /cifar-10-binary.tar.gz', requests)
+    # Once the server answered, TFDS's own progress reaches the console.
+    self.assertIn('Downloading and preparing dataset', result.stdout)
+    self.assertIn('Dl Completed', result.stderr)
     self.assertTrue(os.path.exists(
         f'{data_dir}/cifar10/3.0.2/dataset_info.json'))
+    self.assertEmpty([p for p in glob.glob(f'{data_dir}/**', recursive=True)
+                      if '.tmp.' in p or 'incomplete' in p.lower()])
     with open(f'{workdir}/metrics.jsonl') as f:
       events = [json.loads(line) for line in f]
     self.assertEqual([e['step'] for e in events if e['split'] == 'train'],

@@ -19,7 +19,6 @@ import subprocess
 import tempfile
 
 from absl.testing import absltest
-from absl.testing import parameterized
 
 import tests
 from tests import fake_cifar10
@@ -68,7 +67,7 @@ def _fill(directory):
       f.write(path)
 
 
-class FailedDownloadTest(parameterized.TestCase):
+class FailedDownloadTest(absltest.TestCase):
 
   def _assert_only_the_error(self, result, url):
     self.assertEqual(result.returncode, 2, result.stderr[-3000:])
@@ -79,12 +78,10 @@ class FailedDownloadTest(parameterized.TestCase):
         lines[0], f'error: data.data_dir: cannot reach {url} to download '
         'cifar10 (')
 
-  @parameterized.named_parameters(('new', False), ('in_use', True))
-  def test_unreachable_export(self, in_use):
+  def test_unreachable_export_to_a_data_dir_in_use(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
-    data_dir = f'{tmp}/data/tfds'  # Neither exists unless in use.
-    if in_use:
-      _fill(data_dir)
+    data_dir = f'{tmp}/data/tfds'
+    _fill(data_dir)
     before = _tree(tmp)
     url = self.enter_context(fake_cifar10.refusing_url())
     result = _export(url, f'--out={tmp}/c.npz',
@@ -92,14 +89,14 @@ class FailedDownloadTest(parameterized.TestCase):
     self._assert_only_the_error(result, url)
     self.assertEqual(_tree(tmp), before)
 
-  def test_unreachable_export_to_the_default_data_dir(self):
+  def test_unreachable_export_to_the_default_data_dir_not_there_yet(self):
     home = self.enter_context(tempfile.TemporaryDirectory())
-    os.makedirs(f'{home}/tensorflow_datasets/downloads')
-    before = _tree(f'{home}/tensorflow_datasets')
     url = self.enter_context(fake_cifar10.refusing_url())
     result = _export(url, f'--out={home}/c.npz', home=home)
     self._assert_only_the_error(result, url)
-    self.assertEqual(_tree(f'{home}/tensorflow_datasets'), before)
+    # The folders the attempt made (~/tensorflow_datasets/{cifar10,downloads})
+    # are gone with it.
+    self.assertFalse(os.path.exists(f'{home}/tensorflow_datasets'))
     self.assertFalse(os.path.exists(f'{home}/c.npz'))
 
   def test_unreachable_train(self):
@@ -113,8 +110,133 @@ class FailedDownloadTest(parameterized.TestCase):
     # Nothing but the run's own INFO lines (its config) before the error.
     self.assertEmpty([l for l in lines[:-1] if not l.startswith('I')],
                      result.stderr[-3000:])
+    # "cannot reach" is said only by the download's fail-fast, at urllib3's
+    # first retry (TFDS alone would retry for over three minutes).
     self.assertStartsWith(lines[-1], f'error: data.data_dir: cannot reach {url}')
-    self.assertEqual(os.listdir(tmp), [])
+    self.assertIn('--config.data.data_dir', lines[-1])
+    self.assertEqual(os.listdir(tmp), [])  # No workdir, no data dir.
+
+  def test_prepare_failing_after_the_download(self):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    data_dir = f'{tmp}/tfds'
+    _fill(data_dir)
+    before = _tree(tmp)
+    with fake_cifar10.serve(b'not a tar.gz') as (url, requests):
+      result = _export(url, f'--out={tmp}/c.npz',
+                       f'--config.data.data_dir={data_dir}')
+    self.assertIn('GET /cifar-10-binary.tar.gz', requests)
+    self.assertEqual(result.returncode, 2, result.stderr[-3000:])
+    self.assertStartsWith(result.stderr.splitlines()[-1],
+                          'error: data.data_dir: could not download and '
+                          'prepare cifar10')
+    self.assertEqual(_tree(tmp), before)
+
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import glob
+import hashlib
+import subprocess
+import tempfile
+
+from absl.testing import absltest
+
+import tests
+from tests import fake_cifar10
+
+# `launch.data` with TFDS's cifar10 builder downloading argv[1].
+_EXPORT_FROM = (
+    'import runpy, sys\n'
+    'from tests import fake_cifar10\n'
+    'fake_cifar10._point_cifar10_at(sys.argv[1])\n'  # pylint: disable=protected-access
+    "sys.argv = ['launch.data', *sys.argv[2:]]\n"
+    "runpy.run_module('launch.data', run_name='__main__', alter_sys=True)\n")
+
+
+def _export(url, *flags, home=None):
+  """`python -m launch.data export` of the CIFAR-10 at `url`."""
+  env = dict(os.environ, XLA_FLAGS=tests.xla_flags(1))
+  env.pop('TFDS_DATA_DIR', None)
+  if home:
+    env['HOME'] = home
+  return subprocess.run(
+      [sys.executable, '-c', _EXPORT_FROM, url, 'export', *flags],
+      cwd=fake_cifar10.ROOT, env=env, capture_output=True, text=True,
+      timeout=600)
+
+
+def _tree(directory):
+  """Every path under `directory`, with a hash of each file's bytes."""
+  tree = {}
+  for path in sorted(glob.glob(f'{directory}/**', recursive=True,
+                               include_hidden=True)):
+    digest = None
+    if os.path.isfile(path):
+      with open(path, 'rb') as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    tree[os.path.relpath(path, directory)] = digest
+  return tree
+
+
+def _fill(directory):
+  """A data dir in use: another dataset, a download and an extraction."""
+  for path in ('mnist/3.0.1/dataset_info.json', 'downloads/other.tar.gz',
+               'downloads/extracted/other/a.bin', 'downloads/cifar10/old.txt',
+               'cifar10/notes/keep.txt'):
+    os.makedirs(os.path.dirname(os.path.join(directory, path)), exist_ok=True)
+    with open(os.path.join(directory, path), 'w') as f:
+      f.write(path)
+
+
+class FailedDownloadTest(absltest.TestCase):
+
+  def _assert_only_the_error(self, result, url):
+    self.assertEqual(result.returncode, 2, result.stderr[-3000:])
+    self.assertEqual(result.stdout, '')
+    lines = result.stderr.splitlines()
+    self.assertLen(lines, 1, result.stderr[-3000:])
+    self.assertStartsWith(
+        lines[0], f'error: data.data_dir: cannot reach {url} to download '
+        'cifar10 (')
+
+  def test_unreachable_export_to_a_data_dir_in_use(self):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    data_dir = f'{tmp}/data/tfds'
+    _fill(data_dir)
+    before = _tree(tmp)
+    url = self.enter_context(fake_cifar10.refusing_url())
+    result = _export(url, f'--out={tmp}/c.npz',
+                     f'--config.data.data_dir={data_dir}')
+    self._assert_only_the_error(result, url)
+    self.assertEqual(_tree(tmp), before)
+
+  def test_unreachable_export_to_the_default_data_dir_not_there_yet(self):
+    home = self.enter_context(tempfile.TemporaryDirectory())
+    url = self.enter_context(fake_cifar10.refusing_url())
+    result = _export(url, f'--out={home}/c.npz', home=home)
+    self._assert_only_the_error(result, url)
+    # The folders the attempt made (~/tensorflow_datasets/{cifar10,downloads})
+    # are gone with it.
+    self.assertFalse(os.path.exists(f'{home}/tensorflow_datasets'))
+    self.assertFalse(os.path.exists(f'{home}/c.npz'))
+
+  def test_unreachable_train(self):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    url = self.enter_context(fake_cifar10.refusing_url())
+    result = fake_cifar10.train(url, f'{tmp}/run',
+                                f'--config.data.data_dir={tmp}/tfds')
+    self.assertEqual(result.returncode, 2, result.stderr[-3000:])
+    self.assertNotIn('Downloading and preparing', result.stdout)
+    lines = result.stderr.splitlines()
+    # Nothing but the run's own INFO lines (its config) before the error.
+    self.assertEmpty([l for l in lines[:-1] if not l.startswith('I')],
+                     result.stderr[-3000:])
+    # "cannot reach" is said only by the download's fail-fast, at urllib3's
+    # first retry (TFDS alone would retry for over three minutes).
+    self.assertStartsWith(lines[-1], f'error: data.data_dir: cannot reach {url}')
+    self.assertIn('--config.data.data_dir', lines[-1])
+    self.assertEqual(os.listdir(tmp), [])  # No workdir, no data dir.
 
   def test_prepare_failing_after_the_download(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
