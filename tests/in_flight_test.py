@@ -133,6 +133,8 @@ def _run_on_one_cpu(args, env) -> tuple[int, str]:
   return proc.returncode, proc.stderr
 
 
+@absltest.skipUnless(hasattr(os, 'sched_setaffinity'),
+                     'pins a process to one CPU: Linux only')
 class NoStallTest(absltest.TestCase):
   """XLA:CPU launches a program of several devices on a pool of max(cores,
   devices) threads; a launch that waits for room in a full device queue (32
