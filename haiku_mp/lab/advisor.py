@@ -41,20 +41,11 @@ from haiku_mp.lab import verdicts
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import experiment
+from haiku_mp.train import run_dir
 from haiku_mp.train import step as step_lib
 
 LEVELS = ('stats', 'knockout')
 HALF_DTYPES = ('float16', 'bfloat16')
-
-
-def _flat(value, prefix: str = '') -> dict[str, Any]:
-  """{'model': {'embed_dim': 16}} -> {'model.embed_dim': 16}."""
-  if not isinstance(value, dict):
-    return {prefix: value}
-  flat = {}
-  for key, item in value.items():
-    flat.update(_flat(item, f'{prefix}.{key}' if prefix else key))
-  return flat
 
 
 def with_run_config(config: ml_collections.ConfigDict, workdir: str,
@@ -66,7 +57,7 @@ def with_run_config(config: ml_collections.ConfigDict, workdir: str,
   optimizer; what restores its checkpoint and draws its batches), except the
   dotted fields in `given` (set on the command line, they win). A workdir
   without config.json leaves `config` as it is, and says so."""
-  path = os.path.join(workdir, 'config.json')
+  path = os.path.join(workdir, run_dir.CONFIG_FILE)
   if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
     return config  # Not a run: `run` says so before anything is done.
   if not os.path.exists(path):
@@ -74,7 +65,7 @@ def with_run_config(config: ml_collections.ConfigDict, workdir: str,
     return config
   try:
     with open(path) as f:
-      saved = _flat(json.load(f))
+      saved = run_dir.flat_settings(json.load(f))
   except (OSError, ValueError) as e:
     raise errors.ConfigError(f'--checkpoint={workdir}: {path} cannot be read '
                              f'({e})') from None

@@ -164,7 +164,8 @@ def run_configs(configs: Sequence[ml_collections.ConfigDict],
     for j, config in enumerate(looped):
       loop_rounds[j].append(_loop_round(config))
       step_rounds[j].append(step[j].round(steps))
-      log(f'{names[j]} round {i + 1}/{rounds}: loop '
+      name = f'{names[j]} ' if names[j] else ''
+      log(f'{name}round {i + 1}/{rounds}: loop '
           f'{loop_rounds[j][-1]["images_per_sec"]:.0f} img/s, step '
           f'{step_rounds[j][-1]:.0f} img/s')
   return [_row(c, steps, loop_rounds[j], step_rounds[j])
@@ -174,8 +175,7 @@ def run_configs(configs: Sequence[ml_collections.ConfigDict],
 def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
         log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
   """The figures above for `config` (its dtype, data source and strategy)."""
-  return run_configs([config], [''], steps, rounds,
-                     log=lambda line: log(line.lstrip()))[0]
+  return run_configs([config], [''], steps, rounds, log)[0]
 
 
 def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],

@@ -75,13 +75,14 @@ def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
                            config_text(config))
 
 
-def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
+def flat_settings(tree: Any, prefix: str = '') -> dict[str, Any]:
+  """A config.json's tree as dotted settings: {'model': {'embed_dim': 16}}
+  -> {'model.embed_dim': 16}."""
   if not isinstance(tree, dict):
     return {prefix: tree}
   flat = {}
   for key, value in tree.items():
-    flat.update(_flat(value, f'{prefix}{key}.' if isinstance(value, dict)
-                      else f'{prefix}{key}'))
+    flat.update(flat_settings(value, f'{prefix}.{key}' if prefix else key))
   return flat
 
 
@@ -92,12 +93,12 @@ def _saved_config(workdir: str) -> Optional[dict[str, Any]]:
       saved = json.load(f)
   except (OSError, ValueError):
     return None
-  return _flat(saved) if isinstance(saved, dict) else None
+  return flat_settings(saved) if isinstance(saved, dict) else None
 
 
 def _changes(saved: dict[str, Any], config: ml_collections.ConfigDict
              ) -> list[tuple[str, Any, Any]]:
-  now = _flat(json.loads(config_text(config)))
+  now = flat_settings(json.loads(config_text(config)))
   return [(k, saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
           if saved.get(k) != now.get(k) and k not in _NOT_THE_RUN]
 
