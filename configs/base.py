@@ -77,6 +77,18 @@ def get_config() -> ml_collections.ConfigDict:
       # 'upcast' (operands converted to float32 first) or 'plain' (Haiku's and
       # JAX's own half x half -> half). Float32 matmuls are never changed.
       dot_form='auto',
+      # fp8 matmuls (haiku_mp/model/fp8.py, docs/fp8.md): E4M3 forward, E5M2
+      # gradients, float32 sums, in the Linear layers of these modules.
+      fp8=ml_collections.ConfigDict(dict(
+          # 'TARGET;...': class names or path globs (a glob selects the
+          # Linears inside a module too, e.g. '*/encoder_block_*'); '': off.
+          modules='',
+          # 'current' (each tensor's amax this step), 'delayed' (the max of
+          # its last history_length amaxes) or 'mx' (MXFP8 blocks of 32).
+          scaling='current',
+          history_length=16,  # delayed: amaxes kept per tensor (>= 1).
+          margin=0.0,  # Scales leave amax * 2**margin in range (>= 0).
+      )),
   ))
 
   config.loss_scale = ml_collections.ConfigDict(dict(

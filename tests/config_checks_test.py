@@ -220,6 +220,20 @@ _OUT_OF_RANGE = (
      'privacy.microbatch_size=-1 must be >= 0'),
     ('privacy_padding_stddevs', {'privacy.padding_stddevs': -1.0},
      'privacy.padding_stddevs=-1.0 must be >= 0'),
+    ('fp8_scaling', {'precision.fp8.scaling': 'tensorwise'},
+     "precision.fp8.scaling: unknown value 'tensorwise'"),
+    ('fp8_history_length', {'precision.fp8.history_length': 0},
+     'precision.fp8.history_length=0 must be an integer >= 1'),
+    ('fp8_margin', {'precision.fp8.margin': -1.0},
+     'precision.fp8.margin=-1 must be a finite number >= 0'),
+    ('fp8_modules_under_float16',
+     {'precision.fp8.modules': '*/encoder_block_*',
+      'precision.policy': 'params=float32,compute=float16,output=float32'},
+     'precision.fp8.modules: fp8 matmuls need a bfloat16 or float32 compute '
+     'dtype, not float16'),
+    ('fp8_modules_with_privacy',
+     {'precision.fp8.modules': '*/encoder_block_*', 'privacy.enabled': True},
+     "precision.fp8.modules='*/encoder_block_*' with privacy.enabled"),
 )
 
 
@@ -239,6 +253,8 @@ _CHECKED_ELSEWHERE = {
     'advisor.max_overflow_share': 'by launch.lab advise',
     'advisor.loss_scale_headroom': 'by launch.lab advise',
     'advisor.init_steps': 'by launch.lab advise',
+    'precision.fp8.modules': "against the model's modules, as the run is "
+                             'built (tests/fp8_test.py, bad_input_test.py)',
 }
 
 

@@ -63,9 +63,9 @@ class ConfigsTest(parameterized.TestCase):
   def test_unknown_variant_names_the_variants(self):
     with self.assertRaisesRegex(
         errors.ConfigError,
-        r"^unknown variant 'fp8'; expected one of \('fp32', 'bf16', "
-        r"'fp16'\)$"):
-      vit_cpu.get_config('fp8')
+        r"^unknown variant 'fp4'; expected one of \('fp32', 'bf16', "
+        r"'fp16', 'fp8'\)$"):
+      vit_cpu.get_config('fp4')
 
 
 if __name__ == '__main__':

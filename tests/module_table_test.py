@@ -19,7 +19,8 @@ from haiku_mp.train import experiment
 from tests import helpers
 
 FIELDS = {'path', 'class', 'policy', 'policy_source', 'params', 'param_dtypes',
-          'input_dtypes', 'output_dtypes', 'param_count', 'param_bytes'}
+          'input_dtypes', 'output_dtypes', 'param_count', 'param_bytes',
+          'matmul'}
 
 
 class TabulateTest(parameterized.TestCase):

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import policies
 from haiku_mp.model import remat as remat_lib
 from haiku_mp.model import vit
@@ -24,7 +25,11 @@ def make_precision(config: ml_collections.ConfigDict) -> policies.Precision:
       float32_layer_norm=config.precision.float32_layer_norm,
       matmul_precision=config.precision.matmul_precision,
       residual_stream=config.precision.residual_stream,
-      dot_form=config.precision.dot_form)
+      dot_form=config.precision.dot_form,
+      fp8_modules=config.precision.fp8.modules,
+      fp8=fp8_lib.Fp8(config.precision.fp8.scaling,
+                      config.precision.fp8.history_length,
+                      config.precision.fp8.margin))
 
 
 def make_forward(model_config: ml_collections.ConfigDict,
@@ -75,7 +80,9 @@ def checked_precision(config: ml_collections.ConfigDict
   of one (abstract) forward pass, and those calls."""
   precision = make_precision(config)
   calls, _ = trace_modules(config.model, precision)
-  precision.check_overrides({(c.class_name, c.path) for c in calls})
+  modules = {(c.class_name, c.path) for c in calls}
+  precision.check_overrides(modules)
+  precision.check_fp8(modules)
   return precision, calls
 
 

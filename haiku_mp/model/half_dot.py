@@ -28,6 +28,7 @@ Which form a half dtype gets is decided in one place, `form_for`:
 
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 import math
 from typing import Optional
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
+from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import remat
 
 FORMS = ('auto', 'native', 'upcast', 'plain')
@@ -82,13 +84,33 @@ def _is_batched(spec: str) -> bool:
   return bool(set(a) & set(b) & set(out))
 
 
+FP8_CLASS = 'Linear'  # The only module whose matmul runs in fp8.
+
+
+def selects(targets: tuple[str, ...], class_name: str, path: str) -> bool:
+  """Whether `targets` (class names or path globs) select a module: its class
+  is one, or a glob matches its path or the path of a module around it."""
+  if class_name in targets:
+    return True
+  parts = path.split('/')
+  prefixes = ['/'.join(parts[:i]) for i in range(1, len(parts) + 1)]
+  return any(fnmatch.fnmatchcase(p, t) for t in targets for p in prefixes)
+
+
 @dataclasses.dataclass(frozen=True)
 class Dots:
   """How a model's matmuls run: the form for half operands and the
   `jax.default_matmul_precision` name in force (None: JAX's default), which
-  the backward pass, traced later and outside it, must use as well."""
+  the backward pass, traced later and outside it, must use as well; and which
+  `Linear` layers run fp8 matmuls (`fp8_targets`) with what scaling."""
   form: str = 'auto'
   matmul_precision: Optional[str] = None
+  fp8: Optional[fp8_lib.Fp8] = None
+  fp8_targets: tuple[str, ...] = ()
+
+  def runs_fp8(self, class_name: str, path: str) -> bool:
+    return (self.fp8 is not None and class_name == FP8_CLASS
+            and selects(self.fp8_targets, class_name, path))
 
   def einsum(self, spec: str, a: jax.Array, b: jax.Array,
              out_dtype=None) -> jax.Array:
@@ -189,7 +211,9 @@ class Linear(hk.Linear):
     self.dots = dots
 
   def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
-    if form_for(self.dots.form, inputs.dtype, jax.default_backend()) == 'plain':
+    fp8 = self.dots.runs_fp8(FP8_CLASS, self.module_name)
+    if (not fp8 and form_for(self.dots.form, inputs.dtype,
+                             jax.default_backend()) == 'plain'):
       return remat.tag_matmul_output(
           super().__call__(inputs, precision=precision))
     input_size = inputs.shape[-1]
@@ -198,13 +222,29 @@ class Linear(hk.Linear):
         1.0 / np.sqrt(input_size))
     w = hk.get_parameter('w', [input_size, self.output_size], inputs.dtype,
                          init=w_init)
-    sums = self.dots.einsum('ni,io->no', inputs.reshape(-1, input_size), w,
-                            out_dtype=jnp.float32)
+    x = inputs.reshape(-1, input_size)
+    if fp8:
+      sums = self._fp8_sums(x, w)
+    else:
+      sums = self.dots.einsum('ni,io->no', x, w, out_dtype=jnp.float32)
     b = (hk.get_parameter('b', [self.output_size], inputs.dtype,
                           init=self.b_init) if self.with_bias else None)
     out = _biased_and_rounded(sums, b, inputs.dtype)
     out = out.reshape(inputs.shape[:-1] + (self.output_size,))
     return remat.tag_matmul_output(out)
+
+
+  def _fp8_sums(self, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w` in float32 from fp8 operands (`fp8.matmul`); delayed scaling
+    keeps its amax histories as this module's params (`fp8.META_NAMES`)."""
+    config = self.dots.fp8
+    histories = None
+    if config.scaling == 'delayed':
+      histories = tuple(
+          hk.get_parameter(name, [config.history_length], jnp.float32,
+                           init=jnp.zeros)
+          for name in fp8_lib.META_NAMES)
+    return fp8_lib.matmul(config, x, w, jnp.float32, histories)
 
 
 def _biased_and_rounded(sums: jax.Array, b: Optional[jax.Array],

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from haiku_mp.model import fp8
 from haiku_mp.model import policies
 from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
@@ -14,7 +15,8 @@ from haiku_mp.train import experiment
 _COLUMNS = (('path', 'path'), ('class', 'class'), ('policy', 'policy'),
             ('rule', 'policy_source'), ('params', 'param_count'),
             ('bytes', 'param_bytes'), ('param dtypes', 'param_dtypes'),
-            ('in', 'input_dtypes'), ('out', 'output_dtypes'))
+            ('in', 'input_dtypes'), ('out', 'output_dtypes'),
+            ('matmul', 'matmul'))
 
 
 def _dtype_names(tree: Any) -> list[str]:
@@ -35,6 +37,7 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
   (PartitionSpec over the ('batch', 'model') mesh).
   """
   calls, params = exp.module_calls, exp.abstract_state.params
+  precision = exp.precision
   shardings = exp.strategy.state_shardings
   specs = shardings and shardings.params
   rows = {}
@@ -42,6 +45,8 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
     if call.method != '__call__' or call.path in rows:
       continue
     own = params.get(call.path, {})
+    # fp8 amax histories are listed with the params, not counted as ones.
+    trained = {n: p for n, p in own.items() if not fp8.is_meta(call.path, n)}
     rows[call.path] = {
         'path': call.path,
         'class': call.class_name,
@@ -51,11 +56,13 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
                               sharding=_spec(specs, call.path, name))
                    for name, p in own.items()},
         'param_dtypes': sorted({p.dtype.name for p in own.values()}),
-        'param_count': sum(math.prod(p.shape) for p in own.values()),
+        'param_count': sum(math.prod(p.shape) for p in trained.values()),
         'param_bytes': sum(math.prod(p.shape) * p.dtype.itemsize
-                           for p in own.values()),
+                           for p in trained.values()),
         'input_dtypes': _dtype_names(call.args),
         'output_dtypes': _dtype_names(call.output),
+        'matmul': (f'fp8 {precision.fp8.scaling}'
+                   if precision.runs_fp8(call.class_name, call.path) else '-'),
     }
   return sorted(rows.values(), key=lambda r: _preorder_key(r['path'], calls))
 
@@ -93,7 +100,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
   total_count = sum(r['param_count'] for r in rows)
   total_bytes = sum(r['param_bytes'] for r in rows)
   body.append(['total', '', '', '', str(total_count), str(total_bytes),
-               '', '', '', ''])
+               '', '', '', '', ''])
   widths = [max(len(line[i]) for line in [header] + body)
             for i in range(len(header))]
   fmt = lambda line: '  '.join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
@@ -103,14 +110,23 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 
-def summary_line(rows: list[dict[str, Any]], overrides: str) -> str:
+def summary_line(rows: list[dict[str, Any]], overrides: str,
+                 precision: policies.Precision | None = None) -> str:
   """The model in one line: modules, parameters, the policies in force (how
-  many modules each) and the overrides, for a console the table would fill."""
+  many modules each), the overrides and the fp8 matmuls, for a console the
+  table would fill."""
   count = sum(r['param_count'] for r in rows)
   megabytes = sum(r['param_bytes'] for r in rows) / 1e6
   counts = collections.Counter(r['policy'] for r in rows)
   in_force = '; '.join(f'{policy} ({n})' for policy, n in
                        counts.most_common())
-  return (f'Model: {len(rows)} modules, {count:,} parameters '
+  line = (f'Model: {len(rows)} modules, {count:,} parameters '
           f'({megabytes:.2f} MB); policies (modules): {in_force}; '
           f'overrides: {overrides or "none"}')
+  fp8_rows = [r for r in rows if r['matmul'] != '-']
+  if precision is not None and precision.fp8 is not None:
+    emulated = (' (emulated: XLA:CPU converts f8 to f16 and runs float32 dots)'
+                if jax.default_backend() == 'cpu' else '')
+    line += (f'; fp8 matmuls: {len(fp8_rows)} Linear, E4M3 forward, E5M2 '
+             f'gradients, {precision.fp8.describe()} scaling{emulated}')
+  return line

@@ -52,9 +52,11 @@ import jax.numpy as jnp
 import jmp
 
 from haiku_mp import errors
+from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
 
 LAYER_NORM_CLASS = 'LayerNorm'
+_META = frozenset(fp8_lib.META_NAMES)
 _GLOB_CHARS = frozenset('*?[')
 
 
@@ -113,10 +115,38 @@ class Precision:
   matmul_precision: Optional[str] = None
   float32_residual: bool = False  # Residual stream in float32 (see vit.py).
   dot_form: str = 'auto'  # How half matmuls run (see half_dot.py).
+  fp8: Optional[fp8_lib.Fp8] = None  # fp8 matmuls' scaling; None: no fp8.
+  fp8_targets: tuple[str, ...] = ()  # The modules whose Linears run fp8.
 
   @property
   def dots(self) -> half_dot.Dots:
-    return half_dot.Dots(self.dot_form, self.matmul_precision)
+    return half_dot.Dots(self.dot_form, self.matmul_precision, self.fp8,
+                         self.fp8_targets)
+
+  def runs_fp8(self, class_name: str, path: str) -> bool:
+    return self.dots.runs_fp8(class_name, path)
+
+  def check_fp8(self, modules: set[tuple[str, str]]) -> None:
+    """Raises unless every fp8 target selects at least one Linear among the
+    `(class, path)` modules."""
+    if self.fp8 is None:
+      return
+    classes = sorted({c for c, _ in modules})
+    for t in self.fp8_targets:
+      selected = [(c, p) for c, p in modules if half_dot.selects((t,), c, p)]
+      if not selected:
+        hint = ''
+        if not _GLOB_CHARS & set(t):
+          hint = f" (for a module path ending in it, write '*/{t}')"
+        raise PrecisionError(
+            f'precision.fp8.modules: target {t!r} matches no module class or '
+            f'module path{hint}. Classes: {", ".join(classes)}')
+      if not any(c == half_dot.FP8_CLASS for c, _ in selected):
+        raise PrecisionError(
+            f'precision.fp8.modules: target {t!r} selects no '
+            f'{half_dot.FP8_CLASS} ({", ".join(sorted({c for c, _ in selected}))}'
+            f'): only {half_dot.FP8_CLASS} layers run fp8 matmuls (the patch '
+            "embedding's convolution and attention's batched dots cannot)")
 
   def rule_for(self, class_name: str, path: str) -> Optional[Rule]:
     """The module's own rule, or None when it inherits its caller's policy."""
@@ -172,7 +202,8 @@ def _check_matmul_precision(name: str) -> Optional[str]:
 def make_precision(policy: str, overrides: str = '', *, model_class: str,
                    float32_layer_norm: bool = True, matmul_precision: str = '',
                    residual_stream: str = 'compute',
-                   dot_form: str = 'auto') -> Precision:
+                   dot_form: str = 'auto', fp8_modules: str = '',
+                   fp8: Optional[fp8_lib.Fp8] = None) -> Precision:
   """Builds a `Precision` from config strings.
 
   Args:
@@ -183,6 +214,8 @@ def make_precision(policy: str, overrides: str = '', *, model_class: str,
     matmul_precision: a `jax.default_matmul_precision` name, '' for the default.
     residual_stream: 'compute' (the compute dtype) or 'float32'.
     dot_form: how matmuls with half operands run (`half_dot.FORMS`).
+    fp8_modules: ``'TARGET;...'`` modules (class names or path globs) whose
+      Linear layers run fp8 matmuls scaled as `fp8` says; '' for none.
   """
   main = parse_policy(policy)
   errors.check_choice('precision.residual_stream', residual_stream,
@@ -193,9 +226,17 @@ def make_precision(policy: str, overrides: str = '', *, model_class: str,
         LAYER_NORM_CLASS,
         jmp.Policy(param_dtype=jnp.float32, compute_dtype=jnp.float32,
                    output_dtype=main.compute_dtype), 'default')
+  targets = tuple(t.strip() for t in (fp8_modules or '').split(';')
+                  if t.strip())
+  if targets and jnp.dtype(main.compute_dtype) == jnp.float16:
+    raise PrecisionError(
+        'precision.fp8.modules: fp8 matmuls need a bfloat16 or float32 '
+        'compute dtype, not float16 (the float16 loss scale on top of fp8 '
+        "scales is not supported); use a 'compute=bfloat16' policy")
   return Precision(main, defaults, parse_overrides(overrides),
                    _check_matmul_precision(matmul_precision),
-                   residual_stream == 'float32', half_dot.check_form(dot_form))
+                   residual_stream == 'float32', half_dot.check_form(dot_form),
+                   (fp8 or fp8_lib.Fp8()) if targets else None, targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,13 +264,14 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
   stack: list[jmp.Policy] = []
 
   def creator(next_creator, shape, dtype, init, context):
-    del context
-    if jnp.issubdtype(dtype, jnp.floating):
+    # fp8 amax histories stay float32 whatever the policy (`fp8.META_NAMES`).
+    if jnp.issubdtype(dtype, jnp.floating) and context.name not in _META:
       dtype = stack[-1].param_dtype
     return next_creator(shape, dtype, init)
 
   def getter(next_getter, value, context):
-    del context
+    if context.name in _META:
+      return next_getter(value)
     return next_getter(stack[-1].cast_to_compute(value))
 
   def interceptor(next_f, args, kwargs, context: hk.MethodContext):

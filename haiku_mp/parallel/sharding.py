@@ -11,6 +11,7 @@ import math
 import re
 from typing import Optional, Sequence
 
+import haiku as hk
 import jax
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
@@ -18,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import optax
 
 from haiku_mp import errors
+from haiku_mp.model import fp8
 
 BATCH = 'batch'
 MODEL = 'model'
@@ -139,8 +141,10 @@ def state_shardings(state, params_spec, optimizer: optax.GradientTransformation,
   replicated = named(P())
   param_shardings = jax.tree.map(named, params_spec,
                                  is_leaf=lambda x: isinstance(x, P))
+  # The optimizer holds no fp8 amax histories (step.split_fp8).
+  _, trained = hk.data_structures.partition(fp8.is_meta, param_shardings)
   opt_shardings = optax.tree_map_params(
-      optimizer, lambda _, s: s, state.opt_state, param_shardings,
+      optimizer, lambda _, s: s, state.opt_state, trained,
       transform_non_params=lambda _: replicated)
   return state._replace(
       step=replicated, params=param_shardings, opt_state=opt_shardings,

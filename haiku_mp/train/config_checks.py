@@ -134,7 +134,18 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   _require(model.layer_norm_epsilon > 0, 'model.layer_norm_epsilon',
            model.layer_norm_epsilon, 'positive')
   remat.check(config.remat)
+  fp8 = config.precision.fp8
+  _require(_is_int(fp8.history_length) and fp8.history_length >= 1,
+           'precision.fp8.history_length', fp8.history_length,
+           'an integer >= 1 (amaxes kept per tensor)')
+  _require(0 <= fp8.margin < math.inf, 'precision.fp8.margin', fp8.margin,
+           'a finite number >= 0 (a power of two of headroom)')
   forward_lib.make_precision(config)
+  if config.privacy.enabled and fp8.modules.strip():
+    raise errors.ConfigError(
+        f'precision.fp8.modules={fp8.modules!r} with privacy.enabled: DP-SGD '
+        "clips per-example gradients that fp8's per-tensor scales do not "
+        "follow (untested); set precision.fp8.modules='' for a private run")
 
 
 def _check_parallel(parallel_config: ml_collections.ConfigDict) -> None:

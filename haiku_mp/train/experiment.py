@@ -61,9 +61,11 @@ class Experiment:
 
   @property
   def param_names(self) -> list[str]:
-    """'module/path/param' per parameter, in `jax.tree.leaves` order."""
+    """'module/path/param' per trained parameter (fp8 amax histories left
+    out), in the `jax.tree.leaves` order of their gradients."""
+    _, trained = step_lib.split_fp8(self.abstract_state.params)
     return [sharding.param_name(path) for path, _ in
-            jax.tree_util.tree_flatten_with_path(self.abstract_state.params)[0]]
+            jax.tree_util.tree_flatten_with_path(trained)[0]]
 
   @property
   def train_batch_size(self) -> int:

@@ -11,6 +11,7 @@ import time
 from typing import Any, Optional
 
 from absl import logging
+import haiku as hk
 import jax
 from jax.sharding import Mesh
 import ml_collections
@@ -28,6 +29,7 @@ from haiku_mp.train import interruption as interruption_lib
 from haiku_mp.train import metrics as metrics_lib
 from haiku_mp.train import optimizer as optimizer_lib
 from haiku_mp.train import run_dir
+from haiku_mp.train import step as step_lib
 
 # The module table a run writes into its workdir.
 MODULES_FILE = 'modules.txt'
@@ -53,7 +55,7 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
   if is_writer:
     metrics_lib.write_atomically(path, table + '\n')
   logging.info('%s; every module: %s', module_table.summary_line(
-      rows, exp.config.precision.overrides), path)
+      rows, exp.config.precision.overrides, exp.precision), path)
   if log_module_table:
     logging.info('Modules:\n%s', table)
   for line in exp.describe():
@@ -147,6 +149,15 @@ class _CompiledSteps:
 
   def __call__(self, state, batch):
     return self.compile(state, batch)(state, batch)
+
+
+def _ema_params(state: step_lib.TrainState):
+  """The params' moving average with the run's fp8 amax histories (which
+  the optimizer, and so the average, never holds), or None."""
+  ema = optimizer_lib.ema_params(state.opt_state)
+  if ema is None:
+    return None
+  return hk.data_structures.merge(ema, step_lib.split_fp8(state.params)[0])
 
 
 def _settle(steps: in_flight.InFlight, finished):
@@ -280,7 +291,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         progress.stop(step)
         last_val = evaluator('val', step, state.params, **exp.spent(
             step, int(strategy.unreplicate(state.skipped_steps))))
-        ema = optimizer_lib.ema_params(state.opt_state)
+        ema = _ema_params(state)
         if ema is not None:
           last_val_ema = evaluator('val', step, ema, label='val_ema')
         progress.start(step)
@@ -304,7 +315,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         return dict(preempted_at_step=step, signal=received)
 
     test = evaluator('test', total_steps, state.params)
-    ema = optimizer_lib.ema_params(state.opt_state)
+    ema = _ema_params(state)
     ema_summary = {}
     if ema is not None:
       test_ema = evaluator('test', total_steps, ema, label='test_ema')

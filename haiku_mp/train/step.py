@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import jmp
 import optax
 
+from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.train import loss_scaling
 from haiku_mp.train import optimizer as optimizer_lib
 
@@ -46,9 +47,10 @@ class TrainState(NamedTuple):
   """Everything a step reads and writes; checkpointing this resumes a run."""
   step: jax.Array  # int32 scalar: steps taken, skipped ones included.
   # In the policy's param dtype: float32 master weights, or half-precision
-  # params whose float32 master copy lives in `opt_state` (float32_master).
+  # params whose float32 master copy lives in `opt_state` (float32_master);
+  # and fp8 delayed scaling's amax histories, which no optimizer sees.
   params: hk.Params
-  opt_state: optax.OptState  # optimizer state of float32 params.
+  opt_state: optax.OptState  # optimizer state of the (non-fp8) params.
   loss_scale: loss_scaling.LossScaleState  # scale and finite-step counter.
   rng: jax.Array  # PRNG key, split every step for dropout.
   skipped_steps: jax.Array  # int32 scalar: steps skipped for non-finite grads.
@@ -61,10 +63,15 @@ def init_train_state(params: hk.Params,
   return TrainState(
       step=jnp.zeros([], jnp.int32),
       params=params,
-      opt_state=optimizer.init(params),
+      opt_state=optimizer.init(split_fp8(params)[1]),
       loss_scale=loss_scaler.init(),
       rng=rng,
       skipped_steps=jnp.zeros([], jnp.int32))
+
+
+def split_fp8(tree: hk.Params) -> tuple[hk.Params, hk.Params]:
+  """(fp8 amax histories, everything else) of params or their gradients."""
+  return hk.data_structures.partition(fp8_lib.is_meta, tree)
 
 
 def _cross_replica_mean(tree, axis_name):
@@ -93,12 +100,17 @@ def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
     return loss_scaler.scale(loss_scale, loss), (loss, aux)
 
   grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
+  # The amax histories' "gradients" are the histories rolled on (fp8.py):
+  # not scaled, reduced by their maximum, so replicas keep the same scales.
+  histories, grads = split_fp8(grads)
   grads = jax.tree.map(
       lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
   if axis_name is not None:
     grads = jax.lax.pmean(grads, axis_name)
+    histories = jax.lax.pmax(histories, axis_name)
   metrics = _cross_replica_mean(dict(aux, loss=loss), axis_name)
-  return (loss_scaler.unscale(loss_scale, grads), metrics.pop('loss'),
+  grads = loss_scaler.unscale(loss_scale, grads)
+  return (hk.data_structures.merge(grads, histories), metrics.pop('loss'),
           metrics)
 
 
@@ -140,18 +152,22 @@ def make_train_step(gradients_fn: GradientsFn,
     batch = inputs(inputs_rng, batch, axis_name)
     grads, loss, aux = gradients_fn(state.loss_scale, state.params, step_rng,
                                     batch, axis_name)
+    # fp8 amax histories are written over on every step, skipped or not: a
+    # skipped step's amaxes are real observations (non-finite ones are not
+    # recorded, fp8.roll_history), and the next step's scales need them.
+    histories, grads = split_fp8(grads)
+    _, trained = split_fp8(state.params)
     # One flag per gradient leaf: the skip decision, and where float16
     # overflowed for the log of a skipped step.
     nonfinite = jnp.stack([~jnp.isfinite(g).all()
                            for g in jax.tree.leaves(grads)])
     grads_finite = ~nonfinite.any()
-    updates, new_opt_state = optimizer.update(grads, state.opt_state,
-                                              state.params)
-    new_params = optimizer_lib.apply_updates(state.params, updates,
-                                             new_opt_state)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, trained)
+    new_params = optimizer_lib.apply_updates(trained, updates, new_opt_state)
     params, opt_state = jmp.select_tree(
         grads_finite, (new_params, new_opt_state),
-        (state.params, state.opt_state))
+        (trained, state.opt_state))
+    params = hk.data_structures.merge(params, histories)
     skipped_steps = state.skipped_steps + (~grads_finite).astype(jnp.int32)
     new_state = TrainState(
         step=state.step + 1,

@@ -1,0 +1,304 @@
+"""fp8 matmuls: E4M3 operands forward, E5M2 gradients backward, float32 sums.
+
+A `Linear` that `precision.fp8` selects computes `x @ w` as
+`dot_general(q(x), q(w), preferred_element_type=float32) * (s_x * s_w)`,
+rounded once to the compute dtype, where `q(t)` is `t / s_t` saturated to the
+format's largest finite value and rounded to nearest even. Its backward pass
+runs both matmuls on fp8 operands too: `dx = q5(g) @ q(w).T` and
+`dw = q(x).T @ q5(g)` with the output gradient `g` in E5M2. That is the pattern
+XLA:GPU's gemm rewriter turns into a cuBLASLt fp8 GEMM (fp8 operands straight
+into the dot, scalar float32 scales, one contracting dimension), as flax's
+`fp8_ops` writes it. XLA:CPU has no fp8 kernel: its FloatNormalization
+converts f8 to f16 and runs a float32 dot, so on a CPU the same program is an
+emulation, bit for bit in its rounding, and no faster.
+
+Scaling (`SCALINGS`), the divisor `s_t` of each tensor:
+
+- ``current``: from the tensor's own amax in this step;
+- ``delayed``: from the maximum of a history of the tensor's amaxes over the
+  last `history_length` steps (TE's DelayedScaling, flax's `fp8_ops`). The
+  histories are params of the module (`META_NAMES`) that the optimizer never
+  sees: the custom VJP returns each new history as that param's "gradient",
+  and the train step writes it over the param (flax's "overwrite with
+  gradient"). So histories live in the TrainState, are checkpointed with the
+  params, and need no second Haiku state;
+- ``mx``: MXFP8, one power-of-two (E8M0) scale per block of `MX_BLOCK` values
+  along the contracting dimension, rounded up so that no block saturates.
+  Every matmul re-blocks its operands along its own contracting dimension,
+  so the backward pass quantizes from the forward's inputs, as MX hardware
+  keeps row- and column-wise copies. `jax.nn.scaled_matmul` has no CPU
+  lowering (jax 0.10.2) and an H100 has no MX GEMM, so the blocks are
+  quantized and dequantized here and a float32 dot runs: MX is measured for
+  its accuracy everywhere and for its speed nowhere yet.
+
+`margin` (a power of two) leaves headroom under the largest finite value for
+amaxes that grow between steps (delayed) or across a block.
+"""
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from haiku_mp import errors
+
+E4M3 = jnp.float8_e4m3fn  # Weights and activations: more precision.
+E5M2 = jnp.float8_e5m2  # Output gradients: more range.
+SCALINGS = ('current', 'delayed', 'mx')
+MX_BLOCK = 32  # Values per MX scale (the OCP MX spec's block size).
+# A delayed-scaling Linear's amax histories (float32 [history_length]): its
+# input `x`, its weight `w` and its output gradient `g`.
+META_NAMES = ('fp8_x_amax_history', 'fp8_w_amax_history',
+              'fp8_g_amax_history')
+# The smallest divisor used: a zero or subnormal amax would make one that
+# overflows `t / s` (float32's smallest normal number).
+_MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8:
+  """How fp8 matmuls scale their operands (`precision.fp8` less its modules)."""
+  scaling: str = 'current'
+  history_length: int = 16  # delayed: amaxes kept per tensor.
+  margin: float = 0.0  # Headroom: the scale leaves amax * 2**margin in range.
+
+  def __post_init__(self):
+    errors.check_choice('precision.fp8.scaling', self.scaling, SCALINGS)
+    if self.history_length < 1:
+      raise errors.ConfigError(
+          f'precision.fp8.history_length={self.history_length} must be at '
+          'least 1')
+    if not self.margin >= 0:
+      raise errors.ConfigError(
+          f'precision.fp8.margin={self.margin:g} must be 0 or more')
+
+  def describe(self) -> str:
+    if self.scaling == 'delayed':
+      return (f'delayed (history {self.history_length}, '
+              f'margin {self.margin:g})')
+    return f'{self.scaling} (margin {self.margin:g})'
+
+
+def max_finite(dtype) -> float:
+  return float(jnp.finfo(dtype).max)
+
+
+def scale_from_amax(amax: jax.Array, dtype, margin: float = 0.0) -> jax.Array:
+  """The float32 divisor that maps `amax` to the largest finite value of
+  `dtype` less the margin; 1 for a zero or non-finite amax, and never below
+  float32's smallest normal number (a tiny amax gives a finite scale)."""
+  amax = jnp.asarray(amax, jnp.float32)
+  scale = amax * (2.0 ** margin) / max_finite(dtype)
+  usable = jnp.isfinite(amax) & (amax > 0)
+  return jnp.maximum(jnp.where(usable, scale, 1.0), _MIN_SCALE)
+
+
+def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+  """`x / scale` in `dtype`: saturated at its largest finite value (never inf
+  or NaN from a finite x), rounded to nearest even by the cast."""
+  limit = max_finite(dtype)
+  return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
+
+
+def amax(x: jax.Array) -> jax.Array:
+  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def roll_history(history: jax.Array, new_amax: jax.Array) -> jax.Array:
+  """`history` with `new_amax` first and its oldest entry dropped. A
+  non-finite amax (a step that overflowed) is recorded as the history's
+  maximum, so that it never poisons a scale."""
+  new_amax = jnp.where(jnp.isfinite(new_amax), new_amax, jnp.max(history))
+  return jnp.concatenate([new_amax[None], history[:-1]]).astype(jnp.float32)
+
+
+def _scaled_dot(qa, qb, dims, scale):
+  """The fp8 GEMM pattern: f8 operands into the dot, float32 result times the
+  product of the two scalar scales."""
+  out = jax.lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
+  return out * scale
+
+
+# Dimension numbers of the three matmuls of `x [n, k] @ w [k, o]`.
+_FWD = (((1,), (0,)), ((), ()))  # x @ w
+_DGRAD = (((1,), (1,)), ((), ()))  # g [n, o] @ w.T
+_WGRAD = (((0,), (0,)), ((), ()))  # x.T @ g [n, o]
+
+
+# ---- current and delayed scaling: one scale per tensor ----------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def tensor_scaled_matmul(margin: float, out_dtype, x, w, x_scale, w_scale,
+                         g_scale):
+  """`x @ w` on E4M3 operands with the given divisors, float32 sums rounded to
+  `out_dtype`; the backward pass quantizes the output gradient with `g_scale`
+  (a negative `g_scale`: from the gradient's own amax, current scaling)."""
+  del g_scale
+  out = _scaled_dot(quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale),
+                    _FWD, x_scale * w_scale)
+  return out.astype(out_dtype)
+
+
+def _tensor_fwd(margin, out_dtype, x, w, x_scale, w_scale, g_scale):
+  qx, qw = quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale)
+  out = _scaled_dot(qx, qw, _FWD, x_scale * w_scale).astype(out_dtype)
+  # The backward keeps the fp8 operands: half the bytes of bfloat16 ones.
+  return out, (qx, qw, x_scale, w_scale, g_scale, _dtype_of(x), _dtype_of(w))
+
+
+def _dtype_of(x):
+  """An empty array of `x`'s dtype: residuals hold arrays, not dtypes."""
+  return jnp.zeros((0,), x.dtype)
+
+
+def _tensor_bwd(margin, out_dtype, residuals, g):
+  del out_dtype
+  qx, qw, x_scale, w_scale, g_scale, x_dtype, w_dtype = residuals
+  x_dtype, w_dtype = x_dtype.dtype, w_dtype.dtype
+  g_amax = amax(g)
+  g_scale = jnp.where(g_scale < 0, scale_from_amax(g_amax, E5M2, margin),
+                      g_scale)
+  qg = quantize(g, E5M2, g_scale)
+  dx = _scaled_dot(qg, qw, _DGRAD, g_scale * w_scale).astype(x_dtype)
+  dw = _scaled_dot(qx, qg, _WGRAD, x_scale * g_scale).astype(w_dtype)
+  # The scales are constants of the step: no gradient flows into them.
+  return (dx, dw, jnp.zeros_like(x_scale), jnp.zeros_like(w_scale),
+          jnp.zeros_like(g_scale))
+
+
+tensor_scaled_matmul.defvjp(_tensor_fwd, _tensor_bwd)
+
+
+def current_matmul(x: jax.Array, w: jax.Array, out_dtype,
+                   margin: float = 0.0) -> jax.Array:
+  """`x [n, k] @ w [k, o]` in fp8, every tensor scaled by its own amax."""
+  x_scale = jax.lax.stop_gradient(scale_from_amax(amax(x), E4M3, margin))
+  w_scale = jax.lax.stop_gradient(scale_from_amax(amax(w), E4M3, margin))
+  return tensor_scaled_matmul(margin, out_dtype, x, w, x_scale, w_scale,
+                              jnp.float32(-1.0))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def delayed_matmul(margin: float, out_dtype, x, w, x_history, w_history,
+                   g_history):
+  """`x @ w` in fp8 with delayed scaling: each tensor's divisor from the
+  maximum of its amax history. The histories' cotangents are the histories
+  rolled with this step's amaxes (see the module docstring)."""
+  out, _ = _delayed_fwd(margin, out_dtype, x, w, x_history, w_history,
+                        g_history)
+  return out
+
+
+def _history_scale(history, dtype, margin):
+  return scale_from_amax(jnp.max(history), dtype, margin)
+
+
+def _delayed_fwd(margin, out_dtype, x, w, x_history, w_history, g_history):
+  x_scale = _history_scale(x_history, E4M3, margin)
+  w_scale = _history_scale(w_history, E4M3, margin)
+  qx, qw = quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale)
+  out = _scaled_dot(qx, qw, _FWD, x_scale * w_scale).astype(out_dtype)
+  new_x = roll_history(x_history, amax(x))
+  new_w = roll_history(w_history, amax(w))
+  return out, (qx, qw, x_scale, w_scale, new_x, new_w, g_history,
+               _dtype_of(x), _dtype_of(w))
+
+
+def _delayed_bwd(margin, out_dtype, residuals, g):
+  del out_dtype
+  qx, qw, x_scale, w_scale, new_x, new_w, g_history, x_dtype, w_dtype = (
+      residuals)
+  x_dtype, w_dtype = x_dtype.dtype, w_dtype.dtype
+  g_scale = _history_scale(g_history, E5M2, margin)
+  qg = quantize(g, E5M2, g_scale)
+  dx = _scaled_dot(qg, qw, _DGRAD, g_scale * w_scale).astype(x_dtype)
+  dw = _scaled_dot(qx, qg, _WGRAD, x_scale * g_scale).astype(w_dtype)
+  return dx, dw, new_x, new_w, roll_history(g_history, amax(g))
+
+
+delayed_matmul.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+# ---- MX: one power-of-two scale per block of 32 -----------------------------
+
+
+def mx_block_scales(x: jax.Array, dtype, axis: int,
+                    block: int = MX_BLOCK) -> jax.Array:
+  """E8M0 scales of `x`'s blocks of `block` values along `axis` (whose size
+  `block` divides): 2**ceil(log2(amax / max_finite)), so no block saturates;
+  1 for a zero block. Shape: `x`'s with `axis` divided by `block`."""
+  x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+  blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+  block_amax = jnp.max(jnp.abs(blocks), axis=-1)
+  exponent = jnp.ceil(jnp.log2(block_amax / max_finite(dtype)))
+  scales = jnp.where(block_amax > 0, jnp.exp2(exponent), 1.0)
+  # Stored as E8M0 (a power of two from 2**-127 to 2**127), as MX keeps them.
+  scales = scales.astype(jnp.float8_e8m0fnu).astype(jnp.float32)
+  return jnp.moveaxis(scales, -1, axis)
+
+
+def mx_quantize_dequantize(x: jax.Array, dtype, axis: int,
+                           block: int = MX_BLOCK) -> jax.Array:
+  """`x` (float32) as MX blocks of `dtype` along `axis` hold it: quantized
+  with `mx_block_scales` and multiplied back. `axis` is zero-padded to a
+  multiple of `block` for the blocking and cut back after."""
+  size = x.shape[axis]
+  padded = -size % block
+  if padded:
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, padded)
+    x = jnp.pad(x, pad)
+  scales = jnp.repeat(mx_block_scales(x, dtype, axis, block), block, axis=axis)
+  q = quantize(x, dtype, scales).astype(jnp.float32) * scales
+  return jax.lax.slice_in_dim(q, 0, size, axis=axis)
+
+
+def _mx_dot(a, a_axis, a_dtype, b, b_axis, b_dtype, dims):
+  qa = mx_quantize_dequantize(a, a_dtype, a_axis)
+  qb = mx_quantize_dequantize(b, b_dtype, b_axis)
+  return jax.lax.dot_general(qa, qb, dims, precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def mx_matmul(out_dtype, x, w):
+  """`x [n, k] @ w [k, o]` as MXFP8: E4M3 blocks along k forward; E5M2
+  gradient blocks along each backward matmul's contracting dimension."""
+  return _mx_dot(x, 1, E4M3, w, 0, E4M3, _FWD).astype(out_dtype)
+
+
+def _mx_fwd(out_dtype, x, w):
+  return mx_matmul(out_dtype, x, w), (x, w)
+
+
+def _mx_bwd(out_dtype, residuals, g):
+  del out_dtype
+  x, w = residuals
+  dx = _mx_dot(g, 1, E5M2, w, 1, E4M3, _DGRAD).astype(x.dtype)
+  dw = _mx_dot(x, 0, E4M3, g, 0, E5M2, _WGRAD).astype(w.dtype)
+  return dx, dw
+
+
+mx_matmul.defvjp(_mx_fwd, _mx_bwd)
+
+
+def matmul(fp8: Fp8, x: jax.Array, w: jax.Array, out_dtype,
+           histories: Optional[tuple[jax.Array, jax.Array, jax.Array]] = None
+           ) -> jax.Array:
+  """`x [n, k] @ w [k, o]` in fp8 as `fp8` says, float32 sums rounded to
+  `out_dtype`; `histories` (x, w, g): delayed scaling's amax histories."""
+  if fp8.scaling == 'current':
+    return current_matmul(x, w, out_dtype, fp8.margin)
+  if fp8.scaling == 'delayed':
+    return delayed_matmul(fp8.margin, out_dtype, x, w, *histories)
+  return mx_matmul(out_dtype, x, w)
+
+
+def is_meta(module_name: str, name: str, value=None) -> bool:
+  """Whether a param is an fp8 amax history (`hk.data_structures.partition`'s
+  predicate)."""
+  del module_name, value
+  return name in META_NAMES
