@@ -7,12 +7,15 @@ python -m launch.lab precision --config=configs/vit_cpu.py
 python -m launch.lab profile --config=configs/vit_bf16.py --steps=5
 python -m launch.lab matmul --out=lab [--rows=1024 --cols=65536 --repeats=5]
 python -m launch.lab dot_algorithms --out=lab [--size=2048]
+python -m launch.lab fp8 --config=configs/vit_fp8.py [--nocompile]
 python -m launch.lab report --out=report [--parts=benchmark,...] [--quick] \
     [--config.data.source=arrays --config.data.arrays_path=cifar10.npz]
 python -m launch.lab advise --config=configs/vit_fp16.py [--checkpoint=WORKDIR] \
     [--batches=8] [--level=knockout] --out=advice
 
-`report` runs several parts on whatever backend JAX finds and writes their
+`fp8` lists every matmul of the train step (forward and backward) with its
+operands' formats and, compiled, whether it runs as an fp8 GEMM
+(haiku_mp/lab/fp8_gemms.py). `report` runs several parts on whatever backend JAX finds and writes their
 JSON, plots and one report.md (haiku_mp/lab/report.py). `advise` says which
 precision each module can run in and which float16 loss scale, and prints the
 flags to paste; it writes advise.json, advise.md and a plot
@@ -35,6 +38,7 @@ from haiku_mp.lab import advisor
 from haiku_mp.lab import advisor_files
 from haiku_mp.lab import checks
 from haiku_mp.lab import dot_algorithms
+from haiku_mp.lab import fp8_gemms
 from haiku_mp.lab import matmul
 from haiku_mp.lab import memory
 from haiku_mp.lab import params
@@ -92,7 +96,8 @@ _LEVEL = flags.DEFINE_string(
     'level', 'stats', "advise: 'stats' (statistics and verdicts) or "
     "'knockout' (also each module alone in half precision).")
 _COMPILE = flags.DEFINE_bool(
-    'compile', True, "memory: also compile each variant's train step.")
+    'compile', True, "memory: also compile each variant's train step; fp8: "
+    'compile the step to see which kernel runs each matmul.')
 
 
 # Each integer flag's least meaningful value (--checkpoint_step: -1 is the
@@ -156,6 +161,13 @@ def _matmul():
           matmul.plot)
 
 
+def _fp8():
+  result = fp8_gemms.run(_CONFIG.value, _COMPILE.value, log=_log)
+  print(fp8_gemms.table(result), flush=True)
+  print(fp8_gemms.summary(result), flush=True)
+  return result, fp8_gemms.write_table
+
+
 def _dot_algorithms():
   return (dot_algorithms.run(_SIZE.value, _REPEATS.value, log=_log),
           dot_algorithms.plot)
@@ -163,7 +175,7 @@ def _dot_algorithms():
 
 EXPERIMENTS = {'params': _params, 'sweep': _sweep, 'memory': _memory,
                'precision': _precision, 'matmul': _matmul, 'profile': _profile,
-               'dot_algorithms': _dot_algorithms}
+               'dot_algorithms': _dot_algorithms, 'fp8': _fp8}
 # Every command: the experiments, the report that runs several of them, and
 # the advisor.
 COMMANDS = (*EXPERIMENTS, 'report', 'advise')

@@ -52,6 +52,9 @@ MX_BLOCK = 32  # Values per MX scale (the OCP MX spec's block size).
 # input `x`, its weight `w` and its output gradient `g`.
 META_NAMES = ('fp8_x_amax_history', 'fp8_w_amax_history',
               'fp8_g_amax_history')
+# Named scopes of the three matmuls of an fp8 Linear: in the HLO's op names,
+# they tell `launch.lab fp8` which matmul a GEMM is.
+FPROP, DGRAD, WGRAD = 'fp8_fprop', 'fp8_dgrad', 'fp8_wgrad'
 # The smallest divisor used: a zero or subnormal amax would make one that
 # overflows `t / s` (float32's smallest normal number).
 _MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)
@@ -102,8 +105,11 @@ def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
   return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
 
 
-def amax(x: jax.Array) -> jax.Array:
-  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+def amax(x: jax.Array, axis_name: Optional[str] = None) -> jax.Array:
+  """max |x| in float32; with `axis_name` (pmap), over every replica's `x`,
+  so that replicas quantize with the scales one device would use."""
+  result = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  return result if axis_name is None else jax.lax.pmax(result, axis_name)
 
 
 def roll_history(history: jax.Array, new_amax: jax.Array) -> jax.Array:
@@ -114,11 +120,13 @@ def roll_history(history: jax.Array, new_amax: jax.Array) -> jax.Array:
   return jnp.concatenate([new_amax[None], history[:-1]]).astype(jnp.float32)
 
 
-def _scaled_dot(qa, qb, dims, scale):
+def _scaled_dot(qa, qb, dims, scale, scope):
   """The fp8 GEMM pattern: f8 operands into the dot, float32 result times the
   product of the two scalar scales."""
-  out = jax.lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
-  return out * scale
+  with jax.named_scope(scope):
+    out = jax.lax.dot_general(qa, qb, dims,
+                              preferred_element_type=jnp.float32)
+    return out * scale
 
 
 # Dimension numbers of the three matmuls of `x [n, k] @ w [k, o]`.
@@ -130,21 +138,23 @@ _WGRAD = (((0,), (0,)), ((), ()))  # x.T @ g [n, o]
 # ---- current and delayed scaling: one scale per tensor ----------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def tensor_scaled_matmul(margin: float, out_dtype, x, w, x_scale, w_scale,
-                         g_scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def tensor_scaled_matmul(margin: float, out_dtype, axis_name, x, w, x_scale,
+                         w_scale, g_scale):
   """`x @ w` on E4M3 operands with the given divisors, float32 sums rounded to
   `out_dtype`; the backward pass quantizes the output gradient with `g_scale`
   (a negative `g_scale`: from the gradient's own amax, current scaling)."""
-  del g_scale
+  del axis_name, g_scale
   out = _scaled_dot(quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale),
-                    _FWD, x_scale * w_scale)
+                    _FWD, x_scale * w_scale, FPROP)
   return out.astype(out_dtype)
 
 
-def _tensor_fwd(margin, out_dtype, x, w, x_scale, w_scale, g_scale):
+def _tensor_fwd(margin, out_dtype, axis_name, x, w, x_scale, w_scale,
+                g_scale):
+  del axis_name
   qx, qw = quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale)
-  out = _scaled_dot(qx, qw, _FWD, x_scale * w_scale).astype(out_dtype)
+  out = _scaled_dot(qx, qw, _FWD, x_scale * w_scale, FPROP).astype(out_dtype)
   # The backward keeps the fp8 operands: half the bytes of bfloat16 ones.
   return out, (qx, qw, x_scale, w_scale, g_scale, _dtype_of(x), _dtype_of(w))
 
@@ -154,16 +164,16 @@ def _dtype_of(x):
   return jnp.zeros((0,), x.dtype)
 
 
-def _tensor_bwd(margin, out_dtype, residuals, g):
+def _tensor_bwd(margin, out_dtype, axis_name, residuals, g):
   del out_dtype
   qx, qw, x_scale, w_scale, g_scale, x_dtype, w_dtype = residuals
   x_dtype, w_dtype = x_dtype.dtype, w_dtype.dtype
-  g_amax = amax(g)
+  g_amax = amax(g, axis_name)
   g_scale = jnp.where(g_scale < 0, scale_from_amax(g_amax, E5M2, margin),
                       g_scale)
   qg = quantize(g, E5M2, g_scale)
-  dx = _scaled_dot(qg, qw, _DGRAD, g_scale * w_scale).astype(x_dtype)
-  dw = _scaled_dot(qx, qg, _WGRAD, x_scale * g_scale).astype(w_dtype)
+  dx = _scaled_dot(qg, qw, _DGRAD, g_scale * w_scale, DGRAD).astype(x_dtype)
+  dw = _scaled_dot(qx, qg, _WGRAD, x_scale * g_scale, WGRAD).astype(w_dtype)
   # The scales are constants of the step: no gradient flows into them.
   return (dx, dw, jnp.zeros_like(x_scale), jnp.zeros_like(w_scale),
           jnp.zeros_like(g_scale))
@@ -173,22 +183,24 @@ tensor_scaled_matmul.defvjp(_tensor_fwd, _tensor_bwd)
 
 
 def current_matmul(x: jax.Array, w: jax.Array, out_dtype,
-                   margin: float = 0.0) -> jax.Array:
+                   margin: float = 0.0,
+                   axis_name: Optional[str] = None) -> jax.Array:
   """`x [n, k] @ w [k, o]` in fp8, every tensor scaled by its own amax."""
-  x_scale = jax.lax.stop_gradient(scale_from_amax(amax(x), E4M3, margin))
+  x_scale = jax.lax.stop_gradient(
+      scale_from_amax(amax(x, axis_name), E4M3, margin))
   w_scale = jax.lax.stop_gradient(scale_from_amax(amax(w), E4M3, margin))
-  return tensor_scaled_matmul(margin, out_dtype, x, w, x_scale, w_scale,
-                              jnp.float32(-1.0))
+  return tensor_scaled_matmul(margin, out_dtype, axis_name, x, w, x_scale,
+                              w_scale, jnp.float32(-1.0))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def delayed_matmul(margin: float, out_dtype, x, w, x_history, w_history,
-                   g_history):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def delayed_matmul(margin: float, out_dtype, axis_name, x, w, x_history,
+                   w_history, g_history):
   """`x @ w` in fp8 with delayed scaling: each tensor's divisor from the
   maximum of its amax history. The histories' cotangents are the histories
   rolled with this step's amaxes (see the module docstring)."""
-  out, _ = _delayed_fwd(margin, out_dtype, x, w, x_history, w_history,
-                        g_history)
+  out, _ = _delayed_fwd(margin, out_dtype, axis_name, x, w, x_history,
+                        w_history, g_history)
   return out
 
 
@@ -196,27 +208,28 @@ def _history_scale(history, dtype, margin):
   return scale_from_amax(jnp.max(history), dtype, margin)
 
 
-def _delayed_fwd(margin, out_dtype, x, w, x_history, w_history, g_history):
+def _delayed_fwd(margin, out_dtype, axis_name, x, w, x_history, w_history,
+                 g_history):
   x_scale = _history_scale(x_history, E4M3, margin)
   w_scale = _history_scale(w_history, E4M3, margin)
   qx, qw = quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale)
-  out = _scaled_dot(qx, qw, _FWD, x_scale * w_scale).astype(out_dtype)
-  new_x = roll_history(x_history, amax(x))
+  out = _scaled_dot(qx, qw, _FWD, x_scale * w_scale, FPROP).astype(out_dtype)
+  new_x = roll_history(x_history, amax(x, axis_name))
   new_w = roll_history(w_history, amax(w))
   return out, (qx, qw, x_scale, w_scale, new_x, new_w, g_history,
                _dtype_of(x), _dtype_of(w))
 
 
-def _delayed_bwd(margin, out_dtype, residuals, g):
+def _delayed_bwd(margin, out_dtype, axis_name, residuals, g):
   del out_dtype
   qx, qw, x_scale, w_scale, new_x, new_w, g_history, x_dtype, w_dtype = (
       residuals)
   x_dtype, w_dtype = x_dtype.dtype, w_dtype.dtype
   g_scale = _history_scale(g_history, E5M2, margin)
   qg = quantize(g, E5M2, g_scale)
-  dx = _scaled_dot(qg, qw, _DGRAD, g_scale * w_scale).astype(x_dtype)
-  dw = _scaled_dot(qx, qg, _WGRAD, x_scale * g_scale).astype(w_dtype)
-  return dx, dw, new_x, new_w, roll_history(g_history, amax(g))
+  dx = _scaled_dot(qg, qw, _DGRAD, g_scale * w_scale, DGRAD).astype(x_dtype)
+  dw = _scaled_dot(qx, qg, _WGRAD, x_scale * g_scale, WGRAD).astype(w_dtype)
+  return dx, dw, new_x, new_w, roll_history(g_history, amax(g, axis_name))
 
 
 delayed_matmul.defvjp(_delayed_fwd, _delayed_bwd)
@@ -256,18 +269,20 @@ def mx_quantize_dequantize(x: jax.Array, dtype, axis: int,
   return jax.lax.slice_in_dim(q, 0, size, axis=axis)
 
 
-def _mx_dot(a, a_axis, a_dtype, b, b_axis, b_dtype, dims):
+def _mx_dot(a, a_axis, a_dtype, b, b_axis, b_dtype, dims, scope):
   qa = mx_quantize_dequantize(a, a_dtype, a_axis)
   qb = mx_quantize_dequantize(b, b_dtype, b_axis)
-  return jax.lax.dot_general(qa, qb, dims, precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32)
+  with jax.named_scope(scope):
+    return jax.lax.dot_general(qa, qb, dims,
+                               precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def mx_matmul(out_dtype, x, w):
   """`x [n, k] @ w [k, o]` as MXFP8: E4M3 blocks along k forward; E5M2
   gradient blocks along each backward matmul's contracting dimension."""
-  return _mx_dot(x, 1, E4M3, w, 0, E4M3, _FWD).astype(out_dtype)
+  return _mx_dot(x, 1, E4M3, w, 0, E4M3, _FWD, FPROP).astype(out_dtype)
 
 
 def _mx_fwd(out_dtype, x, w):
@@ -277,8 +292,8 @@ def _mx_fwd(out_dtype, x, w):
 def _mx_bwd(out_dtype, residuals, g):
   del out_dtype
   x, w = residuals
-  dx = _mx_dot(g, 1, E5M2, w, 1, E4M3, _DGRAD).astype(x.dtype)
-  dw = _mx_dot(x, 0, E4M3, g, 0, E5M2, _WGRAD).astype(w.dtype)
+  dx = _mx_dot(g, 1, E5M2, w, 1, E4M3, _DGRAD, DGRAD).astype(x.dtype)
+  dw = _mx_dot(x, 0, E4M3, g, 0, E5M2, _WGRAD, WGRAD).astype(w.dtype)
   return dx, dw
 
 
@@ -286,14 +301,15 @@ mx_matmul.defvjp(_mx_fwd, _mx_bwd)
 
 
 def matmul(fp8: Fp8, x: jax.Array, w: jax.Array, out_dtype,
-           histories: Optional[tuple[jax.Array, jax.Array, jax.Array]] = None
-           ) -> jax.Array:
+           histories: Optional[tuple[jax.Array, jax.Array, jax.Array]] = None,
+           axis_name: Optional[str] = None) -> jax.Array:
   """`x [n, k] @ w [k, o]` in fp8 as `fp8` says, float32 sums rounded to
-  `out_dtype`; `histories` (x, w, g): delayed scaling's amax histories."""
+  `out_dtype`; `histories` (x, w, g): delayed scaling's amax histories;
+  `axis_name`: the pmap axis whose replicas' amaxes are one tensor's."""
   if fp8.scaling == 'current':
-    return current_matmul(x, w, out_dtype, fp8.margin)
+    return current_matmul(x, w, out_dtype, fp8.margin, axis_name)
   if fp8.scaling == 'delayed':
-    return delayed_matmul(fp8.margin, out_dtype, x, w, *histories)
+    return delayed_matmul(fp8.margin, out_dtype, axis_name, x, w, *histories)
   return mx_matmul(out_dtype, x, w)
 
 

@@ -107,6 +107,8 @@ class Dots:
   matmul_precision: Optional[str] = None
   fp8: Optional[fp8_lib.Fp8] = None
   fp8_targets: tuple[str, ...] = ()
+  # The pmap axis over which fp8 amaxes are reduced (`Precision.under_pmap`).
+  fp8_axis: Optional[str] = None
 
   def runs_fp8(self, class_name: str, path: str) -> bool:
     return (self.fp8 is not None and class_name == FP8_CLASS
@@ -244,7 +246,8 @@ class Linear(hk.Linear):
           hk.get_parameter(name, [config.history_length], jnp.float32,
                            init=jnp.zeros)
           for name in fp8_lib.META_NAMES)
-    return fp8_lib.matmul(config, x, w, jnp.float32, histories)
+    return fp8_lib.matmul(config, x, w, jnp.float32, histories,
+                          self.dots.fp8_axis)
 
 
 def _biased_and_rounded(sums: jax.Array, b: Optional[jax.Array],

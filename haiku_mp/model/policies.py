@@ -117,11 +117,21 @@ class Precision:
   dot_form: str = 'auto'  # How half matmuls run (see half_dot.py).
   fp8: Optional[fp8_lib.Fp8] = None  # fp8 matmuls' scaling; None: no fp8.
   fp8_targets: tuple[str, ...] = ()  # The modules whose Linears run fp8.
+  fp8_axis: Optional[str] = None  # See `under_pmap`.
 
   @property
   def dots(self) -> half_dot.Dots:
     return half_dot.Dots(self.dot_form, self.matmul_precision, self.fp8,
-                         self.fp8_targets)
+                         self.fp8_targets, self.fp8_axis)
+
+  def under_pmap(self, axis_name: str) -> 'Precision':
+    """This precision for a forward pass traced inside `pmap` over
+    `axis_name`: fp8 amaxes are reduced over its replicas, so that each
+    scales as one device would (a forward outside pmap, as `init`, cannot
+    name the axis)."""
+    if self.fp8 is None:
+      return self
+    return dataclasses.replace(self, fp8_axis=axis_name)
 
   def runs_fp8(self, class_name: str, path: str) -> bool:
     return self.dots.runs_fp8(class_name, path)

@@ -209,7 +209,13 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
       half_params=precision.half_params)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
   init_state = _init_state_fn(config, forward, optimizer, scaler)
-  loss_fn = step_lib.make_classification_loss(forward, config.label_smoothing)
+  # The steps' forward: under pmap, fp8 scales from every replica's amaxes.
+  step_forward = forward
+  if config.parallel.strategy == 'pmap' and precision.fp8 is not None:
+    step_forward = forward_lib.make_forward(
+        config.model, precision.under_pmap(sharding.BATCH), remat=config.remat)
+  loss_fn = step_lib.make_classification_loss(step_forward,
+                                              config.label_smoothing)
   batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
   private = dp_sgd.from_config(
       config.privacy, config.batch_size, num_train_examples, total_steps,
@@ -224,7 +230,8 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
                            config.eval_batch_size, augment.mixes(config.data))
   strategy = strategies.make_strategy(
       config.parallel.strategy, mesh, strategies.Model(
-          forward, optimizer, scaler, init_state, train_inputs=train_inputs,
+          step_forward, optimizer, scaler, init_state,
+          train_inputs=train_inputs,
           eval_inputs=functools.partial(augment.eval_inputs, config.data),
           gradients=gradients),
       rules=sharding.rules(config.parallel))

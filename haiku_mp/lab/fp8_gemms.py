@@ -1,0 +1,195 @@
+"""Experiment `fp8`: every matmul of the train step, its operands' formats,
+and which kernel the compiled program runs it with.
+
+The lowered program (what JAX hands XLA, on any backend) says which matmuls
+take fp8 operands; only the compiled one says whether the backend made an fp8
+GEMM of them. XLA:GPU's gemm rewriter turns a matched pattern into a cuBLASLt
+custom call whose target names fp8 (`__cublas$lt$matmul$f8`); a pattern it
+does not match falls back to a 16-bit GEMM without a word (flax PR #4686, TE
+PR #547), so the proof is per matmul, in the compiled HLO. XLA:CPU has no fp8
+kernel: it converts f8 operands to f16 and runs a float32 dot (emulated).
+
+Each matmul is named by the module that made it (the HLO op names carry
+Haiku's module scopes) and its pass: ``fprop`` / ``dgrad`` / ``wgrad`` for an
+fp8 Linear's three (`fp8.FPROP` ...), else ``forward`` or ``backward``.
+"""
+
+import collections
+import os
+import re
+from typing import Any, Callable, Optional
+
+import jax
+import ml_collections
+
+from haiku_mp.lab import memory
+from haiku_mp.lab import timing
+from haiku_mp.model import fp8
+from haiku_mp.train import experiment
+
+FP8_TYPES = ('f8e4m3fn', 'f8e5m2')
+# cuBLASLt's fp8 GEMM (XLA:GPU's custom-call target).
+FP8_GEMM_TARGET = '__cublas$lt$matmul$f8'
+_PASSES = {fp8.FPROP: 'fprop', fp8.DGRAD: 'dgrad', fp8.WGRAD: 'wgrad'}
+_INSTRUCTION = re.compile(
+    r'^\s*(?:ROOT )?%?([\w.\-]+) = (\(?[\w\[\]{},: ]+?\)?) (\S+?)\((.*)$')
+_VALUE_TYPE = re.compile(r'^(\w+)\[')
+_OPERANDS = re.compile(r'%?([\w.\-]+)')
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def _op_fields(line: str) -> Optional[tuple[str, str, str, str]]:
+  """(name, type, opcode, rest) of an HLO instruction line."""
+  match = _INSTRUCTION.match(line)
+  return match and match.groups()
+
+
+def hlo_matmuls(hlo_text: str) -> list[dict[str, Any]]:
+  """Every matmul of an HLO module's text: `dot` instructions and the
+  matmul custom calls a backend rewrites them into (cuBLAS, cuBLASLt, oneDNN),
+  with their operand element types, op name and (custom calls) target."""
+  found, types = [], {}
+  for line in hlo_text.splitlines():
+    if line.rstrip().endswith('{'):  # A new computation: names of its own.
+      types = {}
+    fields = _op_fields(line)
+    if not fields:
+      continue
+    name, value_type, opcode, rest = fields
+    if (match := _VALUE_TYPE.match(value_type)):
+      types[name] = match.group(1)
+    target = _TARGET.search(rest)
+    is_matmul = opcode == 'dot' or (
+        opcode == 'custom-call' and target and
+        re.search(r'cublas|matmul|gemm', target.group(1)))
+    if not is_matmul:
+      continue
+    args = rest.split(')', 1)[0]
+    operands = [types.get(o, '?') for o in _OPERANDS.findall(args)[:2]]
+    op_name = _OP_NAME.search(rest)
+    found.append(dict(opcode=opcode,
+                      target=target.group(1) if target else '',
+                      operands=operands,
+                      op_name=op_name.group(1) if op_name else ''))
+  return found
+
+
+def locate(op_name: str, module_paths: list[str]) -> tuple[str, str]:
+  """(module, pass) of a matmul from its HLO op name: the longest module
+  path its scopes begin with, and fprop / dgrad / wgrad (an fp8 Linear's) or
+  forward / backward."""
+  scopes = op_name.split('/', 1)[1] if '/' in op_name else op_name
+  path = memory.module_path(scopes)
+  module = max((m for m in module_paths
+                if path == m or path.startswith(m + '/')), key=len,
+               default='(outside the model)')
+  parts = set(path.split('/'))
+  pass_ = next((p for scope, p in _PASSES.items() if scope in parts), None)
+  if pass_ is None:
+    pass_ = 'backward' if 'transpose(' in op_name else 'forward'
+  return module, pass_
+
+
+def _kernel(compiled: list[dict[str, Any]]) -> str:
+  """What the compiled program runs for one lowered matmul."""
+  if not compiled:
+    return 'fused or removed'
+  targets = sorted({c['target'] or c['opcode'] for c in compiled})
+  return ', '.join(targets)
+
+
+def _verdict(row: dict[str, Any], compiled: list[dict[str, Any]],
+             backend: str) -> str:
+  """Whether an fp8 matmul became an fp8 GEMM, or why not."""
+  if not row['fp8_operands']:
+    return '-'
+  if backend == 'cpu':
+    return ('emulated: XLA:CPU has no fp8 GEMM (f8 converted to f16, a '
+            'float32 dot)')
+  if any(c['target'] == FP8_GEMM_TARGET for c in compiled):
+    return 'fp8 GEMM'
+  if not compiled:
+    return 'no GEMM of its own (fused or removed by XLA)'
+  return ('NOT an fp8 GEMM: the rewriter did not match the pattern (a stray '
+          'op between quantize and dot, or a GPU below compute capability '
+          '8.9); ran as ' + _kernel(compiled))
+
+
+def run(config: ml_collections.ConfigDict, compile_step: bool = True,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+  """The train step's matmuls for `config` (its batch size and strategy):
+  one row per matmul with its module, pass and operand formats, and with
+  `compile_step`, the kernel the backend compiled it to."""
+  exp = experiment.build_without_data(config)
+  lowered = timing.lower_train_step(exp)
+  lowered_text = lowered.compiler_ir('hlo').get_hlo_module().to_string()
+  paths = sorted({c.path for c in exp.module_calls})
+  classes = {c.path: c.class_name for c in exp.module_calls}
+  backend = jax.default_backend()
+  by_op = collections.defaultdict(list)
+  compiled_text = None
+  if compile_step:
+    log('compiling the train step ...')
+    compiled_text = lowered.compile().as_text()
+    for c in hlo_matmuls(compiled_text):
+      by_op[c['op_name']].append(c)
+  rows = []
+  for m in hlo_matmuls(lowered_text):
+    module, pass_ = locate(m['op_name'], paths)
+    row = dict(module=module, pass_=pass_, lhs=m['operands'][0],
+               rhs=m['operands'][1],
+               fp8_operands=any(t in FP8_TYPES for t in m['operands']),
+               runs_fp8=exp.precision.runs_fp8(classes.get(module, ''),
+                                               module))
+    if compiled_text is not None:
+      compiled = by_op.get(m['op_name'], [])
+      row['kernel'] = _kernel(compiled)
+      row['fp8_gemm'] = _verdict(row, compiled, backend)
+    rows.append({('pass' if k == 'pass_' else k): v for k, v in row.items()})
+  fp8_rows = [r for r in rows if r['fp8_operands']]
+  result = dict(
+      experiment='fp8', backend=backend, jax_version=jax.__version__,
+      device=str(jax.devices()[0].device_kind),
+      batch_size=config.batch_size,
+      scaling=exp.precision.fp8.describe() if exp.precision.fp8 else 'off',
+      fp8_modules=config.precision.fp8.modules,
+      matmuls=rows, fp8_matmuls=len(fp8_rows),
+      fp8_linears=sum(1 for p, c in classes.items()
+                      if exp.precision.runs_fp8(c, p)))
+  if compiled_text is not None:
+    result['fp8_gemms'] = sum(1 for c in hlo_matmuls(compiled_text)
+                              if c['target'] == FP8_GEMM_TARGET)
+  return result
+
+
+def table(result: dict[str, Any]) -> str:
+  """The rows as a plain-text table."""
+  columns = ['module', 'pass', 'lhs', 'rhs']
+  if result['matmuls'] and 'kernel' in result['matmuls'][0]:
+    columns += ['kernel', 'fp8_gemm']
+  lines = [[str(r[c]) for c in columns] for r in result['matmuls']]
+  widths = [max(len(x) for x in [c, *(l[i] for l in lines)])
+            for i, c in enumerate(columns)]
+  fmt = lambda cells: '  '.join(c.ljust(w) for c, w in zip(cells, widths))
+  return '\n'.join([fmt(columns), fmt(['-' * w for w in widths]),
+                    *(fmt(l).rstrip() for l in lines)])
+
+
+def write_table(result: dict[str, Any], out_dir: str) -> list[str]:
+  """`fp8_matmuls.txt`: the table and its summary line (no plot: a list
+  says more here than a picture)."""
+  path = os.path.join(out_dir, 'fp8_matmuls.txt')
+  with open(path, 'w') as f:
+    f.write(summary(result) + '\n\n' + table(result) + '\n')
+  return [path]
+
+
+def summary(result: dict[str, Any]) -> str:
+  line = (f'{len(result["matmuls"])} matmuls in the train step; '
+          f'{result["fp8_matmuls"]} on fp8 operands ({result["fp8_linears"]} '
+          f'fp8 Linear x fprop, dgrad, wgrad; scaling {result["scaling"]})')
+  if 'fp8_gemms' in result:
+    line += (f'; the compiled program ({result["backend"]}, '
+             f'{result["device"]}) holds {result["fp8_gemms"]} fp8 GEMMs')
+  return line
