@@ -18,6 +18,7 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import chex
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -26,12 +27,14 @@ import numpy as np
 from haiku_mp import errors
 from haiku_mp.model import module_table
 from haiku_mp.train import experiment
+from haiku_mp.train import step as step_lib
 import tests
 from tests import helpers
 from tests import signal_at_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP16 = 'params=float32,compute=float16,output=float32'
+BF16 = 'params=float32,compute=bfloat16,output=float32'
 LAYOUTS = (('single', None), ('pmap', (8, 1)), ('pjit', (8, 1)),
            ('pjit', (4, 2)))
 BAD_STEP = 2  # This step's batch holds an inf: every strategy must skip it.
@@ -120,6 +123,45 @@ class StrategiesAgreeTest(parameterized.TestCase):
       config.remat = 'dots'
       np.testing.assert_allclose(_uint8_losses(config), plain, rtol=2e-5,
                                  err_msg=strategy)
+
+
+class Fp8StrategiesAgreeTest(parameterized.TestCase):
+
+  @parameterized.parameters('current', 'delayed')
+  def test_fp8_steps_agree_on_every_strategy(self, scaling):
+    """fp8 scales come from amaxes over the whole batch on every strategy
+    (pmap reduces them over its replicas), so every layout takes the steps
+    one device takes; delayed scaling's histories stay equal too."""
+    results = {}
+    for strategy, mesh_shape in (('single', None), ('pmap', (8, 1)),
+                                 ('pjit', (4, 2))):
+      config = _config(strategy, mesh_shape, BF16, 'none')
+      config.precision.fp8.modules = '*/encoder_block_*'
+      config.precision.fp8.scaling = scaling
+      config.precision.fp8.history_length = 4
+      par = _setup(config)
+      state = par.init_state()
+      losses = []
+      for step in range(3):
+        batch = helpers.random_batch(config, config.batch_size, seed=step)
+        state, metrics = par.train_step(state, par.place_batch(batch))
+        losses.append(float(par.unreplicate(metrics)['loss']))
+      histories, _ = step_lib.split_fp8(
+          jax.device_get(par.unreplicate(state).params))
+      results[strategy] = (losses, histories)
+    want_losses, want_histories = results['single']
+    # Delayed scaling: 3 histories per fp8 Linear, 6 Linears per block.
+    self.assertLen(jax.tree.leaves(want_histories),
+                   3 * 6 * 2 if scaling == 'delayed' else 0)
+    for strategy, (losses, histories) in results.items():
+      # Without the amaxes reduced over pmap's replicas, its losses are
+      # 7e-5 to 8e-5 away by the third step.
+      np.testing.assert_allclose(losses, want_losses, rtol=1e-5,
+                                 err_msg=strategy)
+      # The newest output-gradient amaxes are bfloat16 values a few ulps
+      # apart (another reduction order); a history in another unit (a
+      # replica's gradient is 8x the batch's) would be 700% off.
+      chex.assert_trees_all_close(histories, want_histories, rtol=0.05)
 
 
 class ShardingRulesTest(parameterized.TestCase):

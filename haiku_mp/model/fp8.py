@@ -186,9 +186,11 @@ def current_matmul(x: jax.Array, w: jax.Array, out_dtype,
                    margin: float = 0.0,
                    axis_name: Optional[str] = None) -> jax.Array:
   """`x [n, k] @ w [k, o]` in fp8, every tensor scaled by its own amax."""
-  x_scale = jax.lax.stop_gradient(
-      scale_from_amax(amax(x, axis_name), E4M3, margin))
-  w_scale = jax.lax.stop_gradient(scale_from_amax(amax(w), E4M3, margin))
+  # Scales are constants of the step: no derivative flows through an amax
+  # (nor could one through pmax, which has none).
+  x_scale = scale_from_amax(amax(jax.lax.stop_gradient(x), axis_name), E4M3,
+                            margin)
+  w_scale = scale_from_amax(amax(jax.lax.stop_gradient(w)), E4M3, margin)
   return tensor_scaled_matmul(margin, out_dtype, axis_name, x, w, x_scale,
                               w_scale, jnp.float32(-1.0))
 
@@ -220,16 +222,27 @@ def _delayed_fwd(margin, out_dtype, axis_name, x, w, x_history, w_history,
                _dtype_of(x), _dtype_of(w))
 
 
+def _replicas(axis_name: Optional[str]) -> float:
+  """How many replicas share the batch: under pmap each one's output
+  gradient is that of its own share's mean loss, `_replicas` times the
+  gradient of the whole batch's mean loss that one device sees."""
+  return 1.0 if axis_name is None else float(jax.lax.psum(1, axis_name))
+
+
 def _delayed_bwd(margin, out_dtype, axis_name, residuals, g):
   del out_dtype
   qx, qw, x_scale, w_scale, new_x, new_w, g_history, x_dtype, w_dtype = (
       residuals)
   x_dtype, w_dtype = x_dtype.dtype, w_dtype.dtype
-  g_scale = _history_scale(g_history, E5M2, margin)
+  # The history holds amaxes of the whole batch's gradient, as on one
+  # device, so that a checkpoint's histories are the same on any strategy.
+  replicas = _replicas(axis_name)
+  g_scale = _history_scale(g_history, E5M2, margin) * replicas
   qg = quantize(g, E5M2, g_scale)
   dx = _scaled_dot(qg, qw, _DGRAD, g_scale * w_scale, DGRAD).astype(x_dtype)
   dw = _scaled_dot(qx, qg, _WGRAD, x_scale * g_scale, WGRAD).astype(w_dtype)
-  return dx, dw, new_x, new_w, roll_history(g_history, amax(g, axis_name))
+  g_amax = amax(g, axis_name) / replicas
+  return dx, dw, new_x, new_w, roll_history(g_history, g_amax)
 
 
 delayed_matmul.defvjp(_delayed_fwd, _delayed_bwd)
