@@ -158,10 +158,17 @@ class Fp8StrategiesAgreeTest(parameterized.TestCase):
       # 7e-5 to 8e-5 away by the third step.
       np.testing.assert_allclose(losses, want_losses, rtol=1e-5,
                                  err_msg=strategy)
-      # The newest output-gradient amaxes are bfloat16 values a few ulps
-      # apart (another reduction order); a history in another unit (a
-      # replica's gradient is 8x the batch's) would be 700% off.
-      chex.assert_trees_all_close(histories, want_histories, rtol=0.05)
+      # Amaxes of the first two steps agree closely; the third step's
+      # output gradients come from params that Adam already moved apart
+      # where gradients are near zero (as in bfloat16 without fp8), so its
+      # amaxes are up to ~6% apart. A history in another unit (a replica's
+      # gradient is 8x the whole batch's) would be 700% off.
+      older = lambda tree: jax.tree.map(lambda h: h[1:], tree)
+      newest = lambda tree: jax.tree.map(lambda h: h[0], tree)
+      chex.assert_trees_all_close(older(histories), older(want_histories),
+                                  rtol=1e-2)
+      chex.assert_trees_all_close(newest(histories), newest(want_histories),
+                                  rtol=0.25)
 
 
 class ShardingRulesTest(parameterized.TestCase):
