@@ -11,10 +11,11 @@ python -m launch.train --config=configs/vit_fp8.py --workdir=runs/fp8
 """
 
 from configs import vit_bf16
+from haiku_mp.model import fp8
 
 
 def get_config():
   config = vit_bf16.get_config()
-  config.precision.fp8.modules = '*/encoder_block_*'
+  config.precision.fp8.modules = fp8.DEFAULT_MODULES
   config.precision.fp8.scaling = 'current'
   return config

@@ -39,7 +39,6 @@ import json
 
 from absl import app
 from absl import flags
-import jax.numpy as jnp
 from ml_collections import config_flags
 
 from haiku_mp import errors
@@ -49,7 +48,7 @@ from haiku_mp.lab import loop_benchmark
 from haiku_mp.lab import pipeline_benchmark
 from haiku_mp.lab import step_benchmark
 from haiku_mp.lab import timing
-from haiku_mp.model import forward as forward_lib
+from haiku_mp.lab import variants
 from haiku_mp.parallel import sharding
 from haiku_mp.train import compilation_cache
 from haiku_mp.train import in_flight
@@ -61,7 +60,8 @@ _STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps (the median is kept).')
 _WARMUP = flags.DEFINE_integer('warmup_steps', 1, 'Untimed steps first.')
 _DTYPES = flags.DEFINE_list(
     'dtypes', [], 'Compute dtypes to time in one run (default: the config\'s '
-    'own); ratios are to the first.')
+    'own), or fp8_current, fp8_delayed, fp8_mx (bfloat16 with fp8 matmuls); '
+    'ratios are to the first.')
 _JSON = flags.DEFINE_bool('json', False,
                           'End with one JSON object of every figure.')
 _CEILING = flags.DEFINE_integer(
@@ -213,8 +213,7 @@ def main(argv):
   if _PIPELINE.value:
     _pipeline(config)
     return
-  dtypes = _DTYPES.value or [
-      jnp.dtype(forward_lib.make_precision(config).policy.compute_dtype).name]
+  dtypes = _DTYPES.value or [variants.variant_name(config)]
   if _LOOP.value:
     # Each round is a run: from its second on, it loads its compiled steps.
     compilation_cache.use(config.compilation_cache_dir)

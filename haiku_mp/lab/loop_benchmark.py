@@ -22,7 +22,6 @@ import tempfile
 from typing import Any, Callable, Sequence
 
 from absl import logging
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -32,7 +31,6 @@ from haiku_mp.lab import plots
 from haiku_mp.lab import step_benchmark
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
-from haiku_mp.model import forward as forward_lib
 from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
 from haiku_mp.train import loop
@@ -127,7 +125,7 @@ def _row(config: ml_collections.ConfigDict, steps: int, loop_rounds: list,
   step_images = float(np.median(step_rounds))
   return dict(
       **step_benchmark.machine(),
-      dtype=jnp.dtype(forward_lib.make_precision(config).policy.compute_dtype).name,
+      dtype=variants.variant_name(config),
       policy=config.precision.policy,
       source=config.data.source,
       strategy=config.parallel.strategy,

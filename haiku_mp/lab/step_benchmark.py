@@ -126,7 +126,7 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
   private = step.experiment.privacy
   return dict(
       **machine(),
-      dtype=dtype.name,
+      dtype=variants.variant_name(config),
       dot_form=form,
       policy=config.precision.policy,
       # DP-SGD: its batch is padded to train_batch_size rows, batch_size of

@@ -12,11 +12,14 @@ from typing import Optional
 import jax.numpy as jnp
 import ml_collections
 
+from haiku_mp.model import fp8
 from haiku_mp.model import policies
 from haiku_mp.parallel import sharding
 
 # The compute dtypes and batch sizes an experiment compares by default.
 DTYPES = ('float32', 'bfloat16', 'float16')
+# Variants beside the dtypes: bfloat16 compute with fp8 matmuls per scaling.
+FP8_VARIANTS = tuple(fp8.VARIANT_PREFIX + s for s in fp8.SCALINGS)
 BATCH_SIZES = (128, 1024, 4096)
 
 
@@ -26,11 +29,25 @@ def compute_dtype(config: ml_collections.ConfigDict) -> str:
       config.precision.policy).compute_dtype).name
 
 
+def variant_name(config: ml_collections.ConfigDict) -> str:
+  """The config's variant as `in_compute_dtype` names it: its compute dtype,
+  or `fp8_<scaling>` when it runs fp8 matmuls."""
+  if config.precision.fp8.modules.strip():
+    return fp8.VARIANT_PREFIX + config.precision.fp8.scaling
+  return compute_dtype(config)
+
+
 def in_compute_dtype(config: ml_collections.ConfigDict, dtype: str
                      ) -> ml_collections.ConfigDict:
   """A copy of `config` computing in `dtype` (params and outputs as they
-  were); float16 gets dynamic loss scaling when the config has none, as
-  configs/vit_fp16.py does."""
+  were) without fp8 matmuls; float16 gets dynamic loss scaling when the
+  config has none, as configs/vit_fp16.py does. An `FP8_VARIANTS` name
+  (`fp8_delayed`) is bfloat16 compute with fp8 matmuls in the config's fp8
+  modules (`fp8.DEFAULT_MODULES` if none) at that scaling."""
+  scaling = None
+  if dtype.startswith(fp8.VARIANT_PREFIX):
+    scaling = dtype[len(fp8.VARIANT_PREFIX):]
+    dtype = fp8.COMPUTE_DTYPE
   policy = policies.parse_policy(config.precision.policy)
   name = lambda d: jnp.dtype(d).name
   text = (f'params={name(policy.param_dtype)},compute={dtype},'
@@ -38,6 +55,12 @@ def in_compute_dtype(config: ml_collections.ConfigDict, dtype: str
   policies.parse_policy(text, setting=f'sweep dtype {dtype!r}')
   config = copy.deepcopy(config)
   config.precision.policy = text
+  if scaling is None:
+    config.precision.fp8.modules = ''
+  else:
+    config.precision.fp8.scaling = scaling
+    config.precision.fp8.modules = (config.precision.fp8.modules.strip() or
+                                    fp8.DEFAULT_MODULES)
   if dtype == 'float16' and config.loss_scale.kind == 'none':
     config.loss_scale.kind = 'dynamic'
   return config

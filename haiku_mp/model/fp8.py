@@ -47,6 +47,14 @@ from haiku_mp import errors
 E4M3 = jnp.float8_e4m3fn  # Weights and activations: more precision.
 E5M2 = jnp.float8_e5m2  # Output gradients: more range.
 SCALINGS = ('current', 'delayed', 'mx')
+# What runs fp8 unless told otherwise (the :fp8 configs, the lab's fp8
+# variants): the encoder blocks' Linear layers, as Transformer Engine and
+# torchao leave the first and last layers in 16 bits.
+DEFAULT_MODULES = '*/encoder_block_*'
+# The compute the matmuls around fp8 ones run in.
+COMPUTE_DTYPE = 'bfloat16'
+# The lab's name of a variant: `fp8_` + its scaling ('fp8_current', ...).
+VARIANT_PREFIX = 'fp8_'
 MX_BLOCK = 32  # Values per MX scale (the OCP MX spec's block size).
 # A delayed-scaling Linear's amax histories (float32 [history_length]): its
 # input `x`, its weight `w` and its output gradient `g`.
