@@ -38,6 +38,10 @@ TINY = ['--config.data.source=synthetic', '--config.num_train_steps=2',
 _ABSL_ERROR = re.compile(r'^E\d{4} ')
 
 
+# fp8 matmuls need a bfloat16 (or float32) compute dtype: the base run's is
+# float16.
+_BF16 = '--config.precision.policy=p=f32,c=bf16,o=f32'
+
 def _train(workdir, *flags, devices=8, config='configs/vit_fp16.py'):
   return helpers.run_module('launch.train', f'--config={config}',
                             f'--workdir={workdir}', *TINY, *flags,
@@ -100,11 +104,11 @@ class BadInputTest(parameterized.TestCase):
        'error: --config=configs/vit_fp61.py: no such file; the configs are '
        'configs/base.py, configs/vit_bf16.py, configs/vit_cpu.py, '
        'configs/vit_cpu_recipe.py, configs/vit_fp16.py, configs/vit_fp32.py, '
-       'configs/vit_recipe.py'),
-      ('config_variant_unknown', ['--config=configs/vit_cpu.py:fp8',
+       'configs/vit_fp8.py, configs/vit_recipe.py'),
+      ('config_variant_unknown', ['--config=configs/vit_cpu.py:fp4',
                                   'WORKDIR'],
-       "error: --config=configs/vit_cpu.py:fp8: unknown variant 'fp8'; "
-       "expected one of ('fp32', 'bf16', 'fp16')"),
+       "error: --config=configs/vit_cpu.py:fp4: unknown variant 'fp4'; "
+       "expected one of ('fp32', 'bf16', 'fp16', 'fp8')"),
       ('required_flag_missing', ['--config=configs/vit_fp16.py'],
        'error: --workdir is required'),
       # A missing file failed every override of its fields with a 58-line
@@ -118,7 +122,7 @@ class BadInputTest(parameterized.TestCase):
        'error: --config=configs/vit_fp32.py:bf16: configs/vit_fp32.py takes '
        'no variant (:bf16); the configs that do are configs/vit_cpu.py, '
        'configs/vit_cpu_recipe.py, configs/vit_recipe.py (:VARIANT, one of '
-       "('fp32', 'bf16', 'fp16'))"))
+       "('fp32', 'bf16', 'fp16', 'fp8'))"))
   def test_command_line(self, args, message):
     before = _digest(self.finished)
     args = [f'--workdir={self.finished}' if a == 'WORKDIR' else a
@@ -163,6 +167,26 @@ class BadInputTest(parameterized.TestCase):
        "precision.residual_stream: unknown value 'f32'"),
       ('unknown_dot_form', ['--config.precision.dot_form=fast'],
        "precision.dot_form: unknown value 'fast'"),
+      ('unknown_fp8_scaling', ['--config.precision.fp8.scaling=rowwise'],
+       "precision.fp8.scaling: unknown value 'rowwise'; expected one of "
+       "('current', 'delayed', 'mx')"),
+      ('fp8_history_below_one', ['--config.precision.fp8.history_length=0'],
+       'precision.fp8.history_length=0 must be an integer >= 1'),
+      ('fp8_negative_margin', ['--config.precision.fp8.margin=-2'],
+       'precision.fp8.margin=-2 must be a finite number >= 0'),
+      ('fp8_target_matching_nothing',
+       ['--config.precision.fp8.modules=*/decoder', _BF16],
+       "precision.fp8.modules: target '*/decoder' matches no module class or "
+       'module path'),
+      ('fp8_on_a_module_without_fp8_matmuls',
+       ['--config.precision.fp8.modules=LayerNorm', _BF16],
+       "precision.fp8.modules: target 'LayerNorm' selects no Linear "
+       '(LayerNorm): only Linear layers run fp8 matmuls'),
+      ('fp8_under_float16',
+       ['--config.precision.fp8.modules=*/encoder_block_*',
+        '--config.precision.policy=p=f32,c=f16,o=f32'],
+       'precision.fp8.modules: fp8 matmuls need a bfloat16 or float32 '
+       'compute dtype, not float16'),
       ('unknown_remat', ['--config.remat=some'],
        "remat: unknown value 'some'"),
       ('dropout_rate_out_of_range', ['--config.model.dropout_rate=1.5'],
@@ -186,6 +210,10 @@ class BadInputTest(parameterized.TestCase):
       ('privacy_delta_out_of_range', ['--config.privacy.enabled=true',
                                       '--config.privacy.delta=2'],
        'privacy.delta=2.0 must be in (0, 1)'),
+      ('fp8_with_privacy', ['--config.privacy.enabled=true', _BF16,
+                            '--config.precision.fp8.modules=*/encoder_block_*'],
+       "precision.fp8.modules='*/encoder_block_*' with privacy.enabled: "
+       'DP-SGD clips per-example gradients'),
       ('unknown_augmentation_policy', ['--config.data.policy=trivialaugment'],
        "data.policy: unknown value 'trivialaugment'; expected one of ('none', "
        "'randaugment', 'autoaugment')"),

@@ -276,6 +276,9 @@ class CommandLineTest(parameterized.TestCase):
       (['--loop', '--pipeline'], '--pipeline and --loop are different'),
       (['--loop', '--steps=20'], '--steps=20 is less than two log windows'),
       (['--dtypes=float32,float8'], '--dtypes (float8)'),
+      (['--dtypes=bfloat16,fp8_rowwise'], "--dtypes: unknown value "
+       "'fp8_rowwise'; expected one of ('fp8_current', 'fp8_delayed', "
+       "'fp8_mx')"),
       (['--steps=0'], '--steps=0 must be at least 1'),
       (['--pipeline', '--rounds=0'], '--rounds=0 must be at least 1'),
       (['--warmup_steps=-1'], '--warmup_steps=-1 must be at least 0'),

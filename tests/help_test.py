@@ -145,11 +145,11 @@ class HelpCommandTest(parameterized.TestCase):
     self.assertIn('compute=bfloat16', fields['precision.policy'][0][0])
 
   def test_help_with_a_config_that_does_not_load_still_exits_0(self):
-    result = _help('launch.tabulate', '--config=configs/vit_cpu.py:fp8',
+    result = _help('launch.tabulate', '--config=configs/vit_cpu.py:fp4',
                    '-?')
     self.assertEqual(result.returncode, 0, result.stderr)
-    self.assertIn("--config=configs/vit_cpu.py:fp8 cannot be loaded: unknown "
-                  "variant 'fp8'", result.stdout)
+    self.assertIn("--config=configs/vit_cpu.py:fp4 cannot be loaded: unknown "
+                  "variant 'fp4'", result.stdout)
     self.assertEqual(set(_field_lines(result.stdout)), set(_base_fields()))
 
   def test_helpfull_stays_absls(self):

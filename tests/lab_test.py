@@ -507,7 +507,7 @@ class CommandLineTest(parameterized.TestCase):
   @parameterized.parameters(
       (['sweepp'], "expected one experiment of ('params', 'sweep', 'memory', "
                    "'precision', 'matmul', 'profile', 'dot_algorithms', "
-                   "'report', 'advise')"),
+                   "'fp8', 'report', 'advise')"),
       (['advise', '--batches=0'], '--batches=0 must be at least 1'),
       (['advise', '--level=deep'],
        "--level: unknown value 'deep'; expected one of"),

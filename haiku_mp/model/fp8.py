@@ -37,7 +37,7 @@ amaxes that grow between steps (delayed) or across a block.
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -335,7 +335,36 @@ def matmul(fp8: Fp8, x: jax.Array, w: jax.Array, out_dtype,
 
 
 def is_meta(module_name: str, name: str, value=None) -> bool:
-  """Whether a param is an fp8 amax history (`hk.data_structures.partition`'s
-  predicate)."""
+  """Whether a param is an fp8 amax history."""
   del module_name, value
   return name in META_NAMES
+
+
+def split_meta(tree: Mapping[str, Any]) -> tuple[dict, dict]:
+  """(the amax histories, everything else) of a params tree (or one of the
+  same structure: gradients, shardings), each a nested dict without empty
+  branches. Any nesting of mappings: Haiku's two levels, or a flat dict."""
+  meta, rest = {}, {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      sub_meta, sub_rest = split_meta(value)
+      if sub_meta:
+        meta[key] = sub_meta
+      if sub_rest or not sub_meta:
+        rest[key] = sub_rest
+    elif key in META_NAMES:
+      meta[key] = value
+    else:
+      rest[key] = value
+  return meta, rest
+
+
+def merge_meta(rest: Mapping[str, Any], meta: Mapping[str, Any]) -> dict:
+  """`split_meta` undone: `rest` with `meta`'s leaves put back."""
+  merged = dict(rest)
+  for key, value in meta.items():
+    if isinstance(value, Mapping):
+      merged[key] = merge_meta(rest.get(key, {}), value)
+    else:
+      merged[key] = value
+  return merged

@@ -11,7 +11,6 @@ import math
 import re
 from typing import Optional, Sequence
 
-import haiku as hk
 import jax
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
@@ -142,7 +141,7 @@ def state_shardings(state, params_spec, optimizer: optax.GradientTransformation,
   param_shardings = jax.tree.map(named, params_spec,
                                  is_leaf=lambda x: isinstance(x, P))
   # The optimizer holds no fp8 amax histories (step.split_fp8).
-  _, trained = hk.data_structures.partition(fp8.is_meta, param_shardings)
+  _, trained = fp8.split_meta(param_shardings)
   opt_shardings = optax.tree_map_params(
       optimizer, lambda _, s: s, state.opt_state, trained,
       transform_non_params=lambda _: replicated)

@@ -11,12 +11,12 @@ import time
 from typing import Any, Optional
 
 from absl import logging
-import haiku as hk
 import jax
 from jax.sharding import Mesh
 import ml_collections
 
 from haiku_mp.data import pipeline
+from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import module_table
 from haiku_mp.parallel import sharding
 from haiku_mp.train import checkpoint as checkpoint_lib
@@ -157,7 +157,7 @@ def _ema_params(state: step_lib.TrainState):
   ema = optimizer_lib.ema_params(state.opt_state)
   if ema is None:
     return None
-  return hk.data_structures.merge(ema, step_lib.split_fp8(state.params)[0])
+  return fp8_lib.merge_meta(ema, step_lib.split_fp8(state.params)[0])
 
 
 def _settle(steps: in_flight.InFlight, finished):

@@ -71,7 +71,7 @@ def init_train_state(params: hk.Params,
 
 def split_fp8(tree: hk.Params) -> tuple[hk.Params, hk.Params]:
   """(fp8 amax histories, everything else) of params or their gradients."""
-  return hk.data_structures.partition(fp8_lib.is_meta, tree)
+  return fp8_lib.split_meta(tree)
 
 
 def _cross_replica_mean(tree, axis_name):
@@ -110,7 +110,7 @@ def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
     histories = jax.lax.pmax(histories, axis_name)
   metrics = _cross_replica_mean(dict(aux, loss=loss), axis_name)
   grads = loss_scaler.unscale(loss_scale, grads)
-  return (hk.data_structures.merge(grads, histories), metrics.pop('loss'),
+  return (fp8_lib.merge_meta(grads, histories), metrics.pop('loss'),
           metrics)
 
 
@@ -167,7 +167,7 @@ def make_train_step(gradients_fn: GradientsFn,
     params, opt_state = jmp.select_tree(
         grads_finite, (new_params, new_opt_state),
         (trained, state.opt_state))
-    params = hk.data_structures.merge(params, histories)
+    params = fp8_lib.merge_meta(params, histories)
     skipped_steps = state.skipped_steps + (~grads_finite).astype(jnp.int32)
     new_state = TrainState(
         step=state.step + 1,
