@@ -155,6 +155,14 @@ def get_config() -> ml_collections.ConfigDict:
       # CPU-sized ViT's window was [2^21, 2^24] over its first 8 steps,
       # [2^11, 2^17] after 351). A checkpoint is measured as it is.
       init_steps=200,
+      # fp8 (haiku_mp/lab/fp8_verdicts.py): what E4M3 / E5M2 may cost a Linear's
+      # matmul input, weight or output gradient, relative to its norm (their
+      # own rounding is ~2-3% and ~5% of a well-scaled tensor's).
+      fp8_max_relative_error=0.1,
+      # fp8: share of a tensor's non-zero values that may underflow to zero.
+      fp8_max_underflow_share=0.01,
+      # fp8: share of a tensor's non-zero values that may saturate.
+      fp8_max_saturate_share=0.001,
   ))
 
   config.data = ml_collections.ConfigDict(dict(

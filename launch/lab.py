@@ -209,6 +209,7 @@ def _advise():
     print(f'wrote {path}', flush=True)
   for fmt, suggestion in result['suggestions'].items():
     print(f'{fmt}: ' + ' '.join(suggestion['flags']), flush=True)
+  print('fp8: ' + ' '.join(result['fp8']['suggestion']['flags']), flush=True)
   print(json.dumps(dict(float16_window=result['float16_window'],
                         suggestions=result['suggestions'],
                         cost=result['cost'])))

@@ -253,6 +253,10 @@ _CHECKED_ELSEWHERE = {
     'advisor.max_overflow_share': 'by launch.lab advise',
     'advisor.loss_scale_headroom': 'by launch.lab advise',
     'advisor.init_steps': 'by launch.lab advise',
+    'advisor.fp8_max_relative_error': 'by launch.lab advise',
+    'advisor.fp8_max_underflow_share': 'by launch.lab advise '
+                                       '(tests/lab_test.py)',
+    'advisor.fp8_max_saturate_share': 'by launch.lab advise',
     'precision.fp8.modules': "against the model's modules, as the run is "
                              'built (tests/fp8_test.py, bad_input_test.py)',
 }

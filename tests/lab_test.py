@@ -515,6 +515,8 @@ class CommandLineTest(parameterized.TestCase):
        '--checkpoint=/nonexistent: no checkpoints directory in it'),
       (['advise', '--config.advisor.max_relative_error=2'],
        'advisor.max_relative_error=2.0 must be in [0, 1)'),
+      (['advise', '--config.advisor.fp8_max_underflow_share=2'],
+       'advisor.fp8_max_underflow_share=2 must be in [0, 1]'),
       (['advise', '--config.advisor.loss_scale_headroom=0.5'],
        'advisor.loss_scale_headroom=0.5 must be >= 1'),
       (['advise', '--config.advisor.init_steps=-1'],

@@ -11,6 +11,11 @@ float16 loss scale, measured on the config's model and a few real batches.
    (`numerics`), the float16 shares at the step's loss scale.
 2. Verdicts per module and format, the float16 loss-scale window, and the
    config to paste (`advice`).
+2b. fp8 (`fp8_advice`): at the measured params, one more pass per batch
+   measures each candidate Linear's input, weight and output gradient as
+   E4M3 / E5M2 would hold them under current, delayed and MX scaling
+   (`fp8_probes`); a verdict per scaling (`fp8_verdicts`) and the
+   `precision.fp8.modules` to paste.
 3. `--level=knockout`: one module at a time in the half format (a path
    override on the float32 model), its loss and logits against float32's
    on the same batches, ranked.
@@ -20,6 +25,7 @@ float16 loss scale, measured on the config's model and a few real batches.
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +38,9 @@ import numpy as np
 
 from haiku_mp import errors
 from haiku_mp.data import pipeline
+from haiku_mp.lab import fp8_numerics
+from haiku_mp.lab import fp8_probes
+from haiku_mp.lab import fp8_verdicts
 from haiku_mp.lab import numerics
 from haiku_mp.lab import probes
 from haiku_mp.lab import step_benchmark
@@ -39,6 +48,8 @@ from haiku_mp.lab import timing
 from haiku_mp.lab import variants
 from haiku_mp.lab import verdicts
 from haiku_mp.model import forward as forward_lib
+from haiku_mp.model import fp8
+from haiku_mp.model import half_dot
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import experiment
 from haiku_mp.train import run_dir
@@ -271,6 +282,68 @@ def _suggestion(config, exp, modules, judged: verdicts.Advice, fmt: str
               keep_f32=kept, flags=flags)
 
 
+def fp8_candidates(config: ml_collections.ConfigDict,
+                   exp: experiment.Experiment) -> list[str]:
+  """The Linear layers the fp8 advice judges: those the config's fp8 modules
+  select, or `fp8.DEFAULT_MODULES`'s when it runs none."""
+  targets = tuple(t.strip() for t in
+                  fp8_verdicts.candidates_setting(config).split(';')
+                  if t.strip())
+  return [p for p, c in module_classes(exp).items()
+          if c == half_dot.FP8_CLASS and half_dot.selects(targets, c, p)]
+
+
+def fp8_advice(config: ml_collections.ConfigDict, exp: experiment.Experiment,
+               params, inputs, limits: fp8_verdicts.Fp8Thresholds,
+               log: Callable[[str], None]) -> dict[str, Any]:
+  """The 8-bit verdicts: each candidate Linear's input, weight and output
+  gradient as E4M3 / E5M2 would hold them under every scaling, over
+  `inputs` at `params` (delayed scaling's history is the pass's own: the
+  amaxes of the batches before, up to `precision.fp8.history_length`), a
+  verdict per scaling, and the `precision.fp8.modules` that keeps bfloat16
+  in exactly the layers judged `keep-bf16` at the config's scaling."""
+  fp8_config = config.precision.fp8
+  paths = fp8_candidates(config, exp)
+  stats = fp8_probes.statistics_fn(exp.loss_fn, paths, fp8_config.margin)
+  histories = {p: [] for p in paths}
+  totals = {}
+  for i, batch in enumerate(inputs):
+    delayed = {p: np.max(h[-fp8_config.history_length:], axis=0) if h else
+               np.zeros(2) for p, h in histories.items()}
+    found = jax.device_get(stats.fn(params, jax.random.key(i), batch,
+                                    {p: np.asarray(d, np.float32)
+                                     for p, d in delayed.items()}))
+    for p, vector in found.items():
+      vector = np.asarray(vector, np.float64)
+      size = len(vector) // 3
+      histories[p].append([vector[0], vector[size]])  # x's and g's amax.
+      parts = [vector[k * size:(k + 1) * size] for k in range(3)]
+      totals[p] = ([fp8_numerics.merge(a, b) for a, b in zip(totals[p], parts)]
+                   if p in totals else parts)
+    log(f'advise: fp8 statistics {i + 1}/{len(inputs)}')
+  scaling = fp8_verdicts.scaling_of(config)
+  rows, kept = [], []
+  for p in paths:
+    operands = fp8_verdicts.split(np.concatenate(totals[p]))
+    judged = {s: fp8_verdicts.judge(operands, s, limits)
+              for s in fp8.SCALINGS}
+    if judged[scaling][0] == fp8_verdicts.KEEP_BF16:
+      kept.append(p)
+    rows.append(dict(path=p, verdicts={s: v for s, (v, _) in judged.items()},
+                     reasons={s: r for s, (_, r) in judged.items() if r},
+                     **operands))
+  modules = fp8_verdicts.modules_setting(
+      paths, kept, fp8_verdicts.candidates_setting(config))
+  flags = [f"--config.precision.fp8.modules='{modules}'",
+           f'--config.precision.fp8.scaling={scaling}']
+  if variants.compute_dtype(config) == 'float16':
+    flags.insert(0, '--config.precision.policy=' + verdicts.policy(
+        config.precision.policy, 'bfloat16', 'float32'))
+  return dict(scaling=scaling, thresholds=dataclasses.asdict(limits),
+              modules=rows, keep_bf16=kept,
+              suggestion=dict(modules=modules, flags=flags))
+
+
 def knockout(config: ml_collections.ConfigDict, params, inputs,
              paths: list[str], dtypes: list[str], log: Callable[[str], None]
              ) -> dict[str, list[dict[str, Any]]]:
@@ -346,6 +419,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   the files)."""
   _check(num_batches, level, repeats, checkpoint, config.advisor.init_steps)
   thresholds = verdicts.Thresholds.from_config(config.advisor)
+  fp8_limits = fp8_verdicts.Fp8Thresholds.from_config(config.advisor)
   target = variants.compute_dtype(config)
   formats = [target] if target in HALF_DTYPES else list(HALF_DTYPES)
   reference = variants.float32_reference(config)
@@ -391,6 +465,8 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
       target=target, modules=rows,
       device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
       cpu=step_benchmark.cpu_info())
+  result['fp8'] = fp8_advice(config, exp, state.params, inputs, fp8_limits,
+                             log)
   if level == 'knockout':
     paths = [m.path for m in modules if m.same_as is None]
     result['knockout'] = knockout(reference, state.params, inputs, paths,

@@ -48,6 +48,8 @@ def markdown(result: dict[str, Any]) -> str:
         f'{grad["amax"]:.3g} | '
         f'{grad["f16_flush_share"] + grad["f16_subnormal_share"]:.2g} | '
         f'{_fmt_scale(row["window"])} | {why} |')
+  if 'fp8' in result:
+    lines += fp8_markdown(result['fp8'])
   for fmt, rows in result.get('knockout', {}).items():
     lines += ['', f'## Knockout: one module at a time in {fmt}', '',
               '| module | logits relative error | loss change | finite |',
@@ -59,6 +61,30 @@ def markdown(result: dict[str, Any]) -> str:
             f'{c["ratio"]:.2f}x the train step ({c["train_step_policy"]}, '
             f'{c["train_step_sec"]:.3f} s).', '']
   return '\n'.join(lines)
+
+
+def fp8_markdown(fp8: dict[str, Any]) -> list[str]:
+  """The 8-bit verdicts: the flags, then a row per Linear with each
+  operand's rounding error, underflow and saturation at the advice's
+  scaling."""
+  scaling = fp8['scaling']
+  lines = ['', f'## fp8 ({scaling} scaling): keep {len(fp8["keep_bf16"])} '
+           'Linear layer(s) in bfloat16', '', '```',
+           ' \\\n  '.join(fp8['suggestion']['flags']), '```', '',
+           '| Linear | current | delayed | mx | input E4M3 error / underflow '
+           '| weight E4M3 error / underflow | gradient E5M2 error / underflow '
+           '/ saturate | why bfloat16 |', '|---|---|---|---|---|---|---|---|']
+  for row in fp8['modules']:
+    cell = lambda name: (f'{row[name][scaling]["relative_error"]:.3g} / '
+                         f'{row[name][scaling]["underflow_share"]:.2g}')
+    grad = row['gradient'][scaling]
+    lines.append(
+        f'| {row["path"]} | {row["verdicts"]["current"]} | '
+        f'{row["verdicts"]["delayed"]} | {row["verdicts"]["mx"]} | '
+        f'{cell("input")} | {cell("weight")} | {cell("gradient")} / '
+        f'{grad["saturate_share"]:.2g} | '
+        f'{"; ".join(row["reasons"].get(scaling, []))} |')
+  return lines
 
 
 def plot(result: dict[str, Any], out_dir: str) -> list[str]:
