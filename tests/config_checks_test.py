@@ -26,14 +26,7 @@ from tests import helpers
 
 def _config(**settings):
   """The base config with `settings` ('a.b' keys) set."""
-  config = base.get_config()
-  for path, value in settings.items():
-    *parents, name = path.split('.')
-    parent = config
-    for parent_name in parents:
-      parent = parent[parent_name]
-    parent[name] = value
-  return config
+  return helpers.with_settings(base.get_config(), settings)
 
 
 # (name, settings, message): one setting out of its range each.

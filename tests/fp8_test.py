@@ -50,13 +50,7 @@ def _config(modules='*/encoder_block_*', scaling='current', **settings):
   config.precision.fp8.scaling = scaling
   config.precision.fp8.history_length = 4
   config.batch_size = config.eval_batch_size = 8
-  for key, value in settings.items():
-    node = config
-    *parents, leaf = key.split('.')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return helpers.with_settings(config, settings)
 
 
 def _qdq(x, dtype, scale):

@@ -119,6 +119,17 @@ def tiny_config(policy: str = 'params=float32,compute=float32,output=float32',
   return config
 
 
+def with_settings(config, settings):
+  """`config` with `settings` ({'a.b': value}) set in place; returned."""
+  for path, value in settings.items():
+    *parents, name = path.split('.')
+    node = config
+    for parent in parents:
+      node = node[parent]
+    node[name] = value
+  return config
+
+
 @contextlib.contextmanager
 def dots_as_on(platform: str):
   """Traces `half_dot`'s matmuls in the form they take on `platform` (the

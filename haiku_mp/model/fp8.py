@@ -37,6 +37,7 @@ amaxes that grow between steps (delayed) or across a block.
 
 import dataclasses
 import functools
+import math
 from typing import Any, Mapping, Optional
 
 import jax
@@ -77,13 +78,16 @@ class Fp8:
 
   def __post_init__(self):
     errors.check_choice('precision.fp8.scaling', self.scaling, SCALINGS)
-    if self.history_length < 1:
+    length = self.history_length
+    if not (isinstance(length, int) and not isinstance(length, bool)
+            and length >= 1):
       raise errors.ConfigError(
-          f'precision.fp8.history_length={self.history_length} must be at '
-          'least 1')
-    if not self.margin >= 0:
+          f'precision.fp8.history_length={length} must be an integer >= 1 '
+          '(amaxes kept per tensor)')
+    if not 0 <= self.margin < math.inf:
       raise errors.ConfigError(
-          f'precision.fp8.margin={self.margin:g} must be 0 or more')
+          f'precision.fp8.margin={self.margin:g} must be a finite number '
+          '>= 0 (a power of two of headroom)')
 
   def describe(self) -> str:
     if self.scaling == 'delayed':

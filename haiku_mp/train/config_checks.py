@@ -135,12 +135,7 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
            model.layer_norm_epsilon, 'positive')
   remat.check(config.remat)
   fp8 = config.precision.fp8
-  _require(_is_int(fp8.history_length) and fp8.history_length >= 1,
-           'precision.fp8.history_length', fp8.history_length,
-           'an integer >= 1 (amaxes kept per tensor)')
-  _require(0 <= fp8.margin < math.inf, 'precision.fp8.margin', fp8.margin,
-           'a finite number >= 0 (a power of two of headroom)')
-  forward_lib.make_precision(config)
+  forward_lib.make_precision(config)  # fp8.Fp8 checks its own settings.
   if config.privacy.enabled and fp8.modules.strip():
     raise errors.ConfigError(
         f'precision.fp8.modules={fp8.modules!r} with privacy.enabled: DP-SGD '
