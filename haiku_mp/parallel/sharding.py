@@ -18,7 +18,6 @@ from jax.sharding import PartitionSpec as P
 import optax
 
 from haiku_mp import errors
-from haiku_mp.model import fp8
 
 BATCH = 'batch'
 MODEL = 'model'
@@ -133,17 +132,18 @@ def param_specs(params, rules: Sequence[tuple[str, str]], mesh: Mesh):
   return jax.tree_util.tree_map_with_path(spec_for, params)
 
 
-def state_shardings(state, params_spec, optimizer: optax.GradientTransformation,
-                    mesh: Mesh):
-  """NamedShardings of a TrainState: params by rule, optimizer state alike."""
+def state_shardings(state, params_spec, trained_spec,
+                    optimizer: optax.GradientTransformation, mesh: Mesh):
+  """NamedShardings of a TrainState: params by rule (`params_spec`),
+  optimizer state alike (`trained_spec`: the specs of the params the
+  optimizer holds)."""
   named = lambda spec: NamedSharding(mesh, spec)
+  is_spec = lambda x: isinstance(x, P)
   replicated = named(P())
-  param_shardings = jax.tree.map(named, params_spec,
-                                 is_leaf=lambda x: isinstance(x, P))
-  # The optimizer holds no fp8 amax histories (step.split_fp8).
-  _, trained = fp8.split_meta(param_shardings)
+  param_shardings = jax.tree.map(named, params_spec, is_leaf=is_spec)
   opt_shardings = optax.tree_map_params(
-      optimizer, lambda _, s: s, state.opt_state, trained,
+      optimizer, lambda _, s: s, state.opt_state,
+      jax.tree.map(named, trained_spec, is_leaf=is_spec),
       transform_non_params=lambda _: replicated)
   return state._replace(
       step=replicated, params=param_shardings, opt_state=opt_shardings,

@@ -239,8 +239,10 @@ class Pjit(Strategy):
   def __init__(self, mesh, model, rules=()):
     super().__init__(mesh, model)
     specs = sharding.param_specs(self.abstract_state.params, rules, mesh)
+    # The optimizer holds no fp8 amax histories (step.split_fp8).
+    _, trained_specs = step_lib.split_fp8(specs)
     self.state_shardings = sharding.state_shardings(
-        self.abstract_state, specs, model.optimizer, mesh)
+        self.abstract_state, specs, trained_specs, model.optimizer, mesh)
     self._batch = NamedSharding(mesh, P(sharding.BATCH))
     replicated = NamedSharding(mesh, P())
     self.train_step = jax.jit(
