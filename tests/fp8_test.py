@@ -196,6 +196,8 @@ class MxTest(absltest.TestCase):
     x = rng.standard_normal((4, 96)).astype(np.float32)
     x *= np.repeat(np.exp2(rng.integers(-30, 30, (4, 3))), 32, axis=1)
     x[1, 32:64] = 0.0  # A zero block: scale 1.
+    x[2, 64:96] = 1.0
+    x[2, 70] = 448.0 * 4  # The largest value exactly: scale 4, not 8.
     scales = np.asarray(fp8.mx_block_scales(jnp.asarray(x), fp8.E4M3, axis=1))
     blocks = np.abs(x.astype(np.float64)).reshape(4, 3, 32).max(-1)
     with np.errstate(divide='ignore'):

@@ -271,11 +271,16 @@ def mx_block_scales(x: jax.Array, dtype, axis: int,
   x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
   blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
   block_amax = jnp.max(jnp.abs(blocks), axis=-1)
-  exponent = jnp.ceil(jnp.log2(block_amax / max_finite(dtype)))
-  scales = jnp.where(block_amax > 0, jnp.exp2(exponent), 1.0)
-  # Stored as E8M0 (a power of two from 2**-127 to 2**127), as MX keeps them.
-  scales = scales.astype(jnp.float8_e8m0fnu).astype(jnp.float32)
-  return jnp.moveaxis(scales, -1, axis)
+  # ceil(log2(ratio)) exactly, from frexp (ratio = m * 2**e, m in [0.5, 1)):
+  # e, less one when the ratio is itself a power of two. XLA's log2 and exp2
+  # are approximations, which could double a scale at a power of two.
+  mantissa, exponent = jnp.frexp(block_amax / max_finite(dtype))
+  exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+  # An E8M0 value, as MX stores it: a power of two from 2**-127 to 2**127.
+  exponent = jnp.clip(exponent, -127, 127)
+  scales = jnp.where(block_amax > 0, jnp.ldexp(jnp.float32(1.0), exponent),
+                     1.0)
+  return jnp.moveaxis(scales.astype(jnp.float32), -1, axis)
 
 
 def mx_quantize_dequantize(x: jax.Array, dtype, axis: int,
