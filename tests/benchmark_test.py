@@ -17,6 +17,7 @@ from haiku_mp.lab import loop_benchmark
 from haiku_mp.lab import pipeline_benchmark
 from haiku_mp.lab import step_benchmark
 from tests import helpers
+from tests import signal_at_step
 
 FIELDS = {'device', 'jax_version', 'cpu', 'dtype', 'dot_form', 'policy',
           'batch_size', 'steps', 'step_time_s', 'step_times_s',
@@ -271,6 +272,23 @@ class CommandLineTest(parameterized.TestCase):
     self.assertAlmostEqual(
         rows[2]['vs_first']['loop_images_per_sec'],
         rows[2]['loop_images_per_sec'] / rows[0]['loop_images_per_sec'])
+
+  def test_a_loop_round_stopped_by_sigterm_stops_the_benchmark_in_one_line(
+      self):
+    # It used to end in a ValueError traceback (a round with one window).
+    result = helpers.run_module(
+        'tests.signal_at_step', '--config=configs/vit_fp32.py', '--loop',
+        '--steps=100', '--rounds=1', '--config.data.source=synthetic',
+        '--config.batch_size=8', '--config.eval_batch_size=8',
+        '--config.data.synthetic_eval_examples=8',
+        '--config.compilation_cache_dir=', *helpers.TINY_MODEL_FLAGS,
+        env={signal_at_step.ENV: 'TERM:50',
+             signal_at_step.MODULE_ENV: 'launch.benchmark'}, timeout=300)
+    self.assertEqual(result.returncode, 130, result.stderr[-3000:])
+    self.assertNotIn('Traceback', result.stderr)
+    self.assertEqual(result.stderr.strip().splitlines()[-1],
+                     'interrupted: SIGTERM in a --loop round (step 50): the '
+                     'benchmark stopped before its figures')
 
   @parameterized.parameters(
       (['--loop', '--pipeline'], '--pipeline and --loop are different'),

@@ -20,6 +20,8 @@ from haiku_mp.train import checkpoint
 from haiku_mp.train import metrics
 
 ENV = 'SIGNAL_AT_STEP'
+# The command to run (default launch.train): any that runs the trainer.
+MODULE_ENV = 'SIGNAL_AT_STEP_MODULE'
 
 
 def _signal_main_thread(signum: int) -> None:
@@ -73,4 +75,5 @@ if __name__ == '__main__':
                             option == 'flush')
   if option == 'again':
     _signal_again_when_saving(getattr(signal, f'SIG{name}'), int(step))
-  runpy.run_module('launch.train', run_name='__main__', alter_sys=True)
+  runpy.run_module(os.environ.get(MODULE_ENV, 'launch.train'),
+                   run_name='__main__', alter_sys=True)

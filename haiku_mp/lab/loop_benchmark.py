@@ -84,6 +84,13 @@ def _loop_round(config: ml_collections.ConfigDict) -> dict[str, Any]:
     summary = loop.train_and_evaluate(
         config, workdir, sharding.mesh_for(config.parallel))
     events = plots.read_metrics(workdir)
+  if 'preempted_at_step' in summary:
+    # SIGTERM or Ctrl-C stopped the trainer: the benchmark stops with it,
+    # in one line (the entry point's exit for an interruption).
+    raise KeyboardInterrupt(
+        f'{summary["signal"]} in a --loop round (step '
+        f'{summary["preempted_at_step"]}): the benchmark stopped before its '
+        'figures')
   return dict(images_per_sec=steady_images_per_sec(events, config.batch_size),
               whole_round_images_per_sec=summary['images_per_sec'],
               host_ms_per_step=summary['host_ms_per_step'])
