@@ -306,6 +306,42 @@ class ModelTest(parameterized.TestCase):
       np.testing.assert_allclose(got, bf16, rtol=0.03, err_msg=scaling)
 
 
+# How XLA:GPU writes a matmul it made a cuBLASLt fp8 GEMM of, and one it left
+# in 16 bits (the shapes of its HLO text; no GPU is needed to read them).
+_GPU_HLO = """
+HloModule jit_train_step, entry_computation_layout={...}
+
+ENTRY %main.9 (p0: f8e4m3fn[128,384], p1: f8e4m3fn[384,384]) -> bf16[128,384] {
+  %p0 = f8e4m3fn[128,384]{1,0} parameter(0)
+  %p1 = f8e4m3fn[384,384]{1,0} parameter(1)
+  %s = f32[] constant(1)
+  %cublas-gemm.1 = (f32[128,384]{1,0}, s8[33554432]{0}) custom-call(%p0, %p1, %s, %s), custom_call_target="__cublas$lt$matmul$f8", metadata={op_name="jit(train_step)/jvp(vit)/encoder_block_0/attention/query/_fp8_sums/query/fp8_fprop/dot_general" source_file="fp8.py"}, backend_config={"gemm_backend_config":{"alpha_real":1}}
+  %b0 = bf16[128,384]{1,0} parameter(2)
+  %b1 = bf16[384,1536]{1,0} parameter(3)
+  %cublas-gemm.2 = (bf16[128,1536]{1,0}, s8[4194304]{0}) custom-call(%b0, %b1), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jvp(vit)/encoder_block_0/mlp_block/fc1/_fp8_sums/fc1/fp8_fprop/dot_general"}
+  ROOT %t = (f32[128,384]{1,0}) tuple(%cublas-gemm.1)
+}
+"""
+
+
+class Fp8ListingTest(absltest.TestCase):
+
+  def test_a_gpu_programs_fp8_gemms_are_told_from_its_16_bit_ones(self):
+    found = fp8_gemms.hlo_matmuls(_GPU_HLO)
+    self.assertEqual([(f['target'], f['operands']) for f in found], [
+        (fp8_gemms.FP8_GEMM_TARGET, ['f8e4m3fn', 'f8e4m3fn']),
+        ('__cublas$lt$matmul', ['bf16', 'bf16'])])
+    paths = ['vit', 'vit/encoder_block_0', 'vit/encoder_block_0/attention',
+             'vit/encoder_block_0/attention/query',
+             'vit/encoder_block_0/mlp_block/fc1']
+    self.assertEqual(fp8_gemms.locate(found[0]['op_name'], paths),
+                     ('vit/encoder_block_0/attention/query', 'fprop'))
+    row = dict(fp8_operands=True)
+    self.assertEqual(fp8_gemms.verdict(row, found[:1], 'gpu'), 'fp8 GEMM')
+    self.assertIn('NOT an fp8 GEMM', fp8_gemms.verdict(row, found[1:], 'gpu'))
+    self.assertIn('emulated', fp8_gemms.verdict(row, found[1:], 'cpu'))
+
+
 class BadTargetsTest(parameterized.TestCase):
 
   @parameterized.named_parameters(

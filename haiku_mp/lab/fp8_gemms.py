@@ -99,7 +99,7 @@ def _kernel(compiled: list[dict[str, Any]]) -> str:
   return ', '.join(targets)
 
 
-def _verdict(row: dict[str, Any], compiled: list[dict[str, Any]],
+def verdict(row: dict[str, Any], compiled: list[dict[str, Any]],
              backend: str) -> str:
   """Whether an fp8 matmul became an fp8 GEMM, or why not."""
   if not row['fp8_operands']:
@@ -145,7 +145,7 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
     if compiled_text is not None:
       compiled = by_op.get(m['op_name'], [])
       row['kernel'] = _kernel(compiled)
-      row['fp8_gemm'] = _verdict(row, compiled, backend)
+      row['fp8_gemm'] = verdict(row, compiled, backend)
     rows.append({('pass' if k == 'pass_' else k): v for k, v in row.items()})
   fp8_rows = [r for r in rows if r['fp8_operands']]
   result = dict(
