@@ -4,7 +4,6 @@ import atexit
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
 from typing import Iterator
@@ -20,6 +19,7 @@ from tensorboard.util import tensor_util
 
 from configs import base
 from haiku_mp.data import pipeline
+from haiku_mp.lab import fp8_gemms
 from haiku_mp.lab import numerics
 from haiku_mp.model import half_dot
 import tests
@@ -179,23 +179,12 @@ def operand_dtypes(eqn) -> tuple[str, ...]:
   return tuple(jnp.dtype(v.aval.dtype).name for v in eqn.invars)
 
 
-_HLO_VALUE = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[')
-_HLO_DOT = re.compile(r' dot\(%([\w.\-]+), %([\w.\-]+)\)')
-
-
 def compiled_dot_operand_dtypes(hlo_text: str) -> list[tuple[str, str]]:
   """The operand element types of every dot in a compiled (optimized) HLO
   module's text, e.g. ('bf16', 'bf16'): the dtypes the backend's matmul
   kernel really receives, after XLA's own conversions."""
-  dots, types = [], {}
-  for line in hlo_text.splitlines():
-    if line.rstrip().endswith('{'):  # A new computation: its own names.
-      types = {}
-    if (value := _HLO_VALUE.match(line)):
-      types[value.group(1)] = value.group(2)
-    if (dot := _HLO_DOT.search(line)):
-      dots.append((types[dot.group(1)], types[dot.group(2)]))
-  return dots
+  return [tuple(m['operands']) for m in fp8_gemms.hlo_matmuls(hlo_text)
+          if m['opcode'] == 'dot']
 
 
 REAL_DATA_ENV = 'HAIKU_MP_TFDS_DATA_DIR'

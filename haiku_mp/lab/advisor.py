@@ -50,6 +50,7 @@ from haiku_mp.lab import verdicts
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import fp8
 from haiku_mp.model import half_dot
+from haiku_mp.model import policies
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import experiment
 from haiku_mp.train import run_dir
@@ -286,9 +287,7 @@ def fp8_candidates(config: ml_collections.ConfigDict,
                    exp: experiment.Experiment) -> list[str]:
   """The Linear layers the fp8 advice judges: those the config's fp8 modules
   select, or `fp8.DEFAULT_MODULES`'s when it runs none."""
-  targets = tuple(t.strip() for t in
-                  fp8_verdicts.candidates_setting(config).split(';')
-                  if t.strip())
+  targets = policies.parse_targets(fp8_verdicts.candidates_setting(config))
   return [p for p, c in module_classes(exp).items()
           if c == half_dot.FP8_CLASS and half_dot.selects(targets, c, p)]
 
@@ -314,17 +313,16 @@ def fp8_advice(config: ml_collections.ConfigDict, exp: experiment.Experiment,
                                     {p: np.asarray(d, np.float32)
                                      for p, d in delayed.items()}))
     for p, vector in found.items():
-      vector = np.asarray(vector, np.float64)
-      size = len(vector) // 3
-      histories[p].append([vector[0], vector[size]])  # x's and g's amax.
-      parts = [vector[k * size:(k + 1) * size] for k in range(3)]
+      parts = fp8_probes.split(vector)
+      histories[p].append([fp8_numerics.amax_of(parts[0]),
+                           fp8_numerics.amax_of(parts[1])])  # x's and g's.
       totals[p] = ([fp8_numerics.merge(a, b) for a, b in zip(totals[p], parts)]
                    if p in totals else parts)
     log(f'advise: fp8 statistics {i + 1}/{len(inputs)}')
-  scaling = fp8_verdicts.scaling_of(config)
+  scaling = fp8_config.scaling
   rows, kept = [], []
   for p in paths:
-    operands = fp8_verdicts.split(np.concatenate(totals[p]))
+    operands = fp8_verdicts.operands(totals[p])
     judged = {s: fp8_verdicts.judge(operands, s, limits)
               for s in fp8.SCALINGS}
     if judged[scaling][0] == fp8_verdicts.KEEP_BF16:

@@ -5,6 +5,7 @@ flag and what would be valid."""
 from typing import Iterable, Sequence
 
 from haiku_mp import errors
+from haiku_mp.lab import variants
 from haiku_mp.model import fp8
 from haiku_mp.model import policies
 
@@ -47,8 +48,7 @@ def compute_dtypes(name: str, dtypes: Sequence[str]) -> list[str]:
                              'e.g. float32,bfloat16,float16')
   for dtype in dtypes:
     if dtype.startswith(fp8.VARIANT_PREFIX):
-      errors.check_choice(f'--{name}', dtype, tuple(
-          fp8.VARIANT_PREFIX + s for s in fp8.SCALINGS))
+      errors.check_choice(f'--{name}', dtype, variants.FP8_VARIANTS)
       continue
     policies.parse_policy(f'compute={dtype}', setting=f'--{name} ({dtype})')
   return list(dtypes)

@@ -128,11 +128,11 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
   classes = {c.path: c.class_name for c in exp.module_calls}
   backend = jax.default_backend()
   by_op = collections.defaultdict(list)
-  compiled_text = None
+  compiled_matmuls = None
   if compile_step:
     log('compiling the train step ...')
-    compiled_text = lowered.compile().as_text()
-    for c in hlo_matmuls(compiled_text):
+    compiled_matmuls = hlo_matmuls(lowered.compile().as_text())
+    for c in compiled_matmuls:
       by_op[c['op_name']].append(c)
   rows = []
   for m in hlo_matmuls(lowered_text):
@@ -142,7 +142,7 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
                fp8_operands=any(t in FP8_TYPES for t in m['operands']),
                runs_fp8=exp.precision.runs_fp8(classes.get(module, ''),
                                                module))
-    if compiled_text is not None:
+    if compiled_matmuls is not None:
       compiled = by_op.get(m['op_name'], [])
       row['kernel'] = _kernel(compiled)
       row['fp8_gemm'] = verdict(row, compiled, backend)
@@ -157,8 +157,8 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
       matmuls=rows, fp8_matmuls=len(fp8_rows),
       fp8_linears=sum(1 for p, c in classes.items()
                       if exp.precision.runs_fp8(c, p)))
-  if compiled_text is not None:
-    result['fp8_gemms'] = sum(1 for c in hlo_matmuls(compiled_text)
+  if compiled_matmuls is not None:
+    result['fp8_gemms'] = sum(1 for c in compiled_matmuls
                               if c['target'] == FP8_GEMM_TARGET)
   return result
 

@@ -112,10 +112,17 @@ def tensor_stats(x: jax.Array, fmt: Fp8Format, delayed_amax: jax.Array,
   return jnp.stack(fields)
 
 
+_AMAX = FIELDS.index('amax')
+
+
+def amax_of(stats: np.ndarray) -> float:
+  return float(stats[_AMAX])
+
+
 def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
   """Two batches' statistics of a tensor as one: sums, the larger amax."""
   merged = np.asarray(a, np.float64) + np.asarray(b, np.float64)
-  merged[0] = max(a[0], b[0])
+  merged[_AMAX] = max(a[_AMAX], b[_AMAX])
   return merged
 
 

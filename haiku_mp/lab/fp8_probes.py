@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from haiku_mp.lab import fp8_numerics
 from haiku_mp.model import half_dot
@@ -23,6 +24,13 @@ from haiku_mp.model import half_dot
 LossFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
 # Per Linear: x's statistics, then g's, then the weight's.
 SIZE = 3 * fp8_numerics.SIZE
+
+
+def split(vector) -> list[np.ndarray]:
+  """A Linear's statistics as its three parts: x's, g's, the weight's."""
+  vector = np.asarray(vector, np.float64)
+  return [vector[i * fp8_numerics.SIZE:(i + 1) * fp8_numerics.SIZE]
+          for i in range(3)]
 
 
 def _stats(x, g, delayed, margin):

@@ -12,7 +12,7 @@ the largest finite value (a delayed scale behind a growing tensor).
 """
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import ml_collections
 import numpy as np
@@ -48,12 +48,11 @@ class Fp8Thresholds:
                advisor.fp8_max_saturate_share)
 
 
-def split(stats: np.ndarray) -> dict[str, dict]:
-  """A Linear's `fp8_probes` statistics as `fp8_numerics.as_dict` per
-  operand."""
-  size = fp8_numerics.SIZE
-  return {name: fp8_numerics.as_dict(stats[i * size:(i + 1) * size])
-          for i, (name, _) in enumerate(TENSORS)}
+def operands(parts: Sequence[np.ndarray]) -> dict[str, dict]:
+  """A Linear's statistics (`fp8_probes.split`'s parts) as
+  `fp8_numerics.as_dict` per operand."""
+  return {name: fp8_numerics.as_dict(stats)
+          for (name, _), stats in zip(TENSORS, parts)}
 
 
 def judge(operands: Mapping[str, dict], scaling: str,
@@ -83,11 +82,6 @@ def modules_setting(candidates: list[str], kept: list[str],
   if not kept:
     return configured
   return ';'.join(p for p in candidates if p not in kept)
-
-
-def scaling_of(config: ml_collections.ConfigDict) -> str:
-  """The scaling the advice is for: the config's."""
-  return config.precision.fp8.scaling
 
 
 def candidates_setting(config: ml_collections.ConfigDict) -> str:

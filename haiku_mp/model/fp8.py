@@ -151,24 +151,21 @@ _WGRAD = (((0,), (0,)), ((), ()))  # x.T @ g [n, o]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def tensor_scaled_matmul(margin: float, out_dtype, axis_name, x, w, x_scale,
-                         w_scale, g_scale):
+def _current_matmul(margin: float, out_dtype, axis_name, x, w, x_scale,
+                    w_scale):
   """`x @ w` on E4M3 operands with the given divisors, float32 sums rounded to
-  `out_dtype`; the backward pass quantizes the output gradient with `g_scale`
-  (a negative `g_scale`: from the gradient's own amax, current scaling)."""
-  del axis_name, g_scale
-  out = _scaled_dot(quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale),
-                    _FWD, x_scale * w_scale, FPROP)
-  return out.astype(out_dtype)
+  `out_dtype`; the backward pass scales the output gradient by its own
+  amax."""
+  out, _ = _current_fwd(margin, out_dtype, axis_name, x, w, x_scale, w_scale)
+  return out
 
 
-def _tensor_fwd(margin, out_dtype, axis_name, x, w, x_scale, w_scale,
-                g_scale):
-  del axis_name
+def _current_fwd(margin, out_dtype, axis_name, x, w, x_scale, w_scale):
+  del margin, axis_name
   qx, qw = quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale)
   out = _scaled_dot(qx, qw, _FWD, x_scale * w_scale, FPROP).astype(out_dtype)
   # The backward keeps the fp8 operands: half the bytes of bfloat16 ones.
-  return out, (qx, qw, x_scale, w_scale, g_scale, _dtype_of(x), _dtype_of(w))
+  return out, (qx, qw, x_scale, w_scale, _dtype_of(x), _dtype_of(w))
 
 
 def _dtype_of(x):
@@ -176,22 +173,19 @@ def _dtype_of(x):
   return jnp.zeros((0,), x.dtype)
 
 
-def _tensor_bwd(margin, out_dtype, axis_name, residuals, g):
+def _current_bwd(margin, out_dtype, axis_name, residuals, g):
   del out_dtype
-  qx, qw, x_scale, w_scale, g_scale, x_dtype, w_dtype = residuals
-  x_dtype, w_dtype = x_dtype.dtype, w_dtype.dtype
-  g_amax = amax(g, axis_name)
-  g_scale = jnp.where(g_scale < 0, scale_from_amax(g_amax, E5M2, margin),
-                      g_scale)
+  qx, qw, x_scale, w_scale, x_dtype, w_dtype = residuals
+  g_scale = scale_from_amax(amax(g, axis_name), E5M2, margin)
   qg = quantize(g, E5M2, g_scale)
-  dx = _scaled_dot(qg, qw, _DGRAD, g_scale * w_scale, DGRAD).astype(x_dtype)
-  dw = _scaled_dot(qx, qg, _WGRAD, x_scale * g_scale, WGRAD).astype(w_dtype)
+  dx = _scaled_dot(qg, qw, _DGRAD, g_scale * w_scale, DGRAD)
+  dw = _scaled_dot(qx, qg, _WGRAD, x_scale * g_scale, WGRAD)
   # The scales are constants of the step: no gradient flows into them.
-  return (dx, dw, jnp.zeros_like(x_scale), jnp.zeros_like(w_scale),
-          jnp.zeros_like(g_scale))
+  return (dx.astype(x_dtype.dtype), dw.astype(w_dtype.dtype),
+          jnp.zeros_like(x_scale), jnp.zeros_like(w_scale))
 
 
-tensor_scaled_matmul.defvjp(_tensor_fwd, _tensor_bwd)
+_current_matmul.defvjp(_current_fwd, _current_bwd)
 
 
 def current_matmul(x: jax.Array, w: jax.Array, out_dtype,
@@ -203,8 +197,8 @@ def current_matmul(x: jax.Array, w: jax.Array, out_dtype,
   x_scale = scale_from_amax(amax(jax.lax.stop_gradient(x), axis_name), E4M3,
                             margin)
   w_scale = scale_from_amax(amax(jax.lax.stop_gradient(w)), E4M3, margin)
-  return tensor_scaled_matmul(margin, out_dtype, axis_name, x, w, x_scale,
-                              w_scale, jnp.float32(-1.0))
+  return _current_matmul(margin, out_dtype, axis_name, x, w, x_scale,
+                         w_scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -341,12 +335,6 @@ def matmul(fp8: Fp8, x: jax.Array, w: jax.Array, out_dtype,
   if fp8.scaling == 'delayed':
     return delayed_matmul(fp8.margin, out_dtype, axis_name, x, w, *histories)
   return mx_matmul(out_dtype, x, w)
-
-
-def is_meta(module_name: str, name: str, value=None) -> bool:
-  """Whether a param is an fp8 amax history."""
-  del module_name, value
-  return name in META_NAMES
 
 
 def split_meta(tree: Mapping[str, Any]) -> tuple[dict, dict]:

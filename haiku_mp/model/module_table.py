@@ -46,7 +46,7 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
       continue
     own = params.get(call.path, {})
     # fp8 amax histories are listed with the params, not counted as ones.
-    trained = {n: p for n, p in own.items() if not fp8.is_meta(call.path, n)}
+    trained = {n: p for n, p in own.items() if n not in fp8.META_NAMES}
     rows[call.path] = {
         'path': call.path,
         'class': call.class_name,

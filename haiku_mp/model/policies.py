@@ -194,6 +194,11 @@ class Precision:
 RESIDUAL_STREAMS = ('compute', 'float32')
 
 
+def parse_targets(text: str) -> tuple[str, ...]:
+  """``'TARGET;...'`` (`precision.fp8.modules`) as its targets."""
+  return tuple(t.strip() for t in (text or '').split(';') if t.strip())
+
+
 def _check_matmul_precision(name: str) -> Optional[str]:
   if not name:
     return None
@@ -236,8 +241,7 @@ def make_precision(policy: str, overrides: str = '', *, model_class: str,
         LAYER_NORM_CLASS,
         jmp.Policy(param_dtype=jnp.float32, compute_dtype=jnp.float32,
                    output_dtype=main.compute_dtype), 'default')
-  targets = tuple(t.strip() for t in (fp8_modules or '').split(';')
-                  if t.strip())
+  targets = parse_targets(fp8_modules)
   if targets and jnp.dtype(main.compute_dtype) == jnp.float16:
     raise PrecisionError(
         'precision.fp8.modules: fp8 matmuls need a bfloat16 or float32 '
