@@ -77,6 +77,17 @@ def get_config() -> ml_collections.ConfigDict:
       # 'upcast' (operands converted to float32 first) or 'plain' (Haiku's and
       # JAX's own half x half -> half). Float32 matmuls are never changed.
       dot_form='auto',
+      # The training state's layout (docs/precision.md): how params take an
+      # update. 'master': float32 params, or half params rounded from a
+      # float32 master copy the optimizer keeps. Without that copy (bfloat16
+      # params), each step's float32 result rounded into them: 'nearest',
+      # 'stochastic' (unbiased, drawn from the run's key) or 'kahan' (to
+      # nearest, plus a bfloat16 buffer of what rounding dropped).
+      param_update='master',
+      # Adam's first and second moments: 'float32' or 'bfloat16' (rounded
+      # stochastically).
+      mu_dtype='float32',
+      nu_dtype='float32',
       # fp8 matmuls (haiku_mp/model/fp8.py, docs/fp8.md): E4M3 forward, E5M2
       # gradients, float32 sums, in the Linear layers of these modules.
       fp8=ml_collections.ConfigDict(dict(

@@ -1,4 +1,5 @@
-"""Prints every module of the configured model: policy, params, dtypes.
+"""Prints every module of the configured model: policy, params, dtypes, and
+the training state's layout and bytes per parameter.
 
 python -m launch.tabulate --config=configs/vit_fp16.py [--json]
 """
@@ -12,6 +13,7 @@ from ml_collections import config_flags
 from haiku_mp.model import module_table
 from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
+from haiku_mp.train import state_layout
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
@@ -29,6 +31,7 @@ def main(argv):
     print(json.dumps(rows, indent=1))
   else:
     print(module_table.format_table(rows))
+    print(state_layout.describe(config.precision, exp.abstract_state))
 
 
 if __name__ == '__main__':

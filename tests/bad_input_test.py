@@ -104,11 +104,11 @@ class BadInputTest(parameterized.TestCase):
        'error: --config=configs/vit_fp61.py: no such file; the configs are '
        'configs/base.py, configs/vit_bf16.py, configs/vit_cpu.py, '
        'configs/vit_cpu_recipe.py, configs/vit_fp16.py, configs/vit_fp32.py, '
-       'configs/vit_fp8.py, configs/vit_recipe.py'),
+       'configs/vit_fp8.py, configs/vit_pure_bf16.py, configs/vit_recipe.py'),
       ('config_variant_unknown', ['--config=configs/vit_cpu.py:fp4',
                                   'WORKDIR'],
        "error: --config=configs/vit_cpu.py:fp4: unknown variant 'fp4'; "
-       "expected one of ('fp32', 'bf16', 'fp16', 'fp8')"),
+       "expected one of ('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16')"),
       ('required_flag_missing', ['--config=configs/vit_fp16.py'],
        'error: --workdir is required'),
       # A missing file failed every override of its fields with a 58-line
@@ -122,7 +122,7 @@ class BadInputTest(parameterized.TestCase):
        'error: --config=configs/vit_fp32.py:bf16: configs/vit_fp32.py takes '
        'no variant (:bf16); the configs that do are configs/vit_cpu.py, '
        'configs/vit_cpu_recipe.py, configs/vit_recipe.py (:VARIANT, one of '
-       "('fp32', 'bf16', 'fp16', 'fp8'))"))
+       "('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16'))"))
   def test_command_line(self, args, message):
     before = _digest(self.finished)
     args = [f'--workdir={self.finished}' if a == 'WORKDIR' else a
@@ -187,6 +187,22 @@ class BadInputTest(parameterized.TestCase):
         '--config.precision.policy=p=f32,c=f16,o=f32'],
        'precision.fp8.modules: fp8 matmuls need a bfloat16 or float32 '
        'compute dtype, not float16'),
+      ('unknown_param_update', ['--config.precision.param_update=floor'],
+       "precision.param_update: unknown value 'floor'; expected one of "
+       "('master', 'nearest', 'stochastic', 'kahan')"),
+      ('stochastic_rounding_of_float32_params',
+       ['--config.precision.param_update=stochastic'],
+       "precision.param_update='stochastic' rounds updates into half-"
+       'precision params, but precision.policy and overrides keep every '
+       'param in float32'),
+      ('no_master_for_float16_params',
+       ['--config.precision.param_update=kahan',
+        '--config.precision.policy=p=f16,c=f16,o=f32'],
+       "precision.param_update='kahan' keeps params without a float32 copy "
+       'only in bfloat16; the policy stores float16 params'),
+      ('unknown_moment_dtype', ['--config.precision.nu_dtype=float16'],
+       "precision.nu_dtype: unknown value 'float16'; expected one of "
+       "('float32', 'bfloat16')"),
       ('unknown_remat', ['--config.remat=some'],
        "remat: unknown value 'some'"),
       ('dropout_rate_out_of_range', ['--config.model.dropout_rate=1.5'],

@@ -52,7 +52,12 @@ class ConfigsTest(parameterized.TestCase):
       ('vit_fp16', {'precision.policy':
                     'params=float32,compute=float16,output=float32',
                     'loss_scale.kind': 'dynamic',
-                    'loss_scale.initial': 2.0**15}))
+                    'loss_scale.initial': 2.0**15}),
+      ('vit_pure_bf16', {'precision.policy':
+                         'params=bfloat16,compute=bfloat16,output=float32',
+                         'precision.param_update': 'stochastic',
+                         'precision.mu_dtype': 'bfloat16',
+                         'precision.nu_dtype': 'bfloat16'}))
   def test_variants_differ_only_in_precision(self, name, expected):
     reference = _flat(base.get_config())
     config = _flat(importlib.import_module(f'configs.{name}').get_config())
@@ -64,8 +69,22 @@ class ConfigsTest(parameterized.TestCase):
     with self.assertRaisesRegex(
         errors.ConfigError,
         r"^unknown variant 'fp4'; expected one of \('fp32', 'bf16', "
-        r"'fp16', 'fp8'\)$"):
+        r"'fp16', 'fp8', 'pure_bf16'\)$"):
       vit_cpu.get_config('fp4')
+
+  @parameterized.parameters('vit_cpu', 'vit_cpu_recipe', 'vit_recipe')
+  def test_pure_bf16_variant_keeps_no_float32_state_but_the_average(
+      self, name):
+    config = importlib.import_module(f'configs.{name}').get_config(
+        'pure_bf16')
+    bf16 = importlib.import_module(f'configs.{name}').get_config('bf16')
+    self.assertEqual(config.precision.param_update, 'stochastic')
+    self.assertEqual((config.precision.mu_dtype, config.precision.nu_dtype),
+                     ('bfloat16', 'bfloat16'))
+    self.assertTrue(forward_lib.make_precision(config).half_params)
+    diff = {k for k, v in _flat(config).items() if _flat(bf16)[k] != v}
+    self.assertEqual(diff, {'precision.policy', 'precision.param_update',
+                            'precision.mu_dtype', 'precision.nu_dtype'})
 
 
 if __name__ == '__main__':

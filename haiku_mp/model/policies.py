@@ -169,10 +169,15 @@ class Precision:
     return self.defaults.get(class_name)
 
   @property
+  def param_dtypes(self) -> set[str]:
+    """The names of the dtypes the rules store params in."""
+    rules = (*self.defaults.values(), *self.overrides)
+    return {jnp.dtype(r.policy.param_dtype).name for r in rules}
+
+  @property
   def half_params(self) -> bool:
     """Whether any rule stores params in a dtype narrower than float32."""
-    rules = (*self.defaults.values(), *self.overrides)
-    return any(jnp.finfo(r.policy.param_dtype).bits < 32 for r in rules)
+    return any(jnp.finfo(d).bits < 32 for d in self.param_dtypes)
 
   def check_overrides(self, modules: set[tuple[str, str]]) -> None:
     """Raises unless every override matched one of `(class, path)` modules."""

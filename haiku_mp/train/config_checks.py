@@ -20,6 +20,7 @@ from haiku_mp.data import auto_augment
 from haiku_mp.data import pipeline
 from haiku_mp.model import dropout
 from haiku_mp.model import forward as forward_lib
+from haiku_mp.model import policies
 from haiku_mp.model import remat
 from haiku_mp.parallel import sharding
 from haiku_mp.parallel import strategies
@@ -27,6 +28,7 @@ from haiku_mp.privacy import dp_sgd
 from haiku_mp.train import compilation_cache
 from haiku_mp.train import in_flight
 from haiku_mp.train import loss_scaling
+from haiku_mp.train import optimizer as optimizer_lib
 
 # Settings that count something (steps, examples, sizes): a positive integer.
 _POSITIVE = ('batch_size', 'eval_batch_size', 'log_every_steps',
@@ -135,12 +137,40 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
            model.layer_norm_epsilon, 'positive')
   remat.check(config.remat)
   fp8 = config.precision.fp8
-  forward_lib.make_precision(config)  # fp8.Fp8 checks its own settings.
+  # fp8.Fp8 checks its own settings.
+  _check_state_layout(config.precision, forward_lib.make_precision(config))
   if config.privacy.enabled and fp8.modules.strip():
     raise errors.ConfigError(
         f'precision.fp8.modules={fp8.modules!r} with privacy.enabled: DP-SGD '
         "clips per-example gradients that fp8's per-tensor scales do not "
         "follow (untested); set precision.fp8.modules='' for a private run")
+
+
+def _check_state_layout(precision_config: ml_collections.ConfigDict,
+                        precision: policies.Precision) -> None:
+  """The layout of params and moments: names known, and rounding into
+  params only where they are bfloat16."""
+  update = precision_config.param_update
+  errors.check_choice('precision.param_update', update,
+                      optimizer_lib.PARAM_UPDATES)
+  for name in ('mu_dtype', 'nu_dtype'):
+    errors.check_choice(f'precision.{name}', precision_config[name],
+                        optimizer_lib.MOMENT_DTYPES)
+  if update == optimizer_lib.MASTER:
+    return
+  half = sorted(d for d in precision.param_dtypes if d != 'float32')
+  if not half:
+    raise errors.ConfigError(
+        f'precision.param_update={update!r} rounds updates into half-'
+        'precision params, but precision.policy and overrides keep every '
+        "param in float32: set params=bfloat16 in precision.policy, or "
+        "param_update='master'")
+  if half != ['bfloat16']:
+    raise errors.ConfigError(
+        f'precision.param_update={update!r} keeps params without a float32 '
+        f'copy only in bfloat16; the policy stores {", ".join(half)} params '
+        "(float16's range loses small updates and weights): use "
+        "params=bfloat16, or param_update='master'")
 
 
 def _check_parallel(parallel_config: ml_collections.ConfigDict) -> None:

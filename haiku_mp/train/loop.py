@@ -29,6 +29,7 @@ from haiku_mp.train import interruption as interruption_lib
 from haiku_mp.train import metrics as metrics_lib
 from haiku_mp.train import optimizer as optimizer_lib
 from haiku_mp.train import run_dir
+from haiku_mp.train import state_layout
 from haiku_mp.train import step as step_lib
 
 # The module table a run writes into its workdir.
@@ -56,6 +57,8 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
     metrics_lib.write_atomically(path, table + '\n')
   logging.info('%s; every module: %s', module_table.summary_line(
       rows, exp.config.precision.overrides, exp.precision), path)
+  logging.info('%s', state_layout.describe(exp.config.precision,
+                                           exp.abstract_state))
   if log_module_table:
     logging.info('Modules:\n%s', table)
   for line in exp.describe():

@@ -1,10 +1,21 @@
-"""The optax optimizer from config: AdamW with warmup + cosine decay and clipping.
+"""The optax optimizer from config: AdamW with warmup + cosine decay and clipping,
+on the training-state layout the precision config names.
 
-It always runs on float32 master params and float32 (unscaled) gradients:
-when the precision policy stores params in half precision, `float32_master`
-keeps the float32 copy the optimizer updates, and the half params are that copy
-rounded after every step (so updates smaller than a half-precision ulp are not
-lost).
+It always computes in float32 from float32 (unscaled) gradients. Where its
+results are kept (`precision.param_update`, docs/precision.md):
+
+- `master` (the default): float32 params are their own master; when the
+  policy stores params in half precision, `float32_master` keeps the float32
+  copy the optimizer updates, and the half params are that copy rounded after
+  every step (so updates smaller than a half-precision ulp are not lost);
+- `nearest`, `stochastic`, `kahan`: bfloat16 params and no float32 copy. The
+  optimizer reads the params as float32 values and each step's float32 result
+  is rounded into them to nearest, stochastically, or to nearest with a Kahan
+  compensation buffer in the params' dtype (`rounding.py`).
+
+Adam's moments are float32 or bfloat16 each (`precision.mu_dtype`,
+`precision.nu_dtype`); bfloat16 moments are rounded stochastically, because
+to nearest the second moment's small steps vanish (rounding.py).
 """
 
 from typing import NamedTuple, Optional
@@ -12,6 +23,16 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+
+from haiku_mp.train import rounding
+
+# How params take an update: see the module docstring.
+MASTER = 'master'
+PARAM_UPDATES = (MASTER, 'nearest', 'stochastic', 'kahan')
+# What Adam's first and second moments may be kept in.
+MOMENT_DTYPES = ('float32', 'bfloat16')
+# The independent draws one step's rounding key gives (fold_in data).
+_PARAMS_DRAW, _MU_DRAW, _NU_DRAW = 0, 1, 2
 
 
 def learning_rate_schedule(learning_rate: float, warmup_steps: int,
@@ -58,15 +79,123 @@ def float32_master(inner: optax.GradientTransformation
                           params)
     return MasterState(master, inner.init(master))
 
-  def update(grads, state, params):
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    updates, inner_state = inner.update(grads, state.inner, state.master)
+  inner = optax.with_extra_args_support(inner)
+
+  def update(grads, state, params, **extra_args):
+    grads = _as_float32(grads)
+    updates, inner_state = inner.update(grads, state.inner, state.master,
+                                        **extra_args)
     master = optax.apply_updates(state.master, updates)
     updates = jax.tree.map(lambda m, p: m - p.astype(jnp.float32), master,
                            params)
     return updates, MasterState(master, inner_state)
 
-  return optax.GradientTransformation(init, update)
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _as_float32(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+class NearestState(NamedTuple):
+  inner: optax.OptState  # state of the wrapped optimizer; no master copy.
+
+
+class StochasticState(NamedTuple):
+  inner: optax.OptState  # state of the wrapped optimizer; no master copy.
+
+
+class KahanState(NamedTuple):
+  inner: optax.OptState  # state of the wrapped optimizer; no master copy.
+  # Per param, in its dtype: what rounding the last update dropped.
+  compensation: optax.Params
+
+
+_NO_MASTER_STATES = {'nearest': NearestState, 'stochastic': StochasticState,
+                     'kahan': KahanState}
+
+
+def without_master(inner: optax.GradientTransformation, param_update: str
+                   ) -> optax.GradientTransformationExtraArgs:
+  """Runs `inner` on the params read as float32, with no float32 copy.
+
+  Apply its updates with `apply_updates` below and the step's rounding key:
+  each param is then its float32 result, `param + update`, rounded to its
+  dtype by `param_update` ('nearest', 'stochastic', or 'kahan': to nearest
+  after adding the compensation this state keeps). float32 params in the
+  tree (LayerNorm's, under `float32_layer_norm`) simply take the float32
+  result.
+  """
+  if param_update not in _NO_MASTER_STATES:
+    raise ValueError(f'param_update {param_update!r}: expected one of '
+                     f'{tuple(_NO_MASTER_STATES)}')
+  inner = optax.with_extra_args_support(inner)
+  kahan = param_update == 'kahan'
+  state_type = _NO_MASTER_STATES[param_update]
+
+  def init(params):
+    # Moments and averages of float32 values; the copy is transient.
+    inner_state = inner.init(_as_float32(params))
+    if kahan:
+      return KahanState(inner_state, optax.tree.zeros_like(params))
+    return state_type(inner_state)
+
+  def update(grads, state, params, **extra_args):
+    updates, inner_state = inner.update(_as_float32(grads), state.inner,
+                                        _as_float32(params), **extra_args)
+    if not kahan:
+      return updates, state_type(inner_state)
+    # The update applied is update + compensation; `apply_updates` rounds
+    # param + that to nearest, as kahan_add does here.
+    compensation = jax.tree.map(
+        lambda p, u, c: rounding.kahan_add(p, u, c)[1], params, updates,
+        state.compensation)
+    updates = jax.tree.map(lambda u, c: u + c.astype(jnp.float32), updates,
+                           state.compensation)
+    return updates, KahanState(inner_state, compensation)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+                  mu_dtype: str = 'float32', nu_dtype: str = 'float32'
+                  ) -> optax.GradientTransformationExtraArgs:
+  """`optax.scale_by_adam` with each moment kept in `mu_dtype` / `nu_dtype`
+  (float32 or bfloat16) and rounded stochastically into bfloat16 with the
+  `key` its update takes. Computed in float32 as optax does (the same
+  state structure, so `optax.tree` helpers find `mu` and `nu`): with both
+  moments float32 its updates are optax's bit for bit. optax's `mu_dtype`
+  rounds to nearest and it has no `nu_dtype` (see rounding.py for why that
+  fails)."""
+  dtypes = (jnp.dtype(mu_dtype), jnp.dtype(nu_dtype))
+
+  def init(params):
+    return optax.ScaleByAdamState(
+        count=jnp.zeros([], jnp.int32),
+        mu=optax.tree.zeros_like(params, dtype=dtypes[0]),
+        nu=optax.tree.zeros_like(params, dtype=dtypes[1]))
+
+  def update(updates, state, params=None, *, key=None, **extra_args):
+    del params, extra_args
+    mu = optax.tree.update_moment(updates, _as_float32(state.mu), b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(
+        updates, _as_float32(state.nu), b2, 2)
+    count = optax.safe_increment(state.count)
+    mu_hat = optax.tree.bias_correction(mu, b1, count)
+    nu_hat = optax.tree.bias_correction(nu, b2, count)
+    updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat,
+                           nu_hat)
+    if any(d != jnp.float32 for d in dtypes) and key is None:
+      raise ValueError('bfloat16 moments are rounded stochastically: pass '
+                       'the step\'s key to update (key=...)')
+    mu, nu = (
+        m if d == jnp.float32 else rounding.tree_stochastic_round(
+            jax.random.fold_in(key, draw), m, jax.tree.map(lambda _: d, m))
+        for m, d, draw in ((mu, dtypes[0], _MU_DRAW),
+                           (nu, dtypes[1], _NU_DRAW)))
+    return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 class EmaState(NamedTuple):
@@ -100,28 +229,65 @@ def ema_params(opt_state: optax.OptState) -> Optional[optax.Params]:
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates,
-                  new_opt_state: optax.OptState) -> optax.Params:
-  """`optax.apply_updates`, or the rounded master copy under `float32_master`."""
+                  new_opt_state: optax.OptState,
+                  key: Optional[jax.Array] = None) -> optax.Params:
+  """The new params: `optax.apply_updates`; the rounded master copy under
+  `float32_master`; under `without_master`, `param + update` in float32
+  rounded to each param's dtype, stochastically from `key` (the step's
+  rounding key, the one its optimizer update took)."""
   if isinstance(new_opt_state, MasterState):
     return jax.tree.map(lambda m, p: m.astype(p.dtype), new_opt_state.master,
                         params)
+  if isinstance(new_opt_state, (NearestState, KahanState, StochasticState)):
+    results = jax.tree.map(lambda p, u: p.astype(jnp.float32) + u, params,
+                           updates)
+    dtypes = jax.tree.map(lambda p: p.dtype, params)
+    if isinstance(new_opt_state, StochasticState):
+      if key is None:
+        raise ValueError('stochastic rounding needs the step\'s key')
+      return rounding.tree_stochastic_round(
+          jax.random.fold_in(key, _PARAMS_DRAW), results, dtypes)
+    return jax.tree.map(lambda r, d: r.astype(d), results, dtypes)
   return optax.apply_updates(params, updates)
 
 
 def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0,
                    grad_clip_norm: float = 0.0, ema_decay: float = 0.0,
-                   half_params: bool = False) -> optax.GradientTransformation:
+                   half_params: bool = False, param_update: str = MASTER,
+                   mu_dtype: str = 'float32', nu_dtype: str = 'float32'
+                   ) -> optax.GradientTransformationExtraArgs:
   """Clipping by global norm (if `grad_clip_norm` > 0), then AdamW on
-  `schedule`, then the params' moving average (if `ema_decay` > 0).
+  `schedule` with its moments in `mu_dtype` / `nu_dtype`, then the params'
+  moving average (if `ema_decay` > 0; float32 in every layout: see
+  docs/precision.md).
 
-  With `half_params` (some params stored in float16 / bfloat16), they run on
-  a float32 master copy (`float32_master`).
+  With `half_params` (some params stored in float16 / bfloat16), they take
+  their updates as `param_update` says: from a float32 master copy
+  (`float32_master`), or rounded into them (`without_master`). Its update
+  takes the step's rounding `key=` (`apply_updates` takes the same key).
   """
-  optimizer = optax.adamw(schedule, weight_decay=weight_decay,
-                          mask=decay_mask)
+  if param_update not in PARAM_UPDATES:
+    raise ValueError(f'param_update {param_update!r}: expected one of '
+                     f'{PARAM_UPDATES}')
+  if param_update != MASTER and not half_params:
+    raise ValueError(f'param_update {param_update!r} rounds half params; '
+                     'these params are float32')
+  if mu_dtype == nu_dtype == 'float32':
+    # optax's own, so that states saved before moment dtypes existed restore.
+    optimizer = optax.adamw(schedule, weight_decay=weight_decay,
+                            mask=decay_mask)
+  else:
+    optimizer = optax.chain(
+        scale_by_adam(mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+        optax.add_decayed_weights(weight_decay, decay_mask),
+        optax.scale_by_learning_rate(schedule))
   if grad_clip_norm > 0:
     optimizer = optax.chain(optax.clip_by_global_norm(grad_clip_norm),
                             optimizer)
   if ema_decay > 0:
     optimizer = optax.chain(optimizer, track_ema(ema_decay))
-  return float32_master(optimizer) if half_params else optimizer
+  if not half_params:
+    return optax.with_extra_args_support(optimizer)
+  if param_update == MASTER:
+    return float32_master(optimizer)
+  return without_master(optimizer, param_update)

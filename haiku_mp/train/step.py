@@ -38,6 +38,13 @@ EvalInputs = Callable[[Batch], Batch]
 STOP_REQUEST = 'stop_request'
 
 
+# The step's rounding key is `fold_in(state.rng, ROUNDING_DRAW)`: apart from
+# the `split(state.rng, 3)` the step's other keys come from (fold_in with 0, 1
+# or 2 would repeat one of them), so the streams of runs from before it exist
+# are unchanged.
+ROUNDING_DRAW = 3
+
+
 def _as_is_train(key, batch, axis_name):
   del key, axis_name
   return batch
@@ -135,6 +142,9 @@ def make_train_step(gradients_fn: GradientsFn,
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """A pure `train_step(state, batch) -> (state, metrics)`.
 
+  `optimizer` is `optimizer.make_optimizer`'s (or any optax transformation):
+  its update takes the step's rounding key as `key=`.
+
   Jit it with `donate_argnums=0`; every metric is a device scalar, so nothing
   syncs with the host until the caller reads one. Under `jax.pmap`, pass its
   `axis_name`: gradients are then averaged over replicas before the finite
@@ -144,6 +154,8 @@ def make_train_step(gradients_fn: GradientsFn,
   step's own key, the same on every replica. `gradients_fn` takes the
   step's key as it is on every replica.
   """
+
+  optimizer = optax.with_extra_args_support(optimizer)
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     batch = dict(batch)
@@ -162,8 +174,13 @@ def make_train_step(gradients_fn: GradientsFn,
     nonfinite = jnp.stack([~jnp.isfinite(g).all()
                            for g in jax.tree.leaves(grads)])
     grads_finite = ~nonfinite.any()
-    updates, new_opt_state = optimizer.update(grads, state.opt_state, trained)
-    new_params = optimizer_lib.apply_updates(trained, updates, new_opt_state)
+    # The rounding of bfloat16 state (optimizer.py): the same on every
+    # replica and shard, from the state's key, so a resume redraws it.
+    round_key = jax.random.fold_in(state.rng, ROUNDING_DRAW)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, trained,
+                                              key=round_key)
+    new_params = optimizer_lib.apply_updates(trained, updates, new_opt_state,
+                                             round_key)
     params, opt_state = jmp.select_tree(
         grads_finite, (new_params, new_opt_state),
         (trained, state.opt_state))
