@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 
 from haiku_mp import errors
 from haiku_mp.train import checkpoint
+from haiku_mp.train import experiment
 from haiku_mp.train import loss_scaling
 from haiku_mp.train import optimizer as optimizer_lib
 from haiku_mp.train import step as step_lib
@@ -462,6 +463,73 @@ class CheckpointerTest(parameterized.TestCase):
     ckpt = checkpoint.Checkpointer(self.workdir, keep=3)
     self.assertIsNone(ckpt.restore_latest(jax.eval_shape(
         lambda: _tiny_state(4))))
+
+
+def _layout_config(update='master', mu='float32', nu='float32'):
+  """The tiny model in bfloat16 with clipping, decay and an average, as the
+  fixture `tests/data/checkpoint_before_layouts` was saved with."""
+  config = helpers.tiny_config(
+      'params=bfloat16,compute=bfloat16,output=float32')
+  config.data.source = 'synthetic'
+  config.weight_decay, config.grad_clip_norm, config.ema_decay = 0.05, 1.0, 0.5
+  config.num_train_steps = 10
+  config.precision.update(param_update=update, mu_dtype=mu, nu_dtype=nu)
+  return config
+
+
+def _steps(exp, config, state, first, last):
+  for step in range(first, last):
+    batch = helpers.random_batch(config, 8, seed=step)
+    state, _ = exp.strategy.train_step(state, exp.strategy.place_batch(batch))
+  return state
+
+
+class StateLayoutCheckpointTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.workdir = self.enter_context(tempfile.TemporaryDirectory())
+
+  @parameterized.parameters(('nearest', 'float32', 'float32'),
+                            ('stochastic', 'bfloat16', 'bfloat16'),
+                            ('kahan', 'float32', 'bfloat16'))
+  def test_a_resume_is_bit_exact(self, update, mu, nu):
+    """Saved after 2 steps, restored, 2 more: the state 4 straight steps
+    make, the stochastic rounding's draws and the compensation included."""
+    config = _layout_config(update, mu, nu)
+    exp = experiment.build(config)
+    straight = _steps(exp, config, exp.strategy.init_state(), 0, 4)
+    with contextlib.closing(checkpoint.Checkpointer(self.workdir, 1)) as ckpt:
+      ckpt.save(2, _steps(exp, config, exp.strategy.init_state(), 0, 2))
+    with contextlib.closing(checkpoint.Checkpointer(self.workdir, 1)) as ckpt:
+      step, restored = ckpt.restore_latest(exp.abstract_state)
+    self.assertEqual(step, 2)
+    resumed = _steps(exp, config, exp.strategy.place_state(restored), 2, 4)
+    chex.assert_trees_all_equal(_storable(resumed),
+                                _storable(straight))
+    chex.assert_trees_all_equal_dtypes(resumed, straight)
+
+  def test_a_checkpoint_from_before_the_layouts_restores_and_goes_on(self):
+    """Saved by the code before `precision.param_update` and the moment
+    dtypes existed (two steps of `_layout_config()`): it restores into the
+    default layout, equal to the same two steps taken now."""
+    shutil.copytree(os.path.join(helpers.ROOT, 'tests', 'data',
+                                 'checkpoint_before_layouts'),
+                    self.workdir, dirs_exist_ok=True)
+    config = _layout_config()
+    exp = experiment.build(config)
+    with contextlib.closing(checkpoint.Checkpointer(self.workdir, 1)) as ckpt:
+      step, restored = ckpt.restore_latest(exp.abstract_state)
+    self.assertEqual(step, 2)
+    now = _steps(exp, config, exp.strategy.init_state(), 0, 2)
+    chex.assert_trees_all_equal(_storable(restored),
+                                _storable(now))
+    self.assertIsInstance(restored.opt_state, optimizer_lib.MasterState)
+    _steps(exp, config, exp.strategy.place_state(restored), 2, 3)
+
+
+def _storable(state):
+  return jax.device_get(state._replace(rng=jax.random.key_data(state.rng)))
 
 
 if __name__ == '__main__':

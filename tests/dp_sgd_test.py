@@ -212,6 +212,31 @@ class PrivateStepTest(absltest.TestCase):
     self.assertEqual(float(metrics['num_examples']), BATCH - 1)
 
 
+class StateLayoutTest(absltest.TestCase):
+
+  def test_private_steps_train_bfloat16_state_without_a_master(self):
+    """DP-SGD's noisy float32 gradients take the same path into the state
+    as ordinary ones: the whole state bfloat16 (but LayerNorm's params), no
+    float32 copy, and the loss goes down."""
+    config = _config('params=bfloat16,compute=bfloat16,output=float32',
+                     l2_clip_norm=1.0, noise_multiplier=0.1)
+    config.precision.update(param_update='stochastic', mu_dtype='bfloat16',
+                            nu_dtype='bfloat16')
+    config.learning_rate = 1e-2
+    exp = experiment.build_without_data(config)
+    batch = _batch(exp.config, exp.train_batch_size, BATCH)
+    state = exp.strategy.init_state()
+    losses = []
+    for _ in range(8):
+      state, metrics = exp.strategy.train_step(state, batch)
+      losses.append(float(metrics['loss']))
+    self.assertLess(losses[-1], 0.9 * losses[0])
+    self.assertEqual(state.params['vit/head']['w'].dtype, jnp.bfloat16)
+    self.assertEqual(
+        {x.dtype.name for x in jax.tree.leaves(state.opt_state)
+         if x.ndim}, {'bfloat16'})
+
+
 class NoiseTest(absltest.TestCase):
 
   def test_one_float32_draw_with_sigma_c_over_b(self):

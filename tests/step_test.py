@@ -78,6 +78,79 @@ def _copy(tree):
   return jax.tree.map(np.array, tree)
 
 
+# (param_update, mu_dtype, nu_dtype): the layouts without a float32 master.
+NO_MASTER_LAYOUTS = (('nearest', 'float32', 'float32'),
+                     ('stochastic', 'bfloat16', 'bfloat16'),
+                     ('kahan', 'float32', 'bfloat16'))
+
+
+class StateLayoutStepTest(parameterized.TestCase):
+  """bfloat16 params without a master copy, in the whole train step."""
+
+  @parameterized.parameters(*NO_MASTER_LAYOUTS)
+  def test_a_skipped_step_changes_no_state_and_draws_as_a_taken_one(
+      self, update, mu_dtype, nu_dtype):
+    config = helpers.tiny_config(BF16_PARAMS, loss_scale='dynamic')
+    config.precision.update(param_update=update, mu_dtype=mu_dtype,
+                            nu_dtype=nu_dtype)
+    config.ema_decay = 0.5
+    config.learning_rate = 1e-2
+    exp = experiment.build_without_data(config)
+    step = jax.jit(step_lib.make_train_step(
+        step_lib.ordinary_gradients(exp.loss_fn, exp.scaler), exp.optimizer,
+        exp.scaler))
+    batch = helpers.random_batch(config)
+    state = exp.strategy.init_state()
+    losses = []
+    for _ in range(8):
+      state, metrics = step(state, batch)
+      losses.append(float(metrics['loss']))
+    self.assertLess(losses[-1], 0.9 * losses[0])
+    chex.assert_trees_all_equal_dtypes(state.params,
+                                       exp.strategy.init_state().params)
+    self.assertEqual(state.params['vit/head']['w'].dtype, jnp.bfloat16)
+    self.assertIsNone(optax.tree_utils.tree_get(state.opt_state, 'master'))
+    ema = optax.tree_utils.tree_get(state.opt_state, 'ema_params')
+    self.assertEqual({x.dtype for x in jax.tree.leaves(ema)},
+                     {jnp.dtype(jnp.float32)})
+    nu = optax.tree_utils.tree_get(state.opt_state, 'nu')
+    self.assertEqual({x.dtype for x in jax.tree.leaves(nu)},
+                     {jnp.dtype(nu_dtype)})
+
+    before = _copy((state.params, state.opt_state))
+    rng = jax.random.key_data(state.rng)
+    bad = dict(batch, image=batch['image'].at[0, 0, 0, 0].set(jnp.inf))
+    state, metrics = step(state, bad)
+    self.assertFalse(bool(metrics['grads_finite']))
+    chex.assert_trees_all_equal(_copy((state.params, state.opt_state)), before)
+    # The key moves on as after a taken step: a skip shifts no later draw.
+    chex.assert_trees_all_equal(
+        jax.random.key_data(state.rng),
+        jax.random.key_data(jax.random.split(
+            jax.random.wrap_key_data(rng), 3)[0]))
+
+  def test_stochastic_rounding_is_drawn_from_the_state_key(self):
+    """Two steps from the same state round alike; from another key, the
+    same gradients round some params the other way."""
+    config = helpers.tiny_config(BF16_PARAMS, dropout_rate=0.0)
+    config.precision.param_update = 'stochastic'
+    config.data.augment = False
+    exp = experiment.build_without_data(config)
+    step = jax.jit(step_lib.make_train_step(
+        step_lib.ordinary_gradients(exp.loss_fn, exp.scaler), exp.optimizer,
+        exp.scaler))
+    batch = helpers.random_batch(config)
+    state = exp.strategy.init_state()
+    one, _ = step(state, batch)
+    chex.assert_trees_all_equal(one.params, step(state, batch)[0].params)
+    other, _ = step(state._replace(rng=jax.random.key(9)), batch)
+    # No dropout, no augmentation: the same gradients, rounded otherwise.
+    chex.assert_trees_all_equal(one.opt_state, other.opt_state)
+    differ = [not np.array_equal(a, b) for a, b in
+              zip(jax.tree.leaves(one.params), jax.tree.leaves(other.params))]
+    self.assertTrue(any(differ))
+
+
 class SeedsExerciseTest(parameterized.TestCase):
   """`hk.Linear(1)`, bf16 MSE, SGD, static loss scale S: one step."""
 
