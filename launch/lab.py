@@ -120,7 +120,7 @@ def _log(line: str) -> None:
 
 
 def _params():
-  return params.run(_CONFIG.value), params.plot
+  return params.run(_CONFIG.value, log=_log), params.plot
 
 
 def _sweep():

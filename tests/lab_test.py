@@ -13,6 +13,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
+import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals
 import numpy as np
 
@@ -25,6 +26,7 @@ from haiku_mp.lab import memory
 from haiku_mp.lab import params
 from haiku_mp.lab import precision as precision_lab
 from haiku_mp.lab import profile
+from haiku_mp.lab import state_layouts
 from haiku_mp.lab import sweep
 from haiku_mp.lab import variants
 from haiku_mp.train import experiment
@@ -37,7 +39,7 @@ TINY_FLAGS = ('--config.model.num_layers=1', '--config.model.embed_dim=16',
 class ParamsMatmulRatiosTest(parameterized.TestCase):
 
   def test_params_of_the_reference_model(self):
-    result = params.run(base.get_config())
+    result = params.run(base.get_config(), log=lambda _: None)
     totals = result['totals']
     self.assertEqual(totals['float32']['count'], 10_695_562)
     self.assertEqual(totals['float32']['bytes'], 4 * 10_695_562)
@@ -51,7 +53,7 @@ class ParamsMatmulRatiosTest(parameterized.TestCase):
                      'params are 42.78 MB (40.80 MiB).')
 
   def test_params_note_is_the_measured_models(self):
-    result = params.run(helpers.tiny_config())
+    result = params.run(helpers.tiny_config(), log=lambda _: None)
     count = result['totals']['float32']['count']
     self.assertLess(count, 10**5)
     self.assertEqual(result['note'], f'MB = 1e6 bytes: {count:,} float32 params'
@@ -213,7 +215,7 @@ class MemoryTest(parameterized.TestCase):
                         compile_step=False, log=lambda _: None)
     rows = {(r['dtype'], r['batch_size']): r['breakdown']
             for r in result['results']}
-    count = params.run(config)['totals']['float32']['count']
+    count = params.run(config, log=lambda _: None)['totals']['float32']['count']
     for (dtype, batch_size), row in rows.items():
       self.assertEqual(row['params_bytes'], 4 * count)
       self.assertEqual(row['float32_gradient_bytes'], 4 * count)
@@ -231,6 +233,52 @@ class MemoryTest(parameterized.TestCase):
           0.8)
       self.assertEqual(by_key['float32', batch_size]['vs_float32'],
                        {'kept_activation_bytes': 1.0})
+
+
+class StateLayoutsTest(parameterized.TestCase):
+
+  def test_every_layout_compiled_holds_what_its_parts_add_up_to(self):
+    """The compiled step's state bytes (its arguments less the batch) are
+    the parts read from the state, for every layout; each part is its
+    dtype's size per parameter; the least is a third of float32's."""
+    config = helpers.tiny_config('params=float32,compute=bfloat16,'
+                                 'output=float32')
+    config.precision.fp8.update(modules='*/encoder_block_*', scaling='delayed')
+    lines = []
+    rows = {r['layout']: r for r in state_layouts.rows(
+        config, compile_step=True, log=lines.append)}
+    self.assertEqual(list(rows), list(state_layouts.LAYOUTS))
+    self.assertLen(lines, len(rows))
+    for name, row in rows.items():
+      dtype, update, mu, nu = state_layouts.LAYOUTS[name]
+      sizes, count = row['bytes'], row['param_count']
+      self.assertEqual(row['compiled_state_bytes'], sum(sizes.values()), name)
+      self.assertEqual((row['param_update'], row['mu_dtype'], row['nu_dtype']),
+                       (update, mu, nu))
+      self.assertEqual(sizes['mu'], count * np.dtype(mu).itemsize)
+      self.assertEqual(sizes['nu'], count * jnp.dtype(nu).itemsize)
+      self.assertEqual(sizes['master'], 4 * count if (
+          dtype == 'bfloat16' and update == 'master') else 0)
+      self.assertEqual(sizes['compensation'],
+                       sizes['params'] if update == 'kahan' else 0)
+      self.assertGreater(sizes['fp8'], 0)  # Delayed scaling's histories.
+      self.assertIn(f'state {name}: {row["per_parameter"]["total"]:.2f} '
+                    'bytes per parameter (params ', lines[list(rows).index(name)])
+    # LayerNorm's params stay float32: a little above 2 bytes.
+    bf16 = rows['bf16 stochastic, bf16 moments']['per_parameter']
+    self.assertBetween(bf16['params'], 2.0, 2.2)
+    self.assertLess(bf16['total'] / rows['float32']['per_parameter']['total'],
+                    0.55)
+
+  def test_the_params_experiment_draws_the_state_per_layout(self):
+    result = params.run(helpers.tiny_config(), log=lambda _: None)
+    self.assertEqual([r['layout'] for r in result['state_layouts']],
+                     list(state_layouts.LAYOUTS))
+    with tempfile.TemporaryDirectory() as out:
+      paths = params.plot(result, out)
+      self.assertEqual([os.path.basename(p) for p in paths],
+                       ['params.png', 'params_state_layouts.png'])
+      self.assertTrue(all(os.path.getsize(p) > 0 for p in paths))
 
 
 class PrecisionExperimentTest(parameterized.TestCase):

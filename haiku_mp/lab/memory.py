@@ -9,7 +9,9 @@ Two views:
 
 Together they give a breakdown per dtype and batch size: params, gradients,
 optimizer state, activations kept for the backward pass, and the compiled
-step's temporaries.
+step's temporaries. Beside them, the training state per layout
+(`state_layouts`): bytes per parameter, part by part and as the compiled
+step's arguments hold them.
 """
 
 import collections
@@ -26,6 +28,7 @@ import numpy as np
 
 from haiku_mp.lab import compare
 from haiku_mp.lab import plots
+from haiku_mp.lab import state_layouts
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
 from haiku_mp.model import forward as forward_lib
@@ -197,7 +200,8 @@ def run(config: ml_collections.ConfigDict,
       same_group=lambda a, b: a['batch_size'] == b['batch_size'],
       values=lambda r: r['breakdown'])
   return dict(experiment='memory', device=str(jax.devices()[0].device_kind),
-              results=results)
+              results=results,
+              state_layouts=state_layouts.rows(config, compile_step, log=log))
 
 
 def plot(result: dict[str, Any], out_dir: str) -> list[str]:

@@ -22,6 +22,7 @@ FIELD_LABELS = {
     'loss_scale': 'loss scale',
     'batch_size': 'global batch size',
     'megabytes': 'parameter memory',
+    'state': 'training state',
     'breakdown': 'train step memory',
     'device_peak_bytes': 'device peak memory',
     'compiled_total_bytes': 'compiled memory, total',
@@ -139,16 +140,19 @@ def grouped_bar_chart(out_path: str, groups, series: Mapping[str, list],
 
 
 def stacked_bar_chart(out_path: str, labels, parts: Mapping[str, list],
-                      ylabel: str, title: str) -> None:
-  """One bar per label, stacked from `parts` (name -> value per label)."""
+                      ylabel: str, title: str,
+                      total_format: str = '{:,.0f}') -> None:
+  """One bar per label, stacked from `parts` (name -> value per label), its
+  total above it in `total_format`."""
   fig, ax = _figure(figsize=(max(6, 0.9 * len(labels) + 5), 4.5))
   bottom = [0.0] * len(labels)
   for name, values in parts.items():
     ax.bar(range(len(labels)), values, bottom=bottom, label=name)
     bottom = [b + v for b, v in zip(bottom, values)]
   for i, total in enumerate(bottom):
-    ax.annotate(f'{total:,.0f}', (i, total), ha='center', va='bottom',
-                fontsize=7)
+    ax.annotate(total_format.format(total), (i, total), ha='center',
+                va='bottom', fontsize=7)
+  ax.set_ylim(0, max(bottom, default=0) * 1.08 or 1)  # Room for totals.
   ax.set_xticks(range(len(labels)), labels, fontsize=7)
   ax.set_ylabel(ylabel)
   ax.set_title(title)
