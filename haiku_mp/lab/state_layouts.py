@@ -77,6 +77,8 @@ def row(config: ml_collections.ConfigDict, name: str,
     result.update(
         argument_size_in_bytes=stats['argument_size_in_bytes'],
         output_size_in_bytes=stats['output_size_in_bytes'],
+        temp_size_in_bytes=stats['temp_size_in_bytes'],
+        compiled_total_bytes=stats['compiled_total_bytes'],
         compiled_state_bytes=compiled,
         compiled_bytes_per_parameter=compiled / max(count, 1),
         compile_sec=stats['compile_sec'])
