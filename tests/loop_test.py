@@ -111,7 +111,7 @@ class LoopTest(parameterized.TestCase):
                      list(range(LOG_EVERY, STEPS + 1, LOG_EVERY)))
     for event in train:
       window = expected[event['step'] - LOG_EVERY:event['step']]
-      for key in ('loss', 'accuracy', 'grad_norm'):
+      for key in ('loss', 'accuracy', 'grad_norm', 'updates_lost'):
         # The window's mean of its values that are not NaN (skipped steps'),
         # inf as metrics.jsonl writes it.
         values = np.asarray([m[key] for m in window], np.float64)

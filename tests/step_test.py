@@ -129,6 +129,31 @@ class StateLayoutStepTest(parameterized.TestCase):
         jax.random.key_data(jax.random.split(
             jax.random.wrap_key_data(rng), 3)[0]))
 
+  def test_updates_lost_counts_what_rounding_to_nearest_drops(self):
+    """At a small learning rate most of a step's updates are below half a
+    bfloat16 ulp: rounded to nearest they are lost; stochastically, fewer
+    params move but by a whole ulp, so on average none is; float32 params
+    lose nothing."""
+    lost = {}
+    for name, policy, update in (('float32', FP32, 'master'),
+                                 ('nearest', BF16_PARAMS, 'nearest'),
+                                 ('stochastic', BF16_PARAMS, 'stochastic')):
+      config = helpers.tiny_config(policy)
+      config.precision.param_update = update
+      config.learning_rate = 1e-4
+      exp = experiment.build_without_data(config)
+      step = jax.jit(step_lib.make_train_step(
+          step_lib.ordinary_gradients(exp.loss_fn, exp.scaler),
+          exp.optimizer, exp.scaler))
+      state = exp.strategy.init_state()
+      for _ in range(3):
+        state, metrics = step(state, helpers.random_batch(config))
+      lost[name] = float(metrics['updates_lost'])
+    self.assertLess(abs(lost['float32']), 1e-3)  # float32's own rounding.
+    self.assertGreater(lost['nearest'], 0.5)
+    # Stochastic: unbiased, its noise a few percent at this size.
+    self.assertLess(abs(lost['stochastic']), 0.15)
+
   def test_stochastic_rounding_is_drawn_from_the_state_key(self):
     """Two steps from the same state round alike; from another key, the
     same gradients round some params the other way."""
@@ -278,7 +303,7 @@ class TrainingTest(parameterized.TestCase):
     self.assertEqual(set(metrics), {'loss', 'accuracy', 'num_examples',
                                     'loss_scale', 'grads_finite', 'grad_norm',
                                     'skipped_steps', 'consecutive_skips',
-                                    'nonfinite_grads'})
+                                    'nonfinite_grads', 'updates_lost'})
     self.assertEqual(metrics['nonfinite_grads'].shape,
                      (len(jax.tree.leaves(state.params)),))
     self.assertFalse(metrics['nonfinite_grads'].any())

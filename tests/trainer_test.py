@@ -31,7 +31,7 @@ from tests import helpers
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_KEYS = {'step', 'split', 'loss', 'accuracy', 'loss_scale',
               'skipped_steps', 'images_per_sec', 'learning_rate', 'grad_norm',
-              'window_skipped_steps'}
+              'window_skipped_steps', 'updates_lost'}
 SUMMARY_KEYS = {'test_accuracy', 'test_loss', 'val_accuracy', 'val_loss',
                 'train_time_sec', 'steps', 'skipped_steps', 'peak_memory_bytes',
                 'images_per_sec', 'final_loss_scale'}

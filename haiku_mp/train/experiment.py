@@ -106,7 +106,7 @@ class Experiment:
   @property
   def mean_metrics(self) -> tuple[str, ...]:
     """The train step's metrics a log window averages."""
-    ordinary = ('loss', 'accuracy', 'grad_norm')
+    ordinary = ('loss', 'accuracy', 'grad_norm', 'updates_lost')
     return ordinary + (() if self.privacy is None else dp_sgd.MEAN_METRICS)
 
   def spent(self, step: int, skipped_steps: int) -> dict[str, float]:

@@ -181,6 +181,7 @@ def make_train_step(gradients_fn: GradientsFn,
                                               key=round_key)
     new_params = optimizer_lib.apply_updates(trained, updates, new_opt_state,
                                              round_key)
+    updates_lost = _updates_lost(trained, new_params, updates)
     params, opt_state = jmp.select_tree(
         grads_finite, (new_params, new_opt_state),
         (trained, state.opt_state))
@@ -200,6 +201,8 @@ def make_train_step(gradients_fn: GradientsFn,
         loss_scale=state.loss_scale.scale,
         grads_finite=grads_finite,
         grad_norm=optax.tree.norm(grads),
+        # NaN at a skipped step (a log window averages the others).
+        updates_lost=jnp.where(grads_finite, updates_lost, jnp.nan),
         skipped_steps=skipped_steps)
     if stop_request is not None:
       requested = jnp.any(stop_request).astype(jnp.int32)
@@ -209,6 +212,24 @@ def make_train_step(gradients_fn: GradientsFn,
     return new_state, metrics
 
   return train_step
+
+
+def _updates_lost(params: hk.Params, new_params: hk.Params,
+                  updates: optax.Updates) -> jax.Array:
+  """The share of the step's update, by magnitude, that did not reach the
+  params: 1 - sum(applied * sign(update)) / sum(|update|) over every
+  element. ~0 where params are float32, or rounded from a float32 master or
+  stochastically (unbiased: a step moves fewer params, each by an ulp);
+  toward 1 where bfloat16 params rounded to nearest drop updates below half
+  an ulp."""
+  applied = sum((jnp.sum((n.astype(jnp.float32) - p.astype(jnp.float32))
+                         * jnp.sign(u)) for p, n, u in zip(
+                             jax.tree.leaves(params),
+                             jax.tree.leaves(new_params),
+                             jax.tree.leaves(updates))), jnp.zeros([]))
+  total = sum((jnp.sum(jnp.abs(u)) for u in jax.tree.leaves(updates)),
+              jnp.zeros([]))
+  return jnp.where(total > 0, 1 - applied / total, 0.0)
 
 
 def _losses(logits: jax.Array, batch: Batch,
