@@ -10,6 +10,7 @@ python -m launch.lab dot_algorithms --out=lab [--size=2048]
 python -m launch.lab fp8 --config=configs/vit_fp8.py [--nocompile]
 python -m launch.lab report --out=report [--parts=benchmark,...] [--quick] \
     [--config.data.source=arrays --config.data.arrays_path=cifar10.npz]
+python -m launch.lab rounding --checkpoint=WORKDIR [--checkpoint_step=N] [--batches=4]
 python -m launch.lab advise --config=configs/vit_fp16.py [--checkpoint=WORKDIR] \
     [--batches=8] [--level=knockout] --out=advice
 
@@ -44,6 +45,7 @@ from haiku_mp.lab import memory
 from haiku_mp.lab import params
 from haiku_mp.lab import precision as precision_lab
 from haiku_mp.lab import profile
+from haiku_mp.lab import rounding
 from haiku_mp.lab import report
 from haiku_mp.lab import sweep
 from haiku_mp.lab import variants
@@ -85,13 +87,14 @@ _QUICK = flags.DEFINE_bool(
 _SEEDS = flags.DEFINE_list('seeds', ['0'],
                            'report: seeds of the accuracy runs.')
 _CHECKPOINT = flags.DEFINE_string(
-    'checkpoint', '', 'advise: a launch.train workdir whose checkpoint gives '
-    'the params and loss scale (default: the config\'s init).')
+    'checkpoint', '', 'advise, rounding: a launch.train workdir whose '
+    'checkpoint gives the state, and whose config.json the config '
+    '(default: the config\'s init).')
 _CHECKPOINT_STEP = flags.DEFINE_integer(
-    'checkpoint_step', -1, 'advise: the newest checkpoint at or before this '
-    'step (-1: the newest).')
-_BATCHES = flags.DEFINE_integer('batches', 8,
-                                'advise: training batches measured.')
+    'checkpoint_step', -1, 'advise, rounding: the newest checkpoint at or '
+    'before this step (-1: the newest).')
+_BATCHES = flags.DEFINE_integer('batches', 8, 'advise, rounding: training '
+                                'batches measured.')
 _LEVEL = flags.DEFINE_string(
     'level', 'stats', "advise: 'stats' (statistics and verdicts) or "
     "'knockout' (also each module alone in half precision).")
@@ -168,6 +171,20 @@ def _fp8():
   return result, fp8_gemms.write_table
 
 
+def _rounding():
+  """At a run's checkpoint (its own config), which params' updates bfloat16
+  rounding drops."""
+  config = _CONFIG.value
+  if _CHECKPOINT.value:
+    given = config_flags.get_override_values(flags.FLAGS['config'])
+    config = advisor.with_run_config(config, _CHECKPOINT.value, given,
+                                     log=_log, command='rounding')
+  result = rounding.run(config, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
+                        _BATCHES.value, log=_log)
+  print(rounding.table(result), flush=True)
+  return result, rounding.plot
+
+
 def _dot_algorithms():
   return (dot_algorithms.run(_SIZE.value, _REPEATS.value, log=_log),
           dot_algorithms.plot)
@@ -175,7 +192,8 @@ def _dot_algorithms():
 
 EXPERIMENTS = {'params': _params, 'sweep': _sweep, 'memory': _memory,
                'precision': _precision, 'matmul': _matmul, 'profile': _profile,
-               'dot_algorithms': _dot_algorithms, 'fp8': _fp8}
+               'dot_algorithms': _dot_algorithms, 'fp8': _fp8,
+               'rounding': _rounding}
 # Every command: the experiments, the report that runs several of them, and
 # the advisor.
 COMMANDS = (*EXPERIMENTS, 'report', 'advise')

@@ -26,10 +26,12 @@ from haiku_mp.lab import memory
 from haiku_mp.lab import params
 from haiku_mp.lab import precision as precision_lab
 from haiku_mp.lab import profile
+from haiku_mp.lab import rounding
 from haiku_mp.lab import state_layouts
 from haiku_mp.lab import sweep
 from haiku_mp.lab import variants
 from haiku_mp.train import experiment
+from haiku_mp.train import state_layout
 from tests import helpers
 
 TINY_FLAGS = ('--config.model.num_layers=1', '--config.model.embed_dim=16',
@@ -281,6 +283,39 @@ class StateLayoutsTest(parameterized.TestCase):
       self.assertTrue(all(os.path.getsize(p) > 0 for p in paths))
 
 
+class RoundingTest(absltest.TestCase):
+
+  def test_nearest_drops_the_small_updates_stochastic_keeps_them(self):
+    """Three steps from init at a learning rate of 1e-4: Adam's steps are
+    ~1e-4 per weight, below half the bfloat16 spacing of most weights (2**-9 of
+    them), so rounding to nearest loses most of the weights' update;
+    stochastic rounding loses none on average. Zero biases take every
+    update."""
+    config = helpers.tiny_config(
+        'params=bfloat16,compute=bfloat16,output=float32', num_layers=2)
+    config.learning_rate = 1e-4
+    config.batch_size = 8
+    config.data.source = 'synthetic'
+    config.num_train_steps = 10
+    config.precision.param_update = 'nearest'
+    config.advisor.init_steps = 3
+    lines = []
+    result = rounding.run(config, num_batches=2, log=lines.append)
+    groups = {r['name']: r for r in result['groups']}
+    count = state_layout.param_count(
+        experiment.build_without_data(config).abstract_state)
+    self.assertEqual(sum(r['elements'] for r in result['groups']), 2 * count)
+    self.assertEqual(result['total']['elements'], 2 * count)
+    for name in ('attention weights', 'MLP weights'):
+      self.assertGreater(groups[name]['lost_nearest'], 0.5, name)
+      self.assertGreater(groups[name]['below_half_ulp'], 0.5, name)
+    self.assertLess(abs(groups['biases']['lost_nearest']), 0.01)
+    self.assertLess(abs(result['total']['lost_stochastic']),
+                    0.5 * result['total']['lost_nearest'])
+    self.assertLen(lines, 1 + len(groups))
+    self.assertIn('| all params |', rounding.table(result))
+
+
 class PrecisionExperimentTest(parameterized.TestCase):
 
   def test_precision_aliases_errors_and_residual_stream(self):
@@ -472,7 +507,10 @@ class CommandLineTest(parameterized.TestCase):
                   '--batch_sizes=4', '--dtypes=float16', '--steps=1'],
                  ['memory', *TINY_FLAGS, '--batch_sizes=2', '--dtypes=bfloat16'],
                  ['profile', *TINY_FLAGS, '--config.batch_size=4',
-                  '--steps=2']):
+                  '--steps=2'],
+                 ['rounding', *TINY_FLAGS, '--config.batch_size=4',
+                  '--config.data.source=synthetic',
+                  '--config.advisor.init_steps=1', '--batches=1']):
       done = helpers.run_module('launch.lab', *args, f'--out={out}',
                                 check=True)
       with open(os.path.join(out, f'{args[0]}.json')) as f:
@@ -555,7 +593,7 @@ class CommandLineTest(parameterized.TestCase):
   @parameterized.parameters(
       (['sweepp'], "expected one experiment of ('params', 'sweep', 'memory', "
                    "'precision', 'matmul', 'profile', 'dot_algorithms', "
-                   "'fp8', 'report', 'advise')"),
+                   "'fp8', 'rounding', 'report', 'advise')"),
       (['advise', '--batches=0'], '--batches=0 must be at least 1'),
       (['advise', '--level=deep'],
        "--level: unknown value 'deep'; expected one of"),

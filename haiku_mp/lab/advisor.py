@@ -62,8 +62,8 @@ HALF_DTYPES = ('float16', 'bfloat16')
 
 def with_run_config(config: ml_collections.ConfigDict, workdir: str,
                     given: Collection[str] = (),
-                    log: Callable[[str], None] = print
-                    ) -> ml_collections.ConfigDict:
+                    log: Callable[[str], None] = print,
+                    command: str = 'advise') -> ml_collections.ConfigDict:
   """`config` with every field of the run in `workdir` (its config.json, as
   launch.train wrote it: model, data, batch size, precision, loss scale,
   optimizer; what restores its checkpoint and draws its batches), except the
@@ -73,7 +73,7 @@ def with_run_config(config: ml_collections.ConfigDict, workdir: str,
   if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
     return config  # Not a run: `run` says so before anything is done.
   if not os.path.exists(path):
-    log(f'advise: no {path}; the config is --config\'s')
+    log(f'{command}: no {path}; the config is --config\'s')
     return config
   try:
     with open(path) as f:
@@ -90,7 +90,7 @@ def with_run_config(config: ml_collections.ConfigDict, workdir: str,
     if key in given or holder is None or name not in holder:
       continue  # Set on the command line, or a field no longer in configs.
     holder[name] = tuple(value) if isinstance(holder[name], tuple) else value
-  log(f'advise: the config of {path}; from the command line: '
+  log(f'{command}: the config of {path}; from the command line: '
       + (', '.join(f'--config.{k}' for k in sorted(given)) or 'nothing'))
   return config
 

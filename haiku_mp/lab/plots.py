@@ -23,6 +23,8 @@ FIELD_LABELS = {
     'batch_size': 'global batch size',
     'megabytes': 'parameter memory',
     'state': 'training state',
+    'update_lost': 'share of the update lost',
+    'params': 'params',
     'breakdown': 'train step memory',
     'device_peak_bytes': 'device peak memory',
     'compiled_total_bytes': 'compiled memory, total',
