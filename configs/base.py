@@ -84,10 +84,9 @@ def get_config() -> ml_collections.ConfigDict:
       # 'stochastic' (unbiased, drawn from the run's key) or 'kahan' (to
       # nearest, plus a bfloat16 buffer of what rounding dropped).
       param_update='master',
-      # Adam's first and second moments: 'float32' or 'bfloat16' (rounded
-      # stochastically).
+      # Adam's first moment: 'float32' or 'bfloat16' (rounded stochastically).
       mu_dtype='float32',
-      nu_dtype='float32',
+      nu_dtype='float32',  # Adam's second moment: the same choices.
       # fp8 matmuls (haiku_mp/model/fp8.py, docs/fp8.md): E4M3 forward, E5M2
       # gradients, float32 sums, in the Linear layers of these modules.
       fp8=ml_collections.ConfigDict(dict(

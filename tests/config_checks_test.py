@@ -83,6 +83,26 @@ _OUT_OF_RANGE = (
     ('layer_norm_epsilon', {'model.layer_norm_epsilon': 0.0},
      'model.layer_norm_epsilon=0 must be positive'),
     ('remat', {'remat': 'some'}, "remat: unknown value 'some'"),
+    ('param_update', {'precision.param_update': 'round'},
+     "precision.param_update: unknown value 'round'"),
+    ('mu_dtype', {'precision.mu_dtype': 'float16'},
+     "precision.mu_dtype: unknown value 'float16'"),
+    ('nu_dtype', {'precision.nu_dtype': 'half'},
+     "precision.nu_dtype: unknown value 'half'"),
+    ('rounding_into_float32_params', {'precision.param_update': 'kahan'},
+     "precision.param_update='kahan' rounds updates into half-precision "
+     'params, but precision.policy and overrides keep every param in '
+     'float32'),
+    ('no_master_for_float16_params', {
+        'precision.param_update': 'stochastic',
+        'precision.policy': 'params=float16,compute=float16,output=float32'},
+     "precision.param_update='stochastic' keeps params without a float32 "
+     'copy only in bfloat16; the policy stores float16 params'),
+    ('no_master_for_float16_overrides', {
+        'precision.param_update': 'nearest',
+        'precision.policy': 'params=bfloat16,compute=bfloat16,output=float32',
+        'precision.overrides': '*/head:p=f16,c=f16,o=f32'},
+     'the policy stores bfloat16, float16 params'),
     ('policy', {'precision.policy': 'p=f32,c=float8'}, 'precision.policy'),
     ('overrides', {'precision.overrides': 'head'},
      "precision.overrides: malformed entry 'head'"),
@@ -289,6 +309,11 @@ class CheckTest(parameterized.TestCase):
       ('mesh_of_the_remaining_devices', {'parallel.mesh_shape': (-1, 2)}),
       ('mesh_from_json', {'parallel.mesh_shape': [4, 2]}),
       ('dynamic_loss_scale', {'loss_scale.kind': 'dynamic'}),
+      ('bfloat16_state_with_a_float32_head', {
+          'precision.policy': 'params=bfloat16,compute=bfloat16,output=float32',
+          'precision.overrides': '*/head:float32',
+          'precision.param_update': 'kahan', 'precision.mu_dtype': 'bfloat16',
+          'precision.nu_dtype': 'bfloat16'}),
       ('the_whole_recipe', {'data.crop': 'pad', 'data.policy': 'autoaugment',
                             'data.erasing_probability': 1.0,
                             'data.mixup_alpha': 0.8, 'data.cutmix_alpha': 1.0,
