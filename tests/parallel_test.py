@@ -90,6 +90,18 @@ def _train(config, steps=5):
   return losses, finite, scales, par, state
 
 
+def _three_steps(config):
+  """(losses, strategy, state) after three steps on random batches."""
+  par = _setup(config)
+  state = par.init_state()
+  losses = []
+  for step in range(3):
+    batch = helpers.random_batch(config, config.batch_size, seed=step)
+    state, metrics = par.train_step(state, par.place_batch(batch))
+    losses.append(float(par.unreplicate(metrics)['loss']))
+  return losses, par, state
+
+
 class StrategiesAgreeTest(parameterized.TestCase):
 
   # Float16 with a dynamic scale: the skip and the scale's fall as well as
@@ -142,13 +154,7 @@ class Fp8StrategiesAgreeTest(parameterized.TestCase):
       config.precision.fp8.modules = '*/encoder_block_*'
       config.precision.fp8.scaling = scaling
       config.precision.fp8.history_length = 4
-      par = _setup(config)
-      state = par.init_state()
-      losses = []
-      for step in range(3):
-        batch = helpers.random_batch(config, config.batch_size, seed=step)
-        state, metrics = par.train_step(state, par.place_batch(batch))
-        losses.append(float(par.unreplicate(metrics)['loss']))
+      losses, par, state = _three_steps(config)
       histories, _ = step_lib.split_fp8(
           jax.device_get(par.unreplicate(state).params))
       results[strategy] = (losses, histories)
@@ -199,13 +205,7 @@ class StateLayoutsAgreeTest(parameterized.TestCase):
                                  ('pjit', (4, 2))):
       config = _config(strategy, mesh_shape, 'p=bf16,c=bf16,o=f32', 'none')
       config.precision.update(param_update=update, mu_dtype=mu, nu_dtype=nu)
-      par = _setup(config)
-      state = par.init_state()
-      losses = []
-      for step in range(3):
-        batch = helpers.random_batch(config, config.batch_size, seed=step)
-        state, metrics = par.train_step(state, par.place_batch(batch))
-        losses.append(float(par.unreplicate(metrics)['loss']))
+      losses, par, state = _three_steps(config)
       results[strategy] = (losses, jax.device_get(par.unreplicate(state)))
     want_losses, want = results['single']
     for strategy, (losses, state) in results.items():

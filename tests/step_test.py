@@ -74,6 +74,13 @@ def _vit_setup(policy, loss_scale_kind, **loss_scale):
   return exp.forward, helpers.random_batch(config), exp.strategy.init_state(), step
 
 
+def _jitted_step(exp):
+  """The experiment's train step, built here on one device (jitted)."""
+  return jax.jit(step_lib.make_train_step(
+      step_lib.ordinary_gradients(exp.loss_fn, exp.scaler), exp.optimizer,
+      exp.scaler))
+
+
 def _copy(tree):
   return jax.tree.map(np.array, tree)
 
@@ -96,9 +103,7 @@ class StateLayoutStepTest(parameterized.TestCase):
     config.ema_decay = 0.5
     config.learning_rate = 1e-2
     exp = experiment.build_without_data(config)
-    step = jax.jit(step_lib.make_train_step(
-        step_lib.ordinary_gradients(exp.loss_fn, exp.scaler), exp.optimizer,
-        exp.scaler))
+    step = _jitted_step(exp)
     batch = helpers.random_batch(config)
     state = exp.strategy.init_state()
     losses = []
@@ -142,9 +147,7 @@ class StateLayoutStepTest(parameterized.TestCase):
       config.precision.param_update = update
       config.learning_rate = 1e-4
       exp = experiment.build_without_data(config)
-      step = jax.jit(step_lib.make_train_step(
-          step_lib.ordinary_gradients(exp.loss_fn, exp.scaler),
-          exp.optimizer, exp.scaler))
+      step = _jitted_step(exp)
       state = exp.strategy.init_state()
       for _ in range(3):
         state, metrics = step(state, helpers.random_batch(config))
@@ -161,9 +164,7 @@ class StateLayoutStepTest(parameterized.TestCase):
     config.precision.param_update = 'stochastic'
     config.data.augment = False
     exp = experiment.build_without_data(config)
-    step = jax.jit(step_lib.make_train_step(
-        step_lib.ordinary_gradients(exp.loss_fn, exp.scaler), exp.optimizer,
-        exp.scaler))
+    step = _jitted_step(exp)
     batch = helpers.random_batch(config)
     state = exp.strategy.init_state()
     one, _ = step(state, batch)
