@@ -71,6 +71,7 @@ def float32_master(inner: optax.GradientTransformation
   the updated float32 copy rounded to each param's dtype. (`optax.apply_updates`
   gets within rounding of that, as `params + (master - params)`.)
   """
+  inner = optax.with_extra_args_support(inner)
 
   def init(params):
     # A copy even of float32 leaves: a donated state must not hold one buffer
@@ -78,8 +79,6 @@ def float32_master(inner: optax.GradientTransformation
     master = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True),
                           params)
     return MasterState(master, inner.init(master))
-
-  inner = optax.with_extra_args_support(inner)
 
   def update(grads, state, params, **extra_args):
     grads = _as_float32(grads)
