@@ -490,8 +490,7 @@ class StateLayoutCheckpointTest(parameterized.TestCase):
     super().setUp()
     self.workdir = self.enter_context(tempfile.TemporaryDirectory())
 
-  @parameterized.parameters(('nearest', 'float32', 'float32'),
-                            ('stochastic', 'bfloat16', 'bfloat16'),
+  @parameterized.parameters(('stochastic', 'bfloat16', 'bfloat16'),
                             ('kahan', 'float32', 'bfloat16'))
   def test_a_resume_is_bit_exact(self, update, mu, nu):
     """Saved after 2 steps, restored, 2 more: the state 4 straight steps

@@ -85,9 +85,9 @@ def _copy(tree):
   return jax.tree.map(np.array, tree)
 
 
-# (param_update, mu_dtype, nu_dtype): the layouts without a float32 master.
-NO_MASTER_LAYOUTS = (('nearest', 'float32', 'float32'),
-                     ('stochastic', 'bfloat16', 'bfloat16'),
+# (param_update, mu_dtype, nu_dtype): layouts without a float32 master, their
+# three kinds of state (stochastic draws, a compensation, bfloat16 moments).
+NO_MASTER_LAYOUTS = (('stochastic', 'bfloat16', 'bfloat16'),
                      ('kahan', 'float32', 'bfloat16'))
 
 
