@@ -18,6 +18,7 @@ from jax._src.ad_checkpoint import saved_residuals
 import numpy as np
 
 from configs import base
+from configs import vit_pure_bf16 as configs_pure_bf16
 from haiku_mp import errors
 from haiku_mp.lab import checks
 from haiku_mp.lab import compare
@@ -113,6 +114,21 @@ class FlagChecksTest(parameterized.TestCase):
     with self.assertRaisesRegex(errors.ConfigError,
                                 '^--dtypes: expected at least one'):
       checks.compute_dtypes('dtypes', [])
+
+  def test_pure_bf16_is_a_variant_beside_the_dtypes(self):
+    self.assertEqual(checks.compute_dtypes('dtypes', ['float32', 'pure_bf16']),
+                     ['float32', 'pure_bf16'])
+    config = variants.in_compute_dtype(base.get_config(), variants.PURE_BF16)
+    self.assertEqual(config.precision.policy,
+                     'params=bfloat16,compute=bfloat16,output=float32')
+    self.assertEqual((config.precision.param_update,
+                      config.precision.mu_dtype, config.precision.nu_dtype),
+                     ('stochastic', 'bfloat16', 'bfloat16'))
+    self.assertEqual(variants.variant_name(config), variants.PURE_BF16)
+    self.assertEqual(variants.variant_name(configs_pure_bf16.get_config()),
+                     variants.PURE_BF16)
+    self.assertEqual(variants.variant_name(
+        variants.in_compute_dtype(base.get_config(), 'bfloat16')), 'bfloat16')
 
   def test_out_dir(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())

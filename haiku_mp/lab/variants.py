@@ -21,6 +21,12 @@ DTYPES = ('float32', 'bfloat16', 'float16')
 # Variants beside the dtypes: bfloat16 compute with fp8 matmuls per scaling.
 FP8_VARIANTS = tuple(fp8.VARIANT_PREFIX + s for s in fp8.SCALINGS)
 BATCH_SIZES = (128, 1024, 4096)
+# A variant beside the dtypes: bfloat16 compute with the whole training
+# state in bfloat16 (configs/vit_pure_bf16.py's layout: no float32 master,
+# stochastic rounding, bfloat16 moments).
+PURE_BF16 = 'pure_bf16'
+_PURE_BF16_STATE = dict(param_update='stochastic', mu_dtype='bfloat16',
+                        nu_dtype='bfloat16')
 
 
 def compute_dtype(config: ml_collections.ConfigDict) -> str:
@@ -34,6 +40,10 @@ def variant_name(config: ml_collections.ConfigDict) -> str:
   or `fp8_<scaling>` when it runs fp8 matmuls."""
   if config.precision.fp8.modules.strip():
     return fp8.VARIANT_PREFIX + config.precision.fp8.scaling
+  policy = policies.parse_policy(config.precision.policy)
+  if (jnp.dtype(policy.param_dtype) == jnp.bfloat16 and
+      all(config.precision[k] == v for k, v in _PURE_BF16_STATE.items())):
+    return PURE_BF16
   return compute_dtype(config)
 
 
@@ -43,18 +53,26 @@ def in_compute_dtype(config: ml_collections.ConfigDict, dtype: str
   were) without fp8 matmuls; float16 gets dynamic loss scaling when the
   config has none, as configs/vit_fp16.py does. An `FP8_VARIANTS` name
   (`fp8_delayed`) is bfloat16 compute with fp8 matmuls in the config's fp8
-  modules (`fp8.DEFAULT_MODULES` if none) at that scaling."""
+  modules (`fp8.DEFAULT_MODULES` if none) at that scaling; `PURE_BF16` is
+  bfloat16 compute and params with the state layout of
+  configs/vit_pure_bf16.py."""
   scaling = None
   if dtype.startswith(fp8.VARIANT_PREFIX):
     scaling = dtype[len(fp8.VARIANT_PREFIX):]
     dtype = fp8.COMPUTE_DTYPE
   policy = policies.parse_policy(config.precision.policy)
   name = lambda d: jnp.dtype(d).name
-  text = (f'params={name(policy.param_dtype)},compute={dtype},'
+  params = name(policy.param_dtype)
+  pure_bf16 = dtype == PURE_BF16
+  if pure_bf16:
+    dtype = params = 'bfloat16'
+  text = (f'params={params},compute={dtype},'
           f'output={name(policy.output_dtype)}')
   policies.parse_policy(text, setting=f'sweep dtype {dtype!r}')
   config = copy.deepcopy(config)
   config.precision.policy = text
+  if pure_bf16:
+    config.precision.update(_PURE_BF16_STATE)
   if scaling is None:
     config.precision.fp8.modules = ''
   else:
