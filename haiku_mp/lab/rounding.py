@@ -136,9 +136,10 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   everything = collections.Counter()
   for c in by_group.values():
     everything.update(c)
+  at_step = step + init_steps
   result = dict(
-      experiment='rounding', params_from=source, step=step,
-      batches=num_batches, learning_rate=float(exp.schedule(step)),
+      experiment='rounding', params_from=source, step=at_step,
+      batches=num_batches, learning_rate=float(exp.schedule(at_step)),
       layout=dict(policy=config.precision.policy,
                   param_update=config.precision.param_update,
                   mu_dtype=config.precision.mu_dtype,
