@@ -22,7 +22,9 @@ from haiku_mp.lab import plots
 from haiku_mp.lab import precision
 from haiku_mp.lab import profile
 from haiku_mp.lab import report
+from haiku_mp.lab import rounding
 from haiku_mp.lab import sweep
+from haiku_mp.train import state_layout
 from tests import helpers
 
 DTYPES = ('float32', 'bfloat16', 'float16')
@@ -80,7 +82,16 @@ def _report_memory_result():
 # One tiny result per plot the lab writes: (name, plot function, result).
 LAB_PLOTS = (
     ('params', params.plot, lambda tmp: dict(totals={
-        d: dict(megabytes=1.0, count=1) for d in DTYPES})),
+        d: dict(megabytes=1.0, count=1) for d in DTYPES},
+        state_layouts=[dict(layout=name, per_parameter=dict(
+            dict.fromkeys(state_layout.PARTS, 2.0), total=16.0))
+                       for name in ('float32', 'bf16 kahan, bf16 moments')])),
+    ('rounding', rounding.plot, lambda tmp: dict(
+        step=10, learning_rate=1e-3,
+        groups=[dict(name='MLP weights', lost_nearest=0.5,
+                     lost_stochastic=0.01)],
+        total=dict(name='all params', lost_nearest=0.4,
+                   lost_stochastic=-0.01))),
     ('sweep', sweep.plot, lambda tmp: _sweep_result()),
     ('memory', memory.plot, lambda tmp: _memory_result()),
     ('precision', precision.plot, lambda tmp: dict(
