@@ -140,6 +140,21 @@ class PlotsTest(absltest.TestCase):
       self.assertEqual(f.read(8), b'\x89PNG\r\n\x1a\n')
     self.assertGreater(os.path.getsize(out), 10_000)
 
+  def test_a_panel_for_the_updates_lost_when_a_run_reports_them(self):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    events = [dict(step=s, split='train', loss=1.0, loss_scale=1.0)
+              for s in (10, 20)]
+    lost = [dict(e, updates_lost=0.5) for e in events]
+    for runs, panels in (({'a': events}, 3), ({'a': events, 'b': lost}, 4)):
+      with mock.patch.object(plots, '_save') as save:
+        plots.plot_runs(runs, os.path.join(tmp, 'runs.png'))
+      fig = save.call_args.args[0]
+      self.assertLen(fig.axes, panels)
+      self.assertEqual(fig.axes[-1].get_ylabel(),
+                       plots.axis_label('updates_lost') if panels == 4 else
+                       plots.axis_label('loss_scale', 'log'))
+      plt.close(fig)
+
   def test_missing_workdir_is_a_clear_error(self):
     result = helpers.run_module('launch.plot', '--workdirs=/nonexistent/run')
     self.assertEqual(result.returncode, 2)

@@ -24,6 +24,7 @@ FIELD_LABELS = {
     'megabytes': 'parameter memory',
     'state': 'training state',
     'update_lost': 'share of the update lost',
+    'updates_lost': 'share of the updates lost to rounding',
     'params': 'params',
     'breakdown': 'train step memory',
     'device_peak_bytes': 'device peak memory',
@@ -87,10 +88,13 @@ def _save(fig, out_path: str) -> None:
 
 def plot_runs(runs: Mapping[str, list[dict]], out_path: str,
               title: str = '') -> None:
-  """Train loss, val accuracy and loss scale of several runs, one PNG."""
-  fig, axes = _figure(1, 3, figsize=(15, 4.2))
-  panels = (('train', 'loss', ''), ('val', 'accuracy', ''),
-            ('train', 'loss_scale', 'log'))
+  """Train loss, val accuracy and loss scale of several runs, one PNG, and
+  the share of the updates rounding lost when a run reports it."""
+  panels = [('train', 'loss', ''), ('val', 'accuracy', ''),
+            ('train', 'loss_scale', 'log')]
+  if any('updates_lost' in e for events in runs.values() for e in events):
+    panels.append(('train', 'updates_lost', ''))
+  fig, axes = _figure(1, len(panels), figsize=(5 * len(panels), 4.2))
   for ax, (split, key, unit) in zip(axes, panels):
     drawn = False
     for name, events in runs.items():
