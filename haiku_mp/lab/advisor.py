@@ -152,7 +152,7 @@ def _train(exp: experiment.Experiment, state, batches,
   return state
 
 
-def _model_inputs(exp: experiment.Experiment, batches, seed: int):
+def model_inputs(exp: experiment.Experiment, batches, seed: int):
   """Each batch augmented and normalized as the train step does, keyed per
   batch from `seed`."""
   inputs = jax.jit(exp.train_inputs)
@@ -431,7 +431,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   if init_steps:
     state = _train(exp, state, batches[:init_steps], log)
     source += f' + {init_steps} float32 steps'
-  inputs = _model_inputs(exp, batches[init_steps:], reference.seed)
+  inputs = model_inputs(exp, batches[init_steps:], reference.seed)
   modules, scales, stats, state = measure(exp, state, inputs, log)
   judged = verdicts.judge(modules, thresholds)
   rows = []

@@ -98,9 +98,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
     state, _ = exp.strategy.train_step(state, exp.strategy.place_batch(batch))
   if init_steps:
     source += f' + {init_steps} steps'
-  inputs = [jax.jit(exp.train_inputs)(jax.random.fold_in(
-      jax.random.key(config.seed), i), batch, None)
-            for i, batch in enumerate(batches[init_steps:])]
+  inputs = advisor.model_inputs(exp, batches[init_steps:], config.seed)
   _, trained = step_lib.split_fp8(state.params)
 
   @jax.jit

@@ -69,7 +69,7 @@ def describe(precision_config: ml_collections.ConfigDict, state) -> str:
   """The `State:` line of a run: the layout, and bytes per parameter in all
   and per part."""
   sizes = bytes_by_part(state)
-  count = max(param_count(state), 1)
+  per = per_parameter(sizes, param_count(state))
   update = precision_config.param_update
   params = dtype_names(fp8_lib.split_meta(state.params)[1])
   if sizes['master']:
@@ -78,13 +78,12 @@ def describe(precision_config: ml_collections.ConfigDict, state) -> str:
     how = 'updated in place'
   else:
     how = f'no master, updates rounded {_ROUNDING_WORDS[update]}'
-  parts = ', '.join(f'{name} {sizes[name] / count:.2f}' for name in PARTS
+  parts = ', '.join(f'{name} {per[name]:.2f}' for name in PARTS
                     if sizes[name] and name != 'other')
-  total = sum(sizes.values())
   return (f'State: params {params} ({how}), Adam moments '
           f'{precision_config.mu_dtype}/{precision_config.nu_dtype}: '
-          f'{total / count:.2f} bytes per parameter ({parts}), '
-          f'{total / 1e6:.2f} MB')
+          f'{per["total"]:.2f} bytes per parameter ({parts}), '
+          f'{sum(sizes.values()) / 1e6:.2f} MB')
 
 
 _ROUNDING_WORDS = {'nearest': 'to nearest', 'stochastic': 'stochastically',
