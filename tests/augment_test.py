@@ -16,6 +16,7 @@ import numpy as np
 from configs import base
 from configs import vit_recipe
 from haiku_mp.data import augment
+from haiku_mp.update import keys as keys_lib
 
 DATA = base.get_config().data
 SIZE = 32
@@ -254,9 +255,9 @@ class ModelInputsTest(parameterized.TestCase):
       self.skipTest('needs several devices (run under the suite\'s XLA_FLAGS)')
     images = _images(2 * n)
     key = jax.random.key(9)
-    one = augment.augment(augment.example_keys(key, 2 * n), images, DATA)
+    one = augment.augment(keys_lib.example_keys(key, 2 * n), images, DATA)
     per_replica = jax.pmap(
-        lambda x: augment.augment(augment.example_keys(key, 2, 'b'), x, DATA),
+        lambda x: augment.augment(keys_lib.example_keys(key, 2, 'b'), x, DATA),
         axis_name='b')(images.reshape(n, 2, SIZE, SIZE, 3))
     np.testing.assert_array_equal(per_replica.reshape(one.shape), one)
 

@@ -31,9 +31,9 @@ import orbax.checkpoint as ocp
 from haiku_mp import errors
 from haiku_mp.train import checkpoint
 from haiku_mp.train import experiment
-from haiku_mp.train import loss_scaling
-from haiku_mp.train import optimizer as optimizer_lib
-from haiku_mp.train import step as step_lib
+from haiku_mp.update import loss_scaling
+from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import step as step_lib
 from tests import helpers
 from tests import disk_full_at_step
 from tests import signal_at_step

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
+from haiku_mp.data import sampling
 from haiku_mp.parallel import sharding
 from haiku_mp.privacy import dp_sgd
 from haiku_mp.train import experiment
@@ -299,7 +300,7 @@ class SamplingTest(absltest.TestCase):
     settings = dp_sgd.DpSgd(1.0, 1.0, batch_size=20, num_examples=1000,
                              delta=1e-5, padded_batch_size=36,
                              microbatch_size=4)
-    batches = list(dp_sgd.poisson_batches(7, settings, total_steps=400))
+    batches = list(sampling.poisson_batches(7, settings, total_steps=400))
     self.assertLen(batches, 400)
     sizes = []
     for indices in batches:
@@ -313,10 +314,10 @@ class SamplingTest(absltest.TestCase):
     self.assertAlmostEqual(np.mean(sizes), 20, delta=1.0)
     self.assertAlmostEqual(np.std(sizes), np.sqrt(1000 * 0.02 * 0.98),
                            delta=0.6)
-    resumed = list(dp_sgd.poisson_batches(7, settings, 400, start_step=397))
+    resumed = list(sampling.poisson_batches(7, settings, 400, start_step=397))
     for a, b in zip(resumed, batches[397:]):
       np.testing.assert_array_equal(a, b)
-    other_seed = next(dp_sgd.poisson_batches(8, settings, 400))
+    other_seed = next(sampling.poisson_batches(8, settings, 400))
     self.assertFalse(np.array_equal(other_seed, batches[0]))
 
   def test_padded_size_divides_devices_and_microbatches(self):

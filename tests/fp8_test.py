@@ -24,7 +24,7 @@ from haiku_mp import errors
 from haiku_mp.lab import fp8_gemms
 from haiku_mp.model import fp8
 from haiku_mp.train import experiment
-from haiku_mp.train import step as step_lib
+from haiku_mp.update import step as step_lib
 from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 
-from haiku_mp.train import loss_scaling
+from haiku_mp.update import loss_scaling
 
 OVERFLOW = jnp.asarray(False)
 FINITE = jnp.asarray(True)

@@ -14,7 +14,7 @@ from absl.testing import parameterized
 import numpy as np
 
 from configs import vit_fp16
-from haiku_mp.model import module_table
+from haiku_mp.train import module_table
 from haiku_mp.train import experiment
 from tests import helpers
 

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import tensorflow_datasets as tfds
 
 from haiku_mp.train import loop
-from haiku_mp.train import loss_scaling
+from haiku_mp.update import loss_scaling
 from tests import helpers
 
 OVERFLOW, FINITE = jnp.asarray(False), jnp.asarray(True)

@@ -17,6 +17,7 @@ import numpy as np
 
 from haiku_mp.data import npz_source
 from haiku_mp.data import pipeline
+from haiku_mp.data import sampling
 from haiku_mp.data import tfds_source
 from haiku_mp.privacy import dp_sgd
 from tests import helpers
@@ -124,7 +125,7 @@ class BatchesTest(parameterized.TestCase):
         config, split, shard, settings, total_steps=20, start_step=start)
     whole = list(batches(pipeline.Shard()))
     self.assertLen(whole, 20)
-    indices = dp_sgd.poisson_batches(config.seed, settings, 20)
+    indices = sampling.poisson_batches(config.seed, settings, 20)
     for batch, rows in zip(whole, indices):
       sampled = rows >= 0
       np.testing.assert_array_equal(batch['mask'], sampled.astype(np.float32))

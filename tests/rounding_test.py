@@ -16,8 +16,8 @@ import ml_dtypes
 import numpy as np
 import optax
 
-from haiku_mp.train import optimizer as optimizer_lib
-from haiku_mp.train import rounding
+from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import rounding
 
 BF16_ULP_AT_ONE = 2.0**-7
 # Below half of bfloat16's spacing at 1.0: to nearest, 1 + this is 1.

@@ -17,8 +17,8 @@ import optax
 
 from haiku_mp.model import policies
 from haiku_mp.train import experiment
-from haiku_mp.train import loss_scaling
-from haiku_mp.train import step as step_lib
+from haiku_mp.update import loss_scaling
+from haiku_mp.update import step as step_lib
 from tests import helpers
 
 FP16 = 'params=float32,compute=float16,output=float32'

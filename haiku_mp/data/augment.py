@@ -23,6 +23,7 @@ import ml_collections
 from haiku_mp import errors
 from haiku_mp.data import auto_augment
 from haiku_mp.data import mixing
+from haiku_mp.update import keys as keys_lib
 
 CROPS = ('resized', 'pad', 'none')
 POLICIES = ('none', 'randaugment', 'autoaugment')
@@ -204,19 +205,6 @@ def augment(keys: jax.Array, images: jax.Array,
   return pixels
 
 
-def example_keys(key: jax.Array, local_batch: int,
-                 axis_name: Optional[str] = None) -> jax.Array:
-  """This device's keys of one per example of the global batch, split from
-  `key`: under `pmap` (`axis_name`) replica r takes the r-th block, so every
-  strategy draws the same augmentation for the same example."""
-  if axis_name is None:
-    return jax.random.split(key, local_batch)
-  replicas = jax.lax.psum(1, axis_name)
-  keys = jax.random.split(key, local_batch * replicas)
-  return jax.lax.dynamic_slice_in_dim(
-      keys, jax.lax.axis_index(axis_name) * local_batch, local_batch)
-
-
 def train_inputs(data_config: ml_collections.ConfigDict, key: jax.Array,
                  batch: Batch, axis_name: Optional[str] = None,
                  num_classes: int = 0) -> Batch:
@@ -233,7 +221,7 @@ def train_inputs(data_config: ml_collections.ConfigDict, key: jax.Array,
     raise errors.ConfigError(
         f'mixup and CutMix pair the examples of a device\'s batch, and it '
         f'holds {images.shape[0]}: make batch_size an even number per device')
-  keys = example_keys(key, images.shape[0], axis_name)
+  keys = keys_lib.example_keys(key, images.shape[0], axis_name)
   images = augment(keys, images, data_config)
   if not mixes(data_config):
     return dict(batch, image=images)

@@ -29,7 +29,6 @@ from haiku_mp import errors
 from haiku_mp.data import npz_source
 from haiku_mp.data import sampling
 from haiku_mp.data import tfds_source
-from haiku_mp.privacy import dp_sgd
 
 Batch = dict[str, np.ndarray]
 
@@ -254,14 +253,14 @@ def train_batches(config: ml_collections.ConfigDict, split: Split,
 
 
 def private_train_batches(config: ml_collections.ConfigDict, split: Split,
-                          shard: Shard, settings: dp_sgd.DpSgd,
+                          shard: Shard, settings: sampling.PoissonSampling,
                           total_steps: int, start_step: int = 0
                           ) -> Iterator[Batch]:
   """This process's uint8 DP-SGD batches from step `start_step` on: its part
-  of each padded Poisson sample (`dp_sgd.poisson_batches`), `mask` 1 for a
+  of each padded Poisson sample (`sampling.poisson_batches`), `mask` 1 for a
   sampled example; padding rows are zero images, never a real example."""
-  for indices in dp_sgd.poisson_batches(config.seed, settings, total_steps,
-                                         start_step):
+  for indices in sampling.poisson_batches(config.seed, settings, total_steps,
+                                           start_step):
     local = len(indices) // shard.count
     rows = indices[shard.index * local:(shard.index + 1) * local]
     sampled = rows >= 0

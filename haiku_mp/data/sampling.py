@@ -6,9 +6,15 @@ the last `num_examples % batch_size` of each permutation are left out of that
 epoch), and a process reads its own contiguous part of the global batch. A run
 resumed at any step reads what an uninterrupted run would have, with nothing
 to replay.
+
+DP-SGD reads Poisson samples instead (`poisson_batches`): each example in
+each step with a fixed probability, padded to a fixed shape. Those are a
+function of (seed, step) too, drawn as one stream from the seed.
 """
 
 import functools
+import itertools
+from typing import Iterator, Optional, Protocol
 
 import numpy as np
 
@@ -39,3 +45,45 @@ def batch_indices(seed: int, step: int, batch_size: int, num_examples: int,
   batch = epoch_permutation(seed, epoch, num_examples)[start:start + batch_size]
   local = batch_size // shard_count
   return batch[shard_index * local:(shard_index + 1) * local]
+
+
+class PoissonSampling(Protocol):
+  """What Poisson sampling reads of a private run's settings (`DpSgd`)."""
+  sampling_probability: float
+  num_examples: int
+  padded_batch_size: int
+  microbatch_size: Optional[int]
+
+
+# Keeps the Poisson draws apart from every other stream drawn from the seed.
+_POISSON_STREAM = 1
+
+
+def poisson_batches(seed: int, settings: PoissonSampling, total_steps: int,
+                    start_step: int = 0) -> Iterator[np.ndarray]:
+  """The global batches' example indices from `start_step` on: each example
+  in each step independently with probability `batch_size / num_examples`
+  (JAX Privacy's `CyclicPoissonSampling`, no truncation), padded by `pad`: a
+  step that samples more than the padded size takes a larger shape and drops
+  no example.
+
+  One stream of draws from `seed`: a resumed run replays the draws of the
+  steps before `start_step` (microseconds each) and reads what an
+  uninterrupted run would.
+  """
+  from jax_privacy import batch_selection  # pylint: disable=g-import-not-at-top
+  sampler = batch_selection.CyclicPoissonSampling(
+      sampling_prob=settings.sampling_probability, iterations=total_steps)
+  draws = sampler.batch_iterator(
+      settings.num_examples, rng=np.random.default_rng([seed, _POISSON_STREAM]))
+  for indices in itertools.islice(draws, start_step, None):
+    yield pad(indices.astype(np.int64), settings)
+
+
+def pad(indices: np.ndarray, settings: PoissonSampling) -> np.ndarray:
+  """`indices` padded with -1 to a multiple of `padded_batch_size`, the
+  padding placed where whole microbatches of it are skipped (JAX Privacy's
+  `split_and_pad_global_batch`)."""
+  from jax_privacy import batch_selection  # pylint: disable=g-import-not-at-top
+  return np.concatenate(batch_selection.split_and_pad_global_batch(
+      indices, settings.padded_batch_size, settings.microbatch_size))

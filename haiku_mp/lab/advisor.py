@@ -54,7 +54,7 @@ from haiku_mp.model import policies
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import experiment
 from haiku_mp.train import run_dir
-from haiku_mp.train import step as step_lib
+from haiku_mp.update import step as step_lib
 
 LEVELS = ('stats', 'knockout')
 HALF_DTYPES = ('float16', 'bfloat16')

@@ -17,7 +17,7 @@ import numpy as np
 
 from haiku_mp.lab import plots
 from haiku_mp.lab import state_layouts
-from haiku_mp.model import module_table
+from haiku_mp.train import module_table
 from haiku_mp.train import experiment
 
 DTYPES = ('float32', 'float16', 'bfloat16')

@@ -29,8 +29,8 @@ from haiku_mp.lab import timing
 from haiku_mp.lab import variants
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.train import experiment
-from haiku_mp.train import loss_scaling
-from haiku_mp.train import step as step_lib
+from haiku_mp.update import loss_scaling
+from haiku_mp.update import step as step_lib
 
 MATMUL_PRECISIONS = ('', 'default', 'high', 'highest', 'bfloat16',
                      'tensorfloat32', 'float32')

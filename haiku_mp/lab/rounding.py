@@ -26,8 +26,8 @@ from haiku_mp.lab import advisor
 from haiku_mp.lab import plots
 from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
-from haiku_mp.train import rounding as rounding_lib
-from haiku_mp.train import step as step_lib
+from haiku_mp.update import rounding as rounding_lib
+from haiku_mp.update import step as step_lib
 
 # Params grouped the way a table reads them: (group, regex over the name).
 GROUPS = (

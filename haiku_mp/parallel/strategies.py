@@ -21,8 +21,8 @@ import optax
 
 from haiku_mp import errors
 from haiku_mp.parallel import sharding
-from haiku_mp.train import loss_scaling
-from haiku_mp.train import step as step_lib
+from haiku_mp.update import loss_scaling
+from haiku_mp.update import step as step_lib
 
 TrainState = step_lib.TrainState
 

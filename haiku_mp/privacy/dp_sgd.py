@@ -26,9 +26,8 @@ loss scale that follows too; the epsilon reported does not cover that signal
 (with dynamic loss scaling, skips are a handful per run).
 """
 
-import itertools
 import math
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +35,8 @@ import ml_collections
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.data import augment
-from haiku_mp.train import loss_scaling
+from haiku_mp.update import keys as keys_lib
+from haiku_mp.update import loss_scaling
 
 # The noise search's tolerance: JAX Privacy's default (0.01 in sigma) left
 # epsilon 1.6% under its target.
@@ -217,7 +216,7 @@ def make_gradients(loss_fn: ExampleLoss, scaler: loss_scaling.LossScaler,
     # Raw key bits: microbatching reshapes its batch arguments in Fortran
     # order, which typed key arrays do not support.
     keys = jax.random.key_data(
-        augment.example_keys(dropout_key, real.shape[0], axis_name))
+        keys_lib.example_keys(dropout_key, real.shape[0], axis_name))
 
     def scaled_example_loss(params32, key, example):
       params_as_stored = jax.tree.map(lambda p, s: p.astype(s.dtype),
@@ -254,40 +253,6 @@ def make_gradients(loss_fn: ExampleLoss, scaler: loss_scaling.LossScaler,
     return grads, sums['loss'] / count, metrics
 
   return gradients
-
-
-# Keeps the Poisson draws apart from every other stream drawn from the seed.
-_POISSON_STREAM = 1
-
-
-def poisson_batches(seed: int, settings: DpSgd, total_steps: int,
-                    start_step: int = 0) -> Iterator[np.ndarray]:
-  """The global batches' example indices from `start_step` on: each example
-  in each step independently with probability `batch_size / num_examples`
-  (JAX Privacy's `CyclicPoissonSampling`, no truncation), padded by `pad`: a
-  step that samples more than the padded size takes a larger shape and drops
-  no example.
-
-  One stream of draws from `seed`: a resumed run replays the draws of the
-  steps before `start_step` (microseconds each) and reads what an
-  uninterrupted run would.
-  """
-  from jax_privacy import batch_selection  # pylint: disable=g-import-not-at-top
-  sampler = batch_selection.CyclicPoissonSampling(
-      sampling_prob=settings.sampling_probability, iterations=total_steps)
-  draws = sampler.batch_iterator(
-      settings.num_examples, rng=np.random.default_rng([seed, _POISSON_STREAM]))
-  for indices in itertools.islice(draws, start_step, None):
-    yield pad(indices.astype(np.int64), settings)
-
-
-def pad(indices: np.ndarray, settings: DpSgd) -> np.ndarray:
-  """`indices` padded with -1 to a multiple of `padded_batch_size`, the
-  padding placed where whole microbatches of it are skipped (JAX Privacy's
-  `split_and_pad_global_batch`)."""
-  from jax_privacy import batch_selection  # pylint: disable=g-import-not-at-top
-  return np.concatenate(batch_selection.split_and_pad_global_batch(
-      indices, settings.padded_batch_size, settings.microbatch_size))
 
 
 def dp_params(noise_multiplier: float, num_examples: int, batch_size: int,

@@ -27,8 +27,8 @@ from haiku_mp.parallel import strategies
 from haiku_mp.privacy import dp_sgd
 from haiku_mp.train import compilation_cache
 from haiku_mp.train import in_flight
-from haiku_mp.train import loss_scaling
-from haiku_mp.train import optimizer as optimizer_lib
+from haiku_mp.update import loss_scaling
+from haiku_mp.update import optimizer as optimizer_lib
 
 # Settings that count something (steps, examples, sizes): a positive integer.
 _POSITIVE = ('batch_size', 'eval_batch_size', 'log_every_steps',

@@ -21,15 +21,16 @@ import optax
 from haiku_mp import errors
 from haiku_mp.data import augment
 from haiku_mp.data import pipeline
+from haiku_mp.data import sampling
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies
 from haiku_mp.parallel import sharding
 from haiku_mp.parallel import strategies
 from haiku_mp.privacy import dp_sgd
 from haiku_mp.train import config_checks
-from haiku_mp.train import loss_scaling
-from haiku_mp.train import optimizer as optimizer_lib
-from haiku_mp.train import step as step_lib
+from haiku_mp.update import loss_scaling
+from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import step as step_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Experiment:
                                         self.train_batch_size, seed)
     if self.privacy is not None:
       sampled = np.arange(self.config.batch_size)
-      batch['mask'] = (dp_sgd.pad(sampled, self.privacy) >= 0).astype(
+      batch['mask'] = (sampling.pad(sampled, self.privacy) >= 0).astype(
           np.float32)
     return batch
 

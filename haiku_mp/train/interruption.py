@@ -7,7 +7,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from haiku_mp.train import step as step_lib
+from haiku_mp.update import step as step_lib
 
 Batch = dict[str, np.ndarray]
 

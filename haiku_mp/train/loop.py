@@ -17,7 +17,7 @@ import ml_collections
 
 from haiku_mp.data import pipeline
 from haiku_mp.model import fp8 as fp8_lib
-from haiku_mp.model import module_table
+from haiku_mp.train import module_table
 from haiku_mp.parallel import sharding
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import compilation_cache
@@ -27,10 +27,10 @@ from haiku_mp.train import experiment
 from haiku_mp.train import in_flight
 from haiku_mp.train import interruption as interruption_lib
 from haiku_mp.train import metrics as metrics_lib
-from haiku_mp.train import optimizer as optimizer_lib
+from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.train import run_dir
 from haiku_mp.train import state_layout
-from haiku_mp.train import step as step_lib
+from haiku_mp.update import step as step_lib
 
 # The module table a run writes into its workdir.
 MODULES_FILE = 'modules.txt'

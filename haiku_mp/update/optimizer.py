@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from haiku_mp.train import rounding
+from haiku_mp.update import rounding
 
 # How params take an update: see the module docstring.
 MASTER = 'master'

@@ -18,8 +18,8 @@ import jmp
 import optax
 
 from haiku_mp.model import fp8 as fp8_lib
-from haiku_mp.train import loss_scaling
-from haiku_mp.train import optimizer as optimizer_lib
+from haiku_mp.update import loss_scaling
+from haiku_mp.update import optimizer as optimizer_lib
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
