@@ -50,7 +50,6 @@ from haiku_mp.lab import step_benchmark
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
 from haiku_mp.parallel import sharding
-from haiku_mp.train import compilation_cache
 from haiku_mp.train import in_flight
 from launch import cli
 
@@ -215,8 +214,8 @@ def main(argv):
     return
   dtypes = _DTYPES.value or [variants.variant_name(config)]
   if _LOOP.value:
-    # Each round is a run: from its second on, it loads its compiled steps.
-    compilation_cache.use(config.compilation_cache_dir)
+    # Each round is a run (which uses the config's compilation cache): from
+    # its second on, it loads its compiled steps.
     _loop(config, dtypes)
     return
   rows = step_benchmark.run_dtypes(

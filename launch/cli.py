@@ -28,7 +28,6 @@ from ml_collections.config_flags.config_flags import is_config_flag
 
 from configs import vit_cpu
 from haiku_mp import errors
-from haiku_mp.train import config_checks
 from launch import command_help
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,21 +250,14 @@ def _parse_flags(argv: list[str]) -> list[str]:
   return argv
 
 
-def _check_configs() -> None:
-  """Every config flag's settings against their ranges (`config_checks`)."""
-  for name in flags.FLAGS:
-    flag = flags.FLAGS[name]
-    if is_config_flag(flag) and flag.value is not None:
-      config_checks.check(flag.value)
-
-
 def run(main: Callable[[list[str]], None]) -> None:
-  """`app.run(main)`, its config checked first; errors as the module says."""
+  """`app.run(main)`; errors as the module says. A config is checked where
+  the command builds its run (`experiment.build`), before anything is
+  written or compiled."""
 
   def guarded(argv):
     _quiet_libraries()
     try:
-      _check_configs()
       main(argv)
     except (errors.ConfigError, app.UsageError) as e:
       _exit(f'error: {e}', EXIT_USAGE)

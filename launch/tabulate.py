@@ -11,7 +11,6 @@ from absl import flags
 from ml_collections import config_flags
 
 from haiku_mp.train import module_table
-from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
 from haiku_mp.train import state_layout
 from launch import cli
@@ -25,7 +24,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   config = experiment.on_synthetic_data(_CONFIG.value)
-  exp = experiment.build(config, sharding.mesh_for(config.parallel))
+  exp = experiment.build(config)
   rows = module_table.module_rows(exp)
   if _JSON.value:
     print(json.dumps(rows, indent=1))

@@ -17,8 +17,6 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from haiku_mp.parallel import sharding
-from haiku_mp.train import compilation_cache
 from haiku_mp.train import in_flight
 from haiku_mp.train import loop
 from launch import cli
@@ -63,14 +61,8 @@ def main(argv):
   logging.info('Config: %s%s',
                config_flags.get_config_filename(flags.FLAGS['config']),
                ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
-  setting = _CONFIG.value.compilation_cache_dir
-  cache = compilation_cache.use(setting)
-  logging.info('Compilation cache: %s', cache or (
-      f'off ({setting!r} on {jax.default_backend()}; set '
-      '--config.compilation_cache_dir=DIR for one)'))
-  mesh = sharding.mesh_for(_CONFIG.value.parallel)
-  result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value, mesh,
-                                      log_module_table=_MODULES_TABLE.value)
+  result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+                                   log_module_table=_MODULES_TABLE.value)
   if result.get('signal') == 'SIGINT':  # Saved, but stopped by Ctrl-C.
     sys.exit(cli.EXIT_INTERRUPTED)
 

@@ -17,7 +17,6 @@ import jax
 
 from configs import base
 from haiku_mp import errors
-from haiku_mp.parallel import sharding
 from haiku_mp.train import config_checks
 from haiku_mp.train import experiment
 from tests import configs_test
@@ -349,8 +348,7 @@ class BuildTest(absltest.TestCase):
         errors.ConfigError,
         r'^batch_size=6 gives each of the 2 devices of the batch axis an odd '
         r'batch, and mixup / CutMix mix its examples in pairs'):
-      experiment.build(config, sharding.make_mesh(
-          (2, 1), jax.devices()[:2]))
+      experiment.build(config, devices=jax.devices()[:2])
 
   def test_build_checks_first(self):
     config = helpers.tiny_config()

@@ -14,7 +14,6 @@ import numpy as np
 
 from haiku_mp import errors
 from haiku_mp.data import sampling
-from haiku_mp.parallel import sharding
 from haiku_mp.privacy import dp_sgd
 from haiku_mp.train import experiment
 from tests import helpers
@@ -269,7 +268,7 @@ class StrategiesTest(parameterized.TestCase):
       config.batch_size = 8
       config.parallel.strategy = name
       config.parallel.mesh_shape = layout
-      exp = experiment.build(config, sharding.mesh_for(config.parallel))
+      exp = experiment.build(config)
       # One batch for all (24 rows: 8 devices, microbatches of 1 per device).
       sampled = _batch(config, 24, 8)
       noise_only = dict(sampled, mask=jnp.zeros(24))
@@ -362,7 +361,7 @@ class AccountingTest(absltest.TestCase):
         ('l2_clip_norm', float('inf'), 'privacy.l2_clip_norm=inf bounds no')):
       config = _config(**{setting: value})
       with self.assertRaisesRegex(errors.ConfigError, message):
-        dp_sgd.from_config(config.privacy, config.batch_size, EXAMPLES, 10, 1)
+        dp_sgd.check_settings(config.privacy)
     config = _config()
     config.batch_size = 200
     with self.assertRaisesRegex(errors.ConfigError, 'batch_size=200'):

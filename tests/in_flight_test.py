@@ -15,7 +15,6 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from haiku_mp.train import in_flight
 import tests

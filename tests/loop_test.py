@@ -51,12 +51,10 @@ def _plain_loop(config):
   """(final state, each step's host metrics): the strategy's own jitted step
   on the same batches, one after the other, nothing ahead, nothing
   overlapped: the loop the trainer's must equal."""
-  mesh = sharding.mesh_for(config.parallel)
-  exp = experiment.build(config, mesh)
+  exp = experiment.build(config)
   strategy = exp.strategy
-  splits = pipeline.load(config)
-  batches = pipeline.train_batches(config, splits.train,
-                                         pipeline.Shard())
+  splits = exp.load_splits()
+  batches = exp.train_batches(splits.train, pipeline.Shard(), 0)
   state = strategy.init_state()
   metrics = []
   for _ in range(STEPS):
@@ -92,8 +90,7 @@ class LoopTest(parameterized.TestCase):
   # is below.
   def test_states_and_metrics_are_a_plain_loops_bit_for_bit(self):
     config = _config()
-    loop.train_and_evaluate(config, self.workdir,
-                               sharding.mesh_for(config.parallel))
+    loop.train_and_evaluate(config, self.workdir)
     exp, expected_state, expected = _plain_loop(config)
 
     abstract = sharding.with_shardings(exp.abstract_state,
@@ -122,8 +119,7 @@ class LoopTest(parameterized.TestCase):
 
   def test_pmap_metrics_reach_the_host_as_their_first_replica(self):
     config = _config('pmap')
-    strategy = experiment.build(config,
-                                sharding.mesh_for(config.parallel)).strategy
+    strategy = experiment.build(config).strategy
     step = jax.pmap(lambda x: dict(loss=x.mean(), finite=jnp.isfinite(x)),
                     axis_name='batch')
     window = [step(jnp.full((8, 3), float(i))) for i in range(2)]

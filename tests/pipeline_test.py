@@ -1,5 +1,6 @@
 """Tests for the input pipeline: splits in memory, batches by index, padding."""
 
+import functools
 import os
 import sys
 
@@ -56,6 +57,11 @@ def _ids(images):
   return images[:, 0, 0, 0].astype(int).tolist()
 
 
+
+def _load(config):
+  return pipeline.load(config.data, config.model, config.seed,
+                       config.batch_size)
+
 class SplitStringTest(parameterized.TestCase):
 
   @parameterized.parameters(
@@ -80,7 +86,7 @@ class SplitStringTest(parameterized.TestCase):
 class BatchesTest(parameterized.TestCase):
 
   def test_synthetic_splits_are_uint8_of_the_configured_sizes(self):
-    splits = pipeline.load(_config())
+    splits = _load(_config())
     self.assertEqual([len(s.labels) for s in splits], [30, 21, 21])
     for split in splits:
       self.assertEqual(split.images.dtype, np.uint8)
@@ -89,12 +95,13 @@ class BatchesTest(parameterized.TestCase):
 
   def test_train_batches_are_a_function_of_the_step(self):
     config = _config()
-    split = pipeline.load(config).train
+    split = _load(config).train
     shard = pipeline.Shard()
-    from_zero = pipeline.train_batches(config, split, shard)
+    batches_from = functools.partial(pipeline.train_batches, config.seed,
+                                     config.batch_size, split, shard)
+    from_zero = batches_from()
     batches = [next(from_zero) for _ in range(10)]
-    resumed = next(pipeline.train_batches(config, split, shard,
-                                                start_step=8))
+    resumed = next(batches_from(start_step=8))
     for key in ('image', 'label'):
       np.testing.assert_array_equal(resumed[key], batches[8][key])
     self.assertEqual(batches[0]['image'].dtype, np.uint8)
@@ -104,12 +111,11 @@ class BatchesTest(parameterized.TestCase):
   def test_process_shards_split_every_global_batch(self):
     config = _config()
     config.batch_size = 6
-    split = pipeline.load(config).train
-    whole = pipeline.train_batches(config, split,
-                                         pipeline.Shard())
-    parts = [pipeline.train_batches(config, split,
-                                          pipeline.Shard(i, 3))
-             for i in range(3)]
+    split = _load(config).train
+    batches = functools.partial(pipeline.train_batches, config.seed,
+                                config.batch_size, split)
+    whole = batches(pipeline.Shard())
+    parts = [batches(pipeline.Shard(i, 3)) for i in range(3)]
     for _ in range(7):  # Past the end of the first epoch (5 steps).
       expected = next(whole)
       got = [next(p) for p in parts]
@@ -118,11 +124,11 @@ class BatchesTest(parameterized.TestCase):
 
   def test_private_batches_pad_with_zeros_split_and_resume(self):
     config = _config()
-    split = pipeline.load(config).train
+    split = _load(config).train
     settings = dp_sgd.DpSgd(1.0, 1.0, batch_size=4, num_examples=30,
                              delta=1e-5, padded_batch_size=12)
     batches = lambda shard, start=0: pipeline.private_train_batches(
-        config, split, shard, settings, total_steps=20, start_step=start)
+        config.seed, split, shard, settings, total_steps=20, start_step=start)
     whole = list(batches(pipeline.Shard()))
     self.assertLen(whole, 20)
     indices = sampling.poisson_batches(config.seed, settings, 20)
@@ -150,8 +156,8 @@ class BatchesTest(parameterized.TestCase):
 
   def test_eval_covers_every_example_once_with_padding_masked(self):
     config = _config()
-    split = pipeline.load(config).val
-    batches = list(pipeline.eval_batches(config, split,
+    split = _load(config).val
+    batches = list(pipeline.eval_batches(config.eval_batch_size, split,
                                                pipeline.Shard()))
     self.assertLen(batches, 3)
     for batch in batches:
@@ -164,9 +170,9 @@ class BatchesTest(parameterized.TestCase):
   def test_every_process_gets_as_many_eval_batches(self):
     config = _config()
     config.data.synthetic_eval_examples = 17
-    split = pipeline.load(config).val
+    split = _load(config).val
     per_process = [list(pipeline.eval_batches(
-        config, split, pipeline.Shard(i, 2))) for i in (0, 1)]
+        config.eval_batch_size, split, pipeline.Shard(i, 2))) for i in (0, 1)]
     self.assertEqual([len(b) for b in per_process], [3, 3])
     self.assertEqual([sum(x['mask'].sum() for x in b) for b in per_process],
                      [8, 9])
@@ -230,12 +236,11 @@ class DevicePrefetchTest(absltest.TestCase):
 
   def test_the_trainers_batches_are_the_pipelines(self):
     config = _config()
-    split = pipeline.load(config).train
-    direct = pipeline.train_batches(config, split,
-                                          pipeline.Shard(), 3)
-    with pipeline.DevicePrefetch(
-        pipeline.train_batches(config, split, pipeline.Shard(),
-                                     3), lambda b: b, 2) as fed:
+    split = _load(config).train
+    batches = functools.partial(pipeline.train_batches, config.seed,
+                                config.batch_size, split, pipeline.Shard(), 3)
+    direct = batches()
+    with pipeline.DevicePrefetch(batches(), lambda b: b, 2) as fed:
       for _ in range(10):
         got, want = next(fed), next(direct)
         np.testing.assert_array_equal(got['image'], want['image'])
@@ -253,7 +258,7 @@ class ArraysSourceTest(parameterized.TestCase):
     self.config.data.val_split = 'train[40:]'
 
   def test_splits_are_the_slices_the_settings_name(self):
-    splits = pipeline.load(self.config)
+    splits = _load(self.config)
     self.assertEqual(_ids(splits.train.images), list(range(40)))
     self.assertEqual(_ids(splits.val.images), list(range(40, 50)))
     self.assertEqual(_ids(splits.test.images), list(range(20)))
@@ -261,9 +266,9 @@ class ArraysSourceTest(parameterized.TestCase):
     self.assertEqual(pipeline.check_available(self.config.data), 40)
 
   def test_an_epoch_reads_every_training_example_once(self):
-    split = pipeline.load(self.config).train
-    batches = pipeline.train_batches(self.config, split,
-                                           pipeline.Shard())
+    split = _load(self.config).train
+    batches = pipeline.train_batches(self.config.seed, self.config.batch_size,
+                                     split, pipeline.Shard())
     seen = sum((_ids(next(batches)['image']) for _ in range(10)), [])
     self.assertCountEqual(seen, range(40))
     for image, label in zip(split.images, split.labels):
@@ -285,13 +290,13 @@ class ArraysSourceTest(parameterized.TestCase):
     self.config.batch_size = 41
     with self.assertRaisesRegex(pipeline.DataError,
                                 'batch_size=41 is larger than the 40'):
-      pipeline.load(self.config)
+      _load(self.config)
 
   def test_prefetch_must_be_positive(self):
     self.config.data.prefetch_batches = 0
     with self.assertRaisesRegex(pipeline.DataError,
                                 'data.prefetch_batches=0'):
-      pipeline.check_available(self.config.data)
+      pipeline.check_settings(self.config.data)
 
   def test_arrays_and_synthetic_need_no_tensorflow(self):
     code = '\n'.join([
@@ -305,11 +310,12 @@ class ArraysSourceTest(parameterized.TestCase):
         f'c.data.arrays_path = {self.config.data.arrays_path!r}',
         'c.data.train_split = "train[:40]"; c.data.val_split = "train[40:]"',
         'pipeline.check_available(c.data)',
-        's = pipeline.load(c)',
-        'b = next(pipeline.train_batches(c, s.train, pipeline.Shard()))',
+        's = pipeline.load(c.data, c.model, c.seed, c.batch_size)',
+        'b = next(pipeline.train_batches(c.seed, c.batch_size, s.train, '
+        'pipeline.Shard()))',
         'assert b["image"].dtype == "uint8", b["image"].dtype',
         'c.data.source = "synthetic"',
-        'pipeline.load(c)',
+        'pipeline.load(c.data, c.model, c.seed, c.batch_size)',
     ])
     subprocess.run([sys.executable, '-c', code], cwd=ROOT, check=True)
 
@@ -323,7 +329,7 @@ class TfdsSourceTest(parameterized.TestCase):
     config.data.train_split = 'train[:8]'
     config.data.val_split = 'train[8:]'
     with tfds.testing.mock_data(num_examples=12):
-      splits = pipeline.load(config)
+      splits = _load(config)
       ds = tfds.builder('cifar10').as_dataset(split='train[8:]',
                                               shuffle_files=False)
       expected = np.stack([x['image'] for x in tfds.as_numpy(ds)])
@@ -338,7 +344,7 @@ class TfdsSourceTest(parameterized.TestCase):
     config.data.data_dir = self.enter_context(tempfile.TemporaryDirectory())
     with self.assertRaisesRegex(pipeline.DataError,
                                 'data.data_dir.*not prepared'):
-      pipeline.load(config)
+      _load(config)
 
 
 class RealDataTest(parameterized.TestCase):

@@ -137,12 +137,13 @@ def split_slice(setting: str, spec: str, sizes: dict[str, int]
 # ------------------------------------------------------------------ sources --
 
 
-def _synthetic_split(config: ml_collections.ConfigDict, setting: str) -> Split:
+def _synthetic_split(data: ml_collections.ConfigDict,
+                     model: ml_collections.ConfigDict, seed: int,
+                     setting: str) -> Split:
   """Random pixels and labels, a function of (seed, setting) alone."""
-  data, model = config.data, config.model
   num = (data.synthetic_train_examples if setting == 'train_split'
          else data.synthetic_eval_examples)
-  rng = np.random.default_rng([config.seed, SPLIT_SETTINGS.index(setting)])
+  rng = np.random.default_rng([seed, SPLIT_SETTINGS.index(setting)])
   size = model.image_size
   return Split(rng.integers(0, 256, (num, size, size, 3), np.uint8),
                rng.integers(0, model.num_classes, num, np.int32))
@@ -173,30 +174,35 @@ def _tfds_splits(data_config: ml_collections.ConfigDict) -> Splits:
   return Splits(*splits)
 
 
-def load(config: ml_collections.ConfigDict) -> Splits:
-  """The train, val and test splits of `config.data`, in memory."""
-  source = _source(config.data)
+def load(data_config: ml_collections.ConfigDict,
+         model_config: ml_collections.ConfigDict, seed: int,
+         batch_size: int) -> Splits:
+  """The train, val and test splits of `data_config`, in memory, checked
+  against the model's image size and classes and the run's `batch_size`
+  (synthetic splits are drawn from `seed`)."""
+  source = _source(data_config)
   if source == 'synthetic':
-    splits = Splits(*(_synthetic_split(config, s) for s in SPLIT_SETTINGS))
+    splits = Splits(*(_synthetic_split(data_config, model_config, seed, s)
+                      for s in SPLIT_SETTINGS))
   elif source == 'arrays':
-    splits = _arrays_splits(config.data)
+    splits = _arrays_splits(data_config)
   else:
-    splits = _tfds_splits(config.data)
-  size = config.model.image_size
+    splits = _tfds_splits(data_config)
+  size = model_config.image_size
   if splits.train.images.shape[1:3] != (size, size):
     raise DataError(
         f'model.image_size={size}, but data.source={source} has '
         f'{"x".join(map(str, splits.train.images.shape[1:3]))} images')
   largest = max((int(split.labels.max()) for split in splits
                  if split.labels.size), default=-1)
-  if largest >= config.model.num_classes:
+  if largest >= model_config.num_classes:
     raise DataError(
-        f'model.num_classes={config.model.num_classes}, but '
+        f'model.num_classes={model_config.num_classes}, but '
         f'data.source={source} has labels up to {largest}')
-  if config.batch_size > len(splits.train.labels):
-    raise DataError(f'batch_size={config.batch_size} is larger than the '
+  if batch_size > len(splits.train.labels):
+    raise DataError(f'batch_size={batch_size} is larger than the '
                     f'{len(splits.train.labels)} examples of '
-                    f'data.train_split={config.data.train_split!r}')
+                    f'data.train_split={data_config.train_split!r}')
   return splits
 
 
@@ -213,8 +219,7 @@ def check_available(data_config: ml_collections.ConfigDict) -> Optional[int]:
   sampling), from the dataset's metadata read once (None where it has none:
   tfds.testing.mock_data); raises `DataError` now, before a run writes or
   loads anything, if data is missing or a split setting names examples the
-  dataset does not have."""
-  check_settings(data_config)
+  dataset does not have. The settings were checked (`check_settings`)."""
   source = _source(data_config)
   if source == 'synthetic':
     return data_config.synthetic_train_examples
@@ -242,24 +247,25 @@ def check_available(data_config: ml_collections.ConfigDict) -> Optional[int]:
 # ------------------------------------------------------------------ batches --
 
 
-def train_batches(config: ml_collections.ConfigDict, split: Split,
-                  shard: Shard, start_step: int = 0) -> Iterator[Batch]:
-  """This process's uint8 training batches from step `start_step` on."""
-  local_batch_size(config.batch_size, shard)
+def train_batches(seed: int, batch_size: int, split: Split, shard: Shard,
+                  start_step: int = 0) -> Iterator[Batch]:
+  """This process's uint8 training batches of the global `batch_size` from
+  step `start_step` on."""
+  local_batch_size(batch_size, shard)
   for step in itertools.count(start_step):
-    rows = sampling.batch_indices(config.seed, step, config.batch_size,
+    rows = sampling.batch_indices(seed, step, batch_size,
                                   len(split.labels), shard.index, shard.count)
     yield dict(image=split.images[rows], label=split.labels[rows])
 
 
-def private_train_batches(config: ml_collections.ConfigDict, split: Split,
-                          shard: Shard, settings: sampling.PoissonSampling,
+def private_train_batches(seed: int, split: Split, shard: Shard,
+                          settings: sampling.PoissonSampling,
                           total_steps: int, start_step: int = 0
                           ) -> Iterator[Batch]:
   """This process's uint8 DP-SGD batches from step `start_step` on: its part
   of each padded Poisson sample (`sampling.poisson_batches`), `mask` 1 for a
   sampled example; padding rows are zero images, never a real example."""
-  for indices in sampling.poisson_batches(config.seed, settings, total_steps,
+  for indices in sampling.poisson_batches(seed, settings, total_steps,
                                            start_step):
     local = len(indices) // shard.count
     rows = indices[shard.index * local:(shard.index + 1) * local]
@@ -346,7 +352,7 @@ def _even_slice(num: int, shard: Shard) -> range:
   return range(bounds[shard.index], bounds[shard.index + 1])
 
 
-def eval_batches(config: ml_collections.ConfigDict, split: Split,
+def eval_batches(eval_batch_size: int, split: Split,
                  shard: Shard) -> Iterator[Batch]:
   """This process's padded uint8 batches covering its part of `split` once.
 
@@ -355,7 +361,7 @@ def eval_batches(config: ml_collections.ConfigDict, split: Split,
   all-padding batch.
   """
   num = len(split.labels)
-  batch_size = local_batch_size(config.eval_batch_size, shard)
+  batch_size = local_batch_size(eval_batch_size, shard)
   examples = _even_slice(num, shard)
   if not examples:
     raise DataError(f'an evaluation split of {num} examples has none for '

@@ -133,9 +133,10 @@ def initial_state(exp: experiment.Experiment, checkpoint: str,
 def training_batches(config: ml_collections.ConfigDict, count: int,
                      start_step: int) -> list[dict[str, np.ndarray]]:
   """The uint8 train batches of steps `start_step` on, as the run draws them."""
-  splits = pipeline.load(config)
-  batches = pipeline.train_batches(config, splits.train,
-                                         pipeline.Shard(), start_step)
+  splits = pipeline.load(config.data, config.model, config.seed,
+                         config.batch_size)
+  batches = pipeline.train_batches(config.seed, config.batch_size,
+                                   splits.train, pipeline.Shard(), start_step)
   return [next(batches) for _ in range(count)]
 
 

@@ -31,7 +31,6 @@ from haiku_mp.lab import plots
 from haiku_mp.lab import step_benchmark
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
-from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
 from haiku_mp.train import loop
 
@@ -81,8 +80,7 @@ def _quiet_trainer():
 
 def _loop_round(config: ml_collections.ConfigDict) -> dict[str, Any]:
   with tempfile.TemporaryDirectory() as workdir, _quiet_trainer():
-    summary = loop.train_and_evaluate(
-        config, workdir, sharding.mesh_for(config.parallel))
+    summary = loop.train_and_evaluate(config, workdir)
     events = plots.read_metrics(workdir)
   if 'preempted_at_step' in summary:
     # SIGTERM or Ctrl-C stopped the trainer: the benchmark stops with it,
@@ -101,11 +99,10 @@ class _StepRounds:
   that batch already on the device."""
 
   def __init__(self, config: ml_collections.ConfigDict):
-    exp = experiment.build(config, sharding.mesh_for(config.parallel))
-    splits = pipeline.load(config)
-    shard = pipeline.Shard.current()
-    host_batch = next(pipeline.train_batches(config, splits.train,
-                                                   shard))
+    exp = experiment.build(config)
+    splits = exp.load_splits()
+    host_batch = next(exp.train_batches(splits.train,
+                                        pipeline.Shard.current(), 0))
     self._batch = exp.strategy.place_batch(host_batch)
     self._state = exp.strategy.init_state()
     self._step = exp.strategy.train_step.lower(self._state,

@@ -23,7 +23,6 @@ import numpy as np
 from haiku_mp.data import pipeline
 from haiku_mp.lab import step_benchmark
 from haiku_mp.lab import timing
-from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
 
 # Targets of the pipeline: images/s over the step's, and the fed step's
@@ -43,13 +42,13 @@ def _images_per_sec(fn, batch_size: int, repeats: int) -> float:
 def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
         repeats: int = 20) -> dict[str, Any]:
   """The figures above for `config` (its data source, batch and strategy)."""
-  exp = experiment.build(config, sharding.mesh_for(config.parallel))
+  exp = experiment.build(config)
   strategy = exp.strategy
   load_start = time.perf_counter()
-  splits = pipeline.load(config)
+  splits = exp.load_splits()
   load_seconds = time.perf_counter() - load_start
   shard = pipeline.Shard.current()
-  batches = pipeline.train_batches(config, splits.train, shard)
+  batches = exp.train_batches(splits.train, shard, 0)
   local_batch = pipeline.local_batch_size(config.batch_size, shard)
 
   host = _images_per_sec(lambda: next(batches), local_batch, repeats)

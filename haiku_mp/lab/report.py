@@ -42,7 +42,6 @@ from haiku_mp.lab import precision as precision_lab
 from haiku_mp.lab import report_markdown
 from haiku_mp.lab import step_benchmark
 from haiku_mp.lab import variants
-from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
 from haiku_mp.train import loop
 
@@ -193,8 +192,7 @@ def accuracy(config, out_dir: str, seeds: Sequence[int], log
       variant = variants.for_accuracy(config, dtype, seed)
       start = time.perf_counter()
       with _trainer_quiet():
-        summary = loop.train_and_evaluate(
-            variant, workdir, sharding.mesh_for(variant.parallel))
+        summary = loop.train_and_evaluate(variant, workdir)
       if 'preempted_at_step' in summary:
         raise errors.ConfigError(
             f'accuracy: {dtype} seed {seed} was stopped at step '

@@ -178,8 +178,10 @@ def parse_layout(text: str) -> tuple[str, tuple[int, int]]:
   return strategy, (batch, model)
 
 
-def mesh_for(parallel_config) -> Optional[Mesh]:
-  """The mesh `parallel.strategy` needs: None for 'single'."""
+def mesh_for(parallel_config,
+             devices: Optional[Sequence[jax.Device]] = None) -> Optional[Mesh]:
+  """The mesh `parallel.strategy` needs, of `devices` (all by default): None
+  for 'single'."""
   if parallel_config.strategy == 'single':
     return None
-  return make_mesh(parallel_config.mesh_shape)
+  return make_mesh(parallel_config.mesh_shape, devices)

@@ -280,23 +280,6 @@ class Pjit(Strategy):
 STRATEGIES = {cls.name: cls for cls in (Single, Pmap, Pjit)}
 
 
-def check_batches(batch_devices: int, batch_size: int, eval_batch_size: int,
-                  mixes: bool) -> None:
-  """The global batches split evenly over the mesh's `batch` axis (and, for
-  mixup / CutMix, in pairs on each device)."""
-  for name, size in (('batch_size', batch_size),
-                     ('eval_batch_size', eval_batch_size)):
-    if size % batch_devices:
-      raise sharding.ShardingError(
-          f'{name}={size} is not divisible by the {batch_devices} devices '
-          "of the mesh's 'batch' axis")
-  if mixes and (batch_size // batch_devices) % 2:
-    raise errors.ConfigError(
-        f'batch_size={batch_size} gives each of the {batch_devices} devices '
-        'of the batch axis an odd batch, and mixup / CutMix mix its examples '
-        'in pairs: make it an even number per device')
-
-
 def make_strategy(name: str, mesh: Optional[Mesh], model: Model,
                   rules: Sequence[tuple[str, str]] = ()) -> Strategy:
   """The strategy `name` (`parallel.strategy`) on `mesh` (None for

@@ -32,7 +32,6 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from haiku_mp import errors
 from haiku_mp.update import keys as keys_lib
@@ -144,8 +143,9 @@ def from_config(privacy: ml_collections.ConfigDict, batch_size: int,
                 num_processes: int = 1) -> DpSgd:
   """`privacy` (the config's) as a run of expected batch `batch_size` on
   `batch_devices` data-parallel devices uses it. With `target_epsilon` > 0
-  the noise multiplier is calibrated to spend it in `total_steps`."""
-  check_settings(privacy)
+  the noise multiplier is calibrated to spend it in `total_steps`. The
+  settings' ranges were checked with the rest of the config
+  (`check_settings`)."""
   if batch_size > num_examples:
     raise errors.ConfigError(
         f'batch_size={batch_size} (the expected Poisson batch) is '

@@ -1,10 +1,11 @@
-"""Every setting of a config against its valid range, from the config alone.
+"""Every setting of a config against its valid range: the one check.
 
-`check` runs first in every command, before a dataset is opened, anything is
-compiled or a file is written: a bad setting then costs a second, not a run.
-What needs data, devices or files to check (splits, the mesh against the
-devices, a checkpoint) is checked where it is read; the advisor's settings
-by `launch.lab advise`, DP-SGD's by `privacy.from_config`.
+`experiment.build` runs `check` first, before a dataset is opened, anything
+is compiled or a file is written (a bad setting then costs a second, not a
+run), then `check_batches` once the mesh is known. Modules whose objects a
+library user builds directly (the loss scaler, DP-SGD's settings) validate
+their own arguments, and `check` asks them; what needs data or files (splits,
+a checkpoint) is checked where it is read.
 """
 
 import math
@@ -231,3 +232,24 @@ def check(config: ml_collections.ConfigDict) -> None:
   _check_data(config.data, config.model.image_size)
   dp_sgd.check_settings(config.privacy)
   compilation_cache.check(config.compilation_cache_dir)
+
+
+def check_batches(config: ml_collections.ConfigDict, batch_devices: int,
+                  process_count: int) -> None:
+  """The global batches split evenly over the processes and over the mesh's
+  `batch` axis (and, for mixup / CutMix, in pairs on each device)."""
+  for name in ('batch_size', 'eval_batch_size'):
+    size = config[name]
+    if size % process_count:
+      raise errors.ConfigError(
+          f'{name}={size} is not divisible by the number of processes '
+          f'({process_count})')
+    if size % batch_devices:
+      raise sharding.ShardingError(
+          f'{name}={size} is not divisible by the {batch_devices} devices '
+          "of the mesh's 'batch' axis")
+  if augment.mixes(config.data) and (config.batch_size // batch_devices) % 2:
+    raise errors.ConfigError(
+        f'batch_size={config.batch_size} gives each of the {batch_devices} '
+        'devices of the batch axis an odd batch, and mixup / CutMix mix its '
+        'examples in pairs: make it an even number per device')

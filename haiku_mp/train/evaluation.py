@@ -62,12 +62,10 @@ class Evaluator:
     exp = self._exp
     start = time.perf_counter()
     with pipeline.DevicePrefetch(
-        pipeline.eval_batches(exp.config,
-                                    getattr(self._splits, split_name),
-                                    self._shard),
-        exp.strategy.place_batch, exp.config.data.prefetch_batches
+        exp.eval_batches(getattr(self._splits, split_name), self._shard),
+        exp.strategy.place_batch, exp.loop.prefetch_batches
     ) as batches, in_flight.InFlight(
-        exp.config.steps_in_flight, exp.config.stall_timeout_sec,
+        exp.loop.steps_in_flight, exp.loop.stall_timeout_sec,
         self._on_stall) as watch:
       result = dict(evaluate(exp.strategy.eval_step, params, batches,
                              exp.strategy.to_host, watch), **extra)

@@ -1,14 +1,15 @@
-"""The one place that turns a config (and a device mesh) into a run's parts.
+"""The one place that turns a config into a run's parts.
 
 The trainer, the benchmark, tabulate, every lab experiment and the tests ask
-`build`; nothing else puts precision, forward, loss, optimizer, loss scaling,
-initial state and strategy together, so what is measured is what is trained.
+`build`; nothing else checks a config, makes the device mesh, or puts
+precision, forward, loss, optimizer, loss scaling, initial state and strategy
+together, so what is measured is what is trained.
 """
 
 import copy
 import dataclasses
 import functools
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 from absl import logging
 import haiku as hk
@@ -33,11 +34,38 @@ from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
 
 
+class LoopSettings(NamedTuple):
+  """What the training loop reads of a config: when it logs, evaluates and
+  saves, and how far it runs ahead of the devices."""
+  batch_size: int
+  log_every_steps: int
+  eval_every_steps: int
+  checkpoint_every_steps: int
+  keep_checkpoints: int
+  steps_in_flight: int
+  stall_timeout_sec: float
+  prefetch_batches: int
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> 'LoopSettings':
+    return cls(
+        batch_size=config.batch_size,
+        log_every_steps=config.log_every_steps,
+        eval_every_steps=config.eval_every_steps,
+        checkpoint_every_steps=config.checkpoint_every_steps,
+        keep_checkpoints=config.keep_checkpoints,
+        steps_in_flight=config.steps_in_flight,
+        stall_timeout_sec=config.stall_timeout_sec,
+        prefetch_batches=config.data.prefetch_batches)
+
+
 @dataclasses.dataclass(frozen=True)
 class Experiment:
-  """Everything a run of one config on one mesh needs."""
+  """Everything a run of one config needs."""
   config: ml_collections.ConfigDict
+  # The ('batch', 'model') mesh `config.parallel` asks for; None for 'single'.
   mesh: Optional[Mesh]
+  loop: LoopSettings
   precision: policies.Precision
   # Every module call of one forward pass (path, class, policy, dtypes).
   module_calls: list[policies.ModuleCall]
@@ -47,7 +75,8 @@ class Experiment:
   # augmentation and mixing the train step runs first.
   train_inputs: step_lib.TrainInputs
   # The train split's size, all processes; None where nothing needed it
-  # (`num_train_steps` given, no DP-SGD, real data), so none was read.
+  # (`num_train_steps` given, no DP-SGD, real data, no `check_data`), so none
+  # was read, or where the data has no metadata (tfds.testing.mock_data).
   num_train_examples: Optional[int]
   total_steps: int
   schedule: optax.Schedule
@@ -100,9 +129,22 @@ class Experiment:
     """This process's uint8 train batches from `start_step` on: drawn by
     index, or DP-SGD's padded Poisson samples."""
     if self.privacy is None:
-      return pipeline.train_batches(self.config, split, shard, start_step)
+      return pipeline.train_batches(self.config.seed, self.config.batch_size,
+                                    split, shard, start_step)
     return pipeline.private_train_batches(
-        self.config, split, shard, self.privacy, self.total_steps, start_step)
+        self.config.seed, split, shard, self.privacy, self.total_steps,
+        start_step)
+
+  def eval_batches(self, split: pipeline.Split, shard: pipeline.Shard
+                   ) -> Iterator[dict[str, np.ndarray]]:
+    """This process's padded uint8 batches covering its part of `split`."""
+    return pipeline.eval_batches(self.config.eval_batch_size, split, shard)
+
+  def load_splits(self) -> pipeline.Splits:
+    """The train, val and test splits in memory, checked against the model
+    and the batch size."""
+    return pipeline.load(self.config.data, self.config.model,
+                         self.config.seed, self.config.batch_size)
 
   @property
   def mean_metrics(self) -> tuple[str, ...]:
@@ -156,9 +198,8 @@ def on_synthetic_data(config: ml_collections.ConfigDict
 
 def build_without_data(config: ml_collections.ConfigDict) -> Experiment:
   """`build` for what measures and reads no dataset (the lab, the benchmark,
-  tabulate): on synthetic data, on the mesh `config.parallel` describes."""
-  config = on_synthetic_data(config)
-  return build(config, sharding.mesh_for(config.parallel))
+  tabulate): on synthetic data."""
+  return build(on_synthetic_data(config))
 
 
 def _init_state_fn(config, forward, optimizer, scaler):
@@ -175,22 +216,28 @@ def _init_state_fn(config, forward, optimizer, scaler):
   return init_state
 
 
-def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
+def build(config: ml_collections.ConfigDict, *,
+          devices: Optional[Sequence[jax.Device]] = None,
           total_steps: Optional[int] = None,
-          num_train_examples: Optional[int] = None) -> Experiment:
-  """The run `config` describes on `mesh` (None for the `single` strategy).
+          check_data: bool = False) -> Experiment:
+  """The run `config` describes, on `devices` (all of them by default).
 
-  `num_train_examples` is the train split's size, as
-  `pipeline.check_available` read it (read here when None and something
-  needs it); `total_steps` (the learning-rate schedule's length) defaults to
-  the config's. Checks every setting, override and parallel setting;
-  compiles nothing.
+  Checks every setting first (`config_checks`: the one check, run here and
+  nowhere else), then that the batches split over the mesh's devices and
+  the processes. With `check_data` (the trainer's), or where the schedule or
+  DP-SGD needs the train split's size, it then checks that the data is there
+  (a DataError names what is missing; a TFDS download runs here where
+  `data.download` allows one). `total_steps` (the learning-rate schedule's
+  length) defaults to the config's. Compiles nothing and writes nothing.
   """
   config_checks.check(config)
+  mesh = sharding.mesh_for(config.parallel, devices)
+  batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
+  config_checks.check_batches(config, batch_devices, jax.process_count())
   needs_size = ((total_steps is None and config.num_train_steps <= 0) or
                 config.privacy.enabled or config.data.source == 'synthetic')
-  if num_train_examples is None and needs_size:
-    num_train_examples = pipeline.check_available(config.data)
+  num_train_examples = (pipeline.check_available(config.data)
+                        if check_data or needs_size else None)
   precision, calls = forward_lib.checked_precision(config)
   forward = forward_lib.make_forward(config.model, precision,
                                      remat=config.remat)
@@ -219,7 +266,6 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
         config.model, precision.under_pmap(sharding.BATCH), remat=config.remat)
   loss_fn = step_lib.make_classification_loss(step_forward,
                                               config.label_smoothing)
-  batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
   private = dp_sgd.from_config(
       config.privacy, config.batch_size, num_train_examples, total_steps,
       batch_devices=batch_devices,
@@ -229,8 +275,6 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
                dp_sgd.make_gradients(loss_fn, scaler, private))
   train_inputs = functools.partial(augment.train_inputs, config.data,
                                    num_classes=config.model.num_classes)
-  strategies.check_batches(batch_devices, config.batch_size,
-                           config.eval_batch_size, augment.mixes(config.data))
   strategy = strategies.make_strategy(
       config.parallel.strategy, mesh, strategies.Model(
           step_forward, optimizer, scaler, init_state,
@@ -239,7 +283,8 @@ def build(config: ml_collections.ConfigDict, mesh: Optional[Mesh] = None,
           gradients=gradients),
       rules=sharding.rules(config.parallel))
   return Experiment(
-      config=config, mesh=mesh, precision=precision, module_calls=calls,
+      config=config, mesh=mesh, loop=LoopSettings.from_config(config),
+      precision=precision, module_calls=calls,
       forward=forward, loss_fn=loss_fn, train_inputs=train_inputs,
       num_train_examples=num_train_examples, total_steps=total_steps,
       schedule=schedule, optimizer=optimizer, scaler=scaler, privacy=private,

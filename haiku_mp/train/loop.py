@@ -12,7 +12,6 @@ from typing import Any, Optional
 
 from absl import logging
 import jax
-from jax.sharding import Mesh
 import ml_collections
 
 from haiku_mp.data import pipeline
@@ -21,7 +20,6 @@ from haiku_mp.train import module_table
 from haiku_mp.parallel import sharding
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import compilation_cache
-from haiku_mp.train import config_checks
 from haiku_mp.train import evaluation
 from haiku_mp.train import experiment
 from haiku_mp.train import in_flight
@@ -190,23 +188,203 @@ def _log_window(exp, window, step, writer, progress) -> None:
   logging.info(metrics_lib.log_line(step, exp.total_steps, summary, rates))
 
 
+@contextlib.contextmanager
+def _clock_stopped(progress: metrics_lib.Progress, step: int):
+  """Work inside the block (evaluation, a save) is left out of the rates."""
+  progress.stop(step)
+  yield
+  progress.start(step)
+
+
+def _load_data(exp: experiment.Experiment) -> pipeline.Splits:
+  start = time.perf_counter()
+  splits = exp.load_splits()
+  logging.info('Data (%s): %s in memory in %.1fs.', exp.config.data.source,
+               ', '.join(f'{name} {len(split.labels)}' for name, split in
+                         zip(splits._fields, splits)),
+               time.perf_counter() - start)
+  return splits
+
+
+def _use_compilation_cache(setting: str) -> None:
+  cache = compilation_cache.use(setting)
+  logging.info('Compilation cache: %s', cache or (
+      f'off ({setting!r} on {jax.default_backend()}; set '
+      '--config.compilation_cache_dir=DIR for one)'))
+
+
+class _Run:
+  """The resources of one run, owned by the ExitStack it is opened in: the
+  signal handlers, the checkpointer, the in-flight watch and the metrics
+  writer; and where it starts: the step, the state and the run record."""
+
+  def __init__(self, stack: contextlib.ExitStack, exp: experiment.Experiment,
+               splits: pipeline.Splits, workdir: str, is_writer: bool):
+    settings = exp.loop
+    self.shard = pipeline.Shard.current()
+    self.interruption = stack.enter_context(interruption_lib.Interruption())
+    self.checkpointer = stack.enter_context(_Closed(
+        checkpoint_lib.Checkpointer(workdir, settings.keep_checkpoints)))
+    self.on_stall = in_flight.exit_on_stall(
+        f'The newest checkpoint in {self.checkpointer.directory} is whole: '
+        'run the same command to resume (--config.stall_timeout_sec='
+        f'{settings.stall_timeout_sec:g} is how long a step may take).')
+    # At most steps_in_flight steps ahead of the devices, every wait watched.
+    self.steps = stack.enter_context(in_flight.InFlight(
+        settings.steps_in_flight, settings.stall_timeout_sec, self.on_stall))
+    self.start_step, self.state, record = _restore_or_init(
+        exp, self.checkpointer, workdir, is_writer)
+    if is_writer:
+      changes = run_dir.config_changes(exp.config, workdir)
+      if changes:
+        logging.warning('%s', run_dir.describe_changes(changes, workdir,
+                                                       self.start_step))
+      run_dir.write_config(workdir, exp.config)
+    self.writer = stack.enter_context(_Closed(metrics_lib.MetricsWriter(
+        workdir, enabled=is_writer, start_step=self.start_step)))
+    self.progress = metrics_lib.Progress(exp.total_steps, settings.batch_size,
+                                         self.start_step, record)
+    self.evaluator = evaluation.Evaluator(exp, splits, self.shard, self.writer,
+                                          self.progress, self.on_stall)
+    self.last_val = record.get('last_val', {})
+    self.last_val_ema = record.get('last_val_ema', {})
+
+  def evaluate_val(self, exp: experiment.Experiment, step: int) -> None:
+    """Val metrics of the params (with DP-SGD's epsilon spent) and of their
+    moving average, if kept."""
+    state = self.state
+    self.last_val = self.evaluator('val', step, state.params, **exp.spent(
+        step, int(exp.strategy.unreplicate(state.skipped_steps))))
+    ema = _ema_params(state)
+    if ema is not None:
+      self.last_val_ema = self.evaluator('val', step, ema, label='val_ema')
+
+  def save(self, exp: experiment.Experiment, step: int, wait: bool) -> None:
+    """A checkpoint of the state at `step`, with the run record; returns
+    once the state is off the device (the files are written while training
+    goes on) unless `wait`."""
+    self.writer.flush()  # What the checkpoint covers is on disk before it.
+    self.checkpointer.save(step, exp.strategy.unreplicate(self.state),
+                           dict(self.progress.record(), last_val=self.last_val,
+                                last_val_ema=self.last_val_ema))
+    if wait:
+      self.checkpointer.wait()
+
+
+def _train_batches(exp: experiment.Experiment, run: _Run,
+                   splits: pipeline.Splits, stack: contextlib.ExitStack):
+  """The batches from the run's start step on, each tagged with the
+  processes' stop requests as it is placed, and the train step compiled for
+  the first of them (off the clock)."""
+  strategy = exp.strategy
+  local_batch_shards = strategy.batch_devices // jax.process_count()
+  tag = lambda batch: run.interruption.tag(batch, strategy.place_batch,
+                                           local_batch_shards)
+  batches = stack.enter_context(pipeline.DevicePrefetch(
+      exp.train_batches(splits.train, run.shard, run.start_step),
+      strategy.place_batch, exp.loop.prefetch_batches))
+  first = next(batches)
+  train_step = _CompiledSteps(strategy)
+  train_step.compile(run.state, tag(first))
+  # The schedule's ops (run at every log point) compile now, not on the clock.
+  exp.schedule(run.start_step)
+  return map(tag, itertools.chain([first], batches)), train_step
+
+
+def _train(exp: experiment.Experiment, run: _Run, splits: pipeline.Splits,
+           stack: contextlib.ExitStack) -> Optional[dict[str, Any]]:
+  """The steps from the run's start to its end, with the log, eval and save
+  points; `{'preempted_at_step': N, 'signal': NAME}` if a signal stopped it,
+  else None."""
+  settings, total_steps = exp.loop, exp.total_steps
+  if run.start_step >= total_steps:
+    return None
+  batches, train_step = _train_batches(exp, run, splits, stack)
+  run.progress.start(run.start_step)
+  window, finished = [], None
+  for step in range(run.start_step + 1, total_steps + 1):
+    # Between log points the host only dispatches, and waits for the step
+    # steps_in_flight back: no device value is read.
+    before_batch = time.perf_counter()
+    batch = next(batches)
+    before_step = time.perf_counter()
+    run.state, step_metrics = train_step(run.state, batch)
+    run.progress.host_time(before_step - before_batch,
+                           time.perf_counter() - before_step)
+    window.append(step_metrics)
+    finished = run.steps.push(f'step {step}', step_metrics)
+    if _due(step, settings.log_every_steps, total_steps):
+      finished = _settle(run.steps, finished)  # The window, waited for.
+      _log_window(exp, window, step, run.writer, run.progress)
+      window = []
+      run.checkpointer.poll()  # A save written meanwhile: logged, or its error.
+    if _due(step, settings.eval_every_steps, total_steps):
+      # Evaluation waits for the steps still queued.
+      finished = _settle(run.steps, finished)
+      with _clock_stopped(run.progress, step):
+        run.evaluate_val(exp, step)
+    stop = step < total_steps and run.interruption.stop_after(
+        finished and finished[1])
+    if _due(step, settings.checkpoint_every_steps, total_steps) or stop:
+      finished = _settle(run.steps, finished)
+      with _clock_stopped(run.progress, step):
+        run.save(exp, step, wait=stop)  # The files written before a stop.
+    if stop:
+      received = run.interruption.received or 'SIGTERM'  # Or another process's.
+      logging.warning('%s', interruption_lib.stop_line(received, step))
+      return dict(preempted_at_step=step, signal=received)
+  return None
+
+
+def _summary(exp: experiment.Experiment, run: _Run) -> dict[str, Any]:
+  """The finished run's results (test and last val, of the params and of
+  their moving average), its costs and its settings: summary.json."""
+  strategy, total_steps, state = exp.strategy, exp.total_steps, run.state
+  test = run.evaluator('test', total_steps, state.params)
+  ema = _ema_params(state)
+  ema_summary = {}
+  if ema is not None:
+    test_ema = run.evaluator('test', total_steps, ema, label='test_ema')
+    ema_summary = dict(
+        ema_test_accuracy=test_ema['accuracy'], ema_test_loss=test_ema['loss'],
+        ema_val_accuracy=run.last_val_ema.get('accuracy'),
+        ema_val_loss=run.last_val_ema.get('loss'))
+  skipped_steps = int(strategy.unreplicate(state.skipped_steps))
+  progress = run.progress
+  return dict(
+      test_accuracy=test['accuracy'], test_loss=test['loss'],
+      val_accuracy=run.last_val.get('accuracy'),
+      val_loss=run.last_val.get('loss'),
+      steps=total_steps,
+      skipped_steps=skipped_steps,
+      final_loss_scale=float(strategy.unreplicate(state.loss_scale.scale)),
+      train_time_sec=progress.train_seconds,
+      eval_time_sec=progress.eval_seconds,
+      images_per_sec=progress.mean_images_per_sec,
+      host_ms_per_step=progress.host_ms_per_step(),
+      peak_memory_bytes=metrics_lib.peak_memory_bytes(),
+      devices=[str(d) for d in jax.devices()],
+      strategy=strategy.name,
+      mesh_shape=exp.mesh and list(exp.mesh.devices.shape),
+      precision_policy=exp.config.precision.policy,
+      loss_scale_kind=exp.config.loss_scale.kind,
+      **ema_summary,
+      **exp.summary_fields(total_steps, skipped_steps))
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       mesh: Optional[Mesh] = None,
                        log_module_table: bool = False) -> dict[str, Any]:
   """Trains, evaluates on val periodically and on test at the end.
 
-  `mesh` (from `sharding.make_mesh`) is needed by the `pmap` and `pjit`
-  strategies. Everything that can be wrong with the config or the data is
-  checked before anything is written to `workdir`; a run this config has
-  already finished there is left as it is. Returns the summary also written
-  to `workdir/summary.json`, or `{'preempted_at_step': N, 'signal': NAME}`
-  after a SIGTERM or a Ctrl-C (SIGINT). The writer, the checkpointer and the
-  signal handlers are owned by one ExitStack, so every exit (the end,
-  divergence, a signal, any exception) closes and restores them.
+  Everything that can be wrong with the config or the data is checked
+  (`experiment.build`) before anything is written to `workdir`; a run this
+  config has already finished there is left as it is. Returns the summary
+  also written to `workdir/summary.json`, or `{'preempted_at_step': N,
+  'signal': NAME}` after a SIGTERM or a Ctrl-C (SIGINT). The writer, the
+  checkpointer and the signal handlers are owned by one ExitStack, so every
+  exit (the end, divergence, a signal, any exception) closes and restores
+  them.
   """
-  config_checks.check(config)
-  shard = pipeline.Shard.current()
-  pipeline.local_batch_size(config.batch_size, shard)
   finished = run_dir.finished_summary(config, workdir)
   if finished is not None:
     logging.info('This run is complete (step %d of %d): nothing to do. Its '
@@ -216,136 +394,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   is_writer = jax.process_index() == 0
   if is_writer:  # Before the data is looked for (a download, perhaps).
     run_dir.check_writable(workdir)
-  exp = experiment.build(config, mesh, num_train_examples=(
-      pipeline.check_available(config.data)))
-  strategy, total_steps = exp.strategy, exp.total_steps
-  load_start = time.perf_counter()
-  splits = pipeline.load(config)
-  logging.info('Data (%s): %s in memory in %.1fs.', config.data.source,
-               ', '.join(f'{name} {len(split.labels)}' for name, split in
-                         zip(splits._fields, splits)), time.perf_counter() -
-               load_start)
+  exp = experiment.build(config, check_data=True)
+  _use_compilation_cache(config.compilation_cache_dir)
+  splits = _load_data(exp)
   if is_writer:
     run_dir.prepare(workdir)
   with contextlib.ExitStack() as stack:
-    interruption = stack.enter_context(interruption_lib.Interruption())
-    checkpointer = stack.enter_context(_Closed(
-        checkpoint_lib.Checkpointer(workdir, config.keep_checkpoints)))
-    on_stall = in_flight.exit_on_stall(
-        f'The newest checkpoint in {checkpointer.directory} is whole: run the '
-        'same command to resume (--config.stall_timeout_sec='
-        f'{config.stall_timeout_sec:g} is how long a step may take).')
-    # At most steps_in_flight steps ahead of the devices, every wait watched.
-    steps = stack.enter_context(in_flight.InFlight(
-        config.steps_in_flight, config.stall_timeout_sec, on_stall))
-    start_step, state, record = _restore_or_init(exp, checkpointer, workdir,
-                                                 is_writer)
-    if is_writer:
-      changes = run_dir.config_changes(config, workdir)
-      if changes:
-        logging.warning('%s', run_dir.describe_changes(changes, workdir,
-                                                       start_step))
-      run_dir.write_config(workdir, config)
-    log_startup(exp, state, workdir, is_writer, log_module_table)
-    writer = stack.enter_context(_Closed(metrics_lib.MetricsWriter(
-        workdir, enabled=is_writer, start_step=start_step)))
-    progress = metrics_lib.Progress(total_steps, config.batch_size, start_step,
-                                    record)
-    evaluator = evaluation.Evaluator(exp, splits, shard, writer, progress,
-                                     on_stall)
-    last_val = record.get('last_val', {})
-    last_val_ema = record.get('last_val_ema', {})
-    local_batch_shards = strategy.batch_devices // jax.process_count()
-    if start_step < total_steps:
-      batches = stack.enter_context(pipeline.DevicePrefetch(
-          exp.train_batches(splits.train, shard, start_step),
-          strategy.place_batch, config.data.prefetch_batches))
-      first = next(batches)
-      train_step = _CompiledSteps(strategy)
-      # As every step is called: with the processes' stop requests, if any.
-      train_step.compile(state, interruption.tag(
-          first, strategy.place_batch, local_batch_shards))
-      batches = itertools.chain([first], batches)
-      # The schedule's ops (run at every log point) compile now, not on the
-      # clock.
-      exp.schedule(start_step)
-      progress.start(start_step)
-    window = []
-    for step in range(start_step + 1, total_steps + 1):
-      # Between log points the host only dispatches, and waits for the step
-      # steps_in_flight back: no device value is read.
-      before_batch = time.perf_counter()
-      batch = interruption.tag(next(batches), strategy.place_batch,
-                               local_batch_shards)
-      before_step = time.perf_counter()
-      state, step_metrics = train_step(state, batch)
-      progress.host_time(before_step - before_batch,
-                         time.perf_counter() - before_step)
-      window.append(step_metrics)
-      finished = steps.push(f'step {step}', step_metrics)
-      if _due(step, config.log_every_steps, total_steps):
-        finished = _settle(steps, finished)  # The window, waited for.
-        _log_window(exp, window, step, writer, progress)
-        window = []
-        checkpointer.poll()  # A save written meanwhile: logged, or its error.
-      if _due(step, config.eval_every_steps, total_steps):
-        # Rates exclude evaluation, and evaluation the steps still queued.
-        finished = _settle(steps, finished)
-        progress.stop(step)
-        last_val = evaluator('val', step, state.params, **exp.spent(
-            step, int(strategy.unreplicate(state.skipped_steps))))
-        ema = _ema_params(state)
-        if ema is not None:
-          last_val_ema = evaluator('val', step, ema, label='val_ema')
-        progress.start(step)
-      stop = step < total_steps and interruption.stop_after(
-          finished and finished[1])
-      if _due(step, config.checkpoint_every_steps, total_steps) or stop:
-        finished = _settle(steps, finished)
-        progress.stop(step)  # Rates exclude saving.
-        writer.flush()  # What the checkpoint covers is on disk before it.
-        # Returns once the state is off the device; the files are written
-        # while training goes on, except before a stop.
-        checkpointer.save(step, strategy.unreplicate(state),
-                          dict(progress.record(), last_val=last_val,
-                               last_val_ema=last_val_ema))
-        if stop:
-          checkpointer.wait()
-        progress.start(step)
-      if stop:
-        received = interruption.received or 'SIGTERM'  # Or another process's.
-        logging.warning('%s', interruption_lib.stop_line(received, step))
-        return dict(preempted_at_step=step, signal=received)
-
-    test = evaluator('test', total_steps, state.params)
-    ema = _ema_params(state)
-    ema_summary = {}
-    if ema is not None:
-      test_ema = evaluator('test', total_steps, ema, label='test_ema')
-      ema_summary = dict(
-          ema_test_accuracy=test_ema['accuracy'],
-          ema_test_loss=test_ema['loss'],
-          ema_val_accuracy=last_val_ema.get('accuracy'),
-          ema_val_loss=last_val_ema.get('loss'))
-    skipped_steps = int(strategy.unreplicate(state.skipped_steps))
-    summary = dict(
-        test_accuracy=test['accuracy'], test_loss=test['loss'],
-        val_accuracy=last_val.get('accuracy'), val_loss=last_val.get('loss'),
-        steps=total_steps,
-        skipped_steps=skipped_steps,
-        final_loss_scale=float(strategy.unreplicate(state.loss_scale.scale)),
-        train_time_sec=progress.train_seconds,
-        eval_time_sec=progress.eval_seconds,
-        images_per_sec=progress.mean_images_per_sec,
-        host_ms_per_step=progress.host_ms_per_step(),
-        peak_memory_bytes=metrics_lib.peak_memory_bytes(),
-        devices=[str(d) for d in jax.devices()],
-        strategy=strategy.name,
-        mesh_shape=mesh and list(mesh.devices.shape),
-        precision_policy=config.precision.policy,
-        loss_scale_kind=config.loss_scale.kind,
-        **ema_summary,
-        **exp.summary_fields(total_steps, skipped_steps))
+    run = _Run(stack, exp, splits, workdir, is_writer)
+    log_startup(exp, run.state, workdir, is_writer, log_module_table)
+    stopped = _train(exp, run, splits, stack)
+    if stopped is not None:
+      return stopped
+    summary = _summary(exp, run)
   path = os.path.join(workdir, run_dir.SUMMARY_FILE)
   if is_writer:
     metrics_lib.write_json(path, summary)
