@@ -146,7 +146,7 @@ def get_config() -> ml_collections.ConfigDict:
       padding_stddevs=3.0,
   ))
 
-  # The precision advisor (`python -m launch.lab advise`, haiku_mp/lab/verdicts.py):
+  # The precision advisor (`python -m launch.lab advise`, haiku_mp/advisor/verdicts.py):
   # how much of a tensor a half format may lose before a module keeps float32.
   config.advisor = ml_collections.ConfigDict(dict(
       # What a format may cost an output or gradient, relative to its norm:
@@ -165,7 +165,7 @@ def get_config() -> ml_collections.ConfigDict:
       # CPU-sized ViT's window was [2^21, 2^24] over its first 8 steps,
       # [2^11, 2^17] after 351). A checkpoint is measured as it is.
       init_steps=200,
-      # fp8 (haiku_mp/lab/fp8_verdicts.py): what E4M3 / E5M2 may cost a Linear's
+      # fp8 (haiku_mp/advisor/fp8_verdicts.py): what E4M3 / E5M2 may cost a Linear's
       # matmul input, weight or output gradient, relative to its norm (their
       # own rounding is ~2-3% and ~5% of a well-scaled tensor's).
       fp8_max_relative_error=0.1,

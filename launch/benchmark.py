@@ -8,7 +8,7 @@ Step time (compile and warm-up excluded, synthetic data on the device):
         --dtypes=float32,bfloat16,float16 --steps=5 --json
 
 prints a line per dtype and, with `--json`, one JSON object as the last line:
-the figures of `haiku_mp.lab.step_benchmark` (step time, images/s, FLOPs, the
+the figures of `haiku_mp.benchmarks.step_benchmark` (step time, images/s, FLOPs, the
 same-run matmul ceiling, MFU, system CPU time, compiled memory, the CPU) and,
 with several dtypes, each one's ratios to the first.
 
@@ -41,17 +41,17 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from haiku_mp.benchmarks import loop_benchmark
+from haiku_mp.benchmarks import pipeline_benchmark
+from haiku_mp.benchmarks import step_benchmark
 from haiku_mp import errors
-from haiku_mp.lab import checks
-from haiku_mp.lab import compare
-from haiku_mp.lab import loop_benchmark
-from haiku_mp.lab import pipeline_benchmark
-from haiku_mp.lab import step_benchmark
-from haiku_mp.lab import timing
-from haiku_mp.lab import variants
+from haiku_mp.measure import compare
+from haiku_mp.measure import timing
+from haiku_mp.measure import variants
 from haiku_mp.parallel import sharding
 from haiku_mp.train import in_flight
 from launch import cli
+from launch import flag_checks
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
                                           lock_config=True)
@@ -116,9 +116,9 @@ _LEAST = ((_STEPS, 1), (_WARMUP, 0), (_CEILING, 1), (_ROUNDS, 1))
 
 def _check_flags(config) -> None:
   """Every flag's range, before anything is compiled."""
-  checks.at_least((f.name, f.value, least) for f, least in _LEAST)
+  flag_checks.at_least((f.name, f.value, least) for f, least in _LEAST)
   if _DTYPES.value:
-    checks.compute_dtypes('dtypes', _DTYPES.value)
+    flag_checks.compute_dtypes('dtypes', _DTYPES.value)
   modes = [name for name, on in (('layouts', bool(_LAYOUTS.value)),
                                  ('pipeline', _PIPELINE.value),
                                  ('loop', _LOOP.value)) if on]
@@ -128,7 +128,7 @@ def _check_flags(config) -> None:
   if _STEPS_IN_FLIGHT.value and not _LOOP.value:
     raise errors.ConfigError('--steps_in_flight compares training loops: '
                              'add --loop')
-  checks.ints_in('steps_in_flight', _STEPS_IN_FLIGHT.value, 1,
+  flag_checks.ints_in('steps_in_flight', _STEPS_IN_FLIGHT.value, 1,
                  in_flight.MAX_LIMIT)
   if _LOOP.value and _STEPS.value < 2 * config.log_every_steps:
     raise errors.ConfigError(

@@ -17,8 +17,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp import errors
 from haiku_mp.data import npz_source
+from haiku_mp import errors
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file(

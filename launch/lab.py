@@ -1,4 +1,4 @@
-"""The precision lab: experiments that print JSON and write JSON + PNG to --out.
+"""The precision lab: studies that print JSON and write JSON + PNG to --out.
 
 python -m launch.lab params --config=configs/vit_fp32.py --out=lab
 python -m launch.lab sweep --config=configs/vit_cpu.py --batch_sizes=128,1024
@@ -16,14 +16,14 @@ python -m launch.lab advise --config=configs/vit_fp16.py [--checkpoint=WORKDIR] 
 
 `fp8` lists every matmul of the train step (forward and backward) with its
 operands' formats and, compiled, whether it runs as an fp8 GEMM
-(haiku_mp/lab/fp8_gemms.py). `report` runs several parts on whatever backend JAX finds and writes their
-JSON, plots and one report.md (haiku_mp/lab/report.py). `advise` says which
+(haiku_mp/studies/fp8_gemms.py). `report` runs several parts on whatever backend JAX finds and writes their
+JSON, plots and one report.md (haiku_mp/report/report.py). `advise` says which
 precision each module can run in and which float16 loss scale, and prints the
 flags to paste; it writes advise.json, advise.md and a plot
-(haiku_mp/lab/advisor.py, advisor_files.py).
+(haiku_mp/advisor/advisor.py, advisor_files.py).
 
-Each experiment prints its result as one JSON line and writes
-`<experiment>.json` and its plots into --out.
+Each study prints its result as one JSON line and writes
+`<study>.json` and its plots into --out.
 """
 
 import json
@@ -34,22 +34,22 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
+from haiku_mp.advisor import advisor
+from haiku_mp.advisor import advisor_files
 from haiku_mp import errors
-from haiku_mp.lab import advisor
-from haiku_mp.lab import advisor_files
-from haiku_mp.lab import checks
-from haiku_mp.lab import dot_algorithms
-from haiku_mp.lab import fp8_gemms
-from haiku_mp.lab import matmul
-from haiku_mp.lab import memory
-from haiku_mp.lab import params
-from haiku_mp.lab import precision as precision_lab
-from haiku_mp.lab import profile
-from haiku_mp.lab import rounding
-from haiku_mp.lab import report
-from haiku_mp.lab import sweep
-from haiku_mp.lab import variants
+from haiku_mp.measure import variants
+from haiku_mp.report import report
+from haiku_mp.studies import dot_algorithms
+from haiku_mp.studies import fp8_gemms
+from haiku_mp.studies import matmul
+from haiku_mp.studies import memory
+from haiku_mp.studies import params
+from haiku_mp.studies import precision as precision_lab
+from haiku_mp.studies import profile
+from haiku_mp.studies import rounding
+from haiku_mp.studies import sweep
 from launch import cli
+from launch import flag_checks
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/vit_fp32.py',
                                           'Config file.', lock_config=True)
@@ -111,11 +111,11 @@ _LEAST = ((_ROWS, 1), (_COLS, 1), (_REPEATS, 1), (_STEPS, 1),
 
 
 def _check_flags() -> None:
-  """Every flag's range, before any experiment compiles or writes."""
-  checks.at_least((f.name, f.value, least) for f, least in _LEAST)
-  checks.positive_ints('batch_sizes', _BATCH_SIZES.value)
-  checks.compute_dtypes('dtypes', _DTYPES.value)
-  checks.out_dir('out', _OUT.value)
+  """Every flag's range, before any study compiles or writes."""
+  flag_checks.at_least((f.name, f.value, least) for f, least in _LEAST)
+  flag_checks.positive_ints('batch_sizes', _BATCH_SIZES.value)
+  flag_checks.compute_dtypes('dtypes', _DTYPES.value)
+  flag_checks.out_dir('out', _OUT.value)
 
 
 def _log(line: str) -> None:
@@ -129,7 +129,7 @@ def _params():
 def _sweep():
   result = sweep.run(
       _CONFIG.value, _DTYPES.value,
-      checks.positive_ints('batch_sizes', _BATCH_SIZES.value),
+      flag_checks.positive_ints('batch_sizes', _BATCH_SIZES.value),
       _LAYOUTS.value, _STEPS.value, _WARMUP_STEPS.value, _ISOLATE.value,
       log=_log)
   return result, sweep.plot
@@ -138,7 +138,7 @@ def _sweep():
 def _memory():
   result = memory.run(
       _CONFIG.value, _DTYPES.value,
-      checks.positive_ints('batch_sizes', _BATCH_SIZES.value),
+      flag_checks.positive_ints('batch_sizes', _BATCH_SIZES.value),
       _COMPILE.value, log=_log)
   return result, memory.plot
 
@@ -190,13 +190,13 @@ def _dot_algorithms():
           dot_algorithms.plot)
 
 
-EXPERIMENTS = {'params': _params, 'sweep': _sweep, 'memory': _memory,
+STUDIES = {'params': _params, 'sweep': _sweep, 'memory': _memory,
                'precision': _precision, 'matmul': _matmul, 'profile': _profile,
                'dot_algorithms': _dot_algorithms, 'fp8': _fp8,
                'rounding': _rounding}
-# Every command: the experiments, the report that runs several of them, and
+# Every command: the studies, the report that runs several of them, and
 # the advisor.
-COMMANDS = (*EXPERIMENTS, 'report', 'advise')
+COMMANDS = (*STUDIES, 'report', 'advise')
 
 
 def _report():
@@ -235,17 +235,17 @@ def _advise():
 
 def main(argv):
   if len(argv) != 2 or argv[1] not in COMMANDS:
-    raise errors.ConfigError(f'expected one experiment of {COMMANDS}, '
+    raise errors.ConfigError(f'expected one command of {COMMANDS}, '
                              f'got {argv[1:]}')
-  experiment = argv[1]
+  command = argv[1]
   _check_flags()
-  if experiment in ('report', 'advise'):
-    {'report': _report, 'advise': _advise}[experiment]()
+  if command in ('report', 'advise'):
+    {'report': _report, 'advise': _advise}[command]()
     return
-  result, plot = EXPERIMENTS[experiment]()
+  result, plot = STUDIES[command]()
   os.makedirs(_OUT.value, exist_ok=True)  # Only once there is a result.
   result['plots'] = [os.path.basename(p) for p in plot(result, _OUT.value)]
-  with open(os.path.join(_OUT.value, f'{experiment}.json'), 'w') as f:
+  with open(os.path.join(_OUT.value, f'{command}.json'), 'w') as f:
     json.dump(result, f, indent=1)
   print(json.dumps(result))
 

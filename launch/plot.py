@@ -9,7 +9,7 @@ from absl import app
 from absl import flags
 
 from haiku_mp import errors
-from haiku_mp.lab import plots
+from haiku_mp.train import run_plots
 from launch import cli
 
 _WORKDIRS = flags.DEFINE_list('workdirs', None, 'Run directories to compare.')
@@ -27,12 +27,12 @@ def main(argv):
   runs = {}
   for workdir in _WORKDIRS.value:
     try:
-      runs[os.path.basename(os.path.normpath(workdir))] = plots.read_metrics(
+      runs[os.path.basename(os.path.normpath(workdir))] = run_plots.read_metrics(
           workdir)
     except OSError as e:
       raise errors.ConfigError(f'--workdirs: cannot read {workdir}/'
                                f'metrics.jsonl ({e.strerror})') from None
-  plots.plot_runs(runs, _OUT.value, _TITLE.value)
+  run_plots.plot_runs(runs, _OUT.value, _TITLE.value)
   print(_OUT.value)
 
 

@@ -10,8 +10,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp.train import module_table
 from haiku_mp.train import experiment
+from haiku_mp.train import module_table
 from haiku_mp.train import state_layout
 from launch import cli
 

@@ -12,10 +12,11 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from haiku_mp.lab import compare
-from haiku_mp.lab import loop_benchmark
-from haiku_mp.lab import pipeline_benchmark
-from haiku_mp.lab import step_benchmark
+from haiku_mp.benchmarks import loop_benchmark
+from haiku_mp.benchmarks import pipeline_benchmark
+from haiku_mp.benchmarks import step_benchmark
+from haiku_mp.measure import compare
+from haiku_mp.measure import machine
 from tests import helpers
 from tests import signal_at_step
 
@@ -138,10 +139,10 @@ class StepBenchmarkTest(parameterized.TestCase):
       f.write('processor\t: 0\nmodel name\t: Some CPU 9000\n'
               'flags\t\t: fpu avx512f avx512_bf16 amx_tile\n'
               'processor\t: 1\nmodel name\t: Some CPU 9000\nflags\t\t: fpu\n')
-    self.assertEqual(step_benchmark.cpu_info(path),
+    self.assertEqual(machine.cpu_info(path),
                      dict(model='Some CPU 9000', amx_bf16=False,
                           avx512_bf16=True, avx512_fp16=False))
-    self.assertEqual(step_benchmark.cpu_info('/nonexistent')['model'],
+    self.assertEqual(machine.cpu_info('/nonexistent')['model'],
                      'unknown')
 
 

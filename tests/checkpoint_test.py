@@ -34,8 +34,8 @@ from haiku_mp.train import experiment
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
-from tests import helpers
 from tests import disk_full_at_step
+from tests import helpers
 from tests import signal_at_step
 
 HALF, TOTAL = 20, 40

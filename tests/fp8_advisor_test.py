@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from haiku_mp.lab import advisor
-from haiku_mp.lab import fp8_numerics
-from haiku_mp.lab import fp8_verdicts
-from haiku_mp.lab import variants
+from haiku_mp.advisor import advisor
+from haiku_mp.advisor import fp8_numerics
+from haiku_mp.advisor import fp8_verdicts
+from haiku_mp.measure import variants
 from haiku_mp.model import fp8
 from haiku_mp.train import experiment
 from tests import helpers

@@ -21,8 +21,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from haiku_mp import errors
-from haiku_mp.lab import fp8_gemms
 from haiku_mp.model import fp8
+from haiku_mp.studies import fp8_gemms
 from haiku_mp.train import experiment
 from haiku_mp.update import step as step_lib
 from tests import helpers

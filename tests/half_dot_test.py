@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.lab import precision as precision_lab
-from haiku_mp.lab import variants
+from haiku_mp.measure import variants
 from haiku_mp.model import half_dot
+from haiku_mp.studies import precision as precision_lab
 from tests import helpers
 
 LOGITS = 'bqhd,bkhd->bhqk'

@@ -18,10 +18,10 @@ from tensorboard.backend.event_processing import plugin_event_accumulator
 from tensorboard.util import tensor_util
 
 from configs import base
+from haiku_mp.advisor import numerics
 from haiku_mp.data import pipeline
-from haiku_mp.lab import fp8_gemms
-from haiku_mp.lab import numerics
 from haiku_mp.model import half_dot
+from haiku_mp.studies import fp8_gemms
 import tests
 from tests import forked_commands
 from tests import signal_at_step

@@ -20,19 +20,19 @@ import numpy as np
 from configs import base
 from configs import vit_pure_bf16 as configs_pure_bf16
 from haiku_mp import errors
-from haiku_mp.lab import checks
-from haiku_mp.lab import compare
-from haiku_mp.lab import matmul
-from haiku_mp.lab import memory
-from haiku_mp.lab import params
-from haiku_mp.lab import precision as precision_lab
-from haiku_mp.lab import profile
-from haiku_mp.lab import rounding
-from haiku_mp.lab import state_layouts
-from haiku_mp.lab import sweep
-from haiku_mp.lab import variants
+from haiku_mp.measure import compare
+from haiku_mp.measure import variants
+from haiku_mp.studies import matmul
+from haiku_mp.studies import memory
+from haiku_mp.studies import params
+from haiku_mp.studies import precision as precision_lab
+from haiku_mp.studies import profile
+from haiku_mp.studies import rounding
+from haiku_mp.studies import state_layouts
+from haiku_mp.studies import sweep
 from haiku_mp.train import experiment
 from haiku_mp.train import state_layout
+from launch import flag_checks
 from tests import helpers
 
 TINY_FLAGS = ('--config.model.num_layers=1', '--config.model.embed_dim=16',
@@ -96,27 +96,27 @@ class FlagChecksTest(parameterized.TestCase):
       (('warmup_steps', -1, 0), '--warmup_steps=-1 must be at least 0'),
       (('checkpoint_step', -2, -1), '--checkpoint_step=-2 must be at least -1'))
   def test_at_least(self, flag, message):
-    checks.at_least([('rows', 1, 1), ('warmup_steps', 0, 0)])
+    flag_checks.at_least([('rows', 1, 1), ('warmup_steps', 0, 0)])
     with self.assertRaisesWithLiteralMatch(errors.ConfigError, message):
-      checks.at_least([('rows', 1, 1), flag])
+      flag_checks.at_least([('rows', 1, 1), flag])
 
   def test_lists(self):
-    self.assertEqual(checks.positive_ints('batch_sizes', ['8', '16']), [8, 16])
+    self.assertEqual(flag_checks.positive_ints('batch_sizes', ['8', '16']), [8, 16])
     for values in (['8', '0'], ['x'], []):
       with self.assertRaisesRegex(errors.ConfigError,
                                   '^--batch_sizes: expected positive integers'):
-        checks.positive_ints('batch_sizes', values)
-    self.assertEqual(checks.compute_dtypes('dtypes', ['bf16', 'float32']),
+        flag_checks.positive_ints('batch_sizes', values)
+    self.assertEqual(flag_checks.compute_dtypes('dtypes', ['bf16', 'float32']),
                      ['bf16', 'float32'])
     with self.assertRaisesRegex(errors.ConfigError,
                                 r"^--dtypes \(float12\): invalid policy"):
-      checks.compute_dtypes('dtypes', ['float32', 'float12'])
+      flag_checks.compute_dtypes('dtypes', ['float32', 'float12'])
     with self.assertRaisesRegex(errors.ConfigError,
                                 '^--dtypes: expected at least one'):
-      checks.compute_dtypes('dtypes', [])
+      flag_checks.compute_dtypes('dtypes', [])
 
   def test_pure_bf16_is_a_variant_beside_the_dtypes(self):
-    self.assertEqual(checks.compute_dtypes('dtypes', ['float32', 'pure_bf16']),
+    self.assertEqual(flag_checks.compute_dtypes('dtypes', ['float32', 'pure_bf16']),
                      ['float32', 'pure_bf16'])
     config = variants.in_compute_dtype(base.get_config(), variants.PURE_BF16)
     self.assertEqual(config.precision.policy,
@@ -132,21 +132,21 @@ class FlagChecksTest(parameterized.TestCase):
 
   def test_out_dir(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
-    checks.out_dir('out', tmp)
-    checks.out_dir('out', os.path.join(tmp, 'new'))
+    flag_checks.out_dir('out', tmp)
+    flag_checks.out_dir('out', os.path.join(tmp, 'new'))
     path = os.path.join(tmp, 'results.json')
     with open(path, 'w') as f:
       f.write('{}')
     with self.assertRaisesWithLiteralMatch(
         errors.ConfigError, f'--out={path} is a file, not a directory'):
-      checks.out_dir('out', path)
+      flag_checks.out_dir('out', path)
     under = os.path.join(path, 'run')
     with self.assertRaisesWithLiteralMatch(
         errors.ConfigError,
         f'--out={under} is not writable (Not a directory: {path})'):
-      checks.out_dir('out', under)
+      flag_checks.out_dir('out', under)
     with self.assertRaisesRegex(errors.ConfigError, '^--out is empty'):
-      checks.out_dir('out', '')
+      flag_checks.out_dir('out', '')
 
 
 class SweepTest(parameterized.TestCase):
@@ -612,7 +612,7 @@ class CommandLineTest(parameterized.TestCase):
     self.assertEqual(after, before)
 
   @parameterized.parameters(
-      (['sweepp'], "expected one experiment of ('params', 'sweep', 'memory', "
+      (['sweepp'], "expected one command of ('params', 'sweep', 'memory', "
                    "'precision', 'matmul', 'profile', 'dot_algorithms', "
                    "'fp8', 'rounding', 'report', 'advise')"),
       (['advise', '--batches=0'], '--batches=0 must be at least 1'),

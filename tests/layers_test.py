@@ -23,7 +23,10 @@ FLOORS = (
     ('update',),
     ('data', 'parallel', 'privacy'),
     ('train',),
-    ('lab',),
+    ('measure',),
+    ('advisor', 'benchmarks'),
+    ('studies',),
+    ('report',),
 )
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'haiku_mp'
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from haiku_mp.lab import numerics
+from haiku_mp.advisor import numerics
 from tests import helpers
 
 

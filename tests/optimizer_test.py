@@ -85,7 +85,7 @@ class WeightDecayTest(absltest.TestCase):
 
   def test_decay_skips_biases_layer_norm_cls_token_and_positions(self):
     config = helpers.tiny_config()
-    forward, _ = forward_lib.build(config)
+    forward, _ = forward_lib.checked_forward(config)
     images = helpers.random_batch(config)['image']
     shapes = jax.eval_shape(
         lambda: forward.init(jax.random.key(0), images, True))

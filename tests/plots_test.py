@@ -14,16 +14,17 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import matplotlib.pyplot as plt
 
-from haiku_mp.lab import dot_algorithms
-from haiku_mp.lab import matmul
-from haiku_mp.lab import memory
-from haiku_mp.lab import params
-from haiku_mp.lab import plots
-from haiku_mp.lab import precision
-from haiku_mp.lab import profile
-from haiku_mp.lab import report
-from haiku_mp.lab import rounding
-from haiku_mp.lab import sweep
+from haiku_mp.measure import charts
+from haiku_mp.report import report
+from haiku_mp.studies import dot_algorithms
+from haiku_mp.studies import matmul
+from haiku_mp.studies import memory
+from haiku_mp.studies import params
+from haiku_mp.studies import precision
+from haiku_mp.studies import profile
+from haiku_mp.studies import rounding
+from haiku_mp.studies import sweep
+from haiku_mp.train import run_plots
 from haiku_mp.train import state_layout
 from tests import helpers
 
@@ -132,7 +133,7 @@ class PlotsTest(absltest.TestCase):
           f.write(json.dumps(dict(step=step, split='train', loss=2.0 / step,
                                   loss_scale=scale)) + '\n')
         f.write(json.dumps(dict(step=20, split='val', accuracy=0.3)) + '\n')
-    self.assertLen(plots.read_metrics(os.path.join(tmp, 'fp16')), 3)
+    self.assertLen(run_plots.read_metrics(os.path.join(tmp, 'fp16')), 3)
     out = os.path.join(tmp, 'runs.png')
     helpers.run_module('launch.plot', f'--workdirs={tmp}/fp32,{tmp}/fp16',
                        f'--out={out}', check=True)
@@ -146,13 +147,13 @@ class PlotsTest(absltest.TestCase):
               for s in (10, 20)]
     lost = [dict(e, updates_lost=0.5) for e in events]
     for runs, panels in (({'a': events}, 3), ({'a': events, 'b': lost}, 4)):
-      with mock.patch.object(plots, '_save') as save:
-        plots.plot_runs(runs, os.path.join(tmp, 'runs.png'))
+      with mock.patch.object(run_plots, 'save') as save:
+        run_plots.plot_runs(runs, os.path.join(tmp, 'runs.png'))
       fig = save.call_args.args[0]
       self.assertLen(fig.axes, panels)
       self.assertEqual(fig.axes[-1].get_ylabel(),
-                       plots.axis_label('updates_lost') if panels == 4 else
-                       plots.axis_label('loss_scale', 'log'))
+                       run_plots.axis_label('updates_lost') if panels == 4 else
+                       run_plots.axis_label('loss_scale', 'log'))
       plt.close(fig)
 
   def test_missing_workdir_is_a_clear_error(self):
@@ -188,14 +189,14 @@ class FiguresTest(parameterized.TestCase):
         self.assertTrue(any(labels))
         for label in filter(None, labels):
           self.assertNotRegex(label, r'\w_\w')  # No raw field name.
-          self.assertIn(label.split(' (')[0], plots.FIELD_LABELS.values())
+          self.assertIn(label.split(' (')[0], run_plots.FIELD_LABELS.values())
 
   def test_axis_label_adds_the_unit(self):
-    self.assertEqual(plots.axis_label('temp_size_in_bytes', 'MiB'),
+    self.assertEqual(run_plots.axis_label('temp_size_in_bytes', 'MiB'),
                      'compiled temp memory (MiB)')
-    self.assertEqual(plots.axis_label('step'), 'step')
+    self.assertEqual(run_plots.axis_label('step'), 'step')
     with self.assertRaises(KeyError):
-      plots.axis_label('no_such_field')
+      run_plots.axis_label('no_such_field')
 
   @parameterized.named_parameters(
       ('sweep', sweep.plot, lambda tmp: _sweep_result()),
@@ -234,7 +235,7 @@ class FiguresTest(parameterized.TestCase):
     for ax in fig.axes:
       visible = [line for line in ax.get_lines() if len(line.get_xdata()) and (
           line.get_marker() not in ('None', '', None) or
-          len(line.get_xdata()) >= plots.LINE_MIN_POINTS)]
+          len(line.get_xdata()) >= run_plots.LINE_MIN_POINTS)]
       self.assertLen(visible, len(DTYPES), ax.get_ylabel())
 
   def test_panel_without_points_says_so(self):
@@ -244,7 +245,7 @@ class FiguresTest(parameterized.TestCase):
     texts = {ax.get_ylabel(): [t.get_text() for t in ax.texts]
              for ax in fig.axes}
     self.assertEqual(texts, {'train loss': [],
-                             'val accuracy': [plots.NO_POINTS_TEXT],
+                             'val accuracy': [run_plots.NO_POINTS_TEXT],
                              'loss scale (log)': []})
 
   def test_exact_zero_is_not_a_tiny_bar(self):
@@ -259,7 +260,7 @@ class FiguresTest(parameterized.TestCase):
                      [1e-7, 4e-3])
     zero_row = list(errors).index('F64_F64_F64')
     self.assertEqual([(t.get_text(), t.xy[1]) for t in ax.texts],
-                     [(plots.EXACT_ZERO_TEXT, zero_row)])
+                     [(charts.EXACT_ZERO_TEXT, zero_row)])
     self.assertEqual([t.get_text() for t in ax.get_yticklabels()],
                      list(errors))
 

@@ -83,7 +83,7 @@ class ParseTest(parameterized.TestCase):
   def test_unmatched_override_is_an_error_naming_it(self, target):
     config = _two_blocks(BF16, overrides=f'{target}:float32')
     with self.assertRaises(policies.PrecisionError) as cm:
-      forward_lib.build(config)
+      forward_lib.checked_forward(config)
     self.assertIn(repr(target), str(cm.exception))
     self.assertIn('matches no module', str(cm.exception))
 
@@ -167,8 +167,8 @@ class ScopeTest(parameterized.TestCase):
     fp16 = _two_blocks(FP16)
     fp32 = _two_blocks('float32')
     images = helpers.random_batch(fp16)['image']
-    f16_forward, _ = forward_lib.build(fp16)
-    f32_forward, _ = forward_lib.build(fp32)
+    f16_forward, _ = forward_lib.checked_forward(fp16)
+    f32_forward, _ = forward_lib.checked_forward(fp32)
     params = f16_forward.init(jax.random.key(0), images, False)
     for forward, dtype in ((f16_forward, 'float16'), (f32_forward, 'float32'),
                            (f16_forward, 'float16')):

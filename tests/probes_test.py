@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.lab import advisor
-from haiku_mp.lab import numerics
-from haiku_mp.lab import probes
-from haiku_mp.lab import variants
+from haiku_mp.advisor import advisor
+from haiku_mp.advisor import numerics
+from haiku_mp.advisor import probes
+from haiku_mp.measure import variants
 from haiku_mp.train import experiment
 from tests import helpers
 

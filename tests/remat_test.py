@@ -15,9 +15,9 @@ import jax
 
 from configs import base
 from haiku_mp import errors
-from haiku_mp.lab import memory
-from haiku_mp.lab import variants
+from haiku_mp.measure import variants
 from haiku_mp.model import remat
+from haiku_mp.studies import memory
 from haiku_mp.train import experiment
 from tests import helpers
 

@@ -24,8 +24,8 @@ from haiku_mp.data import npz_source
 from haiku_mp.data import pipeline
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import loop
-from haiku_mp.train import run_dir
 from haiku_mp.train import metrics as metrics_lib
+from haiku_mp.train import run_dir
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

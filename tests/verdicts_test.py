@@ -16,9 +16,9 @@ import haiku as hk
 import jax
 
 from configs import base
-from haiku_mp.lab import advisor
-from haiku_mp.lab import numerics
-from haiku_mp.lab import verdicts
+from haiku_mp.advisor import advisor
+from haiku_mp.advisor import numerics
+from haiku_mp.advisor import verdicts
 from haiku_mp.train import experiment
 from tests import helpers
 from tests import probes_test

@@ -24,7 +24,7 @@ class VitTest(parameterized.TestCase):
 
   def test_reference_config_parameter_count(self):
     config = base.get_config()
-    forward, _ = forward_lib.build(config)
+    forward, _ = forward_lib.checked_forward(config)
     params = jax.eval_shape(lambda: forward.init(
         jax.random.key(0), forward_lib.dummy_images(config.model), True))
     self.assertEqual(sum(np.prod(p.shape) for p in jax.tree.leaves(params)),
@@ -40,7 +40,7 @@ class VitTest(parameterized.TestCase):
   @parameterized.parameters(1e-6, 0.1)
   def test_every_layer_norm_uses_the_configured_epsilon(self, eps):
     config = helpers.tiny_config(layer_norm_epsilon=eps)
-    forward, _ = forward_lib.build(config)
+    forward, _ = forward_lib.checked_forward(config)
     images = helpers.random_batch(config, batch_size=2)['image']
     params = forward.init(jax.random.key(0), images, True)
     seen = []
@@ -70,14 +70,14 @@ class VitTest(parameterized.TestCase):
 
   def test_logits_shape(self):
     config = helpers.tiny_config(num_classes=7)
-    forward, _ = forward_lib.build(config)
+    forward, _ = forward_lib.checked_forward(config)
     images = helpers.random_batch(config, batch_size=3)['image']
     params = forward.init(jax.random.key(0), images, True)
     chex.assert_shape(forward.apply(params, None, images, False), (3, 7))
 
   def test_dropout_only_in_training(self):
     config = helpers.tiny_config(dropout_rate=0.5)
-    forward, _ = forward_lib.build(config)
+    forward, _ = forward_lib.checked_forward(config)
     images = helpers.random_batch(config)['image']
     params = forward.init(jax.random.key(0), images, True)
     # A non-zero head so that the encoder's randomness reaches the logits.
@@ -90,7 +90,7 @@ class VitTest(parameterized.TestCase):
     self.assertFalse(np.allclose(train(1), train(2)))
     self.assertFalse(np.allclose(train(1), evaluate))
     no_dropout = helpers.tiny_config(dropout_rate=0.0)
-    forward0, _ = forward_lib.build(no_dropout)
+    forward0, _ = forward_lib.checked_forward(no_dropout)
     np.testing.assert_allclose(forward0.apply(params, None, images, False),
                                evaluate, rtol=1e-6)
 
@@ -99,7 +99,7 @@ class VitTest(parameterized.TestCase):
                                  num_layers=3)
     config.precision.policy = 'params=float32,compute=bfloat16,output=float32'
     calls, _ = forward_lib.trace_modules(config.model, forward_lib.make_precision(config))
-    forward, _ = forward_lib.build(config)
+    forward, _ = forward_lib.checked_forward(config)
     images = helpers.random_batch(config, batch_size=64)['image']
     params = jax.jit(lambda k, x: forward.init(k, x, True))(
         jax.random.key(0), images)
@@ -133,7 +133,7 @@ class VitTest(parameterized.TestCase):
     evaluate = apply(params, None, images, False)
     no_drop = helpers.tiny_config(dropout_rate=0.0, num_layers=3)
     no_drop.precision.policy = config.precision.policy
-    plain, _ = forward_lib.build(no_drop)
+    plain, _ = forward_lib.checked_forward(no_drop)
     np.testing.assert_array_equal(
         evaluate, jax.jit(plain.apply, static_argnums=3)(params, None, images,
                                                           False))
@@ -143,7 +143,7 @@ class VitTest(parameterized.TestCase):
       (dict(embed_dim=15, num_heads=2), 'model.embed_dim=15'))
   def test_bad_sizes_name_the_setting(self, sizes, message):
     with self.assertRaisesRegex(ValueError, message):
-      forward_lib.build(helpers.tiny_config(**sizes))
+      forward_lib.checked_forward(helpers.tiny_config(**sizes))
 
 
 if __name__ == '__main__':

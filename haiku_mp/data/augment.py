@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from haiku_mp import errors
 from haiku_mp.data import auto_augment
 from haiku_mp.data import mixing
+from haiku_mp import errors
 from haiku_mp.update import keys as keys_lib
 
 CROPS = ('resized', 'pad', 'none')

@@ -25,10 +25,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from haiku_mp import errors
 from haiku_mp.data import npz_source
 from haiku_mp.data import sampling
 from haiku_mp.data import tfds_source
+from haiku_mp import errors
 
 Batch = dict[str, np.ndarray]
 

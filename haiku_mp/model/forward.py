@@ -86,10 +86,10 @@ def checked_precision(config: ml_collections.ConfigDict
   return precision, calls
 
 
-def build(config: ml_collections.ConfigDict
-          ) -> tuple[hk.Transformed, policies.Precision]:
-  """The forward function for `config` (the model alone; a whole run is
-  `experiment.build`)."""
+def checked_forward(config: ml_collections.ConfigDict
+                    ) -> tuple[hk.Transformed, policies.Precision]:
+  """The forward function for `config` and its Precision, the overrides
+  checked (the model alone; a whole run is `experiment.build`)."""
   precision, _ = checked_precision(config)
   return (make_forward(config.model, precision, remat=config.remat),
           precision)

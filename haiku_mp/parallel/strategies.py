@@ -1,6 +1,11 @@
 """Training strategies: `single` device, `pmap` data parallel, `pjit` mesh.
 
-Every strategy is a `Strategy` built the same way, `Cls(mesh, model, rules)`,
+The strategy named `pjit` (the config value `parallel.strategy='pjit'`, kept
+for the commands and checkpoints that name it) is plain `jax.jit` with
+NamedShardings on its inputs and outputs: `pjit` and `jit` are one API since
+JAX 0.4.
+
+Every strategy is a `Strategy` built the same way, `Cls(mesh, parts, rules)`,
 and answers the same questions: where the state lives, how a process-local
 host batch becomes device input, what the compiled steps are, what abstract
 inputs they take, how a replicated value is read back. Callers never branch on
@@ -27,8 +32,9 @@ from haiku_mp.update import step as step_lib
 TrainState = step_lib.TrainState
 
 
-class Model(NamedTuple):
-  """What a strategy compiles: the model, its optimizer and loss scaling."""
+class StepParts(NamedTuple):
+  """What a strategy compiles its steps from: the forward, the optimizer, loss
+  scaling, the initial state, the inputs' preparation and the gradients."""
   forward: hk.Transformed
   optimizer: optax.GradientTransformation
   scaler: loss_scaling.LossScaler
@@ -54,21 +60,21 @@ class Strategy(abc.ABC):
   # calls with this process's (state, batch) accept.
   compiles_ahead: bool = True
 
-  def __init__(self, mesh: Optional[Mesh], model: Model,
+  def __init__(self, mesh: Optional[Mesh], parts: StepParts,
                rules: Sequence[tuple[str, str]] = ()):
     """`rules`: (parameter pattern, spec) pairs, for a strategy that shards
     parameters (`sharding.rules`)."""
     del rules  # Only a strategy that shards parameters reads them.
     self.mesh = mesh
     # The initial state's shapes and dtypes (jax.ShapeDtypeStruct leaves).
-    self.abstract_state = jax.eval_shape(model.init_state)
+    self.abstract_state = jax.eval_shape(parts.init_state)
     # The steps, built here once; each strategy only wraps them (jit, pmap,
     # jit with shardings).
     self._train_step = step_lib.make_train_step(
-        model.gradients, model.optimizer, model.scaler,
-        axis_name=self.axis_name, inputs=model.train_inputs)
+        parts.gradients, parts.optimizer, parts.scaler,
+        axis_name=self.axis_name, inputs=parts.train_inputs)
     self._eval_step = step_lib.make_eval_step(
-        model.forward, axis_name=self.axis_name, inputs=model.eval_inputs)
+        parts.forward, axis_name=self.axis_name, inputs=parts.eval_inputs)
 
   @property
   def batch_devices(self) -> int:
@@ -122,8 +128,8 @@ class Single(Strategy):
 
   name = 'single'
 
-  def __init__(self, mesh, model, rules=()):
-    super().__init__(mesh, model)
+  def __init__(self, mesh, parts, rules=()):
+    super().__init__(mesh, parts)
     if jax.process_count() > 1:
       raise errors.ConfigError(
           f'parallel.strategy=single cannot span {jax.process_count()} '
@@ -133,7 +139,7 @@ class Single(Strategy):
     self.eval_step = jax.jit(self._eval_step)
     # Committed to the device, as a restored state is: a fresh and a resumed
     # run then lower the same program (one persistent-cache entry, not two).
-    self._init = jax.jit(model.init_state, out_shardings=self._device)
+    self._init = jax.jit(parts.init_state, out_shardings=self._device)
 
   def init_state(self):
     return self._init()
@@ -159,8 +165,8 @@ class Pmap(Strategy):
   name = 'pmap'
   axis_name = sharding.BATCH
 
-  def __init__(self, mesh, model, rules=()):
-    super().__init__(mesh, model)
+  def __init__(self, mesh, parts, rules=()):
+    super().__init__(mesh, parts)
     if mesh.shape[sharding.MODEL] != 1:
       raise sharding.ShardingError(
           f'parallel.strategy=pmap is data parallel only: parallel.mesh_shape '
@@ -185,7 +191,7 @@ class Pmap(Strategy):
       firsts.setdefault(d.process_index, d)
     self._one_per_process = NamedSharding(
         Mesh(np.array(list(firsts.values())), ('process',)), P())
-    self._init = jax.jit(model.init_state)
+    self._init = jax.jit(parts.init_state)
 
   def init_state(self):
     return self.place_state(self._init())
@@ -236,13 +242,13 @@ class Pjit(Strategy):
 
   name = 'pjit'
 
-  def __init__(self, mesh, model, rules=()):
-    super().__init__(mesh, model)
+  def __init__(self, mesh, parts, rules=()):
+    super().__init__(mesh, parts)
     specs = sharding.param_specs(self.abstract_state.params, rules, mesh)
     # The optimizer holds no fp8 amax histories (step.split_fp8).
     _, trained_specs = step_lib.split_fp8(specs)
     self.state_shardings = sharding.state_shardings(
-        self.abstract_state, specs, trained_specs, model.optimizer, mesh)
+        self.abstract_state, specs, trained_specs, parts.optimizer, mesh)
     self._batch = NamedSharding(mesh, P(sharding.BATCH))
     replicated = NamedSharding(mesh, P())
     self.train_step = jax.jit(
@@ -255,7 +261,7 @@ class Pjit(Strategy):
         in_shardings=(self.state_shardings.params, self._batch),
         out_shardings=metrics)
     # Computed in place: no process holds the whole state on one device.
-    self._init = jax.jit(model.init_state, out_shardings=self.state_shardings)
+    self._init = jax.jit(parts.init_state, out_shardings=self.state_shardings)
 
   def init_state(self):
     return self._init()
@@ -280,11 +286,11 @@ class Pjit(Strategy):
 STRATEGIES = {cls.name: cls for cls in (Single, Pmap, Pjit)}
 
 
-def make_strategy(name: str, mesh: Optional[Mesh], model: Model,
+def make_strategy(name: str, mesh: Optional[Mesh], parts: StepParts,
                   rules: Sequence[tuple[str, str]] = ()) -> Strategy:
   """The strategy `name` (`parallel.strategy`) on `mesh` (None for
   `single`); `rules` place the parameters of a strategy that shards them."""
   errors.check_choice('parallel.strategy', name, STRATEGIES)
   if name != 'single' and mesh is None:
     raise errors.ConfigError(f'parallel.strategy={name} needs a device mesh')
-  return STRATEGIES[name](mesh, model, rules)
+  return STRATEGIES[name](mesh, parts, rules)

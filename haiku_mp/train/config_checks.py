@@ -15,10 +15,10 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from haiku_mp import errors
 from haiku_mp.data import augment
 from haiku_mp.data import auto_augment
 from haiku_mp.data import pipeline
+from haiku_mp import errors
 from haiku_mp.model import dropout
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies

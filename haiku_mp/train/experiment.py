@@ -19,10 +19,10 @@ import ml_collections
 import numpy as np
 import optax
 
-from haiku_mp import errors
 from haiku_mp.data import augment
 from haiku_mp.data import pipeline
 from haiku_mp.data import sampling
+from haiku_mp import errors
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies
 from haiku_mp.parallel import sharding
@@ -276,7 +276,7 @@ def build(config: ml_collections.ConfigDict, *,
   train_inputs = functools.partial(augment.train_inputs, config.data,
                                    num_classes=config.model.num_classes)
   strategy = strategies.make_strategy(
-      config.parallel.strategy, mesh, strategies.Model(
+      config.parallel.strategy, mesh, strategies.StepParts(
           step_forward, optimizer, scaler, init_state,
           train_inputs=train_inputs,
           eval_inputs=functools.partial(augment.eval_inputs, config.data),

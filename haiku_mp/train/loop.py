@@ -16,7 +16,6 @@ import ml_collections
 
 from haiku_mp.data import pipeline
 from haiku_mp.model import fp8 as fp8_lib
-from haiku_mp.train import module_table
 from haiku_mp.parallel import sharding
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import compilation_cache
@@ -25,9 +24,10 @@ from haiku_mp.train import experiment
 from haiku_mp.train import in_flight
 from haiku_mp.train import interruption as interruption_lib
 from haiku_mp.train import metrics as metrics_lib
-from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.train import module_table
 from haiku_mp.train import run_dir
 from haiku_mp.train import state_layout
+from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
 
 # The module table a run writes into its workdir.
@@ -370,6 +370,22 @@ def _summary(exp: experiment.Experiment, run: _Run) -> dict[str, Any]:
       loss_scale_kind=exp.config.loss_scale.kind,
       **ema_summary,
       **exp.summary_fields(total_steps, skipped_steps))
+
+
+@contextlib.contextmanager
+def quietly():
+  """The trainer's INFO log (its startup, progress, checkpoint and summary
+  lines) hidden inside the block at the default verbosity, for callers that
+  print one line per run of their own (the report, the loop benchmark); each
+  run's record is in its workdir (metrics.jsonl, summary.json). Warnings and
+  errors still show."""
+  verbosity = logging.get_verbosity()
+  if verbosity == logging.INFO:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(verbosity)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,

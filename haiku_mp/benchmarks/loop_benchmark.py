@@ -16,23 +16,21 @@ For each compute dtype, in one process and in alternating rounds:
 the step call) when it falls short.
 """
 
-import contextlib
 import copy
 import tempfile
 from typing import Any, Callable, Sequence
 
-from absl import logging
 import ml_collections
 import numpy as np
 
 from haiku_mp.data import pipeline
-from haiku_mp.lab import compare
-from haiku_mp.lab import plots
-from haiku_mp.lab import step_benchmark
-from haiku_mp.lab import timing
-from haiku_mp.lab import variants
+from haiku_mp.measure import compare
+from haiku_mp.measure import machine
+from haiku_mp.measure import timing
+from haiku_mp.measure import variants
 from haiku_mp.train import experiment
 from haiku_mp.train import loop
+from haiku_mp.train import run_plots
 
 # The loop should keep the device this busy (issue target, a benchmark's).
 TARGET_LOOP_OVER_STEP = 0.90
@@ -67,21 +65,10 @@ def steady_images_per_sec(events: Sequence[dict[str, Any]], batch_size: int
   return steps * batch_size / seconds
 
 
-@contextlib.contextmanager
-def _quiet_trainer():
-  """The trainer's INFO lines (one per log window) off while rounds run."""
-  verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.WARNING)
-  try:
-    yield
-  finally:
-    logging.set_verbosity(verbosity)
-
-
 def _loop_round(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  with tempfile.TemporaryDirectory() as workdir, _quiet_trainer():
+  with tempfile.TemporaryDirectory() as workdir, loop.quietly():
     summary = loop.train_and_evaluate(config, workdir)
-    events = plots.read_metrics(workdir)
+    events = run_plots.read_metrics(workdir)
   if 'preempted_at_step' in summary:
     # SIGTERM or Ctrl-C stopped the trainer: the benchmark stops with it,
     # in one line (the entry point's exit for an interruption).
@@ -128,7 +115,7 @@ def _row(config: ml_collections.ConfigDict, steps: int, loop_rounds: list,
   loop_images = float(np.median(loop_ips))
   step_images = float(np.median(step_rounds))
   return dict(
-      **step_benchmark.machine(),
+      **machine.describe(),
       dtype=variants.variant_name(config),
       policy=config.precision.policy,
       source=config.data.source,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.lab import fp8_numerics
+from haiku_mp.advisor import fp8_numerics
 from haiku_mp.model import half_dot
 
 LossFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]

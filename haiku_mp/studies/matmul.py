@@ -1,4 +1,4 @@
-"""Experiment `matmul`: the seeds' `jnp.dot(A, A.T)` per dtype, time and FLOP/s."""
+"""Study `matmul`: the seeds' `jnp.dot(A, A.T)` per dtype, time and FLOP/s."""
 
 import os
 from typing import Any, Sequence
@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.lab import plots
-from haiku_mp.lab import timing
+from haiku_mp.measure import charts
+from haiku_mp.measure import timing
+from haiku_mp.train import run_plots
 
 DTYPES = ('float64', 'float32', 'float16', 'bfloat16')
 
@@ -40,8 +41,8 @@ def run(rows: int, cols: int, repeats: int,
 
 def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   path = os.path.join(out_dir, 'matmul.png')
-  plots.bar_chart(path, [r['dtype'] for r in result['results']],
+  charts.bar_chart(path, [r['dtype'] for r in result['results']],
                   [r['gflops_per_sec'] for r in result['results']],
-                  plots.axis_label('gflops_per_sec', 'GFLOP/s'),
+                  run_plots.axis_label('gflops_per_sec', 'GFLOP/s'),
                   f'A @ A.T, A {result["shape"]}, {result["device"]}')
   return [path]

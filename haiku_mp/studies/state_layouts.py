@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from haiku_mp.lab import plots
-from haiku_mp.lab import timing
+from haiku_mp.measure import charts
+from haiku_mp.measure import timing
 from haiku_mp.model import policies
 from haiku_mp.train import experiment
+from haiku_mp.train import run_plots
 from haiku_mp.train import state_layout
 
 # name -> (param dtype, param_update, mu_dtype, nu_dtype), from the default
@@ -116,8 +117,8 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> str:
   parts = {p: [r['per_parameter'][p] for r in results]
            for p in state_layout.PARTS if p != 'other' and
            any(r['per_parameter'][p] for r in results)}
-  plots.stacked_bar_chart(path, labels, parts,
-                          plots.axis_label('state', 'bytes per parameter'),
+  charts.stacked_bar_chart(path, labels, parts,
+                          run_plots.axis_label('state', 'bytes per parameter'),
                           title, total_format='{:.2f}')
   return path
 

@@ -1,5 +1,6 @@
-"""Experiment `advise`: which precision each module can run in, and which
-float16 loss scale, measured on the config's model and a few real batches.
+"""The precision advisor (`launch.lab advise`): which precision each module
+can run in, and which float16 loss scale, measured on the config's model and
+a few real batches.
 
 1. Statistics: the config's model computing in float32 (its params' dtype,
    optimizer and loss scale kept, so a run's checkpoint restores into it)
@@ -36,17 +37,17 @@ import jax
 import ml_collections
 import numpy as np
 
-from haiku_mp import errors
+from haiku_mp.advisor import fp8_numerics
+from haiku_mp.advisor import fp8_probes
+from haiku_mp.advisor import fp8_verdicts
+from haiku_mp.advisor import numerics
+from haiku_mp.advisor import probes
+from haiku_mp.advisor import verdicts
 from haiku_mp.data import pipeline
-from haiku_mp.lab import fp8_numerics
-from haiku_mp.lab import fp8_probes
-from haiku_mp.lab import fp8_verdicts
-from haiku_mp.lab import numerics
-from haiku_mp.lab import probes
-from haiku_mp.lab import step_benchmark
-from haiku_mp.lab import timing
-from haiku_mp.lab import variants
-from haiku_mp.lab import verdicts
+from haiku_mp.measure import machine
+from haiku_mp import errors
+from haiku_mp.measure import timing
+from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import fp8
 from haiku_mp.model import half_dot
@@ -463,7 +464,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
                    for fmt in HALF_DTYPES},
       target=target, modules=rows,
       device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
-      cpu=step_benchmark.cpu_info())
+      cpu=machine.cpu_info())
   result['fp8'] = fp8_advice(config, exp, state.params, inputs, fp8_limits,
                              log)
   if level == 'knockout':

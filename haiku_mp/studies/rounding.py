@@ -1,4 +1,4 @@
-"""Experiment `rounding`: which params' updates bfloat16 rounds away.
+"""Study `rounding`: which params' updates bfloat16 rounds away.
 
 At a run's checkpoint (or after `advisor.init_steps` steps from init), the
 optimizer's float32 update of each
@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from haiku_mp.advisor import advisor
 from haiku_mp import errors
-from haiku_mp.lab import advisor
-from haiku_mp.lab import plots
+from haiku_mp.measure import charts
 from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
+from haiku_mp.train import run_plots
 from haiku_mp.update import rounding as rounding_lib
 from haiku_mp.update import step as step_lib
 
@@ -182,12 +183,12 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   """A bar per group: the share of its update each rounding loses."""
   rows = result['groups'] + [result['total']]
   path = os.path.join(out_dir, 'rounding.png')
-  plots.grouped_bar_chart(
+  charts.grouped_bar_chart(
       path, [r['name'] for r in rows],
       {'to nearest': [100 * r['lost_nearest'] for r in rows],
        'stochastic': [100 * r['lost_stochastic'] for r in rows]},
-      plots.axis_label('update_lost', '%'),
+      run_plots.axis_label('update_lost', '%'),
       f'update lost to bfloat16 rounding at step {result["step"]} '
       f'(learning rate {result["learning_rate"]:.2g})',
-      plots.axis_label('params'))
+      run_plots.axis_label('params'))
   return [path]

@@ -1,4 +1,4 @@
-"""Experiment `profile`: a `jax.profiler` trace of N training steps.
+"""Study `profile`: a `jax.profiler` trace of N training steps.
 
 The trace is written under `<out>/profile/plugins/profile/<run>/`: an XPlane
 (`*.xplane.pb`, for TensorBoard's profile plugin / XProf) and a Chrome trace
@@ -30,10 +30,11 @@ from typing import Any
 import jax
 import ml_collections
 
-from haiku_mp.lab import memory
-from haiku_mp.lab import plots
-from haiku_mp.lab import timing
+from haiku_mp.measure import charts
+from haiku_mp.measure import timing
 from haiku_mp.model import forward as forward_lib
+from haiku_mp.studies import memory
+from haiku_mp.train import run_plots
 
 STEP_NAME = 'train'
 TOP_OPS = 20
@@ -237,9 +238,9 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
     return []
   path = os.path.join(out_dir, 'profile_by_module.png')
   names = [n.replace('vit/encoder_block_*/', 'block/') for n in by_module]
-  plots.horizontal_bar_chart(
+  charts.horizontal_bar_chart(
       path, names, list(by_module.values()),
-      plots.axis_label('ms_per_step_by_module', 'ms'),
+      run_plots.axis_label('ms_per_step_by_module', 'ms'),
       f'{result["policy"]}, batch {result["batch_size"]} on {result["device"]}\n'
       f'step {statistics.median(result["step_ms"]):.1f} ms, ops busy '
       f'{result["busy_ms_per_step"]:.1f} ms of it')

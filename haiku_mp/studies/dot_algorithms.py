@@ -1,4 +1,4 @@
-"""Experiment `dot_algorithms`: which dot algorithms the backend compiles.
+"""Study `dot_algorithms`: which dot algorithms the backend compiles.
 
 The seeds asked for `precision=ALG_DOT_F16_F16_F32` on a GPU and got an
 error. Here every `jax.lax.DotAlgorithmPreset` is tried on one square matmul
@@ -9,7 +9,7 @@ against the float64 product of the same (rounded) operands.
 JAX truncates 64-bit operands to 32 bits unless x64 is enabled, which is a
 process-wide setting; so a preset with 64-bit operands (`F64_F64_F64`) is
 measured in a fresh process with x64 enabled (`python -m
-haiku_mp.lab.dot_algorithms`, request on stdin, row as the last line of
+haiku_mp.studies.dot_algorithms`, request on stdin, row as the last line of
 stdout). Every row names the operand dtype the matmul really received.
 """
 
@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.lab import plots
-from haiku_mp.lab import timing
+from haiku_mp.measure import charts
+from haiku_mp.measure import timing
+from haiku_mp.train import run_plots
 
 X64_ENV = 'JAX_ENABLE_X64'
 
@@ -100,10 +101,10 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   written as such, not drawn as a made-up tiny bar)."""
   rows = [r for r in result['results'] if r['compiles']]
   path = os.path.join(out_dir, 'dot_algorithms.png')
-  plots.horizontal_bar_chart(
+  charts.horizontal_bar_chart(
       path, [r['algorithm'] for r in rows],
       [r['relative_error'] for r in rows],
-      plots.axis_label('relative_error', 'log'),
+      run_plots.axis_label('relative_error', 'log'),
       f'dot algorithms that run on {result["device"]}', log=True)
   return [path]
 

@@ -19,7 +19,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from haiku_mp.lab import numerics
+from haiku_mp.advisor import numerics
 
 # (params, rng, batch) -> (scalar loss, aux), as `train_step.LossFn`.
 LossFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]

@@ -1,6 +1,6 @@
 """Compiles and times one variant's train step, in a fresh process or here.
 
-In a fresh process (`python -m haiku_mp.lab.isolated`, config on stdin,
+In a fresh process (`python -m haiku_mp.measure.isolated`, config on stdin,
 result as the last line of stdout) a device's peak bytes are that variant's
 own, and no compile cache or allocator state carries over from the variant
 measured before. Every timed lab experiment measures through `measure`.
@@ -15,7 +15,7 @@ import jax
 import ml_collections
 
 from haiku_mp import errors
-from haiku_mp.lab import timing
+from haiku_mp.measure import timing
 
 
 def measure_compiled(step: timing.CompiledStep, num_steps: int,

@@ -1,4 +1,4 @@
-"""Experiment `report`: the seeds' questions, answered on whatever backend JAX
+"""The lab report: the seeds' questions, answered on whatever backend JAX
 finds, as JSON, plots and one `report.md`.
 
 Parts (each writes `<part>.json` and its plots into the output directory, so
@@ -18,7 +18,6 @@ rewrites `report.md` from all the parts' JSON found there):
   resumes from its checkpoints when run again.
 """
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -26,24 +25,25 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from absl import logging
 import jax
 import ml_collections
 import numpy as np
 
+from haiku_mp.benchmarks import step_benchmark
+from haiku_mp.measure import machine
 from haiku_mp import errors
-from haiku_mp.lab import compare
-from haiku_mp.lab import dot_algorithms
-from haiku_mp.lab import isolated
-from haiku_mp.lab import matmul
-from haiku_mp.lab import memory
-from haiku_mp.lab import plots
-from haiku_mp.lab import precision as precision_lab
-from haiku_mp.lab import report_markdown
-from haiku_mp.lab import step_benchmark
-from haiku_mp.lab import variants
+from haiku_mp.measure import charts
+from haiku_mp.measure import compare
+from haiku_mp.measure import isolated
+from haiku_mp.measure import variants
+from haiku_mp.report import report_markdown
+from haiku_mp.studies import dot_algorithms
+from haiku_mp.studies import matmul
+from haiku_mp.studies import memory
+from haiku_mp.studies import precision as precision_lab
 from haiku_mp.train import experiment
 from haiku_mp.train import loop
+from haiku_mp.train import run_plots
 
 PARTS = ('benchmark', 'memory', 'precision', 'matmul', 'dot_algorithms',
          'accuracy')
@@ -168,21 +168,6 @@ def precision_part(config, sizes: Sizes, log) -> dict[str, Any]:
                            sizes.isolate_precision, log=log)
 
 
-@contextlib.contextmanager
-def _trainer_quiet():
-  """The trainer's INFO log (its startup, progress, checkpoint and summary
-  lines) hidden while the report trains, at the default verbosity: the report
-  prints one line per run, and each run's own record is in its workdir
-  (metrics.jsonl, summary.json). Warnings and errors still show."""
-  verbosity = logging.get_verbosity()
-  if verbosity == logging.INFO:
-    logging.set_verbosity(logging.WARNING)
-  try:
-    yield
-  finally:
-    logging.set_verbosity(verbosity)
-
-
 def accuracy(config, out_dir: str, seeds: Sequence[int], log
              ) -> dict[str, Any]:
   runs = []
@@ -191,7 +176,7 @@ def accuracy(config, out_dir: str, seeds: Sequence[int], log
       workdir = os.path.join(out_dir, 'accuracy', f'{dtype}_seed{seed}')
       variant = variants.for_accuracy(config, dtype, seed)
       start = time.perf_counter()
-      with _trainer_quiet():
+      with loop.quietly():
         summary = loop.train_and_evaluate(variant, workdir)
       if 'preempted_at_step' in summary:
         raise errors.ConfigError(
@@ -221,8 +206,8 @@ def accuracy(config, out_dir: str, seeds: Sequence[int], log
 
 def _accuracy_plot(result, out_dir) -> list[str]:
   path = os.path.join(out_dir, 'accuracy_curves.png')
-  plots.plot_runs(
-      {f'{r["dtype"]} seed {r["seed"]}': plots.read_metrics(
+  run_plots.plot_runs(
+      {f'{r["dtype"]} seed {r["seed"]}': run_plots.read_metrics(
           os.path.join(out_dir, r['workdir'])) for r in result['runs']},
       path, f'{result["data_source"]} data on {result["device"]}')
   return [path]
@@ -236,11 +221,11 @@ def _by_dtype_and_batch(result, out_dir, name: str, field: str, scale: float,
   batch_sizes = list(dict.fromkeys(r['batch_size'] for r in rows))
   values = {(r['dtype'], r['batch_size']): r.get(field) or 0 for r in rows}
   path = os.path.join(out_dir, f'{name}.png')
-  plots.grouped_bar_chart(
+  charts.grouped_bar_chart(
       path, batch_sizes,
       {d: [values.get((d, b), 0) / scale for b in batch_sizes]
-       for d in variants.DTYPES}, plots.axis_label(field, unit), title,
-      plots.axis_label('batch_size'))
+       for d in variants.DTYPES}, run_plots.axis_label(field, unit), title,
+      run_plots.axis_label('batch_size'))
   return [path]
 
 
@@ -265,7 +250,7 @@ def _memory_plot(result, out_dir) -> list[str]:
 def _header() -> dict[str, Any]:
   return dict(device=str(jax.devices()[0].device_kind),
               backend=jax.default_backend(), jax_version=jax.__version__,
-              devices=jax.device_count(), cpu=step_benchmark.cpu_info(),
+              devices=jax.device_count(), cpu=machine.cpu_info(),
               date=time.strftime('%Y-%m-%d %H:%M:%S %Z'))
 
 

@@ -1,4 +1,4 @@
-"""Experiment `params`: parameter count and bytes per module and param dtype,
+"""Study `params`: parameter count and bytes per module and param dtype,
 and the whole training state per layout.
 
 The count and bytes per module come from an abstract trace (no memory used).
@@ -15,10 +15,11 @@ from typing import Any, Callable
 import ml_collections
 import numpy as np
 
-from haiku_mp.lab import plots
-from haiku_mp.lab import state_layouts
-from haiku_mp.train import module_table
+from haiku_mp.measure import charts
+from haiku_mp.studies import state_layouts
 from haiku_mp.train import experiment
+from haiku_mp.train import module_table
+from haiku_mp.train import run_plots
 
 DTYPES = ('float32', 'float16', 'bfloat16')
 
@@ -47,9 +48,9 @@ def run(config: ml_collections.ConfigDict,
 def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   path = os.path.join(out_dir, 'params.png')
   dtypes = list(result['totals'])
-  plots.bar_chart(path, dtypes,
+  charts.bar_chart(path, dtypes,
                   [result['totals'][d]['megabytes'] for d in dtypes],
-                  plots.axis_label('megabytes', 'MB'),
+                  run_plots.axis_label('megabytes', 'MB'),
                   f'{result["totals"]["float32"]["count"]:,} parameters')
   return [path, state_layouts.plot(
       result['state_layouts'], state_layouts.out_path(out_dir, 'params'),

@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp.lab import compare
-from haiku_mp.lab import timing
-from haiku_mp.lab import variants
+from haiku_mp.measure import compare
+from haiku_mp.measure import machine
+from haiku_mp.measure import timing
+from haiku_mp.measure import variants
 from haiku_mp.model import half_dot
 
-CPU_FLAGS = ('amx_bf16', 'avx512_bf16', 'avx512_fp16')
 # Compared as ratios to the first dtype of a run.
 RATIO_FIELDS = ('step_time_s', 'images_per_sec', 'mfu', 'sys_cpu_s_per_step',
                 'matmul_ceiling_flops', 'temp_bytes')
@@ -39,29 +39,6 @@ RATIO_FIELDS = ('step_time_s', 'images_per_sec', 'mfu', 'sys_cpu_s_per_step',
 # 4096^3 matmul is 137 GFLOP, a second or more of a CPU, where a call's fixed
 # cost is lost in the noise.
 MAX_GROWN_CEILING_SIZE = 4096
-
-
-def cpu_info(cpuinfo_path: str = '/proc/cpuinfo') -> dict[str, Any]:
-  """The host CPU's model name and whether it has the half-precision
-  instructions XLA:CPU can use (bf16 speed depends on them)."""
-  name, flags = 'unknown', set()
-  try:
-    with open(cpuinfo_path) as f:
-      for line in f:
-        key, _, value = line.partition(':')
-        if key.strip() == 'model name' and name == 'unknown':
-          name = value.strip()
-        elif key.strip() == 'flags' and not flags:
-          flags = set(value.split())
-  except OSError:
-    pass
-  return dict(model=name, **{flag: flag in flags for flag in CPU_FLAGS})
-
-
-def machine() -> dict[str, Any]:
-  """What a measurement ran on: the device, JAX's version, the host CPU."""
-  return dict(device=str(jax.devices()[0].device_kind),
-              jax_version=jax.__version__, cpu=cpu_info())
 
 
 def ceiling_side(flops_per_step: Optional[float], least: int) -> int:
@@ -125,7 +102,7 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
   stats = step.stats
   private = step.experiment.privacy
   return dict(
-      **machine(),
+      **machine.describe(),
       dtype=variants.variant_name(config),
       dot_form=form,
       policy=config.precision.policy,

@@ -1,4 +1,4 @@
-"""Experiment `memory`: what the train step keeps in memory, per dtype and batch.
+"""Study `memory`: what the train step keeps in memory, per dtype and batch.
 
 Two views:
 - backend-independent: the residuals the backward pass keeps (JAX's
@@ -26,13 +26,14 @@ from jax.extend import core as jex_core
 import ml_collections
 import numpy as np
 
-from haiku_mp.lab import compare
-from haiku_mp.lab import plots
-from haiku_mp.lab import state_layouts
-from haiku_mp.lab import timing
-from haiku_mp.lab import variants
+from haiku_mp.measure import charts
+from haiku_mp.measure import compare
+from haiku_mp.measure import timing
+from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
+from haiku_mp.studies import state_layouts
 from haiku_mp.train import experiment
+from haiku_mp.train import run_plots
 
 OUTSIDE_MODEL = '(loss, outside the model)'
 _TRANSFORM = re.compile(r'^\w+\((.*)\)$')  # 'jvp(vit)' -> 'vit'.
@@ -217,8 +218,8 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
       'activations kept for backward': [
           mib(r['breakdown']['kept_activation_bytes']) for r in rows]}
   path = os.path.join(out_dir, 'memory_breakdown.png')
-  plots.stacked_bar_chart(path, labels, parts,
-                          plots.axis_label('breakdown', 'MiB'),
+  charts.stacked_bar_chart(path, labels, parts,
+                          run_plots.axis_label('breakdown', 'MiB'),
                           'train step memory by part (batch size / dtype)')
   paths = [path]
   if all('temp_size_in_bytes' in r['breakdown'] for r in rows):
@@ -230,10 +231,10 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
       path = os.path.join(out_dir, f'memory_{name}.png')
       series = {d: [mib(values[d, b]['breakdown'][field]) for b in batch_sizes]
                 for d in dtypes}
-      plots.grouped_bar_chart(
-          path, batch_sizes, series, plots.axis_label(field, 'MiB'),
+      charts.grouped_bar_chart(
+          path, batch_sizes, series, run_plots.axis_label(field, 'MiB'),
           f'{name}: saved for backward (any backend)' if name == 'residuals'
           else f'compiled temp on {result["device"]}',
-          plots.axis_label('batch_size'))
+          run_plots.axis_label('batch_size'))
       paths.append(path)
   return paths

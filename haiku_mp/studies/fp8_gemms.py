@@ -1,4 +1,4 @@
-"""Experiment `fp8`: every matmul of the train step, its operands' formats,
+"""Study `fp8`: every matmul of the train step, its operands' formats,
 and which kernel the compiled program runs it with.
 
 The lowered program (what JAX hands XLA, on any backend) says which matmuls
@@ -22,9 +22,9 @@ from typing import Any, Callable, Optional
 import jax
 import ml_collections
 
-from haiku_mp.lab import memory
-from haiku_mp.lab import timing
+from haiku_mp.measure import timing
 from haiku_mp.model import fp8
+from haiku_mp.studies import memory
 from haiku_mp.train import experiment
 
 FP8_TYPES = ('f8e4m3fn', 'f8e5m2')

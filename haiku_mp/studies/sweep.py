@@ -1,4 +1,4 @@
-"""Experiment `sweep`: compute dtype x batch size x layout -> time and memory.
+"""Study `sweep`: compute dtype x batch size x layout -> time and memory.
 
 Each variant is the config with its compute dtype, batch size and parallel
 layout replaced, trained on a fixed random batch (no input pipeline in the
@@ -16,11 +16,12 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 
-from haiku_mp.lab import compare
-from haiku_mp.lab import isolated
-from haiku_mp.lab import plots
-from haiku_mp.lab import variants
+from haiku_mp.measure import charts
+from haiku_mp.measure import compare
+from haiku_mp.measure import isolated
+from haiku_mp.measure import variants
 from haiku_mp.parallel import sharding
+from haiku_mp.train import run_plots
 
 # Compared as ratios to float32 at the same batch size and layout.
 RATIO_FIELDS = ('median_step_sec', 'temp_size_in_bytes',
@@ -76,9 +77,9 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
         ('step_time', 'median_step_sec', 1, 's'),
         ('epoch_time', 'epoch_sec', 1, 's, from step time')):
       path = os.path.join(out_dir, f'sweep_{name}_{tag}.png')
-      plots.grouped_bar_chart(path, batch_sizes, series(field, scale),
-                              plots.axis_label(field, unit),
+      charts.grouped_bar_chart(path, batch_sizes, series(field, scale),
+                              run_plots.axis_label(field, unit),
                               f'train step, {layout} on {result["device"]}',
-                              plots.axis_label('batch_size'))
+                              run_plots.axis_label('batch_size'))
       paths.append(path)
   return paths

@@ -21,8 +21,8 @@ import ml_collections
 import numpy as np
 
 from haiku_mp.data import pipeline
-from haiku_mp.lab import step_benchmark
-from haiku_mp.lab import timing
+from haiku_mp.measure import machine
+from haiku_mp.measure import timing
 from haiku_mp.train import experiment
 
 # Targets of the pipeline: images/s over the step's, and the fed step's
@@ -83,7 +83,7 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   slowdown = step_time['pipeline_fed'] / step_time['device_batch'] - 1
   augment_share = (local_batch / on_device) / step_time['device_batch']
   return dict(
-      **step_benchmark.machine(),
+      **machine.describe(),
       source=config.data.source,
       policy=config.precision.policy,
       batch_size=config.batch_size,

@@ -38,8 +38,8 @@ from typing import Optional, Sequence
 import ml_collections
 import numpy as np
 
+from haiku_mp.advisor import numerics
 from haiku_mp import errors
-from haiku_mp.lab import numerics
 from haiku_mp.model import policies
 
 KEEP = 'keep-f32'

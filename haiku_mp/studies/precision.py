@@ -1,4 +1,4 @@
-"""Experiment `precision`: matmul precision and the residual stream's dtype.
+"""Study `precision`: matmul precision and the residual stream's dtype.
 
 Two sets of variants of the config, each compiled, timed and compared with a
 float64 reference (every dtype float64, LayerNorm and softmax included, with
@@ -21,14 +21,15 @@ import ml_collections
 import numpy as np
 
 from haiku_mp.data import pipeline
-from haiku_mp.lab import compare
-from haiku_mp.lab import isolated
-from haiku_mp.lab import memory
-from haiku_mp.lab import plots
-from haiku_mp.lab import timing
-from haiku_mp.lab import variants
+from haiku_mp.measure import charts
+from haiku_mp.measure import compare
+from haiku_mp.measure import isolated
+from haiku_mp.measure import timing
+from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
+from haiku_mp.studies import memory
 from haiku_mp.train import experiment
+from haiku_mp.train import run_plots
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
 
@@ -245,12 +246,12 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   names = list(dict.fromkeys(r['matmul_precision'] for r in rows))
   by_key = {(r['dtype'], r['matmul_precision']): r for r in rows}
   path = os.path.join(out_dir, 'precision_matmul_error.png')
-  plots.grouped_bar_chart(
+  charts.grouped_bar_chart(
       path, names,
       {d: [by_key[d, n]['grads_relative_error'] for n in names] for d in dtypes},
-      plots.axis_label('grads_relative_error'),
+      run_plots.axis_label('grads_relative_error'),
       f'jax.default_matmul_precision on {result["device"]}',
-      plots.axis_label('matmul_precision'))
+      run_plots.axis_label('matmul_precision'))
   paths.append(path)
   rows = result['residual']
   labels = [f'{r["dtype"]}\n{r["residual_stream"]}' for r in rows]
@@ -258,8 +259,8 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
       ('memory', 'kept_activation_bytes', 2**20, 'MiB'),
       ('error', 'grads_relative_error', 1, '')):
     path = os.path.join(out_dir, f'precision_residual_{name}.png')
-    plots.bar_chart(path, labels, [r[field] / scale for r in rows],
-                    plots.axis_label(field, unit),
+    charts.bar_chart(path, labels, [r[field] / scale for r in rows],
+                    run_plots.axis_label(field, unit),
                     f'residual stream, batch {result["batch_size"]}')
     paths.append(path)
   return paths

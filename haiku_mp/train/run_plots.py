@@ -1,8 +1,10 @@
-"""Plots of runs from their metrics.jsonl and the lab's bar charts.
+"""Plots of runs from their metrics.jsonl, and the house style of every plot.
 
-Every axis label comes from `FIELD_LABELS`, legends sit outside the axes (so
-they never cover a bar or a point), a series of one point is drawn as a
-marker, and an exact zero on a log axis is written as such."""
+Every axis label comes from `FIELD_LABELS` (the fields of metrics.jsonl and
+of the lab's results), legends sit outside the axes (so they never cover a
+bar or a point), and a series of one point is drawn as a marker. The lab's
+bar charts (`measure/charts.py`) draw with the same `figure`,
+`legend_outside` and `save`."""
 
 import json
 import os
@@ -43,8 +45,6 @@ FIELD_LABELS = {
 # A line needs two points; a shorter series is drawn as markers alone.
 LINE_MIN_POINTS = 2
 NO_POINTS_TEXT = 'no points to draw'
-# What a log axis shows for an exact zero, which it cannot draw as a bar.
-EXACT_ZERO_TEXT = 'exact (0)'
 _DPI = 100
 
 
@@ -65,12 +65,12 @@ def _series(events, split, key):
   return [p[0] for p in points], [p[1] for p in points]
 
 
-def _figure(*args, **kwargs):
+def figure(*args, **kwargs):
   """A figure whose constrained layout makes room for a legend outside."""
   return plt.subplots(*args, layout='constrained', **kwargs)
 
 
-def _legend_outside(fig) -> None:
+def legend_outside(fig) -> None:
   """One legend for all axes, right of them: `loc='best'` still covers a
   point when the data fill every corner."""
   by_label = {}
@@ -81,7 +81,7 @@ def _legend_outside(fig) -> None:
     fig.legend(by_label.values(), by_label.keys(), loc='outside right upper')
 
 
-def _save(fig, out_path: str) -> None:
+def save(fig, out_path: str) -> None:
   fig.savefig(out_path, dpi=_DPI)
   plt.close(fig)
 
@@ -94,7 +94,7 @@ def plot_runs(runs: Mapping[str, list[dict]], out_path: str,
             ('train', 'loss_scale', 'log')]
   if any('updates_lost' in e for events in runs.values() for e in events):
     panels.append(('train', 'updates_lost', ''))
-  fig, axes = _figure(1, len(panels), figsize=(5 * len(panels), 4.2))
+  fig, axes = figure(1, len(panels), figsize=(5 * len(panels), 4.2))
   for ax, (split, key, unit) in zip(axes, panels):
     drawn = False
     for name, events in runs.items():
@@ -111,79 +111,7 @@ def plot_runs(runs: Mapping[str, list[dict]], out_path: str,
     ax.set_ylabel(axis_label(key, unit))
     ax.grid(alpha=0.3)
   axes[2].set_yscale('log', base=2)
-  _legend_outside(fig)
+  legend_outside(fig)
   if title:
     fig.suptitle(title)
-  _save(fig, out_path)
-
-
-def bar_chart(out_path: str, labels, values, ylabel: str, title: str) -> None:
-  """One bar per label, each annotated with its value."""
-  fig, ax = _figure(figsize=(6, 4))
-  ax.bar(labels, values)
-  ax.set_ylabel(ylabel)
-  ax.set_title(title)
-  for i, v in enumerate(values):
-    ax.annotate(f'{v:.3g}', (i, v), ha='center', va='bottom')
-  _save(fig, out_path)
-
-
-def grouped_bar_chart(out_path: str, groups, series: Mapping[str, list],
-                      ylabel: str, title: str, xlabel: str = '') -> None:
-  """Bars grouped by `groups` (e.g. batch sizes), one colour per series."""
-  fig, ax = _figure(figsize=(max(7, 1.6 * len(groups) + 3), 4))
-  width = 0.8 / max(len(series), 1)
-  for i, (name, values) in enumerate(series.items()):
-    xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
-    bars = ax.bar(xs, values, width, label=name)
-    ax.bar_label(bars, fmt='%.3g', fontsize=7)
-  ax.set_xticks(range(len(groups)), [str(g) for g in groups])
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel(ylabel)
-  ax.set_title(title)
-  _legend_outside(fig)
-  _save(fig, out_path)
-
-
-def stacked_bar_chart(out_path: str, labels, parts: Mapping[str, list],
-                      ylabel: str, title: str,
-                      total_format: str = '{:,.0f}') -> None:
-  """One bar per label, stacked from `parts` (name -> value per label), its
-  total above it in `total_format`."""
-  fig, ax = _figure(figsize=(max(6, 0.9 * len(labels) + 5), 4.5))
-  bottom = [0.0] * len(labels)
-  for name, values in parts.items():
-    ax.bar(range(len(labels)), values, bottom=bottom, label=name)
-    bottom = [b + v for b, v in zip(bottom, values)]
-  for i, total in enumerate(bottom):
-    ax.annotate(total_format.format(total), (i, total), ha='center',
-                va='bottom', fontsize=7)
-  ax.set_ylim(0, max(bottom, default=0) * 1.08 or 1)  # Room for totals.
-  ax.set_xticks(range(len(labels)), labels, fontsize=7)
-  ax.set_ylabel(ylabel)
-  ax.set_title(title)
-  _legend_outside(fig)
-  _save(fig, out_path)
-
-
-def horizontal_bar_chart(out_path: str, labels, values, xlabel: str,
-                         title: str, log: bool = False) -> None:
-  """One horizontal bar per label, in order from the top, for long labels.
-
-  On a log axis a value of exactly 0 gets no bar (any bar would be a made-up
-  tiny value) but `EXACT_ZERO_TEXT` at the axis' left edge."""
-  fig, ax = _figure(figsize=(8, 0.35 * len(labels) + 1.5))
-  drawn = [(i, v) for i, v in enumerate(values) if not (log and v == 0)]
-  ax.barh([i for i, _ in drawn], [v for _, v in drawn])
-  if log:
-    ax.set_xscale('log')
-    for i, v in enumerate(values):
-      if v == 0:
-        ax.annotate(EXACT_ZERO_TEXT, (0, i), xycoords=('axes fraction', 'data'),
-                    xytext=(3, 0), textcoords='offset points', va='center',
-                    fontsize=8)
-  ax.set_yticks(range(len(labels)), labels, fontsize=8)
-  ax.set_ylim(len(labels) - 0.5, -0.5)
-  ax.set_xlabel(xlabel)
-  ax.set_title(title, fontsize=9)
-  _save(fig, out_path)
+  save(fig, out_path)

@@ -17,8 +17,8 @@ from typing import Mapping, Sequence
 import ml_collections
 import numpy as np
 
+from haiku_mp.advisor import fp8_numerics
 from haiku_mp import errors
-from haiku_mp.lab import fp8_numerics
 from haiku_mp.model import fp8
 
 FP8_OK = 'fp8-ok'

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from haiku_mp.lab import numerics
-from haiku_mp.lab import verdicts
+from haiku_mp.advisor import numerics
+from haiku_mp.advisor import verdicts
 
 
 def _fmt_scale(window) -> str:
