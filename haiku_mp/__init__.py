@@ -1,0 +1,33 @@
+"""haiku_mp: mixed precision for Haiku models, measured.
+
+The public surface for a model of your own (docs/your_model.md): precision
+policies per module class and path, Linear and Conv2D whose matmuls really
+run in half precision (or fp8), loss scaling that survives jit, and the train
+step, all here; the precision advisor in `haiku_mp.advisor`. The rest of the
+package (the ViT, its data, its trainer and lab) is the application built on
+them.
+"""
+
+from haiku_mp.model import apply_precision
+from haiku_mp.model import Conv2D
+from haiku_mp.model import Dots
+from haiku_mp.model import Fp8
+from haiku_mp.model import Linear
+from haiku_mp.model import make_precision
+from haiku_mp.model import parse_policy
+from haiku_mp.model import Precision
+from haiku_mp.update import init_train_state
+from haiku_mp.update import learning_rate_schedule
+from haiku_mp.update import LossScaler
+from haiku_mp.update import make_classification_loss
+from haiku_mp.update import make_eval_step
+from haiku_mp.update import make_optimizer
+from haiku_mp.update import make_train_step
+from haiku_mp.update import ordinary_gradients
+from haiku_mp.update import TrainState
+
+__all__ = ('Conv2D', 'Dots', 'Fp8', 'Linear', 'LossScaler', 'Precision',
+           'TrainState', 'apply_precision', 'init_train_state',
+           'learning_rate_schedule', 'make_classification_loss',
+           'make_eval_step', 'make_optimizer', 'make_precision',
+           'make_train_step', 'ordinary_gradients', 'parse_policy')

@@ -33,6 +33,7 @@ import os
 import time
 from typing import Any, Callable, Collection, Optional
 
+import haiku as hk
 import jax
 import ml_collections
 import numpy as np
@@ -44,8 +45,8 @@ from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
 from haiku_mp.advisor import verdicts
 from haiku_mp.data import pipeline
-from haiku_mp.measure import machine
 from haiku_mp import errors
+from haiku_mp.measure import machine
 from haiku_mp.measure import timing
 from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
@@ -175,6 +176,76 @@ def _accumulate(totals: dict, key, stats) -> None:
                                                                stats)
 
 
+class _Totals:
+  """Statistics summed over batches: each module's output and output
+  gradient, and each param's gradient."""
+
+  def __init__(self):
+    self.outputs, self.gradients, self.params = {}, {}, {}
+
+  def add(self, modules, param_stats) -> None:
+    for path, vector in jax.tree.map(np.asarray, modules).items():
+      _accumulate(self.outputs, path, vector[:numerics.SIZE])
+      _accumulate(self.gradients, path, vector[numerics.SIZE:])
+    for module, names in param_stats.items():
+      for name, vector in names.items():
+        _accumulate(self.params, (module, name), vector)
+
+  def modules(self, classes: dict[str, str],
+              aliases: dict[str, str]) -> list[verdicts.Module]:
+    modules = []
+    for path in classes:
+      source = aliases.get(path, path)
+      modules.append(verdicts.Module(
+          path, classes[path], self.outputs[source], self.gradients[source],
+          {name: v for (module, name), v in self.params.items()
+           if module == path},
+          same_as=aliases.get(path)))
+    _mark_equal_containers(modules)
+    return modules
+
+
+def module_classes_of(loss_fn: probes.LossFn, params, rng: jax.Array,
+                      batch) -> dict[str, str]:
+  """Each module path `loss_fn` calls (in call order) -> its class name,
+  from one abstract trace (no FLOPs): the modules the advisor judges in a
+  model it did not build."""
+  classes = {}
+
+  def record(next_f, args, kwargs, context: hk.MethodContext):
+    if context.method_name == '__call__':
+      classes.setdefault(context.module.module_name,
+                         type(context.module).__name__)
+    return next_f(*args, **kwargs)
+
+  def traced(params, rng, batch):
+    with hk.intercept_methods(record):
+      return loss_fn(params, rng, batch)[0]
+
+  jax.eval_shape(traced, params, rng, batch)
+  return classes
+
+
+def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
+                  loss_scale: float = 1.0) -> list[verdicts.Module]:
+  """The statistics `verdicts.judge` reads, for any Haiku model: each module
+  call's output and output gradient, and each param's gradient, over
+  `batches` at fixed `params`, the float16 shares taken at `loss_scale`.
+
+  `loss_fn(params, rng, batch) -> (loss, aux)` is the model's training loss
+  under its precision (float32 compute measures what half precision would
+  lose; `launch.lab advise` does that for the ViT, with train steps between
+  batches).
+  """
+  classes = module_classes_of(loss_fn, params, key, batches[0])
+  stats = probes.statistics_fn(loss_fn, classes)
+  totals = _Totals()
+  for i, batch in enumerate(batches):
+    totals.add(*stats.fn(params, jax.random.fold_in(key, i), batch,
+                         loss_scale))
+  return totals.modules(classes, stats.aliases)
+
+
 def measure(exp: experiment.Experiment, state, inputs,
             log: Callable[[str], None],
             loss_fn: Optional[probes.LossFn] = None):
@@ -187,33 +258,19 @@ def measure(exp: experiment.Experiment, state, inputs,
   """
   classes = module_classes(exp)
   stats = probes.statistics_fn(loss_fn or exp.loss_fn, classes)
-  outputs, gradients, params = {}, {}, {}
+  totals = _Totals()
   scales = []
   key = jax.random.key(exp.config.seed + 1)
   for i, batch in enumerate(inputs):
     start = time.perf_counter()
     scales.append(float(state.loss_scale.scale))
-    modules, param_stats = stats.fn(state.params, jax.random.fold_in(key, i),
-                                    batch, scales[-1])
-    for path, vector in jax.tree.map(np.asarray, modules).items():
-      _accumulate(outputs, path, vector[:numerics.SIZE])
-      _accumulate(gradients, path, vector[numerics.SIZE:])
-    for module, names in param_stats.items():
-      for name, vector in names.items():
-        _accumulate(params, (module, name), vector)
+    totals.add(*stats.fn(state.params, jax.random.fold_in(key, i), batch,
+                         scales[-1]))
     if i + 1 < len(inputs):
       state, _ = exp.strategy.train_step(state, exp.strategy.place_batch(batch))
     log(f'advise: batch {i + 1}/{len(inputs)} measured (loss scale '
         f'{scales[-1]:g}, {time.perf_counter() - start:.1f} s)')
-  modules = []
-  for path in classes:
-    source = stats.aliases.get(path, path)
-    modules.append(verdicts.Module(
-        path, classes[path], outputs[source], gradients[source],
-        {name: v for (module, name), v in params.items() if module == path},
-        same_as=stats.aliases.get(path)))
-  _mark_equal_containers(modules)
-  return modules, scales, stats, state
+  return totals.modules(classes, stats.aliases), scales, stats, state
 
 
 def _same_values(a: verdicts.Module, b: verdicts.Module) -> bool:

@@ -30,11 +30,11 @@ import ml_collections
 import numpy as np
 
 from haiku_mp.benchmarks import step_benchmark
-from haiku_mp.measure import machine
 from haiku_mp import errors
 from haiku_mp.measure import charts
 from haiku_mp.measure import compare
 from haiku_mp.measure import isolated
+from haiku_mp.measure import machine
 from haiku_mp.measure import variants
 from haiku_mp.report import report_markdown
 from haiku_mp.studies import dot_algorithms

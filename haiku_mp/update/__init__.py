@@ -1,0 +1,17 @@
+"""What a train step does to a TrainState, for any Haiku model: loss
+scaling, the optimizer on the state's layout, the step itself."""
+
+from haiku_mp.update.loss_scaling import LossScaler
+from haiku_mp.update.optimizer import learning_rate_schedule
+from haiku_mp.update.optimizer import make_optimizer
+from haiku_mp.update.step import init_train_state
+from haiku_mp.update.step import make_classification_loss
+from haiku_mp.update.step import make_eval_step
+from haiku_mp.update.step import make_train_step
+from haiku_mp.update.step import ordinary_gradients
+from haiku_mp.update.step import TrainState
+
+__all__ = ('LossScaler', 'TrainState', 'init_train_state',
+           'learning_rate_schedule', 'make_classification_loss',
+           'make_eval_step', 'make_optimizer', 'make_train_step',
+           'ordinary_gradients')
