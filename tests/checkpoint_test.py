@@ -434,21 +434,20 @@ class CheckpointerTest(parameterized.TestCase):
 
   def test_the_logged_save_time_excludes_the_steps_still_queued(self):
     calls = []
-    ckpt = checkpoint.Checkpointer(self.workdir, keep=3)
-    clock = checkpoint.time.perf_counter
 
-    def checkpoints_clock():  # orbax's own timings are not the log's.
-      if sys._getframe(1).f_code.co_filename == checkpoint.__file__:  # pylint: disable=protected-access
-        calls.append('clock')
-      return clock()
+    def clock():
+      calls.append('clock')
+      return float(len(calls))
 
-    with mock.patch.object(checkpoint.jax, 'block_until_ready',
-                           lambda x: (calls.append('ready'), x)[1]), \
-        mock.patch.object(checkpoint.time, 'perf_counter', checkpoints_clock):
-      ckpt.save(1, _tiny_state(4))
-      self.assertEqual(calls, ['ready', 'clock', 'clock'])
-      with self.assertLogs(level='INFO') as logs:
-        ckpt.wait()
+    ckpt = checkpoint.Checkpointer(
+        self.workdir, keep=3, clock=clock,
+        ready=lambda x: (calls.append('ready'), x)[1])
+    ckpt.save(1, _tiny_state(4))
+    # The state made ready before the save's clock starts: the steps still
+    # queued are not the save's time.
+    self.assertEqual(calls, ['ready', 'clock', 'clock'])
+    with self.assertLogs(level='INFO') as logs:
+      ckpt.wait()
     self.assertRegex('\n'.join(logs.output), r'Saved checkpoint .*/1 \(')
 
   def test_checkpoint_of_another_model_is_a_clear_error(self):

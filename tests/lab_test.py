@@ -6,15 +6,17 @@ import sys
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import contextlib
+import io
 import json
 import math
+import re
 import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
-from jax._src.ad_checkpoint import saved_residuals
 import numpy as np
 
 from configs import base
@@ -183,6 +185,25 @@ class SweepTest(parameterized.TestCase):
                      rows[0]['argument_size_in_bytes'], 8 * 8 * 3 * 4 + 4)
 
 
+# The dtype names `jax.ad_checkpoint.print_saved_residuals` writes.
+_SHORT_DTYPES = {'f32': 'float32', 'bf16': 'bfloat16', 'f16': 'float16',
+                 'i32': 'int32', 'u32': 'uint32', 'bool': 'bool'}
+
+
+def _printed_residuals(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
+  """(dtype, shape) of every residual of `fn`'s vjp, as JAX's public
+  `print_saved_residuals` lists them (one line each, e.g. `bf16[8,16] ...`)."""
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    jax.ad_checkpoint.print_saved_residuals(fn, *args)
+  residuals = []
+  for line in printed.getvalue().splitlines():
+    short, dims = re.match(r'^(\w+)\[([\d,]*)\]', line).groups()
+    residuals.append((_SHORT_DTYPES[short],
+                      tuple(int(d) for d in dims.split(',') if d)))
+  return residuals
+
+
 class MemoryTest(parameterized.TestCase):
 
   def test_residuals_match_jax_and_are_attributed_to_modules(self):
@@ -193,11 +214,12 @@ class MemoryTest(parameterized.TestCase):
     forward, loss_fn = exp.forward, exp.loss_fn
     batch = helpers.random_batch(config, 8)
     params = forward.init(jax.random.key(0), batch['image'], True)
-    reference = saved_residuals(
+    reference = _printed_residuals(
         lambda p: loss_fn(p, jax.random.key(0), batch)[0], params)
     self.assertEqual(summary['count'], len(reference))
     self.assertEqual(summary['bytes'], sum(
-        math.prod(a.shape) * np.dtype(a.dtype).itemsize for a, _ in reference))
+        math.prod(shape) * np.dtype(dtype).itemsize
+        for dtype, shape in reference))
     for grouping in ('by_dtype', 'by_module_class', 'by_module'):
       self.assertEqual(sum(summary[grouping].values()), summary['kept_bytes'])
     self.assertEqual(summary['kept_bytes'],

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from absl import logging
 import jax
@@ -212,14 +212,19 @@ class _Write:
   """A save whose files are still being written in the background."""
   step: int
   quiet: contextlib.ExitStack  # Silences its threads until it is finished.
-  start: float  # perf_counter() when it started.
+  start: float  # The clock when it started.
   blocking_sec: float = 0.0  # How long it held the loop.
 
 
 class Checkpointer:
   """Saves and restores `TrainState`s under `workdir/checkpoints`."""
 
-  def __init__(self, workdir: str, keep: int):
+  def __init__(self, workdir: str, keep: int, *,
+               clock: Callable[[], float] = time.perf_counter,
+               ready: Callable[[Any], Any] = jax.block_until_ready):
+    """`clock` times the saves for the log; `ready` waits for the state's
+    steps still queued on the device (a test's own, to see the order)."""
+    self._clock, self._ready = clock, ready
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, 'checkpoints')
     self._manager = ocp.CheckpointManager(
@@ -249,8 +254,8 @@ class Checkpointer:
     if step in self._manager.all_steps():
       return
     self.wait()
-    state = jax.block_until_ready(state)
-    start = time.perf_counter()
+    state = self._ready(state)
+    start = self._clock()
     # What a failed write's threads print is silenced until it is finished.
     quiet = contextlib.ExitStack()
     quiet.enter_context(_OrbaxErrorsDropped())
@@ -262,7 +267,7 @@ class Checkpointer:
           _RUN: ocp.args.JsonSave(run or {})}))
     except Exception as e:  # pylint: disable=broad-except
       self._failed(e)
-    self._in_flight.blocking_sec = time.perf_counter() - start
+    self._in_flight.blocking_sec = self._clock() - start
 
   def _failed(self, error: Exception):
     step = self._in_flight.step
@@ -293,7 +298,7 @@ class Checkpointer:
     logging.info('Saved checkpoint %s/%d (off the device in %.2fs, its files '
                  'written in the background within %.1fs).',
                  self.directory, write.step, write.blocking_sec,
-                 time.perf_counter() - write.start)
+                 self._clock() - write.start)
 
   def poll(self) -> None:
     """`wait` if the save in flight is done (free: no wait, no device op)."""

@@ -8,7 +8,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from absl import logging
 import jax
@@ -165,8 +165,11 @@ class Progress:
   """
 
   def __init__(self, total_steps: int, batch_size: int, start_step: int = 0,
-               record: Optional[Mapping[str, float]] = None):
+               record: Optional[Mapping[str, float]] = None,
+               clock: Callable[[], float] = time.perf_counter):
+    """`clock`: seconds from any origin (a test's own clock)."""
     record = record or {}
+    self._clock = clock
     self.total_steps = total_steps
     self.batch_size = batch_size
     self._train_seconds = float(record.get('train_sec', 0.0))
@@ -180,14 +183,14 @@ class Progress:
   def start(self, step: int) -> None:
     """Starts the train clock after `step` (after compiling, an evaluation,
     a checkpoint)."""
-    self._step, self._time = step, time.perf_counter()
+    self._step, self._time = step, self._clock()
 
   def stop(self, step: int) -> None:
     """Adds the steps up to `step` and their time to the window and the run;
     a no-op when the clock is not running."""
     if self._time is None:
       return
-    seconds = time.perf_counter() - self._time
+    seconds = self._clock() - self._time
     steps = step - self._step
     self._window_seconds += seconds
     self._window_steps += steps
