@@ -103,6 +103,7 @@ def _error_lines(stderr):
   return [line for line in stderr.splitlines() if line.startswith('error:')]
 
 
+@helpers.long_running
 class InterruptTest(parameterized.TestCase):
   """Ctrl-C, SIGTERM, a full disk, a corrupt checkpoint, a re-run: each ends
   with the run an uninterrupted one would have been, and loses nothing."""

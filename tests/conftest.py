@@ -1,27 +1,58 @@
 """pytest: the test package's eight CPU devices before any module loads JAX,
-and the longest suites scheduled first.
+and the long test classes scheduled first.
 
-With two xdist workers (`-n 2 --dist loadscope`), a suite of a minute that
+With two xdist workers (`-n 2 --dist loadscope`), a class of a minute that
 starts last keeps one core busy while the other has nothing left to do;
-started first, the short suites fill in around it.
+started first, the short classes fill in around it. A class says it is long
+itself (`@helpers.long_running`); one that took long without saying so is
+named at the end of the run, so none is missed silently.
 """
+
+import collections
 
 import tests  # pylint: disable=unused-import
 
-LONGEST_FIRST = (
-    'tests/parallel_test.py::MultiProcessTest',
-    'tests/checkpoint_test.py::InterruptTest',
-    'tests/report_test.py::QuickReportTest',
-    'tests/lab_test.py::PrecisionExperimentTest',
-    'tests/parallel_test.py::StrategiesAgreeTest',
-    'tests/lab_test.py::SweepTest',
-    'tests/lab_test.py::CommandLineTest',
-    'tests/dp_sgd_test.py::StrategiesTest',
-)
+# A class whose tests together take longer than this should be marked.
+LONG_CLASS_SEC = 45.0
+
+_class_seconds = collections.Counter()
+
+
+def _is_long(item) -> bool:
+  return bool(getattr(item.cls, 'LONG_RUNNING', False))
+
+
+_marked = set()
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      'markers', 'long_running: a class marked @helpers.long_running; '
+      "`-m 'not long_running'` is the quick subset (docs/testing.md)")
 
 
 def pytest_collection_modifyitems(items):
-  def rank(item):
-    return next((i for i, prefix in enumerate(LONGEST_FIRST)
-                 if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
-  items.sort(key=rank)  # Stable: the rest keep their order.
+  items.sort(key=lambda item: not _is_long(item))  # Stable otherwise.
+  for item in items:  # Reaches the reports, from every worker.
+    item.user_properties.append(('long_running', _is_long(item)))
+    if _is_long(item):
+      item.add_marker('long_running')
+
+
+def pytest_runtest_logreport(report):
+  """Sums each class's time (every phase, setUpClass included) as the
+  reports arrive, from every worker."""
+  scope = report.nodeid.rsplit('::', 1)[0]
+  if '::' in scope:
+    _class_seconds[scope] += report.duration
+    if ('long_running', True) in report.user_properties:
+      _marked.add(scope)
+
+
+def pytest_terminal_summary(terminalreporter):
+  unmarked = [(seconds, scope) for scope, seconds in _class_seconds.items()
+              if seconds > LONG_CLASS_SEC and scope not in _marked]
+  for seconds, scope in sorted(unmarked, reverse=True):
+    terminalreporter.write_line(
+        f'{scope} took {seconds:.0f}s: mark it @helpers.long_running so that '
+        'it starts first')

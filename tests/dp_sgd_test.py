@@ -255,6 +255,7 @@ class NoiseTest(absltest.TestCase):
     np.testing.assert_array_equal(_flat(again), values)  # The key's draw.
 
 
+@helpers.long_running
 class StrategiesTest(parameterized.TestCase):
   """single, pmap (8x1) and pjit (4x2) on 8 CPU devices: the same noise and
   the same step, dropout included (each example's key is the same)."""

@@ -78,6 +78,14 @@ class _ForkedCommands:
 _SET_AFTER_IMPORT = ('XLA_FLAGS', 'PYTEST_CURRENT_TEST', signal_at_step.ENV)
 
 
+def long_running(cls):
+  """Marks a test class whose tests take a minute or more together: the
+  suite starts it first (conftest.py), so that it never starts last and
+  keeps one core busy alone."""
+  cls.LONG_RUNNING = True
+  return cls
+
+
 def _read_on_import(env) -> dict[str, str]:
   return {k: v for k, v in env.items() if k not in _SET_AFTER_IMPORT}
 

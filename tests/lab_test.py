@@ -151,6 +151,7 @@ class FlagChecksTest(parameterized.TestCase):
       flag_checks.out_dir('out', '')
 
 
+@helpers.long_running
 class SweepTest(parameterized.TestCase):
 
   def test_sweep_fields_and_arithmetic(self):
@@ -359,6 +360,7 @@ class RoundingTest(absltest.TestCase):
     self.assertIn('| all params |', rounding.table(result))
 
 
+@helpers.long_running
 class PrecisionExperimentTest(parameterized.TestCase):
 
   def test_precision_aliases_errors_and_residual_stream(self):
@@ -537,6 +539,7 @@ class ProfileTest(parameterized.TestCase):
     self.assertEqual(profile.busy_us(ops), 8)
 
 
+@helpers.long_running
 class CommandLineTest(parameterized.TestCase):
 
   def test_command_line_writes_json_and_png(self):

@@ -102,6 +102,7 @@ def _three_steps(config):
   return losses, par, state
 
 
+@helpers.long_running
 class StrategiesAgreeTest(parameterized.TestCase):
 
   # Float16 with a dynamic scale: the skip and the scale's fall as well as
@@ -413,6 +414,7 @@ def _events(workdir):
     return [json.loads(line) for line in f]
 
 
+@helpers.long_running
 class MultiProcessTest(parameterized.TestCase):
 
   def test_two_processes_match_one_through_a_sigterm_to_one_of_them(self):

@@ -29,6 +29,7 @@ def _read(out, part):
     return json.load(f)
 
 
+@helpers.long_running
 class QuickReportTest(parameterized.TestCase):
   """One quick report on a small .npz, read by every test of the class."""
 
