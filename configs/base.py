@@ -77,6 +77,10 @@ def get_config() -> ml_collections.ConfigDict:
       # 'upcast' (operands converted to float32 first) or 'plain' (Haiku's and
       # JAX's own half x half -> half). Float32 matmuls are never changed.
       dot_form='auto',
+      # The backend whose kernels 'auto' and the weight gradients' layout are
+      # chosen for: '' the one JAX runs on, or 'cpu' / 'gpu' / 'tpu' to trace
+      # the program another backend would run (a GPU's, read on a CPU).
+      dot_platform='',
       # The training state's layout (docs/precision.md): how params take an
       # update. 'master': float32 params, or half params rounded from a
       # float32 master copy the optimizer keeps. Without that copy (bfloat16

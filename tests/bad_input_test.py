@@ -167,6 +167,8 @@ class BadInputTest(parameterized.TestCase):
        "precision.residual_stream: unknown value 'f32'"),
       ('unknown_dot_form', ['--config.precision.dot_form=fast'],
        "precision.dot_form: unknown value 'fast'"),
+      ('unknown_dot_platform', ['--config.precision.dot_platform=cuda'],
+       "precision.dot_platform: unknown value 'cuda'"),
       ('unknown_fp8_scaling', ['--config.precision.fp8.scaling=rowwise'],
        "precision.fp8.scaling: unknown value 'rowwise'; expected one of "
        "('current', 'delayed', 'mx')"),

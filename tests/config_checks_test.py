@@ -107,6 +107,8 @@ _OUT_OF_RANGE = (
      "precision.overrides: malformed entry 'head'"),
     ('dot_form', {'precision.dot_form': 'fast'},
      "precision.dot_form: unknown value 'fast'"),
+    ('dot_platform', {'precision.dot_platform': 'cuda'},
+     "precision.dot_platform: unknown value 'cuda'"),
     ('loss_scale_kind', {'loss_scale.kind': 'auto'},
      "loss_scale.kind: unknown value 'auto'"),
     ('loss_scale_factor', {'loss_scale.kind': 'dynamic',

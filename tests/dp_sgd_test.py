@@ -68,15 +68,17 @@ class PrecisionRulesTest(parameterized.TestCase):
       ('fp16_microbatched', FP16, 'float16', 2))
   def test_sums_and_noise_in_float32_gradients_in_compute_dtype(
       self, text, half, microbatch_size):
-    exp = experiment.build_without_data(_config(
-        text, loss_scale='dynamic', microbatch_size=microbatch_size))
+    config = _config(text, loss_scale='dynamic',
+                     microbatch_size=microbatch_size)
+    # Traced for a GPU: XLA:CPU upcasts float16 matmuls.
+    config.precision.dot_platform = 'gpu'
+    exp = experiment.build_without_data(config)
     state = exp.strategy.init_state()
     batch = _batch(exp.config, exp.train_batch_size, BATCH)
     grads = dp_sgd.make_gradients(exp.loss_fn, exp.scaler, exp.privacy)
-    with helpers.dots_as_on('gpu'):  # XLA:CPU upcasts float16 matmuls.
-      closed, out = jax.make_jaxpr(
-          lambda p: grads(state.loss_scale, p, jax.random.key(0), batch)[0],
-          return_shape=True)(state.params)
+    closed, out = jax.make_jaxpr(
+        lambda p: grads(state.loss_scale, p, jax.random.key(0), batch)[0],
+        return_shape=True)(state.params)
     jaxpr = closed.jaxpr
     self.assertEqual({x.dtype for x in jax.tree.leaves(out)},
                      {jnp.dtype(jnp.float32)})

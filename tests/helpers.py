@@ -1,13 +1,11 @@
 """Shared test helpers: tiny configs and a jaxpr walker."""
 
 import atexit
-import contextlib
 import json
 import os
 import subprocess
 import sys
 from typing import Iterator
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +18,6 @@ from tensorboard.util import tensor_util
 from configs import base
 from haiku_mp.advisor import numerics
 from haiku_mp.data import pipeline
-from haiku_mp.model import half_dot
 from haiku_mp.studies import fp8_gemms
 import tests
 from tests import forked_commands
@@ -136,17 +133,6 @@ def with_settings(config, settings):
       node = node[parent]
     node[name] = value
   return config
-
-
-@contextlib.contextmanager
-def dots_as_on(platform: str):
-  """Traces `half_dot`'s matmuls in the form they take on `platform` (the
-  form is chosen per backend when the model is traced; nothing is compiled
-  here), so the tests walk, say, a GPU's program on a CPU. JAX caches a
-  function's trace: trace it inside this context the first time."""
-  with mock.patch.object(half_dot.jax, 'default_backend',
-                         return_value=platform):
-    yield
 
 
 def random_batch(config, batch_size: int = 8, seed: int = 0):

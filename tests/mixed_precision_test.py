@@ -44,10 +44,10 @@ class MatmulDtypeTest(parameterized.TestCase):
   @parameterized.named_parameters(*[(k, *v) for k, v in POLICIES.items()])
   def test_every_matmul_forward_and_backward_in_compute_dtype(self, policy,
                                                               dtype):
-    _, params, _, loss = _setup(policy)
-    with helpers.dots_as_on('gpu'):  # `auto` is `native` for every matmul.
-      forward_eqns = helpers.eqns_of(loss, params)
-      all_eqns = helpers.eqns_of(jax.value_and_grad(loss), params)
+    # Traced for a GPU: `auto` is `native` for every matmul.
+    _, params, _, loss = _setup(policy, dot_platform='gpu')
+    forward_eqns = helpers.eqns_of(loss, params)
+    all_eqns = helpers.eqns_of(jax.value_and_grad(loss), params)
     # 2 blocks x (q, k, v, out, fc1, fc2 + 2 attention einsums) + patches + head.
     self.assertLen(forward_eqns, 2 * 8 + 2)
     # Backward: two matmuls (operand and weight gradients) per forward matmul.
@@ -66,9 +66,8 @@ class MatmulDtypeTest(parameterized.TestCase):
                                   ('bf16', 'bf16', 'native'))
   def test_on_cpu_the_measured_form(self, name, form):
     policy, dtype = POLICIES[name]
-    _, params, _, loss = _setup(policy)
-    with helpers.dots_as_on('cpu'):
-      eqns = helpers.eqns_of(jax.value_and_grad(loss), params)
+    _, params, _, loss = _setup(policy, dot_platform='cpu')
+    eqns = helpers.eqns_of(jax.value_and_grad(loss), params)
     # XLA:CPU has a bf16 kernel for plain matmuls, none for float16 and none
     # for batched bf16 ones outside its fused dots: those are upcast.
     for eqn in eqns:
@@ -80,13 +79,13 @@ class MatmulDtypeTest(parameterized.TestCase):
   @parameterized.named_parameters(('fp16', 'fp16'), ('bf16', 'bf16'))
   def test_softmax_layer_norm_and_loss_are_float32(self, name):
     policy, dtype = POLICIES[name]
-    _, params, _, loss = _setup(policy)
-    with helpers.dots_as_on('gpu'):  # Every matmul native (one trace: cached).
-      islands = helpers.eqns_of(loss, params,
-                                primitives=FLOAT32_ISLAND_PRIMITIVES)
-      attention = [e for e in helpers.eqns_of(loss, params,
-                                              primitives=('dot_general',))
-                   if e.outvars[0].aval.ndim == 4]
+    # Traced for a GPU: every matmul native.
+    _, params, _, loss = _setup(policy, dot_platform='gpu')
+    islands = helpers.eqns_of(loss, params,
+                              primitives=FLOAT32_ISLAND_PRIMITIVES)
+    attention = [e for e in helpers.eqns_of(loss, params,
+                                            primitives=('dot_general',))
+                 if e.outvars[0].aval.ndim == 4]
     kinds = {e.primitive.name for e in islands}
     self.assertContainsSubset({'reduce_max', 'reduce_sum', 'exp', 'rsqrt'},
                               kinds)
@@ -114,9 +113,9 @@ class MatmulDtypeTest(parameterized.TestCase):
   def test_overrides_change_only_the_named_matmuls(self):
     _, params, _, loss = _setup(
         POLICIES['fp16'][0],
-        overrides='*/head:float32;Attention:p=f32,c=f32,o=f16')
-    with helpers.dots_as_on('gpu'):
-      eqns = helpers.eqns_of(jax.value_and_grad(loss), params)
+        overrides='*/head:float32;Attention:p=f32,c=f32,o=f16',
+        dot_platform='gpu')
+    eqns = helpers.eqns_of(jax.value_and_grad(loss), params)
     f32 = [e for e in eqns
            if helpers.operand_dtypes(e) == ('float32', 'float32')]
     f16 = [e for e in eqns
@@ -156,9 +155,9 @@ class ResidualStreamTest(parameterized.TestCase):
     for call in blocks:
       self.assertEqual(call.output.dtype, stream_dtype)
       self.assertEqual(call.args[0][0].dtype, stream_dtype)
-    _, params, _, loss = _setup(POLICIES['bf16'][0], residual_stream=stream)
-    with helpers.dots_as_on('gpu'):
-      eqns = helpers.eqns_of(jax.value_and_grad(loss), params)
+    _, params, _, loss = _setup(POLICIES['bf16'][0], residual_stream=stream,
+                                dot_platform='gpu')
+    eqns = helpers.eqns_of(jax.value_and_grad(loss), params)
     for eqn in eqns:
       self.assertEqual(helpers.operand_dtypes(eqn), ('bfloat16', 'bfloat16'))
 

@@ -166,15 +166,16 @@ class ScopeTest(parameterized.TestCase):
   def test_two_models_in_one_process_do_not_leak(self):
     fp16 = _two_blocks(FP16)
     fp32 = _two_blocks('float32')
+    for config in (fp16, fp32):  # float16 dots as float16 (not on a CPU).
+      config.precision.dot_platform = 'gpu'
     images = helpers.random_batch(fp16)['image']
     f16_forward, _ = forward_lib.checked_forward(fp16)
     f32_forward, _ = forward_lib.checked_forward(fp32)
     params = f16_forward.init(jax.random.key(0), images, False)
     for forward, dtype in ((f16_forward, 'float16'), (f32_forward, 'float32'),
                            (f16_forward, 'float16')):
-      with helpers.dots_as_on('gpu'):  # float16 dots as float16 (not on CPU).
-        eqns = helpers.eqns_of(
-            lambda p, x, f=forward: f.apply(p, None, x, False), params, images)
+      eqns = helpers.eqns_of(
+          lambda p, x, f=forward: f.apply(p, None, x, False), params, images)
       self.assertNotEmpty(eqns)
       self.assertEqual({helpers.operand_dtypes(e) for e in eqns},
                        {(dtype, dtype)})

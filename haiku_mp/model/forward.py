@@ -26,6 +26,7 @@ def make_precision(config: ml_collections.ConfigDict) -> policies.Precision:
       matmul_precision=config.precision.matmul_precision,
       residual_stream=config.precision.residual_stream,
       dot_form=config.precision.dot_form,
+      dot_platform=config.precision.dot_platform,
       fp8_modules=config.precision.fp8.modules,
       fp8=fp8_lib.Fp8(config.precision.fp8.scaling,
                       config.precision.fp8.history_length,

@@ -43,6 +43,8 @@ from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import remat
 
 FORMS = ('auto', 'native', 'upcast', 'plain')
+# Backends a program may be traced for (`Dots.platform`); '' is JAX's own.
+PLATFORMS = ('', 'cpu', 'gpu', 'tpu')
 # The measured fastest form per (backend, half dtype) for `auto`: see
 # BENCHMARKS.md "Dot forms" for the numbers behind each entry.
 _AUTO = {('cpu', 'bfloat16'): 'native', ('cpu', 'float16'): 'upcast'}
@@ -55,6 +57,11 @@ _TRANSPOSE_FOR_KERNEL = ('cpu',)
 def check_form(form: str) -> str:
   errors.check_choice('precision.dot_form', form, FORMS)
   return form
+
+
+def check_platform(platform: str) -> str:
+  errors.check_choice('precision.dot_platform', platform, PLATFORMS)
+  return platform
 
 
 def form_for(form: str, dtype, platform: str, batched: bool = False) -> str:
@@ -109,6 +116,12 @@ class Dots:
   fp8_targets: tuple[str, ...] = ()
   # The pmap axis over which fp8 amaxes are reduced (`Precision.under_pmap`).
   fp8_axis: Optional[str] = None
+  # The backend the forms are chosen for; '': the one JAX runs on.
+  platform: str = ''
+
+  @property
+  def backend(self) -> str:
+    return self.platform or jax.default_backend()
 
   def runs_fp8(self, class_name: str, path: str) -> bool:
     return (self.fp8 is not None and class_name == FP8_CLASS
@@ -119,7 +132,7 @@ class Dots:
     """`jnp.einsum(spec, a, b)` accumulated in float32 (at least), returned in
     `out_dtype` (default: the operands' dtype)."""
     dtype = jnp.result_type(a, b)
-    form = form_for(self.form, dtype, jax.default_backend(), _is_batched(spec))
+    form = form_for(self.form, dtype, self.backend, _is_batched(spec))
     if form == 'plain':
       if out_dtype is None:
         return jnp.einsum(spec, a, b)
@@ -127,7 +140,7 @@ class Dots:
       # in it, the backward dots back in the operands' dtype.
       form = 'native'
     return _einsum(spec, form, self.matmul_precision,
-                   jnp.dtype(out_dtype or dtype), a, b)
+                   jnp.dtype(out_dtype or dtype), self.backend, a, b)
 
 
 def _dot(spec, form, out_dtype, a, b):
@@ -143,17 +156,20 @@ def _precision(name):
           else contextlib.nullcontext())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _einsum(spec, form, matmul_precision, out_dtype, a, b):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _einsum(spec, form, matmul_precision, out_dtype, backend, a, b):
+  del backend  # The backward pass's.
   with _precision(matmul_precision):
     return _dot(spec, form, out_dtype, a, b)
 
 
-def _einsum_fwd(spec, form, matmul_precision, out_dtype, a, b):
-  return _einsum(spec, form, matmul_precision, out_dtype, a, b), (a, b)
+def _einsum_fwd(spec, form, matmul_precision, out_dtype, backend, a, b):
+  return (_einsum(spec, form, matmul_precision, out_dtype, backend, a, b),
+          (a, b))
 
 
-def _einsum_bwd(spec, form, matmul_precision, out_dtype, residuals, g):
+def _einsum_bwd(spec, form, matmul_precision, out_dtype, backend, residuals,
+                g):
   """Both operands' cotangents as dots of the cotangent (in the operands'
   dtype) with the other operand: for ``A,B->C``, ``C,B->A`` and ``C,A->B``
   (every index of A is in B or C, as in any matmul)."""
@@ -163,7 +179,7 @@ def _einsum_bwd(spec, form, matmul_precision, out_dtype, residuals, g):
   g = g.astype(a.dtype)
   with _precision(matmul_precision):
     da = _dot(f'{out},{b_spec}->{a_spec}', form, a.dtype, g, b)
-    if _weight_gradient_transposed(spec, form):
+    if _weight_gradient_transposed(spec, form, backend):
       # A weight gradient `a.T @ g` contracts both operands' leading axis, a
       # layout XLA:CPU's half-precision matmul kernel does not take (it
       # converts such a dot to float32). The same dot with `a` transposed in
@@ -176,7 +192,7 @@ def _einsum_bwd(spec, form, matmul_precision, out_dtype, residuals, g):
   return da, db
 
 
-def _weight_gradient_transposed(spec: str, form: str) -> bool:
+def _weight_gradient_transposed(spec: str, form: str, backend: str) -> bool:
   """Whether the backward pass of `spec` transposes its first operand in
   memory for the weight gradient: a native 2-D matmul ``mk,kn->mn`` on a
   backend whose half-precision kernel needs it (`_TRANSPOSE_FOR_KERNEL`)."""
@@ -184,7 +200,7 @@ def _weight_gradient_transposed(spec: str, form: str) -> bool:
   is_matmul = (len(a) == len(b) == 2 and a[1] == b[0]
                and out == a[0] + b[1])
   return (form == 'native' and is_matmul
-          and jax.default_backend() in _TRANSPOSE_FOR_KERNEL)
+          and backend in _TRANSPOSE_FOR_KERNEL)
 
 
 def _transposed_in_memory(a: jax.Array) -> jax.Array:
@@ -215,7 +231,7 @@ class Linear(hk.Linear):
   def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
     fp8 = self.dots.runs_fp8(FP8_CLASS, self.module_name)
     if (not fp8 and form_for(self.dots.form, inputs.dtype,
-                             jax.default_backend()) == 'plain'):
+                             self.dots.backend) == 'plain'):
       return remat.tag_matmul_output(
           super().__call__(inputs, precision=precision))
     input_size = inputs.shape[-1]
@@ -275,7 +291,7 @@ class Conv2D(hk.Conv2D):
             and self.kernel_dilation == (1, 1) and self.mask is None)
 
   def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
-    form = form_for(self.dots.form, inputs.dtype, jax.default_backend())
+    form = form_for(self.dots.form, inputs.dtype, self.dots.backend)
     ph, pw = self.kernel_shape
     if (form == 'plain' or not self._is_patch_embedding() or inputs.ndim != 4
         or inputs.shape[1] % ph or inputs.shape[2] % pw):

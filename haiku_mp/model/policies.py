@@ -115,6 +115,7 @@ class Precision:
   matmul_precision: Optional[str] = None
   float32_residual: bool = False  # Residual stream in float32 (see vit.py).
   dot_form: str = 'auto'  # How half matmuls run (see half_dot.py).
+  dot_platform: str = ''  # The backend they are traced for; '': JAX's.
   fp8: Optional[fp8_lib.Fp8] = None  # fp8 matmuls' scaling; None: no fp8.
   fp8_targets: tuple[str, ...] = ()  # The modules whose Linears run fp8.
   fp8_axis: Optional[str] = None  # See `under_pmap`.
@@ -122,7 +123,7 @@ class Precision:
   @property
   def dots(self) -> half_dot.Dots:
     return half_dot.Dots(self.dot_form, self.matmul_precision, self.fp8,
-                         self.fp8_targets, self.fp8_axis)
+                         self.fp8_targets, self.fp8_axis, self.dot_platform)
 
   def under_pmap(self, axis_name: str) -> 'Precision':
     """This precision for a forward pass traced inside `pmap` over
@@ -223,7 +224,8 @@ def make_precision(policy: str, overrides: str = '', *, model_class: str,
                    float32_layer_norm: bool = True, matmul_precision: str = '',
                    residual_stream: str = 'compute',
                    dot_form: str = 'auto', fp8_modules: str = '',
-                   fp8: Optional[fp8_lib.Fp8] = None) -> Precision:
+                   fp8: Optional[fp8_lib.Fp8] = None,
+                   dot_platform: str = '') -> Precision:
   """Builds a `Precision` from config strings.
 
   Args:
@@ -234,6 +236,8 @@ def make_precision(policy: str, overrides: str = '', *, model_class: str,
     matmul_precision: a `jax.default_matmul_precision` name, '' for the default.
     residual_stream: 'compute' (the compute dtype) or 'float32'.
     dot_form: how matmuls with half operands run (`half_dot.FORMS`).
+    dot_platform: the backend whose forms they take (`half_dot.PLATFORMS`;
+      '' the one JAX runs on).
     fp8_modules: ``'TARGET;...'`` modules (class names or path globs) whose
       Linear layers run fp8 matmuls scaled as `fp8` says; '' for none.
   """
@@ -255,6 +259,7 @@ def make_precision(policy: str, overrides: str = '', *, model_class: str,
   return Precision(main, defaults, parse_overrides(overrides),
                    _check_matmul_precision(matmul_precision),
                    residual_stream == 'float32', half_dot.check_form(dot_form),
+                   half_dot.check_platform(dot_platform),
                    (fp8 or fp8_lib.Fp8()) if targets else None, targets)
 
 
