@@ -411,7 +411,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if is_writer:  # Before the data is looked for (a download, perhaps).
     run_dir.check_writable(workdir)
   exp = experiment.build(config, check_data=True)
-  _use_compilation_cache(config.compilation_cache_dir)
+  _use_compilation_cache(exp.config.compilation_cache_dir)
   splits = _load_data(exp)
   if is_writer:
     run_dir.prepare(workdir)
