@@ -115,6 +115,23 @@ class NoMasterTest(parameterized.TestCase):
     nearest, _ = _sum_updates('nearest')
     np.testing.assert_array_equal(np.asarray(nearest, np.float32), 1.0)
 
+  def test_kahans_bfloat16_buffer_drops_updates_far_below_an_ulp(self):
+    """What docs/precision.md says of Kahan late in a schedule: updates of
+    3e-4 of an ulp are below half an ulp of the bfloat16 buffer that carries
+    them, and most of their sum is rounded away there; 3e-2 of an ulp are
+    kept."""
+    ulp = 2.0**-7  # bfloat16's at 1.0.
+
+    def kept(fraction):
+      update = jnp.float32(fraction * ulp)
+      value, comp = jax.lax.fori_loop(
+          0, 10_000, lambda _, vc: rounding.kahan_add(vc[0], update, vc[1]),
+          (jnp.bfloat16(1.0), jnp.bfloat16(0.0)))
+      return (float(value) + float(comp) - 1.0) / (10_000 * float(update))
+
+    self.assertLess(kept(3e-4), 0.1)
+    self.assertAlmostEqual(kept(3e-2), 1.0, delta=0.01)
+
   def test_stochastic_rounding_sums_them_on_average(self):
     want = 1.0 + 10_000 * TINY
     got = np.asarray(_sum_updates('stochastic')[0], np.float32)
