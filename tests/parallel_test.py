@@ -181,6 +181,7 @@ class Fp8StrategiesAgreeTest(parameterized.TestCase):
                                   rtol=0.25)
 
 
+@helpers.long_running
 class StateLayoutsAgreeTest(parameterized.TestCase):
 
   def test_stochastic_rounding_draws_the_same_on_every_sharding(self):
