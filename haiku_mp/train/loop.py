@@ -214,12 +214,14 @@ def _use_compilation_cache(setting: str) -> None:
 
 
 class _Run:
-  """The resources of one run, owned by the ExitStack it is opened in: the
-  signal handlers, the checkpointer, the in-flight watch and the metrics
-  writer; and where it starts: the step, the state and the run record."""
+  """One run: its experiment and data, the resources owned by the ExitStack
+  it is opened in (the signal handlers, the checkpointer, the in-flight watch,
+  the metrics writer, later the batches), and where it stands: the step it
+  started from, the state, the last val metrics."""
 
   def __init__(self, stack: contextlib.ExitStack, exp: experiment.Experiment,
                splits: pipeline.Splits, workdir: str, is_writer: bool):
+    self.exp, self.splits, self.stack = exp, splits, stack
     settings = exp.loop
     self.shard = pipeline.Shard.current()
     self.interruption = stack.enter_context(interruption_lib.Interruption())
@@ -249,39 +251,39 @@ class _Run:
     self.last_val = record.get('last_val', {})
     self.last_val_ema = record.get('last_val_ema', {})
 
-  def evaluate_val(self, exp: experiment.Experiment, step: int) -> None:
+  def evaluate_val(self, step: int) -> None:
     """Val metrics of the params (with DP-SGD's epsilon spent) and of their
     moving average, if kept."""
-    state = self.state
+    exp, state = self.exp, self.state
     self.last_val = self.evaluator('val', step, state.params, **exp.spent(
         step, int(exp.strategy.unreplicate(state.skipped_steps))))
     ema = _ema_params(state)
     if ema is not None:
       self.last_val_ema = self.evaluator('val', step, ema, label='val_ema')
 
-  def save(self, exp: experiment.Experiment, step: int, wait: bool) -> None:
+  def save(self, step: int, wait: bool) -> None:
     """A checkpoint of the state at `step`, with the run record; returns
     once the state is off the device (the files are written while training
     goes on) unless `wait`."""
     self.writer.flush()  # What the checkpoint covers is on disk before it.
-    self.checkpointer.save(step, exp.strategy.unreplicate(self.state),
+    self.checkpointer.save(step, self.exp.strategy.unreplicate(self.state),
                            dict(self.progress.record(), last_val=self.last_val,
                                 last_val_ema=self.last_val_ema))
     if wait:
       self.checkpointer.wait()
 
 
-def _train_batches(exp: experiment.Experiment, run: _Run,
-                   splits: pipeline.Splits, stack: contextlib.ExitStack):
+def _train_batches(run: _Run):
   """The batches from the run's start step on, each tagged with the
   processes' stop requests as it is placed, and the train step compiled for
   the first of them (off the clock)."""
+  exp = run.exp
   strategy = exp.strategy
   local_batch_shards = strategy.batch_devices // jax.process_count()
   tag = lambda batch: run.interruption.tag(batch, strategy.place_batch,
                                            local_batch_shards)
-  batches = stack.enter_context(pipeline.DevicePrefetch(
-      exp.train_batches(splits.train, run.shard, run.start_step),
+  batches = run.stack.enter_context(pipeline.DevicePrefetch(
+      exp.train_batches(run.splits.train, run.shard, run.start_step),
       strategy.place_batch, exp.loop.prefetch_batches))
   first = next(batches)
   train_step = _CompiledSteps(strategy)
@@ -291,15 +293,15 @@ def _train_batches(exp: experiment.Experiment, run: _Run,
   return map(tag, itertools.chain([first], batches)), train_step
 
 
-def _train(exp: experiment.Experiment, run: _Run, splits: pipeline.Splits,
-           stack: contextlib.ExitStack) -> Optional[dict[str, Any]]:
+def _train(run: _Run) -> Optional[dict[str, Any]]:
   """The steps from the run's start to its end, with the log, eval and save
   points; `{'preempted_at_step': N, 'signal': NAME}` if a signal stopped it,
   else None."""
+  exp = run.exp
   settings, total_steps = exp.loop, exp.total_steps
   if run.start_step >= total_steps:
     return None
-  batches, train_step = _train_batches(exp, run, splits, stack)
+  batches, train_step = _train_batches(run)
   run.progress.start(run.start_step)
   window, finished = [], None
   for step in range(run.start_step + 1, total_steps + 1):
@@ -322,13 +324,13 @@ def _train(exp: experiment.Experiment, run: _Run, splits: pipeline.Splits,
       # Evaluation waits for the steps still queued.
       finished = _settle(run.steps, finished)
       with _clock_stopped(run.progress, step):
-        run.evaluate_val(exp, step)
+        run.evaluate_val(step)
     stop = step < total_steps and run.interruption.stop_after(
         finished and finished[1])
     if _due(step, settings.checkpoint_every_steps, total_steps) or stop:
       finished = _settle(run.steps, finished)
       with _clock_stopped(run.progress, step):
-        run.save(exp, step, wait=stop)  # The files written before a stop.
+        run.save(step, wait=stop)  # The files written before a stop.
     if stop:
       received = run.interruption.received or 'SIGTERM'  # Or another process's.
       logging.warning('%s', interruption_lib.stop_line(received, step))
@@ -336,10 +338,11 @@ def _train(exp: experiment.Experiment, run: _Run, splits: pipeline.Splits,
   return None
 
 
-def _summary(exp: experiment.Experiment, run: _Run) -> dict[str, Any]:
+def _summary(run: _Run) -> dict[str, Any]:
   """The finished run's results (test and last val, of the params and of
   their moving average), its costs and its settings: summary.json."""
-  strategy, total_steps, state = exp.strategy, exp.total_steps, run.state
+  exp, state = run.exp, run.state
+  strategy, total_steps = exp.strategy, exp.total_steps
   test = run.evaluator('test', total_steps, state.params)
   ema = _ema_params(state)
   ema_summary = {}
@@ -418,10 +421,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   with contextlib.ExitStack() as stack:
     run = _Run(stack, exp, splits, workdir, is_writer)
     log_startup(exp, run.state, workdir, is_writer, log_module_table)
-    stopped = _train(exp, run, splits, stack)
+    stopped = _train(run)
     if stopped is not None:
       return stopped
-    summary = _summary(exp, run)
+    summary = _summary(run)
   path = os.path.join(workdir, run_dir.SUMMARY_FILE)
   if is_writer:
     metrics_lib.write_json(path, summary)
