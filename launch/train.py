@@ -58,11 +58,12 @@ def main(argv):
       os.environ.get('XLA_FLAGS', ''), _CONFIG.value.stall_timeout_sec)
   _initialize_distributed()
   overrides = config_flags.get_override_values(flags.FLAGS['config'])
-  logging.info('Config: %s%s',
-               config_flags.get_config_filename(flags.FLAGS['config']),
-               ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
+  announce = lambda: logging.info(
+      'Config: %s%s', config_flags.get_config_filename(flags.FLAGS['config']),
+      ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
   result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
-                                   log_module_table=_MODULES_TABLE.value)
+                                   log_module_table=_MODULES_TABLE.value,
+                                   on_checked=announce)
   if result.get('signal') == 'SIGINT':  # Saved, but stopped by Ctrl-C.
     sys.exit(cli.EXIT_INTERRUPTED)
 

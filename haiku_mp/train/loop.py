@@ -8,7 +8,7 @@ import contextlib
 import itertools
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from absl import logging
 import jax
@@ -392,8 +392,14 @@ def quietly():
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       log_module_table: bool = False) -> dict[str, Any]:
+                       log_module_table: bool = False,
+                       on_checked: Callable[[], None] = lambda: None
+                       ) -> dict[str, Any]:
   """Trains, evaluates on val periodically and on test at the end.
+
+  `on_checked` is called once the config has passed its check and the data
+  was found (the launcher logs its config there, so that a bad setting
+  prints its one error line alone).
 
   Everything that can be wrong with the config or the data is checked
   (`experiment.build`) before anything is written to `workdir`; a run this
@@ -414,6 +420,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if is_writer:  # Before the data is looked for (a download, perhaps).
     run_dir.check_writable(workdir)
   exp = experiment.build(config, check_data=True)
+  on_checked()
   _use_compilation_cache(exp.config.compilation_cache_dir)
   splits = _load_data(exp)
   if is_writer:
