@@ -11,12 +11,10 @@ import contextlib
 import json
 import tempfile
 import threading
-from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
-from jax._src import array as array_lib
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,7 +23,6 @@ from haiku_mp.parallel import sharding
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import experiment
 from haiku_mp.train import loop
-from haiku_mp.train import metrics as metrics_lib
 from tests import helpers
 
 STEPS, LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY = 12, 4, 6, 6
@@ -79,6 +76,55 @@ def _batch_threads(before):
           if t.name.startswith('haiku_mp')]
 
 
+# What describes an array without reading its value.
+_DESCRIPTION = frozenset({'shape', 'dtype', 'ndim', 'size', 'sharding', 'aval',
+                          'weak_type', 'committed'})
+# The ways of using an array's value that Python looks up on its type (so
+# that __getattr__ never sees them).
+_USES = ('__array__', '__jax_array__', '__float__', '__int__', '__bool__',
+         '__index__', '__complex__', '__repr__', '__str__', '__format__',
+         '__len__', '__iter__', '__getitem__', '__neg__', '__abs__', '__add__',
+         '__radd__', '__sub__', '__rsub__', '__mul__', '__rmul__',
+         '__truediv__', '__rtruediv__', '__pow__', '__eq__', '__ne__',
+         '__lt__', '__le__', '__gt__', '__ge__')
+
+
+class _Watched:
+  """A device array whose every use (any attribute but its description, any
+  of `_USES`) calls `on_use` first: a read of its value, or an op on it,
+  seen where it happens without reaching into JAX."""
+
+  __hash__ = object.__hash__
+
+  def __init__(self, array, on_use):
+    self.array, self.on_use = array, on_use
+
+  def __getattr__(self, name):
+    if name not in _DESCRIPTION:
+      self.on_use()
+    return getattr(self.array, name)
+
+
+def _use(name):
+  def use(self, *args, **kwargs):
+    self.on_use()
+    return getattr(self.array, name)(*args, **kwargs)
+  return use
+
+
+for _name in _USES:
+  setattr(_Watched, _name, _use(_name))
+
+
+def _watched(tree, on_use):
+  return jax.tree.map(lambda x: _Watched(x, on_use), tree)
+
+
+def _unwatched(tree):
+  return jax.tree.map(lambda x: x.array if isinstance(x, _Watched) else x,
+                      tree)
+
+
 class LoopTest(parameterized.TestCase):
 
   def setUp(self):
@@ -129,48 +175,42 @@ class LoopTest(parameterized.TestCase):
     self.assertIsInstance(host[0]['finite'], np.ndarray)
 
   def test_the_host_reads_no_value_between_log_points_and_stays_close(self):
-    # Every read of a device array's value (float(), np.asarray,
-    # jax.device_get, printing) goes through ArrayImpl._value; each one on
-    # the loop's thread is recorded with the number of steps dispatched so
-    # far. Every block_until_ready of a step's metrics is recorded with the
-    # step it waits for.
+    # The loop's hooks hand it each step's metrics, and its state between
+    # pauses, watched: every use of their values (float(), np.asarray,
+    # jax.device_get, printing, an op) is recorded with the number of steps
+    # dispatched so far. Every wait for a step's metrics is recorded with
+    # the step it waits for.
     config = _config()
-    main = threading.get_ident()
+    pauses = {0} | {s for s in range(1, STEPS + 1)
+                    if s % LOG_EVERY == 0 or s % EVAL_EVERY == 0 or
+                    s % CHECKPOINT_EVERY == 0}
     dispatched, reads, waits, ahead = [0], [], [], []
     step_of, kept = {}, []  # Kept alive: no other tree takes their ids.
-    value = array_lib.ArrayImpl._value
-    call = loop._CompiledSteps.__call__
-    block = jax.block_until_ready
+    watched = lambda tree: _watched(tree, lambda: reads.append(dispatched[0]))
 
-    def read(array):
-      if threading.get_ident() == main:
-        reads.append(dispatched[0])
-      return value.fget(array)
-
-    def step(steps, state, batch):
+    def dispatch(step, state, batch):
       # Steps not yet waited for, this one included.
       ahead.append(dispatched[0] + 1 - max((w for _, w in waits), default=0))
       dispatched[0] += 1
-      out = call(steps, state, batch)
-      step_of[id(out[1])] = dispatched[0]
-      kept.append(out[1])
-      return out
+      state, metrics = step(_unwatched(state), batch)
+      metrics = watched(metrics)
+      if dispatched[0] not in pauses:  # Evaluation and saves read the state.
+        state = watched(state)
+      step_of[id(metrics)] = dispatched[0]
+      kept.append(metrics)
+      return state, metrics
 
     def wait(tree):
       if id(tree) in step_of:
         waits.append((dispatched[0], step_of[id(tree)]))
-      return block(tree)
+      jax.block_until_ready(_unwatched(tree))
+      return tree
 
     threads = set(threading.enumerate())
-    with mock.patch.object(array_lib.ArrayImpl, '_value', property(read)), \
-        mock.patch.object(loop._CompiledSteps, '__call__', step), \
-        mock.patch.object(jax, 'block_until_ready', wait):
-      loop.train_and_evaluate(config, self.workdir)
+    loop.train_and_evaluate(config, self.workdir,
+                            hooks=loop.Hooks(dispatch=dispatch, wait=wait))
     self.assertEmpty(_batch_threads(threads))  # Joined at the end.
 
-    pauses = {0} | {s for s in range(1, STEPS + 1)
-                    if s % LOG_EVERY == 0 or s % EVAL_EVERY == 0 or
-                    s % CHECKPOINT_EVERY == 0}
     self.assertEqual(dispatched[0], STEPS)
     # The reads were seen (at every log point), and only at pauses.
     self.assertContainsSubset(range(LOG_EVERY, STEPS + 1, LOG_EVERY), reads)
@@ -188,12 +228,30 @@ class LoopTest(parameterized.TestCase):
     self.assertEqual(sorted(w for _, w in waits), list(range(1, STEPS + 1)))
     self.assertLessEqual(max(ahead), k + 1)
 
+  def test_a_watched_value_records_each_use_and_no_description(self):
+    # The watch the test above relies on: uses of the value are recorded,
+    # its shape and dtype are not.
+    uses = []
+    x = _watched(jnp.arange(3.0), lambda: uses.append(1))
+    self.assertEqual((x.shape, x.dtype), ((3,), jnp.float32))
+    self.assertEmpty(uses)
+    for use in (np.asarray, jax.device_get, lambda y: float(y[1]), str,
+                lambda y: y + 1, lambda y: y.tolist(), jax.block_until_ready):
+      before = len(uses)
+      use(x)
+      self.assertGreater(len(uses), before, use)
+
   def test_the_batch_thread_is_joined_when_the_loop_fails(self):
     threads = set(threading.enumerate())
-    with mock.patch.object(metrics_lib, 'window_summary',
-                           side_effect=RuntimeError('a failing log point')):
-      with self.assertRaisesRegex(RuntimeError, 'a failing log point'):
-        loop.train_and_evaluate(_config(), self.workdir)
+
+    def dispatch(step, state, batch):
+      if state.step >= 2:  # A step's state is read: the third step fails.
+        raise RuntimeError('a failing step')
+      return step(state, batch)
+
+    with self.assertRaisesRegex(RuntimeError, 'a failing step'):
+      loop.train_and_evaluate(_config(), self.workdir,
+                              hooks=loop.Hooks(dispatch=dispatch))
     self.assertEmpty(_batch_threads(threads))
 
 

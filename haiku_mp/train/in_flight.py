@@ -36,6 +36,8 @@ _POLL_SEC = 1.0
 EXIT_STALLED = 1  # A failure of the environment, as `errors.RunError` exits.
 
 OnStall = Callable[[Hashable, float], None]
+# Blocks until a program's outputs are ready; returns them.
+Wait = Callable[[Any], Any]
 
 # XLA:CPU's own limits on a collective that not every device has reached:
 # after 20 s it logs a warning per device, after 40 s it aborts the process
@@ -89,11 +91,11 @@ class _Watchdog:
   def limit(self) -> float:
     return max(self._stall_sec, SLOWEST_WAIT_FACTOR * self._longest)
 
-  def wait(self, label: Hashable, outputs: Any) -> Any:
+  def wait(self, label: Hashable, outputs: Any, wait: Wait) -> Any:
     start = time.monotonic()
     self._waiting = (label, start)
     try:
-      return jax.block_until_ready(outputs)
+      return wait(outputs)
     finally:
       self._waiting = None
       self._longest = max(self._longest, time.monotonic() - start)
@@ -121,15 +123,18 @@ class InFlight:
   pytree of device arrays); past the limit it waits for the oldest and
   returns its (label, outputs), ready, so that reading them costs a copy,
   not a wait. With `stall_sec` > 0 a wait that lasts longer than the
-  watchdog's limit calls `on_stall(label, seconds)`. A context manager: the
+  watchdog's limit calls `on_stall(label, seconds)`. `wait` is how a wait
+  is done (an instrument or a test may see each one). A context manager: the
   watchdog's thread ends with it; what is still in flight is left to run.
   """
 
   def __init__(self, limit: int, stall_sec: float = 0.0,
-               on_stall: Optional[OnStall] = None):
+               on_stall: Optional[OnStall] = None,
+               wait: Wait = jax.block_until_ready):
     if limit < 1:
       raise ValueError(f'limit={limit} must be at least 1')
     self.limit = limit
+    self._wait_for = wait
     self._pending = collections.deque()
     self._watchdog = None
     if stall_sec > 0:
@@ -138,8 +143,8 @@ class InFlight:
   def _wait(self, item):
     label, outputs = item
     if self._watchdog is None:
-      return label, jax.block_until_ready(outputs)
-    return label, self._watchdog.wait(label, outputs)
+      return label, self._wait_for(outputs)
+    return label, self._watchdog.wait(label, outputs, self._wait_for)
 
   def push(self, label: Hashable, outputs: Any):
     """(label, outputs) of the oldest program once more than `limit` are in

@@ -8,7 +8,7 @@ import contextlib
 import itertools
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from absl import logging
 import jax
@@ -32,6 +32,20 @@ from haiku_mp.update import step as step_lib
 
 # The module table a run writes into its workdir.
 MODULES_FILE = 'modules.txt'
+
+
+def _call(step, state, batch):
+  return step(state, batch)
+
+
+class Hooks(NamedTuple):
+  """Where the loop's traffic with the device can be seen (by a tracer, or a
+  test of what the host does between log points). `dispatch(step, state,
+  batch)` runs one compiled train step and returns its (state, metrics) as
+  the loop will hold them; `wait(metrics)` blocks until a step's metrics
+  are ready, and returns them."""
+  dispatch: Callable[[Callable, Any, Any], tuple[Any, Any]] = _call
+  wait: in_flight.Wait = jax.block_until_ready
 
 
 def _due(step: int, every: int, total: int) -> bool:
@@ -220,8 +234,9 @@ class _Run:
   started from, the state, the last val metrics."""
 
   def __init__(self, stack: contextlib.ExitStack, exp: experiment.Experiment,
-               splits: pipeline.Splits, workdir: str, is_writer: bool):
-    self.exp, self.splits, self.stack = exp, splits, stack
+               splits: pipeline.Splits, workdir: str, is_writer: bool,
+               hooks: Hooks):
+    self.exp, self.splits, self.stack, self.hooks = exp, splits, stack, hooks
     settings = exp.loop
     self.shard = pipeline.Shard.current()
     self.interruption = stack.enter_context(interruption_lib.Interruption())
@@ -233,7 +248,8 @@ class _Run:
         f'{settings.stall_timeout_sec:g} is how long a step may take).')
     # At most steps_in_flight steps ahead of the devices, every wait watched.
     self.steps = stack.enter_context(in_flight.InFlight(
-        settings.steps_in_flight, settings.stall_timeout_sec, self.on_stall))
+        settings.steps_in_flight, settings.stall_timeout_sec, self.on_stall,
+        hooks.wait))
     self.start_step, self.state, record = _restore_or_init(
         exp, self.checkpointer, workdir, is_writer)
     if is_writer:
@@ -310,7 +326,7 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
     before_batch = time.perf_counter()
     batch = next(batches)
     before_step = time.perf_counter()
-    run.state, step_metrics = train_step(run.state, batch)
+    run.state, step_metrics = run.hooks.dispatch(train_step, run.state, batch)
     run.progress.host_time(before_step - before_batch,
                            time.perf_counter() - before_step)
     window.append(step_metrics)
@@ -393,13 +409,14 @@ def quietly():
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        log_module_table: bool = False,
-                       on_checked: Callable[[], None] = lambda: None
-                       ) -> dict[str, Any]:
+                       on_checked: Callable[[], None] = lambda: None,
+                       hooks: Hooks = Hooks()) -> dict[str, Any]:
   """Trains, evaluates on val periodically and on test at the end.
 
   `on_checked` is called once the config has passed its check and the data
   was found (the launcher logs its config there, so that a bad setting
-  prints its one error line alone).
+  prints its one error line alone). `hooks` see each step's dispatch and
+  each wait for one.
 
   Everything that can be wrong with the config or the data is checked
   (`experiment.build`) before anything is written to `workdir`; a run this
@@ -426,7 +443,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if is_writer:
     run_dir.prepare(workdir)
   with contextlib.ExitStack() as stack:
-    run = _Run(stack, exp, splits, workdir, is_writer)
+    run = _Run(stack, exp, splits, workdir, is_writer, hooks)
     log_startup(exp, run.state, workdir, is_writer, log_module_table)
     stopped = _train(run)
     if stopped is not None:
