@@ -106,7 +106,10 @@ class MatmulTest(parameterized.TestCase):
     self.g = rng.standard_normal((48, 40)).astype(np.float32) * 1e-3
 
   def _vjp(self, matmul):
-    out, vjp = jax.vjp(matmul, jnp.asarray(self.x), jnp.asarray(self.w))
+    return self._vjp_of(self.x, matmul)
+
+  def _vjp_of(self, x, matmul):
+    out, vjp = jax.vjp(matmul, jnp.asarray(x), jnp.asarray(self.w))
     dx, dw = vjp(jnp.asarray(self.g))
     return (np.asarray(out, np.float64), np.asarray(dx, np.float64),
             np.asarray(dw, np.float64))
@@ -127,6 +130,37 @@ class MatmulTest(parameterized.TestCase):
     # Quantizing the gradient as E4M3 would give other products.
     g4 = _qdq(self.g, fp8.E4M3, s(self.g, fp8.E4M3))
     self.assertGreater(np.abs(dx - g4 @ w4.T).max(), 1e-7)
+
+  def test_replicas_of_a_pmap_scale_as_the_whole_batch(self):
+    """Current scaling under pmap: each replica's scales come from the
+    amaxes of the whole batch (reduced over the axis), so its rows of the
+    product and of dx are the whole batch's, and its dw sums to the
+    whole's; without the axis each replica scales by its own amaxes."""
+    replicas = jax.local_device_count()
+    # Each replica's rows in a magnitude of their own: their amaxes differ.
+    x = (self.x * np.repeat(4.0 ** np.arange(replicas), 48 // replicas)[:, None]
+         ).astype(np.float32)
+    config = fp8.Fp8('current')
+
+    def products(axis_name):
+      def one(x, w, g):
+        out, vjp = jax.vjp(lambda x, w: fp8.matmul(
+            config, x, w, jnp.float32, axis_name=axis_name), x, w)
+        return (out, *vjp(g))
+      split = lambda t: t.reshape(replicas, -1, t.shape[-1])
+      out, dx, dw = jax.pmap(one, axis_name='batch', in_axes=(0, None, 0))(
+          split(x), self.w, split(self.g))
+      return out.reshape(48, -1), dx.reshape(48, -1), dw.sum(0)
+
+    whole = self._vjp_of(x, lambda x, w: fp8.matmul(config, x, w,
+                                                    jnp.float32))
+    for got, want in zip(products('batch'), whole):
+      # To float32 rounding of the sums (another order on a replica).
+      np.testing.assert_allclose(got, want, rtol=1e-5,
+                                 atol=1e-6 * np.abs(want).max())
+    alone = products(None)
+    self.assertGreater(np.abs(alone[0] - whole[0]).max(),
+                       1e-3 * np.abs(whole[0]).max())
 
   @parameterized.parameters('current', 'delayed', 'mx')
   def test_products_and_gradients_against_float64(self, scaling):

@@ -56,160 +56,94 @@ def _setup(config):
   return experiment.build_without_data(config).strategy
 
 
-def _uint8_losses(config, steps=2):
-  """The losses of `steps` steps on 32x32 uint8 batches, augmented in the
-  step."""
-  config.model.image_size = 32
-  config.model.patch_size = 8
-  par = _setup(config)
-  state = par.init_state()
-  rng = np.random.default_rng(0)
-  losses = []
-  for _ in range(steps):
-    batch = dict(image=rng.integers(0, 256, (16, 32, 32, 3), np.uint8),
-                 label=rng.integers(0, 10, 16).astype(np.int32))
-    state, metrics = par.train_step(state, par.place_batch(batch))
-    losses.append(float(par.unreplicate(metrics)['loss']))
-  return losses
+def _float_batch(config, step):
+  """A random float batch; the BAD_STEP's holds an inf."""
+  batch = helpers.random_batch(config, config.batch_size, seed=step)
+  batch = {k: np.array(v) for k, v in batch.items()}
+  if step == BAD_STEP:
+    batch['image'][3, 0, 0, 0] = np.inf
+  return batch
 
 
-def _train(config, steps=5):
+def _float_batch_without_inf(config, step):
+  return helpers.random_batch(config, config.batch_size, seed=step)
+
+
+def _uint8_batch(config, step):
+  """A random uint8 batch (CIFAR-10's kind), augmented inside the step."""
+  rng = np.random.default_rng(step)
+  size = config.model.image_size
+  return dict(image=rng.integers(0, 256, (config.batch_size, size, size, 3),
+                                 np.uint8),
+              label=rng.integers(0, 10, config.batch_size).astype(np.int32))
+
+
+def _steps(config, batch_of, steps):
+  """(per-step host metrics, strategy, state) after `steps` steps on
+  `batch_of(config, step)`."""
   par = _setup(config)
   state = par.init_state()
-  losses, finite, scales = [], [], []
+  metrics = []
   for step in range(steps):
-    batch = helpers.random_batch(config, config.batch_size, seed=step)
-    batch = {k: np.array(v) for k, v in batch.items()}
-    if step == BAD_STEP:
-      batch['image'][3, 0, 0, 0] = np.inf
-    state, metrics = par.train_step(state, par.place_batch(batch))
-    metrics = jax.device_get(par.unreplicate(metrics))
-    losses.append(float(metrics['loss']))
-    finite.append(bool(metrics['grads_finite']))
-    scales.append(float(metrics['loss_scale']))
-  return losses, finite, scales, par, state
+    state, step_metrics = par.train_step(
+        state, par.place_batch(batch_of(config, step)))
+    metrics.append(jax.device_get(par.unreplicate(step_metrics)))
+  return metrics, par, state
 
 
-def _three_steps(config):
-  """(losses, strategy, state) after three steps on random batches."""
-  par = _setup(config)
-  state = par.init_state()
-  losses = []
-  for step in range(3):
-    batch = helpers.random_batch(config, config.batch_size, seed=step)
-    state, metrics = par.train_step(state, par.place_batch(batch))
-    losses.append(float(par.unreplicate(metrics)['loss']))
-  return losses, par, state
+def _column(metrics, key, kind=float):
+  return [kind(m[key]) for m in metrics]
 
 
 @helpers.long_running
 class StrategiesAgreeTest(parameterized.TestCase):
+  """Every strategy takes the steps one device takes. A test's config may
+  carry several features at once, so that the suite compiles one train step
+  per strategy for all of them."""
 
-  # Float16 with a dynamic scale: the skip and the scale's fall as well as
-  # the losses (the skip without a scaler is the same step code; the float32
-  # strategies agree in test_remat_and_uint8_batches_give_the_same_steps...).
-  @parameterized.named_parameters(('fp16_dynamic', FP16, 'dynamic'))
-  def test_first_steps_agree_and_skip_together(self, policy, loss_scale):
-    results = {}
-    for strategy, mesh_shape in LAYOUTS:
-      losses, finite, scales, *_ = _train(
-          _config(strategy, mesh_shape, policy, loss_scale))
-      results[(strategy, mesh_shape)] = losses
-      expected_finite = [i != BAD_STEP for i in range(5)]
-      self.assertEqual(finite, expected_finite, strategy)
-      if loss_scale == 'dynamic':
-        self.assertEqual(scales, [2.0**15] * 3 + [2.0**14] * 2)
-    reference = results[('single', None)]
+  def test_fp16_steps_with_remat_agree_and_skip_together(self):
+    """Float16 with a dynamic scale (the skip and the scale's fall as well
+    as the losses), and rematerialization, which changes no step: every
+    layout's losses with remat are those of one device without it."""
+    def config_for(strategy, mesh_shape, remat='dots'):
+      config = _config(strategy, mesh_shape, FP16, 'dynamic')
+      config.remat = remat
+      return config
+
+    plain, *_ = _steps(config_for('single', None, remat='none'), _float_batch,
+                       5)
+    reference = _column(plain, 'loss')
     good = [i for i in range(5) if i != BAD_STEP]
-    for layout, losses in results.items():
-      np.testing.assert_allclose(np.array(losses)[good],
+    for strategy, mesh_shape in LAYOUTS:
+      metrics, *_ = _steps(config_for(strategy, mesh_shape), _float_batch, 5)
+      layout = f'{strategy} {mesh_shape}'
+      self.assertEqual(_column(metrics, 'grads_finite', bool),
+                       [i != BAD_STEP for i in range(5)], layout)
+      self.assertEqual(_column(metrics, 'loss_scale'),
+                       [2.0**15] * 3 + [2.0**14] * 2, layout)
+      np.testing.assert_allclose(np.array(_column(metrics, 'loss'))[good],
                                  np.array(reference)[good], rtol=2e-5,
-                                 err_msg=str(layout))
+                                 err_msg=layout)
     self.assertLess(reference[-1], reference[0])
 
-  def test_remat_and_uint8_batches_give_the_same_steps_on_every_strategy(self):
-    """Rematerialization changes no step, and the augmentation inside the
-    step, per example keyed by the step's key, gives the same images however
-    the batch is split: every strategy's losses with remat are those of one
-    device without it."""
-    plain = _uint8_losses(_config('single', None, 'float32', 'none'))
-    for strategy, mesh_shape in (('single', None), ('pmap', (8, 1)),
-                                 ('pjit', (4, 2))):
-      config = _config(strategy, mesh_shape, 'float32', 'none')
-      config.remat = 'dots'
-      np.testing.assert_allclose(_uint8_losses(config), plain, rtol=2e-5,
-                                 err_msg=strategy)
-
-
-class Fp8StrategiesAgreeTest(parameterized.TestCase):
-
-  @parameterized.parameters('current', 'delayed')
-  def test_fp8_steps_agree_on_every_strategy(self, scaling):
-    """fp8 scales come from amaxes over the whole batch on every strategy
-    (pmap reduces them over its replicas), so every layout takes the steps
-    one device takes; delayed scaling's histories stay equal too."""
-    results = {}
-    for strategy, mesh_shape in (('single', None), ('pmap', (8, 1)),
-                                 ('pjit', (4, 2))):
-      config = _config(strategy, mesh_shape, BF16, 'none')
-      config.precision.fp8.modules = '*/encoder_block_*'
-      config.precision.fp8.scaling = scaling
-      config.precision.fp8.history_length = 4
-      losses, par, state = _three_steps(config)
-      histories, _ = step_lib.split_fp8(
-          jax.device_get(par.unreplicate(state).params))
-      results[strategy] = (losses, histories)
-    want_losses, want_histories = results['single']
-    # Delayed scaling: 3 histories per fp8 Linear, 6 Linears per block.
-    self.assertLen(jax.tree.leaves(want_histories),
-                   3 * 6 * 2 if scaling == 'delayed' else 0)
-    for strategy, (losses, histories) in results.items():
-      # Without the amaxes reduced over pmap's replicas, its losses are
-      # 7e-5 to 8e-5 away by the third step.
-      np.testing.assert_allclose(losses, want_losses, rtol=1e-5,
-                                 err_msg=strategy)
-      # Amaxes of the first two steps agree closely; the third step's
-      # output gradients come from params that Adam already moved apart
-      # where gradients are near zero (as in bfloat16 without fp8), so its
-      # amaxes are up to ~6% apart. A history in another unit (a replica's
-      # gradient is 8x the whole batch's) would be 700% off.
-      older = lambda tree: jax.tree.map(lambda h: h[1:], tree)
-      newest = lambda tree: jax.tree.map(lambda h: h[0], tree)
-      chex.assert_trees_all_close(older(histories), older(want_histories),
-                                  rtol=1e-2)
-      chex.assert_trees_all_close(newest(histories), newest(want_histories),
-                                  rtol=0.25)
-
-
-@helpers.long_running
-class StateLayoutsAgreeTest(parameterized.TestCase):
-
-  def test_stochastic_rounding_draws_the_same_on_every_sharding(self):
-    x = jnp.linspace(-3, 3, 16 * 24, dtype=jnp.float32).reshape(16, 24) + 1e-3
-    key = jax.random.key(5)
-    want = rounding.stochastic_round(key, x, jnp.bfloat16)
-    mesh = sharding_lib.make_mesh((4, 2))
-    for spec in (P('batch', 'model'), P(None, 'model'), P()):
-      sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
-      got = jax.jit(rounding.stochastic_round, static_argnums=2)(
-          key, sharded, jnp.bfloat16)
-      self.assertEqual(got.sharding.spec, spec)
-      chex.assert_trees_all_equal(np.asarray(got), np.asarray(want))
-
-  def test_every_strategy_keeps_the_same_state(self):
+  def test_bfloat16_state_and_uint8_batches_agree(self):
     """Stochastic rounding into bfloat16 params and moments (the layout with
-    draws; Kahan's buffer is rounded to nearest, as a float32 master is):
-    the steps agree as the float32-master layout's do, the same losses and
-    weights the same but for a few that float32 sums in another order put
-    across a rounding boundary (one bfloat16 ulp)."""
+    draws; Kahan's buffer is rounded to nearest, as a float32 master is), on
+    uint8 batches augmented inside the step, per example keyed by the
+    step's key (the same images however the batch is split). The steps
+    agree as the float32-master layout's do: the same losses, and the same
+    weights but for a few that float32 sums in another order put across a
+    rounding boundary (one bfloat16 ulp)."""
     results = {}
     for strategy, mesh_shape in (('single', None), ('pmap', (8, 1)),
                                  ('pjit', (4, 2))):
       config = _config(strategy, mesh_shape, 'p=bf16,c=bf16,o=f32', 'none')
+      config.model.update(num_layers=1, image_size=32, patch_size=8)
       config.precision.update(param_update='stochastic', mu_dtype='bfloat16',
                               nu_dtype='bfloat16')
-      losses, par, state = _three_steps(config)
-      results[strategy] = (losses, jax.device_get(par.unreplicate(state)))
+      metrics, par, state = _steps(config, _uint8_batch, 3)
+      results[strategy] = (_column(metrics, 'loss'),
+                           jax.device_get(par.unreplicate(state)))
     want_losses, want = results['single']
     for strategy, (losses, state) in results.items():
       np.testing.assert_allclose(losses, want_losses, rtol=2e-5,
@@ -231,8 +165,60 @@ class StateLayoutsAgreeTest(parameterized.TestCase):
                                    atol=2 * config.learning_rate,
                                    err_msg=strategy)
 
+  def test_fp8_delayed_steps_and_histories_agree(self):
+    """fp8 amaxes are over the whole batch on every strategy (pmap reduces
+    them over its replicas: the Linear gets the axis, whatever the scaling;
+    fp8_test checks current scaling's reduction itself), so every layout
+    takes the steps one device takes, and the histories stay equal."""
+    results = {}
+    for strategy, mesh_shape in (('single', None), ('pmap', (8, 1)),
+                                 ('pjit', (4, 2))):
+      config = _config(strategy, mesh_shape, BF16, 'none')
+      config.model.num_layers = 1
+      config.precision.fp8.update(modules='*/encoder_block_*',
+                                  scaling='delayed', history_length=4)
+      metrics, par, state = _steps(config, _float_batch_without_inf, 3)
+      histories, _ = step_lib.split_fp8(
+          jax.device_get(par.unreplicate(state).params))
+      results[strategy] = (_column(metrics, 'loss'), histories)
+    want_losses, want_histories = results['single']
+    # 3 histories per fp8 Linear, 6 Linears in the block.
+    self.assertLen(jax.tree.leaves(want_histories), 3 * 6)
+    for strategy, (losses, histories) in results.items():
+      # Without the amaxes reduced over pmap's replicas, its losses are
+      # 7e-5 to 8e-5 away by the third step.
+      np.testing.assert_allclose(losses, want_losses, rtol=1e-5,
+                                 err_msg=strategy)
+      # Amaxes of the first two steps agree closely; the third step's
+      # output gradients come from params that Adam already moved apart
+      # where gradients are near zero (as in bfloat16 without fp8), so its
+      # amaxes are up to ~6% apart. A history in another unit (a replica's
+      # gradient is 8x the whole batch's) would be 700% off.
+      older = lambda tree: jax.tree.map(lambda h: h[1:], tree)
+      newest = lambda tree: jax.tree.map(lambda h: h[0], tree)
+      chex.assert_trees_all_close(older(histories), older(want_histories),
+                                  rtol=1e-2)
+      chex.assert_trees_all_close(newest(histories), newest(want_histories),
+                                  rtol=0.25)
+
+
+class StateLayoutsAgreeTest(parameterized.TestCase):
+
+  def test_stochastic_rounding_draws_the_same_on_every_sharding(self):
+    x = jnp.linspace(-3, 3, 16 * 24, dtype=jnp.float32).reshape(16, 24) + 1e-3
+    key = jax.random.key(5)
+    want = rounding.stochastic_round(key, x, jnp.bfloat16)
+    mesh = sharding_lib.make_mesh((4, 2))
+    for spec in (P('batch', 'model'), P(None, 'model'), P()):
+      sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+      got = jax.jit(rounding.stochastic_round, static_argnums=2)(
+          key, sharded, jnp.bfloat16)
+      self.assertEqual(got.sharding.spec, spec)
+      chex.assert_trees_all_equal(np.asarray(got), np.asarray(want))
+
   def test_compensation_and_moments_are_sharded_like_the_params(self):
     config = _config('pjit', (4, 2), policy='p=bf16,c=bf16,o=f32')
+    config.model.num_layers = 1
     config.precision.update(param_update='kahan', mu_dtype='bfloat16',
                             nu_dtype='bfloat16')
     par = _setup(config)
