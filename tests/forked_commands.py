@@ -15,8 +15,9 @@ JAX_* settings) is the launcher's: `helpers` sends only commands whose
 environment differs from the launcher's in variables read after the fork
 alone (XLA_FLAGS, say), and starts any other afresh.
 
-    python -m tests.forked_commands  # a JSON request per line on stdin, a
-                                     # JSON reply per line on stdout
+    python -m tests.forked_commands  # a JSON request per line on stdin (the
+                                     # commands to run together), a JSON
+                                     # reply per line on stdout
 """
 
 import atexit
@@ -28,6 +29,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 
 # What every `launch` command imports, and matplotlib (through the plots),
@@ -95,7 +97,7 @@ def _wait(pid: int, timeout: float) -> tuple[int, bool]:
   (then it is killed)."""
   pidfd = os.pidfd_open(pid)
   try:
-    ready, _, _ = select.select([pidfd], [], [], timeout)
+    ready, _, _ = select.select([pidfd], [], [], max(timeout, 0.0))
   finally:
     os.close(pidfd)
   if not ready:
@@ -111,23 +113,34 @@ def _temp_file(name: str) -> str:
 
 
 def _serve() -> None:
+  """Each request is a list of commands that run at the same time (the
+  processes of one multi-process run; usually one command); the reply, once
+  all have ended, is the list of their results. A command still running
+  when the request's `timeout` (seconds from its start) is up is killed."""
   for line in sys.stdin:
     request = json.loads(line)
-    # Files the parent removes: the child leaves by `exit_as_python`,
-    # without unwinding this function.
-    out, err = _temp_file('stdout'), _temp_file('stderr')
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-      _run_as_main(request['module'], request['args'], request['env'],
-                   request['cwd'], out, err)
-    returncode, timed_out = _wait(pid, request['timeout'])
-    reply = dict(returncode=returncode, timed_out=timed_out)
-    for key, path in (('stdout', out), ('stderr', err)):
-      with open(path, errors='replace') as f:
-        reply[key] = f.read()
-      os.remove(path)
-    sys.stdout.write(json.dumps(reply) + '\n')
+    deadline = time.monotonic() + request['timeout']
+    started = []
+    for command in request['commands']:
+      # Files the parent removes: the child leaves by `exit_as_python`,
+      # without unwinding this function.
+      out, err = _temp_file('stdout'), _temp_file('stderr')
+      sys.stdout.flush()
+      pid = os.fork()
+      if pid == 0:
+        _run_as_main(command['module'], command['args'], command['env'],
+                     command['cwd'], out, err)
+      started.append((pid, out, err))
+    replies = []
+    for pid, out, err in started:
+      returncode, timed_out = _wait(pid, deadline - time.monotonic())
+      reply = dict(returncode=returncode, timed_out=timed_out)
+      for key, path in (('stdout', out), ('stderr', err)):
+        with open(path, errors='replace') as f:
+          reply[key] = f.read()
+        os.remove(path)
+      replies.append(reply)
+    sys.stdout.write(json.dumps(replies) + '\n')
     sys.stdout.flush()
 
 

@@ -48,8 +48,10 @@ class _ForkedCommands:
              module in forked_commands.RUNNABLE_WRAPPERS) and
             _read_on_import(env) == _read_on_import(self._env))
 
-  def run(self, module: str, args: list[str], env: dict[str, str],
-          timeout: float) -> subprocess.CompletedProcess:
+  def run(self, commands: list[tuple[str, list[str], dict[str, str]]],
+          timeout: float) -> list[subprocess.CompletedProcess]:
+    """Runs the (module, args, env) `commands` at the same time; their
+    results once all have ended."""
     if self._launcher is None:
       self._launcher = subprocess.Popen(
           [sys.executable, '-m', 'tests.forked_commands'], cwd=ROOT,
@@ -57,16 +59,20 @@ class _ForkedCommands:
           text=True)
       atexit.register(self._launcher.stdin.close)
     self._launcher.stdin.write(json.dumps(dict(
-        module=module, args=list(args), env=env, cwd=ROOT,
+        commands=[dict(module=module, args=list(args), env=env, cwd=ROOT)
+                  for module, args, env in commands],
         timeout=timeout)) + '\n')
     self._launcher.stdin.flush()
-    reply = json.loads(self._launcher.stdout.readline())
-    command = [sys.executable, '-m', module, *args]
-    if reply['timed_out']:
-      raise subprocess.TimeoutExpired(command, timeout, reply['stdout'],
-                                      reply['stderr'])
-    return subprocess.CompletedProcess(command, reply['returncode'],
-                                       reply['stdout'], reply['stderr'])
+    results = []
+    for (module, args, _), reply in zip(
+        commands, json.loads(self._launcher.stdout.readline())):
+      command = [sys.executable, '-m', module, *args]
+      if reply['timed_out']:
+        raise subprocess.TimeoutExpired(command, timeout, reply['stdout'],
+                                        reply['stderr'])
+      results.append(subprocess.CompletedProcess(
+          command, reply['returncode'], reply['stdout'], reply['stderr']))
+    return results
 
 
 # XLA reads XLA_FLAGS when JAX creates a backend, after the fork; pytest sets
@@ -100,7 +106,7 @@ def run_module(module: str, *args: str, devices=None, env=None, check=False,
   if devices is not None:
     env['XLA_FLAGS'] = tests.xla_flags(devices)
   if _FORKED.serves(module, env):
-    result = _FORKED.run(module, args, env, timeout)
+    [result] = _FORKED.run([(module, args, env)], timeout)
   else:
     result = subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT,
                             env=env, text=True, capture_output=True,
@@ -108,6 +114,32 @@ def run_module(module: str, *args: str, devices=None, env=None, check=False,
   if check:
     result.check_returncode()
   return result
+
+
+def run_modules_together(commands, timeout: float = 240
+                         ) -> list[subprocess.CompletedProcess]:
+  """The (module, args, env overrides) `commands` run at the same time (the
+  processes of one multi-process run), each as `run_module` runs one; their
+  results once all have ended. A command still running `timeout` seconds
+  after the start is killed: `subprocess.TimeoutExpired`."""
+  commands = [(module, list(args), dict(os.environ, **env))
+              for module, args, env in commands]
+  if all(_FORKED.serves(module, env) for module, _, env in commands):
+    return _FORKED.run(commands, timeout)
+  procs = [subprocess.Popen([sys.executable, '-m', module, *args], cwd=ROOT,
+                            env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+           for module, args, env in commands]
+  results = []
+  try:
+    for proc in procs:
+      out, err = proc.communicate(timeout=timeout)
+      results.append(subprocess.CompletedProcess(proc.args, proc.returncode,
+                                                 out, err))
+  finally:
+    for proc in procs:
+      proc.kill()
+  return results
 
 
 def tiny_config(policy: str = 'params=float32,compute=float32,output=float32',

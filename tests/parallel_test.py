@@ -358,42 +358,25 @@ MULTI_FLAGS = ('--config=configs/vit_fp16.py', '--config.data.source=synthetic',
                '--config.parallel.mesh_shape=(4,2)')
 
 
-def _env(devices, **extra):
-  return dict(os.environ,
-              XLA_FLAGS=tests.xla_flags(devices),
-              **extra)
-
-
 def _two_processes(flags, workdir, signal_at_process_1=None):
   """Runs launch.train as 2 processes of 4 devices; their (returncode, log)."""
   with _reserved_port() as port:
-    return _run_two(flags, workdir, signal_at_process_1, port)
-
-
-def _run_two(flags, workdir, signal_at_process_1, port):
-  procs = []
-  for i in range(2):
-    env, module = _env(4), 'launch.train'
-    if i == 1 and signal_at_process_1:
-      env[signal_at_step.ENV] = signal_at_process_1
-      module = 'tests.signal_at_step'
-    procs.append(subprocess.Popen(
-        [sys.executable, '-m', module, *flags, f'--workdir={workdir}',
-         f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-         f'--process_id={i}'],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True))
-  results = []
-  for proc in procs:
+    commands = []
+    for i in range(2):
+      env, module = {'XLA_FLAGS': tests.xla_flags(4)}, 'launch.train'
+      if i == 1 and signal_at_process_1:
+        env[signal_at_step.ENV] = signal_at_process_1
+        module = 'tests.signal_at_step'
+      commands.append((module, [
+          *flags, f'--workdir={workdir}',
+          f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+          f'--process_id={i}'], env))
     try:
-      out, _ = proc.communicate(timeout=240)
+      done = helpers.run_modules_together(commands)
     except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
       raise AssertionError('the processes did not finish (a hang in a '
                            'collective?)') from None
-    results.append((proc.returncode, out))
-  return results
+  return [(d.returncode, d.stdout + d.stderr) for d in done]
 
 
 def _events(workdir):
