@@ -322,7 +322,8 @@ class ModelTest(parameterized.TestCase):
 
   def test_fp8_models_learn_a_batch_as_the_bfloat16_one_does(self):
     def losses(modules, scaling):
-      config = _config(modules, scaling=scaling, learning_rate=3e-3)
+      config = _config(modules, scaling=scaling, learning_rate=3e-3,
+                       **{'model.num_layers': 1})
       strategy = experiment.build_without_data(config).strategy
       state = strategy.init_state()
       batch = strategy.place_batch(helpers.random_batch(config, 8, seed=0))

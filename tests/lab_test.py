@@ -336,7 +336,7 @@ class RoundingTest(absltest.TestCase):
     stochastic rounding loses none on average. Zero biases take every
     update."""
     config = helpers.tiny_config(
-        'params=bfloat16,compute=bfloat16,output=float32', num_layers=2)
+        'params=bfloat16,compute=bfloat16,output=float32')
     config.learning_rate = 1e-4
     config.batch_size = 8
     config.data.source = 'synthetic'
