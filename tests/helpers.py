@@ -1,10 +1,13 @@
 """Shared test helpers: tiny configs and a jaxpr walker."""
 
 import atexit
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from typing import Iterator
 
 import jax
@@ -126,19 +129,29 @@ def run_modules_together(commands, timeout: float = 240
               for module, args, env in commands]
   if all(_FORKED.serves(module, env) for module, _, env in commands):
     return _FORKED.run(commands, timeout)
-  procs = [subprocess.Popen([sys.executable, '-m', module, *args], cwd=ROOT,
-                            env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-           for module, args, env in commands]
-  results = []
-  try:
-    for proc in procs:
-      out, err = proc.communicate(timeout=timeout)
+  # Output to files, not pipes: a process blocked on a full pipe while its
+  # peer waits for it in a collective would hang them both.
+  with contextlib.ExitStack() as stack:
+    outputs = [[stack.enter_context(tempfile.TemporaryFile('w+'))
+                for _ in range(2)] for _ in commands]
+    procs = [stack.enter_context(subprocess.Popen(
+        [sys.executable, '-m', module, *args], cwd=ROOT, env=env, text=True,
+        stdout=out, stderr=err))
+             for (module, args, env), (out, err) in zip(commands, outputs)]
+    deadline = time.monotonic() + timeout
+    try:
+      for proc in procs:
+        proc.wait(timeout=max(deadline - time.monotonic(), 0))
+    finally:
+      for proc in procs:
+        proc.kill()
+    results = []
+    for proc, files in zip(procs, outputs):
+      for f in files:
+        f.seek(0)
+      out, err = (f.read() for f in files)
       results.append(subprocess.CompletedProcess(proc.args, proc.returncode,
                                                  out, err))
-  finally:
-    for proc in procs:
-      proc.kill()
   return results
 
 

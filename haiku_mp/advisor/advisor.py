@@ -519,9 +519,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
       float16_window=_scale_json(judged.scale_window),
       suggestions={fmt: _suggestion(config, exp, modules, judged, fmt)
                    for fmt in HALF_DTYPES},
-      target=target, modules=rows,
-      device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
-      cpu=machine.cpu_info())
+      target=target, modules=rows, **machine.describe())
   result['fp8'] = fp8_advice(config, exp, state.params, inputs, fp8_limits,
                              log)
   if level == 'knockout':

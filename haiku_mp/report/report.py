@@ -248,9 +248,8 @@ def _memory_plot(result, out_dir) -> list[str]:
 
 
 def _header() -> dict[str, Any]:
-  return dict(device=str(jax.devices()[0].device_kind),
-              backend=jax.default_backend(), jax_version=jax.__version__,
-              devices=jax.device_count(), cpu=machine.cpu_info(),
+  return dict(**machine.describe(), backend=jax.default_backend(),
+              devices=jax.device_count(),
               date=time.strftime('%Y-%m-%d %H:%M:%S %Z'))
 
 
