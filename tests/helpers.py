@@ -80,8 +80,9 @@ class _ForkedCommands:
 
 # XLA reads XLA_FLAGS when JAX creates a backend, after the fork; pytest sets
 # PYTEST_CURRENT_TEST for each test; `tests.signal_at_step` reads its variable
-# as it runs.
-_SET_AFTER_IMPORT = ('XLA_FLAGS', 'PYTEST_CURRENT_TEST', signal_at_step.ENV)
+# as it runs; help text is wrapped to COLUMNS as it is printed.
+_SET_AFTER_IMPORT = ('XLA_FLAGS', 'PYTEST_CURRENT_TEST', signal_at_step.ENV,
+                     'COLUMNS')
 
 
 def long_running(cls):

@@ -273,16 +273,21 @@ class PrivateRunTest(absltest.TestCase):
 
 class LaunchTrainTest(parameterized.TestCase):
 
-  def _run(self, workdir, *flags):
-    return subprocess.run(
-        [sys.executable, '-m', 'launch.train', '--config=configs/vit_fp16.py',
-         f'--workdir={workdir}', '--config.data.source=synthetic', *flags],
-        cwd=ROOT, capture_output=True, text=True)
+  def _run(self, workdir, *flags, fresh=False):
+    """`launch.train`; `fresh`: in a new interpreter, as a user starts it
+    (its console as they see it), not forked from one with its libraries
+    imported (`helpers.run_module`)."""
+    args = ['--config=configs/vit_fp16.py', f'--workdir={workdir}',
+            '--config.data.source=synthetic', *flags]
+    if fresh:
+      return subprocess.run([sys.executable, '-m', 'launch.train', *args],
+                            cwd=ROOT, capture_output=True, text=True)
+    return helpers.run_module('launch.train', *args)
 
   def test_train_from_the_command_line_with_a_readable_console(self):
     workdir = os.path.join(self.enter_context(tempfile.TemporaryDirectory()),
                            'run')
-    result = self._run(workdir, *CLI_TINY)
+    result = self._run(workdir, *CLI_TINY, fresh=True)
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     self.assertTrue(os.path.exists(os.path.join(workdir, 'summary.json')))
     # The first window (one step, right after the start) has a real rate.

@@ -118,7 +118,7 @@ def initial_state(exp: experiment.Experiment, checkpoint: str,
   the newest at or before `checkpoint_step`). Reads and never writes the
   run's directory."""
   if not checkpoint:
-    return exp.init_state(), 0, 'init'
+    return exp.strategy.init_state(), 0, 'init'
   with contextlib.closing(checkpoint_lib.Checkpointer(checkpoint, 1)) as ckpt:
     restored = ckpt.restore_latest(
         exp.abstract_state,
@@ -258,6 +258,9 @@ def measure(exp: experiment.Experiment, state, inputs,
   """
   classes = module_classes(exp)
   stats = probes.statistics_fn(loss_fn or exp.loss_fn, classes)
+  # As the train steps leave it: every batch's statistics one program,
+  # whichever way `state` was made.
+  state = exp.strategy.place_state(state)
   totals = _Totals()
   scales = []
   key = jax.random.key(exp.config.seed + 1)

@@ -148,7 +148,9 @@ class Single(Strategy):
     return jax.device_put(batch)
 
   def place_state(self, state):
-    return state
+    # Committed, as `init_state`'s and a restored state are: a state made
+    # elsewhere (eagerly, say) then meets the same programs.
+    return jax.device_put(state, self._device)
 
   @property
   def checkpoint_shardings(self):
