@@ -33,6 +33,16 @@ class ForkedCommandsTest(parameterized.TestCase):
                      f'there are {devices}')
     self.assertFalse(os.path.exists(workdir))
 
+  def test_a_test_process_that_imported_tensorflow_still_forks(self):
+    self.assertTrue(helpers.forks('launch.train', devices=1))
+    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+    # TensorFlow wrote its variables into this process's environment.
+    self.assertIn('TF2_BEHAVIOR', os.environ)
+    self.assertTrue(helpers.forks('launch.train', devices=1))
+    self.assertTrue(helpers.forks('tests.signal_at_step', devices=8))
+    self.assertFalse(helpers.forks('launch.train', env={'JAX_PLATFORMS': 'tpu'}))
+    self.assertFalse(helpers.forks('tests.without_modules'))
+
   def test_an_environment_the_launcher_lacks_starts_afresh(self):
     # JAX reads JAX_PLATFORMS as it is imported: a launcher's forked command
     # would run on the CPU the launcher's JAX chose.

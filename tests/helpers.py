@@ -83,6 +83,14 @@ class _ForkedCommands:
 # as it runs; help text is wrapped to COLUMNS as it is printed.
 _SET_AFTER_IMPORT = ('XLA_FLAGS', 'PYTEST_CURRENT_TEST', signal_at_step.ENV,
                      'COLUMNS')
+# What importing TensorFlow writes into os.environ (a test of this process
+# that reads TFDS data imports it), and what `launch.cli` sets before it
+# does: any command that imports TensorFlow sets the same values. Counted as
+# a difference, they sent every later command of the process (the
+# interruption tests' twenty runs among them) to a fresh interpreter.
+_SET_BY_TENSORFLOW = ('ENABLE_RUNTIME_UPTIME_TELEMETRY', 'HDF5_PLUGIN_PATH',
+                      'TF2_BEHAVIOR', 'TF_CPP_MIN_LOG_LEVEL', 'TPU_ML_PLATFORM',
+                      'TPU_ML_PLATFORM_VERSION', 'TPU_SKIP_MDS_QUERY')
 
 
 def long_running(cls):
@@ -94,10 +102,24 @@ def long_running(cls):
 
 
 def _read_on_import(env) -> dict[str, str]:
-  return {k: v for k, v in env.items() if k not in _SET_AFTER_IMPORT}
+  return {k: v for k, v in env.items()
+          if k not in _SET_AFTER_IMPORT + _SET_BY_TENSORFLOW}
 
 
 _FORKED = _ForkedCommands()
+
+
+def _command_env(env, devices) -> dict[str, str]:
+  env = dict(os.environ, **(env or {}))
+  if devices is not None:
+    env['XLA_FLAGS'] = tests.xla_flags(devices)
+  return env
+
+
+def forks(module: str, env=None, devices=None) -> bool:
+  """Whether `run_module` forks `module` from the launcher (see
+  `tests.forked_commands`) rather than starting a fresh interpreter."""
+  return _FORKED.serves(module, _command_env(env, devices))
 
 
 def run_module(module: str, *args: str, devices=None, env=None, check=False,
@@ -106,9 +128,7 @@ def run_module(module: str, *args: str, devices=None, env=None, check=False,
   text; `devices` sets the number of virtual CPU devices it sees. A project
   command is forked from a process with its libraries imported (see
   `tests.forked_commands`), anything else started afresh."""
-  env = dict(os.environ, **(env or {}))
-  if devices is not None:
-    env['XLA_FLAGS'] = tests.xla_flags(devices)
+  env = _command_env(env, devices)
   if _FORKED.serves(module, env):
     [result] = _FORKED.run([(module, args, env)], timeout)
   else:
