@@ -4,11 +4,15 @@ test module runs alone as well as under pytest. XLA reads the flag when JAX
 first creates its CPU backend, not when jax is imported.
 
 The tests' programs are tiny and each is run a few times, so compiling them is
-most of the suite's time. Two flags change how XLA:CPU generates machine
+most of the suite's time. Three flags change how XLA:CPU generates machine
 code, not what its HLO passes decide (fusion, buffer assignment, memory
-analysis): LLVM's optimization level 0 compiles about a third faster, and
+analysis): LLVM's optimization level 0 compiles about a third faster,
 XLA's elemental emitters instead of its MLIR fusion emitters halve what is
-left (a tiny train step: 2.1 s, then 1.1 s on two cores). The elemental
+left (a tiny train step: 2.1 s, then 1.1 s on two cores), and one LLVM
+module per program instead of parts compiled on a thread pool saves a fifth
+of the CPU time that is left (on two busy cores the parts never ran side by
+side anyway; tests/step_test.py and mixed_precision_test.py: 62 s of CPU,
+then 54). The elemental
 emitters fuse some multiply-adds into one rounding (FMA), so two programs of
 the same arithmetic (a device's part and the whole batch, say) may differ in
 a last bit; the tests compare such results to float32 rounding.
@@ -26,7 +30,8 @@ import os
 import tempfile
 
 FAST_COMPILE_FLAGS = ('--xla_backend_optimization_level=0 '
-                      '--xla_cpu_use_fusion_emitters=false')
+                      '--xla_cpu_use_fusion_emitters=false '
+                      '--xla_cpu_parallel_codegen_split_count=1')
 
 
 def xla_flags(devices: int) -> str:

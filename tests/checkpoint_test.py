@@ -152,14 +152,7 @@ class InterruptTest(parameterized.TestCase):
                      helpers.jsonl_scalars(self.workdir))
     return proc, events
 
-  @parameterized.named_parameters(
-      ('sigterm', 'TERM', 0, 'SIGTERM', 'SIGTERM: finishing the steps under '
-       'way, then saving a checkpoint and stopping.'),
-      ('ctrl_c', 'INT', 130, 'Ctrl-C (SIGINT)', 'Ctrl-C: finishing the steps '
-       'under way, then saving a checkpoint (Ctrl-C again stops at once, '
-       'without saving).'))
-  def test_a_signal_saves_and_the_resumed_run_is_exact(self, name, code, by,
-                                                        arrival):
+  def _assert_stopped_at_7_by(self, name, code, by, arrival):
     proc = _run(self.flags, signal_at=f'{name}:7')
     self.assertEqual(proc.returncode, code, proc.stderr[-3000:])
     self.assertIn(arrival, proc.stderr)  # As it arrives, before the save.
@@ -172,6 +165,18 @@ class InterruptTest(parameterized.TestCase):
                      ['7'])  # The step the signal arrived in; no more ran.
     self.assertLen(_train_events(self.workdir), 7)
     self.assertFalse(os.path.exists(f'{self.workdir}/summary.json'))
+
+  def test_ctrl_c_saves_and_stops(self):
+    # Its checkpoint is SIGTERM's (below, resumed exactly).
+    self._assert_stopped_at_7_by(
+        'INT', 130, 'Ctrl-C (SIGINT)', 'Ctrl-C: finishing the steps under '
+        'way, then saving a checkpoint (Ctrl-C again stops at once, without '
+        'saving).')
+
+  def test_sigterm_saves_and_the_resumed_run_is_exact(self):
+    self._assert_stopped_at_7_by(
+        'TERM', 0, 'SIGTERM', 'SIGTERM: finishing the steps under way, then '
+        'saving a checkpoint and stopping.')
     _, events = self._assert_finishes_as_the_straight_run(resumed_at=7)
     # The first window after the start and after the resume: one step each,
     # with a real rate (compilation happens before it).

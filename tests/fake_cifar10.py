@@ -2,9 +2,10 @@
 
 `archive()` makes a `cifar-10-binary.tar.gz` in CIFAR-10's binary format (one
 label byte and 3,072 pixel bytes per image, channel-major) from random images;
-`serve()` serves it. Run as a module, this is `launch.train` with TFDS's
-cifar10 builder pointed at `$FAKE_CIFAR10_URL`. Only the URL changes: the
-download, extraction and preparation are TFDS's own.
+`serve()` serves it. Run as a module, `python -m tests.fake_cifar10
+launch.train ...` is that command with TFDS's cifar10 builder pointed at
+`$FAKE_CIFAR10_URL`. Only the URL changes: the download, extraction and
+preparation are TFDS's own.
 `$BLOCK_MODULES` (comma-separated) makes those modules unimportable, as if not
 installed.
 """
@@ -23,14 +24,13 @@ from typing import Iterator
 
 import numpy as np
 
-import tests
+from tests import helpers
 
 URL_ENV = 'FAKE_CIFAR10_URL'
 BLOCK_ENV = 'BLOCK_MODULES'
 LABELS = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog',
           'horse', 'ship', 'truck')
 PREFIX = 'cifar-10-batches-bin/'
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_FLAGS = (
     '--config.num_train_steps=3', '--config.log_every_steps=1',
     '--config.eval_every_steps=3', '--config.batch_size=16',
@@ -100,16 +100,22 @@ def serve(data: bytes) -> Iterator[tuple[str, list[str]]]:
     thread.join()
 
 
+def run(url: str, module: str, *args: str, block: str = '',
+        env=None) -> subprocess.CompletedProcess:
+  """`python -m module *args` (`helpers.run_module`, one device) with TFDS's
+  cifar10 builder downloading `url`; `block`: modules it cannot import."""
+  env = dict(env or {}, **{URL_ENV: url})
+  if block:  # Not in a process that has them imported: a fresh one.
+    env[BLOCK_ENV] = block
+  return helpers.run_module('tests.fake_cifar10', module, *args, devices=1,
+                            env=env, timeout=600)
+
+
 def train(url: str, workdir: str, *flags: str, block: str = ''
           ) -> subprocess.CompletedProcess:
   """`launch.train` (tiny model, 3 steps) on the CIFAR-10 served at `url`."""
-  env = dict(os.environ, XLA_FLAGS=tests.xla_flags(1))
-  env[URL_ENV] = url
-  env[BLOCK_ENV] = block
-  return subprocess.run(
-      [sys.executable, '-m', 'tests.fake_cifar10',
-       '--config=configs/vit_fp16.py', f'--workdir={workdir}', *TRAIN_FLAGS,
-       *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  return run(url, 'launch.train', '--config=configs/vit_fp16.py',
+             f'--workdir={workdir}', *TRAIN_FLAGS, *flags, block=block)
 
 
 @contextlib.contextmanager
@@ -130,7 +136,8 @@ def _point_cifar10_at(url: str) -> None:
 
 
 if __name__ == '__main__':
-  for module in filter(None, os.environ.get(BLOCK_ENV, '').split(',')):
-    sys.modules[module] = None  # `import module` now raises ImportError.
+  for blocked in filter(None, os.environ.get(BLOCK_ENV, '').split(',')):
+    sys.modules[blocked] = None  # `import blocked` now raises ImportError.
   _point_cifar10_at(os.environ[URL_ENV])
-  runpy.run_module('launch.train', run_name='__main__', alter_sys=True)
+  sys.argv = sys.argv[1:]
+  runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)

@@ -40,11 +40,12 @@ import haiku_mp.train.loop  # pylint: disable=unused-import
 import haiku_mp.train.run_plots  # pylint: disable=unused-import
 import launch.cli  # pylint: disable=unused-import
 
-# The modules a request may run: the project's commands, and the test wrapper
-# that only patches the train loop's classes before it runs `launch.train`
-# (not those that hide a preloaded package or limit the process's files).
+# The modules a request may run: the project's commands, and the test
+# wrappers that only patch a class before they run a command (the train
+# loop's, TFDS's cifar10 builder's URL); not those that hide a preloaded
+# package or limit the process's files.
 RUNNABLE_PREFIX = 'launch.'
-RUNNABLE_WRAPPERS = ('tests.signal_at_step',)
+RUNNABLE_WRAPPERS = ('tests.signal_at_step', 'tests.fake_cifar10')
 
 
 def _run_as_main(module: str, args: list[str], env: dict[str, str], cwd: str,

@@ -79,10 +79,11 @@ class _ForkedCommands:
 
 
 # XLA reads XLA_FLAGS when JAX creates a backend, after the fork; pytest sets
-# PYTEST_CURRENT_TEST for each test; `tests.signal_at_step` reads its variable
-# as it runs; help text is wrapped to COLUMNS as it is printed.
+# PYTEST_CURRENT_TEST for each test; `tests.signal_at_step` and
+# `tests.fake_cifar10` read theirs as they run; help text is wrapped to
+# COLUMNS as it is printed.
 _SET_AFTER_IMPORT = ('XLA_FLAGS', 'PYTEST_CURRENT_TEST', signal_at_step.ENV,
-                     'COLUMNS')
+                     'FAKE_CIFAR10_URL', 'COLUMNS')
 # What importing TensorFlow writes into os.environ (a test of this process
 # that reads TFDS data imports it), and what `launch.cli` sets before it
 # does: any command that imports TensorFlow sets the same values. Counted as
@@ -110,7 +111,8 @@ _FORKED = _ForkedCommands()
 
 
 def _command_env(env, devices) -> dict[str, str]:
-  env = dict(os.environ, **(env or {}))
+  env = {k: v for k, v in dict(os.environ, **(env or {})).items()
+         if v is not None}
   if devices is not None:
     env['XLA_FLAGS'] = tests.xla_flags(devices)
   return env
@@ -125,9 +127,10 @@ def forks(module: str, env=None, devices=None) -> bool:
 def run_module(module: str, *args: str, devices=None, env=None, check=False,
                timeout: float = 600) -> subprocess.CompletedProcess:
   """`python -m module *args` in the repository root, output captured as
-  text; `devices` sets the number of virtual CPU devices it sees. A project
-  command is forked from a process with its libraries imported (see
-  `tests.forked_commands`), anything else started afresh."""
+  text; `devices` sets the number of virtual CPU devices it sees; `env`
+  changes the environment (None: unset). A project command is forked from a
+  process with its libraries imported (see `tests.forked_commands`),
+  anything else started afresh."""
   env = _command_env(env, devices)
   if _FORKED.serves(module, env):
     [result] = _FORKED.run([(module, args, env)], timeout)

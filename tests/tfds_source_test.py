@@ -15,33 +15,19 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
 
 import glob
 import hashlib
-import subprocess
 import tempfile
 
 from absl.testing import absltest
 
-import tests
 from tests import fake_cifar10
-
-# `launch.data` with TFDS's cifar10 builder downloading argv[1].
-_EXPORT_FROM = (
-    'import runpy, sys\n'
-    'from tests import fake_cifar10\n'
-    'fake_cifar10._point_cifar10_at(sys.argv[1])\n'  # pylint: disable=protected-access
-    "sys.argv = ['launch.data', *sys.argv[2:]]\n"
-    "runpy.run_module('launch.data', run_name='__main__', alter_sys=True)\n")
 
 
 def _export(url, *flags, home=None):
   """`python -m launch.data export` of the CIFAR-10 at `url`."""
-  env = dict(os.environ, XLA_FLAGS=tests.xla_flags(1))
-  env.pop('TFDS_DATA_DIR', None)
+  env = {'TFDS_DATA_DIR': None}
   if home:
     env['HOME'] = home
-  return subprocess.run(
-      [sys.executable, '-c', _EXPORT_FROM, url, 'export', *flags],
-      cwd=fake_cifar10.ROOT, env=env, capture_output=True, text=True,
-      timeout=600)
+  return fake_cifar10.run(url, 'launch.data', 'export', *flags, env=env)
 
 
 def _tree(directory):
