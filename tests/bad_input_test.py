@@ -59,6 +59,7 @@ def _digest(directory):
   return h.hexdigest()
 
 
+@helpers.long_running
 class BadInputTest(parameterized.TestCase):
 
   @classmethod

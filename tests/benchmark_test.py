@@ -190,6 +190,7 @@ class LoopBenchmarkTest(parameterized.TestCase):
       loop_benchmark.steady_images_per_sec(events[:2], 8)
 
 
+@helpers.long_running
 class CommandLineTest(parameterized.TestCase):
 
   def test_pipeline_from_the_command_line(self):

@@ -489,6 +489,7 @@ def _steps(exp, config, state, first, last):
   return state
 
 
+@helpers.long_running
 class StateLayoutCheckpointTest(parameterized.TestCase):
 
   def setUp(self):

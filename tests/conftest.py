@@ -1,11 +1,14 @@
 """pytest: the test package's eight CPU devices before any module loads JAX,
 and the long test classes scheduled first.
 
-With two xdist workers (`-n 2 --dist loadscope`), a class of a minute that
-starts last keeps one core busy while the other has nothing left to do;
+With two xdist workers (`-n 2 --dist loadscope`), a class of half a minute
+that starts last keeps one core busy while the other has nothing left to do;
 started first, the short classes fill in around it. A class says it is long
 itself (`@helpers.long_running`); one that took long without saying so is
-named at the end of the run, so none is missed silently.
+named at the end of the run, so none is missed silently. xdist would hand
+out classes by their number of tests instead (its `--loadscope-reorder`, on
+by default), which started the one-test classes of twenty seconds last: the
+order here is kept.
 """
 
 import collections
@@ -13,7 +16,7 @@ import collections
 import tests  # pylint: disable=unused-import
 
 # A class whose tests together take longer than this should be marked.
-LONG_CLASS_SEC = 45.0
+LONG_CLASS_SEC = 15.0
 
 _class_seconds = collections.Counter()
 
@@ -26,6 +29,8 @@ _marked = set()
 
 
 def pytest_configure(config):
+  if hasattr(config.option, 'loadscopereorder'):  # xdist's; the items' order.
+    config.option.loadscopereorder = False
   config.addinivalue_line(
       'markers', 'long_running: a class marked @helpers.long_running; '
       "`-m 'not long_running'` is the quick subset (docs/testing.md)")

@@ -255,6 +255,7 @@ class MxTest(absltest.TestCase):
         qdq[:, 32:], fp8.mx_quantize_dequantize(x[:, 32:], fp8.E4M3, axis=1))
 
 
+@helpers.long_running
 class ModelTest(parameterized.TestCase):
 
   @parameterized.named_parameters(

@@ -132,6 +132,7 @@ def _run_on_one_cpu(args, env) -> tuple[int, str]:
   return proc.returncode, proc.stderr
 
 
+@helpers.long_running
 @absltest.skipUnless(hasattr(os, 'sched_setaffinity'),
                      'pins a process to one CPU: Linux only')
 class NoStallTest(absltest.TestCase):

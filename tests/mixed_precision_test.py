@@ -39,6 +39,7 @@ def _setup(policy, overrides='', **precision):
   return exp.forward, exp.strategy.init_state().params, batch, loss
 
 
+@helpers.long_running
 class MatmulDtypeTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*[(k, *v) for k, v in POLICIES.items()])

@@ -45,6 +45,7 @@ def _reference_kept_bytes(setting, dtype, batch_size):
   return memory.residual_summary(exp, batch_size)['kept_bytes']
 
 
+@helpers.long_running
 class RematTest(parameterized.TestCase):
 
   def test_unknown_setting_is_a_config_error(self):

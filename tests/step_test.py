@@ -91,6 +91,7 @@ NO_MASTER_LAYOUTS = (('stochastic', 'bfloat16', 'bfloat16'),
                      ('kahan', 'float32', 'bfloat16'))
 
 
+@helpers.long_running
 class StateLayoutStepTest(parameterized.TestCase):
   """bfloat16 params without a master copy, in the whole train step."""
 

@@ -70,6 +70,7 @@ def _read_jsonl(workdir):
     return [json.loads(line) for line in f]
 
 
+@helpers.long_running
 class TrainerTest(parameterized.TestCase):
 
   def setUp(self):
