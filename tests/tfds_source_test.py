@@ -53,6 +53,7 @@ def _fill(directory):
       f.write(path)
 
 
+@helpers.long_running
 class FailedDownloadTest(absltest.TestCase):
 
   def _assert_only_the_error(self, result, url):
