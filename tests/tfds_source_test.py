@@ -20,6 +20,7 @@ import tempfile
 from absl.testing import absltest
 
 from tests import fake_cifar10
+from tests import helpers
 
 
 def _export(url, *flags, home=None):
