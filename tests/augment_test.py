@@ -17,6 +17,7 @@ from configs import base
 from configs import vit_recipe
 from haiku_mp.data import augment
 from haiku_mp.update import keys as keys_lib
+from tests import helpers
 
 DATA = base.get_config().data
 SIZE = 32
@@ -223,6 +224,7 @@ class RecipeAugmentTest(parameterized.TestCase):
     self.assertFalse(kept.all())
 
 
+@helpers.long_running
 class ModelInputsTest(parameterized.TestCase):
 
   def test_train_inputs_augment_uint8_and_keep_labels(self):

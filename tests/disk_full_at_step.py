@@ -55,6 +55,10 @@ def _no_room_from(at_step: int, closing_fails: bool) -> None:
 
   def save_without_room(self, step, *args, **kwargs):
     if step >= at_step:
+      # The save before it may still be writing (`save` waits for it first):
+      # it finishes with room, so that this step's is the one that finds
+      # none (under load, the last save's write failed instead).
+      self.wait()
       leave_no_room(self.directory)
       no_room.append(step)
     return save(self, step, *args, **kwargs)

@@ -83,7 +83,7 @@ class _ForkedCommands:
 # `tests.fake_cifar10` read theirs as they run; help text is wrapped to
 # COLUMNS as it is printed.
 _SET_AFTER_IMPORT = ('XLA_FLAGS', 'PYTEST_CURRENT_TEST', signal_at_step.ENV,
-                     'FAKE_CIFAR10_URL', 'COLUMNS')
+                     signal_at_step.MODULE_ENV, 'FAKE_CIFAR10_URL', 'COLUMNS')
 # What importing TensorFlow writes into os.environ (a test of this process
 # that reads TFDS data imports it), and what `launch.cli` sets before it
 # does: any command that imports TensorFlow sets the same values. Counted as

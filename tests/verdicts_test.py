@@ -68,6 +68,7 @@ def _scaled_loss(loss_fn, factor):
   return scaled
 
 
+@helpers.long_running
 class AdvisorTest(absltest.TestCase):
 
   @classmethod
