@@ -13,7 +13,9 @@ shutdown does up to freeing the modules (`exit_as_python`). What the
 preloaded libraries read from the environment as they were imported (JAX's
 JAX_* settings) is the launcher's: `helpers` sends only commands whose
 environment differs from the launcher's in variables read after the fork
-alone (XLA_FLAGS, say), and starts any other afresh.
+alone (XLA_FLAGS, say), and starts any other afresh. Both start from the
+test process's environment as `helpers` was imported, not as a library the
+process imported since (TensorFlow) left it.
 
     python -m tests.forked_commands  # a JSON request per line on stdin (the
                                      # commands to run together), a JSON

@@ -36,7 +36,8 @@ class ForkedCommandsTest(parameterized.TestCase):
   def test_a_test_process_that_imported_tensorflow_still_forks(self):
     self.assertTrue(helpers.forks('launch.train', devices=1))
     import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-    # TensorFlow wrote its variables into this process's environment.
+    # TensorFlow wrote its variables into this process's environment; a
+    # command's starts from the process's start environment without them.
     self.assertIn('TF2_BEHAVIOR', os.environ)
     self.assertTrue(helpers.forks('launch.train', devices=1))
     self.assertTrue(helpers.forks('tests.signal_at_step', devices=8))

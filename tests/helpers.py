@@ -34,14 +34,21 @@ TINY_MODEL_FLAGS = ('--config.model.num_layers=1',
                     '--config.model.mlp_dim=16', '--config.model.num_heads=2')
 
 
+# The environment a command starts from: the test process's as this module
+# was imported, not as libraries a test imported since left it (importing
+# TensorFlow writes seven variables into it): every command of a process
+# then sees the same environment, whichever tests ran before it.
+_START_ENV = dict(os.environ)
+
+
 class _ForkedCommands:
   """One `tests.forked_commands` launcher per test process, started on first
-  use with the environment the process had when this module was imported,
-  and ended (its stdin closed) with that process."""
+  use with the process's start environment, and ended (its stdin closed)
+  with that process."""
 
   def __init__(self):
     self._launcher = None
-    self._env = dict(os.environ)
+    self._env = _START_ENV
 
   def serves(self, module: str, env: dict[str, str]) -> bool:
     """Whether the launcher runs `module` under `env` as a fresh process
@@ -84,14 +91,6 @@ class _ForkedCommands:
 # COLUMNS as it is printed.
 _SET_AFTER_IMPORT = ('XLA_FLAGS', 'PYTEST_CURRENT_TEST', signal_at_step.ENV,
                      signal_at_step.MODULE_ENV, 'FAKE_CIFAR10_URL', 'COLUMNS')
-# What importing TensorFlow writes into os.environ (a test of this process
-# that reads TFDS data imports it), and what `launch.cli` sets before it
-# does: any command that imports TensorFlow sets the same values. Counted as
-# a difference, they sent every later command of the process (the
-# interruption tests' twenty runs among them) to a fresh interpreter.
-_SET_BY_TENSORFLOW = ('ENABLE_RUNTIME_UPTIME_TELEMETRY', 'HDF5_PLUGIN_PATH',
-                      'TF2_BEHAVIOR', 'TF_CPP_MIN_LOG_LEVEL', 'TPU_ML_PLATFORM',
-                      'TPU_ML_PLATFORM_VERSION', 'TPU_SKIP_MDS_QUERY')
 
 
 def long_running(cls):
@@ -103,15 +102,16 @@ def long_running(cls):
 
 
 def _read_on_import(env) -> dict[str, str]:
-  return {k: v for k, v in env.items()
-          if k not in _SET_AFTER_IMPORT + _SET_BY_TENSORFLOW}
+  return {k: v for k, v in env.items() if k not in _SET_AFTER_IMPORT}
 
 
 _FORKED = _ForkedCommands()
 
 
-def _command_env(env, devices) -> dict[str, str]:
-  env = {k: v for k, v in dict(os.environ, **(env or {})).items()
+def _command_env(env, devices=None) -> dict[str, str]:
+  """The start environment changed by `env` (None: unset), with `devices`
+  virtual CPU devices if given."""
+  env = {k: v for k, v in dict(_START_ENV, **(env or {})).items()
          if v is not None}
   if devices is not None:
     env['XLA_FLAGS'] = tests.xla_flags(devices)
@@ -149,7 +149,7 @@ def run_modules_together(commands, timeout: float = 240
   processes of one multi-process run), each as `run_module` runs one; their
   results once all have ended. A command still running `timeout` seconds
   after the start is killed: `subprocess.TimeoutExpired`."""
-  commands = [(module, list(args), dict(os.environ, **env))
+  commands = [(module, list(args), _command_env(env))
               for module, args, env in commands]
   if all(_FORKED.serves(module, env) for module, _, env in commands):
     return _FORKED.run(commands, timeout)

@@ -275,7 +275,6 @@ class MemoryTest(parameterized.TestCase):
       self.assertEqual(by_key['float32', batch_size]['vs_float32'],
                        {'kept_activation_bytes': 1.0})
 
-
   def test_a_compiled_breakdown_holds_the_state_it_reads(self):
     config = variants.variant_config(helpers.tiny_config(), 'bfloat16', 4,
                                      'single:1x1')
