@@ -525,23 +525,75 @@ class StateLayoutCheckpointTest(parameterized.TestCase):
                                 _storable(straight))
     chex.assert_trees_all_equal_dtypes(resumed, straight)
 
-  def test_a_checkpoint_from_before_the_layouts_restores_and_goes_on(self):
-    """Saved by the code before `precision.param_update` and the moment
-    dtypes existed (two steps of `_layout_config()`): it restores into the
-    default layout, equal to the same two steps taken now."""
+  def _restore_fixture(self, config):
+    """The fixture's step-2 checkpoint, restored as a run of `config` would,
+    and the arrays it holds as orbax reads them back with no target."""
     shutil.copytree(os.path.join(helpers.ROOT, 'tests', 'data',
                                  'checkpoint_before_layouts'),
                     self.workdir, dirs_exist_ok=True)
-    config = _layout_config()
     exp = experiment.build(config)
     with contextlib.closing(checkpoint.Checkpointer(self.workdir, 1)) as ckpt:
       step, restored = ckpt.restore_latest(exp.abstract_state)
     self.assertEqual(step, 2)
-    now = _steps(exp, config, exp.strategy.init_state(), 0, 2)
-    chex.assert_trees_all_equal(_storable(restored),
-                                _storable(now))
+    stored = ocp.StandardCheckpointer().restore(
+        os.path.join(self.workdir, 'checkpoints', '2', 'default'))
+    return exp, restored, stored
+
+  def test_a_checkpoint_from_before_the_layouts_restores_bit_exactly(self):
+    """Saved by the code before `precision.param_update` and the moment
+    dtypes existed (two steps of `_layout_config()`): it restores into the
+    default layout, every array equal to the one the fixture holds."""
+    _, restored, stored = self._restore_fixture(_layout_config())
     self.assertIsInstance(restored.opt_state, optimizer_lib.MasterState)
-    _steps(exp, config, exp.strategy.place_state(restored), 2, 3)
+    restored, stored = _by_name(_storable(restored)), _by_name(stored)
+    self.assertSameElements(restored, stored)
+    for name, array in restored.items():
+      with self.subTest(name):
+        chex.assert_trees_all_equal(array, stored[name])
+        chex.assert_trees_all_equal_dtypes(array, stored[name])
+
+  def test_a_checkpoint_from_before_the_layouts_goes_on(self):
+    """The fixture is the two steps taken now, up to the rounding of the
+    machine that saved it, and its run goes on from it.
+
+    The fixture was computed on another CPU: XLA:CPU's code, and so its
+    float32 rounding, differs between instruction sets (a Xeon's and an
+    EPYC's mu differed by 1.2e-6 relative on elements that are sums with
+    cancellation). Each leaf agrees within a few units in the last place
+    of its dtype, measured against the leaf's largest element; a bfloat16
+    param may round the other way where its float32 master sits on a tie.
+    """
+    config = _layout_config()
+    exp, state, _ = self._restore_fixture(config)
+    now = _steps(exp, config, exp.strategy.init_state(), 0, 2)
+    restored, now = _by_name(_storable(state)), _by_name(_storable(now))
+    self.assertSameElements(restored, now)
+    for name, array in now.items():
+      with self.subTest(name):
+        chex.assert_trees_all_equal_dtypes(restored[name], array)
+        if jnp.issubdtype(array.dtype, jnp.floating):
+          largest = float(jnp.max(jnp.abs(array.astype(jnp.float32))))
+          ulp = float(jnp.finfo(array.dtype).eps) * largest
+          chex.assert_trees_all_close(restored[name], array, rtol=0,
+                                      atol=_FOREIGN_CPU_ULPS * ulp)
+        else:
+          chex.assert_trees_all_equal(restored[name], array)
+    _steps(exp, config, exp.strategy.place_state(state), 2, 3)
+
+
+# How far a leaf of the fixture may be from the same steps computed on
+# another CPU, in units in the last place of the leaf's largest element: a
+# gradient one unit off makes Adam's nu, its square, two off (1.4 seen on a
+# Xeon against the EPYC's fixture); a different step would be far more.
+_FOREIGN_CPU_ULPS = 4
+
+
+def _by_name(tree) -> dict:
+  """A tree's arrays by their path, as orbax names them ('a.b.0.c')."""
+  return {'.'.join(str(getattr(k, 'name', getattr(k, 'key',
+                                                  getattr(k, 'idx', k))))
+                   for k in path): jnp.asarray(leaf)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _storable(state):
