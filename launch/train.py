@@ -17,6 +17,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from haiku_mp.measure import machine
 from haiku_mp.train import in_flight
 from haiku_mp.train import loop
 from launch import cli
@@ -58,9 +59,13 @@ def main(argv):
       os.environ.get('XLA_FLAGS', ''), _CONFIG.value.stall_timeout_sec)
   _initialize_distributed()
   overrides = config_flags.get_override_values(flags.FLAGS['config'])
-  announce = lambda: logging.info(
-      'Config: %s%s', config_flags.get_config_filename(flags.FLAGS['config']),
-      ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
+
+  def announce():
+    logging.info('Config: %s%s',
+                 config_flags.get_config_filename(flags.FLAGS['config']),
+                 ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
+    logging.info('%s', machine.host_line())
+
   result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
                                    log_module_table=_MODULES_TABLE.value,
                                    on_checked=announce)

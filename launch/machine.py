@@ -1,0 +1,10 @@
+"""Prints the machine the commands run on here, as their console's
+`Machine:` line: the CPU, its cores and the allocator setting in force.
+
+python -m launch.machine
+"""
+
+from haiku_mp.measure import machine
+
+if __name__ == '__main__':
+  print(machine.host_line())
