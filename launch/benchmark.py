@@ -46,6 +46,7 @@ from haiku_mp.benchmarks import pipeline_benchmark
 from haiku_mp.benchmarks import step_benchmark
 from haiku_mp import errors
 from haiku_mp.measure import compare
+from haiku_mp.measure import machine
 from haiku_mp.measure import timing
 from haiku_mp.measure import variants
 from haiku_mp.parallel import sharding
@@ -183,6 +184,7 @@ def _loop(config, dtypes):
           f'{ratios["step_images_per_sec"]:.2f}x')
   if _JSON.value:
     print(json.dumps(dict(device=rows[0]['device'], cpu=rows[0]['cpu'],
+                          allocator=rows[0]['allocator'],
                           ratios_vs=name(rows[0]), results=rows)))
 
 
@@ -206,6 +208,7 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   config = _CONFIG.value
   _check_flags(config)
+  print(machine.host_line(), flush=True)
   if _LAYOUTS.value:
     _layouts(config)
     return
@@ -230,6 +233,7 @@ def main(argv):
       print(json.dumps(rows[0]))
     else:
       print(json.dumps(dict(device=rows[0]['device'], cpu=rows[0]['cpu'],
+                            allocator=rows[0]['allocator'],
                             ratios_vs=rows[0]['dtype'], results=rows)))
 
 

@@ -7,6 +7,7 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
+import re
 import tempfile
 
 from absl.testing import absltest
@@ -20,7 +21,7 @@ from haiku_mp.measure import machine
 from tests import helpers
 from tests import signal_at_step
 
-FIELDS = {'device', 'jax_version', 'cpu', 'dtype', 'dot_form', 'policy',
+FIELDS = {'device', 'jax_version', 'cpu', 'allocator', 'dtype', 'dot_form', 'policy',
           'batch_size', 'steps', 'step_time_s', 'step_times_s',
           'images_per_sec', 'flops_per_step', 'matmul_ceiling_flops',
           'matmul_ceiling_size', 'matmul_ceiling_times_s', 'mfu', 'mfu_note',
@@ -202,6 +203,7 @@ class CommandLineTest(parameterized.TestCase):
         '--config.model.patch_size=8', *helpers.TINY_MODEL_FLAGS)
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     lines = result.stdout.strip().splitlines()
+    self.assertRegex(lines.pop(0), r'^Machine: .*; allocator: ')
     summary = json.loads(lines[-1])
     self.assertEqual((summary['source'], summary['batch_size']),
                      ('synthetic', 8))
@@ -217,6 +219,9 @@ class CommandLineTest(parameterized.TestCase):
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     lines = result.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
+    # The allocator in force, on the console's first line and in the JSON.
+    self.assertRegex(lines.pop(0),
+                     rf'^Machine: .*; allocator: {re.escape(summary["allocator"])}$')
     self.assertEqual(summary['ratios_vs'], 'float32')
     self.assertEqual([r['dtype'] for r in summary['results']],
                      ['float32', 'float16'])
@@ -238,6 +243,7 @@ class CommandLineTest(parameterized.TestCase):
         '--config.model.image_size=8', *helpers.TINY_MODEL_FLAGS)
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     lines = result.stdout.strip().splitlines()
+    self.assertRegex(lines.pop(0), r'^Machine: .*; allocator: ')
     summary = json.loads(lines[-1])
     rows = summary['results']
     self.assertEqual([(r['dtype'], r['steps_in_flight']) for r in rows],
