@@ -136,7 +136,8 @@ class AugmentTest(parameterized.TestCase):
     images = _images(16)
     run = lambda seed: augment.augment(_keys(seed, 16), images, DATA)
     a = run(5)
-    np.testing.assert_array_equal(a, jax.jit(run)(5))
+    # Op by op and jitted: two programs, equal to float32 rounding.
+    np.testing.assert_allclose(a, jax.jit(run)(5), **_SAME_DRAWS)
     self.assertFalse(np.allclose(a, run(6)))
     chex.assert_shape(a, images.shape)
     chex.assert_type(a, jnp.float32)
@@ -261,7 +262,10 @@ class ModelInputsTest(parameterized.TestCase):
     per_replica = jax.pmap(
         lambda x: augment.augment(keys_lib.example_keys(key, 2, 'b'), x, DATA),
         axis_name='b')(images.reshape(n, 2, SIZE, SIZE, 3))
-    np.testing.assert_array_equal(per_replica.reshape(one.shape), one)
+    # A device's part and the whole batch (here run op by op): two programs,
+    # equal to float32 rounding (_SAME_DRAWS), not bit for bit.
+    np.testing.assert_allclose(per_replica.reshape(one.shape), one,
+                               **_SAME_DRAWS)
 
   def test_every_replica_mixes_its_pairs_as_one_device_would(self):
     n = jax.local_device_count()

@@ -82,9 +82,18 @@ def _candidates(image, ops, level):
           for name in ops for sign in (1.0, -1.0)}
 
 
+def _same_image(got, want):
+  """Whether two programs' images agree as LevelTest's do: one level apart
+  at most, on under 2% of the pixels (a rounding boundary that one program
+  fuses a multiply-add across); the images these tests tell apart differ
+  on a quarter of the pixels or more."""
+  error = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
+  return error.max() <= 1 and np.mean(error > 1e-4) < 0.02
+
+
 def _matching_ops(out, candidates):
   return {name for (name, _), want in candidates.items()
-          if np.array_equal(out, want)}
+          if _same_image(out, want)}
 
 
 class RandAugmentTest(absltest.TestCase):
@@ -142,13 +151,12 @@ class AutoAugmentTest(absltest.TestCase):
     rotated = {s: np.asarray(_op(image, 'rotate', 5, s)) for s in (1.0, -1.0)}
     solarized = {s: np.asarray(_op(jnp.asarray(r), 'solarize', 5))
                  for s, r in rotated.items()}
-    plain = [any(np.array_equal(o, r) for r in rotated.values()) for o in out]
-    both = [any(np.array_equal(o, r) for r in solarized.values())
-            for o in out]
+    plain = [any(_same_image(o, r) for r in rotated.values()) for o in out]
+    both = [any(_same_image(o, r) for r in solarized.values()) for o in out]
     self.assertTrue(all(p != b for p, b in zip(plain, both)))
     self.assertAlmostEqual(np.mean(both), 0.5, delta=5 * 0.5 / np.sqrt(count))
     # Both rotation directions drawn.
-    self.assertTrue(all(any(np.array_equal(o, r) for o in out)
+    self.assertTrue(all(any(_same_image(o, r) for o in out)
                         for r in rotated.values()))
 
 

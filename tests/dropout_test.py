@@ -17,6 +17,8 @@ from haiku_mp import errors
 from haiku_mp.model import dropout
 from tests import helpers
 
+# The masks are threefry's integer bits compared with an integer threshold:
+# the same on any CPU, and so is every share and mean below.
 SIZE = 2**20
 
 

@@ -121,6 +121,8 @@ class StrategiesAgreeTest(parameterized.TestCase):
                        [i != BAD_STEP for i in range(5)], layout)
       self.assertEqual(_column(metrics, 'loss_scale'),
                        [2.0**15] * 3 + [2.0**14] * 2, layout)
+      # Each layout sums the batch in another order: float32 rounding of
+      # those sums through five steps (up to 2e-6 here), not bit for bit.
       np.testing.assert_allclose(np.array(_column(metrics, 'loss'))[good],
                                  np.array(reference)[good], rtol=2e-5,
                                  err_msg=layout)
@@ -146,6 +148,8 @@ class StrategiesAgreeTest(parameterized.TestCase):
                            jax.device_get(par.unreplicate(state)))
     want_losses, want = results['single']
     for strategy, (losses, state) in results.items():
+      # Sums in another order, and the bfloat16 roundings they move: up to
+      # 7e-6 here.
       np.testing.assert_allclose(losses, want_losses, rtol=2e-5,
                                  err_msg=strategy)
       chex.assert_trees_all_equal_dtypes(state, want)
@@ -153,10 +157,13 @@ class StrategiesAgreeTest(parameterized.TestCase):
                  for (path, a), b in zip(
                      jax.tree_util.tree_flatten_with_path(state.params)[0],
                      jax.tree.leaves(want.params)) if path[-1].key == 'w']
-      # 1-4% here (as under the float32 master); rounding drawn from another
-      # key (per replica, or per shard) moves about half of them.
+      # 2.6% (pjit) and 4.8% (pmap) here, as under the float32 master: the
+      # weights that sums in another order (another again on another CPU)
+      # move by an ulp or an Adam step (below); at most 10%. Rounding drawn
+      # from another key (per replica, or per shard) moves about half of
+      # them.
       differ = sum(np.sum(a != b) for a, b in weights)
-      self.assertLess(differ / sum(a.size for a, _ in weights), 0.05,
+      self.assertLess(differ / sum(a.size for a, _ in weights), 0.1,
                       strategy)
       # And those by one ulp, or by one Adam step the other way where the
       # gradient is near zero (its sign then depends on the sums' order).
@@ -214,6 +221,7 @@ class StateLayoutsAgreeTest(parameterized.TestCase):
       got = jax.jit(rounding.stochastic_round, static_argnums=2)(
           key, sharded, jnp.bfloat16)
       self.assertEqual(got.sharding.spec, spec)
+      # Integer bits added and masked: bit for bit on any sharding and CPU.
       chex.assert_trees_all_equal(np.asarray(got), np.asarray(want))
 
   def test_compensation_and_moments_are_sharded_like_the_params(self):
@@ -415,6 +423,7 @@ class MultiProcessTest(parameterized.TestCase):
     self.assertEqual([(e['step'], e['split']) for e in multi_events],
                      [(e['step'], e['split']) for e in one_events])
     for a, b in zip(multi_events, one_events):
+      # Float32 rounding of sums in another order (as StrategiesAgreeTest).
       np.testing.assert_allclose(a['loss'], b['loss'], rtol=2e-5)
     self.assertEqual([e['num_examples'] for e in multi_events
                       if e['split'] != 'train'], [20, 20])

@@ -299,7 +299,11 @@ class TrainingTest(parameterized.TestCase):
       losses.append(float(metrics['loss']))
     self.assertTrue(previous.params['vit/head']['w'].is_deleted())
     self.assertEqual(jax.tree.map(jax.typeof, state), types)
-    self.assertLess(np.mean(losses[-3:]), losses[0] - 0.3)
+    # The loss falls by 0.33-0.35 on every policy here (float32 to bfloat16
+    # params): asking for half of that leaves another CPU's rounding, far
+    # smaller than another dtype's, no say. A step that learns nothing
+    # keeps ln(10) (the head starts at zero).
+    self.assertLess(np.mean(losses[-3:]), losses[0] - 0.15)
     self.assertEqual(int(state.step), 25)
     self.assertEqual(int(state.skipped_steps), 0)
     self.assertEqual(set(metrics), {'loss', 'accuracy', 'num_examples',
@@ -367,9 +371,13 @@ class EvalStepTest(parameterized.TestCase):
   def test_deterministic_and_masked(self):
     forward, batch, state, _ = _vit_setup(BF16, 'none')
     eval_step = jax.jit(step_lib.make_eval_step(forward))
-    # A non-zero head so the logits depend on the encoder.
+    # A random head, so that the logits depend on the encoder and differ
+    # between classes (a constant one ties them all, and argmax would then
+    # be decided by the last bits of each program's matmul).
     params = hk.data_structures.map(
-        lambda m, n, p: p + 0.1 if m == 'vit/head' else p, state.params)
+        lambda m, n, p: p + 0.1 * jax.random.normal(
+            jax.random.key(7), p.shape, p.dtype) if m == 'vit/head' else p,
+        state.params)
     first = eval_step(params, batch)
     chex.assert_trees_all_equal(first, eval_step(params, batch))
     chex.assert_type(first['logits'], jnp.float32)
@@ -378,8 +386,12 @@ class EvalStepTest(parameterized.TestCase):
     masked = eval_step(params, dict(batch, mask=mask))
     subset = eval_step(params, jax.tree.map(lambda x: x[:valid], batch))
     self.assertEqual(float(masked['num_examples']), valid)
+    # Two programs (8 rows, 5 rows) that sum in another order: float32
+    # rounding (1e-7 apart here); their argmaxes are no near tie (below).
     np.testing.assert_allclose(masked['loss'], subset['loss'], rtol=1e-5)
     np.testing.assert_allclose(masked['accuracy'], subset['accuracy'])
+    top_two = np.sort(np.asarray(first['logits']), -1)[:, -2:]
+    self.assertGreater(np.min(top_two[:, 1] - top_two[:, 0]), 1e-3)
     labels = batch['label']
     expected = np.mean(np.argmax(first['logits'], -1) == labels)
     np.testing.assert_allclose(first['accuracy'], expected)

@@ -163,7 +163,10 @@ class TrainerTest(parameterized.TestCase):
       loop.train_and_evaluate(config, self.workdir)
     losses = [e['loss'] for e in _read_jsonl(self.workdir)
               if e['split'] == 'train']
-    self.assertLess(losses[-1], losses[0] * 0.7)  # 8 examples memorized.
+    # 8 examples memorized: the last window's loss is 0.68 of the first's
+    # here. Asking for 0.85 (half the fall) leaves another CPU's rounding of
+    # the same steps no say; a run that learns nothing stays near 1.
+    self.assertLess(losses[-1], losses[0] * 0.85)
 
   def test_the_recipe_trains_in_float16(self):
     """Every recipe setting on (configs/vit_recipe.py) in one compiled step:
@@ -187,7 +190,9 @@ class TrainerTest(parameterized.TestCase):
       loop.train_and_evaluate(config, self.workdir)
     events = _read_jsonl(self.workdir)
     train = [e for e in events if e['split'] == 'train']
-    self.assertLess(train[-1]['loss'], 0.85 * train[0]['loss'])
+    # 0.78 here; 0.9 asks for half that fall (the same steps on another CPU
+    # round otherwise, the draws are the same).
+    self.assertLess(train[-1]['loss'], 0.9 * train[0]['loss'])
     self.assertEqual(train[-1]['skipped_steps'], 0)
     # The params' moving average evaluated beside them: a different model.
     self.assertEqual([(e['step'], e['split']) for e in events
@@ -228,10 +233,13 @@ class TrainerTest(parameterized.TestCase):
 class PrivateRunTest(absltest.TestCase):
 
   def test_epsilon_in_every_report_counts_the_steps_taken(self):
-    """float16 from a loss scale of 2^15: per-example gradients (each of
+    """float16 from a loss scale of 2^16: per-example gradients (each of
     one example's loss, larger than a batch mean's) overflow at first; those
     steps are skipped, the scale backs off, and they spend no privacy."""
     config = _tiny_run_config()
+    # The first step overflows from 2^15 / 1.25 up (not at 2^15 / 1.5): 2^16
+    # is at least 2.5x past it, which no other CPU's rounding undoes.
+    config.loss_scale.initial = 2.0**16
     config.model.num_layers = 1
     config.data.synthetic_train_examples = 200
     config.privacy.enabled = True
@@ -243,7 +251,7 @@ class PrivateRunTest(absltest.TestCase):
     taken = summary['private_steps']
     # Skipped as in ordinary training: the dynamic scale backed off.
     self.assertGreater(summary['skipped_steps'], 0)
-    self.assertLess(summary['final_loss_scale'], 2.0**15)
+    self.assertLess(summary['final_loss_scale'], 2.0**16)
     self.assertEqual(taken, 6 - summary['skipped_steps'])
     from jax_privacy import accounting  # pylint: disable=g-import-not-at-top
     direct = lambda steps: accounting.DpsgdTrainingAccountant(

@@ -134,6 +134,8 @@ class VitTest(parameterized.TestCase):
     no_drop = helpers.tiny_config(dropout_rate=0.0, num_layers=3)
     no_drop.precision.policy = config.precision.policy
     plain, _ = forward_lib.checked_forward(no_drop)
+    # Out of training DropPath is the identity: the same program (the same
+    # jaxpr as the plain model's), so equal bit for bit on any CPU.
     np.testing.assert_array_equal(
         evaluate, jax.jit(plain.apply, static_argnums=3)(params, None, images,
                                                           False))
