@@ -28,10 +28,26 @@ def check_choice(setting: str, value, choices, error=ConfigError) -> None:
                 f'{tuple(choices)}')
 
 
+def check_given(setting: str, path: str) -> None:
+  """A ConfigError for a required directory given empty (`--workdir=`)."""
+  if not path:
+    raise ConfigError(f'{setting} is required: an empty {setting}= names no '
+                      'directory')
+
+
+def _read_only(path: str) -> bool:
+  """Whether `path` is on a file system mounted read-only."""
+  try:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+  except OSError:
+    return False
+
+
 def check_writable_directory(setting: str, path: str) -> None:
   """A ConfigError naming `setting` unless `path` is a directory, or none yet
   under a folder that can be written; creates nothing, so a wrong path fails
   before anything is loaded or made."""
+  check_given(setting, path)
   if os.path.exists(path) and not os.path.isdir(path):
     raise ConfigError(f'{setting}={path} is a file, not a directory')
   existing = os.path.abspath(path)
@@ -41,5 +57,9 @@ def check_writable_directory(setting: str, path: str) -> None:
     raise ConfigError(f'{setting}={path} is not writable (Not a directory: '
                       f'{existing})')
   if not os.access(existing, os.W_OK | os.X_OK):
-    raise ConfigError(f'{setting}={path} is not writable (Permission denied: '
+    # access() fails with EROFS on a read-only mount, root's included; it
+    # returns no errno, the mount's flags tell.
+    why = ('Read-only file system' if _read_only(existing) else
+           'Permission denied')
+    raise ConfigError(f'{setting}={path} is not writable ({why}: '
                       f'{existing})')

@@ -15,7 +15,9 @@ import hashlib
 import io
 import re
 import shutil
+import subprocess
 import tempfile
+import textwrap
 from unittest import mock
 
 from absl.testing import absltest
@@ -23,6 +25,7 @@ from absl.testing import parameterized
 import numpy as np
 
 from haiku_mp import errors
+from haiku_mp.train import run_dir
 from launch import cli
 from tests import fake_cifar10
 from tests import helpers
@@ -123,7 +126,32 @@ class BadInputTest(parameterized.TestCase):
        'error: --config=configs/vit_fp32.py:bf16: configs/vit_fp32.py takes '
        'no variant (:bf16); the configs that do are configs/vit_cpu.py, '
        'configs/vit_cpu_recipe.py, configs/vit_recipe.py (:VARIANT, one of '
-       "('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16'))"))
+       "('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16'))"),
+      # A 56-line traceback ending in a SyntaxError.
+      ('config_file_not_python', ['--config=README.md', 'WORKDIR'],
+       'error: --config=README.md: README.md is not Python (SyntaxError at '
+       'line 18: unterminated string literal (detected at line 18)); '
+       '--config takes a config file: Python with a get_config() that '
+       'returns the settings, like configs/vit_cpu.py'),
+      # "error: IsADirectoryError: [Errno 21] Is a directory: 'configs'".
+      ('config_file_a_directory', ['--config=configs', 'WORKDIR'],
+       'error: --config=configs: configs is a directory; --config takes a '
+       'config file: Python with a get_config() that returns the settings: '
+       'one of configs/base.py, configs/vit_bf16.py, '),
+      # "error: AttributeError: module 'config_config' has no attribute
+      # 'get_config'"; the same with the path after the flag.
+      ('config_file_without_get_config',
+       ['--config', 'configs/__init__.py', 'WORKDIR'],
+       'error: --config=configs/__init__.py: configs/__init__.py defines no '
+       'get_config(); --config takes a config file: Python with a '
+       'get_config() that returns the settings, like configs/vit_cpu.py'),
+      # Not "not writable (No such file or directory)" once the data had
+      # loaded: before the data is looked for (here: a dir without it).
+      ('workdir_empty', ['--config=configs/vit_fp16.py', '--workdir=',
+                         '--config.data.data_dir=/nonexistent/tfds',
+                         '--config.data.download=false'],
+       'error: --workdir is required: an empty --workdir= names no '
+       'directory'))
   def test_command_line(self, args, message):
     before = _digest(self.finished)
     args = [f'--workdir={self.finished}' if a == 'WORKDIR' else a
@@ -408,6 +436,25 @@ class BadInputTest(parameterized.TestCase):
     self.assertEqual(_digest(workdir), before)
 
 
+class WorkdirCheckTest(parameterized.TestCase):
+  """Why a workdir cannot be written, in this process: a read-only mount
+  takes root to make, and root may write any other directory."""
+
+  @parameterized.named_parameters(
+      ('read_only_mount', os.ST_RDONLY, 'Read-only file system'),
+      ('no_permission', 0, 'Permission denied'))
+  def test_a_directory_that_cannot_be_written(self, mount_flags, why):
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    # What access(2) and statvfs(2) say of a directory on such a mount.
+    with mock.patch.object(os, 'access', return_value=False), \
+        mock.patch.object(os, 'statvfs',
+                          return_value=mock.Mock(f_flag=mount_flags)), \
+        self.assertRaises(errors.ConfigError) as raised:
+      run_dir.check_writable(f'{tmp}/run')
+    self.assertEqual(str(raised.exception),
+                     f'--workdir={tmp}/run is not writable ({why}: {tmp})')
+
+
 class CliTest(parameterized.TestCase):
   """What `cli.run` makes of a command's errors, in this process."""
 
@@ -433,9 +480,47 @@ class CliTest(parameterized.TestCase):
     with mock.patch.object(sys, 'argv', ['prog']), \
         contextlib.redirect_stderr(stderr), \
         self.assertRaises(SystemExit) as exited:
-      cli.run(main)
+      cli.run(main, leave_at_exit=False)
     self.assertEqual(exited.exception.code, status)
     self.assertEqual(stderr.getvalue(), line + '\n')
+
+  def test_a_command_leaves_as_the_interpreter_would(self):
+    """A command ends without freeing its modules (`cli.run`), and still
+    joins its threads, runs the atexit functions, flushes its output and
+    exits with its status."""
+    out = self.enter_context(tempfile.TemporaryDirectory())
+    program = textwrap.dedent('''
+        import atexit, os, sys, threading
+        from launch import cli
+
+        def main(argv):
+          go = threading.Event()
+
+          def late():  # Not a daemon: still running when main returns.
+            go.wait()
+            with open(os.path.join(sys.argv[1], 'thread'), 'w') as f:
+              f.write('joined')
+
+          def at_exit():
+            with open(os.path.join(sys.argv[1], 'atexit'), 'w') as f:
+              f.write('ran')
+
+          threading.Thread(target=late).start()
+          atexit.register(at_exit)
+          sys.stdout.write('a line without its newline')
+          go.set()
+          sys.exit(3)
+
+        cli.run(main)
+        ''')
+    result = subprocess.run([sys.executable, '-c', program, out],
+                            cwd=helpers.ROOT, capture_output=True, text=True,
+                            timeout=120)
+    self.assertEqual(result.returncode, 3, result.stderr[-3000:])
+    self.assertEqual(result.stdout, 'a line without its newline')
+    for name, text in (('thread', 'joined'), ('atexit', 'ran')):
+      with open(os.path.join(out, name)) as f:
+        self.assertEqual(f.read(), text)
 
   def test_a_bug_keeps_its_traceback(self):
 
@@ -445,7 +530,7 @@ class CliTest(parameterized.TestCase):
 
     with mock.patch.object(sys, 'argv', ['prog']), \
         self.assertRaises(ZeroDivisionError):
-      cli.run(main)
+      cli.run(main, leave_at_exit=False)
 
 
 if __name__ == '__main__':

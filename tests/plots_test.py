@@ -156,6 +156,43 @@ class PlotsTest(absltest.TestCase):
                        run_plots.axis_label('loss_scale', 'log'))
       plt.close(fig)
 
+  def test_lines_that_are_not_json_are_skipped_and_named(self):
+    """A run killed mid-write leaves its last line cut short: what is
+    readable is plotted, and one warning names the lines skipped."""
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    os.makedirs(f'{tmp}/run')
+    with open(f'{tmp}/run/metrics.jsonl', 'w') as f:
+      for step in (10, 20):
+        f.write(json.dumps(dict(step=step, split='train', loss=1.0 / step,
+                                loss_scale=1.0)) + '\n')
+      f.write('{"step": 30, "split": "train", "lo\n')
+      f.write(json.dumps(dict(step=30, split='val', accuracy=0.3)) + '\n')
+      f.write('{"step": 40, "spl')
+    out = os.path.join(tmp, 'runs.png')
+    result = helpers.run_module('launch.plot', f'--workdirs={tmp}/run',
+                                f'--out={out}')
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    self.assertNotIn('Traceback', result.stderr)
+    [line] = result.stderr.strip().splitlines()
+    self.assertRegex(line, r'^W\d{4} ')
+    self.assertTrue(line.endswith(
+        f'{tmp}/run/metrics.jsonl: skipped lines 3, 5, not a metrics event (a '
+        'run killed while writing leaves its last line cut short); read the '
+        'other 3'), line)
+    self.assertGreater(os.path.getsize(out), 10_000)
+
+  def test_the_updates_lost_label_says_what_below_zero_means(self):
+    """1 - sum(applied x sign(update)) / sum(|update|) is below 0 where the
+    params moved further than their updates: stochastic rounding's draws
+    (unbiased, so as often as not in a window whose sum is small), a Kahan
+    buffer or a float32 master paying back what earlier steps held."""
+    self.assertEqual(run_plots.axis_label('updates_lost'),
+                     'share of the updates lost to rounding\n(below 0: moved '
+                     'further than asked)')
+    self.assertEqual(run_plots.axis_label('update_lost', '%'),
+                     'share of the update lost (%)\n(below 0: moved further '
+                     'than asked)')
+
   def test_missing_workdir_is_a_clear_error(self):
     result = helpers.run_module('launch.plot', '--workdirs=/nonexistent/run')
     self.assertEqual(result.returncode, 2)
@@ -189,7 +226,9 @@ class FiguresTest(parameterized.TestCase):
         self.assertTrue(any(labels))
         for label in filter(None, labels):
           self.assertNotRegex(label, r'\w_\w')  # No raw field name.
-          self.assertIn(label.split(' (')[0], run_plots.FIELD_LABELS.values())
+          self.assertIn(label.split(' (')[0].split('\n')[0],
+                        [v.split('\n')[0]
+                         for v in run_plots.FIELD_LABELS.values()])
 
   def test_axis_label_adds_the_unit(self):
     self.assertEqual(run_plots.axis_label('temp_size_in_bytes', 'MiB'),

@@ -57,14 +57,15 @@ def _fill(directory):
 @helpers.long_running
 class FailedDownloadTest(absltest.TestCase):
 
-  def _assert_only_the_error(self, result, url):
+  def _assert_only_the_error(self, result, url, why):
+    """One line: `why` the download was tried, then that it failed."""
     self.assertEqual(result.returncode, 2, result.stderr[-3000:])
     self.assertEqual(result.stdout, '')
     lines = result.stderr.splitlines()
     self.assertLen(lines, 1, result.stderr[-3000:])
     self.assertStartsWith(
-        lines[0], f'error: data.data_dir: cannot reach {url} to download '
-        'cifar10 (')
+        lines[0], f'error: {why}, and the download of cifar10 failed: cannot '
+        f'reach {url} (')
 
   def test_unreachable_export_to_a_data_dir_in_use(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
@@ -74,14 +75,17 @@ class FailedDownloadTest(absltest.TestCase):
     url = self.enter_context(fake_cifar10.refusing_url())
     result = _export(url, f'--out={tmp}/c.npz',
                      f'--config.data.data_dir={data_dir}')
-    self._assert_only_the_error(result, url)
+    self._assert_only_the_error(
+        result, url, f'data.data_dir={data_dir} holds no prepared cifar10')
     self.assertEqual(_tree(tmp), before)
 
   def test_unreachable_export_to_the_default_data_dir_not_there_yet(self):
     home = self.enter_context(tempfile.TemporaryDirectory())
     url = self.enter_context(fake_cifar10.refusing_url())
     result = _export(url, f'--out={home}/c.npz', home=home)
-    self._assert_only_the_error(result, url)
+    self._assert_only_the_error(
+        result, url, 'data.data_dir is empty: cifar10 is not prepared in the '
+        'TFDS default data dir (TFDS_DATA_DIR)')
     # The folders the attempt made (~/tensorflow_datasets/{cifar10,downloads})
     # are gone with it.
     self.assertFalse(os.path.exists(f'{home}/tensorflow_datasets'))
@@ -99,8 +103,12 @@ class FailedDownloadTest(absltest.TestCase):
     self.assertEmpty([l for l in lines[:-1] if not l.startswith('I')],
                      result.stderr[-3000:])
     # "cannot reach" is said only by the download's fail-fast, at urllib3's
-    # first retry (TFDS alone would retry for over three minutes).
-    self.assertStartsWith(lines[-1], f'error: data.data_dir: cannot reach {url}')
+    # first retry (TFDS alone would retry for over three minutes). The dir
+    # given is named, and that it did not exist: a mistyped path is not
+    # taken for a network to fix.
+    self.assertStartsWith(
+        lines[-1], f'error: data.data_dir={tmp}/tfds does not exist, and the '
+        f'download of cifar10 failed: cannot reach {url} (')
     self.assertIn('--config.data.data_dir', lines[-1])
     self.assertEqual(os.listdir(tmp), [])  # No workdir, no data dir.
 
@@ -115,8 +123,9 @@ class FailedDownloadTest(absltest.TestCase):
     self.assertIn('GET /cifar-10-binary.tar.gz', requests)
     self.assertEqual(result.returncode, 2, result.stderr[-3000:])
     self.assertStartsWith(result.stderr.splitlines()[-1],
-                          'error: data.data_dir: could not download and '
-                          'prepare cifar10')
+                          f'error: data.data_dir={data_dir} holds no prepared '
+                          'cifar10, and cifar10 could not be downloaded and '
+                          'prepared')
     self.assertEqual(_tree(tmp), before)
 
 

@@ -182,6 +182,29 @@ class OverridesTest(absltest.TestCase):
                                       'float16', inherits, half), '')
 
 
+class LossScaleFlagsTest(absltest.TestCase):
+  """The float16 loss-scale flags the advisor prints to paste."""
+
+  def test_powers_of_two_paste_exactly(self):
+    # `:g` printed 2^25 as 3.35544e+07, which pastes as 33554400.
+    settings = verdicts.loss_scale('float16', (-10, 25))
+    self.assertEqual(verdicts.loss_scale_flags(settings), [
+        '--config.loss_scale.kind=dynamic',
+        '--config.loss_scale.initial=33554432',
+        '--config.loss_scale.minimum=0.0009765625'])
+    for exponent in range(-60, 61):
+      settings = verdicts.loss_scale('float16', (exponent, exponent))
+      for flag in verdicts.loss_scale_flags(settings)[1:]:
+        self.assertEqual(float(flag.partition('=')[2]), 2.0**exponent, flag)
+
+  def test_no_loss_scale_for_bfloat16_nor_bounds_for_an_open_window(self):
+    self.assertEqual(verdicts.loss_scale_flags(
+        verdicts.loss_scale('bfloat16', (-10, 25))),
+                     ['--config.loss_scale.kind=none'])
+    self.assertEqual(verdicts.loss_scale('float16', (None, None)),
+                     dict(kind='dynamic'))
+
+
 PATHS = ('b', 'b/ln_1', 'b/fc', 'b/ln_2')
 CLASSES = ('Block', 'LayerNorm', 'Linear', 'LayerNorm')
 

@@ -329,16 +329,8 @@ def _suggestion(config, exp, modules, judged: verdicts.Advice, fmt: str
   overrides = verdicts.overrides(modules, judged, fmt, inherits(exp), half)
   flags = [f'--config.precision.policy={policy}',
            f"--config.precision.overrides='{overrides}'"]
-  lo, hi = judged.scale_window
-  loss_scale = dict(kind='none')
-  if fmt == 'float16':
-    loss_scale = dict(kind='dynamic')
-    if hi is not None:
-      loss_scale['initial'] = 2.0**hi
-    if lo is not None:
-      loss_scale['minimum'] = 2.0**lo
-  flags += [f'--config.loss_scale.{k}={v:g}' if isinstance(v, float) else
-            f'--config.loss_scale.{k}={v}' for k, v in loss_scale.items()]
+  loss_scale = verdicts.loss_scale(fmt, judged.scale_window)
+  flags += verdicts.loss_scale_flags(loss_scale)
   kept = [p for p, v in judged.verdicts.items() if getattr(v, fmt) ==
           verdicts.KEEP]
   return dict(policy=policy, overrides=overrides, loss_scale=loss_scale,

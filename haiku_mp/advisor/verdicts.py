@@ -33,7 +33,7 @@ token and position embedding) are judged, for the loss-scale window.
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import ml_collections
 import numpy as np
@@ -244,6 +244,36 @@ def policy(main_policy: str, compute: str, output: str) -> str:
   params = policies.parse_policy(main_policy).param_dtype
   return (f'params={np.dtype(params).name},compute={compute},'
           f'output={output}')
+
+
+def loss_scale(fmt: str, scale_window: tuple[Optional[int], Optional[int]]
+               ) -> dict[str, Any]:
+  """The `loss_scale` settings for half format `fmt`: none for bfloat16; for
+  float16 a dynamic scale that starts at the top of the window (2**hi) and
+  never falls below its bottom (2**lo)."""
+  if fmt != 'float16':
+    return dict(kind='none')
+  lo, hi = scale_window
+  settings = dict(kind='dynamic')
+  if hi is not None:
+    settings['initial'] = 2.0**hi
+  if lo is not None:
+    settings['minimum'] = 2.0**lo
+  return settings
+
+
+def _flag_value(value: Any) -> str:
+  """`value` as a command line gives it back exactly: a power of two
+  2.0**25 as 33554432, not `:g`'s 3.35544e+07 (which pastes as 33554400)."""
+  if isinstance(value, float):
+    return str(int(value)) if value.is_integer() else repr(value)
+  return str(value)
+
+
+def loss_scale_flags(settings: dict[str, Any]) -> list[str]:
+  """`--config.loss_scale.*` flags that set `settings` exactly."""
+  return [f'--config.loss_scale.{k}={_flag_value(v)}'
+          for k, v in settings.items()]
 
 
 def overrides(modules: Sequence[Module], advice: Advice, fmt: str,

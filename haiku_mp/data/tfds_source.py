@@ -301,29 +301,41 @@ def _download_and_prepare(dataset, name: str) -> None:
     raise
 
 
-def _download_error(e: Exception, name: str, where: str) -> DataError:
-  """The cause of a failed download-and-prepare, in one line."""
+def _why_downloaded(data_dir: Optional[str], name: str, where: str) -> str:
+  """What sent `name` to the download: the data dir given, as it was before
+  the attempt (which may create it), and what it lacked."""
+  if not data_dir:
+    return f'data.data_dir is empty: {name} is not prepared in {where}'
+  if not os.path.lexists(data_dir):
+    return f'data.data_dir={data_dir} does not exist'
+  return f'data.data_dir={data_dir} holds no prepared {name}'
+
+
+def _download_error(e: Exception, name: str, where: str, why: str
+                    ) -> DataError:
+  """The cause of a failed download-and-prepare, in one line, after `why`
+  the download was tried."""
   for cause in _causes(e):
     if isinstance(cause, _Unreachable):
       return DataError(
-          f'data.data_dir: cannot reach {cause.url} to download {name} '
-          f'({_one_line(cause.error)[:200]}). No network? Point '
+          f'{why}, and the download of {name} failed: cannot reach '
+          f'{cause.url} ({_one_line(cause.error)[:200]}). No network? Point '
           '--config.data.data_dir at a prepared copy and set '
           '--config.data.download=false')
     if isinstance(cause, ModuleNotFoundError):
       return DataError(
-          f'data.data_dir: preparing {name} needs the Python module '
+          f'{why}, and preparing {name} needs the Python module '
           f'{cause.name!r}, which is not installed; run `pip install -r '
           'requirements.txt` (or point --config.data.data_dir at a prepared '
           'copy)')
     if type(cause).__name__ in ('ConnectionError', 'Timeout', 'ReadTimeout',
                                 'ConnectTimeout', 'DownloadError'):
       return DataError(
-          f'data.data_dir: the download of {name} failed '
+          f'{why}, and the download of {name} failed '
           f'({_one_line(cause)[:200]}). No network? Point '
           '--config.data.data_dir at a prepared copy and set '
           '--config.data.download=false')
-  return DataError(f'data.data_dir: could not download and prepare {name} '
+  return DataError(f'{why}, and {name} could not be downloaded and prepared '
                    f'into {where} ({_one_line(e)[:300]})')
 
 
@@ -376,10 +388,11 @@ def builder(data_config: ml_collections.ConfigDict):
     return dataset
   if not data_config.download:
     raise _not_prepared(name, where)
+  why = _why_downloaded(data_dir, name, where)  # Before it makes the dir.
   try:
     _download_and_prepare(dataset, name)
   except Exception as e:  # pylint: disable=broad-except
-    raise _download_error(e, name, where) from None
+    raise _download_error(e, name, where, why) from None
   return dataset
 
 

@@ -427,6 +427,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   exit (the end, divergence, a signal, any exception) closes and restores
   them.
   """
+  run_dir.check_given(workdir)  # On every process: no run without one.
   finished = run_dir.finished_summary(config, workdir)
   if finished is not None:
     logging.info('This run is complete (step %d of %d): nothing to do. Its '

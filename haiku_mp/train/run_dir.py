@@ -20,6 +20,12 @@ CONFIG_FILE = 'config.json'
 SUMMARY_FILE = 'summary.json'
 
 
+def check_given(workdir: str) -> None:
+  """Says in one line that an empty `--workdir=` names no directory (it
+  would mean the current one to a path join, and to os.makedirs nothing)."""
+  errors.check_given('--workdir', workdir)
+
+
 def check_writable(workdir: str) -> None:
   """Says in one line why `workdir` could not be made or written, before the
   data is loaded (a wrong path costs a second, not a load), and creates

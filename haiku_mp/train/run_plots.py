@@ -10,6 +10,7 @@ import json
 import os
 from typing import Mapping
 
+from absl import logging
 import matplotlib
 
 matplotlib.use('Agg')
@@ -25,8 +26,14 @@ FIELD_LABELS = {
     'batch_size': 'global batch size',
     'megabytes': 'parameter memory',
     'state': 'training state',
-    'update_lost': 'share of the update lost',
-    'updates_lost': 'share of the updates lost to rounding',
+    # 1 - sum(applied x sign(update)) / sum(|update|): below 0 where rounding
+    # moved the params further along their updates than they asked (a
+    # stochastic rounding's draws, a Kahan buffer or a float32 master paying
+    # back what earlier steps held), so a second line says what that means.
+    'update_lost': 'share of the update lost\n(below 0: moved further than '
+                   'asked)',
+    'updates_lost': 'share of the updates lost to rounding\n(below 0: moved '
+                    'further than asked)',
     'params': 'params',
     'breakdown': 'train step memory',
     'device_peak_bytes': 'device peak memory',
@@ -49,14 +56,44 @@ _DPI = 100
 
 
 def axis_label(field: str, unit: str = '') -> str:
-  """`FIELD_LABELS[field]`, with the unit in parentheses (a KeyError for a
-  field without a readable label, so none reaches a plot raw)."""
-  return f'{FIELD_LABELS[field]} ({unit})' if unit else FIELD_LABELS[field]
+  """`FIELD_LABELS[field]`, with the unit in parentheses at the end of its
+  first line (a KeyError for a field without a readable label, so none
+  reaches a plot raw)."""
+  first, newline, rest = FIELD_LABELS[field].partition('\n')
+  return f'{first} ({unit}){newline}{rest}' if unit else FIELD_LABELS[field]
+
+
+# Skipped lines a warning names one by one; more are counted.
+_LINES_NAMED = 5
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The events of `workdir`/metrics.jsonl. A line that is no event (not
+  JSON: a run killed mid-write leaves its last line cut short) is skipped,
+  and one warning names the lines skipped."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  events, skipped = [], []
+  with open(path, errors='replace') as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        event = json.loads(line)
+      except ValueError:
+        event = None
+      if isinstance(event, dict) and 'step' in event and 'split' in event:
+        events.append(event)
+      else:
+        skipped.append(number)
+  if skipped:
+    named = ', '.join(map(str, skipped[:_LINES_NAMED]))
+    if len(skipped) > _LINES_NAMED:
+      named += f' and {len(skipped) - _LINES_NAMED} more'
+    logging.warning(
+        '%s: skipped line%s %s, not a metrics event (a run killed while '
+        'writing leaves its last line cut short); read the other %d',
+        path, 's' if len(skipped) > 1 else '', named, len(events))
+  return events
 
 
 def _series(events, split, key):
