@@ -39,10 +39,12 @@ class Fp8NumericsTest(parameterized.TestCase):
         np.asarray(fp8_numerics.round_to_fp8(jnp.asarray(x), fmt)), want)
 
   def test_counts_and_errors_at_each_scaling(self):
-    # 64 values: one of 1000 and 63 of 1e-3. Per tensor, E4M3's scale maps
-    # 1000 to 448 and the rest to 4.5e-4, below its smallest subnormal
-    # (2^-9): all 63 underflow; in MX blocks of 32, only the 31 beside the
-    # large value do. A delayed amax of 500 saturates the large value.
+    # 64 values: one of 1000 and 63 of 1e-3. Per tensor, E4M3's scale (4)
+    # maps 1000 to 250 and the rest to 2.5e-4, below half its smallest
+    # subnormal (2^-10): all 63 underflow; in MX blocks of 32, only the 31
+    # beside the large value do. A delayed amax of 500 saturates the large
+    # value: its scale, 2 (the smallest power of two that holds 500), keeps
+    # 448 * 2.
     x = np.full((1, 64), 1e-3, np.float32)
     x[0, 0] = 1000.0
     stats = fp8_numerics.as_dict(np.asarray(fp8_numerics.tensor_stats(
@@ -52,7 +54,8 @@ class Fp8NumericsTest(parameterized.TestCase):
     self.assertEqual(stats['current']['saturate_share'], 0.0)
     self.assertEqual(stats['mx']['underflow_share'], 31 / 64)
     self.assertEqual(stats['delayed']['saturate_share'], 1 / 64)
-    self.assertAlmostEqual(stats['delayed']['relative_error'], 0.5, places=3)
+    self.assertAlmostEqual(stats['delayed']['relative_error'],
+                           (1000.0 - 448.0 * 2) / np.linalg.norm(x), places=3)
 
 
 class Fp8AdviceTest(absltest.TestCase):

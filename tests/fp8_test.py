@@ -8,6 +8,7 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
+import math
 import signal
 import tempfile
 
@@ -24,6 +25,7 @@ from haiku_mp import errors
 from haiku_mp.model import fp8
 from haiku_mp.studies import fp8_gemms
 from haiku_mp.train import experiment
+from haiku_mp.train import module_table
 from haiku_mp.update import step as step_lib
 from tests import helpers
 
@@ -58,6 +60,86 @@ def _qdq(x, dtype, scale):
   return np.asarray(fp8.quantize(x, dtype, scale), np.float64) * float(scale)
 
 
+# ---- An independent float64 reference of docs/fp8.md's rules ---------------
+
+TINY = float(np.finfo(np.float32).tiny)  # float32's smallest normal number.
+ML_DTYPES = {fp8.E4M3: ml_dtypes.float8_e4m3fn, fp8.E5M2: ml_dtypes.float8_e5m2}
+
+
+def _limit(dtype):
+  return float(ml_dtypes.finfo(ML_DTYPES[dtype]).max)
+
+
+def _ref_exponent(amax, dtype, margin=0, low=-126, high=126):
+  """The smallest k with amax * 2**margin <= max * 2**k (exact comparisons
+  in float64), clipped to [low, high]; 0 for a zero or non-finite amax; a
+  subnormal amax counts as float32's smallest normal number."""
+  amax = float(amax)
+  if not (math.isfinite(amax) and amax > 0):
+    return 0
+  amax = max(amax, TINY) * 2.0 ** margin
+  k = math.ceil(math.log2(amax / _limit(dtype)))
+  while amax > _limit(dtype) * 2.0 ** k:
+    k += 1
+  while amax <= _limit(dtype) * 2.0 ** (k - 1):
+    k -= 1
+  return min(max(k, low), high)
+
+
+def _ref_round(v, dtype):
+  """float64 `v` rounded to nearest even in `dtype`, saturated, as float64:
+  compared exactly with the midpoints of the format's grid."""
+  grid = np.arange(256, dtype=np.uint8).view(ML_DTYPES[dtype])
+  grid = np.unique(np.abs(grid[np.isfinite(grid.astype(np.float64))]
+                          .astype(np.float64)))
+  codes = np.array([np.float64(g).astype(ML_DTYPES[dtype]).view(np.uint8)
+                    for g in grid])
+  a = np.minimum(np.abs(v), grid[-1])
+  i = np.clip(np.searchsorted(grid, a), 1, len(grid) - 1)
+  lo, hi, mid = grid[i - 1], grid[i], (grid[i - 1] + grid[i]) / 2
+  down = (a < mid) | ((a == mid) & (codes[i - 1] % 2 == 0))
+  return np.sign(v) * np.where(a >= hi, hi, np.where(down, lo, hi))
+
+
+def _ref_q(t, dtype, scale):
+  """float64 of the format's values that q keeps of `t` at `scale`
+  (unscaled): the exact quotient rounded (the float64 quotient of two
+  float32 numbers falls on a midpoint exactly when the exact one does)."""
+  return _ref_round(np.asarray(t, np.float64) / scale, dtype)
+
+
+def _ref_tensor_scale(t, dtype, margin=0):
+  return 2.0 ** _ref_exponent(np.abs(np.asarray(t, np.float64)).max(), dtype,
+                              margin)
+
+
+def _ref_mx(t, dtype, axis):
+  """`t` as MX blocks of 32 along `axis` hold it (float64): E8M0 scales
+  2**ceil(log2(amax / max)) from 2**-127."""
+  t = np.moveaxis(np.asarray(t, np.float64), axis, -1)
+  pad = -t.shape[-1] % fp8.MX_BLOCK
+  blocks = np.pad(t, [(0, 0)] * (t.ndim - 1) + [(0, pad)]).reshape(
+      *t.shape[:-1], -1, fp8.MX_BLOCK)
+  scales = np.vectorize(lambda a: 2.0 ** _ref_exponent(
+      a, dtype, low=-127, high=127))(np.abs(blocks).max(-1))[..., None]
+  held = (_ref_round(blocks / scales, dtype) * scales).reshape(
+      *t.shape[:-1], -1)[..., :t.shape[-1]]
+  return np.moveaxis(held, -1, axis)
+
+
+def _assert_products(test, got, want, bound, k):
+  """`got` (float32 sums of `k` products) is `want` to float32 rounding
+  of the sums (`bound`: the sums of the products' magnitudes) where `want`
+  is a normal float32 number, and below the normal range where it is not
+  (XLA:CPU flushes subnormals, a GPU may keep them)."""
+  got = np.asarray(got, np.float64)
+  normal = np.abs(want) >= TINY
+  error = np.abs(got - want)[normal] / (k * 2.0**-24 * bound[normal])
+  test.assertLessEqual(np.max(error, initial=0.0), 1.0,
+                       (got[normal][:4], want[normal][:4]))
+  test.assertTrue((np.abs(got[~normal]) <= TINY).all())
+
+
 class QuantizeTest(parameterized.TestCase):
 
   @parameterized.parameters('e4m3', 'e5m2')
@@ -75,15 +157,60 @@ class QuantizeTest(parameterized.TestCase):
     np.testing.assert_array_equal(out, [limit, -limit, limit, -limit])
 
   @parameterized.parameters('e4m3', 'e5m2')
-  def test_a_scale_maps_the_amax_to_the_largest_value_less_the_margin(
+  def test_scales_are_the_smallest_powers_of_two_that_hold_the_amax(
       self, name):
+    """2**ceil(log2(amax * 2**margin / max)) from 2**-126, against exact
+    comparisons in float64: amaxes over float32's range, at and beside the
+    binades' edges, tiny, subnormal, zero and not finite."""
     dtype, _, limit = FORMATS[name]
-    scale = fp8.scale_from_amax(jnp.float32(3.0), dtype)
-    self.assertEqual(float(fp8.quantize(jnp.float32(3.0), dtype, scale)),
-                     limit)
-    halved = fp8.scale_from_amax(jnp.float32(3.0), dtype, margin=1.0)
-    self.assertEqual(float(fp8.quantize(jnp.float32(3.0), dtype, halved)),
-                     limit / 2)
+    rng = np.random.default_rng(5)
+    amaxes = np.exp2(rng.uniform(-149, 127, 300)).astype(np.float32)
+    edges = np.float32(limit) * np.exp2(np.arange(-140.0, 100, 7)).astype(
+        np.float32)
+    amaxes = np.concatenate([
+        amaxes, edges, np.nextafter(edges, np.float32(np.inf)),
+        np.nextafter(edges, np.float32(0)),
+        [1e-36, 1e-20, 3.0, 0.0, 1e-40, 1e-45, np.inf, np.nan,
+         np.finfo(np.float32).max]]).astype(np.float32)
+    for margin in (0, 1, 3):
+      got = np.asarray(jax.jit(lambda a, m=margin: fp8.scale_from_amax(
+          a, dtype, m))(jnp.asarray(amaxes)))
+      want = np.array([2.0 ** _ref_exponent(a, dtype, margin)
+                       for a in amaxes], np.float32)
+      np.testing.assert_array_equal(got, want, f'margin {margin}')
+      # Nothing saturates, and the amax lands in the top half of the range.
+      held = amaxes.astype(np.float64) * 2.0**margin / got
+      normal = np.isfinite(amaxes) & (amaxes >= TINY) & (got > TINY)
+      self.assertTrue((held[normal] <= limit).all())
+      self.assertTrue((held[normal & (got < 2.0**126)] > limit / 2).all())
+
+  @parameterized.parameters('e4m3', 'e5m2')
+  def test_ties_round_to_even_however_xla_divides(self, name):
+    """q(t) is the exact quotient t / s rounded to nearest even, and so is
+    t * (1 / s), which XLA:CPU computes instead: bfloat16 weights, whose
+    extra bits make many exact ties."""
+    dtype, _, limit = FORMATS[name]
+    rng = np.random.default_rng(4)
+    # An amax of limit * 7 * 2**-18: amax / limit, 7 * 2**-18, would be a
+    # scale whose quotients fall on many midpoints and whose inexact
+    # reciprocal moves thousands of them off.
+    amax = limit * 7 * 2.0**-18
+    w = np.clip(rng.standard_normal((384, 384)) * amax / 4, -amax, amax)
+    w[0, 0] = amax
+    w = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    scale = fp8.scale_from_amax(fp8.amax(jnp.asarray(w)), dtype)
+    got = np.asarray(jax.jit(fp8.quantize, static_argnums=1)(
+        jnp.asarray(w), dtype, scale), np.float64)
+    want = _ref_q(w, dtype, float(scale))
+    np.testing.assert_array_equal(got, want)
+    reciprocal = np.float32(1) / np.asarray(scale, np.float32)
+    np.testing.assert_array_equal(
+        _ref_round((w * reciprocal).astype(np.float64), dtype), want)
+    # Many of them ties: a hair less would round the other way.
+    quotient = w.astype(np.float64) / float(scale)
+    ties = np.sum(_ref_round(quotient, dtype) != _ref_round(
+        np.nextafter(quotient, 0), dtype))
+    self.assertGreater(ties, 1000)
 
   def test_zero_tiny_and_nonfinite_amaxes_give_finite_scales(self):
     for amax in (0.0, np.nan, np.inf):
@@ -91,7 +218,7 @@ class QuantizeTest(parameterized.TestCase):
                        1.0, amax)
     tiny = jnp.float32(1e-44)  # A float32 subnormal.
     scale = fp8.scale_from_amax(tiny, fp8.E4M3)
-    self.assertTrue(np.isfinite(float(scale)) and float(scale) > 0)
+    self.assertEqual(float(scale), TINY)
     q = float(fp8.quantize(tiny, fp8.E4M3, scale))
     self.assertTrue(np.isfinite(q))
 
@@ -137,9 +264,12 @@ class MatmulTest(parameterized.TestCase):
     product and of dx are the whole batch's, and its dw sums to the
     whole's; without the axis each replica scales by its own amaxes."""
     replicas = jax.local_device_count()
-    # Each replica's rows in a magnitude of their own: their amaxes differ.
-    x = (self.x * np.repeat(4.0 ** np.arange(replicas), 48 // replicas)[:, None]
-         ).astype(np.float32)
+    rows = 48 // replicas
+    # Each replica's rows in a magnitude of their own, the first 2**-16 of
+    # the last: under the whole batch's (power-of-two) scale its values fall
+    # among E4M3's subnormals, under its own they do not.
+    factors = np.exp2(np.linspace(-16.0, 0.0, replicas))
+    x = (self.x * np.repeat(factors, rows)[:, None]).astype(np.float32)
     config = fp8.Fp8('current')
 
     def products(axis_name):
@@ -159,8 +289,8 @@ class MatmulTest(parameterized.TestCase):
       np.testing.assert_allclose(got, want, rtol=1e-5,
                                  atol=1e-6 * np.abs(want).max())
     alone = products(None)
-    self.assertGreater(np.abs(alone[0] - whole[0]).max(),
-                       1e-3 * np.abs(whole[0]).max())
+    self.assertGreater(np.abs(alone[0][:rows] - whole[0][:rows]).max(),
+                       1e-2 * np.abs(whole[0][:rows]).max())
 
   @parameterized.parameters('current', 'delayed', 'mx')
   def test_products_and_gradients_against_float64(self, scaling):
@@ -181,6 +311,81 @@ class MatmulTest(parameterized.TestCase):
     self.assertLess(rel(dx, g @ w.T), 0.1)
     self.assertLess(rel(dw, x.T @ g), 0.1)
     self.assertGreater(rel(dx, g @ w.T), 1e-4)  # Really quantized.
+
+
+def _signed_uniform(rng, shape, magnitude):
+  """Values of both signs with magnitudes in [magnitude / 8, magnitude]: a
+  tiny tensor holds no subnormal unless `magnitude` is one (XLA:CPU reads a
+  subnormal input as zero)."""
+  values = rng.uniform(0.125, 1.0, shape) * rng.choice([-1.0, 1.0], shape)
+  return (values * magnitude).astype(np.float32)
+
+
+# (x, w, g) magnitudes: products and gradients that are normal float32
+# numbers while a scale, or the product of two, is not; and a subnormal x.
+_EDGES = dict(
+    tiny_x=(1e-36, 0.05, 1.0),
+    tiny_x_and_w=(1e-20, 1e-15, 1e3),
+    tiny_g=(1.0, 0.05, 1e-36),
+    subnormal_x=(1e-40, 0.05, 1.0))
+
+
+class BottomOfTheRangeTest(parameterized.TestCase):
+  """Forward and gradients at tiny amaxes against a float64 reference of
+  the rules (docs/fp8.md): a representable (normal) result is never
+  flushed, whatever the scales' product."""
+
+  def _reference(self, scaling, x, w, g):
+    """(out, dx, dw) and each's sum of magnitudes, in float64."""
+    if scaling == 'mx':
+      x4, w4 = _ref_mx(x, fp8.E4M3, 1), _ref_mx(w, fp8.E4M3, 0)
+      g5_dx, w4_dx = _ref_mx(g, fp8.E5M2, 1), _ref_mx(w, fp8.E4M3, 1)
+      x4_dw, g5_dw = _ref_mx(x, fp8.E4M3, 0), _ref_mx(g, fp8.E5M2, 0)
+    else:
+      scales = [_ref_tensor_scale(t, f) for t, f in
+                ((x, fp8.E4M3), (w, fp8.E4M3), (g, fp8.E5M2))]
+      x4, w4, g5 = (_ref_q(t, f, s) * s for t, f, s in zip(
+          (x, w, g), (fp8.E4M3, fp8.E4M3, fp8.E5M2), scales))
+      g5_dx, w4_dx, x4_dw, g5_dw = g5, w4, x4, g5
+    pairs = ((x4, w4), (g5_dx, w4_dx.T), (x4_dw.T, g5_dw))
+    return [(a @ b, np.abs(a) @ np.abs(b)) for a, b in pairs]
+
+  @parameterized.parameters(*fp8.SCALINGS)
+  def test_tiny_amaxes_against_float64(self, scaling):
+    for case, magnitudes in _EDGES.items():
+      with self.subTest(case):
+        self._check_edge(scaling, case, magnitudes)
+
+  def _check_edge(self, scaling, case, magnitudes):
+    rng = np.random.default_rng(6)
+    x, w, g = (_signed_uniform(rng, shape, m) for shape, m in zip(
+        ((8, 64), (64, 16), (8, 16)), magnitudes))
+    histories = None
+    if scaling == 'delayed':
+      # Histories that saw these tensors' amaxes: current scaling's scales.
+      histories = tuple(jnp.array([np.abs(t).max(), 0.0], jnp.float32)
+                        for t in (x, w, g))
+    config = fp8.Fp8(scaling, history_length=2)
+
+    @jax.jit
+    def run(x, w, g, histories):
+      out, vjp = jax.vjp(lambda x, w: fp8.matmul(
+          config, x, w, jnp.float32, histories), x, w)
+      return (out, *vjp(g)[:2])
+
+    got = run(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), histories)
+    want = self._reference(scaling, x, w, g)
+    for name, value, (exact, bound), k in zip(
+        ('out', 'dx', 'dw'), got, want, (64, 16, 8)):
+      self.assertTrue(np.isfinite(np.asarray(value)).all(), name)
+      _assert_products(self, value, exact, bound, k)
+      # Every result of x is below float32's normal range when x is; all
+      # but a few cancellations are normal otherwise.
+      normal = np.mean(np.abs(exact) >= TINY)
+      if case == 'subnormal_x' and name != 'dx':
+        self.assertEqual(normal, 0.0, name)
+      else:
+        self.assertGreater(normal, 0.75, name)
 
 
 class DelayedTest(absltest.TestCase):
@@ -205,15 +410,16 @@ class DelayedTest(absltest.TestCase):
   def test_the_scale_is_the_historys_not_the_tensors(self):
     x = jnp.full((4, 8), 2.0)
     w = jnp.eye(8)
-    # A history whose maximum is 4x this step's amax: x quantizes to a
-    # quarter of E4M3's largest value, and comes back exactly.
+    # A history whose maximum is 4x this step's amax: 8 lands on 256
+    # (scale 2**-5, the smallest power of two that holds it), x on a quarter
+    # of that, and comes back exactly.
     histories = (jnp.array([8.0, 0.0]), jnp.array([1.0, 0.0]),
                  jnp.array([1.0, 0.0]))
     out = fp8.matmul(fp8.Fp8('delayed', 2), x, w, jnp.float32, histories)
     np.testing.assert_allclose(out, x, rtol=1e-6)
     scale = fp8.scale_from_amax(jnp.float32(8.0), fp8.E4M3)
     self.assertEqual(float(fp8.quantize(jnp.float32(2.0), fp8.E4M3, scale)),
-                     112.0)
+                     64.0)
 
   def test_a_nonfinite_amax_is_not_recorded(self):
     history = jnp.array([1.0, 6.0, 2.0])
@@ -244,6 +450,31 @@ class MxTest(absltest.TestCase):
     kept = np.abs(x).reshape(4, 3, 32).max(-1) / scales
     self.assertTrue(((kept <= 448.0) & ((kept > 224.0) | (blocks == 0))).all())
     np.testing.assert_allclose(qdq, x, rtol=1 / 16)
+
+  def test_tiny_blocks_keep_their_scales_down_to_2_to_the_minus_127(self):
+    """A block's exponent comes from its amax itself, also where amax / 448
+    is no normal float32: such blocks dequantize as the float64 reference
+    does, bit for bit, instead of to zero."""
+    rng = np.random.default_rng(7)
+    magnitudes = (1e-36, 2.0**-126 * 448, 3e-36, 1e-30, 2.0**-120, 1.0)
+    x = np.concatenate([_signed_uniform(rng, (2, 32), m) for m in magnitudes],
+                       axis=1)
+    x[:, 32] = 2.0**-126 * 448  # Exactly the amax of scale 2**-126.
+    got = jax.jit(fp8.mx_quantize_dequantize, static_argnums=(1, 2))(
+        jnp.asarray(x), fp8.E4M3, 1)
+    want = _ref_mx(x, fp8.E4M3, 1)
+    self.assertTrue((np.abs(want) >= TINY).all())
+    np.testing.assert_array_equal(np.asarray(got, np.float64), want)
+    block_amax = np.abs(x).reshape(2, -1, fp8.MX_BLOCK).max(-1)
+    want = np.vectorize(lambda a: _ref_exponent(a, fp8.E4M3, low=-127,
+                                                high=127))(block_amax)
+    self.assertEqual(want[0, 0], -127)
+    np.testing.assert_array_equal(
+        fp8.mx_block_exponents(jnp.asarray(x), fp8.E4M3, axis=1), want)
+    # As float32 scales: normal numbers, 2**-127 as 2**-126.
+    np.testing.assert_array_equal(
+        fp8.mx_block_scales(jnp.asarray(x), fp8.E4M3, axis=1),
+        np.exp2(np.maximum(want, -126)).astype(np.float32))
 
   def test_a_dimension_that_is_no_multiple_of_the_block_is_padded(self):
     x = jnp.linspace(-3.0, 5.0, 50).reshape(1, 50)
@@ -340,6 +571,30 @@ class ModelTest(parameterized.TestCase):
       got = losses('*/encoder_block_*', scaling)
       self.assertLess(got[-1], 0.8 * got[0], scaling)
       np.testing.assert_allclose(got, bf16, rtol=0.03, err_msg=scaling)
+
+
+class ModelLineTest(absltest.TestCase):
+
+  def test_the_model_line_says_what_each_scaling_runs(self):
+    """Settings that apply to the scaling (MX takes no margin) and how it is
+    emulated: MX on every backend, per block; the others on a CPU."""
+    cpu = jax.default_backend() == 'cpu'
+    expected = {
+        'current': 'current (margin 0) scaling' + (
+            ' (emulated: XLA:CPU converts f8 to f16 and runs float32 dots)'
+            if cpu else ''),
+        'delayed': 'delayed (history 4, margin 0) scaling' + (
+            ' (emulated: XLA:CPU converts f8 to f16 and runs float32 dots)'
+            if cpu else ''),
+        'mx': 'mx (a power-of-two scale per 32 values) scaling (emulated: '
+              'blocks quantized and dequantized, float32 dots)'}
+    for scaling in fp8.SCALINGS:
+      exp = experiment.build_without_data(_config(scaling=scaling))
+      line = module_table.summary_line(module_table.module_rows(exp), '',
+                                       exp.precision)
+      self.assertTrue(line.endswith(
+          '; fp8 matmuls: 12 Linear, E4M3 forward, E5M2 gradients, '
+          + expected[scaling]), line)
 
 
 # How XLA:GPU writes a matmul it made a cuBLASLt fp8 GEMM of, and one it left

@@ -1,7 +1,7 @@
 """fp8 matmuls: E4M3 operands forward, E5M2 gradients backward, float32 sums.
 
 A `Linear` that `precision.fp8` selects computes `x @ w` as
-`dot_general(q(x), q(w), preferred_element_type=float32) * (s_x * s_w)`,
+`dot_general(q(x), q(w), preferred_element_type=float32) * s_x * s_w`,
 rounded once to the compute dtype, where `q(t)` is `t / s_t` saturated to the
 format's largest finite value and rounded to nearest even. Its backward pass
 runs both matmuls on fp8 operands too: `dx = q5(g) @ q(w).T` and
@@ -11,6 +11,13 @@ into the dot, scalar float32 scales, one contracting dimension), as flax's
 `fp8_ops` writes it. XLA:CPU has no fp8 kernel: its FloatNormalization
 converts f8 to f16 and runs a float32 dot, so on a CPU the same program is an
 emulation, bit for bit in its rounding, and no faster.
+
+Every scale is a power of two (`scale_from_amax`, `mx_block_exponents`), as
+MX's are by definition: then `t / s` is exact, so `q(t)` rounds `t / s` once,
+ties to even, also where XLA rewrites the division as a product with `1 / s`
+(exact too); and the output's scaling is exact. The two scales' product is
+applied as one factor where it is a normal float32 number and split in two
+where it is not (`_times_exp2`): XLA:CPU flushes a subnormal factor to zero.
 
 Scaling (`SCALINGS`), the divisor `s_t` of each tensor:
 
@@ -31,8 +38,8 @@ Scaling (`SCALINGS`), the divisor `s_t` of each tensor:
   quantized and dequantized here and a float32 dot runs: MX is measured for
   its accuracy everywhere and for its speed nowhere yet.
 
-`margin` (a power of two) leaves headroom under the largest finite value for
-amaxes that grow between steps (delayed) or across a block.
+`margin` (current and delayed; MX has none) leaves `2**margin` of headroom
+under the largest finite value for amaxes that grow between steps.
 """
 
 import dataclasses
@@ -64,9 +71,13 @@ META_NAMES = ('fp8_x_amax_history', 'fp8_w_amax_history',
 # Named scopes of the three matmuls of an fp8 Linear: in the HLO's op names,
 # they tell `launch.lab fp8` which matmul a GEMM is.
 FPROP, DGRAD, WGRAD = 'fp8_fprop', 'fp8_dgrad', 'fp8_wgrad'
-# The smallest divisor used: a zero or subnormal amax would make one that
-# overflows `t / s` (float32's smallest normal number).
-_MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)
+# The exponent range of scales, as powers of two. Current and delayed: float32's
+# normal numbers whose reciprocal is one too (a subnormal scale, or its
+# reciprocal, XLA:CPU flushes to zero). MX: E8M0's, 2**-127 to 2**127.
+_F32 = jnp.finfo(jnp.float32)
+_MIN_EXPONENT, _MAX_EXPONENT = int(_F32.minexp), -int(_F32.minexp)
+_MX_MIN_EXPONENT, _MX_MAX_EXPONENT = -127, 127
+_TINY = float(_F32.tiny)  # A subnormal amax counts as this.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,29 +101,100 @@ class Fp8:
           '>= 0 (a power of two of headroom)')
 
   def describe(self) -> str:
+    """The scaling with the settings that apply to it (MX takes no margin)."""
     if self.scaling == 'delayed':
       return (f'delayed (history {self.history_length}, '
               f'margin {self.margin:g})')
-    return f'{self.scaling} (margin {self.margin:g})'
+    if self.scaling == 'mx':
+      return f'mx (a power-of-two scale per {MX_BLOCK} values)'
+    return f'current (margin {self.margin:g})'
+
+  def emulation(self, backend: str) -> str:
+    """How `backend` runs these matmuls where it makes no fp8 GEMM of them;
+    '' where XLA may make one (a GPU: `launch.lab fp8` says per matmul)."""
+    if self.scaling == 'mx':  # No backend here has an MX GEMM.
+      return ('emulated: blocks quantized and dequantized, float32 dots')
+    if backend == 'cpu':
+      return 'emulated: XLA:CPU converts f8 to f16 and runs float32 dots'
+    return ''
 
 
 def max_finite(dtype) -> float:
   return float(jnp.finfo(dtype).max)
 
 
-def scale_from_amax(amax: jax.Array, dtype, margin: float = 0.0) -> jax.Array:
-  """The float32 divisor that maps `amax` to the largest finite value of
-  `dtype` less the margin; 1 for a zero or non-finite amax, and never below
-  float32's smallest normal number (a tiny amax gives a finite scale)."""
+def _exp2(exponent: jax.Array) -> jax.Array:
+  """2**exponent (int32, a normal float32's exponent) from its bits: exact,
+  where XLA's exp2 (and `jnp.ldexp`, which uses it) may not be."""
+  return jax.lax.bitcast_convert_type(
+      (exponent.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def _exponent_of(scale: jax.Array) -> jax.Array:
+  """e of a power-of-two float32 `scale` = 2**e (a normal number)."""
+  bits = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32)
+  return ((bits >> 23) & 0xff) - 127
+
+
+def _times_exp2(x: jax.Array, exponent: jax.Array) -> jax.Array:
+  """x * 2**exponent (|exponent| <= 252), exact wherever the result is a
+  normal float32: as x * 2**e1 * 2**e2 with e1 the exponent clipped to
+  float32's normal range, so that each factor and the product in between
+  stay normal (XLA:CPU flushes subnormals to zero). In range, as for any
+  amaxes not near float32's bottom, e2 = 0: the whole scale is the first
+  factor. (XLA folds two compile-time constant factors into one; scales
+  computed from the data are not.)"""
+  first = jnp.clip(exponent, _MIN_EXPONENT, _MAX_EXPONENT)
+  second = jnp.clip(exponent - first, _MIN_EXPONENT, _MAX_EXPONENT)
+  return x * _exp2(first) * _exp2(second)
+
+
+def _ceil_log2_ratio(amax: jax.Array, dtype, margin: float) -> jax.Array:
+  """ceil(log2(amax * 2**margin / max_finite(dtype))) (int32), exact for a
+  positive finite amax and an integer margin, from the amax's own mantissa
+  and exponent: no division, which would flush to zero below
+  max_finite * 2**-126, and no log2 (XLA's is an approximation). A subnormal
+  amax counts as float32's smallest normal number."""
+  whole = math.floor(margin)
+  # amax * 2**margin / max = (m / c) * 2**(e + whole - max_exponent), where
+  # m in [0.5, 1) is amax's mantissa and c = max's mantissa / 2**(margin's
+  # fraction), in (0.25, 1): m / c lies in (0.5, 4), and its ceil(log2) is
+  # 0, 1 or 2.
+  max_mantissa, max_exponent = math.frexp(max_finite(dtype))
+  c = max_mantissa / 2.0 ** (margin - whole)
+  mantissa, exponent = jnp.frexp(jnp.maximum(amax.astype(jnp.float32), _TINY))
+  up = (mantissa > c).astype(jnp.int32) + (mantissa > 2 * c).astype(jnp.int32)
+  return exponent + (whole - max_exponent) + up
+
+
+def _exponent_from_amax(amax: jax.Array, dtype, margin: float, low: int,
+                        high: int) -> jax.Array:
+  """The scale's exponent: `_ceil_log2_ratio` clipped to [low, high]; 0
+  (a scale of 1) for a zero or non-finite amax."""
   amax = jnp.asarray(amax, jnp.float32)
-  scale = amax * (2.0 ** margin) / max_finite(dtype)
-  usable = jnp.isfinite(amax) & (amax > 0)
-  return jnp.maximum(jnp.where(usable, scale, 1.0), _MIN_SCALE)
+  exponent = jnp.clip(_ceil_log2_ratio(amax, dtype, margin), low, high)
+  # Non-zero from the bits: XLA:CPU reads a subnormal as zero in `amax > 0`.
+  bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
+  usable = jnp.isfinite(amax) & ((bits & 0x7fffffff) != 0)
+  return jnp.where(usable, exponent, 0)
+
+
+def scale_from_amax(amax: jax.Array, dtype, margin: float = 0.0) -> jax.Array:
+  """The float32 divisor of a tensor with this amax: the smallest power of
+  two that leaves `amax * 2**margin` within the largest finite value of
+  `dtype`, 2**ceil(log2(amax * 2**margin / max)), so that quantizing
+  divides exactly. 1 for a zero or non-finite amax; never below float32's
+  smallest normal number (a tiny or subnormal amax gives a finite scale)."""
+  return _exp2(_exponent_from_amax(amax, dtype, margin, _MIN_EXPONENT,
+                                   _MAX_EXPONENT))
 
 
 def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
   """`x / scale` in `dtype`: saturated at its largest finite value (never inf
-  or NaN from a finite x), rounded to nearest even by the cast."""
+  or NaN from a finite x), rounded to nearest even by the cast. Exact before
+  the cast for a power-of-two scale (`scale_from_amax`), so ties round to
+  even; with another scale, XLA may compute `x * (1 / scale)` instead and
+  round a tie either way."""
   limit = max_finite(dtype)
   return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
 
@@ -132,13 +214,18 @@ def roll_history(history: jax.Array, new_amax: jax.Array) -> jax.Array:
   return jnp.concatenate([new_amax[None], history[:-1]]).astype(jnp.float32)
 
 
-def _scaled_dot(qa, qb, dims, scale, scope):
+def _scaled_dot(qa, qb, dims, a_scale, b_scale, scope):
   """The fp8 GEMM pattern: f8 operands into the dot, float32 result times the
-  product of the two scalar scales."""
+  two scalar (power-of-two) scales' product, `_times_exp2`'s one factor where
+  it is a normal number, two where it is not (never flushed to zero). The
+  dot's one user multiplies it by a broadcast scalar: the form XLA's gemm
+  rewriter folds into the fp8 GEMM's scale (`F8ScaleD` in its source; not
+  yet compiled on a GPU here); the second factor stays a multiply after
+  it, 1 for amaxes not near float32's bottom."""
   with jax.named_scope(scope):
     out = jax.lax.dot_general(qa, qb, dims,
                               preferred_element_type=jnp.float32)
-    return out * scale
+    return _times_exp2(out, _exponent_of(a_scale) + _exponent_of(b_scale))
 
 
 # Dimension numbers of the three matmuls of `x [n, k] @ w [k, o]`.
@@ -163,7 +250,7 @@ def _current_matmul(margin: float, out_dtype, axis_name, x, w, x_scale,
 def _current_fwd(margin, out_dtype, axis_name, x, w, x_scale, w_scale):
   del margin, axis_name
   qx, qw = quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale)
-  out = _scaled_dot(qx, qw, _FWD, x_scale * w_scale, FPROP).astype(out_dtype)
+  out = _scaled_dot(qx, qw, _FWD, x_scale, w_scale, FPROP).astype(out_dtype)
   # The backward keeps the fp8 operands: half the bytes of bfloat16 ones.
   return out, (qx, qw, x_scale, w_scale, _dtype_of(x), _dtype_of(w))
 
@@ -178,8 +265,8 @@ def _current_bwd(margin, out_dtype, axis_name, residuals, g):
   qx, qw, x_scale, w_scale, x_dtype, w_dtype = residuals
   g_scale = scale_from_amax(amax(g, axis_name), E5M2, margin)
   qg = quantize(g, E5M2, g_scale)
-  dx = _scaled_dot(qg, qw, _DGRAD, g_scale * w_scale, DGRAD)
-  dw = _scaled_dot(qx, qg, _WGRAD, x_scale * g_scale, WGRAD)
+  dx = _scaled_dot(qg, qw, _DGRAD, g_scale, w_scale, DGRAD)
+  dw = _scaled_dot(qx, qg, _WGRAD, x_scale, g_scale, WGRAD)
   # The scales are constants of the step: no gradient flows into them.
   return (dx.astype(x_dtype.dtype), dw.astype(w_dtype.dtype),
           jnp.zeros_like(x_scale), jnp.zeros_like(w_scale))
@@ -221,7 +308,7 @@ def _delayed_fwd(margin, out_dtype, axis_name, x, w, x_history, w_history,
   x_scale = _history_scale(x_history, E4M3, margin)
   w_scale = _history_scale(w_history, E4M3, margin)
   qx, qw = quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale)
-  out = _scaled_dot(qx, qw, _FWD, x_scale * w_scale, FPROP).astype(out_dtype)
+  out = _scaled_dot(qx, qw, _FWD, x_scale, w_scale, FPROP).astype(out_dtype)
   new_x = roll_history(x_history, amax(x, axis_name))
   new_w = roll_history(w_history, amax(w))
   return out, (qx, qw, x_scale, w_scale, new_x, new_w, g_history,
@@ -241,12 +328,19 @@ def _delayed_bwd(margin, out_dtype, axis_name, residuals, g):
       residuals)
   x_dtype, w_dtype = x_dtype.dtype, w_dtype.dtype
   # The history holds amaxes of the whole batch's gradient, as on one
-  # device, so that a checkpoint's histories are the same on any strategy.
+  # device, so that a checkpoint's histories are the same on any strategy;
+  # a replica quantizes its gradient in those units too (exactly for a
+  # power-of-two count), keeping the scale a power of two, and multiplies
+  # the products back.
   replicas = _replicas(axis_name)
-  g_scale = _history_scale(g_history, E5M2, margin) * replicas
-  qg = quantize(g, E5M2, g_scale)
-  dx = _scaled_dot(qg, qw, _DGRAD, g_scale * w_scale, DGRAD).astype(x_dtype)
-  dw = _scaled_dot(qx, qg, _WGRAD, x_scale * g_scale, WGRAD).astype(w_dtype)
+  g_scale = _history_scale(g_history, E5M2, margin)
+  qg = quantize(g.astype(jnp.float32) / replicas if axis_name else g, E5M2,
+                g_scale)
+  dx = _scaled_dot(qg, qw, _DGRAD, g_scale, w_scale, DGRAD)
+  dw = _scaled_dot(qx, qg, _WGRAD, x_scale, g_scale, WGRAD)
+  if axis_name:
+    dx, dw = dx * replicas, dw * replicas
+  dx, dw = dx.astype(x_dtype), dw.astype(w_dtype)
   g_amax = amax(g, axis_name) / replicas
   return dx, dw, new_x, new_w, roll_history(g_history, g_amax)
 
@@ -257,49 +351,84 @@ delayed_matmul.defvjp(_delayed_fwd, _delayed_bwd)
 # ---- MX: one power-of-two scale per block of 32 -----------------------------
 
 
+def _blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
+  """float32 `x` with `axis` last, split into blocks of `block` values."""
+  x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def mx_block_exponents(x: jax.Array, dtype, axis: int,
+                       block: int = MX_BLOCK) -> jax.Array:
+  """E8M0 exponents (int32) of `x`'s blocks of `block` values along `axis`
+  (whose size `block` divides): ceil(log2(amax / max_finite)), so no block
+  saturates, from -127 to 127 (E8M0's range); 0 for a zero block. Shape:
+  `x`'s with `axis` divided by `block`."""
+  block_amax = jnp.max(jnp.abs(_blocks(x, axis, block)), axis=-1)
+  exponents = _exponent_from_amax(block_amax, dtype, 0.0, _MX_MIN_EXPONENT,
+                                  _MX_MAX_EXPONENT)
+  return jnp.moveaxis(exponents, -1, axis)
+
+
 def mx_block_scales(x: jax.Array, dtype, axis: int,
                     block: int = MX_BLOCK) -> jax.Array:
-  """E8M0 scales of `x`'s blocks of `block` values along `axis` (whose size
-  `block` divides): 2**ceil(log2(amax / max_finite)), so no block saturates;
-  1 for a zero block. Shape: `x`'s with `axis` divided by `block`."""
-  x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
-  blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-  block_amax = jnp.max(jnp.abs(blocks), axis=-1)
-  # ceil(log2(ratio)) exactly, from frexp (ratio = m * 2**e, m in [0.5, 1)):
-  # e, less one when the ratio is itself a power of two. XLA's log2 and exp2
-  # are approximations, which could double a scale at a power of two.
-  mantissa, exponent = jnp.frexp(block_amax / max_finite(dtype))
-  exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
-  # An E8M0 value, as MX stores it: a power of two from 2**-127 to 2**127.
-  exponent = jnp.clip(exponent, -127, 127)
-  scales = jnp.where(block_amax > 0, jnp.ldexp(jnp.float32(1.0), exponent),
-                     1.0)
-  return jnp.moveaxis(scales.astype(jnp.float32), -1, axis)
+  """2**`mx_block_exponents` as normal float32 numbers, for arithmetic on a
+  backend that flushes subnormals (XLA:CPU): E8M0's 2**-127, a float32
+  subnormal, is given as 2**-126. The quantization here scales with the
+  exponents themselves."""
+  return _exp2(jnp.maximum(mx_block_exponents(x, dtype, axis, block),
+                           _MIN_EXPONENT))
 
 
-def mx_quantize_dequantize(x: jax.Array, dtype, axis: int,
-                           block: int = MX_BLOCK) -> jax.Array:
-  """`x` (float32) as MX blocks of `dtype` along `axis` hold it: quantized
-  with `mx_block_scales` and multiplied back. `axis` is zero-padded to a
-  multiple of `block` for the blocking and cut back after."""
+def _mx_quantize(x: jax.Array, dtype, axis: int,
+                 block: int) -> tuple[jax.Array, jax.Array]:
+  """(q, e): `x`'s MX blocks of `dtype` along `axis`, each value as the
+  format holds it (in float32) and its block's exponent. Times 2**-e
+  (2**120 at most for a finite amax: exact), then cast. `axis` is
+  zero-padded to a multiple of `block` for the blocking and cut back."""
   size = x.shape[axis]
   padded = -size % block
   if padded:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, padded)
     x = jnp.pad(x, pad)
-  scales = jnp.repeat(mx_block_scales(x, dtype, axis, block), block, axis=axis)
-  q = quantize(x, dtype, scales).astype(jnp.float32) * scales
-  return jax.lax.slice_in_dim(q, 0, size, axis=axis)
+  exponents = jnp.repeat(mx_block_exponents(x, dtype, axis, block), block,
+                         axis=axis)
+  limit = max_finite(dtype)
+  q = jnp.clip(x.astype(jnp.float32) * _exp2(-exponents), -limit,
+               limit).astype(dtype).astype(jnp.float32)
+  cut = lambda t: jax.lax.slice_in_dim(t, 0, size, axis=axis)
+  return cut(q), cut(exponents)
+
+
+def mx_quantize_dequantize(x: jax.Array, dtype, axis: int,
+                           block: int = MX_BLOCK) -> jax.Array:
+  """`x` (float32) as MX blocks of `dtype` along `axis` hold it: quantized
+  (`_mx_quantize`) and times 2**e as `_times_exp2` multiplies (2**-127 is
+  no normal float32)."""
+  return _times_exp2(*_mx_quantize(x, dtype, axis, block))
 
 
 def _mx_dot(a, a_axis, a_dtype, b, b_axis, b_dtype, dims, scope):
-  qa = mx_quantize_dequantize(a, a_dtype, a_axis)
-  qb = mx_quantize_dequantize(b, b_dtype, b_axis)
+  """A 2-D dot of MX operands blocked along their contracting axes. Each
+  row of `a` (column of `b`) is dequantized relative to its largest block
+  exponent, the dot runs on those values (products of tiny blocks never
+  underflow), and each output is scaled by its row's and column's power of
+  two as `_times_exp2` does; exactly as dequantizing first wherever no
+  product underflows."""
+  def relative(t, axis, dtype):
+    q, exponents = _mx_quantize(t, dtype, axis, MX_BLOCK)
+    # Zero blocks (scale 1) set no row's exponent.
+    largest = jnp.max(jnp.where(q == 0, _MX_MIN_EXPONENT, exponents),
+                      axis=axis, keepdims=True)
+    return _times_exp2(q, exponents - largest), largest.reshape(-1)
+
+  qa, a_exponents = relative(a, a_axis, a_dtype)
+  qb, b_exponents = relative(b, b_axis, b_dtype)
   with jax.named_scope(scope):
-    return jax.lax.dot_general(qa, qb, dims,
-                               precision=jax.lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
+    out = jax.lax.dot_general(qa, qb, dims,
+                              precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+    return _times_exp2(out, a_exponents[:, None] + b_exponents[None, :])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

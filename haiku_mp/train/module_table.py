@@ -125,8 +125,8 @@ def summary_line(rows: list[dict[str, Any]], overrides: str,
           f'overrides: {overrides or "none"}')
   fp8_rows = [r for r in rows if r['matmul'] != '-']
   if precision is not None and precision.fp8 is not None:
-    emulated = (' (emulated: XLA:CPU converts f8 to f16 and runs float32 dots)'
-                if jax.default_backend() == 'cpu' else '')
+    emulation = precision.fp8.emulation(jax.default_backend())
     line += (f'; fp8 matmuls: {len(fp8_rows)} Linear, E4M3 forward, E5M2 '
-             f'gradients, {precision.fp8.describe()} scaling{emulated}')
+             f'gradients, {precision.fp8.describe()} scaling'
+             + (f' ({emulation})' if emulation else ''))
   return line
