@@ -292,6 +292,40 @@ class MatmulTest(parameterized.TestCase):
     self.assertGreater(np.abs(alone[0][:rows] - whole[0][:rows]).max(),
                        1e-2 * np.abs(whole[0][:rows]).max())
 
+  def test_replicas_of_a_pmap_roll_the_whole_batchs_amaxes(self):
+    """Delayed scaling under pmap: every replica rolls into its histories
+    the amaxes one device would (x's over the whole batch; the output
+    gradient's in the units of the whole batch's mean loss, of which a
+    replica's is `replicas` times its share), so histories, and the scales
+    they give, never depend on the strategy; without the axis, a replica
+    rolls its own share's amaxes."""
+    replicas = jax.local_device_count()
+    # Each replica's rows in a magnitude of their own, as above.
+    factors = np.repeat(np.exp2(np.linspace(-16.0, 0.0, replicas)),
+                        48 // replicas)[:, None]
+    x = (self.x * factors).astype(np.float32)
+    g = (self.g * factors).astype(np.float32)
+    config = fp8.Fp8('delayed', history_length=4)
+    histories = tuple(jnp.array([np.abs(t).max(), 0.0, 0.0, 0.0],
+                                jnp.float32) for t in (x, self.w, g))
+
+    def rolled(x, g, axis_name=None):
+      _, vjp = jax.vjp(lambda x, w, *h: fp8.matmul(
+          config, x, w, jnp.float32, h, axis_name=axis_name),
+                       x, jnp.asarray(self.w), *histories)
+      return vjp(g)[2:]
+
+    split = lambda t: t.reshape(replicas, -1, t.shape[-1])
+    on_replicas = lambda axis: jax.pmap(
+        lambda x, g: rolled(x, g, axis), axis_name='batch')(
+            split(x), split(g) * replicas)
+    whole = rolled(jnp.asarray(x), jnp.asarray(g))
+    for got, want in zip(on_replicas('batch'), whole):
+      np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
+    x_alone, _, g_alone = on_replicas(None)
+    self.assertLess(float(x_alone[0, 0]), float(whole[0][0]) / 2**10)
+    self.assertLess(float(g_alone[0, 0]), float(whole[2][0]) / 2**10)
+
   @parameterized.parameters('current', 'delayed', 'mx')
   def test_products_and_gradients_against_float64(self, scaling):
     """Within the formats' error of the exact products: E4M3 keeps 3
