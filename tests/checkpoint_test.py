@@ -26,6 +26,7 @@ from absl.testing import parameterized
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
@@ -446,6 +447,50 @@ class CheckpointerTest(parameterized.TestCase):
       gc.collect()
     loop.close()
     self.assertEqual([str(w.message) for w in shown], [])
+
+  def test_a_save_keeps_the_state_the_next_step_donates(self):
+    # The save returns once the state is off the device; the next train step
+    # then donates the state's buffers and writes over them while the files
+    # are still being written. The checkpoint holds the state as it was.
+    state = _tiny_state(4)
+    state = state._replace(params=jax.tree.map(
+        lambda p: jax.random.normal(jax.random.key(1), p.shape), state.params))
+    # A copy on the host (not a view of the device's buffers, which
+    # would keep the step from donating them).
+    expected = jax.tree.map(np.array, _storable(state))
+    step = jax.jit(lambda s: s._replace(
+        step=s.step + 1, params=jax.tree.map(lambda p: -p - 1, s.params),
+        opt_state=jax.tree.map(lambda x: x + 1, s.opt_state),
+        rng=jax.random.split(s.rng)[0]), donate_argnums=0)
+    ckpt = checkpoint.Checkpointer(self.workdir, keep=1)
+    ckpt.save(1, state)
+    after = jax.block_until_ready(step(state))
+    self.assertNotEqual(int(after.step), int(expected.step))
+    _, restored = ckpt.restore_latest(jax.eval_shape(lambda: after))
+    chex.assert_trees_all_equal(_storable(restored), expected)
+
+  def test_a_failed_saves_leftovers_are_not_restored_and_it_saves_again(self):
+    # What a failed save leaves (its temporary folder, files half written)
+    # is no step: a resume takes the last good one, and saves that step anew.
+    ckpt = checkpoint.Checkpointer(self.workdir, keep=3)
+    state = _tiny_state(4)
+    ckpt.save(1, state._replace(step=jnp.asarray(1)))
+    ckpt.wait()
+    # The temporary folder of step 2's failed save, half written.
+    leftover = f'{ckpt.directory}/2{ocp.path.atomicity.TMP_DIR_SUFFIX}'
+    shutil.copytree(f'{ckpt.directory}/1', leftover)
+    for path in glob.glob(f'{leftover}/**/*', recursive=True):
+      if os.path.isfile(path):
+        with open(path, 'r+b') as f:
+          f.truncate(os.path.getsize(path) // 2)
+    resumed = checkpoint.Checkpointer(self.workdir, keep=3)  # A new run's.
+    step, restored = resumed.restore_latest(jax.eval_shape(lambda: state))
+    self.assertEqual((step, int(restored.step), resumed.all_steps()),
+                     (1, 1, [1]))
+    resumed.save(2, state._replace(step=jnp.asarray(2)))
+    step, restored = resumed.restore_latest(jax.eval_shape(lambda: state))
+    self.assertEqual((step, int(restored.step)), (2, 2))
+    self.assertFalse(os.path.exists(leftover))
 
   def test_the_logged_save_time_excludes_the_steps_still_queued(self):
     calls = []
