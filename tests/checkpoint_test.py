@@ -33,6 +33,8 @@ import orbax.checkpoint as ocp
 from haiku_mp import errors
 from haiku_mp.train import checkpoint
 from haiku_mp.train import experiment
+from haiku_mp.train import loop
+from haiku_mp.train import metrics as metrics_lib
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
@@ -492,6 +494,38 @@ class CheckpointerTest(parameterized.TestCase):
     self.assertEqual((step, int(restored.step)), (2, 2))
     self.assertFalse(os.path.exists(leftover))
 
+  def test_a_log_window_comes_back_from_the_run_record_as_it_was(self):
+    # The host metrics of the steps since the last log point, as a resumed
+    # run's first log window reads them: a skipped step's NaN and inf, its
+    # flags per gradient leaf, float32 values summarized bit for bit.
+    window = [dict(loss=np.float32(2.3025851), accuracy=np.float32(0.0625),
+                   grad_norm=np.float32(np.inf),
+                   updates_lost=np.float32(np.nan),
+                   loss_scale=np.float32(32768.0), grads_finite=np.bool_(False),
+                   nonfinite_grads=np.array([True, False]),
+                   consecutive_skips=np.int32(1), skipped_steps=np.int32(1)),
+              dict(loss=np.float32(2.3011513), accuracy=np.float32(0.125),
+                   grad_norm=np.float32(1.1681389),
+                   updates_lost=np.float32(-3.5762787e-07),
+                   loss_scale=np.float32(16384.0), grads_finite=np.bool_(True),
+                   nonfinite_grads=np.array([False, False]),
+                   consecutive_skips=np.int32(0), skipped_steps=np.int32(1))]
+    ckpt = checkpoint.Checkpointer(self.workdir, keep=1)
+    ckpt.save(1, _tiny_state(4), dict(
+        train_sec=1.5, log_window=metrics_lib.window_record(window)))
+    record = ckpt.run_record(1)  # Read back from its file.
+    restored = metrics_lib.window_from_record(record['log_window'])
+    means = ('loss', 'accuracy', 'grad_norm', 'updates_lost')
+    np.testing.assert_equal(metrics_lib.window_summary(restored, means),
+                            metrics_lib.window_summary(window, means))
+    jax.tree.map(np.testing.assert_array_equal, restored, window)
+    # Steps saved by a run without a metric this one has (DP-SGD turned on
+    # at the resume, say): it is averaged over the steps that have it.
+    summary = metrics_lib.window_summary(
+        [*restored, dict(window[1], clipped_fraction=np.float32(0.25))],
+        (*means, 'clipped_fraction'))
+    self.assertEqual(summary['clipped_fraction'], 0.25)
+
   def test_the_logged_save_time_excludes_the_steps_still_queued(self):
     calls = []
 
@@ -522,6 +556,53 @@ class CheckpointerTest(parameterized.TestCase):
     ckpt = checkpoint.Checkpointer(self.workdir, keep=3)
     self.assertIsNone(ckpt.restore_latest(jax.eval_shape(
         lambda: _tiny_state(4))))
+
+
+def _off_the_log_grid_config():
+  """tests/loop_test.py's run (its programs are in the compilation cache):
+  12 steps, logged every 4, checkpointed every 6, float16 with dynamic loss
+  scaling. Step 6's checkpoint is no log point: the steps 5 and 6 it
+  covers are in the log window of step 8."""
+  config = helpers.tiny_config(
+      'params=float32,compute=float16,output=float32', loss_scale='dynamic')
+  config.batch_size, config.eval_batch_size = 8, 16
+  config.num_train_steps, config.log_every_steps = 12, 4
+  config.eval_every_steps = config.checkpoint_every_steps = 6
+  config.data.source = 'synthetic'
+  config.data.synthetic_train_examples = 64
+  config.data.synthetic_eval_examples = 16
+  return config
+
+
+class ResumedLogTest(absltest.TestCase):
+
+  def test_a_resume_off_the_log_grid_logs_the_uninterrupted_windows(self):
+    # A full disk at step 12's save (after its log and evaluation: until
+    # then the run is an uninterrupted one), then a resume from step 6. Its
+    # log window at step 8 averaged steps 7 and 8 only, not 5 to 8: one
+    # logged loss differed (issue 48's runs, whose disk filled a checkpoint
+    # later under load, at one off the log grid), every step's the same.
+    workdir = self.enter_context(tempfile.TemporaryDirectory())
+    config = _off_the_log_grid_config()
+    save = checkpoint.Checkpointer.save
+
+    def no_room_at_12(self, step, *args, **kwargs):
+      if step == 12:
+        raise errors.RunError('could not save the checkpoint of step 12')
+      return save(self, step, *args, **kwargs)
+
+    with mock.patch.object(checkpoint.Checkpointer, 'save', no_room_at_12), \
+        self.assertRaisesRegex(errors.RunError, 'step 12'):
+      loop.train_and_evaluate(config, workdir)
+    uninterrupted = _train_events(workdir)
+    self.assertEqual([e['step'] for e in uninterrupted], [4, 8, 12])
+    with self.assertLogs(level='INFO') as logs:
+      loop.train_and_evaluate(config, workdir)
+    self.assertIn(f'{workdir}/checkpoints at step 6.', '\n'.join(logs.output))
+    resumed = _train_events(workdir)
+    for event in (*uninterrupted, *resumed):
+      del event['images_per_sec']  # A rate: each run's own.
+    self.assertEqual(resumed, uninterrupted)
 
 
 def _layout_config(update='master', mu='float32', nu='float32'):

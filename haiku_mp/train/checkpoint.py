@@ -10,8 +10,10 @@ A save that fails (a full disk) is one error naming the step and the last
 good checkpoint. PRNG keys are stored as their raw key data.
 
 Each step holds two orbax items: `default`, the TrainState, and `run`, a small
-JSON record of the run so far (its train and eval time), so that a run
-resumed any number of times still reports figures for the whole run.
+JSON record of the run so far (its train and eval time, and the metrics of
+the steps since the last log point), so that a run resumed any number of
+times still reports figures for the whole run, and logs the windows an
+uninterrupted run does.
 Checkpoints without a `run` item (older ones) restore with an empty record.
 """
 

@@ -182,12 +182,20 @@ def _settle(steps: in_flight.InFlight, finished):
   return done[-1] if done else finished
 
 
-def _log_window(exp, window, step, writer, progress) -> None:
-  """Summarizes the steps since the last log point: logs, writes, and stops
-  the run (after writing) when the loss scale says it diverged."""
-  host_window = exp.strategy.to_host(window)  # One transfer.
+def _on_host(exp, fetched, window):
+  """The host metrics of the steps since the last log point: those already
+  `fetched` (for a checkpoint, or from the one the run resumed from), then
+  those of `window`, still on the device, in one transfer."""
+  return [*fetched, *(exp.strategy.to_host(window) if window else [])]
+
+
+def _log_window(exp, fetched, window, step, writer, progress) -> None:
+  """Summarizes the steps since the last log point (`fetched`: those whose
+  metrics are on the host already; `window`: the others): logs, writes, and
+  stops the run (after writing) when the loss scale says it diverged."""
+  host_window = _on_host(exp, fetched, window)
   summary = metrics_lib.window_summary(host_window, exp.mean_metrics)
-  metrics_lib.log_overflows(host_window, step - len(window) + 1,
+  metrics_lib.log_overflows(host_window, step - len(host_window) + 1,
                             exp.param_names)
   rates = progress.update(step)
   summary.update(images_per_sec=rates['images_per_sec'],
@@ -266,6 +274,10 @@ class _Run:
                                           self.progress, self.on_stall)
     self.last_val = record.get('last_val', {})
     self.last_val_ema = record.get('last_val_ema', {})
+    # The steps between the last log point and the checkpoint resumed from
+    # (none in older checkpoints): the first log window starts with them.
+    self.log_window = metrics_lib.window_from_record(
+        record.get('log_window', []))
 
   def evaluate_val(self, step: int) -> None:
     """Val metrics of the params (with DP-SGD's epsilon spent) and of their
@@ -277,14 +289,18 @@ class _Run:
     if ema is not None:
       self.last_val_ema = self.evaluator('val', step, ema, label='val_ema')
 
-  def save(self, step: int, wait: bool) -> None:
-    """A checkpoint of the state at `step`, with the run record; returns
-    once the state is off the device (the files are written while training
-    goes on) unless `wait`."""
+  def save(self, step: int, log_window: list[dict[str, Any]],
+           wait: bool) -> None:
+    """A checkpoint of the state at `step`, with the run record (which keeps
+    `log_window`, the host metrics of the steps since the last log point);
+    returns once the state is off the device (the files are written while
+    training goes on) unless `wait`."""
     self.writer.flush()  # What the checkpoint covers is on disk before it.
     self.checkpointer.save(step, self.exp.strategy.unreplicate(self.state),
                            dict(self.progress.record(), last_val=self.last_val,
-                                last_val_ema=self.last_val_ema))
+                                last_val_ema=self.last_val_ema,
+                                log_window=metrics_lib.window_record(
+                                    log_window)))
     if wait:
       self.checkpointer.wait()
 
@@ -319,7 +335,10 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
     return None
   batches, train_step = _train_batches(run)
   run.progress.start(run.start_step)
-  window, finished = [], None
+  # The steps since the last log point: those whose metrics are on the host
+  # (from the checkpoint the run resumed from, or fetched for a save), then
+  # those still on the device.
+  fetched, window, finished = run.log_window, [], None
   for step in range(run.start_step + 1, total_steps + 1):
     # Between log points the host only dispatches, and waits for the step
     # steps_in_flight back: no device value is read.
@@ -333,8 +352,8 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
     finished = run.steps.push(f'step {step}', step_metrics)
     if _due(step, settings.log_every_steps, total_steps):
       finished = _settle(run.steps, finished)  # The window, waited for.
-      _log_window(exp, window, step, run.writer, run.progress)
-      window = []
+      _log_window(exp, fetched, window, step, run.writer, run.progress)
+      fetched, window = [], []
       run.checkpointer.poll()  # A save written meanwhile: logged, or its error.
     if _due(step, settings.eval_every_steps, total_steps):
       # Evaluation waits for the steps still queued.
@@ -346,7 +365,10 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
     if _due(step, settings.checkpoint_every_steps, total_steps) or stop:
       finished = _settle(run.steps, finished)
       with _clock_stopped(run.progress, step):
-        run.save(step, wait=stop)  # The files written before a stop.
+        # The steps since the last log point go into the checkpoint: a run
+        # resumed from it logs the window an uninterrupted run does.
+        fetched, window = _on_host(exp, fetched, window), []
+        run.save(step, fetched, wait=stop)  # The files written before a stop.
     if stop:
       received = run.interruption.received or 'SIGTERM'  # Or another process's.
       logging.warning('%s', interruption_lib.stop_line(received, step))
