@@ -34,16 +34,26 @@ def stochastic_round(key: jax.Array, x: jax.Array, dtype) -> jax.Array:
   every device and every sharding of `x` rounds the same element the same
   way (threefry's partitionable bits).
   """
-  dtype = jnp.dtype(dtype)
+  dtype = _checked(dtype)
   x = jnp.asarray(x, jnp.float32)
   if dtype == jnp.float32:
     return x
-  if dtype != jnp.bfloat16:
+  return _round_with(jax.random.bits(key, x.shape, jnp.uint32), x, dtype)
+
+
+def _checked(dtype) -> jnp.dtype:
+  dtype = jnp.dtype(dtype)
+  if dtype not in (jnp.float32, jnp.bfloat16):
     raise ValueError(f'stochastic rounding to {dtype} is not supported; '
                      'expected bfloat16 or float32')
+  return dtype
+
+
+def _round_with(random_bits: jax.Array, x: jax.Array, dtype) -> jax.Array:
+  """float32 `x` in bfloat16, rounded by 32 uniform `random_bits` per value
+  (their top 16 are used)."""
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  noise = jax.random.bits(key, x.shape, jnp.uint32) >> _DROPPED_BITS
-  kept = (bits + noise) & jnp.uint32(_KEPT_MASK)
+  kept = (bits + (random_bits >> _DROPPED_BITS)) & jnp.uint32(_KEPT_MASK)
   rounded = jax.lax.bitcast_convert_type(kept, jnp.float32).astype(dtype)
   return jnp.where(jnp.isfinite(x), rounded, x.astype(dtype))
 
@@ -62,10 +72,26 @@ def kahan_add(value: jax.Array, update: jax.Array, compensation: jax.Array
 
 def tree_stochastic_round(key: jax.Array, tree, dtypes):
   """`stochastic_round` of every leaf of `tree` to its dtype in `dtypes` (a
-  tree of the same structure with dtypes as leaves), each leaf with its own
-  key split from `key`."""
+  tree of the same structure with dtypes as leaves).
+
+  One draw of random bits for all the leaves rounded to bfloat16, each
+  leaf taking its slice in the tree's order: a threefry per leaf made the
+  step's program several thousand operations longer (the tiny ViT's train
+  step with bfloat16 params and moments compiled in 4.9 s against 1.5 s
+  rounded to nearest). The draw is of the whole tree, so it is the same
+  on every device and sharding.
+  """
   leaves, treedef = jax.tree.flatten(tree)
-  dtypes = treedef.flatten_up_to(dtypes)
-  keys = jax.random.split(key, max(len(leaves), 1))
-  return treedef.unflatten([stochastic_round(k, x, d) for k, x, d in
-                            zip(keys, leaves, dtypes)])
+  dtypes = [_checked(d) for d in treedef.flatten_up_to(dtypes)]
+  leaves = [jnp.asarray(x, jnp.float32) for x in leaves]
+  drawn = [x for x, d in zip(leaves, dtypes) if d == jnp.bfloat16]
+  bits = jax.random.bits(key, (sum(x.size for x in drawn),), jnp.uint32)
+  rounded, start = [], 0
+  for x, dtype in zip(leaves, dtypes):
+    if dtype == jnp.float32:
+      rounded.append(x)
+      continue
+    rounded.append(_round_with(
+        bits[start:start + x.size].reshape(x.shape), x, dtype))
+    start += x.size
+  return treedef.unflatten(rounded)
