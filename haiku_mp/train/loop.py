@@ -189,7 +189,8 @@ def _on_host(exp, fetched, window):
   return [*fetched, *(exp.strategy.to_host(window) if window else [])]
 
 
-def _log_window(exp, fetched, window, step, writer, progress) -> None:
+def _log_window(exp, fetched, window, step, writer, progress,
+                learning_rate) -> None:
   """Summarizes the steps since the last log point (`fetched`: those whose
   metrics are on the host already; `window`: the others): logs, writes, and
   stops the run (after writing) when the loss scale says it diverged."""
@@ -199,7 +200,7 @@ def _log_window(exp, fetched, window, step, writer, progress) -> None:
                             exp.param_names)
   rates = progress.update(step)
   summary.update(images_per_sec=rates['images_per_sec'],
-                 learning_rate=float(exp.schedule(step - 1)),
+                 learning_rate=float(learning_rate(step - 1)),
                  **exp.spent(step, summary['skipped_steps']))
   try:
     exp.scaler.check(step, summary['loss_scale'],
@@ -246,6 +247,9 @@ class _Run:
                hooks: Hooks):
     self.exp, self.splits, self.stack, self.hooks = exp, splits, stack, hooks
     settings = exp.loop
+    # The learning rate each log line reports: one small program, where the
+    # schedule's ops run eagerly were seven, each compiled in every process.
+    self.learning_rate = jax.jit(exp.schedule)
     self.shard = pipeline.Shard.current()
     self.interruption = stack.enter_context(interruption_lib.Interruption())
     self.checkpointer = stack.enter_context(_Closed(
@@ -320,8 +324,8 @@ def _train_batches(run: _Run):
   first = next(batches)
   train_step = _CompiledSteps(strategy)
   train_step.compile(run.state, tag(first))
-  # The schedule's ops (run at every log point) compile now, not on the clock.
-  exp.schedule(run.start_step)
+  # The schedule (run at every log point) compiles now, not on the clock.
+  run.learning_rate(run.start_step)
   return map(tag, itertools.chain([first], batches)), train_step
 
 
@@ -352,7 +356,8 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
     finished = run.steps.push(f'step {step}', step_metrics)
     if _due(step, settings.log_every_steps, total_steps):
       finished = _settle(run.steps, finished)  # The window, waited for.
-      _log_window(exp, fetched, window, step, run.writer, run.progress)
+      _log_window(exp, fetched, window, step, run.writer, run.progress,
+                  run.learning_rate)
       fetched, window = [], []
       run.checkpointer.poll()  # A save written meanwhile: logged, or its error.
     if _due(step, settings.eval_every_steps, total_steps):
