@@ -87,6 +87,7 @@ class CropWindowsTest(absltest.TestCase):
     self.assertTrue(np.all((top == 0) & (left == 0)))
 
 
+@helpers.long_running
 class AugmentTest(parameterized.TestCase):
 
   def test_the_whole_window_is_the_image(self):
@@ -154,6 +155,7 @@ class AugmentTest(parameterized.TestCase):
                                   whole[order])
 
 
+@helpers.long_running
 class RecipeAugmentTest(parameterized.TestCase):
 
   def test_pad_and_crop_is_a_window_of_the_padded_image(self):

@@ -31,6 +31,7 @@ FIELDS = {'device', 'jax_version', 'cpu', 'allocator', 'dtype', 'dot_form', 'pol
           'dp_microbatch_size'}
 
 
+@helpers.long_running
 class StepBenchmarkTest(parameterized.TestCase):
 
   def test_fields_and_arithmetic_per_dtype(self):

@@ -18,8 +18,10 @@ import tempfile
 from absl.testing import absltest
 
 from tests import fake_cifar10
+from tests import helpers
 
 
+@helpers.long_running
 class DownloadTest(absltest.TestCase):
 
   def test_downloads_prepares_and_trains(self):

@@ -58,6 +58,7 @@ class Fp8NumericsTest(parameterized.TestCase):
                            (1000.0 - 448.0 * 2) / np.linalg.norm(x), places=3)
 
 
+@helpers.long_running
 class Fp8AdviceTest(absltest.TestCase):
 
   def test_a_weight_e4m3_cannot_hold_is_named_and_only_it(self):

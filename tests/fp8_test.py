@@ -689,6 +689,7 @@ class BadTargetsTest(parameterized.TestCase):
     self.assertNotIn('\n', str(raised.exception))
 
 
+@helpers.long_running
 class ResumeTest(absltest.TestCase):
 
   def test_a_killed_delayed_scaling_run_resumes_bit_exactly(self):

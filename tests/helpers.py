@@ -94,7 +94,7 @@ _SET_AFTER_IMPORT = ('XLA_FLAGS', 'PYTEST_CURRENT_TEST', signal_at_step.ENV,
 
 
 def long_running(cls):
-  """Marks a test class whose tests take a minute or more together: the
+  """Marks a test class whose tests take 10 s or more together: the
   suite starts it first (conftest.py), so that it never starts last and
   keeps one core busy alone."""
   cls.LONG_RUNNING = True

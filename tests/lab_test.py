@@ -205,6 +205,7 @@ def _printed_residuals(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
   return residuals
 
 
+@helpers.long_running
 class MemoryTest(parameterized.TestCase):
 
   def test_residuals_match_jax_and_are_attributed_to_modules(self):
@@ -291,6 +292,7 @@ class MemoryTest(parameterized.TestCase):
                      row['alias_size_in_bytes'] + row['temp_size_in_bytes'])
 
 
+@helpers.long_running
 class StateLayoutsTest(parameterized.TestCase):
 
   def test_every_layout_compiled_holds_what_its_parts_add_up_to(self):

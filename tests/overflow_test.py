@@ -138,6 +138,7 @@ class OverflowStormTest(parameterized.TestCase):
       self.assertTrue(np.isfinite(leaf).all())
 
 
+@helpers.long_running
 class DivergenceTest(parameterized.TestCase):
 
   def _run(self, workdir, *flags):

@@ -251,6 +251,7 @@ class StateLayoutsAgreeTest(parameterized.TestCase):
                      P(None, 'model'))
 
 
+@helpers.long_running
 class ShardingRulesTest(parameterized.TestCase):
 
   def test_params_and_optimizer_state_follow_the_rules(self):

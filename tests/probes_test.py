@@ -63,6 +63,7 @@ def _capture(loss_fn, params, rng, batch, paths):
   return captured, grads
 
 
+@helpers.long_running
 class StatisticsTest(absltest.TestCase):
 
   def test_module_statistics_equal_a_direct_computation(self):

@@ -164,6 +164,7 @@ class QuickReportTest(parameterized.TestCase):
       self.assertIn(f'## {report_markdown.SECTIONS[part][0]}', markdown)
 
 
+@helpers.long_running
 class WhatDoesNotFitTest(absltest.TestCase):
 
   def test_a_variant_out_of_memory_is_a_row_not_the_end(self):

@@ -279,6 +279,7 @@ class SkipTest(parameterized.TestCase):
     chex.assert_trees_all_close(results[0], results[1], rtol=1e-5)
 
 
+@helpers.long_running
 class TrainingTest(parameterized.TestCase):
 
   @parameterized.named_parameters(

@@ -230,6 +230,7 @@ class TrainerTest(parameterized.TestCase):
     self.assertEqual(summary['skipped_steps'], 0)
 
 
+@helpers.long_running
 class PrivateRunTest(absltest.TestCase):
 
   def test_epsilon_in_every_report_counts_the_steps_taken(self):
@@ -280,6 +281,7 @@ class PrivateRunTest(absltest.TestCase):
                         for line in logs.output))
 
 
+@helpers.long_running
 class LaunchTrainTest(parameterized.TestCase):
 
   def _run(self, workdir, *flags, fresh=False):

@@ -20,6 +20,7 @@ from haiku_mp.model import vit
 from tests import helpers
 
 
+@helpers.long_running
 class VitTest(parameterized.TestCase):
 
   def test_reference_config_parameter_count(self):
