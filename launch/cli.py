@@ -341,7 +341,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   return argv
 
 
-def _leave(code) -> NoReturn:
+def leave(code) -> NoReturn:
   """Ends the process with `sys.exit(code)`'s status as the interpreter's
   shutdown does, up to its last stage: waits for the threads that are not
   daemons, runs the atexit functions (absl's log flush, JAX's backend
@@ -351,7 +351,7 @@ def _leave(code) -> NoReturn:
   0.5 s of CPU (1.7 s where TensorFlow was imported for the data), most of
   it CPython's garbage collections over the libraries' 200,000-550,000
   objects, on one device as on eight; 4-7 s of waiting on two busy cores.
-  `tests/forked_commands.py` ends its commands the same way."""
+  The tests' forked commands end through it too (`tests/forked_commands.py`)."""
   if code is None:
     status = 0
   elif isinstance(code, int):
@@ -376,7 +376,7 @@ def run(main: Callable[[list[str]], None], leave_at_exit: bool = True
   """`app.run(main)`; errors as the module says. A config is checked where
   the command builds its run (`experiment.build`), before anything is
   written or compiled. The process ends without freeing its modules
-  (`_leave`) unless `leave_at_exit` is False (then `SystemExit` is
+  (`leave`) unless `leave_at_exit` is False (then `SystemExit` is
   raised, for a caller that goes on)."""
 
   def guarded(argv):
@@ -405,4 +405,4 @@ def run(main: Callable[[list[str]], None], leave_at_exit: bool = True
   except SystemExit as e:
     if not leave_at_exit:
       raise
-    _leave(e.code)
+    leave(e.code)

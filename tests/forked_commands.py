@@ -9,9 +9,10 @@ process of its own: forked before JAX has created a backend (XLA reads
 XLA_FLAGS, and so the device count, when it does), with its own argv,
 environment, working directory, stdout and stderr, its module run as
 `__main__` the way `python -m` runs it, leaving as the interpreter's
-shutdown does up to freeing the modules (`exit_as_python`). What the
-preloaded libraries read from the environment as they were imported (JAX's
-JAX_* settings) is the launcher's: `helpers` sends only commands whose
+shutdown does up to freeing the modules (`launch.cli.leave`, as every
+command ends). What the preloaded libraries read from the environment as
+they were imported (JAX's JAX_* settings) is the launcher's: `helpers`
+sends only commands whose
 environment differs from the launcher's in variables read after the fork
 alone (XLA_FLAGS, say), and starts any other afresh. Both start from the
 test process's environment as `helpers` was imported, not as a library the
@@ -22,7 +23,6 @@ process imported since (TensorFlow) left it.
                                      # reply per line on stdout
 """
 
-import atexit
 import json
 import os
 import runpy
@@ -30,7 +30,6 @@ import select
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 
@@ -40,7 +39,7 @@ import traceback
 import haiku_mp.train.experiment  # pylint: disable=unused-import
 import haiku_mp.train.loop  # pylint: disable=unused-import
 import haiku_mp.train.run_plots  # pylint: disable=unused-import
-import launch.cli  # pylint: disable=unused-import
+import launch.cli
 
 # The modules a request may run: the project's commands, and the test
 # wrappers that only patch a class before they run a command (the train
@@ -64,35 +63,11 @@ def _run_as_main(module: str, args: list[str], env: dict[str, str], cwd: str,
   try:
     runpy.run_module(module, run_name='__main__', alter_sys=True)
   except SystemExit as e:
-    exit_as_python(e.code)
+    launch.cli.leave(e.code)
   except BaseException:  # pylint: disable=broad-except
     traceback.print_exc()  # As the interpreter does, then status 1.
-    exit_as_python(1)
-  exit_as_python(0)
-
-
-def exit_as_python(code) -> None:
-  """Leaves as the interpreter's shutdown does, up to its last stage: waits
-  for the threads that are not daemons, runs the atexit functions (absl's
-  log flush, JAX's backend clean-up, ...), flushes stdout and stderr, and
-  exits with `sys.exit(code)`'s status. What it skips is freeing every
-  imported module's objects, which takes half a second in a process that
-  imported JAX, TensorFlow and matplotlib, and which no command's output or
-  files depend on."""
-  if code is None:
-    status = 0
-  elif isinstance(code, int):
-    status = code
-  else:  # sys.exit('message'): printed, status 1.
-    print(code, file=sys.stderr)
-    status = 1
-  # What the interpreter's shutdown calls first, in its order; neither has a
-  # public name. The first also stops executors' idle worker threads.
-  threading._shutdown()  # pylint: disable=protected-access
-  atexit._run_exitfuncs()  # pylint: disable=protected-access
-  for stream in (sys.stdout, sys.stderr):
-    stream.flush()
-  os._exit(status)
+    launch.cli.leave(1)
+  launch.cli.leave(0)
 
 
 def _wait(pid: int, timeout: float) -> tuple[int, bool]:
@@ -125,7 +100,7 @@ def _serve() -> None:
     deadline = time.monotonic() + request['timeout']
     started = []
     for command in request['commands']:
-      # Files the parent removes: the child leaves by `exit_as_python`,
+      # Files the parent removes: the child leaves by `launch.cli.leave`,
       # without unwinding this function.
       out, err = _temp_file('stdout'), _temp_file('stderr')
       sys.stdout.flush()

@@ -60,7 +60,7 @@ class ForkedCommandsTest(parameterized.TestCase):
     and `sys.exit`'s status."""
     script = '\n'.join((
         'import atexit, concurrent.futures, sys, threading',
-        'from tests import forked_commands',
+        'from launch import cli',
         'atexit.register(lambda: sys.stdout.write(" atexit"))',
         'concurrent.futures.ThreadPoolExecutor(1).submit(int).result()',
         'go = threading.Event()',
@@ -69,7 +69,7 @@ class ForkedCommandsTest(parameterized.TestCase):
         '    " thread" * (sum(range(3 * 10**6)) > 0))).start()',
         'sys.stdout.write("buffered")',
         'go.set()',
-        'forked_commands.exit_as_python("a message")'))
+        'cli.leave("a message")'))
     result = subprocess.run([sys.executable, '-c', script], cwd=helpers.ROOT,
                             capture_output=True, text=True, timeout=120)
     self.assertEqual((result.returncode, result.stdout, result.stderr),
