@@ -12,9 +12,9 @@ environment, working directory, stdout and stderr, its module run as
 shutdown does up to freeing the modules (`launch.cli.leave`, as every
 command ends). What the preloaded libraries read from the environment as
 they were imported (JAX's JAX_* settings) is the launcher's: `helpers`
-sends only commands whose
-environment differs from the launcher's in variables read after the fork
-alone (XLA_FLAGS, say), and starts any other afresh. Both start from the
+sends only commands whose environment differs from the launcher's in
+variables read after the fork alone (XLA_FLAGS, say), and starts any other
+afresh. Both start from the
 test process's environment as `helpers` was imported, not as a library the
 process imported since (TensorFlow) left it.
 
