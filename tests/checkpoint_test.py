@@ -474,7 +474,8 @@ class CheckpointerTest(parameterized.TestCase):
   def test_a_failed_saves_leftovers_are_not_restored_and_it_saves_again(self):
     # What a failed save leaves (its temporary folder, files half written)
     # is no step: a resume takes the last good one, and saves that step anew.
-    ckpt = checkpoint.Checkpointer(self.workdir, keep=3)
+    ckpt = self.enter_context(contextlib.closing(
+        checkpoint.Checkpointer(self.workdir, keep=3)))
     state = _tiny_state(4)
     ckpt.save(1, state._replace(step=jnp.asarray(1)))
     ckpt.wait()
@@ -485,7 +486,8 @@ class CheckpointerTest(parameterized.TestCase):
       if os.path.isfile(path):
         with open(path, 'r+b') as f:
           f.truncate(os.path.getsize(path) // 2)
-    resumed = checkpoint.Checkpointer(self.workdir, keep=3)  # A new run's.
+    resumed = self.enter_context(contextlib.closing(  # A new run's.
+        checkpoint.Checkpointer(self.workdir, keep=3)))
     step, restored = resumed.restore_latest(jax.eval_shape(lambda: state))
     self.assertEqual((step, int(restored.step), resumed.all_steps()),
                      (1, 1, [1]))
