@@ -223,6 +223,7 @@ class QuantizeTest(parameterized.TestCase):
     self.assertTrue(np.isfinite(q))
 
 
+@helpers.long_running
 class MatmulTest(parameterized.TestCase):
 
   def setUp(self):

@@ -125,6 +125,7 @@ def _unwatched(tree):
                       tree)
 
 
+@helpers.long_running
 class LoopTest(parameterized.TestCase):
 
   def setUp(self):
