@@ -24,6 +24,10 @@ def get_config() -> ml_collections.ConfigDict:
   # > 0: a moving average of the params (this decay per step) is kept and
   # evaluated beside them (val_ema and test_ema events, ema_* in the summary).
   config.ema_decay = 0.0
+  # > 0: the moving average follows the run's length instead: its time
+  # constant is this share of the run's train steps (ema_decay = 1 - 1 /
+  # (ema_horizon * steps)), so a shorter run gets a faster average.
+  config.ema_horizon = 0.0
   config.log_every_steps = 50  # A progress line and a metrics event.
   config.eval_every_steps = 1000  # On val; also at the end (and test).
   config.checkpoint_every_steps = 1000  # Also at the end and on SIGTERM.
@@ -54,6 +58,10 @@ def get_config() -> ml_collections.ConfigDict:
       # first block to drop_path_rate in the last.
       drop_path_rate=0.0,
       layer_norm_epsilon=1e-6,  # The seeds' (Haiku's default is 1e-5).
+      # The patch embedding's kernel init: 'lecun_normal' (the original
+      # ViT's and big_vision's) or 'xavier_uniform' (before 2026-11-26: 8x
+      # too small for a convolution; kept to reproduce old runs).
+      patch_init='lecun_normal',
   ))
   # What each encoder block keeps for the backward pass: 'none' (every
   # residual), 'dots' (the weight matmuls' outputs; the rest recomputed) or

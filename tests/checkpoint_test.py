@@ -615,6 +615,7 @@ def _layout_config(update='master', mu='float32', nu='float32'):
   config.data.source = 'synthetic'
   config.weight_decay, config.grad_clip_norm, config.ema_decay = 0.05, 1.0, 0.5
   config.num_train_steps = 10
+  config.model.patch_init = 'xavier_uniform'  # The init of its time.
   config.precision.update(param_update=update, mu_dtype=mu, nu_dtype=nu)
   return config
 

@@ -166,6 +166,15 @@ _OUT_OF_RANGE = (
      'label_smoothing=1 must be in [0, 1)'),
     ('ema_decay', {'ema_decay': 1.0},
      'ema_decay=1 must be in [0, 1) (0: no moving average)'),
+    ('patch_init', {'model.patch_init': 'he_normal'},
+     "model.patch_init: unknown value 'he_normal'; expected one of "
+     "('lecun_normal', 'xavier_uniform')"),
+    ('ema_horizon', {'ema_horizon': 1.5},
+     "ema_horizon=1.5 must be in [0, 1] (a share of the run's steps; 0: "
+     'ema_decay as set)'),
+    ('ema_decay_and_horizon', {'ema_decay': 0.999, 'ema_horizon': 0.05},
+     'ema_decay=0.999 and ema_horizon=0.05 both set the moving average; set '
+     'one, the other 0'),
     ('drop_path_rate', {'model.drop_path_rate': -0.1},
      'model.drop_path_rate=-0.1 must be in [0, 1)'),
     ('crop', {'data.crop': 'random'},

@@ -16,6 +16,7 @@ import optax
 
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies
+from haiku_mp.train import experiment
 from haiku_mp.update import optimizer as optimizer_lib
 from tests import helpers
 
@@ -131,6 +132,33 @@ class EmaTest(absltest.TestCase):
       chex.assert_type(ema, jnp.float32)
       np.testing.assert_allclose(ema, expected, rtol=1e-6)
     self.assertTrue(np.all(np.asarray(ema) > master))  # It lags behind.
+
+
+class EmaHorizonTest(absltest.TestCase):
+
+  def test_the_decay_follows_the_runs_length(self):
+    # Its time constant, 1 / (1 - decay), is the horizon's share of the run.
+    for steps in (200, 70_200):
+      decay = optimizer_lib.ema_decay_for(0.0, 0.05, steps)
+      self.assertAlmostEqual(1 / (1 - decay), 0.05 * steps, places=6)
+    self.assertLess(optimizer_lib.ema_decay_for(0.0, 0.05, 1_760),
+                    optimizer_lib.ema_decay_for(0.0, 0.05, 17_400))
+    self.assertEqual(optimizer_lib.ema_decay_for(0.9998, 0.0, 1_760), 0.9998)
+    self.assertEqual(optimizer_lib.ema_decay_for(0.0, 0.0, 1_760), 0.0)
+    self.assertEqual(optimizer_lib.ema_decay_for(0.0, 0.05, 3), 0.5)
+
+  def test_the_experiment_keeps_that_average_and_says_so(self):
+    config = helpers.tiny_config()
+    config.num_train_steps, config.ema_horizon = 400, 0.05
+    exp = experiment.build_without_data(config)
+    self.assertAlmostEqual(exp.ema_decay, 0.95)
+    self.assertIsNotNone(optimizer_lib.ema_params(exp.abstract_state.opt_state))
+    self.assertIn('Moving average: decay 0.95 per step, a time constant of 20 '
+                  "steps (5% of the run's 400)", '\n'.join(exp.describe()))
+    config.ema_horizon = 0.0
+    exp = experiment.build_without_data(config)
+    self.assertEqual((exp.ema_decay, exp.describe()), (0.0, []))
+    self.assertIsNone(optimizer_lib.ema_params(exp.abstract_state.opt_state))
 
 
 class ScheduleTest(absltest.TestCase):

@@ -6,6 +6,8 @@ import sys
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import functools
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import base
+from haiku_mp.data import pipeline
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import vit
 from tests import helpers
@@ -147,6 +150,65 @@ class VitTest(parameterized.TestCase):
   def test_bad_sizes_name_the_setting(self, sizes, message):
     with self.assertRaisesRegex(ValueError, message):
       forward_lib.checked_forward(helpers.tiny_config(**sizes))
+
+
+def _encoder_outputs(forward, params, images):
+  """Every EncoderBlock's output, in order, from one eval forward pass."""
+  outputs = []
+
+  def record(next_f, args, kwargs, context):
+    out = next_f(*args, **kwargs)
+    if (type(context.module) is vit.EncoderBlock
+        and context.method_name == '__call__'):
+      outputs.append(out)
+    return out
+
+  with hk.intercept_methods(record):
+    forward.apply(params, None, images, False)
+  return outputs
+
+
+def _mean_token_cosine(tokens):
+  """The mean cosine similarity between two different tokens of an image,
+  over the batch: 1 when every token points the same way (rank collapse)."""
+  unit = tokens / jnp.linalg.norm(tokens, axis=-1, keepdims=True)
+  n = tokens.shape[1]
+  similarity = jnp.einsum('btd,bsd->bts', unit, unit)
+  return ((similarity.sum((1, 2)) - n) / (n * (n - 1))).mean()
+
+
+class TrainabilityTest(parameterized.TestCase):
+  """The reference ViT must start where a transformer can learn: tokens
+  that still differ from each other after the encoder. A patch embedding
+  started 8x too small (Xavier with Haiku's fan-out of a convolution, std
+  0.018) put this at 0.90 on these images; LeCun normal, the original
+  ViT's, at 0.37."""
+
+  # A tolerance between the two, far from both (docs/training.md).
+  MAX_MEAN_TOKEN_COSINE = 0.6
+
+  @parameterized.parameters(0, 1)
+  def test_reference_vits_tokens_are_not_collapsed_at_init(self, seed):
+    # The reference config as it is, its default init.
+    self.assertLess(self._last_block_cosine(seed), self.MAX_MEAN_TOKEN_COSINE)
+
+  def test_the_old_init_collapsed_them(self):
+    """What the test above tells apart: kept reproducible as a setting."""
+    self.assertGreater(self._last_block_cosine(0, 'xavier_uniform'),
+                       self.MAX_MEAN_TOKEN_COSINE)
+
+  def _last_block_cosine(self, seed, patch_init=None):
+    config = base.get_config()
+    if patch_init:
+      config.model.patch_init = patch_init
+    forward, _ = forward_lib.checked_forward(config)
+    images = jnp.asarray(pipeline.random_batch(config.model, 8, seed)['image'])
+    params = forward.init(jax.random.key(seed), images[:1], True)
+    outputs = jax.jit(functools.partial(_encoder_outputs, forward))(
+        params, images)
+    self.assertLen(outputs, config.model.num_layers)
+    # Deeper blocks pull tokens together: the last one is the test.
+    return float(_mean_token_cosine(outputs[-1]))
 
 
 if __name__ == '__main__':

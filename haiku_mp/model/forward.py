@@ -14,7 +14,7 @@ from haiku_mp.model import vit
 
 MODEL_FIELDS = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
                 'mlp_dim', 'num_heads', 'num_layers', 'dropout_rate',
-                'drop_path_rate', 'layer_norm_epsilon')
+                'drop_path_rate', 'layer_norm_epsilon', 'patch_init')
 
 
 def make_precision(config: ml_collections.ConfigDict) -> policies.Precision:

@@ -24,7 +24,22 @@ from haiku_mp.model import remat as remat_lib
 
 
 def _linear_init():
+  """Xavier uniform: the original ViT's and big_vision's attention and MLP
+  kernels."""
   return hk.initializers.VarianceScaling(1.0, 'fan_avg', 'uniform')
+
+
+# The patch embedding's kernel initializers (`model.patch_init`). LeCun
+# normal (truncated) is how the original ViT and big_vision start it. Xavier
+# uniform was used here before 2026-11-26: Haiku counts a convolution's
+# fan-out as kh * kw * out, so it gave a 384-wide embedding of 4x4 patches a
+# std of 0.018 instead of 0.144, and the reference ViT's output tokens started
+# nearly collapsed (docs/training.md). Kept to reproduce older runs.
+PATCH_INITS = {
+    'lecun_normal': lambda: hk.initializers.VarianceScaling(
+        1.0, 'fan_in', 'truncated_normal'),
+    'xavier_uniform': _linear_init,
+}
 
 
 class PatchEmbed(hk.Module):
@@ -32,16 +47,18 @@ class PatchEmbed(hk.Module):
 
   def __init__(self, patch_size: int, embed_dim: int,
                dots: half_dot.Dots = half_dot.Dots(),
-               name: Optional[str] = None):
+               init: str = 'lecun_normal', name: Optional[str] = None):
     super().__init__(name=name)
+    errors.check_choice('model.patch_init', init, tuple(PATCH_INITS))
     self.patch_size = patch_size
     self.embed_dim = embed_dim
     self.dots = dots
+    self.init = init
 
   def __call__(self, images: jax.Array) -> jax.Array:
     x = half_dot.Conv2D(self.embed_dim, dots=self.dots,
                         kernel_shape=self.patch_size, stride=self.patch_size,
-                        padding='VALID', w_init=_linear_init(),
+                        padding='VALID', w_init=PATCH_INITS[self.init](),
                         name='conv')(images)
     batch, height, width, dim = x.shape
     return x.reshape(batch, height * width, dim)
@@ -167,13 +184,14 @@ class VisionTransformer(hk.Module):
                drop_path_rate: float = 0.0,
                float32_residual: bool = False,
                dots: half_dot.Dots = half_dot.Dots(),
-               remat: str = 'none',
+               remat: str = 'none', patch_init: str = 'lecun_normal',
                name: Optional[str] = 'vit'):
     """`float32_residual` keeps the residual stream (the sum the blocks add
     into) in float32 whatever the compute dtype, as Megatron's fp32-residual
     option; by default the stream is in the compute dtype.
     `dots` says how the matmuls run (`half_dot.Dots`); `remat` what each
-    encoder block keeps for the backward pass (`remat.CHOICES`)."""
+    encoder block keeps for the backward pass (`remat.CHOICES`);
+    `patch_init` the patch embedding's kernel init (`PATCH_INITS`)."""
     super().__init__(name=name)
     if image_size % patch_size:
       raise errors.ConfigError(
@@ -196,10 +214,12 @@ class VisionTransformer(hk.Module):
     self.float32_residual = float32_residual
     self.dots = dots
     self.remat = remat
+    self.patch_init = patch_init
 
   def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
     """Maps images [B, H, W, C] to logits [B, num_classes]."""
-    x = PatchEmbed(self.patch_size, self.embed_dim, self.dots)(images)
+    x = PatchEmbed(self.patch_size, self.embed_dim, self.dots,
+                   self.patch_init)(images)
     batch, num_patches, dim = x.shape
     cls_token = hk.get_parameter('cls_token', [1, 1, dim], init=jnp.zeros)
     pos_embedding = hk.get_parameter(

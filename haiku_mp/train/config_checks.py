@@ -23,6 +23,7 @@ from haiku_mp.model import dropout
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies
 from haiku_mp.model import remat
+from haiku_mp.model import vit
 from haiku_mp.parallel import sharding
 from haiku_mp.parallel import strategies
 from haiku_mp.privacy import dp_sgd
@@ -111,6 +112,14 @@ def _check_training(config: ml_collections.ConfigDict) -> None:
            config.label_smoothing, 'in [0, 1)')
   _require(0 <= config.ema_decay < 1, 'ema_decay', config.ema_decay,
            'in [0, 1) (0: no moving average)')
+  _require(_is_number(config.ema_horizon) and 0 <= config.ema_horizon <= 1,
+           'ema_horizon', config.ema_horizon,
+           'in [0, 1] (a share of the run\'s steps; 0: ema_decay as set)')
+  if config.ema_decay > 0 and config.ema_horizon > 0:
+    raise errors.ConfigError(
+        f'ema_decay={config.ema_decay:g} and ema_horizon='
+        f'{config.ema_horizon:g} both set the moving average; set one, the '
+        'other 0')
   if config.privacy.enabled and augment.mixes(config.data):
     raise errors.ConfigError(
         f'data.mixup_alpha={config.data.mixup_alpha:g} / data.cutmix_alpha='
@@ -136,6 +145,8 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
            model.drop_path_rate, 'in [0, 1)')
   _require(model.layer_norm_epsilon > 0, 'model.layer_norm_epsilon',
            model.layer_norm_epsilon, 'positive')
+  errors.check_choice('model.patch_init', model.patch_init,
+                      tuple(vit.PATCH_INITS))
   remat.check(config.remat)
   fp8 = config.precision.fp8
   # fp8.Fp8 checks its own settings.

@@ -80,6 +80,9 @@ class Experiment:
   num_train_examples: Optional[int]
   total_steps: int
   schedule: optax.Schedule
+  # The params' moving average's decay per step (0: none), as ema_decay or
+  # ema_horizon set it.
+  ema_decay: float
   optimizer: optax.GradientTransformation
   scaler: loss_scaling.LossScaler
   # DP-SGD's settings (noise calibrated, batch padding), or None.
@@ -167,10 +170,18 @@ class Experiment:
     return self.privacy.summary(steps, skipped_steps)
 
   def describe(self) -> list[str]:
-    """Lines for a run's start beyond the model's (DP-SGD's settings)."""
-    if self.privacy is None:
-      return []
-    return [self.privacy.describe(self.total_steps)]
+    """Lines for a run's start beyond the model's (the moving average,
+    DP-SGD's settings)."""
+    lines = []
+    if self.ema_decay > 0:
+      steps = 1 / (1 - self.ema_decay)
+      lines.append(f'Moving average: decay {self.ema_decay:.6g} per step, '
+                   f'a time constant of {steps:,.0f} steps '
+                   f'({steps / self.total_steps:.0%} of the run\'s '
+                   f'{self.total_steps:,}), evaluated beside the params')
+    if self.privacy is not None:
+      lines.append(self.privacy.describe(self.total_steps))
+    return lines
 
 
 def total_train_steps(config: ml_collections.ConfigDict,
@@ -251,9 +262,11 @@ def build(config: ml_collections.ConfigDict, *,
         config.warmup_steps, total_steps)
   schedule = optimizer_lib.learning_rate_schedule(
       config.learning_rate, config.warmup_steps, total_steps)
+  ema_decay = optimizer_lib.ema_decay_for(config.ema_decay,
+                                          config.ema_horizon, total_steps)
   optimizer = optimizer_lib.make_optimizer(
       schedule, weight_decay=config.weight_decay,
-      grad_clip_norm=config.grad_clip_norm, ema_decay=config.ema_decay,
+      grad_clip_norm=config.grad_clip_norm, ema_decay=ema_decay,
       half_params=precision.half_params,
       param_update=config.precision.param_update,
       mu_dtype=config.precision.mu_dtype, nu_dtype=config.precision.nu_dtype)
@@ -287,6 +300,6 @@ def build(config: ml_collections.ConfigDict, *,
       precision=precision, module_calls=calls,
       forward=forward, loss_fn=loss_fn, train_inputs=train_inputs,
       num_train_examples=num_train_examples, total_steps=total_steps,
-      schedule=schedule, optimizer=optimizer, scaler=scaler, privacy=private,
+      schedule=schedule, ema_decay=ema_decay, optimizer=optimizer, scaler=scaler, privacy=private,
       init_state=init_state,
       abstract_state=strategy.abstract_state, strategy=strategy)

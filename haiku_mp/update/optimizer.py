@@ -250,6 +250,17 @@ def apply_updates(params: optax.Params, updates: optax.Updates,
   return optax.apply_updates(params, updates)
 
 
+def ema_decay_for(decay: float, horizon: float, total_steps: int) -> float:
+  """`decay`, or with `horizon` > 0 the decay whose time constant
+  (1 / (1 - decay) steps) is that share of `total_steps`: a fixed decay
+  outlasts a short run (0.9998 averages over 5,000 steps, longer than a
+  20-epoch run at batch 512) and lags the end of any run whose schedule
+  it spans. At least 2 steps, so a tiny run still keeps an average."""
+  if horizon <= 0:
+    return decay
+  return 1.0 - 1.0 / max(horizon * total_steps, 2.0)
+
+
 def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0,
                    grad_clip_norm: float = 0.0, ema_decay: float = 0.0,
                    half_params: bool = False, param_update: str = MASTER,
