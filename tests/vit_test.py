@@ -177,6 +177,7 @@ def _mean_token_cosine(tokens):
   return ((similarity.sum((1, 2)) - n) / (n * (n - 1))).mean()
 
 
+@helpers.long_running
 class TrainabilityTest(parameterized.TestCase):
   """The reference ViT must start where a transformer can learn: tokens
   that still differ from each other after the encoder. A patch embedding
