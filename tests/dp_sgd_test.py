@@ -170,6 +170,7 @@ class ClippingTest(absltest.TestCase):
                            float(metrics['example_grad_norm']), places=4)
 
 
+@helpers.long_running
 class PrivateStepTest(absltest.TestCase):
   """The whole train step with C = infinity and no noise."""
 
@@ -214,6 +215,7 @@ class PrivateStepTest(absltest.TestCase):
     self.assertEqual(float(metrics['num_examples']), BATCH - 1)
 
 
+@helpers.long_running
 class StateLayoutTest(absltest.TestCase):
 
   def test_private_steps_train_bfloat16_state_without_a_master(self):
