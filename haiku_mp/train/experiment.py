@@ -300,6 +300,6 @@ def build(config: ml_collections.ConfigDict, *,
       precision=precision, module_calls=calls,
       forward=forward, loss_fn=loss_fn, train_inputs=train_inputs,
       num_train_examples=num_train_examples, total_steps=total_steps,
-      schedule=schedule, ema_decay=ema_decay, optimizer=optimizer, scaler=scaler, privacy=private,
-      init_state=init_state,
+      schedule=schedule, ema_decay=ema_decay, optimizer=optimizer,
+      scaler=scaler, privacy=private, init_state=init_state,
       abstract_state=strategy.abstract_state, strategy=strategy)
