@@ -650,6 +650,55 @@ ENTRY %main.9 (p0: f8e4m3fn[128,384], p1: f8e4m3fn[384,384]) -> bf16[128,384] {
 """
 
 
+# XLA 0.11.2's form on an H100 (the fused computations' text as its log
+# printed them, shortened): the fprops of query, key and value merged into one
+# Triton GEMM over their concatenated fp8 weights; a second Triton GEMM whose
+# fp8 operands are converted to bf16 inside the fusion; a bf16 one.
+_TRITON_HLO = """
+HloModule jit_train_step, entry_computation_layout={...}
+
+%gemm_fusion_dot.48_computation (parameter_0.1: f8e4m3fn[8320,384], parameter_1.1: f8e4m3fn[384,384], parameter_2: f8e4m3fn[384,384], parameter_3: f8e4m3fn[384,384]) -> f32[8320,1152] {
+  %parameter_1.1 = f8e4m3fn[384,384]{1,0} parameter(1)
+  %parameter_2 = f8e4m3fn[384,384]{1,0} parameter(2)
+  %parameter_3 = f8e4m3fn[384,384]{1,0} parameter(3)
+  %concatenate.35 = f8e4m3fn[1152,384]{1,0} concatenate(%parameter_1.1, %parameter_2, %parameter_3), dimensions={0}, metadata={op_name="jit(train_step)/jvp(vit)/encoder_block_0/attention/value/_fp8_sums/value/convert_element_type"}
+  %bitcast.1846 = f8e4m3fn[384,1152]{0,1} bitcast(%concatenate.35)
+  %parameter_0.1 = f8e4m3fn[8320,384]{1,0} parameter(0)
+  %dot.202 = f32[1152,8320]{0,1} dot(%bitcast.1846, %parameter_0.1), lhs_contracting_dims={0}, rhs_contracting_dims={1}, metadata={op_name="jit(train_step)/jvp(vit)/encoder_block_0/attention/value/_fp8_sums/value/fp8_fprop/dot_general"}
+  ROOT %bitcast.2429 = f32[8320,1152]{1,0} bitcast(%dot.202)
+}
+
+%gemm_fusion_dot.49_computation (parameter_0.2: f8e4m3fn[8320,384], parameter_1.2: f8e4m3fn[1536,384]) -> f32[8320,1536] {
+  %parameter_0.2 = f8e4m3fn[8320,384]{1,0} parameter(0)
+  %convert.7 = bf16[8320,384]{1,0} convert(%parameter_0.2)
+  %parameter_1.2 = f8e4m3fn[1536,384]{1,0} parameter(1)
+  %convert.8 = bf16[1536,384]{1,0} convert(%parameter_1.2)
+  ROOT %dot.203 = f32[8320,1536]{1,0} dot(%convert.7, %convert.8), lhs_contracting_dims={1}, rhs_contracting_dims={1}, metadata={op_name="jit(train_step)/jvp(vit)/encoder_block_0/mlp_block/fc1/_fp8_sums/fc1/fp8_fprop/dot_general"}
+}
+
+%gemm_fusion_dot_general.200_computation (parameter_0.123: bf16[128,384], parameter_1.123: bf16[128,10]) -> bf16[384,10] {
+  %parameter_0.123 = bf16[128,384]{1,0} parameter(0)
+  %parameter_1.123 = bf16[128,10]{1,0} parameter(1)
+  %dot_general.56 = f32[384,10]{1,0} dot(%parameter_0.123, %parameter_1.123), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/transpose(jvp(vit))/head/no,ni->io/dot_general"}
+  ROOT %convert_element_type.306 = bf16[384,10]{1,0} convert(%dot_general.56)
+}
+
+ENTRY %main.9 (p0: f8e4m3fn[8320,384], p1: f8e4m3fn[384,384], p2: f8e4m3fn[384,384], p3: f8e4m3fn[384,384], p4: f8e4m3fn[1536,384], b0: bf16[128,384], b1: bf16[128,10]) -> f32[8320,1152] {
+  %p0 = f8e4m3fn[8320,384]{1,0} parameter(0)
+  %p1 = f8e4m3fn[384,384]{1,0} parameter(1)
+  %p2 = f8e4m3fn[384,384]{1,0} parameter(2)
+  %p3 = f8e4m3fn[384,384]{1,0} parameter(3)
+  %p4 = f8e4m3fn[1536,384]{1,0} parameter(4)
+  %b0 = bf16[128,384]{1,0} parameter(5)
+  %b1 = bf16[128,10]{1,0} parameter(6)
+  %gemm_fusion_dot.48 = f32[8320,1152]{1,0} fusion(%p0, %p1, %p2, %p3), kind=kCustom, calls=%gemm_fusion_dot.48_computation, metadata={op_name="jit(train_step)/jvp(vit)/encoder_block_0/attention/value/_fp8_sums/value/fp8_fprop/dot_general"}, backend_config={"operation_queue_id":"0","fusion_backend_config":{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"64"}}}
+  %gemm_fusion_dot.49 = f32[8320,1536]{1,0} fusion(%p0, %p4), kind=kCustom, calls=%gemm_fusion_dot.49_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %gemm_fusion_dot_general.200 = bf16[384,10]{1,0} fusion(%b0, %b1), kind=kCustom, calls=%gemm_fusion_dot_general.200_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %t = (f32[8320,1152]{1,0}) tuple(%gemm_fusion_dot.48)
+}
+"""
+
+
 class Fp8ListingTest(absltest.TestCase):
 
   def test_a_gpu_programs_fp8_gemms_are_told_from_its_16_bit_ones(self):
@@ -663,9 +712,31 @@ class Fp8ListingTest(absltest.TestCase):
     self.assertEqual(fp8_gemms.locate(found[0]['op_name'], paths),
                      ('vit/encoder_block_0/attention/query', 'fprop'))
     row = dict(fp8_operands=True)
-    self.assertEqual(fp8_gemms.verdict(row, found[:1], 'gpu'), 'fp8 GEMM')
+    self.assertEqual(fp8_gemms.verdict(row, found[:1], 'gpu'),
+                     'fp8 GEMM (cuBLASLt)')
     self.assertIn('NOT an fp8 GEMM', fp8_gemms.verdict(row, found[1:], 'gpu'))
     self.assertIn('emulated', fp8_gemms.verdict(row, found[1:], 'cpu'))
+
+  def test_a_triton_gemm_on_fp8_operands_is_an_fp8_gemm(self):
+    found = fp8_gemms.hlo_matmuls(_TRITON_HLO)
+    self.assertEqual([(f['target'], f['operands']) for f in found], [
+        (fp8_gemms.TRITON_GEMM, ['f8e4m3fn', 'f8e4m3fn']),
+        (fp8_gemms.TRITON_GEMM, ['bf16', 'bf16']),
+        (fp8_gemms.TRITON_GEMM, ['bf16', 'bf16'])])
+    self.assertEqual([fp8_gemms.is_fp8_gemm(f) for f in found],
+                     [True, False, False])
+    row = dict(fp8_operands=True)
+    self.assertEqual(fp8_gemms.verdict(row, found[:1], 'gpu'),
+                     'fp8 GEMM (Triton)')
+    # fc1's fp8 operands widened to bf16 inside the fusion: a bf16 GEMM.
+    self.assertIn('NOT an fp8 GEMM', fp8_gemms.verdict(row, found[1:2], 'gpu'))
+    # query's fprop ran inside value's merged GEMM: none of its own.
+    self.assertIn('merged', fp8_gemms.verdict(row, [], 'gpu'))
+
+  def test_a_dot_outside_a_triton_fusion_is_not_called_one(self):
+    plain = _TRITON_HLO.replace('"kind":"__triton_gemm"', '"kind":"__other"')
+    self.assertEqual({f['target'] for f in fp8_gemms.hlo_matmuls(plain)},
+                     {''})
 
 
 class BadTargetsTest(parameterized.TestCase):

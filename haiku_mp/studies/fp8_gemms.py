@@ -3,10 +3,13 @@ and which kernel the compiled program runs it with.
 
 The lowered program (what JAX hands XLA, on any backend) says which matmuls
 take fp8 operands; only the compiled one says whether the backend made an fp8
-GEMM of them. XLA:GPU's gemm rewriter turns a matched pattern into a cuBLASLt
-custom call whose target names fp8 (`__cublas$lt$matmul$f8`); a pattern it
-does not match falls back to a 16-bit GEMM without a word (flax PR #4686, TE
-PR #547), so the proof is per matmul, in the compiled HLO. XLA:CPU has no fp8
+GEMM of them. XLA:GPU runs an fp8 GEMM one of two ways: its gemm rewriter
+turns a matched pattern into a cuBLASLt custom call whose target names fp8
+(`__cublas$lt$matmul$f8`), or its GEMM fusion keeps the dot, fp8 operands and
+all, in a `__triton_gemm` fusion that Triton compiles (XLA 0.11 on an H100
+makes every fp8 dot such a fusion before autotuning picks a kernel). A
+pattern neither takes falls back to a 16-bit GEMM without a word (flax PR
+#4686, TE PR #547), so the proof is per matmul, in the compiled HLO. XLA:CPU has no fp8
 kernel: it converts f8 operands to f16 and runs a float32 dot (emulated).
 
 Each matmul is named by the module that made it (the HLO op names carry
@@ -30,6 +33,9 @@ from haiku_mp.train import experiment
 FP8_TYPES = ('f8e4m3fn', 'f8e5m2')
 # cuBLASLt's fp8 GEMM (XLA:GPU's custom-call target).
 FP8_GEMM_TARGET = '__cublas$lt$matmul$f8'
+# A dot inside a fusion that XLA:GPU hands Triton as a GEMM (its
+# backend_config's fusion kind); reported as this target.
+TRITON_GEMM = '__triton_gemm'
 _PASSES = {fp8.FPROP: 'fprop', fp8.DGRAD: 'dgrad', fp8.WGRAD: 'wgrad'}
 _INSTRUCTION = re.compile(
     r'^\s*(?:ROOT )?%?([\w.\-]+) = (\(?[\w\[\]{},: ]+?\)?) (\S+?)\((.*)$')
@@ -37,6 +43,8 @@ _VALUE_TYPE = re.compile(r'^(\w+)\[')
 _OPERANDS = re.compile(r'%?([\w.\-]+)')
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_COMPUTATION = re.compile(r'^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$')
+_CALLS = re.compile(r'calls=%?([\w.\-]+)')
 
 
 def _op_fields(line: str) -> Optional[tuple[str, str, str, str]]:
@@ -49,10 +57,20 @@ def hlo_matmuls(hlo_text: str) -> list[dict[str, Any]]:
   """Every matmul of an HLO module's text: `dot` instructions and the
   matmul custom calls a backend rewrites them into (cuBLAS, cuBLASLt, oneDNN),
   with their operand element types, op name and (custom calls) target."""
-  found, types = [], {}
+  # A computation is printed before the fusion that calls it: first the
+  # computations that Triton GEMM fusions call.
+  triton_computations = set()
+  for line in hlo_text.splitlines():
+    fields = _op_fields(line)
+    if (fields and fields[2] == 'fusion' and f'"{TRITON_GEMM}"' in fields[3]
+        and (calls := _CALLS.search(fields[3]))):
+      triton_computations.add(calls.group(1))
+  found, types, computation = [], {}, ''
   for line in hlo_text.splitlines():
     if line.rstrip().endswith('{'):  # A new computation: names of its own.
       types = {}
+      header = _COMPUTATION.match(line)
+      computation = header.group(1) if header else ''
     fields = _op_fields(line)
     if not fields:
       continue
@@ -65,14 +83,27 @@ def hlo_matmuls(hlo_text: str) -> list[dict[str, Any]]:
         re.search(r'cublas|matmul|gemm', target.group(1)))
     if not is_matmul:
       continue
+    if target:
+      target = target.group(1)
+    else:
+      target = TRITON_GEMM if computation in triton_computations else ''
     args = rest.split(')', 1)[0]
     operands = [types.get(o, '?') for o in _OPERANDS.findall(args)[:2]]
     op_name = _OP_NAME.search(rest)
-    found.append(dict(opcode=opcode,
-                      target=target.group(1) if target else '',
-                      operands=operands,
+    found.append(dict(opcode=opcode, target=target, operands=operands,
                       op_name=op_name.group(1) if op_name else ''))
   return found
+
+
+def is_fp8_gemm(matmul: dict[str, Any]) -> bool:
+  """Whether a compiled matmul is a GEMM on fp8 operands: cuBLASLt's fp8
+  custom call, or a Triton GEMM fusion whose dot takes both operands in fp8
+  (Triton then issues Hopper's fp8 MMA; an operand converted to 16 bits
+  inside the fusion shows as bf16 or f16 here, and is no fp8 GEMM)."""
+  if matmul['target'] == FP8_GEMM_TARGET:
+    return True
+  return (matmul['target'] == TRITON_GEMM and
+          all(t in FP8_TYPES for t in matmul['operands']))
 
 
 def locate(op_name: str, module_paths: list[str]) -> tuple[str, str]:
@@ -108,12 +139,15 @@ def verdict(row: dict[str, Any], compiled: list[dict[str, Any]],
     return ('emulated: XLA:CPU has no fp8 GEMM (f8 converted to f16, a '
             'float32 dot)')
   if any(c['target'] == FP8_GEMM_TARGET for c in compiled):
-    return 'fp8 GEMM'
+    return 'fp8 GEMM (cuBLASLt)'
+  if any(is_fp8_gemm(c) for c in compiled):
+    return 'fp8 GEMM (Triton)'
   if not compiled:
-    return 'no GEMM of its own (fused or removed by XLA)'
-  return ('NOT an fp8 GEMM: the rewriter did not match the pattern (a stray '
-          'op between quantize and dot, or a GPU below compute capability '
-          '8.9); ran as ' + _kernel(compiled))
+    return ('no GEMM of its own (merged into another matmul\'s GEMM, as XLA '
+            'merges dots that share an input, or removed)')
+  return ('NOT an fp8 GEMM: neither cuBLASLt nor Triton took fp8 operands (a '
+          'stray op between quantize and dot, or a GPU below compute '
+          'capability 8.9); ran as ' + _kernel(compiled))
 
 
 def run(config: ml_collections.ConfigDict, compile_step: bool = True,
@@ -158,8 +192,7 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
       fp8_linears=sum(1 for p, c in classes.items()
                       if exp.precision.runs_fp8(c, p)))
   if compiled_matmuls is not None:
-    result['fp8_gemms'] = sum(1 for c in compiled_matmuls
-                              if c['target'] == FP8_GEMM_TARGET)
+    result['fp8_gemms'] = sum(1 for c in compiled_matmuls if is_fp8_gemm(c))
   return result
 
 
