@@ -225,6 +225,9 @@ def get_config() -> ml_collections.ConfigDict:
       # per example.
       mixup_alpha=0.0,
       cutmix_alpha=0.0,  # CutMix's Beta(alpha, alpha); 0: off.
+      # With mixup or CutMix on: the share of examples mixed, each drawn on
+      # its own (timm's mix_prob); the others keep their image and label.
+      mixing_probability=1.0,
       # Per-channel normalization of pixels in [0, 1] (CIFAR-10's).
       mean=(0.4914, 0.4822, 0.4465),
       std=(0.2023, 0.1994, 0.2010),  # Divides each channel, mean taken.

@@ -195,6 +195,9 @@ _OUT_OF_RANGE = (
      'data.mixup_alpha=-1 must be a finite number >= 0 (0: off)'),
     ('cutmix_alpha', {'data.cutmix_alpha': math.inf},
      'data.cutmix_alpha=inf must be a finite number >= 0 (0: off)'),
+    ('mixing_probability', {'data.mixing_probability': 0.0},
+     'data.mixing_probability=0 must be in (0, 1] (to mix nothing, set '
+     'data.mixup_alpha and data.cutmix_alpha to 0)'),
     ('mixing_with_privacy', {'data.mixup_alpha': 0.8,
                              'privacy.enabled': True},
      "data.mixup_alpha=0.8 / data.cutmix_alpha=0 with privacy.enabled: a "

@@ -19,14 +19,14 @@ BATCH = 64
 CLASSES = 10
 
 
-def _mixed(mixup_alpha, cutmix_alpha, seed=0):
+def _mixed(mixup_alpha, cutmix_alpha, seed=0, probability=1.0):
   rng = np.random.default_rng(seed)
   images = jnp.asarray(rng.normal(size=(BATCH, 8, 8, 3)), jnp.float32)
   # Partners (2k, 2k + 1) always differ in label, so a weight is readable.
   labels = jnp.asarray(np.arange(BATCH) % CLASSES)
   keys = jax.random.split(jax.random.key(seed), BATCH)
-  mixed, targets = jax.jit(mixing.mix, static_argnums=(3, 4, 5))(
-      keys, images, labels, CLASSES, mixup_alpha, cutmix_alpha)
+  mixed, targets = jax.jit(mixing.mix, static_argnums=(3, 4, 5, 6))(
+      keys, images, labels, CLASSES, mixup_alpha, cutmix_alpha, probability)
   partner = np.asarray(mixing.partners(images))
   own = np.asarray(targets)[np.arange(BATCH), np.asarray(labels)]
   return (np.asarray(images), partner, np.asarray(mixed), np.asarray(targets),
@@ -78,6 +78,22 @@ class MixTest(parameterized.TestCase):
     blended = ~whole_pixels & (own > 1e-3) & (own < 1 - 1e-3)
     self.assertBetween(blended.mean(), 0.25, 0.75)
     self.assertBetween(whole_pixels.mean(), 0.25, 0.75)
+
+
+  def test_a_mixing_probability_keeps_the_other_examples_whole(self):
+    mixup, cutmix = 0.8, 1.0  # Both methods, so both are held to it.
+    images, _, mixed, targets, own = _mixed(mixup, cutmix, seed=2,
+                                            probability=0.5)
+    whole = np.all(mixed == images, axis=(1, 2, 3)) & (own == 1.0)
+    # An example left whole keeps its one-hot label.
+    np.testing.assert_array_equal(
+        targets[whole], np.eye(CLASSES, dtype=np.float32)[
+            (np.arange(BATCH) % CLASSES)[whole]])
+    self.assertBetween(whole.mean(), 0.3, 0.7)
+    _, _, always, _, _ = _mixed(mixup, cutmix, seed=2)
+    self.assertLess(np.mean(np.all(always == images, axis=(1, 2, 3))), 0.1)
+    # The mixed ones are mixed as with probability 1: same partner, ratio, box.
+    np.testing.assert_array_equal(mixed[~whole], always[~whole])
 
 
 if __name__ == '__main__':

@@ -157,6 +157,11 @@ def check_settings(data_config: ml_collections.ConfigDict) -> None:
     if not (0 <= alpha < math.inf):
       raise errors.ConfigError(f'data.{name}={alpha:g} must be a finite '
                                'number >= 0 (0: off)')
+  probability = data_config.mixing_probability
+  if not 0 < probability <= 1:
+    raise errors.ConfigError(
+        f'data.mixing_probability={probability:g} must be in (0, 1] (to mix '
+        'nothing, set data.mixup_alpha and data.cutmix_alpha to 0)')
 
 
 def mixes(data_config: ml_collections.ConfigDict) -> bool:
@@ -228,7 +233,8 @@ def train_inputs(data_config: ml_collections.ConfigDict, key: jax.Array,
   mix_keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys)
   images, targets = mixing.mix(mix_keys, images, batch['label'], num_classes,
                                data_config.mixup_alpha,
-                               data_config.cutmix_alpha)
+                               data_config.cutmix_alpha,
+                               data_config.mixing_probability)
   return dict(batch, image=images, targets=targets)
 
 

@@ -40,13 +40,16 @@ def _box(key: jax.Array, keep: jax.Array, height: int, width: int
 
 
 def mix(keys: jax.Array, images: jax.Array, labels: jax.Array,
-        num_classes: int, mixup_alpha: float, cutmix_alpha: float
-        ) -> tuple[jax.Array, jax.Array]:
+        num_classes: int, mixup_alpha: float, cutmix_alpha: float,
+        probability: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """(images mixed with their partners, float32 soft labels [B, classes]).
 
   With both alphas positive each example takes mixup or CutMix with even
   odds; an alpha of 0 turns its method off. The ratio is Beta(alpha, alpha);
   CutMix's label weight is the share of the image its box really leaves.
+  Each example is mixed with `probability` (timm's `mix_prob`, per element),
+  else kept whole with its own label; below 1 it is drawn from a key of its
+  own, so a probability of 1 draws what it always drew.
   """
   batch, height, width = images.shape[:3]
 
@@ -64,6 +67,11 @@ def mix(keys: jax.Array, images: jax.Array, labels: jax.Array,
     mask = jnp.where(cut, inside, False)
     keep = jnp.where(cut, keep_box, keep_mixup)
     pixel_keep = jnp.where(cut, 1.0, keep_mixup)
+    if probability < 1:
+      on = jax.random.bernoulli(jax.random.fold_in(key, 1), probability)
+      mask = mask & on
+      keep = jnp.where(on, keep, 1.0)
+      pixel_keep = jnp.where(on, pixel_keep, 1.0)
     return mask, keep, pixel_keep
 
   mask, keep, pixel_keep = jax.vmap(draw)(keys)
