@@ -228,6 +228,9 @@ def get_config() -> ml_collections.ConfigDict:
       # With mixup or CutMix on: the share of examples mixed, each drawn on
       # its own (timm's mix_prob); the others keep their image and label.
       mixing_probability=1.0,
+      # With mixup or CutMix on: the share of the run, at its end, trained on
+      # whole examples (timm's mixup_off_epoch, as a share); 0: mix to the end.
+      mixing_off_share=0.0,
       # Per-channel normalization of pixels in [0, 1] (CIFAR-10's).
       mean=(0.4914, 0.4822, 0.4465),
       std=(0.2023, 0.1994, 0.2010),  # Divides each channel, mean taken.

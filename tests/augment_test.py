@@ -16,6 +16,7 @@ import numpy as np
 from configs import base
 from configs import vit_recipe
 from haiku_mp.data import augment
+from haiku_mp.train import experiment
 from haiku_mp.update import keys as keys_lib
 from tests import helpers
 
@@ -312,6 +313,41 @@ class ModelInputsTest(parameterized.TestCase):
     self.assertLen(sharded['image'].sharding.device_set, n)
     for name in ('image', 'targets'):
       np.testing.assert_allclose(sharded[name], one[name], **_SAME_DRAWS)
+
+  def test_mixing_stops_for_the_last_share_of_the_run(self):
+    data = _recipe_data(policy='none', erasing_probability=0.0,
+                        mixing_off_share=0.25)
+    self.assertEqual(augment.mixing_off_step(data, 100), 75)
+    self.assertIsNone(augment.mixing_off_step(
+        _recipe_data(mixing_off_share=0.0), 100))
+    batch = dict(image=_images(8), label=jnp.arange(8) % 10)
+    key = jax.random.key(3)
+    inputs = jax.jit(lambda step: augment.train_inputs(
+        data, key, batch, step=step, num_classes=10, total_steps=100))
+    mixed, whole = inputs(jnp.int32(74)), inputs(jnp.int32(75))
+    self.assertGreater(np.count_nonzero(mixed['targets'] % 1), 0)
+    np.testing.assert_array_equal(whole['targets'],
+                                  jax.nn.one_hot(batch['label'], 10))
+    unmixed = jax.jit(lambda: augment.train_inputs(
+        _recipe_data(policy='none', erasing_probability=0.0, mixup_alpha=0.0,
+                     cutmix_alpha=0.0), key, batch))()
+    np.testing.assert_allclose(whole['image'], unmixed['image'],
+                               **_SAME_DRAWS)
+
+  def test_the_experiment_stops_mixing_where_its_first_lines_say(self):
+    config = helpers.tiny_config()
+    config.num_train_steps = 400
+    config.data.update(mixup_alpha=0.8, mixing_off_share=0.25)
+    exp = experiment.build_without_data(config)
+    self.assertIn('Mixing: off from step 300 of 400', '\n'.join(exp.describe()))
+    batch = dict(image=_images(8), label=jnp.arange(8) % 10)
+    inputs = jax.jit(exp.train_inputs)
+    key = jax.random.key(0)
+    self.assertGreater(np.count_nonzero(
+        inputs(key, batch, None, jnp.int32(299))['targets'] % 1), 0)
+    np.testing.assert_array_equal(
+        inputs(key, batch, None, jnp.int32(300))['targets'],
+        jax.nn.one_hot(batch['label'], 10))
 
   def test_an_odd_batch_cannot_be_mixed(self):
     batch = dict(image=_images(3), label=jnp.arange(3))

@@ -198,6 +198,9 @@ _OUT_OF_RANGE = (
     ('mixing_probability', {'data.mixing_probability': 0.0},
      'data.mixing_probability=0 must be in (0, 1] (to mix nothing, set '
      'data.mixup_alpha and data.cutmix_alpha to 0)'),
+    ('mixing_off_share', {'data.mixing_off_share': 1.0},
+     'data.mixing_off_share=1 must be in [0, 1) (the share of the run, at '
+     'its end, trained without mixing)'),
     ('mixing_with_privacy', {'data.mixup_alpha': 0.8,
                              'privacy.enabled': True},
      "data.mixup_alpha=0.8 / data.cutmix_alpha=0 with privacy.enabled: a "

@@ -157,6 +157,11 @@ def check_settings(data_config: ml_collections.ConfigDict) -> None:
     if not (0 <= alpha < math.inf):
       raise errors.ConfigError(f'data.{name}={alpha:g} must be a finite '
                                'number >= 0 (0: off)')
+  off_share = data_config.mixing_off_share
+  if not 0 <= off_share < 1:
+    raise errors.ConfigError(
+        f'data.mixing_off_share={off_share:g} must be in [0, 1) (the share of '
+        'the run, at its end, trained without mixing)')
   probability = data_config.mixing_probability
   if not 0 < probability <= 1:
     raise errors.ConfigError(
@@ -169,6 +174,15 @@ def mixes(data_config: ml_collections.ConfigDict) -> bool:
   examples in pairs."""
   return data_config.augment and (data_config.mixup_alpha > 0 or
                                   data_config.cutmix_alpha > 0)
+
+
+def mixing_off_step(data_config: ml_collections.ConfigDict,
+                    total_steps: int) -> Optional[int]:
+  """The step from which a mixing run trains on whole examples (timm's
+  `mixup_off_epoch`, as a share of the run): None when it never stops."""
+  if not mixes(data_config) or not data_config.mixing_off_share:
+    return None
+  return round(total_steps * (1 - data_config.mixing_off_share))
 
 
 def augment(keys: jax.Array, images: jax.Array,
@@ -212,11 +226,14 @@ def augment(keys: jax.Array, images: jax.Array,
 
 def train_inputs(data_config: ml_collections.ConfigDict, key: jax.Array,
                  batch: Batch, axis_name: Optional[str] = None,
-                 num_classes: int = 0) -> Batch:
+                 step: Optional[jax.Array] = None, num_classes: int = 0,
+                 total_steps: int = 0) -> Batch:
   """A train batch as the model takes it. uint8 pixels are augmented (if
   `data.augment`) and normalized here, on the device; float images are
   taken as already normalized model inputs (measurements feed those). A
-  mixed batch (`mixes`) gains 'targets', soft labels over `num_classes`."""
+  mixed batch (`mixes`) gains 'targets', soft labels over `num_classes`;
+  from `mixing_off_step(data_config, total_steps)` on (given the train
+  state's `step`) its examples stay whole and its targets one-hot."""
   images = batch['image']
   if images.dtype != jnp.uint8:
     return batch
@@ -231,10 +248,12 @@ def train_inputs(data_config: ml_collections.ConfigDict, key: jax.Array,
   if not mixes(data_config):
     return dict(batch, image=images)
   mix_keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys)
+  off_step = mixing_off_step(data_config, total_steps)
+  active = None if step is None or off_step is None else step < off_step
   images, targets = mixing.mix(mix_keys, images, batch['label'], num_classes,
                                data_config.mixup_alpha,
                                data_config.cutmix_alpha,
-                               data_config.mixing_probability)
+                               data_config.mixing_probability, active)
   return dict(batch, image=images, targets=targets)
 
 

@@ -8,6 +8,8 @@ own key (timm's per-element mode), so a pair's two examples differ. dm-pix
 has neither, hence this module.
 """
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -41,7 +43,8 @@ def _box(key: jax.Array, keep: jax.Array, height: int, width: int
 
 def mix(keys: jax.Array, images: jax.Array, labels: jax.Array,
         num_classes: int, mixup_alpha: float, cutmix_alpha: float,
-        probability: float = 1.0) -> tuple[jax.Array, jax.Array]:
+        probability: float = 1.0, active: Optional[jax.Array] = None
+        ) -> tuple[jax.Array, jax.Array]:
   """(images mixed with their partners, float32 soft labels [B, classes]).
 
   With both alphas positive each example takes mixup or CutMix with even
@@ -49,7 +52,9 @@ def mix(keys: jax.Array, images: jax.Array, labels: jax.Array,
   CutMix's label weight is the share of the image its box really leaves.
   Each example is mixed with `probability` (timm's `mix_prob`, per element),
   else kept whole with its own label; below 1 it is drawn from a key of its
-  own, so a probability of 1 draws what it always drew.
+  own, so a probability of 1 draws what it always drew. `active`, a boolean
+  scalar (traced or not), turns mixing off for the whole batch when false:
+  the examples are kept whole, the targets one-hot.
   """
   batch, height, width = images.shape[:3]
 
@@ -67,8 +72,11 @@ def mix(keys: jax.Array, images: jax.Array, labels: jax.Array,
     mask = jnp.where(cut, inside, False)
     keep = jnp.where(cut, keep_box, keep_mixup)
     pixel_keep = jnp.where(cut, 1.0, keep_mixup)
-    if probability < 1:
-      on = jax.random.bernoulli(jax.random.fold_in(key, 1), probability)
+    if probability < 1 or active is not None:
+      on = (jax.random.bernoulli(jax.random.fold_in(key, 1), probability)
+            if probability < 1 else jnp.asarray(True))
+      if active is not None:
+        on = on & active
       mask = mask & on
       keep = jnp.where(on, keep, 1.0)
       pixel_keep = jnp.where(on, pixel_keep, 1.0)

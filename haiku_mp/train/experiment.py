@@ -179,6 +179,12 @@ class Experiment:
                    f'a time constant of {steps:,.0f} steps '
                    f'({steps / self.total_steps:.0%} of the run\'s '
                    f'{self.total_steps:,}), evaluated beside the params')
+    off_step = augment.mixing_off_step(self.config.data, self.total_steps)
+    if off_step is not None:
+      lines.append(f'Mixing: off from step {off_step:,} of '
+                   f'{self.total_steps:,} (the last '
+                   f'{self.config.data.mixing_off_share:.0%} of the run trains '
+                   'on whole examples)')
     if self.privacy is not None:
       lines.append(self.privacy.describe(self.total_steps))
     return lines
@@ -287,7 +293,8 @@ def build(config: ml_collections.ConfigDict, *,
                if private is None else
                dp_sgd.make_gradients(loss_fn, scaler, private))
   train_inputs = functools.partial(augment.train_inputs, config.data,
-                                   num_classes=config.model.num_classes)
+                                   num_classes=config.model.num_classes,
+                                   total_steps=total_steps)
   strategy = strategies.make_strategy(
       config.parallel.strategy, mesh, strategies.StepParts(
           step_forward, optimizer, scaler, init_state,

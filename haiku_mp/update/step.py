@@ -25,9 +25,10 @@ Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
 # loss_fn(params, rng, batch) -> (float32 scalar loss, metrics such as accuracy).
 LossFn = Callable[[hk.Params, jax.Array, Batch], tuple[jax.Array, Metrics]]
-# train_inputs(key, batch, axis_name) -> the batch the model takes (augmented
-# and normalized on the device); eval_inputs(batch) -> the same, no randomness.
-TrainInputs = Callable[[jax.Array, Batch, Optional[str]], Batch]
+# train_inputs(key, batch, axis_name, step) -> the batch the model takes
+# (augmented and normalized on the device; `step`, the state's, for settings
+# that change over the run); eval_inputs(batch) -> the same, no randomness.
+TrainInputs = Callable[[jax.Array, Batch, Optional[str], jax.Array], Batch]
 EvalInputs = Callable[[Batch], Batch]
 
 
@@ -45,8 +46,8 @@ STOP_REQUEST = 'stop_request'
 ROUNDING_DRAW = 3
 
 
-def _as_is_train(key, batch, axis_name):
-  del key, axis_name
+def _as_is_train(key, batch, axis_name, step):
+  del key, axis_name, step
   return batch
 
 
@@ -161,7 +162,7 @@ def make_train_step(gradients_fn: GradientsFn,
     batch = dict(batch)
     stop_request = batch.pop(STOP_REQUEST, None)
     rng, step_rng, inputs_rng = jax.random.split(state.rng, 3)
-    batch = inputs(inputs_rng, batch, axis_name)
+    batch = inputs(inputs_rng, batch, axis_name, state.step)
     grads, loss, aux = gradients_fn(state.loss_scale, state.params, step_rng,
                                     batch, axis_name)
     # fp8 amax histories are written over on every step, skipped or not: a
