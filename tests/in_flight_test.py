@@ -83,6 +83,40 @@ class InFlightTest(parameterized.TestCase):
     self.assertEqual(stalls[0][0], 'step 1')
     self.assertGreater(stalls[0][1], 0.2)
 
+  def test_time_the_process_spent_suspended_is_no_stall(self):
+    """SIGSTOP / Ctrl-Z, or a paused machine, for longer than the limit: the
+    watchdog's own looks are that far apart, so the gap is not the devices'."""
+    release, entered = threading.Event(), threading.Event()
+    now, reads = [0.0], []
+    stalls = []
+
+    def clock():  # Each look moves time a little; one moves it 600 s.
+      reads.append(now[0])
+      if entered.is_set() and not release.is_set():
+        entered_reads = len(reads) - reads_at_entry[0]
+        now[0] += 600.0 if entered_reads == 2 else 0.01
+        if entered_reads == 6:
+          release.set()
+      return now[0]
+
+    reads_at_entry = [0]
+
+    class _Suspended(_Stalled):
+
+      def block_until_ready(self):
+        reads_at_entry[0] = len(reads)
+        entered.set()
+        return super().block_until_ready()
+
+    with in_flight.InFlight(1, stall_sec=0.2, clock=clock,
+                            on_stall=lambda *a: (stalls.append(a),
+                                                 release.set())) as queue:
+      queue.push('step 1', _Suspended(release))
+      label, _ = queue.push('step 2', jnp.ones(3).block_until_ready())
+    self.assertEqual(label, 'step 1')
+    self.assertEmpty(stalls)
+    self.assertGreater(now[0], 600.0)  # The jump happened inside the wait.
+
   def test_the_stall_line_is_one_line_and_ends_the_process(self):
     proc = subprocess.run(
         [sys.executable, '-c',

@@ -33,6 +33,12 @@ MAX_LIMIT = 16
 SLOWEST_WAIT_FACTOR = 4.0
 # How often the watchdog looks at the wait in progress, at most.
 _POLL_SEC = 1.0
+# A gap between two of the watchdog's looks this much longer than it asked
+# for means that the process was not running (SIGSTOP or Ctrl-Z, a suspended
+# machine or VM): that time is no device's, and does not count toward a
+# stall. A stalled device leaves the watchdog running (its wait releases the
+# GIL), so a real stall is never hidden this way.
+SUSPENDED_GAP_SEC = 5.0
 EXIT_STALLED = 1  # A failure of the environment, as `errors.RunError` exits.
 
 OnStall = Callable[[Hashable, float], None]
@@ -77,11 +83,17 @@ def exit_on_stall(advice: str) -> OnStall:
 
 class _Watchdog:
   """A thread that calls `on_stall` once when a wait outlasts the limit:
-  `stall_sec`, or `SLOWEST_WAIT_FACTOR` times the longest wait so far."""
+  `stall_sec`, or `SLOWEST_WAIT_FACTOR` times the longest wait so far. Time
+  the process spent suspended (`SUSPENDED_GAP_SEC`) is not counted."""
 
-  def __init__(self, stall_sec: float, on_stall: OnStall):
+  def __init__(self, stall_sec: float, on_stall: OnStall,
+               clock: Callable[[], float] = time.monotonic):
     self._stall_sec, self._on_stall = stall_sec, on_stall
-    self._waiting = None  # (label, monotonic start) of the wait in progress.
+    self._clock = clock
+    # (label, start, suspended time so far at its start) of the wait in
+    # progress.
+    self._waiting = None
+    self._suspended = 0.0  # Seconds the process was seen suspended, in all.
     self._longest = 0.0
     self._closed = threading.Event()
     self._thread = threading.Thread(target=self._watch, daemon=True,
@@ -91,22 +103,33 @@ class _Watchdog:
   def limit(self) -> float:
     return max(self._stall_sec, SLOWEST_WAIT_FACTOR * self._longest)
 
+  def _elapsed(self, now: float, start: float,
+               suspended_at_start: float) -> float:
+    return now - start - (self._suspended - suspended_at_start)
+
   def wait(self, label: Hashable, outputs: Any, wait: Wait) -> Any:
-    start = time.monotonic()
-    self._waiting = (label, start)
+    waiting = (label, self._clock(), self._suspended)
+    self._waiting = waiting
     try:
       return wait(outputs)
     finally:
       self._waiting = None
-      self._longest = max(self._longest, time.monotonic() - start)
+      self._longest = max(self._longest,
+                          self._elapsed(self._clock(), *waiting[1:]))
 
   def _watch(self) -> None:
-    while not self._closed.wait(min(_POLL_SEC, self._stall_sec / 4)):
+    interval = min(_POLL_SEC, self._stall_sec / 4)
+    last = self._clock()
+    while not self._closed.wait(interval):
+      now = self._clock()
+      if now - last - interval > SUSPENDED_GAP_SEC:
+        self._suspended += now - last - interval
+      last = now
       waiting = self._waiting
       if waiting is None:
         continue
-      label, start = waiting
-      seconds = time.monotonic() - start
+      label, start, suspended_at_start = waiting
+      seconds = self._elapsed(now, start, suspended_at_start)
       if seconds > self.limit():
         self._on_stall(label, seconds)
         return
@@ -124,13 +147,15 @@ class InFlight:
   returns its (label, outputs), ready, so that reading them costs a copy,
   not a wait. With `stall_sec` > 0 a wait that lasts longer than the
   watchdog's limit calls `on_stall(label, seconds)`. `wait` is how a wait
-  is done (an instrument or a test may see each one). A context manager: the
+  is done (an instrument or a test may see each one), `clock` how time is
+  read (a test may move it). A context manager: the
   watchdog's thread ends with it; what is still in flight is left to run.
   """
 
   def __init__(self, limit: int, stall_sec: float = 0.0,
                on_stall: Optional[OnStall] = None,
-               wait: Wait = jax.block_until_ready):
+               wait: Wait = jax.block_until_ready,
+               clock: Callable[[], float] = time.monotonic):
     if limit < 1:
       raise ValueError(f'limit={limit} must be at least 1')
     self.limit = limit
@@ -138,7 +163,8 @@ class InFlight:
     self._pending = collections.deque()
     self._watchdog = None
     if stall_sec > 0:
-      self._watchdog = _Watchdog(stall_sec, on_stall or exit_on_stall(''))
+      self._watchdog = _Watchdog(stall_sec, on_stall or exit_on_stall(''),
+                                 clock)
 
   def _wait(self, item):
     label, outputs = item
