@@ -284,8 +284,14 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
 
   Use inside a function passed to `hk.transform`. `observer`, if given, is
   called once per module method call with the cast inputs and outputs.
+  Every `hk.Linear` and `hk.Conv2D` called inside, stock or haiku_mp's, runs
+  its matmul as `precision.dots` says (`half_dot.intercepted`).
+
+    with haiku_mp.apply_precision(precision):
+      logits = hk.nets.MLP([64, 10])(images.reshape(len(images), -1))
   """
   stack: list[jmp.Policy] = []
+  dots = precision.dots
 
   def creator(next_creator, shape, dtype, init, context):
     # fp8 amax histories stay float32 whatever the policy (`fp8.META_NAMES`).
@@ -312,7 +318,7 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
         stack.append(rule.policy)
         ctx.callback(stack.pop)
         args, kwargs = rule.policy.cast_to_compute((args, kwargs))
-      out = next_f(*args, **kwargs)
+      out = half_dot.intercepted(dots, next_f, args, kwargs, context)
       if rule is not None:
         out = rule.policy.cast_to_output(out)
       if observer is not None:
