@@ -8,6 +8,8 @@ package (the ViT, its data, its trainer and lab) is the application built on
 them.
 """
 
+__version__ = '0.1.0'  # docs/CHANGELOG.md says what each version changed.
+
 from haiku_mp.model import apply_precision
 from haiku_mp.model import Conv2D
 from haiku_mp.model import Dots

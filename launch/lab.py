@@ -20,7 +20,7 @@ operands' formats and, compiled, whether it runs as an fp8 GEMM
 JSON, plots and one report.md (haiku_mp/report/report.py). `advise` says which
 precision each module can run in and which float16 loss scale, and prints the
 flags to paste; it writes advise.json, advise.md and a plot
-(haiku_mp/advisor/advisor.py, advisor_files.py).
+(haiku_mp/advisor/driver.py, advisor_files.py).
 
 Each study prints its result as one JSON line and writes
 `<study>.json` and its plots into --out.
@@ -34,7 +34,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp.advisor import advisor
+from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import advisor_files
 from haiku_mp import errors
 from haiku_mp.measure import variants

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from haiku_mp.advisor import advisor
+from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import fp8_numerics
 from haiku_mp.advisor import fp8_verdicts
 from haiku_mp.measure import variants

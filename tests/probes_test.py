@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.advisor import advisor
+from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
 from haiku_mp.measure import variants

@@ -16,7 +16,7 @@ import haiku as hk
 import jax
 
 from configs import base
-from haiku_mp.advisor import advisor
+from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import verdicts
 from haiku_mp.train import experiment

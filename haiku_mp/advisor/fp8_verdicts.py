@@ -14,7 +14,6 @@ the largest finite value (a delayed scale behind a growing tensor).
 import dataclasses
 from typing import Mapping, Sequence
 
-import ml_collections
 import numpy as np
 
 from haiku_mp.advisor import fp8_numerics
@@ -35,8 +34,8 @@ class Fp8Thresholds:
   max_saturate_share: float
 
   @classmethod
-  def from_config(cls, advisor: ml_collections.ConfigDict
-                  ) -> 'Fp8Thresholds':
+  def from_config(cls, advisor) -> 'Fp8Thresholds':
+    """From a config's `advisor` section (an ml_collections ConfigDict)."""
     for name in ('fp8_max_relative_error', 'fp8_max_underflow_share',
                  'fp8_max_saturate_share'):
       value = advisor[name]
@@ -84,7 +83,7 @@ def modules_setting(candidates: list[str], kept: list[str],
   return ';'.join(p for p in candidates if p not in kept)
 
 
-def candidates_setting(config: ml_collections.ConfigDict) -> str:
+def candidates_setting(config) -> str:
   """The modules the advice considers: the config's fp8 modules, or
   `fp8.DEFAULT_MODULES` when it runs none."""
   return config.precision.fp8.modules.strip() or fp8.DEFAULT_MODULES

@@ -35,7 +35,6 @@ import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
-import ml_collections
 import numpy as np
 
 from haiku_mp.advisor import numerics
@@ -59,7 +58,8 @@ class Thresholds:
   loss_scale_headroom: float
 
   @classmethod
-  def from_config(cls, advisor: ml_collections.ConfigDict) -> 'Thresholds':
+  def from_config(cls, advisor) -> 'Thresholds':
+    """From a config's `advisor` section (an ml_collections ConfigDict)."""
     for name in ('max_relative_error', 'max_overflow_share'):
       if not 0 <= advisor[name] < 1:
         raise errors.ConfigError(

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp.advisor import advisor
+from haiku_mp.advisor import driver as advisor
 from haiku_mp import errors
 from haiku_mp.measure import charts
 from haiku_mp.parallel import sharding

@@ -18,7 +18,6 @@ from typing import NamedTuple, TypeVar
 import jax
 import jax.numpy as jnp
 import jmp
-import ml_collections
 import numpy as np
 
 from haiku_mp import errors
@@ -80,7 +79,8 @@ class LossScaler:
             f'{self.max_consecutive_skips!r}')
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> 'LossScaler':
+  def from_config(cls, config) -> 'LossScaler':
+    """From a config's `loss_scale` section (an ml_collections ConfigDict)."""
     return cls(kind=config.kind, initial=float(config.initial),
                period=int(config.period), factor=float(config.factor),
                minimum=float(config.minimum),

@@ -33,14 +33,12 @@ import os
 import time
 from typing import Any, Callable, Collection, Optional
 
-import haiku as hk
 import jax
 import ml_collections
 import numpy as np
 
-from haiku_mp.advisor import fp8_numerics
-from haiku_mp.advisor import fp8_probes
 from haiku_mp.advisor import fp8_verdicts
+from haiku_mp.advisor import measurement
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
 from haiku_mp.advisor import verdicts
@@ -51,8 +49,6 @@ from haiku_mp.measure import timing
 from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import fp8
-from haiku_mp.model import half_dot
-from haiku_mp.model import policies
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import experiment
 from haiku_mp.train import run_dir
@@ -170,82 +166,6 @@ def module_classes(exp: experiment.Experiment) -> dict[str, str]:
           if c.method == '__call__'}
 
 
-def _accumulate(totals: dict, key, stats) -> None:
-  stats = np.asarray(stats, np.float64)
-  totals[key] = stats if key not in totals else numerics.merge(totals[key],
-                                                               stats)
-
-
-class _Totals:
-  """Statistics summed over batches: each module's output and output
-  gradient, and each param's gradient."""
-
-  def __init__(self):
-    self.outputs, self.gradients, self.params = {}, {}, {}
-
-  def add(self, modules, param_stats) -> None:
-    for path, vector in jax.tree.map(np.asarray, modules).items():
-      _accumulate(self.outputs, path, vector[:numerics.SIZE])
-      _accumulate(self.gradients, path, vector[numerics.SIZE:])
-    for module, names in param_stats.items():
-      for name, vector in names.items():
-        _accumulate(self.params, (module, name), vector)
-
-  def modules(self, classes: dict[str, str],
-              aliases: dict[str, str]) -> list[verdicts.Module]:
-    modules = []
-    for path in classes:
-      source = aliases.get(path, path)
-      modules.append(verdicts.Module(
-          path, classes[path], self.outputs[source], self.gradients[source],
-          {name: v for (module, name), v in self.params.items()
-           if module == path},
-          same_as=aliases.get(path)))
-    _mark_equal_containers(modules)
-    return modules
-
-
-def module_classes_of(loss_fn: probes.LossFn, params, rng: jax.Array,
-                      batch) -> dict[str, str]:
-  """Each module path `loss_fn` calls (in call order) -> its class name,
-  from one abstract trace (no FLOPs): the modules the advisor judges in a
-  model it did not build."""
-  classes = {}
-
-  def record(next_f, args, kwargs, context: hk.MethodContext):
-    if context.method_name == '__call__':
-      classes.setdefault(context.module.module_name,
-                         type(context.module).__name__)
-    return next_f(*args, **kwargs)
-
-  def traced(params, rng, batch):
-    with hk.intercept_methods(record):
-      return loss_fn(params, rng, batch)[0]
-
-  jax.eval_shape(traced, params, rng, batch)
-  return classes
-
-
-def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
-                  loss_scale: float = 1.0) -> list[verdicts.Module]:
-  """The statistics `verdicts.judge` reads, for any Haiku model: each module
-  call's output and output gradient, and each param's gradient, over
-  `batches` at fixed `params`, the float16 shares taken at `loss_scale`.
-
-  `loss_fn(params, rng, batch) -> (loss, aux)` is the model's training loss
-  under its precision (float32 compute measures what half precision would
-  lose; `launch.lab advise` does that for the ViT, with train steps between
-  batches).
-  """
-  classes = module_classes_of(loss_fn, params, key, batches[0])
-  stats = probes.statistics_fn(loss_fn, classes)
-  totals = _Totals()
-  for i, batch in enumerate(batches):
-    totals.add(*stats.fn(params, jax.random.fold_in(key, i), batch,
-                         loss_scale))
-  return totals.modules(classes, stats.aliases)
-
-
 def measure(exp: experiment.Experiment, state, inputs,
             log: Callable[[str], None],
             loss_fn: Optional[probes.LossFn] = None):
@@ -261,7 +181,7 @@ def measure(exp: experiment.Experiment, state, inputs,
   # As the train steps leave it: every batch's statistics one program,
   # whichever way `state` was made.
   state = exp.strategy.place_state(state)
-  totals = _Totals()
+  totals = measurement.Totals()
   scales = []
   key = jax.random.key(exp.config.seed + 1)
   for i, batch in enumerate(inputs):
@@ -274,29 +194,6 @@ def measure(exp: experiment.Experiment, state, inputs,
     log(f'advise: batch {i + 1}/{len(inputs)} measured (loss scale '
         f'{scales[-1]:g}, {time.perf_counter() - start:.1f} s)')
   return totals.modules(classes, stats.aliases), scales, stats, state
-
-
-def _same_values(a: verdicts.Module, b: verdicts.Module) -> bool:
-  """Whether two modules saw the same values: equal counts, histograms and
-  largest magnitudes, sums equal to float32 rounding."""
-  for x, y in ((a.output, b.output), (a.gradient, b.gradient)):
-    if not (np.array_equal(numerics.histogram_of(x), numerics.histogram_of(y))
-            and np.allclose(x, y, rtol=1e-5, atol=0)):
-      return False
-  return True
-
-
-def _mark_equal_containers(modules: list[verdicts.Module]) -> None:
-  """A container whose values are a descendant's (a reshape of them, say)
-  is `same_as` that descendant."""
-  for m in modules:
-    if m.same_as is not None:
-      continue
-    for d in modules:
-      if (d is not m and d.same_as is None and d.path.startswith(m.path + '/')
-          and _same_values(m, d)):
-        m.same_as = d.path
-        break
 
 
 def _stats_json(stats: np.ndarray) -> dict[str, Any]:
@@ -341,58 +238,30 @@ def fp8_candidates(config: ml_collections.ConfigDict,
                    exp: experiment.Experiment) -> list[str]:
   """The Linear layers the fp8 advice judges: those the config's fp8 modules
   select, or `fp8.DEFAULT_MODULES`'s when it runs none."""
-  targets = policies.parse_targets(fp8_verdicts.candidates_setting(config))
-  return [p for p, c in module_classes(exp).items()
-          if c == half_dot.FP8_CLASS and half_dot.selects(targets, c, p)]
+  return measurement.fp8_linears(module_classes(exp),
+                                 fp8_verdicts.candidates_setting(config))
 
 
 def fp8_advice(config: ml_collections.ConfigDict, exp: experiment.Experiment,
                params, inputs, limits: fp8_verdicts.Fp8Thresholds,
                log: Callable[[str], None]) -> dict[str, Any]:
-  """The 8-bit verdicts: each candidate Linear's input, weight and output
-  gradient as E4M3 / E5M2 would hold them under every scaling, over
-  `inputs` at `params` (delayed scaling's history is the pass's own: the
-  amaxes of the batches before, up to `precision.fp8.history_length`), a
-  verdict per scaling, and the `precision.fp8.modules` that keeps bfloat16
-  in exactly the layers judged `keep-bf16` at the config's scaling."""
+  """The 8-bit verdicts (`measurement.measure_fp8`, `judge_fp8`) of the
+  config's candidate Linears over `inputs` at `params`, and the flags that
+  keep bfloat16 in exactly the layers judged `keep-bf16` at the config's
+  scaling."""
   fp8_config = config.precision.fp8
-  paths = fp8_candidates(config, exp)
-  stats = fp8_probes.statistics_fn(exp.loss_fn, paths, fp8_config.margin)
-  histories = {p: [] for p in paths}
-  totals = {}
-  for i, batch in enumerate(inputs):
-    delayed = {p: np.max(h[-fp8_config.history_length:], axis=0) if h else
-               np.zeros(2) for p, h in histories.items()}
-    found = jax.device_get(stats.fn(params, jax.random.key(i), batch,
-                                    {p: np.asarray(d, np.float32)
-                                     for p, d in delayed.items()}))
-    for p, vector in found.items():
-      parts = fp8_probes.split(vector)
-      histories[p].append([fp8_numerics.amax_of(parts[0]),
-                           fp8_numerics.amax_of(parts[1])])  # x's and g's.
-      totals[p] = ([fp8_numerics.merge(a, b) for a, b in zip(totals[p], parts)]
-                   if p in totals else parts)
-    log(f'advise: fp8 statistics {i + 1}/{len(inputs)}')
-  scaling = fp8_config.scaling
-  rows, kept = [], []
-  for p in paths:
-    operands = fp8_verdicts.operands(totals[p])
-    judged = {s: fp8_verdicts.judge(operands, s, limits)
-              for s in fp8.SCALINGS}
-    if judged[scaling][0] == fp8_verdicts.KEEP_BF16:
-      kept.append(p)
-    rows.append(dict(path=p, verdicts={s: v for s, (v, _) in judged.items()},
-                     reasons={s: r for s, (_, r) in judged.items() if r},
-                     **operands))
-  modules = fp8_verdicts.modules_setting(
-      paths, kept, fp8_verdicts.candidates_setting(config))
+  totals = measurement.measure_fp8(
+      exp.loss_fn, params, inputs, fp8_candidates(config, exp),
+      fp8_config.history_length, fp8_config.margin, log)
+  judged = measurement.judge_fp8(totals, fp8_config.scaling, limits,
+                                 fp8_verdicts.candidates_setting(config))
+  modules = judged.pop('fp8_modules')
   flags = [f"--config.precision.fp8.modules='{modules}'",
-           f'--config.precision.fp8.scaling={scaling}']
+           f'--config.precision.fp8.scaling={fp8_config.scaling}']
   if variants.compute_dtype(config) == 'float16':
     flags.insert(0, '--config.precision.policy=' + verdicts.policy(
         config.precision.policy, 'bfloat16', 'float32'))
-  return dict(scaling=scaling, thresholds=dataclasses.asdict(limits),
-              modules=rows, keep_bf16=kept,
+  return dict(judged, thresholds=dataclasses.asdict(limits),
               suggestion=dict(modules=modules, flags=flags))
 
 

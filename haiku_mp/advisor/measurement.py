@@ -1,0 +1,186 @@
+"""The advisor's measurements for any Haiku model: each module's values and
+gradients at 16 bits (`measure_model`) and each Linear's operands at 8 bits
+(`measure_fp8`), over a few batches at fixed params. They need only the
+model's loss function: `driver` runs them on the trainer's ViT, from its
+workdirs and checkpoints.
+
+  modules = advisor.measure_model(loss_fn, params, batches, key)
+  print(advisor.overrides(modules, advisor.judge(modules, limits), 'float16'))
+"""
+
+from typing import Callable, Optional, Sequence
+
+import haiku as hk
+import jax
+import numpy as np
+
+from haiku_mp.advisor import fp8_numerics
+from haiku_mp.advisor import fp8_probes
+from haiku_mp.advisor import fp8_verdicts
+from haiku_mp.advisor import numerics
+from haiku_mp.advisor import probes
+from haiku_mp.advisor import verdicts
+from haiku_mp.model import fp8
+from haiku_mp.model import half_dot
+
+
+def _accumulate(totals: dict, key, stats) -> None:
+  stats = np.asarray(stats, np.float64)
+  totals[key] = stats if key not in totals else numerics.merge(totals[key],
+                                                               stats)
+
+
+class Totals:
+  """Statistics summed over batches: each module's output and output
+  gradient, and each param's gradient."""
+
+  def __init__(self):
+    self.outputs, self.gradients, self.params = {}, {}, {}
+
+  def add(self, modules, param_stats) -> None:
+    for path, vector in jax.tree.map(np.asarray, modules).items():
+      _accumulate(self.outputs, path, vector[:numerics.SIZE])
+      _accumulate(self.gradients, path, vector[numerics.SIZE:])
+    for module, names in param_stats.items():
+      for name, vector in names.items():
+        _accumulate(self.params, (module, name), vector)
+
+  def modules(self, classes: dict[str, str],
+              aliases: dict[str, str]) -> list[verdicts.Module]:
+    modules = []
+    for path in classes:
+      source = aliases.get(path, path)
+      modules.append(verdicts.Module(
+          path, classes[path], self.outputs[source], self.gradients[source],
+          {name: v for (module, name), v in self.params.items()
+           if module == path},
+          same_as=aliases.get(path)))
+    _mark_equal_containers(modules)
+    return modules
+
+
+def module_classes_of(loss_fn: probes.LossFn, params, rng: jax.Array,
+                      batch) -> dict[str, str]:
+  """Each module path `loss_fn` calls (in call order) -> its class name,
+  from one abstract trace (no FLOPs): the modules the advisor judges in a
+  model it did not build."""
+  classes = {}
+
+  def record(next_f, args, kwargs, context: hk.MethodContext):
+    if context.method_name == '__call__':
+      classes.setdefault(context.module.module_name,
+                         type(context.module).__name__)
+    return next_f(*args, **kwargs)
+
+  def traced(params, rng, batch):
+    with hk.intercept_methods(record):
+      return loss_fn(params, rng, batch)[0]
+
+  jax.eval_shape(traced, params, rng, batch)
+  return classes
+
+
+def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
+                  loss_scale: float = 1.0) -> list[verdicts.Module]:
+  """The statistics `verdicts.judge` reads, for any Haiku model: each module
+  call's output and output gradient, and each param's gradient, over
+  `batches` at fixed `params`, the float16 shares taken at `loss_scale`.
+
+  `loss_fn(params, rng, batch) -> (loss, aux)` is the model's training loss
+  under its precision (float32 compute measures what half precision would
+  lose; `launch.lab advise` does that for the ViT, with train steps between
+  batches).
+  """
+  classes = module_classes_of(loss_fn, params, key, batches[0])
+  stats = probes.statistics_fn(loss_fn, classes)
+  totals = Totals()
+  for i, batch in enumerate(batches):
+    totals.add(*stats.fn(params, jax.random.fold_in(key, i), batch,
+                         loss_scale))
+  return totals.modules(classes, stats.aliases)
+
+
+
+def _same_values(a: verdicts.Module, b: verdicts.Module) -> bool:
+  """Whether two modules saw the same values: equal counts, histograms and
+  largest magnitudes, sums equal to float32 rounding."""
+  for x, y in ((a.output, b.output), (a.gradient, b.gradient)):
+    if not (np.array_equal(numerics.histogram_of(x), numerics.histogram_of(y))
+            and np.allclose(x, y, rtol=1e-5, atol=0)):
+      return False
+  return True
+
+
+def _mark_equal_containers(modules: list[verdicts.Module]) -> None:
+  """A container whose values are a descendant's (a reshape of them, say)
+  is `same_as` that descendant."""
+  for m in modules:
+    if m.same_as is not None:
+      continue
+    for d in modules:
+      if (d is not m and d.same_as is None and d.path.startswith(m.path + '/')
+          and _same_values(m, d)):
+        m.same_as = d.path
+        break
+
+
+def fp8_linears(classes: dict[str, str],
+                targets: str = fp8.DEFAULT_MODULES) -> list[str]:
+  """The paths of the Linear layers (stock or haiku_mp's) among `classes`
+  (`module_classes_of`'s) that `targets` (``'TARGET;...'``, as
+  `make_precision`'s `fp8_modules`) select: the candidates for fp8."""
+  selected = tuple(t.strip() for t in targets.split(';') if t.strip())
+  return [p for p, c in classes.items()
+          if c == half_dot.FP8_CLASS and half_dot.selects(selected, c, p)]
+
+
+def measure_fp8(loss_fn: probes.LossFn, params, batches: Sequence,
+                paths: Sequence[str], history_length: int = 16,
+                margin: float = 0.0,
+                log: Optional[Callable[[str], None]] = None
+                ) -> dict[str, list[np.ndarray]]:
+  """Each Linear at `paths`: its input, weight and output gradient as E4M3 /
+  E5M2 would hold them under every scaling (`fp8.SCALINGS`), summed over
+  `batches` at `params`; delayed scaling's history is the pass's own (the
+  amaxes of the batches before, up to `history_length`). `judge_fp8` reads
+  it. `loss_fn` computes in bfloat16 or float32, without fp8."""
+  stats = fp8_probes.statistics_fn(loss_fn, paths, margin)
+  histories = {p: [] for p in paths}
+  totals = {}
+  for i, batch in enumerate(batches):
+    delayed = {p: np.max(h[-history_length:], axis=0) if h else np.zeros(2)
+               for p, h in histories.items()}
+    found = jax.device_get(stats.fn(params, jax.random.key(i), batch,
+                                    {p: np.asarray(d, np.float32)
+                                     for p, d in delayed.items()}))
+    for p, vector in found.items():
+      parts = fp8_probes.split(vector)
+      histories[p].append([fp8_numerics.amax_of(parts[0]),
+                           fp8_numerics.amax_of(parts[1])])  # x's and g's.
+      totals[p] = ([fp8_numerics.merge(a, b) for a, b in zip(totals[p], parts)]
+                   if p in totals else parts)
+    if log is not None:
+      log(f'advise: fp8 statistics {i + 1}/{len(batches)}')
+  return totals
+
+
+def judge_fp8(totals: dict[str, list[np.ndarray]], scaling: str,
+              limits: fp8_verdicts.Fp8Thresholds, targets: str
+              ) -> dict:
+  """The 8-bit verdicts of `measure_fp8`'s Linears: per path a verdict and
+  its reasons per scaling, the paths judged `keep-bf16` at `scaling`, and
+  the `fp8_modules` value (from `targets`, the candidates' setting) that
+  keeps bfloat16 in exactly those."""
+  rows, kept = [], []
+  for p, parts in totals.items():
+    operands = fp8_verdicts.operands(parts)
+    judged = {s: fp8_verdicts.judge(operands, s, limits)
+              for s in fp8.SCALINGS}
+    if judged[scaling][0] == fp8_verdicts.KEEP_BF16:
+      kept.append(p)
+    rows.append(dict(path=p, verdicts={s: v for s, (v, _) in judged.items()},
+                     reasons={s: r for s, (_, r) in judged.items() if r},
+                     **operands))
+  return dict(scaling=scaling, modules=rows, keep_bf16=kept,
+              fp8_modules=fp8_verdicts.modules_setting(list(totals), kept,
+                                                       targets))
