@@ -139,6 +139,32 @@ class RuleTest(parameterized.TestCase):
                      'p=f32,c=f16,o=f32')
 
 
+class JmpAndHaikuTest(absltest.TestCase):
+  """`make_precision` from jmp policies and module classes is the precision
+  the configs' strings give."""
+
+  def test_policies_and_classes_equal_the_strings(self):
+    from_strings = policies.make_precision(
+        'params=float32,compute=bfloat16,output=float32',
+        '*/linear_1:float32;LayerNorm:p=f32,c=f32,o=f32', model_class='MLP',
+        fp8_modules='Linear')
+    from_objects = policies.make_precision(
+        jmp.get_policy('p=f32,c=bf16,o=f32'),
+        {'*/linear_1': jmp.get_policy('float32'),
+         hk.LayerNorm: 'p=f32,c=f32,o=f32'},
+        model_class=hk.nets.MLP, fp8_modules=[hk.Linear])
+    self.assertEqual(from_objects, from_strings)
+
+  def test_a_target_that_is_neither_class_nor_string_names_the_setting(self):
+    with self.assertRaisesRegex(policies.PrecisionError,
+                                'precision.overrides: a target must be'):
+      policies.make_precision('float32', {3: 'float32'}, model_class='MLP')
+    with self.assertRaisesRegex(policies.PrecisionError,
+                                'precision.fp8.modules: a target must be'):
+      policies.make_precision('p=f32,c=bf16,o=f32', model_class='MLP',
+                              fp8_modules=[None])
+
+
 class ScopeTest(parameterized.TestCase):
 
   def test_same_program_as_hk_mixed_precision_for_class_rules(self):

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from haiku_mp.model import policies
+from haiku_mp.parallel import stop_request
 from haiku_mp.train import experiment
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
@@ -58,8 +59,7 @@ def _one_step(policy, scaler, optimizer, batch, loss_fn_and_forward=None):
   params = forward.init(jax.random.key(0), batch['x'])
   state = step_lib.init_train_state(params, optimizer, scaler,
                                           jax.random.key(1))
-  step = jax.jit(step_lib.make_train_step(
-      step_lib.ordinary_gradients(loss_fn, scaler), optimizer, scaler))
+  step = jax.jit(step_lib.make_train_step(loss_fn, optimizer, scaler))
   new_state, metrics = step(state, batch)
   return state, new_state, metrics
 
@@ -68,17 +68,14 @@ def _vit_setup(policy, loss_scale_kind, **loss_scale):
   config = helpers.tiny_config(policy, loss_scale=loss_scale_kind)
   config.loss_scale.update(loss_scale)
   exp = experiment.build_without_data(config)
-  step = step_lib.make_train_step(
-      step_lib.ordinary_gradients(exp.loss_fn, exp.scaler), exp.optimizer,
-      exp.scaler)
+  step = step_lib.make_train_step(exp.loss_fn, exp.optimizer, exp.scaler)
   return exp.forward, helpers.random_batch(config), exp.strategy.init_state(), step
 
 
 def _jitted_step(exp):
   """The experiment's train step, built here on one device (jitted)."""
   return jax.jit(step_lib.make_train_step(
-      step_lib.ordinary_gradients(exp.loss_fn, exp.scaler), exp.optimizer,
-      exp.scaler))
+      exp.loss_fn, exp.optimizer, exp.scaler))
 
 
 def _copy(tree):
@@ -92,6 +89,48 @@ NO_MASTER_LAYOUTS = (('stochastic', 'bfloat16', 'bfloat16'),
 
 
 @helpers.long_running
+class MakeTrainStepTest(absltest.TestCase):
+
+  def test_a_loss_fn_or_gradients_give_the_same_step(self):
+    batch = _regression_batch()
+    forward, loss_fn = _linear_regression(FP32)
+    scaler = loss_scaling.LossScaler('static', initial=2.0**4)
+    optimizer = optax.sgd(0.1)
+    state = step_lib.init_train_state(
+        forward.init(jax.random.key(0), batch['x']), optimizer, scaler,
+        jax.random.key(1))
+    direct, _ = step_lib.make_train_step(loss_fn, optimizer, scaler)(
+        state, batch)
+    given, _ = step_lib.make_train_step(
+        None, optimizer, scaler,
+        gradients_fn=step_lib.ordinary_gradients(loss_fn, scaler))(
+            state, batch)
+    chex.assert_trees_all_equal(direct, given)
+    self.assertFalse(np.array_equal(direct.params['linear']['w'],
+                                    state.params['linear']['w']))
+    with self.assertRaisesRegex(ValueError, 'give a loss_fn, or gradients_fn'):
+      step_lib.make_train_step(None, optimizer, scaler)
+
+  def test_the_stop_request_is_the_trainers(self):
+    batch = _regression_batch()
+    forward, loss_fn = _linear_regression(FP32)
+    optimizer = optax.sgd(0.1)
+    state = step_lib.init_train_state(
+        forward.init(jax.random.key(0), batch['x']), optimizer,
+        loss_scaling.LossScaler(), jax.random.key(1))
+    library_step = step_lib.make_train_step(loss_fn, optimizer)
+    _, metrics = library_step(state, batch)
+    self.assertNotIn('stop_requested', metrics)
+    self.assertNotIn('stop_request', state._fields)
+    step = stop_request.with_stop_request(library_step)
+    for flags, expected in (([False, False], False), ([False, True], True)):
+      field = {stop_request.STOP_REQUEST: jnp.asarray(flags)}
+      new_state, metrics = step(state, dict(batch, **field))
+      self.assertEqual(bool(metrics['stop_requested']), expected)
+      # The field never reaches the library's step.
+      chex.assert_trees_all_equal(new_state, library_step(state, batch)[0])
+
+
 class StateLayoutStepTest(parameterized.TestCase):
   """bfloat16 params without a master copy, in the whole train step."""
 

@@ -44,7 +44,7 @@ Every place a dtype is decided in a step:
 import contextlib
 import dataclasses
 import fnmatch
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import haiku as hk
 import jax
@@ -85,23 +85,54 @@ class Rule:
   source: str  # 'override' or 'default', shown by launch.tabulate.
 
 
-def parse_overrides(text: str) -> tuple[Rule, ...]:
-  """Parses ``'TARGET:POLICY;TARGET:POLICY'`` into override rules."""
+# What a module target may be: a class name or path glob, or the class.
+Target = Union[str, type]
+# A policy: a jmp policy string, or the jmp.Policy itself.
+PolicyLike = Union[str, jmp.Policy]
+
+
+def _as_policy(policy: PolicyLike, setting: str) -> jmp.Policy:
+  if isinstance(policy, jmp.Policy):
+    return policy
+  return parse_policy(policy, setting)
+
+
+def _target_name(target: Target, setting: str) -> str:
+  """A target as the rules match it: a module class by its name."""
+  if isinstance(target, type):
+    return target.__name__
+  if not isinstance(target, str) or not target.strip():
+    raise PrecisionError(f'{setting}: a target must be a module class, a '
+                         f'class name or a path glob, not {target!r}')
+  return target.strip()
+
+
+def parse_overrides(overrides: Union[str, Mapping[Target, PolicyLike]]
+                    ) -> tuple[Rule, ...]:
+  """Override rules from ``'TARGET:POLICY;TARGET:POLICY'`` (the configs'
+  form) or a mapping {target: policy}, targets as classes or strings."""
+  if isinstance(overrides, Mapping):
+    items = [(_target_name(t, 'precision.overrides'), p)
+             for t, p in overrides.items()]
+  else:
+    items = []
+    for item in (overrides or '').split(';'):
+      item = item.strip()
+      if not item:
+        continue
+      target, sep, policy_text = item.rpartition(':')
+      if not sep or not target.strip():
+        raise PrecisionError(
+            f'precision.overrides: malformed entry {item!r}; expected '
+            "'TARGET:POLICY', e.g. '*/head:float32' or "
+            "'Attention:p=f32,c=f32,o=bf16'")
+      items.append((target.strip(), policy_text))
   rules = []
-  for item in (text or '').split(';'):
-    item = item.strip()
-    if not item:
-      continue
-    target, sep, policy_text = item.rpartition(':')
-    target = target.strip()
-    if not sep or not target:
-      raise PrecisionError(
-          f'precision.overrides: malformed entry {item!r}; expected '
-          "'TARGET:POLICY', e.g. '*/head:float32' or 'Attention:p=f32,c=f32,o=bf16'")
+  for target, policy in items:
     if any(r.target == target for r in rules):
       raise PrecisionError(f'precision.overrides: target {target!r} given twice')
-    policy = parse_policy(policy_text, f'precision.overrides[{target!r}]')
-    rules.append(Rule(target, policy, 'override'))
+    rules.append(Rule(target, _as_policy(
+        policy, f'precision.overrides[{target!r}]'), 'override'))
   return tuple(rules)
 
 
@@ -200,9 +231,12 @@ class Precision:
 RESIDUAL_STREAMS = ('compute', 'float32')
 
 
-def parse_targets(text: str) -> tuple[str, ...]:
-  """``'TARGET;...'`` (`precision.fp8.modules`) as its targets."""
-  return tuple(t.strip() for t in (text or '').split(';') if t.strip())
+def parse_targets(targets: Union[str, Sequence[Target]]) -> tuple[str, ...]:
+  """``'TARGET;...'`` (`precision.fp8.modules`), or a sequence of classes and
+  strings, as the rules' targets."""
+  if isinstance(targets, str) or targets is None:
+    return tuple(t.strip() for t in (targets or '').split(';') if t.strip())
+  return tuple(_target_name(t, 'precision.fp8.modules') for t in targets)
 
 
 def _check_matmul_precision(name: str) -> Optional[str]:
@@ -220,28 +254,39 @@ def _check_matmul_precision(name: str) -> Optional[str]:
   return name
 
 
-def make_precision(policy: str, overrides: str = '', *, model_class: str,
+def make_precision(policy: PolicyLike,
+                   overrides: Union[str, Mapping[Target, PolicyLike]] = '',
+                   *, model_class: Target,
                    float32_layer_norm: bool = True, matmul_precision: str = '',
                    residual_stream: str = 'compute',
-                   dot_form: str = 'auto', fp8_modules: str = '',
+                   dot_form: str = 'auto',
+                   fp8_modules: Union[str, Sequence[Target]] = '',
                    fp8: Optional[fp8_lib.Fp8] = None,
                    dot_platform: str = '') -> Precision:
-  """Builds a `Precision` from config strings.
+  """Builds a `Precision` from jmp policies and module classes, or from the
+  configs' strings.
+
+    precision = haiku_mp.make_precision(
+        jmp.get_policy('p=f32,c=bf16,o=f32'), model_class=hk.nets.MLP)
 
   Args:
-    policy: the main jmp policy, applied to the model class `model_class`.
-    overrides: ``'TARGET:POLICY;...'`` class or path overrides.
-    model_class: the class name of the model's top module.
+    policy: the main jmp policy (a `jmp.Policy` or its string), applied to
+      the model class `model_class`.
+    overrides: ``'TARGET:POLICY;...'``, or {target: policy}: class or path
+      overrides (a target: a module class, its name, or a path glob).
+    model_class: the model's top module class (or its name).
     float32_layer_norm: keep LayerNorm in float32 (output in compute dtype).
     matmul_precision: a `jax.default_matmul_precision` name, '' for the default.
     residual_stream: 'compute' (the compute dtype) or 'float32'.
     dot_form: how matmuls with half operands run (`half_dot.FORMS`).
     dot_platform: the backend whose forms they take (`half_dot.PLATFORMS`;
       '' the one JAX runs on).
-    fp8_modules: ``'TARGET;...'`` modules (class names or path globs) whose
-      Linear layers run fp8 matmuls scaled as `fp8` says; '' for none.
+    fp8_modules: ``'TARGET;...'``, or a sequence of targets (module classes,
+      class names or path globs), whose Linear layers run fp8 matmuls scaled
+      as `fp8` says; '' for none.
   """
-  main = parse_policy(policy)
+  main = _as_policy(policy, 'precision.policy')
+  model_class = _target_name(model_class, 'model_class')
   errors.check_choice('precision.residual_stream', residual_stream,
                       RESIDUAL_STREAMS, PrecisionError)
   defaults = {model_class: Rule(model_class, main, 'default')}

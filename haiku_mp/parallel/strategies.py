@@ -26,6 +26,7 @@ import optax
 
 from haiku_mp import errors
 from haiku_mp.parallel import sharding
+from haiku_mp.parallel import stop_request
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
 
@@ -70,9 +71,11 @@ class Strategy(abc.ABC):
     self.abstract_state = jax.eval_shape(parts.init_state)
     # The steps, built here once; each strategy only wraps them (jit, pmap,
     # jit with shardings).
-    self._train_step = step_lib.make_train_step(
-        parts.gradients, parts.optimizer, parts.scaler,
-        axis_name=self.axis_name, inputs=parts.train_inputs)
+    self._train_step = stop_request.with_stop_request(
+        step_lib.make_train_step(
+            None, parts.optimizer, parts.scaler, axis_name=self.axis_name,
+            inputs=parts.train_inputs, gradients_fn=parts.gradients),
+        self.axis_name)
     self._eval_step = step_lib.make_eval_step(
         parts.forward, axis_name=self.axis_name, inputs=parts.eval_inputs)
 

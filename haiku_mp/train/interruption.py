@@ -7,7 +7,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from haiku_mp.update import step as step_lib
+from haiku_mp.parallel import stop_request
 
 Batch = dict[str, np.ndarray]
 
@@ -69,7 +69,7 @@ class Interruption:
     if not self._several:
       return batch
     flags = np.full(local_shards, self.received is not None)
-    return dict(batch, **place({step_lib.STOP_REQUEST: flags}))
+    return dict(batch, **place({stop_request.STOP_REQUEST: flags}))
 
   def stop_after(self, finished_metrics: Optional[dict]) -> bool:
     """Whether to checkpoint and stop after the step just dispatched, the

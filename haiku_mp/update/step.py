@@ -32,13 +32,6 @@ TrainInputs = Callable[[jax.Array, Batch, Optional[str], jax.Array], Batch]
 EvalInputs = Callable[[Batch], Batch]
 
 
-# A batch field by which processes agree to stop (`interruption`): one flag
-# per example, its process's request when the batch was made. The step's
-# `stop_requested` metric says whether any example of the global batch asks,
-# the same on every process, with no host sync of its own.
-STOP_REQUEST = 'stop_request'
-
-
 # The step's rounding key is `fold_in(state.rng, ROUNDING_DRAW)`: apart from
 # the `split(state.rng, 3)` the step's other keys come from (fold_in with 0, 1
 # or 2 would repeat one of them), so the streams of runs from before it exist
@@ -135,16 +128,25 @@ def ordinary_gradients(loss_fn: LossFn,
   return functools.partial(gradients, loss_fn, loss_scaler)
 
 
-def make_train_step(gradients_fn: GradientsFn,
+def make_train_step(loss_fn: Optional[LossFn],
                     optimizer: optax.GradientTransformation,
-                    loss_scaler: loss_scaling.LossScaler,
+                    loss_scaler: loss_scaling.LossScaler = (
+                        loss_scaling.LossScaler()),
                     axis_name: Optional[str] = None,
-                    inputs: TrainInputs = _as_is_train
+                    inputs: TrainInputs = _as_is_train, *,
+                    gradients_fn: Optional[GradientsFn] = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-  """A pure `train_step(state, batch) -> (state, metrics)`.
+  """A pure `train_step(state, batch) -> (state, metrics)` of `loss_fn`.
 
-  `optimizer` is `optimizer.make_optimizer`'s (or any optax transformation):
-  its update takes the step's rounding key as `key=`.
+    step = jax.jit(haiku_mp.make_train_step(loss_fn, optax.adam(1e-3),
+                                            haiku_mp.LossScaler('dynamic')))
+
+  `loss_fn(params, rng, batch) -> (loss, metrics)`; its gradients are those
+  of the loss scaled by `loss_scaler` (default: none), unscaled in float32.
+  A caller that brings its own gradients (DP-SGD) passes `gradients_fn`
+  (`ordinary_gradients`'s signature) instead, and None for `loss_fn`.
+  `optimizer` is `optimizer.make_optimizer`'s (or any optax
+  transformation): its update takes the step's rounding key as `key=`.
 
   Jit it with `donate_argnums=0`; every metric is a device scalar, so nothing
   syncs with the host until the caller reads one. Under `jax.pmap`, pass its
@@ -155,12 +157,15 @@ def make_train_step(gradients_fn: GradientsFn,
   step's own key, the same on every replica. `gradients_fn` takes the
   step's key as it is on every replica.
   """
+  if (loss_fn is None) == (gradients_fn is None):
+    raise ValueError('make_train_step: give a loss_fn, or gradients_fn '
+                     '(with loss_fn None), not both')
+  if gradients_fn is None:
+    gradients_fn = ordinary_gradients(loss_fn, loss_scaler)
 
   optimizer = optax.with_extra_args_support(optimizer)
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-    batch = dict(batch)
-    stop_request = batch.pop(STOP_REQUEST, None)
     rng, step_rng, inputs_rng = jax.random.split(state.rng, 3)
     batch = inputs(inputs_rng, batch, axis_name, state.step)
     grads, loss, aux = gradients_fn(state.loss_scale, state.params, step_rng,
@@ -205,11 +210,6 @@ def make_train_step(gradients_fn: GradientsFn,
         # NaN at a skipped step (a log window averages the others).
         updates_lost=jnp.where(grads_finite, updates_lost, jnp.nan),
         skipped_steps=skipped_steps)
-    if stop_request is not None:
-      requested = jnp.any(stop_request).astype(jnp.int32)
-      if axis_name is not None:
-        requested = jax.lax.pmax(requested, axis_name)
-      metrics['stop_requested'] = requested > 0
     return new_state, metrics
 
   return train_step
