@@ -28,7 +28,13 @@ TENSORS = (('input', 'E4M3'), ('gradient', 'E5M2'), ('weight', 'E4M3'))
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Thresholds:
-  """`config.advisor`'s fp8 limits (module docstring)."""
+  """How much of an operand E4M3 / E5M2 may lose (`config.advisor`'s fp8
+  limits; the module docstring says why each).
+
+  Example:
+    limits = advisor.Fp8Thresholds(max_relative_error=0.1,
+                                   max_underflow_share=0.01, max_saturate_share=0.0)
+  """
   max_relative_error: float
   max_underflow_share: float
   max_saturate_share: float

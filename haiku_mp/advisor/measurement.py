@@ -63,7 +63,12 @@ def module_classes_of(loss_fn: probes.LossFn, params, rng: jax.Array,
                       batch) -> dict[str, str]:
   """Each module path `loss_fn` calls (in call order) -> its class name,
   from one abstract trace (no FLOPs): the modules the advisor judges in a
-  model it did not build."""
+  model it did not build.
+
+  Example:
+    classes = advisor.module_classes_of(loss_fn, params, jax.random.key(0), batch)
+    candidates = advisor.fp8_linears(classes, 'Linear')
+  """
   classes = {}
 
   def record(next_f, args, kwargs, context: hk.MethodContext):
@@ -90,6 +95,10 @@ def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
   under its precision (float32 compute measures what half precision would
   lose; `launch.lab advise` does that for the ViT, with train steps between
   batches).
+
+  Example:
+    modules = advisor.measure_model(loss_fn, params, batches, jax.random.key(0))
+    advice = advisor.judge(modules, limits)
   """
   classes = module_classes_of(loss_fn, params, key, batches[0])
   stats = probes.statistics_fn(loss_fn, classes)
@@ -128,7 +137,12 @@ def fp8_linears(classes: dict[str, str],
                 targets: str = fp8.DEFAULT_MODULES) -> list[str]:
   """The paths of the Linear layers (stock or haiku_mp's) among `classes`
   (`module_classes_of`'s) that `targets` (``'TARGET;...'``, as
-  `make_precision`'s `fp8_modules`) select: the candidates for fp8."""
+  `make_precision`'s `fp8_modules`) select: the candidates for fp8.
+
+  Example:
+    classes = advisor.module_classes_of(loss_fn, params, jax.random.key(0), batch)
+    paths = advisor.fp8_linears(classes, '*/linear_0;*/linear_1')
+  """
   selected = tuple(t.strip() for t in targets.split(';') if t.strip())
   return [p for p, c in classes.items()
           if c == half_dot.FP8_CLASS and half_dot.selects(selected, c, p)]
@@ -143,7 +157,12 @@ def measure_fp8(loss_fn: probes.LossFn, params, batches: Sequence,
   E5M2 would hold them under every scaling (`fp8.SCALINGS`), summed over
   `batches` at `params`; delayed scaling's history is the pass's own (the
   amaxes of the batches before, up to `history_length`). `judge_fp8` reads
-  it. `loss_fn` computes in bfloat16 or float32, without fp8."""
+  it. `loss_fn` computes in bfloat16 or float32, without fp8.
+
+  Example:
+    totals = advisor.measure_fp8(loss_fn, params, batches, paths)
+    judged = advisor.judge_fp8(totals, 'current', fp8_limits, 'Linear')
+  """
   stats = fp8_probes.statistics_fn(loss_fn, paths, margin)
   histories = {p: [] for p in paths}
   totals = {}
@@ -170,7 +189,13 @@ def judge_fp8(totals: dict[str, list[np.ndarray]], scaling: str,
   """The 8-bit verdicts of `measure_fp8`'s Linears: per path a verdict and
   its reasons per scaling, the paths judged `keep-bf16` at `scaling`, and
   the `fp8_modules` value (from `targets`, the candidates' setting) that
-  keeps bfloat16 in exactly those."""
+  keeps bfloat16 in exactly those.
+
+  Example:
+    judged = advisor.judge_fp8(totals, 'current', fp8_limits, 'Linear')
+    precision = haiku_mp.make_precision(BF16, model_class=hk.nets.MLP,
+                                        fp8_modules=judged['fp8_modules'])
+  """
   rows, kept = [], []
   for p, parts in totals.items():
     operands = fp8_verdicts.operands(parts)

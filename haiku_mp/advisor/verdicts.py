@@ -52,7 +52,12 @@ _EXPONENTS = range(-64, 65)
 
 @dataclasses.dataclass(frozen=True)
 class Thresholds:
-  """`config.advisor`: how much of a tensor a format may lose."""
+  """How much of a tensor a format may lose (`config.advisor`'s limits).
+
+  Example:
+    limits = advisor.Thresholds(max_relative_error=0.01,
+                                max_overflow_share=0.0, loss_scale_headroom=1.0)
+  """
   max_relative_error: float
   max_overflow_share: float
   loss_scale_headroom: float
@@ -164,6 +169,12 @@ class Verdict:
 
 @dataclasses.dataclass
 class Advice:
+  """`judge`'s verdicts per module path and the float16 loss-scale window.
+
+  Example:
+    advice = advisor.judge(modules, limits)
+    print(advice.verdicts['mlp/~/linear_0'].float16, advice.scale_window)
+  """
   # By path: every module but a `same_as` one without params of its own.
   verdicts: dict[str, Verdict]
   # The model's float16 loss-scale window (exponents of two), or None.
@@ -171,7 +182,12 @@ class Advice:
 
 
 def judge(modules: Sequence[Module], thresholds: Thresholds) -> Advice:
-  """Every module's verdicts and the model's float16 loss-scale window."""
+  """Every module's verdicts and the model's float16 loss-scale window.
+
+  Example:
+    modules = advisor.measure_model(loss_fn, params, batches, jax.random.key(0))
+    advice = advisor.judge(modules, limits)
+  """
   verdicts = {}
   for m in modules:
     if m.same_as is not None and not m.param_gradients:
@@ -282,7 +298,12 @@ def overrides(modules: Sequence[Module], advice: Advice, fmt: str,
   under `fmt` in float32: a class name when every module of the class is
   kept, else their paths; a kept module's direct children that were fine in
   half precision and would inherit float32 from it (`inherits[path]`: no
-  rule of their own) get `half` back."""
+  rule of their own) get `half` back.
+
+  Example:
+    text = advisor.overrides(modules, advice, 'float16', inherits={}, half=F16)
+    precision = haiku_mp.make_precision(F16, text, model_class=hk.nets.MLP)
+  """
   kept = {p for p, v in advice.verdicts.items()
           if getattr(v, fmt) == KEEP}
   if not kept:

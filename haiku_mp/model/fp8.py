@@ -82,7 +82,13 @@ _TINY = float(_F32.tiny)  # A subnormal amax counts as this.
 
 @dataclasses.dataclass(frozen=True)
 class Fp8:
-  """How fp8 matmuls scale their operands (`precision.fp8` less its modules)."""
+  """How fp8 matmuls scale their operands (`precision.fp8` less its modules).
+
+  Example:
+    precision = haiku_mp.make_precision(
+        BF16, model_class=hk.nets.MLP, fp8_modules=[hk.Linear],
+        fp8=haiku_mp.Fp8('delayed', history_length=16))
+  """
   scaling: str = 'current'
   history_length: int = 16  # delayed: amaxes kept per tensor.
   margin: float = 0.0  # Headroom: the scale leaves amax * 2**margin in range.

@@ -109,7 +109,13 @@ class Dots:
   """How a model's matmuls run: the form for half operands and the
   `jax.default_matmul_precision` name in force (None: JAX's default), which
   the backward pass, traced later and outside it, must use as well; and which
-  `Linear` layers run fp8 matmuls (`fp8_targets`) with what scaling."""
+  `Linear` layers run fp8 matmuls (`fp8_targets`) with what scaling.
+  A `Precision` makes them (`precision.dots`) for every Linear it applies to.
+
+  Example:
+    dots = haiku_mp.Dots('native')  # Half operands, float32 sums.
+    y = dots.einsum('ni,io->no', x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+  """
   form: str = 'auto'
   matmul_precision: Optional[str] = None
   fp8: Optional[fp8_lib.Fp8] = None
@@ -282,6 +288,7 @@ class Linear(hk.Linear):
   `hk.Linear` does there); `dots=` is for a call outside one, and inside one
   must agree with the precision's.
 
+  Example:
     layer = haiku_mp.Linear(10)  # In a function under hk.transform.
     logits = layer(features)     # bf16 x bf16 -> f32 sums, rounded once.
   """
@@ -349,6 +356,7 @@ class Conv2D(hk.Conv2D):
   convolution is a `Dots.einsum` over the image's patches. Takes its dots as
   `Linear` does.
 
+  Example:
     embed = haiku_mp.Conv2D(64, kernel_shape=4, stride=4, padding='VALID')
     tokens = embed(images)  # [b, h/4, w/4, 64]: one matmul over patches.
   """

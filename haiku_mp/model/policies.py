@@ -65,7 +65,13 @@ class PrecisionError(errors.ConfigError):
 
 
 def parse_policy(text: str, setting: str = 'precision.policy') -> jmp.Policy:
-  """Parses a jmp policy string (``params=float32,compute=bfloat16,...``)."""
+  """Parses a jmp policy string (``params=float32,compute=bfloat16,...``),
+  with an error that names `setting`.
+
+  Example:
+    policy = haiku_mp.parse_policy('p=f32,c=bf16,o=f32')
+    policy.compute_dtype  # bfloat16
+  """
   if not isinstance(text, str) or not text.strip():
     raise PrecisionError(f'{setting}: empty policy string {text!r}')
   try:
@@ -138,7 +144,13 @@ def parse_overrides(overrides: Union[str, Mapping[Target, PolicyLike]]
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-  """Which jmp policy each module of a model runs under."""
+  """Which jmp policy each module of a model runs under, and how its matmuls
+  run (`dots`); `make_precision` builds one.
+
+  Example:
+    precision = haiku_mp.make_precision(BF16, model_class=hk.nets.MLP)
+    precision.rule_for('Linear', 'mlp/~/linear_0')  # None: inherits MLP's.
+  """
   policy: jmp.Policy
   defaults: Mapping[str, Rule]
   overrides: tuple[Rule, ...] = ()
@@ -266,6 +278,7 @@ def make_precision(policy: PolicyLike,
   """Builds a `Precision` from jmp policies and module classes, or from the
   configs' strings.
 
+  Example:
     precision = haiku_mp.make_precision(
         jmp.get_policy('p=f32,c=bf16,o=f32'), model_class=hk.nets.MLP)
 
@@ -332,6 +345,7 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
   Every `hk.Linear` and `hk.Conv2D` called inside, stock or haiku_mp's, runs
   its matmul as `precision.dots` says (`half_dot.intercepted`).
 
+  Example:
     with haiku_mp.apply_precision(precision):
       logits = hk.nets.MLP([64, 10])(images.reshape(len(images), -1))
   """

@@ -42,7 +42,14 @@ class LossScaleError(errors.ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class LossScaler:
-  """Static loss-scale settings; creates and adjusts jmp loss-scale states."""
+  """Static loss-scale settings; creates and adjusts jmp loss-scale states.
+  The state (scale, counters) lives in the `TrainState`, so jit and
+  checkpoints carry it.
+
+  Example:
+    scaler = haiku_mp.LossScaler('dynamic', initial=2.0**15, period=2000)
+    train_step = haiku_mp.make_train_step(loss_fn, optimizer, scaler)
+  """
   kind: str = 'none'
   initial: float = 2.0**15
   period: int = 2000

@@ -37,7 +37,12 @@ _PARAMS_DRAW, _MU_DRAW, _NU_DRAW = 0, 1, 2
 
 def learning_rate_schedule(learning_rate: float, warmup_steps: int,
                            total_steps: int) -> optax.Schedule:
-  """Linear warmup to `learning_rate`, then cosine decay to 0 at `total_steps`."""
+  """Linear warmup to `learning_rate`, then cosine decay to 0 at `total_steps`.
+
+  Example:
+    schedule = haiku_mp.learning_rate_schedule(1e-3, 500, total_steps=10_000)
+    optimizer = haiku_mp.make_optimizer(schedule, weight_decay=0.05)
+  """
   warmup = max(int(warmup_steps), 0)
   if not warmup:
     return optax.cosine_decay_schedule(learning_rate, max(total_steps, 1))
@@ -275,6 +280,10 @@ def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0,
   their updates as `param_update` says: from a float32 master copy
   (`float32_master`), or rounded into them (`without_master`). Its update
   takes the step's rounding `key=` (`apply_updates` takes the same key).
+
+  Example:
+    optimizer = haiku_mp.make_optimizer(schedule, half_params=True,  # :pure_bf16
+        param_update='stochastic', mu_dtype='bfloat16', nu_dtype='bfloat16')
   """
   if param_update not in PARAM_UPDATES:
     raise ValueError(f'param_update {param_update!r}: expected one of '

@@ -45,7 +45,12 @@ def _as_is_train(key, batch, axis_name, step):
 
 
 class TrainState(NamedTuple):
-  """Everything a step reads and writes; checkpointing this resumes a run."""
+  """Everything a step reads and writes; checkpointing this resumes a run.
+
+  Example:
+    state, metrics = train_step(state, batch)
+    print(int(state.step), int(state.skipped_steps), state.loss_scale.scale)
+  """
   step: jax.Array  # int32 scalar: steps taken, skipped ones included.
   # In the policy's param dtype: float32 master weights, or half-precision
   # params whose float32 master copy lives in `opt_state` (float32_master);
@@ -61,6 +66,14 @@ def init_train_state(params: hk.Params,
                      optimizer: optax.GradientTransformation,
                      loss_scaler: loss_scaling.LossScaler,
                      rng: jax.Array) -> TrainState:
+  """The state before the first step: `params` as `forward.init` made them,
+  `optimizer`'s state of them (fp8 histories left out), the initial loss
+  scale, and the key the steps split.
+
+  Example:
+    params = forward.init(jax.random.key(0), images, True)
+    state = haiku_mp.init_train_state(params, optimizer, scaler, jax.random.key(1))
+  """
   return TrainState(
       step=jnp.zeros([], jnp.int32),
       params=params,
@@ -124,7 +137,12 @@ GradientsFn = Callable[..., tuple[hk.Params, jax.Array, Metrics]]
 def ordinary_gradients(loss_fn: LossFn,
                        loss_scaler: loss_scaling.LossScaler) -> GradientsFn:
   """`gradients` of `loss_fn` under `loss_scaler`: the train step's, unless
-  the run is private."""
+  the run is private. For a caller that wraps or replaces them.
+
+  Example:
+    gradients_fn = haiku_mp.ordinary_gradients(loss_fn, scaler)
+    step = haiku_mp.make_train_step(None, optimizer, scaler, gradients_fn=gradients_fn)
+  """
   return functools.partial(gradients, loss_fn, loss_scaler)
 
 
@@ -138,6 +156,7 @@ def make_train_step(loss_fn: Optional[LossFn],
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """A pure `train_step(state, batch) -> (state, metrics)` of `loss_fn`.
 
+  Example:
     step = jax.jit(haiku_mp.make_train_step(loss_fn, optax.adam(1e-3),
                                             haiku_mp.LossScaler('dynamic')))
 
@@ -276,7 +295,12 @@ def _weighted_metrics(logits: jax.Array, batch: Batch,
 def make_classification_loss(forward: hk.Transformed,
                              label_smoothing: float = 0.0) -> LossFn:
   """The training loss of a classifier `forward(images, is_training)`:
-  cross-entropy in float32, its targets smoothed by `label_smoothing`."""
+  cross-entropy in float32, its targets smoothed by `label_smoothing`.
+
+  Example:
+    loss_fn = haiku_mp.make_classification_loss(hk.transform(forward), 0.1)
+    loss, metrics = loss_fn(params, rng, dict(image=images, label=labels))
+  """
 
   def loss_fn(params, rng, batch):
     logits = forward.apply(params, rng, batch['image'], True)
@@ -293,6 +317,10 @@ def make_eval_step(forward: hk.Transformed, axis_name: Optional[str] = None,
   """`eval_step(params, batch) -> {logits, loss, accuracy, num_examples}`, no dropout.
 
   Under `jax.pmap` pass its `axis_name`: the metrics then cover every replica.
+
+  Example:
+    eval_step = jax.jit(haiku_mp.make_eval_step(hk.transform(forward)))
+    accuracy = eval_step(state.params, batch)['accuracy']
   """
 
   def eval_step(params: hk.Params, batch: Batch) -> Metrics:
