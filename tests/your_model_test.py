@@ -1,5 +1,6 @@
-"""docs/your_model.md's example, run as written, and the public surface it
-imports from."""
+"""docs/your_model.md's script, run as a user runs it: from a temporary
+directory outside the checkout, against the installed package (no
+PYTHONPATH); and the public surface it imports from."""
 
 import os
 import sys
@@ -7,23 +8,39 @@ import sys
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import contextlib
-import io
+import json
 import re
+import subprocess
+import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import haiku as hk
-import jax
-import numpy as np
 
 import haiku_mp
 from haiku_mp import advisor
 from haiku_mp import model
 from haiku_mp import update
+from tests import helpers
 
-PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-    __file__))), 'docs', 'your_model.md')
+PAGE = os.path.join(helpers.ROOT, 'docs', 'your_model.md')
+# Appended to the page's script: what the test reads of the run, as JSON.
+_REPORT = '''
+import json as _json, os as _os, sys as _sys
+import importlib.metadata as _metadata
+print(_json.dumps(dict(
+    cwd=_os.getcwd(), haiku_mp=haiku_mp.__file__,
+    version=_metadata.version('haiku_mp'),
+    checkout_on_path=any(_os.path.isfile(_os.path.join(p or '.', 'pyproject.toml'))
+                         and _os.path.isdir(_os.path.join(p or '.', 'haiku_mp'))
+                         for p in _sys.path),
+    runs={name: dict(loss=loss, skipped=int(state.skipped_steps),
+                     scale=float(state.loss_scale.scale),
+                     dtypes=sorted({str(v.dtype) for v in jax.tree.leaves(state.params)}))
+          for name, (state, loss) in runs.items()},
+    overrides=f16_overrides, fp8_modules=fp8['fp8_modules'],
+    fp8_paths=[row['path'] for row in fp8['modules']],
+    verdicts={p: [v.bfloat16, v.float16] for p, v in advice.verdicts.items()})))
+'''
 
 
 def page_code(path: str = PAGE) -> str:
@@ -41,51 +58,51 @@ class YourModelPageTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.namespace = {'__name__': 'your_model_page'}
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-      exec(compile(page_code(), PAGE, 'exec'), cls.namespace)  # pylint: disable=exec-used
-    cls.printed = printed.getvalue()
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    with tempfile.TemporaryDirectory() as cwd:
+      script = os.path.join(cwd, 'my_model.py')
+      with open(script, 'w') as f:
+        f.write(page_code() + _REPORT)
+      run = subprocess.run([sys.executable, script], cwd=cwd, env=env,
+                           capture_output=True, text=True, timeout=600)
+    if run.returncode:
+      raise AssertionError(f'my_model.py failed:\n{run.stderr[-3000:]}')
+    lines = run.stdout.splitlines()
+    cls.printed = '\n'.join(lines[:-1])
+    cls.report = json.loads(lines[-1])
 
-  def test_the_loss_goes_down(self):
-    losses = self.namespace['losses']
-    self.assertLess(losses[-1], losses[0] / 5)
+  def test_it_ran_outside_the_checkout_on_the_installed_package(self):
+    self.assertFalse(self.report['cwd'].startswith(helpers.ROOT))
+    self.assertFalse(self.report['checkout_on_path'])
+    self.assertEqual(self.report['version'], haiku_mp.__version__)
 
-  def test_the_matmuls_run_in_float16_but_the_head(self):
-    calls = []
-    np_batch = self.namespace['batches'][0]
-    precision = haiku_mp.make_precision(
-        self.namespace['F16'], f'*/head:{self.namespace["F32"]}',
-        model_class='Classifier')
-    # The page's policies, observed: hidden's matmul inputs are float16, the
-    # head's float32, LayerNorm computes in float32.
-    classifier = self.namespace['Classifier']
+  def test_every_precision_trains(self):
+    runs = self.report['runs']
+    self.assertLen(runs, 5)
+    for name, run in runs.items():
+      # From ln(10) = 2.30 at init.
+      self.assertLess(run['loss'], 0.5, name)
+      self.assertEqual(run['skipped'], 0, name)
+      self.assertLess(abs(run['loss'] - runs['float32']['loss']), 0.05, name)
 
-    def forward(images):
-      with haiku_mp.apply_precision(precision, calls.append):
-        return classifier(precision.dots)(images, True)
+  def test_float16_scale_grew_once_and_state_without_master_is_bf16(self):
+    runs = self.report['runs']
+    # 24 finite steps at period 20: one doubling from 2^15.
+    self.assertEqual(runs['float16, loss-scaled']['scale'], 2.0**16)
+    self.assertEqual(runs['bfloat16 state, no master']['dtypes'],
+                     ['bfloat16'])
+    self.assertEqual(runs['bfloat16']['dtypes'], ['float32'])
 
-    hk.transform(forward).init(jax.random.key(0), np_batch['image'])
-    dtypes = {c.path: c.policy.compute_dtype for c in calls}
-    self.assertEqual(np.dtype(dtypes['classifier/hidden']), np.float16)
-    self.assertEqual(np.dtype(dtypes['classifier/norm']), np.float32)
-    self.assertEqual(np.dtype(dtypes['classifier/head']), np.float32)
-
-  def test_the_loss_scale_grew_and_no_step_was_skipped(self):
-    state = self.namespace['state']
-    self.assertEqual(int(state.skipped_steps), 0)
-    # 48 finite steps at period 20: two doublings from 2^15.
-    self.assertEqual(float(state.loss_scale.scale), 2.0**17)
-
-  def test_the_advisor_judges_every_module(self):
-    advice = self.namespace['advice']
-    self.assertEqual(list(advice.verdicts),
-                     ['classifier/hidden', 'classifier/norm',
-                      'classifier/head'])
-    low, high = advice.scale_window
-    self.assertLessEqual(low, 15)
-    self.assertGreaterEqual(high, 17)
-    self.assertIn('overrides for float16:', self.printed)
+  def test_the_advisor_judges_every_linear_and_its_advice_runs(self):
+    linears = ['mlp/~/linear_0', 'mlp/~/linear_1', 'mlp/~/linear_2']
+    self.assertEqual(self.report['fp8_paths'], linears)
+    self.assertContainsSubset(linears, self.report['verdicts'])
+    for verdict in self.report['verdicts'].values():
+      self.assertIn(verdict[0], ('bf16-ok', 'keep-f32'))
+    self.assertIn(f"advised: overrides {self.report['overrides']!r}",
+                  self.printed)
+    for name in ('float16 as advised', 'fp8 as advised'):
+      self.assertRegex(self.printed, rf'{name} +last loss 0\.\d+  skipped 0')
 
 
 class PublicSurfaceTest(parameterized.TestCase):

@@ -33,7 +33,7 @@ token and position embedding) are judged, for the loss-scale window.
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -293,17 +293,25 @@ def loss_scale_flags(settings: dict[str, Any]) -> list[str]:
 
 
 def overrides(modules: Sequence[Module], advice: Advice, fmt: str,
-              inherits: dict[str, bool], half: str) -> str:
+              inherits: Optional[Mapping[str, bool]] = None, half: str = '',
+              *, precision=None) -> str:
   """`precision.overrides` that keep exactly the modules judged `keep-f32`
   under `fmt` in float32: a class name when every module of the class is
   kept, else their paths; a kept module's direct children that were fine in
   half precision and would inherit float32 from it (`inherits[path]`: no
-  rule of their own) get `half` back.
+  rule of their own) get `half` back. Given the `precision` the overrides
+  are for (a `Precision` in `fmt`), `inherits` and `half` follow from it.
 
   Example:
-    text = advisor.overrides(modules, advice, 'float16', inherits={}, half=F16)
+    text = advisor.overrides(modules, advice, 'float16', precision=precision)
     precision = haiku_mp.make_precision(F16, text, model_class=hk.nets.MLP)
   """
+  if precision is not None:
+    if inherits is None:
+      inherits = {m.path: precision.rule_for(m.class_name, m.path) is None
+                  for m in modules}
+    half = half or policies.policy_str(precision.policy)
+  inherits = inherits or {}
   kept = {p for p, v in advice.verdicts.items()
           if getattr(v, fmt) == KEEP}
   if not kept:
