@@ -2,6 +2,7 @@
 sync of their own (`train.interruption`): the trainer's, not the library
 step's."""
 
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -19,6 +20,7 @@ def with_stop_request(train_step: Callable, axis_name: Optional[str] = None
   any example of the global batch asks, the same on every process (and
   replica of `axis_name`)."""
 
+  @functools.wraps(train_step)  # Its name: the profile's op names start so.
   def step(state, batch):
     batch = dict(batch)
     request = batch.pop(STOP_REQUEST, None)
