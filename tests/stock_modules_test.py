@@ -10,6 +10,7 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import collections
+import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -26,7 +27,7 @@ from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'
 F32 = 'params=float32,compute=float32,output=float32'
-E4M3, E5M2, BF = 'float8_e4m3fn', 'float8_e5m2', 'bfloat16'
+E4M3, E5M2, BF, F32 = 'f8E4M3FN', 'f8E5M2', 'bf16', 'f32'
 CONVOLUTION = ('conv_general_dilated',)
 
 
@@ -91,8 +92,9 @@ def _precision(name, fp8_modules='', **kwargs):
                                  fp8_modules=fp8_modules, **kwargs)
 
 
-def _train_step_dots(forward, images, primitives=('dot_general',)):
-  """The (operand dtypes) of every matmul of a train step's program."""
+def _train_step(forward, images):
+  """A train step of `forward` (Adam, cross-entropy in float32) and its
+  arguments."""
   params, state = forward.init(jax.random.key(0), images, True)
   labels = jnp.arange(len(images)) % 10
   optimizer = optax.adam(1e-3)
@@ -108,55 +110,81 @@ def _train_step_dots(forward, images, primitives=('dot_general',)):
     updates, opt_state = optimizer.update(grads, opt_state)
     return optax.apply_updates(params, updates), new_state, opt_state
 
-  eqns = helpers.eqns_of(train_step, params, state, optimizer.init(params),
-                         primitives=primitives)
-  return collections.Counter(helpers.operand_dtypes(e) for e in eqns), eqns
+  return train_step, (params, state, optimizer.init(params))
+
+
+# A dot of the lowered program: its operands' and result's element types.
+_DOT = re.compile(r'stablehlo\.dot_general .*: \(tensor<(?:\d+x)*(\w+)>, '
+                  r'tensor<(?:\d+x)*(\w+)>\) -> tensor<(?:\d+x)*(\w+)>')
+
+
+def _lowered_dots(forward, images) -> collections.Counter:
+  """(lhs, rhs, result) element types of every dot in the train step's
+  lowered program (what XLA receives: the backward's dots that nothing
+  uses, such as the images' gradient, are gone)."""
+  step, args = _train_step(forward, images)
+  text = jax.jit(step).lower(*args).as_text()
+  return collections.Counter(m.groups() for m in _DOT.finditer(text))
+
+
+def _pairs(dots) -> collections.Counter:
+  pairs = collections.Counter()
+  for (lhs, rhs, _), count in dots.items():
+    pairs[lhs, rhs] += count
+  return pairs
 
 
 class StockModulesTest(parameterized.TestCase):
 
-  # Per model: its hk.Linear (and patch-embedding hk.Conv2D) layers, each one
-  # dot forward and two backward (the input's and the weight's gradients).
-  # The block's attention has 4 Linears and 2 batched dots of its own
-  # (jnp.einsum, Haiku's code: bf16 x bf16, 3 dots each with the backward).
-  @parameterized.parameters(('mlp', 3 * 3), ('resnet', 1 * 3),
-                            ('block', (1 + 4 + 2 + 1) * 3 + 2 * 3))
+  # Per model, the dots of its hk.Linear (and patch-embedding hk.Conv2D)
+  # layers: one forward, the input's gradient (but the first layer's, of the
+  # images) and the weight's. The block's attention has 2 batched dots of
+  # its own (jnp.einsum, Haiku's code: bf16 x bf16 into bf16, 3 each with
+  # the backward).
+  @parameterized.parameters(('mlp', 3 * 3 - 1, 0), ('resnet', 3, 0),
+                            ('block', 1 * 2 + (4 + 2 + 1) * 3, 2 * 3))
   def test_every_matmul_takes_bf16_operands_forward_and_backward(
-      self, name, count):
-    dots, eqns = _train_step_dots(_transformed(name, _precision(name)),
-                                  _images(16 if name == 'resnet' else 8))
-    self.assertEqual(dots, {(BF, BF): count})
-    ours = [e for e in eqns if 'preferred_element_type' in e.params
-            and e.params['preferred_element_type'] == jnp.float32]
-    # Every dot of a Linear or patch embedding sums in float32.
-    self.assertLen(ours, count - (6 if name == 'block' else 0))
+      self, name, ours, haikus):
+    dots = _lowered_dots(_transformed(name, _precision(name)),
+                         _images(16 if name == 'resnet' else 8))
+    # Ours sum in float32, Haiku's attention einsums in bf16.
+    expected = {(BF, BF, F32): ours}
+    if haikus:
+      expected[(BF, BF, BF)] = haikus
+    self.assertEqual(dots, expected)
 
   def test_resnet_convolutions_stay_haikus_in_bf16(self):
     # Not a patch embedding: XLA's convolution, in the operands' dtype.
-    convs, _ = _train_step_dots(_transformed('resnet', _precision('resnet')),
-                                _images(16), CONVOLUTION)
-    (dtypes, count), = convs.items()
-    self.assertEqual(dtypes, (BF, BF))
+    step, args = _train_step(_transformed('resnet', _precision('resnet')),
+                             _images(16))
+    eqns = helpers.eqns_of(step, *args, primitives=CONVOLUTION)
+    self.assertEqual({helpers.operand_dtypes(e) for e in eqns},
+                     {('bfloat16', 'bfloat16')})
     # ResNet18's 20 convolutions, forward and both gradients, but the
     # images' (no gradient asked).
-    self.assertEqual(count, 20 * 3 - 1)
+    self.assertLen(eqns, 20 * 3 - 1)
 
-  # fp8 on chosen layers: E4M3 forward, E5M2 output gradients; the others
-  # stay bf16.
+  # fp8 on chosen layers: E4M3 forward, E5M2 output gradients, float32
+  # sums; the others stay bf16. (fp8 layers, of them the first, whose input
+  # gradient is not computed; bf16 x bf16 dots left)
   @parameterized.parameters(
-      ('mlp', '*/linear_0;*/linear_1', 2, 3 * 1),
-      ('resnet', 'Linear', 1, 0),
-      ('block', '*/multi_head_attention/*', 4, 3 * 4 + 2 * 3))
+      ('mlp', '*/linear_0;*/linear_1', 2, 1, 3),
+      ('resnet', 'Linear', 1, 0, 0),
+      ('block', '*/multi_head_attention/*', 4, 0, 2 + 3 * 3 + 2 * 3))
   def test_fp8_targets_run_fp8_forward_and_backward(self, name, targets,
-                                                    fp8_layers, bf16_dots):
-    dots, _ = _train_step_dots(
-        _transformed(name, _precision(name, targets)),
-        _images(16 if name == 'resnet' else 8))
-    expected = {(E4M3, E4M3): fp8_layers, (E5M2, E4M3): fp8_layers,
+                                                    fp8_layers, first,
+                                                    bf16_dots):
+    dots = _lowered_dots(_transformed(name, _precision(name, targets)),
+                         _images(16 if name == 'resnet' else 8))
+    for (lhs, rhs, out), count in dots.items():
+      if lhs.startswith('f8'):
+        self.assertEqual(out, F32)
+    expected = {(E4M3, E4M3): fp8_layers, (E5M2, E4M3): fp8_layers - first,
                 (E4M3, E5M2): fp8_layers}
+    expected = {k: v for k, v in expected.items() if v}
     if bf16_dots:
       expected[(BF, BF)] = bf16_dots
-    self.assertEqual(dots, expected)
+    self.assertEqual(_pairs(dots), expected)
 
   @parameterized.parameters('mlp', 'resnet', 'block')
   def test_params_are_haikus_own(self, name):
@@ -219,7 +247,7 @@ class DotsInForceTest(absltest.TestCase):
         lambda x: _in(precision, lambda: haiku_mp.Linear(4)(x))).apply
     eqns = helpers.eqns_of(lambda x: apply(params, None, x), jnp.ones((2, 3)))
     self.assertEqual([helpers.operand_dtypes(e) for e in eqns],
-                     [(E4M3, E4M3)])
+                     [('float8_e4m3fn', 'float8_e4m3fn')])
 
   def test_dots_that_contradict_the_precision_are_an_error(self):
     precision = haiku_mp.make_precision(BF16, model_class='Linear',
