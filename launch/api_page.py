@@ -90,7 +90,7 @@ def main(argv):
       current = f.read()
   if _CHECK.value:
     if current != text:
-      print(f'{PAGE} is out of date: run python -m launch.api_page',
+      print('error: docs/api.md is out of date: run python -m launch.api_page',
             file=sys.stderr)
       sys.exit(1)
     return
