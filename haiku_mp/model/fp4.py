@@ -1,0 +1,232 @@
+"""4-bit floats, emulated: NVFP4 and MXFP4 blocks quantized and dequantized.
+
+Both formats hold E2M1 values (sign, 2 exponent bits, 1 mantissa bit: 0,
+0.5, 1, 1.5, 2, 3, 4, 6; no inf or NaN) in blocks that share a scale:
+
+- ``nvfp4`` (NVIDIA, "Pretraining LLMs with NVFP4", arXiv 2509.25149): blocks
+  of 16 values with an E4M3 scale, under a float32 scale per tensor that
+  maps the tensor's amax to E4M3's largest scale times E2M1's largest value
+  (6 x 448), as Transformer Engine computes it. A block's E4M3 scale is its
+  amax / 6 in those units, rounded to nearest, so the block's largest value
+  may exceed 6 after it and saturate.
+- ``mxfp4`` (OCP MX v1.0): blocks of 32 values with an E8M0 (power-of-two)
+  scale. The spec's scale, 2**(floor(log2(amax)) - 2), lets a block's
+  largest values reach 8 and saturate at 6; here, as for MXFP8
+  (`fp8.mx_block_exponents`) and in Transformer Engine's MX recipes, the
+  exponent is rounded up so that no value of a block saturates.
+
+Rounding to E2M1 is the cast to `float4_e2m1fn` (ml_dtypes' dtype): XLA:CPU
+(jaxlib 0.10.2) converts float32 to it round-to-nearest-even and saturating
+at 6, the same bit for bit as ml_dtypes (tests/fp4_test.py checks it on this
+machine), but it turns NaN into -0; `round_e2m1` keeps non-finite values
+as they are, so that a step's finite check still sees them. Stochastic
+rounding (`stochastic_round_e2m1`) picks one of the two grid points around a
+value with the probability that makes it unbiased.
+
+Nothing here runs a 4-bit GEMM: the dequantized values multiply in bfloat16
+or float32 with float32 sums. What these formats cost in accuracy can be
+measured on any machine; their speed exists only on Blackwell's tensor cores.
+"""
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+E2M1 = jnp.float4_e2m1fn
+E2M1_MAX = 6.0  # The largest E2M1 value.
+E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448: NVFP4's block scales.
+NVFP4_BLOCK = 16  # Values per E4M3 scale (NVIDIA's NVFP4).
+MXFP4_BLOCK = 32  # Values per E8M0 scale (the OCP MX spec's).
+FORMATS = ('nvfp4', 'mxfp4')
+# E2M1's largest exponent: 6 = 1.5 * 2**2.
+_E2M1_EMAX = 2
+# E8M0's exponent range, as MXFP8's (`fp8`).
+_MX_MIN_EXPONENT, _MX_MAX_EXPONENT = -127, 127
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+def round_e2m1(x: jax.Array) -> jax.Array:
+  """`x` (float32) rounded to the nearest E2M1 value, ties to even,
+  saturated at +-6; NaN and inf stay as they are (the cast alone makes NaN
+  -0 and inf 6)."""
+  x = x.astype(jnp.float32)
+  rounded = x.astype(E2M1).astype(jnp.float32)
+  return jnp.where(jnp.isfinite(x), rounded, x)
+
+
+# The E2M1 grid's non-negative values, ascending.
+GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _grid_below(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(the largest grid value <= magnitude, the next one up), for magnitudes
+  in [0, 6]; at 6 both are 6."""
+  grid = jnp.asarray(GRID, jnp.float32)
+  index = jnp.clip(jnp.searchsorted(grid, magnitude, side='right') - 1, 0,
+                   len(GRID) - 1)
+  return grid[index], grid[jnp.minimum(index + 1, len(GRID) - 1)]
+
+
+def stochastic_round_e2m1(x: jax.Array, key: jax.Array) -> jax.Array:
+  """`x` (float32) rounded to one of the two E2M1 values around it, the
+  upper one with probability (|x| - low) / (high - low): unbiased, E[result]
+  = x, for |x| <= 6; saturated at +-6 beyond; non-finite values as they
+  are."""
+  x = x.astype(jnp.float32)
+  magnitude = jnp.minimum(jnp.abs(x), E2M1_MAX)
+  low, high = _grid_below(magnitude)
+  gap = jnp.where(high > low, high - low, 1.0)
+  up = jax.random.uniform(key, x.shape) < (magnitude - low) / gap
+  rounded = jnp.sign(x) * jnp.where(up, high, low)
+  return jnp.where(jnp.isfinite(x), rounded, x)
+
+
+def _rounded(x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
+  return round_e2m1(x) if key is None else stochastic_round_e2m1(x, key)
+
+
+def _blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
+  """float32 `x` with `axis` last, split into blocks of `block` values
+  (`axis` zero-padded to a multiple of `block`)."""
+  x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+  padded = -x.shape[-1] % block
+  if padded:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded)])
+  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _unblocks(blocks: jax.Array, axis: int, size: int) -> jax.Array:
+  """`_blocks` undone: the first `size` values of `axis`, back in place."""
+  x = blocks.reshape(*blocks.shape[:-2], -1)[..., :size]
+  return jnp.moveaxis(x, -1, axis)
+
+
+def _tiles(x: jax.Array, block: int) -> jax.Array:
+  """2-D `x` as [rows / block, cols / block, block, block] tiles (both
+  axes zero-padded to multiples of `block`)."""
+  rows, cols = x.shape
+  x = jnp.pad(x.astype(jnp.float32),
+              [(0, -rows % block), (0, -cols % block)])
+  r, c = x.shape[0] // block, x.shape[1] // block
+  return x.reshape(r, block, c, block).transpose(0, 2, 1, 3)
+
+
+def _untiles(tiles: jax.Array, shape: tuple[int, int]) -> jax.Array:
+  r, c, block, _ = tiles.shape
+  x = tiles.transpose(0, 2, 1, 3).reshape(r * block, c * block)
+  return x[:shape[0], :shape[1]]
+
+
+def nvfp4_tensor_scale(x: jax.Array) -> jax.Array:
+  """NVFP4's float32 scale per tensor: amax / (6 x 448), so that a block
+  scale of at most E4M3's 448 covers the tensor's largest value; 1 for a
+  zero or non-finite amax."""
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  usable = jnp.isfinite(amax) & (amax > 0)
+  return jnp.where(usable, jnp.maximum(amax, _TINY) / (E2M1_MAX * E4M3_MAX),
+                   1.0)
+
+
+def _nvfp4_blocks(blocks: jax.Array, tensor_scale: jax.Array,
+                  key: Optional[jax.Array], axes: tuple[int, ...]
+                  ) -> jax.Array:
+  """Blocks (each block's values on `axes`) as NVFP4 holds them: each
+  block's scale, amax / 6 in units of `tensor_scale`, rounded to E4M3; its
+  values divided by it, rounded to E2M1, and multiplied back."""
+  block_amax = jnp.max(jnp.abs(blocks), axis=axes, keepdims=True)
+  scale = (block_amax / E2M1_MAX / tensor_scale).astype(
+      jnp.float8_e4m3fn).astype(jnp.float32)
+  # A zero block (or one whose scale underflows E4M3) holds zeros.
+  safe = jnp.where(scale > 0, scale, 1.0) * tensor_scale
+  values = _rounded(blocks / safe, key)
+  return jnp.where(scale > 0, values * safe, 0.0 * blocks)
+
+
+def nvfp4(x: jax.Array, axis: int = -1, *, two_d: bool = False,
+          key: Optional[jax.Array] = None,
+          block: int = NVFP4_BLOCK) -> jax.Array:
+  """`x` (float32) as NVFP4 holds it: blocks of `block` values along `axis`
+  (`two_d`: 2-D `x` in `block` x `block` tiles, the recipe's weights, so
+  that a matrix and its transpose quantize alike), each with an E4M3 scale
+  under the tensor's float32 scale; values rounded to E2M1, to nearest or,
+  with `key`, stochastically."""
+  tensor_scale = nvfp4_tensor_scale(x)
+  if two_d:
+    if x.ndim != 2:
+      raise ValueError(f'2-D block scaling takes a matrix, not shape '
+                       f'{x.shape}')
+    return _untiles(_nvfp4_blocks(_tiles(x, block), tensor_scale, key,
+                                  (-2, -1)), x.shape)
+  axis = axis % x.ndim
+  held = _nvfp4_blocks(_blocks(x, axis, block), tensor_scale, key, (-1,))
+  return _unblocks(held, axis, x.shape[axis])
+
+
+def mxfp4_block_exponents(blocks: jax.Array) -> jax.Array:
+  """E8M0 exponents (int32, [..., n, 1]) of blocks on the last axis:
+  ceil(log2(amax / 6)), so no value saturates, within E8M0's range; 0 for
+  a zero block."""
+  amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+  mantissa, exponent = jnp.frexp(jnp.maximum(amax, _TINY))
+  # amax = m * 2**e, m in [0.5, 1); amax / 6 = (m / 0.75) * 2**(e - 3):
+  # ceil(log2) is e - 3 where m <= 0.75, else e - 2.
+  ceil = exponent - (_E2M1_EMAX + 1) + (mantissa > 0.75).astype(jnp.int32)
+  ceil = jnp.clip(ceil, _MX_MIN_EXPONENT, _MX_MAX_EXPONENT)
+  return jnp.where(amax > 0, ceil, 0)
+
+
+def mxfp4(x: jax.Array, axis: int = -1, *, key: Optional[jax.Array] = None,
+          block: int = MXFP4_BLOCK) -> jax.Array:
+  """`x` (float32) as MXFP4 holds it: blocks of `block` values along `axis`,
+  each with a power-of-two (E8M0) scale; values rounded to E2M1, to nearest
+  or, with `key`, stochastically."""
+  axis = axis % x.ndim
+  blocks = _blocks(x, axis, block)
+  exponents = mxfp4_block_exponents(blocks)
+  # Two factors, each a normal float32 (E8M0 reaches 2**-127): exact.
+  half = exponents // 2
+  held = _rounded(blocks * _exp2(-half) * _exp2(half - exponents), key)
+  held = held * _exp2(half) * _exp2(exponents - half)
+  return _unblocks(held, axis, x.shape[axis])
+
+
+def _exp2(exponent: jax.Array) -> jax.Array:
+  """2**exponent (int32, within float32's normal exponents) from its bits:
+  exact, where XLA's exp2 may not be (as `fp8._exp2`)."""
+  return jax.lax.bitcast_convert_type(
+      (exponent.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def hadamard(size: int = NVFP4_BLOCK) -> jax.Array:
+  """The `size` x `size` Hadamard matrix (Sylvester's; `size` a power of
+  two) divided by sqrt(size): orthogonal, H @ H.T = I."""
+  if size < 1 or size & (size - 1):
+    raise ValueError(f'a Hadamard size must be a power of two, not {size}')
+  h = jnp.ones((1, 1), jnp.float32)
+  while h.shape[0] < size:
+    h = jnp.block([[h, h], [h, -h]])
+  return h / math.sqrt(size)
+
+
+def random_hadamard(key: jax.Array, size: int = NVFP4_BLOCK) -> jax.Array:
+  """The recipe's random Hadamard transform: `hadamard(size)` with its rows'
+  signs drawn from `key` (diag(s) @ H), still orthogonal."""
+  signs = jnp.where(jax.random.bernoulli(key, 0.5, (size,)), 1.0, -1.0)
+  return signs[:, None] * hadamard(size)
+
+
+def transform_blocks(x: jax.Array, matrix: jax.Array,
+                     axis: int) -> jax.Array:
+  """`x` with each block of `matrix.shape[0]` values along `axis` (whose
+  size it divides) multiplied by `matrix`: for the weight gradient's GEMM,
+  `x.T @ g` = (H x).T @ (H g) blockwise along the tokens, exactly, before
+  either is quantized."""
+  size = matrix.shape[0]
+  if x.shape[axis] % size:
+    raise ValueError(f'the Hadamard transform of {size} takes an axis that '
+                     f'{size} divides, not {x.shape[axis]}')
+  blocks = _blocks(x, axis, size)
+  return _unblocks(jnp.einsum('...i,ji->...j', blocks, matrix), axis,
+                   x.shape[axis])

@@ -1,0 +1,189 @@
+"""4-bit floats: E2M1 rounding, NVFP4 and MXFP4 blocks and the Hadamard
+transform, against references written here from the formats' definitions
+(NumPy and ml_dtypes, never the code under test)."""
+
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from haiku_mp.model import fp4
+
+# E2M1's values and their codes' parity (ties go to the even code).
+_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_EVEN = np.arange(8) % 2 == 0
+
+
+def _round_reference(x: np.ndarray) -> np.ndarray:
+  """Nearest E2M1 value by search over the grid, ties to the even code,
+  saturating at 6."""
+  x = np.asarray(x, np.float64)
+  out = np.empty_like(x)
+  for i, v in np.ndenumerate(x):
+    distance = np.abs(_VALUES - min(abs(v), 6.0))
+    best = np.flatnonzero(distance == distance.min())
+    if len(best) > 1:
+      best = best[_EVEN[best]]
+    out[i] = np.copysign(_VALUES[best[0]], v)
+  return out
+
+
+def _nvfp4_reference(x: np.ndarray, block: int = 16) -> np.ndarray:
+  """NVFP4 of a 2-D `x`, blocks along its last axis: the tensor's scale
+  amax / (6 * 448), each block's scale amax / 6 in its units cast to E4M3,
+  values rounded to E2M1."""
+  x = np.asarray(x, np.float32)
+  tensor_scale = np.float32(np.abs(x).max() / (6.0 * 448.0))
+  out = np.zeros_like(x)
+  for r in range(x.shape[0]):
+    for start in range(0, x.shape[1], block):
+      values = x[r, start:start + block]
+      scale = (np.float32(np.abs(values).max() / 6.0) / tensor_scale).astype(
+          ml_dtypes.float8_e4m3fn).astype(np.float32)
+      if scale > 0:
+        unit = scale * tensor_scale
+        out[r, start:start + block] = _round_reference(values / unit) * unit
+  return out
+
+
+def _mxfp4_reference(x: np.ndarray, block: int = 32) -> np.ndarray:
+  """MXFP4 of a 2-D `x`, blocks along its last axis, each block's scale the
+  smallest power of two that leaves its amax within 6."""
+  x = np.asarray(x, np.float64)
+  out = np.zeros_like(x)
+  for r in range(x.shape[0]):
+    for start in range(0, x.shape[1], block):
+      values = x[r, start:start + block]
+      amax = np.abs(values).max()
+      if amax > 0:
+        scale = 2.0 ** math_ceil_log2(amax / 6.0)
+        out[r, start:start + block] = _round_reference(values / scale) * scale
+  return out
+
+
+def math_ceil_log2(v: float) -> int:
+  exponent = int(np.floor(np.log2(v)))
+  return exponent if 2.0**exponent >= v else exponent + 1
+
+
+class E2M1Test(absltest.TestCase):
+
+  def test_nearest_even_and_saturation_match_the_grid(self):
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    x = np.array(ties + [-t for t in ties] + [0.1, 0.3, 2.2, 5.9, 6.0, 7.0,
+                                               1e6, -1e6, 0.0], np.float32)
+    rng = np.random.default_rng(0)
+    x = np.concatenate([x, rng.normal(scale=3.0, size=500).astype(np.float32)])
+    got = np.asarray(fp4.round_e2m1(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, _round_reference(x))
+    # The cast itself, on this backend, is ml_dtypes' (the module relies on it).
+    np.testing.assert_array_equal(
+        np.asarray(jnp.asarray(x).astype(fp4.E2M1).astype(jnp.float32)),
+        x.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
+
+  def test_non_finite_values_stay(self):
+    got = np.asarray(fp4.round_e2m1(jnp.asarray([np.nan, np.inf, -np.inf])))
+    self.assertTrue(np.isnan(got[0]))
+    np.testing.assert_array_equal(got[1:], [np.inf, -np.inf])
+
+  def test_stochastic_rounding_is_unbiased_between_neighbours(self):
+    x = jnp.asarray([0.3, 1.2, 2.6, 3.9, 5.0, -0.7, 6.0, 0.0], jnp.float32)
+    draws = 40_000
+    keys = jax.random.split(jax.random.key(0), draws)
+    got = np.asarray(jax.vmap(lambda k: fp4.stochastic_round_e2m1(x, k))(keys))
+    for j, v in enumerate(np.asarray(x)):
+      column = got[:, j]
+      below = _VALUES[_VALUES <= abs(v)].max()
+      above = _VALUES[_VALUES >= abs(v)].min()
+      self.assertContainsSubset(set(np.abs(column)), {below, above}, v)
+      spread = (above - below) / 2 / np.sqrt(draws)  # At most the std error.
+      self.assertLess(abs(column.mean() - v), 4 * spread + 1e-7, v)
+
+
+class BlocksTest(parameterized.TestCase):
+
+  def test_nvfp4_matches_the_reference(self):
+    x = np.random.default_rng(1).normal(scale=2.0, size=(8, 64))
+    x[3, 16:32] = 0.0  # A zero block.
+    x[5, 0] = 300.0  # An outlier: its block's small values flush to zero.
+    got = np.asarray(fp4.nvfp4(jnp.asarray(x, jnp.float32)))
+    np.testing.assert_array_equal(got, _nvfp4_reference(x))
+    np.testing.assert_array_equal(got[3, 16:32], 0.0)
+    self.assertEqual(np.count_nonzero(got[5, 1:16]), 0)
+
+  def test_nvfp4_block_saturates_when_its_e4m3_scale_rounds_down(self):
+    # Tensor scale 1: a block of amax 55.8 asks for 9.3, E4M3 holds 9, so
+    # 55.8 / 9 = 6.2 saturates at 6 (54).
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = 6.0 * 448.0
+    x[0, 16] = 55.8
+    got = np.asarray(fp4.nvfp4(jnp.asarray(x)))
+    self.assertEqual(got[0, 0], 6.0 * 448.0)
+    self.assertEqual(got[0, 16], 54.0)
+
+  def test_two_d_tiles_quantize_a_matrix_and_its_transpose_alike(self):
+    w = jnp.asarray(np.random.default_rng(2).normal(size=(32, 48)),
+                    jnp.float32)
+    np.testing.assert_array_equal(np.asarray(fp4.nvfp4(w, two_d=True)).T,
+                                  np.asarray(fp4.nvfp4(w.T, two_d=True)))
+    # A tile is one block: its 16 x 16 values share a scale.
+    x = np.zeros((16, 16), np.float32)
+    x[0, 0], x[15, 15] = 300.0, 1.0
+    self.assertEqual(float(fp4.nvfp4(jnp.asarray(x), two_d=True)[15, 15]), 0)
+
+  def test_mxfp4_matches_the_reference_and_never_saturates(self):
+    x = np.random.default_rng(3).normal(scale=5.0, size=(4, 96))
+    x[1, 32:64] = 0.0
+    x[2, 70] = 1e4
+    got = np.asarray(fp4.mxfp4(jnp.asarray(x, jnp.float32)))
+    np.testing.assert_allclose(got, _mxfp4_reference(x), rtol=1e-6)
+    blocks = x.reshape(4, 3, 32)
+    held = got.reshape(4, 3, 32)
+    amax = np.abs(blocks).max(-1)
+    # Each block's largest value kept to within E2M1's step at the top.
+    np.testing.assert_array_less(np.abs(np.abs(held).max(-1) - amax),
+                                 amax / 3 + 1e-6)
+
+  def test_blocks_along_another_axis(self):
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(64, 8)),
+                    jnp.float32)
+    np.testing.assert_array_equal(np.asarray(fp4.nvfp4(x, axis=0)),
+                                  np.asarray(fp4.nvfp4(x.T)).T)
+    np.testing.assert_array_equal(np.asarray(fp4.mxfp4(x, axis=0)),
+                                  np.asarray(fp4.mxfp4(x.T)).T)
+
+
+class HadamardTest(absltest.TestCase):
+
+  def test_random_hadamard_is_orthogonal(self):
+    h = np.asarray(fp4.random_hadamard(jax.random.key(5)))
+    np.testing.assert_allclose(h @ h.T, np.eye(16), atol=1e-6)
+    self.assertEqual(set(np.unique(np.abs(h))), {0.25})
+
+  def test_the_weight_gradient_is_unchanged_without_quantization(self):
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(64, 24)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(64, 10)), jnp.float32)
+    h = fp4.random_hadamard(jax.random.key(7))
+    hx, hg = (fp4.transform_blocks(t, h, axis=0) for t in (x, g))
+    np.testing.assert_allclose(np.asarray(hx.T @ hg), np.asarray(x.T @ g),
+                               atol=1e-4)
+    self.assertFalse(np.allclose(np.asarray(hx), np.asarray(x)))
+
+  def test_sizes_it_cannot_take(self):
+    with self.assertRaisesRegex(ValueError, 'power of two'):
+      fp4.hadamard(12)
+    with self.assertRaisesRegex(ValueError, 'takes an axis that 16 divides'):
+      fp4.transform_blocks(jnp.ones((20, 4)), fp4.hadamard(), axis=0)
+
+
+if __name__ == '__main__':
+  absltest.main()
