@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.model import fp4
 
 # E2M1's values and their codes' parity (ties go to the even code).
@@ -159,6 +160,78 @@ class BlocksTest(parameterized.TestCase):
                                   np.asarray(fp4.nvfp4(x.T)).T)
     np.testing.assert_array_equal(np.asarray(fp4.mxfp4(x, axis=0)),
                                   np.asarray(fp4.mxfp4(x.T)).T)
+
+
+class MatmulTest(parameterized.TestCase):
+
+  def _operands(self):
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.normal(size=(32, 64)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(64, 32)) * 0.1, jnp.float32)
+    g = jnp.asarray(rng.normal(size=(32, 32)) * 1e-3, jnp.float32)
+    signs = jnp.where(jax.random.bernoulli(jax.random.key(9), 0.5, (16,)),
+                      1.0, -1.0)
+    return x, w, g, signs, jax.random.key_data(jax.random.key(10))
+
+  @parameterized.parameters('nvfp4', 'mxfp4')
+  def test_every_gemm_takes_the_operands_as_the_format_holds_them(self, fmt):
+    x, w, g, signs, key_bits = self._operands()
+    config = fp4.Fp4(fmt)
+    out, vjp = jax.vjp(
+        lambda x, w: fp4.matmul(config, jnp.float32, x, w, key_bits, signs),
+        x, w)
+    dot = lambda a, b: jnp.dot(a, b, precision='highest')
+    qw = config.quantized(w, 0, two_d=True)
+    np.testing.assert_array_equal(out, dot(config.quantized(x, 1), qw))
+    dx, dw = vjp(g)
+    dgrad_key, wgrad_key = jax.random.split(jax.random.wrap_key_data(key_bits))
+    # The same operands; the sums' order may differ (XLA's dot of a
+    # transposed operand), so within float32 rounding.
+    close = lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
+    close(dx, dot(config.quantized(g, 1, dgrad_key), qw.T))
+    h = signs[:, None] * fp4.hadamard()
+    xt, gt = (fp4.transform_blocks(t, h, 0) for t in (x, g))
+    close(dw, dot(config.quantized(xt, 0).T,
+                  config.quantized(gt, 0, wgrad_key)))
+
+  def test_the_step_key_draws_the_gradients_rounding(self):
+    x, w, g, signs, key_bits = self._operands()
+
+    def grads(config, bits):
+      _, vjp = jax.vjp(lambda x, w: fp4.matmul(config, jnp.float32, x, w,
+                                               bits, signs), x, w)
+      return vjp(g)
+
+    other = jax.random.key_data(jax.random.key(11))
+    config = fp4.Fp4()
+    np.testing.assert_array_equal(grads(config, key_bits)[1],
+                                  grads(config, key_bits)[1])
+    self.assertFalse(np.array_equal(grads(config, key_bits)[1],
+                                    grads(config, other)[1]))
+    nearest = fp4.Fp4(stochastic_gradients=False)
+    np.testing.assert_array_equal(grads(nearest, key_bits)[1],
+                                  grads(nearest, other)[1])
+
+  def test_the_signs_gradient_keeps_them(self):
+    x, w, _, signs, key_bits = self._operands()
+    got = jax.grad(lambda s: jnp.sum(fp4.matmul(fp4.Fp4(), jnp.float32, x, w,
+                                                key_bits, s)))(signs)
+    np.testing.assert_array_equal(got, signs)
+
+  @parameterized.parameters(
+      (fp4.Fp4('nvfp4'), 64, 40, 48, "40 its input features, not a multiple "
+       'of 16'),
+      (fp4.Fp4('mxfp4'), 64, 64, 16, 'output features .* not a multiple of '
+       '32'),
+      (fp4.Fp4('nvfp4'), 24, 64, 64, 'tokens of a batch .* not a multiple '
+       'of 16'))
+  def test_sizes_that_blocks_do_not_divide_name_the_setting(
+      self, config, tokens, inputs, outputs, message):
+    with self.assertRaisesRegex(haiku_mp_errors.ConfigError,
+                                'precision.fp8.format=.*' + message):
+      fp4.check_dims(config, 'vit/fc1', tokens, inputs, outputs)
+    fp4.check_dims(config, 'vit/fc1', 64, 64, 64)  # Whole blocks: fine.
 
 
 class HadamardTest(absltest.TestCase):

@@ -28,11 +28,19 @@ or float32 with float32 sums. What these formats cost in accuracy can be
 measured on any machine; their speed exists only on Blackwell's tensor cores.
 """
 
+import dataclasses
+import functools
 import math
 from typing import Optional
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
+
+from haiku_mp import errors
+from haiku_mp.model.fp8 import DGRAD
+from haiku_mp.model.fp8 import FPROP
+from haiku_mp.model.fp8 import WGRAD
 
 E2M1 = jnp.float4_e2m1fn
 E2M1_MAX = 6.0  # The largest E2M1 value.
@@ -230,3 +238,137 @@ def transform_blocks(x: jax.Array, matrix: jax.Array,
   blocks = _blocks(x, axis, size)
   return _unblocks(jnp.einsum('...i,ji->...j', blocks, matrix), axis,
                    x.shape[axis])
+
+
+# ---- the 4-bit matmul of a Linear -------------------------------------------
+
+# A Linear's Hadamard signs (float32 [16], +-1): a param the optimizer never
+# sees, kept in the state like fp8's amax histories (`fp8.META_NAMES`); its
+# "gradient" is itself, so the train step's overwrite keeps it.
+SIGNS_NAME = 'fp4_hadamard_signs'
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp4:
+  """How a 4-bit matmul quantizes, with the NVFP4 recipe's parts (arXiv
+  2509.25149) as settings, each at the paper's default."""
+  format: str = 'nvfp4'
+  # Weights in 2-D tiles (16 x 16 for NVFP4, 32 x 32 for MXFP4): the forward
+  # and the input gradient's GEMM see the same quantized weight.
+  two_d_weights: bool = True
+  # The weight gradient's GEMM inputs through a random 16 x 16 Hadamard
+  # transform along the tokens, which spreads an outlier over its block.
+  hadamard: bool = True
+  # Output gradients rounded stochastically (unbiased); the rest to nearest.
+  stochastic_gradients: bool = True
+
+  def __post_init__(self):
+    errors.check_choice('precision.fp8.format', self.format, FORMATS)
+
+  @property
+  def block(self) -> int:
+    return NVFP4_BLOCK if self.format == 'nvfp4' else MXFP4_BLOCK
+
+  def quantized(self, x: jax.Array, axis: int, key=None,
+                two_d: bool = False) -> jax.Array:
+    """`x` as this format holds it, in blocks along `axis` (or tiles)."""
+    if self.format == 'nvfp4':
+      return nvfp4(x, axis, two_d=two_d, key=key)
+    if two_d:  # One E8M0 scale per 32 x 32 tile.
+      tiles = _tiles(x, MXFP4_BLOCK)
+      flat = tiles.reshape(*tiles.shape[:2], -1)
+      held = mxfp4(flat, -1, key=key, block=flat.shape[-1])
+      return _untiles(held.reshape(tiles.shape), x.shape)
+    return mxfp4(x, axis, key=key)
+
+  def describe(self) -> str:
+    parts = [f'{self.format} (blocks of {self.block})']
+    if self.two_d_weights:
+      parts.append(f'{self.block}x{self.block} weight tiles')
+    if self.hadamard:
+      parts.append('Hadamard on the weight gradient')
+    if self.stochastic_gradients:
+      parts.append('stochastic gradients')
+    return ', '.join(parts)
+
+
+def check_dims(config: Fp4, path: str, tokens: int, inputs: int,
+               outputs: int) -> None:
+  """Raises, naming the setting, unless each of the three GEMMs' contracting
+  dimensions is a whole number of blocks (and the tokens of Hadamard
+  blocks): the blocks are never padded."""
+  needs = [('its input features', inputs, config.block),
+           ('its output features (the input gradient\'s GEMM)', outputs,
+            config.block),
+           ('the tokens of a batch (the weight gradient\'s GEMM)', tokens,
+            config.block)]
+  if config.hadamard:
+    needs.append(('the tokens of a batch (the Hadamard transform)', tokens,
+                  NVFP4_BLOCK))
+  for what, size, block in needs:
+    if size % block:
+      raise errors.ConfigError(
+          f'precision.fp8.format={config.format}: {path} has {size} '
+          f'{what}, not a multiple of {block}; leave it out of '
+          'precision.fp8.modules or pick sizes that blocks divide')
+
+
+def _dot(a, b, dims):
+  return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+
+
+_FWD = (((1,), (0,)), ((), ()))  # x [n, k] @ w [k, o]
+_DGRAD = (((1,), (1,)), ((), ()))  # g [n, o] @ w.T
+_WGRAD = (((0,), (0,)), ((), ()))  # x.T @ g
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def matmul(config: Fp4, out_dtype, x, w, key_bits, signs):
+  """`x [n, k] @ w [k, o]` on 4-bit operands, float32 sums rounded to
+  `out_dtype`. `key_bits` (uint32, `jax.random.key_data` of the step's key
+  for this layer) draws the gradients' stochastic rounding; `signs` the
+  Hadamard's (+-1 [16]; ignored without it)."""
+  return _forward(config, out_dtype, x, w, key_bits, signs)[0]
+
+
+def _forward(config, out_dtype, x, w, key_bits, signs):
+  qx = config.quantized(x, 1)
+  qw = config.quantized(w, 0, two_d=config.two_d_weights)
+  with jax.named_scope(FPROP):
+    out = _dot(qx, qw, _FWD).astype(out_dtype)
+  return out, (x, w, qw, key_bits, signs)
+
+
+def _backward(config, out_dtype, residuals, g):
+  del out_dtype
+  x, w, qw, key_bits, signs = residuals
+  g = g.astype(jnp.float32)
+  key = jax.random.wrap_key_data(key_bits)
+  dgrad_key, wgrad_key = jax.random.split(key)
+  stochastic = config.stochastic_gradients
+  qg = config.quantized(g, 1, dgrad_key if stochastic else None)
+  # 2-D tiles hold the same values whichever axis contracts.
+  w_dgrad = qw if config.two_d_weights else config.quantized(w, 1)
+  with jax.named_scope(DGRAD):
+    dx = _dot(qg, w_dgrad, _DGRAD)
+  xt, gt = x.astype(jnp.float32), g
+  if config.hadamard:
+    h = signs[:, None] * hadamard(NVFP4_BLOCK)
+    xt, gt = transform_blocks(xt, h, 0), transform_blocks(gt, h, 0)
+  qxt = config.quantized(xt, 0)
+  qgt = config.quantized(gt, 0, wgrad_key if stochastic else None)
+  with jax.named_scope(WGRAD):
+    dw = _dot(qxt, qgt, _WGRAD)
+  # The key has no gradient; the signs' "gradient" is themselves (kept).
+  return (dx.astype(x.dtype), dw.astype(w.dtype), None, signs)
+
+
+matmul.defvjp(_forward, _backward)
+
+
+def initial_signs(shape, dtype) -> jax.Array:
+  """A Linear's Hadamard signs, drawn from Haiku's init key: +-1."""
+  del shape
+  bits = jax.random.bernoulli(hk.next_rng_key(), 0.5, (NVFP4_BLOCK,))
+  return jnp.where(bits, 1.0, -1.0).astype(dtype)
