@@ -110,6 +110,18 @@ def get_config() -> ml_collections.ConfigDict:
           scaling='current',
           history_length=16,  # delayed: amaxes kept per tensor (>= 1).
           margin=0.0,  # Scales leave amax * 2**margin in range (>= 0).
+          # 'fp8', or 4 bits, emulated (haiku_mp/model/fp4.py): 'nvfp4'
+          # (E2M1 in blocks of 16 with E4M3 scales) or 'mxfp4' (blocks of
+          # 32, E8M0 scales); 4 bits take scaling 'current'.
+          format='fp8',
+          # 4 bits: weights in 2-D tiles (16x16 / 32x32) shared by the
+          # forward and the input gradient's GEMM.
+          two_d_weights=True,
+          # 4 bits: a random 16x16 Hadamard transform on the weight
+          # gradient's GEMM inputs, along the tokens.
+          hadamard=True,
+          # 4 bits: output gradients rounded stochastically (unbiased).
+          stochastic_gradients=True,
       )),
   ))
 

@@ -218,6 +218,20 @@ class BadInputTest(parameterized.TestCase):
         '--config.precision.policy=p=f32,c=f16,o=f32'],
        'precision.fp8.modules: fp8 matmuls need a bfloat16 or float32 '
        'compute dtype, not float16'),
+      ('unknown_low_bit_format', ['--config.precision.fp8.format=fp4'],
+       "precision.fp8.format: unknown value 'fp4'; expected one of "
+       "('fp8', 'nvfp4', 'mxfp4')"),
+      ('four_bits_with_delayed_scaling',
+       ['--config.precision.fp8.modules=*/encoder_block_*', _BF16,
+        '--config.precision.fp8.format=nvfp4',
+        '--config.precision.fp8.scaling=delayed'],
+       'precision.fp8.scaling=delayed with precision.fp8.format=nvfp4: '
+       '4-bit formats scale per block themselves'),
+      ('four_bit_blocks_that_do_not_divide',
+       ['--config.precision.fp8.modules=*/encoder_block_*', _BF16,
+        '--config.precision.fp8.format=mxfp4'],
+       'precision.fp8.format=mxfp4: vit/encoder_block_0/attention/query: '
+       'input features: 16, not a multiple of 32'),
       ('unknown_param_update', ['--config.precision.param_update=floor'],
        "precision.param_update: unknown value 'floor'; expected one of "
        "('master', 'nearest', 'stochastic', 'kahan')"),

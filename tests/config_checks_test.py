@@ -251,6 +251,8 @@ _OUT_OF_RANGE = (
      'privacy.padding_stddevs=-1.0 must be >= 0'),
     ('fp8_scaling', {'precision.fp8.scaling': 'tensorwise'},
      "precision.fp8.scaling: unknown value 'tensorwise'"),
+    ('low_bit_format', {'precision.fp8.format': 'fp5'},
+     "precision.fp8.format: unknown value 'fp5'"),
     ('fp8_history_length', {'precision.fp8.history_length': 0},
      'precision.fp8.history_length=0 must be an integer >= 1'),
     ('fp8_margin', {'precision.fp8.margin': -1.0},
@@ -272,6 +274,8 @@ _CHECKED_ELSEWHERE = {
                                     'true or false',
     'data.augment': 'a bool', 'data.flip': 'a bool', 'data.download': 'a bool',
     'privacy.enabled': 'a bool',
+    'precision.fp8.two_d_weights': 'a bool', 'precision.fp8.hadamard': 'a bool',
+    'precision.fp8.stochastic_gradients': 'a bool',
     'data.name': 'against the data: its images and labels '
                  '(tests/bad_input_test.py)',
     'data.data_dir': 'where the data is looked for (tests/bad_input_test.py)',

@@ -17,6 +17,9 @@ import numpy as np
 
 from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.model import fp4
+from haiku_mp.train import experiment
+from haiku_mp.update import step as step_lib
+from tests import helpers
 
 # E2M1's values and their codes' parity (ties go to the even code).
 _VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -220,18 +223,70 @@ class MatmulTest(parameterized.TestCase):
     np.testing.assert_array_equal(got, signs)
 
   @parameterized.parameters(
-      (fp4.Fp4('nvfp4'), 64, 40, 48, "40 its input features, not a multiple "
-       'of 16'),
-      (fp4.Fp4('mxfp4'), 64, 64, 16, 'output features .* not a multiple of '
-       '32'),
-      (fp4.Fp4('nvfp4'), 24, 64, 64, 'tokens of a batch .* not a multiple '
-       'of 16'))
+      (fp4.Fp4('nvfp4'), 64, 40, 48, 'vit/fc1: input features: 40, not a '
+       'multiple of 16'),
+      (fp4.Fp4('mxfp4'), 64, 64, 16, r'output features \(the input '
+       r"gradient's GEMM\): 16, not a multiple of 32"),
+      (fp4.Fp4('nvfp4'), 24, 64, 64, 'tokens of a step .*: 24, not a '
+       'multiple of 16'))
   def test_sizes_that_blocks_do_not_divide_name_the_setting(
       self, config, tokens, inputs, outputs, message):
     with self.assertRaisesRegex(haiku_mp_errors.ConfigError,
                                 'precision.fp8.format=.*' + message):
       fp4.check_dims(config, 'vit/fc1', tokens, inputs, outputs)
     fp4.check_dims(config, 'vit/fc1', 64, 64, 64)  # Whole blocks: fine.
+
+
+class ModelTest(absltest.TestCase):
+  """The tiny ViT with its encoder blocks' Linears in NVFP4, as a config
+  asks for it."""
+
+  def _config(self, **fp8):
+    config = helpers.tiny_config(
+        'params=float32,compute=bfloat16,output=float32')
+    config.precision.fp8.update(dict(dict(modules='*/encoder_block_*',
+                                          format='nvfp4'), **fp8))
+    return config
+
+  def test_the_step_runs_every_gemm_of_the_chosen_linears_in_4_bits(self):
+    config = self._config()
+    exp = experiment.build_without_data(config)
+    train_step = step_lib.make_train_step(exp.loss_fn, exp.optimizer,
+                                          exp.scaler)
+    state = exp.strategy.init_state()
+    batch = helpers.random_batch(config, 16)
+    eqns = list(helpers.iter_eqns(jax.make_jaxpr(train_step)(
+        state, batch).jaxpr))
+    linears = 6  # One block: query, key, value, out, fc1, fc2.
+    dequantized = [e for e in eqns if e.primitive.name == 'dot_general'
+                   and e.params['precision'] is not None]
+    self.assertLen(dequantized, 3 * linears)  # Forward, dx, dw.
+    casts = [e for e in eqns if e.primitive.name == 'convert_element_type'
+             and e.params['new_dtype'] == fp4.E2M1]
+    # x and w forward, x along the tokens backward (the gradients are
+    # rounded stochastically, on the grid).
+    self.assertLen(casts, 3 * linears)
+    signs = {k: v for k, v in state.params.items() if fp4.SIGNS_NAME in v}
+    self.assertLen(signs, linears)
+    step = jax.jit(train_step)
+    losses = []
+    for _ in range(4):
+      state, metrics = step(state, batch)
+      losses.append(float(metrics['loss']))
+    self.assertEqual(losses, sorted(losses, reverse=True))
+    for path, params in signs.items():  # Kept as they were drawn.
+      np.testing.assert_array_equal(state.params[path][fp4.SIGNS_NAME],
+                                    params[fp4.SIGNS_NAME])
+
+  def test_settings_that_cannot_work_name_themselves(self):
+    for fp8, message in (
+        (dict(format='fp5'), "precision.fp8.format: unknown value 'fp5'"),
+        (dict(scaling='delayed'), 'precision.fp8.scaling=delayed with '
+         'precision.fp8.format=nvfp4'),
+        (dict(format='mxfp4'), 'vit/encoder_block_0/attention/query: input '
+         'features: 16, not a multiple of 32')):
+      with self.assertRaisesRegex(haiku_mp_errors.ConfigError, message):
+        experiment.build_without_data(self._config(**fp8))
 
 
 class HadamardTest(absltest.TestCase):

@@ -561,7 +561,7 @@ class ModelTest(parameterized.TestCase):
     histories, trained = step_lib.split_fp8(state.params)
     self.assertLen(histories, 12)  # Six Linears in each of two blocks.
     for module in histories.values():
-      self.assertEqual(sorted(module), sorted(fp8.META_NAMES))
+      self.assertEqual(sorted(module), sorted(fp8.HISTORY_NAMES))
       for h in module.values():
         chex.assert_shape(h, (4,))
         chex.assert_type(h, jnp.float32)

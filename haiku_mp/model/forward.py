@@ -1,5 +1,6 @@
 """The model as pure functions: a ViT forward pass under a precision policy."""
 
+import math
 from typing import Optional
 
 import haiku as hk
@@ -7,11 +8,15 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from haiku_mp import errors
+from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import policies
 from haiku_mp.model import remat as remat_lib
 from haiku_mp.model import vit
 
+# `precision.fp8.format`'s fp8 (E4M3 / E5M2); the others are `fp4.FORMATS`.
+FP8_FORMAT = 'fp8'
 MODEL_FIELDS = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
                 'mlp_dim', 'num_heads', 'num_layers', 'dropout_rate',
                 'drop_path_rate', 'layer_norm_epsilon', 'patch_init')
@@ -30,7 +35,19 @@ def make_precision(config: ml_collections.ConfigDict) -> policies.Precision:
       fp8_modules=config.precision.fp8.modules,
       fp8=fp8_lib.Fp8(config.precision.fp8.scaling,
                       config.precision.fp8.history_length,
-                      config.precision.fp8.margin))
+                      config.precision.fp8.margin),
+      fp4=make_fp4(config.precision.fp8))
+
+
+def make_fp4(fp8_config: ml_collections.ConfigDict) -> Optional[fp4_lib.Fp4]:
+  """The 4-bit format `precision.fp8.format` names, with the recipe's
+  parts; None for fp8 itself."""
+  errors.check_choice('precision.fp8.format', fp8_config.format,
+                      (FP8_FORMAT,) + fp4_lib.FORMATS)
+  if fp8_config.format == FP8_FORMAT:
+    return None
+  return fp4_lib.Fp4(fp8_config.format, fp8_config.two_d_weights,
+                     fp8_config.hadamard, fp8_config.stochastic_gradients)
 
 
 def make_forward(model_config: ml_collections.ConfigDict,
@@ -84,7 +101,22 @@ def checked_precision(config: ml_collections.ConfigDict
   modules = {(c.class_name, c.path) for c in calls}
   precision.check_overrides(modules)
   precision.check_fp8(modules)
+  if precision.fp4 is not None:
+    _check_fp4_tokens(precision, calls, config.batch_size)
   return precision, calls
+
+
+def _check_fp4_tokens(precision: policies.Precision,
+                      calls: list[policies.ModuleCall],
+                      batch_size: int) -> None:
+  """Each 4-bit Linear's tokens per step (its input rows at batch 1, traced,
+  times the batch) a whole number of blocks."""
+  for c in calls:
+    if c.method == '__call__' and precision.runs_fp8(c.class_name, c.path):
+      x = c.args[0][0]
+      rows = math.prod(x.shape[:-1]) * batch_size
+      w_out = c.output.shape[-1]
+      fp4_lib.check_dims(precision.fp4, c.path, rows, x.shape[-1], w_out)
 
 
 def checked_forward(config: ml_collections.ConfigDict

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import math
 from typing import Optional
+import zlib
 
 import haiku as hk
 import jax
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 
 from haiku_mp import errors
 from haiku_mp.model.fp8 import DGRAD
+from haiku_mp.model.fp8 import FP4_SIGNS
 from haiku_mp.model.fp8 import FPROP
 from haiku_mp.model.fp8 import WGRAD
 
@@ -245,7 +247,11 @@ def transform_blocks(x: jax.Array, matrix: jax.Array,
 # A Linear's Hadamard signs (float32 [16], +-1): a param the optimizer never
 # sees, kept in the state like fp8's amax histories (`fp8.META_NAMES`); its
 # "gradient" is itself, so the train step's overwrite keeps it.
-SIGNS_NAME = 'fp4_hadamard_signs'
+SIGNS_NAME = FP4_SIGNS
+# The signs' seed, folded with the layer's path: the same signs for a layer
+# in every run, drawn without Haiku's key sequence (which would change the
+# init of the params after it).
+SIGNS_SEED = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,24 +298,26 @@ class Fp4:
     return ', '.join(parts)
 
 
-def check_dims(config: Fp4, path: str, tokens: int, inputs: int,
+def check_dims(config: Fp4, path: str, tokens: Optional[int], inputs: int,
                outputs: int) -> None:
   """Raises, naming the setting, unless each of the three GEMMs' contracting
   dimensions is a whole number of blocks (and the tokens of Hadamard
-  blocks): the blocks are never padded."""
-  needs = [('its input features', inputs, config.block),
-           ('its output features (the input gradient\'s GEMM)', outputs,
-            config.block),
-           ('the tokens of a batch (the weight gradient\'s GEMM)', tokens,
+  blocks): the blocks are never padded. `tokens` None: not known yet (an
+  init traced at another batch size)."""
+  needs = [('input features', inputs, config.block),
+           ('output features (the input gradient\'s GEMM)', outputs,
             config.block)]
-  if config.hadamard:
-    needs.append(('the tokens of a batch (the Hadamard transform)', tokens,
+  if tokens is not None:
+    needs.append(('tokens of a step (the weight gradient\'s GEMM)',
+                  tokens, config.block))
+  if config.hadamard and tokens is not None:
+    needs.append(('tokens of a step (the Hadamard transform)', tokens,
                   NVFP4_BLOCK))
   for what, size, block in needs:
     if size % block:
       raise errors.ConfigError(
-          f'precision.fp8.format={config.format}: {path} has {size} '
-          f'{what}, not a multiple of {block}; leave it out of '
+          f'precision.fp8.format={config.format}: {path}: {what}: {size}, '
+          f'not a multiple of {block}; leave it out of '
           'precision.fp8.modules or pick sizes that blocks divide')
 
 
@@ -367,8 +375,33 @@ def _backward(config, out_dtype, residuals, g):
 matmul.defvjp(_forward, _backward)
 
 
-def initial_signs(shape, dtype) -> jax.Array:
-  """A Linear's Hadamard signs, drawn from Haiku's init key: +-1."""
-  del shape
-  bits = jax.random.bernoulli(hk.next_rng_key(), 0.5, (NVFP4_BLOCK,))
-  return jnp.where(bits, 1.0, -1.0).astype(dtype)
+def initial_signs(path: str):
+  """The initializer of the Linear at `path`'s Hadamard signs: +-1 from
+  `SIGNS_SEED` and the path (crc32), the same in every run."""
+
+  def init(shape, dtype) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(SIGNS_SEED),
+                             zlib.crc32(path.encode()) & 0x7fffffff)
+    bits = jax.random.bernoulli(key, 0.5, tuple(shape))
+    return jnp.where(bits, 1.0, -1.0).astype(dtype)
+
+  return init
+
+
+def linear_sums(config: Fp4, path: str, x: jax.Array,
+                w: jax.Array) -> jax.Array:
+  """`x [n, k] @ w [k, o]` in float32 from 4-bit operands, in the calling
+  Linear's scope: its Hadamard signs a param of its own, its stochastic
+  rounding keyed by the next of Haiku's keys (none at init, which so keeps
+  the params' init; a forward without a key, such as evaluation's, has no
+  backward to round)."""
+  key = None if hk.running_init() else hk.maybe_next_rng_key()
+  # The tokens matter where there is a backward: a forward with a key.
+  check_dims(config, path, None if key is None else x.shape[0], x.shape[1],
+             w.shape[1])
+  signs = (hk.get_parameter(SIGNS_NAME, [NVFP4_BLOCK], jnp.float32,
+                            init=initial_signs(path))
+           if config.hadamard else jnp.ones([NVFP4_BLOCK], jnp.float32))
+  bits = (jax.random.key_data(key) if key is not None else
+          jax.random.key_data(jax.random.key(0)))
+  return matmul(config, jnp.float32, x, w, bits, signs)

@@ -66,8 +66,13 @@ VARIANT_PREFIX = 'fp8_'
 MX_BLOCK = 32  # Values per MX scale (the OCP MX spec's block size).
 # A delayed-scaling Linear's amax histories (float32 [history_length]): its
 # input `x`, its weight `w` and its output gradient `g`.
-META_NAMES = ('fp8_x_amax_history', 'fp8_w_amax_history',
-              'fp8_g_amax_history')
+HISTORY_NAMES = ('fp8_x_amax_history', 'fp8_w_amax_history',
+                 'fp8_g_amax_history')
+# A 4-bit Linear's Hadamard signs (`fp4.matmul`): state like the histories,
+# its "gradient" itself, so the overwrite keeps it.
+FP4_SIGNS = 'fp4_hadamard_signs'
+# Every param no optimizer sees, written over by its "gradient".
+META_NAMES = HISTORY_NAMES + (FP4_SIGNS,)
 # Named scopes of the three matmuls of an fp8 Linear: in the HLO's op names,
 # they tell `launch.lab fp8` which matmul a GEMM is.
 FPROP, DGRAD, WGRAD = 'fp8_fprop', 'fp8_dgrad', 'fp8_wgrad'

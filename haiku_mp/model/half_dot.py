@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
+from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import remat
 
@@ -124,6 +125,8 @@ class Dots:
   fp8_axis: Optional[str] = None
   # The backend the forms are chosen for; '': the one JAX runs on.
   platform: str = ''
+  # The fp8 targets' matmuls in 4 bits instead (`fp4.Fp4`); None: fp8.
+  fp4: Optional[fp4_lib.Fp4] = None
 
   @property
   def backend(self) -> str:
@@ -256,7 +259,9 @@ def linear(module: hk.Linear, dots: Dots, plain: Callable[..., jax.Array],
   w = hk.get_parameter('w', [input_size, module.output_size], inputs.dtype,
                        init=w_init)
   x = inputs.reshape(-1, input_size)
-  if fp8:
+  if fp8 and dots.fp4 is not None:
+    sums = fp4_lib.linear_sums(dots.fp4, module.module_name, x, w)
+  elif fp8:
     sums = _fp8_sums(dots, x, w)
   else:
     sums = dots.einsum('ni,io->no', x, w, out_dtype=jnp.float32)
@@ -277,7 +282,7 @@ def _fp8_sums(dots: Dots, x: jax.Array, w: jax.Array) -> jax.Array:
     histories = tuple(
         hk.get_parameter(name, [config.history_length], jnp.float32,
                          init=jnp.zeros)
-        for name in fp8_lib.META_NAMES)
+        for name in fp8_lib.HISTORY_NAMES)
   return fp8_lib.matmul(config, x, w, jnp.float32, histories, dots.fp8_axis)
 
 

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import jmp
 
 from haiku_mp import errors
+from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
 
@@ -162,11 +163,14 @@ class Precision:
   fp8: Optional[fp8_lib.Fp8] = None  # fp8 matmuls' scaling; None: no fp8.
   fp8_targets: tuple[str, ...] = ()  # The modules whose Linears run fp8.
   fp8_axis: Optional[str] = None  # See `under_pmap`.
+  # The fp8 targets' matmuls in 4 bits (NVFP4, MXFP4) instead; None: fp8.
+  fp4: Optional[fp4_lib.Fp4] = None
 
   @property
   def dots(self) -> half_dot.Dots:
     return half_dot.Dots(self.dot_form, self.matmul_precision, self.fp8,
-                         self.fp8_targets, self.fp8_axis, self.dot_platform)
+                         self.fp8_targets, self.fp8_axis, self.dot_platform,
+                         self.fp4)
 
   def under_pmap(self, axis_name: str) -> 'Precision':
     """This precision for a forward pass traced inside `pmap` over
@@ -274,7 +278,8 @@ def make_precision(policy: PolicyLike,
                    dot_form: str = 'auto',
                    fp8_modules: Union[str, Sequence[Target]] = '',
                    fp8: Optional[fp8_lib.Fp8] = None,
-                   dot_platform: str = '') -> Precision:
+                   dot_platform: str = '',
+                   fp4: Optional[fp4_lib.Fp4] = None) -> Precision:
   """Builds a `Precision` from jmp policies and module classes, or from the
   configs' strings.
 
@@ -297,6 +302,8 @@ def make_precision(policy: PolicyLike,
     fp8_modules: ``'TARGET;...'``, or a sequence of targets (module classes,
       class names or path globs), whose Linear layers run fp8 matmuls scaled
       as `fp8` says; '' for none.
+    fp4: those Linear layers' matmuls in 4 bits instead (`fp4.Fp4`: NVFP4
+      or MXFP4, emulated); None for fp8.
   """
   main = _as_policy(policy, 'precision.policy')
   model_class = _target_name(model_class, 'model_class')
@@ -314,11 +321,17 @@ def make_precision(policy: PolicyLike,
         'precision.fp8.modules: fp8 matmuls need a bfloat16 or float32 '
         'compute dtype, not float16 (the float16 loss scale on top of fp8 '
         "scales is not supported); use a 'compute=bfloat16' policy")
+  if fp4 is not None and fp8 is not None and fp8.scaling != 'current':
+    raise PrecisionError(
+        f'precision.fp8.scaling={fp8.scaling} with precision.fp8.format='
+        f'{fp4.format}: 4-bit formats scale per block themselves; leave '
+        "precision.fp8.scaling at 'current'")
   return Precision(main, defaults, parse_overrides(overrides),
                    _check_matmul_precision(matmul_precision),
                    residual_stream == 'float32', half_dot.check_form(dot_form),
                    half_dot.check_platform(dot_platform),
-                   (fp8 or fp8_lib.Fp8()) if targets else None, targets)
+                   (fp8 or fp8_lib.Fp8()) if targets else None, targets,
+                   fp4=fp4 if targets else None)
 
 
 @dataclasses.dataclass(frozen=True)
