@@ -553,6 +553,23 @@ class ModelTest(parameterized.TestCase):
     for r in others:
       self.assertIn(r['lhs'], ('bf16', 'f32'), r)
 
+  def test_the_listing_names_the_4_bit_matmuls(self):
+    config = _config(**{'precision.fp8.format': 'nvfp4'})
+    config.batch_size = 16  # Whole blocks of tokens.
+    result = fp8_gemms.run(config, compile_step=True, log=lambda _: None)
+    low = [r for r in result['matmuls'] if r['format'] == 'nvfp4']
+    expected = [f'vit/encoder_block_{i}/{m}' for i in (0, 1)
+                for m in BLOCK_LINEARS]
+    self.assertEqual(sorted({r['module'] for r in low}), sorted(expected))
+    self.assertLen(low, 3 * len(expected))
+    for r in low:
+      self.assertEqual((r['lhs'], r['rhs']), ('f32', 'f32'), r)
+      self.assertStartsWith(r['fp8_gemm'], 'emulated: nvfp4 blocks')
+    self.assertEqual(result['fp4_matmuls'], len(low))
+    self.assertFalse(any(r['fp8_operands'] for r in result['matmuls']))
+    self.assertIn(f'{len(low)} on nvfp4 operands', fp8_gemms.summary(result))
+    self.assertIn('fp8_gemm', fp8_gemms.table(result))
+
   def test_delayed_histories_are_params_no_optimizer_sees_and_they_roll(self):
     config = _config(scaling='delayed', learning_rate=1e-3)
     exp = experiment.build_without_data(config)

@@ -26,6 +26,7 @@ import jax
 import ml_collections
 
 from haiku_mp.measure import timing
+from haiku_mp.model import fp4
 from haiku_mp.model import fp8
 from haiku_mp.studies import memory
 from haiku_mp.train import experiment
@@ -133,6 +134,9 @@ def _kernel(compiled: list[dict[str, Any]]) -> str:
 def verdict(row: dict[str, Any], compiled: list[dict[str, Any]],
              backend: str) -> str:
   """Whether an fp8 matmul became an fp8 GEMM, or why not."""
+  if row.get('format') in fp4.FORMATS:
+    return (f'emulated: {row["format"]} blocks dequantized, a float32 GEMM '
+            '(4-bit GEMMs exist only on Blackwell)')
   if not row['fp8_operands']:
     return '-'
   if backend == 'cpu':
@@ -171,17 +175,19 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
   rows = []
   for m in hlo_matmuls(lowered_text):
     module, pass_ = locate(m['op_name'], paths)
+    runs_fp8 = exp.precision.runs_fp8(classes.get(module, ''), module)
+    fp8_operands = any(t in FP8_TYPES for t in m['operands'])
     row = dict(module=module, pass_=pass_, lhs=m['operands'][0],
-               rhs=m['operands'][1],
-               fp8_operands=any(t in FP8_TYPES for t in m['operands']),
-               runs_fp8=exp.precision.runs_fp8(classes.get(module, ''),
-                                               module))
+               rhs=m['operands'][1], fp8_operands=fp8_operands,
+               runs_fp8=runs_fp8,
+               format=_format(exp.precision, runs_fp8, pass_, fp8_operands))
     if compiled_matmuls is not None:
       compiled = by_op.get(m['op_name'], [])
       row['kernel'] = _kernel(compiled)
       row['fp8_gemm'] = verdict(row, compiled, backend)
     rows.append({('pass' if k == 'pass_' else k): v for k, v in row.items()})
   fp8_rows = [r for r in rows if r['fp8_operands']]
+  fp4_config = exp.precision.fp4
   result = dict(
       experiment='fp8', backend=backend, jax_version=jax.__version__,
       device=str(jax.devices()[0].device_kind),
@@ -190,18 +196,32 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
       fp8_modules=config.precision.fp8.modules,
       matmuls=rows, fp8_matmuls=len(fp8_rows),
       fp8_linears=sum(1 for p, c in classes.items()
-                      if exp.precision.runs_fp8(c, p)))
+                      if exp.precision.runs_fp8(c, p)),
+      low_bit_format=fp4_config.format if fp4_config else 'fp8',
+      fp4_matmuls=sum(1 for r in rows if r['format'] in fp4.FORMATS))
+  if fp4_config is not None:
+    result['scaling'] = fp4_config.describe()
   if compiled_matmuls is not None:
     result['fp8_gemms'] = sum(1 for c in compiled_matmuls if is_fp8_gemm(c))
   return result
 
 
+def _format(precision, runs_fp8: bool, pass_: str,
+            fp8_operands: bool) -> str:
+  """The low-bit format a lowered matmul's operands hold: a 4-bit Linear's
+  three GEMMs take its dequantized values (float32 in the program, so only
+  the module and pass tell), an fp8 one's fp8; '-' for the others."""
+  if runs_fp8 and precision.fp4 is not None and pass_ in _PASSES.values():
+    return precision.fp4.format
+  return 'fp8' if fp8_operands else '-'
+
+
 def table(result: dict[str, Any]) -> str:
   """The rows as a plain-text table."""
-  columns = ['module', 'pass', 'lhs', 'rhs']
+  columns = ['module', 'pass', 'format', 'lhs', 'rhs']
   if result['matmuls'] and 'kernel' in result['matmuls'][0]:
     columns += ['kernel', 'fp8_gemm']
-  lines = [[str(r[c]) for c in columns] for r in result['matmuls']]
+  lines = [[str(r.get(c, '-')) for c in columns] for r in result['matmuls']]
   widths = [max(len(x) for x in [c, *(l[i] for l in lines)])
             for i, c in enumerate(columns)]
   fmt = lambda cells: '  '.join(c.ljust(w) for c, w in zip(cells, widths))
@@ -219,6 +239,11 @@ def write_table(result: dict[str, Any], out_dir: str) -> list[str]:
 
 
 def summary(result: dict[str, Any]) -> str:
+  if result['fp4_matmuls']:
+    return (f'{len(result["matmuls"])} matmuls in the train step; '
+            f'{result["fp4_matmuls"]} on {result["low_bit_format"]} operands '
+            f'({result["fp8_linears"]} 4-bit Linear x fprop, dgrad, wgrad; '
+            f'{result["scaling"]}), emulated: dequantized float32 GEMMs')
   line = (f'{len(result["matmuls"])} matmuls in the train step; '
           f'{result["fp8_matmuls"]} on fp8 operands ({result["fp8_linears"]} '
           f'fp8 Linear x fprop, dgrad, wgrad; scaling {result["scaling"]})')
