@@ -61,10 +61,18 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
                            for p in trained.values()),
         'input_dtypes': _dtype_names(call.args),
         'output_dtypes': _dtype_names(call.output),
-        'matmul': (f'fp8 {precision.fp8.scaling}'
+        'matmul': (_low_bit(precision)
                    if precision.runs_fp8(call.class_name, call.path) else '-'),
     }
   return sorted(rows.values(), key=lambda r: _preorder_key(r['path'], calls))
+
+
+def _low_bit(precision: policies.Precision) -> str:
+  """A low-bit Linear's matmul as the table names it: 'fp8 current', ...,
+  or its 4-bit format."""
+  if precision.fp4 is not None:
+    return precision.fp4.format
+  return f'fp8 {precision.fp8.scaling}'
 
 
 def _preorder_key(path: str, calls: list[policies.ModuleCall]):
@@ -124,7 +132,11 @@ def summary_line(rows: list[dict[str, Any]], overrides: str,
           f'({megabytes:.2f} MB); policies (modules): {in_force}; '
           f'overrides: {overrides or "none"}')
   fp8_rows = [r for r in rows if r['matmul'] != '-']
-  if precision is not None and precision.fp8 is not None:
+  if precision is not None and precision.fp4 is not None:
+    line += (f'; 4-bit matmuls: {len(fp8_rows)} Linear, '
+             f'{precision.fp4.describe()} (emulated: dequantized float32 '
+             'GEMMs)')
+  elif precision is not None and precision.fp8 is not None:
     emulation = precision.fp8.emulation(jax.default_backend())
     line += (f'; fp8 matmuls: {len(fp8_rows)} Linear, E4M3 forward, E5M2 '
              f'gradients, {precision.fp8.describe()} scaling'
