@@ -18,6 +18,7 @@ import numpy as np
 from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.model import fp4
 from haiku_mp.train import experiment
+from haiku_mp.train import module_table
 from haiku_mp.update import step as step_lib
 from tests import helpers
 
@@ -266,6 +267,12 @@ class ModelTest(absltest.TestCase):
     # x and w forward, x along the tokens backward (the gradients are
     # rounded stochastically, on the grid).
     self.assertLen(casts, 3 * linears)
+    line = module_table.summary_line(module_table.module_rows(exp), '',
+                                     exp.precision)
+    self.assertTrue(line.endswith(
+        '; 4-bit matmuls: 6 Linear, nvfp4 (blocks of 16), 16x16 weight tiles, '
+        'Hadamard on the weight gradient, stochastic gradients (emulated: '
+        'dequantized float32 GEMMs)'), line)
     signs = {k: v for k, v in state.params.items() if fp4.SIGNS_NAME in v}
     self.assertLen(signs, linears)
     step = jax.jit(train_step)
