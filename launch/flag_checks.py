@@ -47,7 +47,7 @@ def compute_dtypes(name: str, dtypes: Sequence[str]) -> list[str]:
     raise errors.ConfigError(f'--{name}: expected at least one compute dtype, '
                              'e.g. float32,bfloat16,float16')
   for dtype in dtypes:
-    if dtype == variants.PURE_BF16:
+    if dtype == variants.PURE_BF16 or dtype in variants.FP4_VARIANTS:
       continue
     if dtype.startswith(fp8.VARIANT_PREFIX):
       errors.check_choice(f'--{name}', dtype, variants.FP8_VARIANTS)

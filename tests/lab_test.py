@@ -132,6 +132,24 @@ class FlagChecksTest(parameterized.TestCase):
     self.assertEqual(variants.variant_name(
         variants.in_compute_dtype(base.get_config(), 'bfloat16')), 'bfloat16')
 
+  def test_4_bit_formats_are_variants_beside_the_dtypes(self):
+    self.assertEqual(flag_checks.compute_dtypes('dtypes', ['bfloat16',
+                                                           'nvfp4', 'mxfp4']),
+                     ['bfloat16', 'nvfp4', 'mxfp4'])
+    for fmt in variants.FP4_VARIANTS:
+      config = variants.in_compute_dtype(base.get_config(), fmt)
+      fp8_config = config.precision.fp8
+      self.assertEqual((fp8_config.format, fp8_config.scaling,
+                        fp8_config.modules),
+                       (fmt, 'current', '*/encoder_block_*'))
+      self.assertEqual(variants.variant_name(config), fmt)
+      # Back to fp8 or none in the other variants of the same config.
+      other = variants.in_compute_dtype(config, 'fp8_delayed')
+      self.assertEqual(other.precision.fp8.format, 'fp8')
+      self.assertEqual(variants.variant_name(other), 'fp8_delayed')
+      self.assertEqual(variants.variant_name(
+          variants.in_compute_dtype(config, 'bfloat16')), 'bfloat16')
+
   def test_out_dir(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
     flag_checks.out_dir('out', tmp)

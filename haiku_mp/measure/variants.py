@@ -12,6 +12,7 @@ from typing import Optional
 import jax.numpy as jnp
 import ml_collections
 
+from haiku_mp.model import fp4
 from haiku_mp.model import fp8
 from haiku_mp.model import policies
 from haiku_mp.parallel import sharding
@@ -20,6 +21,8 @@ from haiku_mp.parallel import sharding
 DTYPES = ('float32', 'bfloat16', 'float16')
 # Variants beside the dtypes: bfloat16 compute with fp8 matmuls per scaling.
 FP8_VARIANTS = tuple(fp8.VARIANT_PREFIX + s for s in fp8.SCALINGS)
+# And 4-bit matmuls (emulated) in the same modules: `nvfp4`, `mxfp4`.
+FP4_VARIANTS = fp4.FORMATS
 BATCH_SIZES = (128, 1024, 4096)
 # A variant beside the dtypes: bfloat16 compute with the whole training
 # state in bfloat16 (configs/vit_pure_bf16.py's layout: no float32 master,
@@ -39,6 +42,8 @@ def variant_name(config: ml_collections.ConfigDict) -> str:
   """The config's variant as `in_compute_dtype` names it: its compute dtype,
   or `fp8_<scaling>` when it runs fp8 matmuls."""
   if config.precision.fp8.modules.strip():
+    if config.precision.fp8.format in FP4_VARIANTS:
+      return config.precision.fp8.format
     return fp8.VARIANT_PREFIX + config.precision.fp8.scaling
   policy = policies.parse_policy(config.precision.policy)
   if (jnp.dtype(policy.param_dtype) == jnp.bfloat16 and
@@ -53,13 +58,16 @@ def in_compute_dtype(config: ml_collections.ConfigDict, dtype: str
   were) without fp8 matmuls; float16 gets dynamic loss scaling when the
   config has none, as configs/vit_fp16.py does. An `FP8_VARIANTS` name
   (`fp8_delayed`) is bfloat16 compute with fp8 matmuls in the config's fp8
-  modules (`fp8.DEFAULT_MODULES` if none) at that scaling; `PURE_BF16` is
+  modules (`fp8.DEFAULT_MODULES` if none) at that scaling, an
+  `FP4_VARIANTS` one (`nvfp4`) the same with 4-bit matmuls; `PURE_BF16` is
   bfloat16 compute and params with the state layout of
   configs/vit_pure_bf16.py."""
-  scaling = None
+  scaling, low_bit = None, 'fp8'
   if dtype.startswith(fp8.VARIANT_PREFIX):
     scaling = dtype[len(fp8.VARIANT_PREFIX):]
     dtype = fp8.COMPUTE_DTYPE
+  elif dtype in FP4_VARIANTS:  # 4-bit blocks scale themselves.
+    scaling, low_bit, dtype = 'current', dtype, fp8.COMPUTE_DTYPE
   policy = policies.parse_policy(config.precision.policy)
   name = lambda d: jnp.dtype(d).name
   params = name(policy.param_dtype)
@@ -77,6 +85,7 @@ def in_compute_dtype(config: ml_collections.ConfigDict, dtype: str
     config.precision.fp8.modules = ''
   else:
     config.precision.fp8.scaling = scaling
+    config.precision.fp8.format = low_bit
     config.precision.fp8.modules = (config.precision.fp8.modules.strip() or
                                     fp8.DEFAULT_MODULES)
   if dtype == 'float16' and config.loss_scale.kind == 'none':

@@ -321,7 +321,8 @@ def make_precision(policy: PolicyLike,
         'precision.fp8.modules: fp8 matmuls need a bfloat16 or float32 '
         'compute dtype, not float16 (the float16 loss scale on top of fp8 '
         "scales is not supported); use a 'compute=bfloat16' policy")
-  if fp4 is not None and fp8 is not None and fp8.scaling != 'current':
+  if (targets and fp4 is not None and fp8 is not None
+      and fp8.scaling != 'current'):
     raise PrecisionError(
         f'precision.fp8.scaling={fp8.scaling} with precision.fp8.format='
         f'{fp4.format}: 4-bit formats scale per block themselves; leave '
