@@ -22,6 +22,7 @@ from haiku_mp.advisor import probes
 from haiku_mp.advisor import verdicts
 from haiku_mp.model import fp8
 from haiku_mp.model import half_dot
+from haiku_mp.model import policies
 
 
 def _accumulate(totals: dict, key, stats) -> None:
@@ -143,7 +144,7 @@ def fp8_linears(classes: dict[str, str],
     classes = advisor.module_classes_of(loss_fn, params, jax.random.key(0), batch)
     paths = advisor.fp8_linears(classes, '*/linear_0;*/linear_1')
   """
-  selected = tuple(t.strip() for t in targets.split(';') if t.strip())
+  selected = policies.parse_targets(targets)
   return [p for p, c in classes.items()
           if c == half_dot.FP8_CLASS and half_dot.selects(selected, c, p)]
 

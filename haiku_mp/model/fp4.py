@@ -42,6 +42,7 @@ from haiku_mp import errors
 from haiku_mp.model.fp8 import DGRAD
 from haiku_mp.model.fp8 import FP4_SIGNS
 from haiku_mp.model.fp8 import FPROP
+from haiku_mp.model.fp8 import times_exp2
 from haiku_mp.model.fp8 import WGRAD
 
 E2M1 = jnp.float4_e2m1fn
@@ -197,18 +198,9 @@ def mxfp4(x: jax.Array, axis: int = -1, *, key: Optional[jax.Array] = None,
   axis = axis % x.ndim
   blocks = _blocks(x, axis, block)
   exponents = mxfp4_block_exponents(blocks)
-  # Two factors, each a normal float32 (E8M0 reaches 2**-127): exact.
-  half = exponents // 2
-  held = _rounded(blocks * _exp2(-half) * _exp2(half - exponents), key)
-  held = held * _exp2(half) * _exp2(exponents - half)
+  # Exact powers of two, in two factors where E8M0 leaves float32's normals.
+  held = times_exp2(_rounded(times_exp2(blocks, -exponents), key), exponents)
   return _unblocks(held, axis, x.shape[axis])
-
-
-def _exp2(exponent: jax.Array) -> jax.Array:
-  """2**exponent (int32, within float32's normal exponents) from its bits:
-  exact, where XLA's exp2 may not be (as `fp8._exp2`)."""
-  return jax.lax.bitcast_convert_type(
-      (exponent.astype(jnp.int32) + 127) << 23, jnp.float32)
 
 
 def hadamard(size: int = NVFP4_BLOCK) -> jax.Array:

@@ -17,7 +17,7 @@ MX's are by definition: then `t / s` is exact, so `q(t)` rounds `t / s` once,
 ties to even, also where XLA rewrites the division as a product with `1 / s`
 (exact too); and the output's scaling is exact. The two scales' product is
 applied as one factor where it is a normal float32 number and split in two
-where it is not (`_times_exp2`): XLA:CPU flushes a subnormal factor to zero.
+where it is not (`times_exp2`): XLA:CPU flushes a subnormal factor to zero.
 
 Scaling (`SCALINGS`), the divisor `s_t` of each tensor:
 
@@ -147,7 +147,7 @@ def _exponent_of(scale: jax.Array) -> jax.Array:
   return ((bits >> 23) & 0xff) - 127
 
 
-def _times_exp2(x: jax.Array, exponent: jax.Array) -> jax.Array:
+def times_exp2(x: jax.Array, exponent: jax.Array) -> jax.Array:
   """x * 2**exponent (|exponent| <= 252), exact wherever the result is a
   normal float32: as x * 2**e1 * 2**e2 with e1 the exponent clipped to
   float32's normal range, so that each factor and the product in between
@@ -227,7 +227,7 @@ def roll_history(history: jax.Array, new_amax: jax.Array) -> jax.Array:
 
 def _scaled_dot(qa, qb, dims, a_scale, b_scale, scope):
   """The fp8 GEMM pattern: f8 operands into the dot, float32 result times the
-  two scalar (power-of-two) scales' product, `_times_exp2`'s one factor where
+  two scalar (power-of-two) scales' product, `times_exp2`'s one factor where
   it is a normal number, two where it is not (never flushed to zero). The
   dot's one user multiplies it by a broadcast scalar: the form XLA's gemm
   rewriter folds into the fp8 GEMM's scale (`F8ScaleD` in its source; not
@@ -236,7 +236,7 @@ def _scaled_dot(qa, qb, dims, a_scale, b_scale, scope):
   with jax.named_scope(scope):
     out = jax.lax.dot_general(qa, qb, dims,
                               preferred_element_type=jnp.float32)
-    return _times_exp2(out, _exponent_of(a_scale) + _exponent_of(b_scale))
+    return times_exp2(out, _exponent_of(a_scale) + _exponent_of(b_scale))
 
 
 # Dimension numbers of the three matmuls of `x [n, k] @ w [k, o]`.
@@ -414,9 +414,9 @@ def _mx_quantize(x: jax.Array, dtype, axis: int,
 def mx_quantize_dequantize(x: jax.Array, dtype, axis: int,
                            block: int = MX_BLOCK) -> jax.Array:
   """`x` (float32) as MX blocks of `dtype` along `axis` hold it: quantized
-  (`_mx_quantize`) and times 2**e as `_times_exp2` multiplies (2**-127 is
+  (`_mx_quantize`) and times 2**e as `times_exp2` multiplies (2**-127 is
   no normal float32)."""
-  return _times_exp2(*_mx_quantize(x, dtype, axis, block))
+  return times_exp2(*_mx_quantize(x, dtype, axis, block))
 
 
 def _mx_dot(a, a_axis, a_dtype, b, b_axis, b_dtype, dims, scope):
@@ -424,14 +424,14 @@ def _mx_dot(a, a_axis, a_dtype, b, b_axis, b_dtype, dims, scope):
   row of `a` (column of `b`) is dequantized relative to its largest block
   exponent, the dot runs on those values (products of tiny blocks never
   underflow), and each output is scaled by its row's and column's power of
-  two as `_times_exp2` does; exactly as dequantizing first wherever no
+  two as `times_exp2` does; exactly as dequantizing first wherever no
   product underflows."""
   def relative(t, axis, dtype):
     q, exponents = _mx_quantize(t, dtype, axis, MX_BLOCK)
     # Zero blocks (scale 1) set no row's exponent.
     largest = jnp.max(jnp.where(q == 0, _MX_MIN_EXPONENT, exponents),
                       axis=axis, keepdims=True)
-    return _times_exp2(q, exponents - largest), largest.reshape(-1)
+    return times_exp2(q, exponents - largest), largest.reshape(-1)
 
   qa, a_exponents = relative(a, a_axis, a_dtype)
   qb, b_exponents = relative(b, b_axis, b_dtype)
@@ -439,7 +439,7 @@ def _mx_dot(a, a_axis, a_dtype, b, b_axis, b_dtype, dims, scope):
     out = jax.lax.dot_general(qa, qb, dims,
                               precision=jax.lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32)
-    return _times_exp2(out, a_exponents[:, None] + b_exponents[None, :])
+    return times_exp2(out, a_exponents[:, None] + b_exponents[None, :])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
