@@ -716,6 +716,56 @@ ENTRY %main.9 (p0: f8e4m3fn[8320,384], p1: f8e4m3fn[384,384], p2: f8e4m3fn[384,3
 """
 
 
+# The nested form newer XLA prints (its kTritonNestedGemmFusionKind): the
+# dot's operands are fusions of their own inside the GEMM fusion. The first
+# keeps out's dgrad operands in fp8; the second widens one to bf16.
+_NESTED_TRITON_HLO = """
+HloModule jit_train_step, entry_computation_layout={...}
+
+%flhs.1 (p.0: f8e5m2[8320,384]) -> f8e5m2[8320,384] {
+  ROOT %p.0 = f8e5m2[8320,384]{1,0} parameter(0)
+}
+
+%frhs.1 (p.1: f8e4m3fn[384,384]) -> f8e4m3fn[384,384] {
+  ROOT %p.1 = f8e4m3fn[384,384]{1,0} parameter(0)
+}
+
+%gemm_fusion_dot.7_computation (parameter_0: f8e5m2[8320,384], parameter_1: f8e4m3fn[384,384]) -> f32[8320,384] {
+  %parameter_0 = f8e5m2[8320,384]{1,0} parameter(0)
+  %lhs.1 = f8e5m2[8320,384]{1,0} fusion(%parameter_0), kind=kCustom, calls=%flhs.1, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion","block_level_fusion_config":{"output_tiles":[{"sizes":["64","64"]}]}}}
+  %parameter_1 = f8e4m3fn[384,384]{1,0} parameter(1)
+  %rhs.1 = f8e4m3fn[384,384]{1,0} fusion(%parameter_1), kind=kCustom, calls=%frhs.1, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion","block_level_fusion_config":{"output_tiles":[{"sizes":["64","64"]}]}}}
+  ROOT %dot.9 = f32[8320,384]{1,0} dot(%lhs.1, %rhs.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/transpose(jvp(vit))/encoder_block_0/attention/out/_fp8_sums/out/fp8_dgrad/dot_general"}
+}
+
+%fwide.2 (p.2: f8e5m2[8320,384]) -> bf16[8320,384] {
+  %p.2 = f8e5m2[8320,384]{1,0} parameter(0)
+  ROOT %c.2 = bf16[8320,384]{1,0} convert(%p.2)
+}
+
+%frhs.2 (p.3: bf16[384,384]) -> bf16[384,384] {
+  ROOT %p.3 = bf16[384,384]{1,0} parameter(0)
+}
+
+%gemm_fusion_dot.8_computation (parameter_0.2: f8e5m2[8320,384], parameter_1.2: bf16[384,384]) -> f32[8320,384] {
+  %parameter_0.2 = f8e5m2[8320,384]{1,0} parameter(0)
+  %lhs.2 = bf16[8320,384]{1,0} fusion(%parameter_0.2), kind=kCustom, calls=%fwide.2, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %parameter_1.2 = bf16[384,384]{1,0} parameter(1)
+  %rhs.2 = bf16[384,384]{1,0} fusion(%parameter_1.2), kind=kCustom, calls=%frhs.2, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  ROOT %dot.10 = f32[8320,384]{1,0} dot(%lhs.2, %rhs.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/transpose(jvp(vit))/encoder_block_0/attention/query/_fp8_sums/query/fp8_dgrad/dot_general"}
+}
+
+ENTRY %main.3 (a: f8e5m2[8320,384], w: f8e4m3fn[384,384], v: bf16[384,384]) -> f32[8320,384] {
+  %a = f8e5m2[8320,384]{1,0} parameter(0)
+  %w = f8e4m3fn[384,384]{1,0} parameter(1)
+  %v = bf16[384,384]{1,0} parameter(2)
+  %gemm_fusion_dot.7 = f32[8320,384]{1,0} fusion(%a, %w), kind=kCustom, calls=%gemm_fusion_dot.7_computation, backend_config={"operation_queue_id":"0","fusion_backend_config":{"kind":"__triton_nested_gemm_fusion","block_level_fusion_config":{"num_warps":"4","output_tiles":[{"sizes":["64","64"]}],"num_ctas":1,"num_stages":3}}}
+  %gemm_fusion_dot.8 = f32[8320,384]{1,0} fusion(%a, %v), kind=kCustom, calls=%gemm_fusion_dot.8_computation, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  ROOT %t = (f32[8320,384]{1,0}) tuple(%gemm_fusion_dot.7)
+}
+"""
+
+
 class Fp8ListingTest(absltest.TestCase):
 
   def test_a_gpu_programs_fp8_gemms_are_told_from_its_16_bit_ones(self):
@@ -749,6 +799,18 @@ class Fp8ListingTest(absltest.TestCase):
     self.assertIn('NOT an fp8 GEMM', fp8_gemms.verdict(row, found[1:2], 'gpu'))
     # query's fprop ran inside value's merged GEMM: none of its own.
     self.assertIn('merged', fp8_gemms.verdict(row, [], 'gpu'))
+
+  def test_a_nested_triton_gemm_on_fp8_operands_is_an_fp8_gemm(self):
+    found = fp8_gemms.hlo_matmuls(_NESTED_TRITON_HLO)
+    self.assertEqual([(f['target'], f['operands']) for f in found], [
+        (fp8_gemms.TRITON_NESTED_GEMM, ['f8e5m2', 'f8e4m3fn']),
+        (fp8_gemms.TRITON_NESTED_GEMM, ['bf16', 'bf16'])])
+    row = dict(fp8_operands=True)
+    self.assertEqual(fp8_gemms.verdict(row, found[:1], 'gpu'),
+                     'fp8 GEMM (Triton)')
+    widened = fp8_gemms.verdict(row, found[1:], 'gpu')
+    self.assertIn('NOT an fp8 GEMM', widened)
+    self.assertIn('on bf16 x bf16', widened)
 
   def test_a_dot_outside_a_triton_fusion_is_not_called_one(self):
     plain = _TRITON_HLO.replace('"kind":"__triton_gemm"', '"kind":"__other"')

@@ -6,8 +6,10 @@ take fp8 operands; only the compiled one says whether the backend made an fp8
 GEMM of them. XLA:GPU runs an fp8 GEMM one of two ways: its gemm rewriter
 turns a matched pattern into a cuBLASLt custom call whose target names fp8
 (`__cublas$lt$matmul$f8`), or its GEMM fusion keeps the dot, fp8 operands and
-all, in a `__triton_gemm` fusion that Triton compiles (XLA 0.11 on an H100
-makes every fp8 dot such a fusion before autotuning picks a kernel). A
+all, in a Triton GEMM fusion (`__triton_gemm`, or in newer XLA
+`__triton_nested_gemm_fusion`, whose operands are nested fusions; XLA 0.11
+on an H100 makes every fp8 dot such a fusion before autotuning picks a
+kernel). A
 pattern neither takes falls back to a 16-bit GEMM without a word (flax PR
 #4686, TE PR #547), so the proof is per matmul, in the compiled HLO. XLA:CPU has no fp8
 kernel: it converts f8 operands to f16 and runs a float32 dot (emulated).
@@ -35,8 +37,13 @@ FP8_TYPES = ('f8e4m3fn', 'f8e5m2')
 # cuBLASLt's fp8 GEMM (XLA:GPU's custom-call target).
 FP8_GEMM_TARGET = '__cublas$lt$matmul$f8'
 # A dot inside a fusion that XLA:GPU hands Triton as a GEMM (its
-# backend_config's fusion kind); reported as this target.
+# backend_config's fusion kind); reported as that kind. XLA 0.11.2 on an H200
+# printed the nested form for most of a ViT step's GEMMs.
 TRITON_GEMM = '__triton_gemm'
+TRITON_NESTED_GEMM = '__triton_nested_gemm_fusion'
+TRITON_KINDS = (TRITON_GEMM, TRITON_NESTED_GEMM)
+_TRITON_KIND = re.compile(
+    r'"kind":\s*"(' + '|'.join(re.escape(k) for k in TRITON_KINDS) + r')"')
 _PASSES = {fp8.FPROP: 'fprop', fp8.DGRAD: 'dgrad', fp8.WGRAD: 'wgrad'}
 _INSTRUCTION = re.compile(
     r'^\s*(?:ROOT )?%?([\w.\-]+) = (\(?[\w\[\]{},: ]+?\)?) (\S+?)\((.*)$')
@@ -60,12 +67,13 @@ def hlo_matmuls(hlo_text: str) -> list[dict[str, Any]]:
   with their operand element types, op name and (custom calls) target."""
   # A computation is printed before the fusion that calls it: first the
   # computations that Triton GEMM fusions call.
-  triton_computations = set()
+  triton_computations = {}
   for line in hlo_text.splitlines():
     fields = _op_fields(line)
-    if (fields and fields[2] == 'fusion' and f'"{TRITON_GEMM}"' in fields[3]
+    if (fields and fields[2] == 'fusion'
+        and (kind := _TRITON_KIND.search(fields[3]))
         and (calls := _CALLS.search(fields[3]))):
-      triton_computations.add(calls.group(1))
+      triton_computations[calls.group(1)] = kind.group(1)
   found, types, computation = [], {}, ''
   for line in hlo_text.splitlines():
     if line.rstrip().endswith('{'):  # A new computation: names of its own.
@@ -87,7 +95,7 @@ def hlo_matmuls(hlo_text: str) -> list[dict[str, Any]]:
     if target:
       target = target.group(1)
     else:
-      target = TRITON_GEMM if computation in triton_computations else ''
+      target = triton_computations.get(computation, '')
     args = rest.split(')', 1)[0]
     operands = [types.get(o, '?') for o in _OPERANDS.findall(args)[:2]]
     op_name = _OP_NAME.search(rest)
@@ -103,7 +111,7 @@ def is_fp8_gemm(matmul: dict[str, Any]) -> bool:
   inside the fusion shows as bf16 or f16 here, and is no fp8 GEMM)."""
   if matmul['target'] == FP8_GEMM_TARGET:
     return True
-  return (matmul['target'] == TRITON_GEMM and
+  return (matmul['target'] in TRITON_KINDS and
           all(t in FP8_TYPES for t in matmul['operands']))
 
 
@@ -131,6 +139,13 @@ def _kernel(compiled: list[dict[str, Any]]) -> str:
   return ', '.join(targets)
 
 
+def _kernel_operands(compiled: list[dict[str, Any]]) -> str:
+  """The element types the compiled matmuls take ('f8e5m2 x f8e4m3fn'), so
+  a verdict can be checked against the program."""
+  return ', '.join(sorted({' x '.join(c['operands']) for c in compiled})) or '-'
+
+
+
 def verdict(row: dict[str, Any], compiled: list[dict[str, Any]],
              backend: str) -> str:
   """Whether an fp8 matmul became an fp8 GEMM, or why not."""
@@ -151,7 +166,8 @@ def verdict(row: dict[str, Any], compiled: list[dict[str, Any]],
             'merges dots that share an input, or removed)')
   return ('NOT an fp8 GEMM: neither cuBLASLt nor Triton took fp8 operands (a '
           'stray op between quantize and dot, or a GPU below compute '
-          'capability 8.9); ran as ' + _kernel(compiled))
+          'capability 8.9); ran as ' + _kernel(compiled) + ' on ' +
+          _kernel_operands(compiled))
 
 
 def run(config: ml_collections.ConfigDict, compile_step: bool = True,
@@ -184,6 +200,7 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
     if compiled_matmuls is not None:
       compiled = by_op.get(m['op_name'], [])
       row['kernel'] = _kernel(compiled)
+      row['kernel_operands'] = _kernel_operands(compiled)
       row['fp8_gemm'] = verdict(row, compiled, backend)
     rows.append({('pass' if k == 'pass_' else k): v for k, v in row.items()})
   fp8_rows = [r for r in rows if r['fp8_operands']]
@@ -203,6 +220,9 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
     result['scaling'] = fp4_config.describe()
   if compiled_matmuls is not None:
     result['fp8_gemms'] = sum(1 for c in compiled_matmuls if is_fp8_gemm(c))
+    # Every matmul of the compiled program, so a verdict can be re-derived
+    # from the JSON without the GPU.
+    result['compiled_matmuls'] = compiled_matmuls
   return result
 
 
