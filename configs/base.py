@@ -96,9 +96,14 @@ def get_config() -> ml_collections.ConfigDict:
       # 'stochastic' (unbiased, drawn from the run's key) or 'kahan' (to
       # nearest, plus a bfloat16 buffer of what rounding dropped).
       param_update='master',
-      # Adam's first moment: 'float32' or 'bfloat16' (rounded stochastically).
+      # Adam's first moment: 'float32', 'bfloat16' (rounded stochastically) or
+      # 'float8_blocks' (8-bit E4M3 codes and a float32 scale per block,
+      # rounded stochastically; haiku_mp/update/block_moments.py).
       mu_dtype='float32',
       nu_dtype='float32',  # Adam's second moment: the same choices.
+      # 'float8_blocks' moments: values per scale, along each param's last
+      # axis (torchao's 256: 0.016 bytes of scale per value).
+      moment_block_size=256,
       # fp8 matmuls (haiku_mp/model/fp8.py, docs/fp8.md): E4M3 forward, E5M2
       # gradients, float32 sums, in the Linear layers of these modules.
       fp8=ml_collections.ConfigDict(dict(
@@ -122,6 +127,9 @@ def get_config() -> ml_collections.ConfigDict:
           hadamard=True,
           # 4 bits: output gradients rounded stochastically (unbiased).
           stochastic_gradients=True,
+          # 4 bits: 'TARGET;...' among `modules` whose Linears keep fp8
+          # (E4M3 / E5M2, current scaling), as the advisor suggests; '': none.
+          keep_fp8='',
       )),
   ))
 
@@ -197,6 +205,13 @@ def get_config() -> ml_collections.ConfigDict:
       fp8_max_underflow_share=0.01,
       # fp8: share of a tensor's non-zero values that may saturate.
       fp8_max_saturate_share=0.001,
+      # 4 bits (haiku_mp/advisor/fp4_verdicts.py): what NVFP4 / MXFP4 may
+      # cost an operand, relative to its norm (E2M1 blocks of Gaussian
+      # values lose ~10%).
+      fp4_max_relative_error=0.2,
+      # 4 bits: share of an operand's blocks that an outlier may flush (the
+      # block's other values under E2M1's smallest step, rounded to zero).
+      fp4_max_flushed_share=0.05,
   ))
 
   config.data = ml_collections.ConfigDict(dict(

@@ -13,6 +13,7 @@ __version__ = '0.1.0'  # docs/CHANGELOG.md says what each version changed.
 from haiku_mp.model import apply_precision
 from haiku_mp.model import Conv2D
 from haiku_mp.model import Dots
+from haiku_mp.model import Fp4
 from haiku_mp.model import Fp8
 from haiku_mp.model import Linear
 from haiku_mp.model import make_precision
@@ -28,7 +29,7 @@ from haiku_mp.update import make_train_step
 from haiku_mp.update import ordinary_gradients
 from haiku_mp.update import TrainState
 
-__all__ = ('Conv2D', 'Dots', 'Fp8', 'Linear', 'LossScaler', 'Precision',
+__all__ = ('Conv2D', 'Dots', 'Fp4', 'Fp8', 'Linear', 'LossScaler', 'Precision',
            'TrainState', 'apply_precision', 'init_train_state',
            'learning_rate_schedule', 'make_classification_loss',
            'make_eval_step', 'make_optimizer', 'make_precision',

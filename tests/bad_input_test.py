@@ -108,11 +108,12 @@ class BadInputTest(parameterized.TestCase):
        'error: --config=configs/vit_fp61.py: no such file; the configs are '
        'configs/base.py, configs/vit_bf16.py, configs/vit_cpu.py, '
        'configs/vit_cpu_recipe.py, configs/vit_fp16.py, configs/vit_fp32.py, '
-       'configs/vit_fp8.py, configs/vit_pure_bf16.py, configs/vit_recipe.py'),
+       'configs/vit_fp8.py, configs/vit_pure_bf16.py, '
+       'configs/vit_pure_bf16_8bit.py, configs/vit_recipe.py'),
       ('config_variant_unknown', ['--config=configs/vit_cpu.py:fp4',
                                   'WORKDIR'],
        "error: --config=configs/vit_cpu.py:fp4: unknown variant 'fp4'; "
-       "expected one of ('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16')"),
+       "expected one of ('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16', 'pure_bf16_8bit')"),
       ('required_flag_missing', ['--config=configs/vit_fp16.py'],
        'error: --workdir is required'),
       # A missing file failed every override of its fields with a 58-line
@@ -126,7 +127,7 @@ class BadInputTest(parameterized.TestCase):
        'error: --config=configs/vit_fp32.py:bf16: configs/vit_fp32.py takes '
        'no variant (:bf16); the configs that do are configs/vit_cpu.py, '
        'configs/vit_cpu_recipe.py, configs/vit_recipe.py (:VARIANT, one of '
-       "('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16'))"),
+       "('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16', 'pure_bf16_8bit'))"),
       # A 56-line traceback ending in a SyntaxError.
       ('config_file_not_python', ['--config=README.md', 'WORKDIR'],
        'error: --config=README.md: README.md is not Python (SyntaxError at '
@@ -232,6 +233,15 @@ class BadInputTest(parameterized.TestCase):
         '--config.precision.fp8.format=mxfp4'],
        'precision.fp8.format=mxfp4: vit/encoder_block_0/attention/query: '
        'input features: 16, not a multiple of 32'),
+      ('fp8_kept_without_4_bits', ['--config.precision.fp8.keep_fp8=*/fc1'],
+       'precision.fp8.keep_fp8: keeps fp8 among 4-bit Linears; set '
+       "precision.fp8.format to 'nvfp4' or 'mxfp4' and precision.fp8.modules"),
+      ('fp8_kept_outside_the_4_bit_linears',
+       ['--config.precision.fp8.modules=*/encoder_block_*', _BF16,
+        '--config.precision.fp8.format=nvfp4',
+        '--config.precision.fp8.keep_fp8=*/head'],
+       "precision.fp8.keep_fp8: target '*/head' selects no Linear that "
+       'precision.fp8.modules runs in 4 bits'),
       ('unknown_param_update', ['--config.precision.param_update=floor'],
        "precision.param_update: unknown value 'floor'; expected one of "
        "('master', 'nearest', 'stochastic', 'kahan')"),
@@ -247,7 +257,10 @@ class BadInputTest(parameterized.TestCase):
        'only in bfloat16; the policy stores float16 params'),
       ('unknown_moment_dtype', ['--config.precision.nu_dtype=float16'],
        "precision.nu_dtype: unknown value 'float16'; expected one of "
-       "('float32', 'bfloat16')"),
+       "('float32', 'bfloat16', 'float8_blocks')"),
+      ('moment_block_of_no_values',
+       ['--config.precision.moment_block_size=0'],
+       'precision.moment_block_size=0 must be positive'),
       ('unknown_remat', ['--config.remat=some'],
        "remat: unknown value 'some'"),
       ('dropout_rate_out_of_range', ['--config.model.dropout_rate=1.5'],

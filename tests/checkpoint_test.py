@@ -637,7 +637,8 @@ class StateLayoutCheckpointTest(parameterized.TestCase):
   @parameterized.parameters(('nearest', 'float32', 'float32'),
                             ('stochastic', 'bfloat16', 'bfloat16'),
                             ('kahan', 'float32', 'bfloat16'),
-                            ('master', 'bfloat16', 'float32'))
+                            ('master', 'bfloat16', 'float32'),
+                            ('stochastic', 'float8_blocks', 'float8_blocks'))
   def test_a_resume_is_bit_exact(self, update, mu, nu):
     """Saved after 2 steps, restored, 2 more: the state 4 straight steps
     make, the stochastic rounding's draws and the compensation included."""

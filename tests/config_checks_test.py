@@ -88,6 +88,8 @@ _OUT_OF_RANGE = (
      "precision.mu_dtype: unknown value 'float16'"),
     ('nu_dtype', {'precision.nu_dtype': 'half'},
      "precision.nu_dtype: unknown value 'half'"),
+    ('moment_block_size', {'precision.moment_block_size': -4},
+     'precision.moment_block_size=-4 must be positive'),
     ('rounding_into_float32_params', {'precision.param_update': 'kahan'},
      "precision.param_update='kahan' rounds updates into half-precision "
      'params, but precision.policy and overrides keep every param in '
@@ -290,6 +292,12 @@ _CHECKED_ELSEWHERE = {
     'advisor.fp8_max_underflow_share': 'by launch.lab advise '
                                        '(tests/lab_test.py)',
     'advisor.fp8_max_saturate_share': 'by launch.lab advise',
+    'advisor.fp4_max_relative_error': 'by launch.lab advise',
+    'advisor.fp4_max_flushed_share': 'by launch.lab advise '
+                                     '(tests/lab_test.py)',
+    'precision.fp8.keep_fp8': "against the model's 4-bit Linears, as the "
+                              'run is built (tests/fp4_test.py, '
+                              'bad_input_test.py)',
     'precision.fp8.modules': "against the model's modules, as the run is "
                              'built (tests/fp8_test.py, bad_input_test.py)',
 }

@@ -69,7 +69,7 @@ class ConfigsTest(parameterized.TestCase):
     with self.assertRaisesRegex(
         errors.ConfigError,
         r"^unknown variant 'fp4'; expected one of \('fp32', 'bf16', "
-        r"'fp16', 'fp8', 'pure_bf16'\)$"):
+        r"'fp16', 'fp8', 'pure_bf16', 'pure_bf16_8bit'\)$"):
       vit_cpu.get_config('fp4')
 
   @parameterized.parameters('vit_cpu', 'vit_cpu_recipe', 'vit_recipe')
@@ -85,6 +85,12 @@ class ConfigsTest(parameterized.TestCase):
     diff = {k for k, v in _flat(config).items() if _flat(bf16)[k] != v}
     self.assertEqual(diff, {'precision.policy', 'precision.param_update',
                             'precision.mu_dtype', 'precision.nu_dtype'})
+    # And 8-bit moments on the same params: the moments alone differ.
+    state8 = importlib.import_module(f'configs.{name}').get_config(
+        'pure_bf16_8bit')
+    diff = {k for k, v in _flat(state8).items() if _flat(config)[k] != v}
+    self.assertEqual(diff, {'precision.mu_dtype', 'precision.nu_dtype'})
+    self.assertEqual(state8.precision.mu_dtype, 'float8_blocks')
 
 
 if __name__ == '__main__':

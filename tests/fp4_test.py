@@ -238,6 +238,7 @@ class MatmulTest(parameterized.TestCase):
     fp4.check_dims(config, 'vit/fc1', 64, 64, 64)  # Whole blocks: fine.
 
 
+@helpers.long_running
 class ModelTest(absltest.TestCase):
   """The tiny ViT with its encoder blocks' Linears in NVFP4, as a config
   asks for it."""
@@ -285,13 +286,40 @@ class ModelTest(absltest.TestCase):
       np.testing.assert_array_equal(state.params[path][fp4.SIGNS_NAME],
                                     params[fp4.SIGNS_NAME])
 
+  def test_kept_linears_run_fp8_beside_the_4_bit_ones(self):
+    """`keep_fp8` (the advisor's override): fc1 and fc2 take E4M3 / E5M2
+    operands, the attention's four Linears 4-bit ones."""
+    config = self._config(keep_fp8='*/mlp_block')
+    exp = experiment.build_without_data(config)
+    state = exp.strategy.init_state()
+    batch = helpers.random_batch(config, 16)
+    eqns = list(helpers.iter_eqns(jax.make_jaxpr(exp.strategy.train_step)(
+        state, batch).jaxpr))
+    fp8_dots = [e for e in eqns if e.primitive.name == 'dot_general' and
+                {v.aval.dtype for v in e.invars} <= {jnp.dtype(jnp.float8_e4m3fn),
+                                                     jnp.dtype(jnp.float8_e5m2)}]
+    self.assertLen(fp8_dots, 3 * 2)  # fc1, fc2: forward, dx, dw.
+    casts = [e for e in eqns if e.primitive.name == 'convert_element_type'
+             and e.params['new_dtype'] == fp4.E2M1]
+    self.assertLen(casts, 3 * 4)  # query, key, value, out.
+    signs = {k for k, v in state.params.items() if fp4.SIGNS_NAME in v}
+    self.assertEqual(signs, {f'vit/encoder_block_0/attention/{n}'
+                             for n in ('query', 'key', 'value', 'out')})
+    line = module_table.summary_line(module_table.module_rows(exp), '',
+                                     exp.precision)
+    self.assertIn('; 4-bit matmuls: 4 Linear (2 kept in fp8), nvfp4', line)
+
   def test_settings_that_cannot_work_name_themselves(self):
     for fp8, message in (
         (dict(format='fp5'), "precision.fp8.format: unknown value 'fp5'"),
         (dict(scaling='delayed'), 'precision.fp8.scaling=delayed with '
          'precision.fp8.format=nvfp4'),
         (dict(format='mxfp4'), 'vit/encoder_block_0/attention/query: input '
-         'features: 16, not a multiple of 32')):
+         'features: 16, not a multiple of 32'),
+        (dict(keep_fp8='*/head'), "precision.fp8.keep_fp8: target '\\*/head' "
+         'selects no Linear that precision.fp8.modules runs in 4 bits'),
+        (dict(format='fp8', keep_fp8='*/fc1'), 'precision.fp8.keep_fp8: keeps '
+         'fp8 among 4-bit Linears')):
       with self.assertRaisesRegex(haiku_mp_errors.ConfigError, message):
         experiment.build_without_data(self._config(**fp8))
 

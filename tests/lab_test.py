@@ -24,6 +24,7 @@ from configs import vit_pure_bf16 as configs_pure_bf16
 from haiku_mp import errors
 from haiku_mp.measure import compare
 from haiku_mp.measure import variants
+from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.studies import matmul
 from haiku_mp.studies import memory
 from haiku_mp.studies import params
@@ -311,6 +312,20 @@ class MemoryTest(parameterized.TestCase):
 
 
 @helpers.long_running
+def _moment_bytes(config, kind: str, count: int) -> int:
+  """A moment's bytes: `count` values of its dtype, or for 8-bit moments a
+  byte per value and 4 per block of each param's rows."""
+  if kind != 'float8_blocks':
+    return count * np.dtype(kind).itemsize
+  exp = experiment.build_without_data(config)
+  _, trained = fp8_lib.split_meta(exp.abstract_state.params)
+  block = config.precision.moment_block_size
+  scales = sum(math.prod(p.shape[:-1]) * -(-p.shape[-1] // block) if p.shape
+               else 1 for p in jax.tree.leaves(trained))
+  return count + 4 * scales
+
+
+@helpers.long_running
 class StateLayoutsTest(parameterized.TestCase):
 
   def test_every_layout_compiled_holds_what_its_parts_add_up_to(self):
@@ -326,7 +341,8 @@ class StateLayoutsTest(parameterized.TestCase):
     self.assertEqual(list(rows), list(state_layouts.LAYOUTS))
     self.assertLen(lines, len(rows))
     # Compiled: the layouts whose states differ most in kind.
-    for name in ('bf16+master', 'bf16 kahan, bf16 moments'):
+    for name in ('bf16+master', 'bf16 kahan, bf16 moments',
+                 'bf16 stochastic, 8-bit moments'):
       compiled = state_layouts.row(config, name, compile_step=True)
       self.assertEqual(compiled['compiled_state_bytes'],
                        rows[name]['state_bytes'], name)
@@ -336,8 +352,8 @@ class StateLayoutsTest(parameterized.TestCase):
       self.assertEqual(row['state_bytes'], sum(sizes.values()), name)
       self.assertEqual((row['param_update'], row['mu_dtype'], row['nu_dtype']),
                        (update, mu, nu))
-      self.assertEqual(sizes['mu'], count * np.dtype(mu).itemsize)
-      self.assertEqual(sizes['nu'], count * jnp.dtype(nu).itemsize)
+      self.assertEqual(sizes['mu'], _moment_bytes(config, mu, count))
+      self.assertEqual(sizes['nu'], _moment_bytes(config, nu, count))
       self.assertEqual(sizes['master'], 4 * count if (
           dtype == 'bfloat16' and update == 'master') else 0)
       self.assertEqual(sizes['compensation'],
@@ -348,6 +364,11 @@ class StateLayoutsTest(parameterized.TestCase):
     # LayerNorm's params stay float32: a little above 2 bytes.
     bf16 = rows['bf16 stochastic, bf16 moments']['per_parameter']
     self.assertBetween(bf16['params'], 2.0, 2.2)
+    # 8-bit moments: a byte per value and a float32 scale per block (on the
+    # tiny model's short rows, most blocks are partly padding).
+    eight = rows['bf16 stochastic, 8-bit moments']['per_parameter']
+    self.assertBetween(eight['mu'], 1.0, 1.5)
+    self.assertLess(eight['total'] - eight['ema'], bf16['total'] - bf16['ema'])
     self.assertLess(bf16['total'] / rows['float32']['per_parameter']['total'],
                     0.55)
 
@@ -688,6 +709,8 @@ class CommandLineTest(parameterized.TestCase):
        'advisor.max_relative_error=2.0 must be in [0, 1)'),
       (['advise', '--config.advisor.fp8_max_underflow_share=2'],
        'advisor.fp8_max_underflow_share=2 must be in [0, 1]'),
+      (['advise', '--config.advisor.fp4_max_flushed_share=-0.5'],
+       'advisor.fp4_max_flushed_share=-0.5 must be in [0, 1]'),
       (['advise', '--config.advisor.loss_scale_headroom=0.5'],
        'advisor.loss_scale_headroom=0.5 must be >= 1'),
       (['advise', '--config.advisor.init_steps=-1'],

@@ -214,6 +214,7 @@ class StrategiesAgreeTest(parameterized.TestCase):
                                   rtol=0.25)
 
 
+@helpers.long_running
 class StateLayoutsAgreeTest(parameterized.TestCase):
 
   def test_stochastic_rounding_draws_the_same_on_every_sharding(self):
@@ -228,6 +229,43 @@ class StateLayoutsAgreeTest(parameterized.TestCase):
       self.assertEqual(got.sharding.spec, spec)
       # Integer bits added and masked: bit for bit on any sharding and CPU.
       chex.assert_trees_all_equal(np.asarray(got), np.asarray(want))
+
+  def test_8_bit_moments_are_sharded_like_the_params(self):
+    """The codes split as their params; each block scale lies with its
+    block where the param's split falls on whole blocks, and is replicated
+    where it does not."""
+    config = _config('pjit', (4, 2), policy='p=bf16,c=bf16,o=f32')
+    config.model.num_layers = 1
+    config.precision.update(param_update='stochastic',
+                            mu_dtype='float8_blocks',
+                            nu_dtype='float8_blocks', moment_block_size=16)
+    par = _setup(config)
+    state = par.init_state()
+    name = 'vit/encoder_block_0/mlp_block/fc1'
+    fc1 = state.params[name]['w']
+    self.assertEqual(fc1.sharding.spec, P(None, 'model'))
+    rows, columns = fc1.shape
+
+    def check(state):
+      for part in ('mu', 'nu'):
+        moment = optax.tree_utils.tree_get(state.opt_state, part)
+        codes, scales = moment.codes[name]['w'], moment.scales[name]['w']
+        self.assertEqual((codes.dtype, codes.sharding),
+                         (jnp.dtype(jnp.float8_e4m3fn), fc1.sharding), part)
+        self.assertEqual(scales.shape, (rows, columns // 16))
+        self.assertEqual(scales.sharding.spec, P(None, 'model'), part)
+        # query's 16 columns split in two, but its one block does not.
+        query = 'vit/encoder_block_0/attention/query'
+        self.assertEqual(moment.codes[query]['w'].sharding.spec,
+                         P(None, 'model'))
+        self.assertEqual(moment.scales[query]['w'].shape, (rows, 1))
+        self.assertEqual(moment.scales[query]['w'].sharding.spec, P())
+
+    check(state)
+    state, metrics = par.train_step(state, par.place_batch(
+        helpers.random_batch(config, config.batch_size)))
+    self.assertTrue(bool(metrics['grads_finite']))
+    check(state)
 
   def test_compensation_and_moments_are_sharded_like_the_params(self):
     config = _config('pjit', (4, 2), policy='p=bf16,c=bf16,o=f32')

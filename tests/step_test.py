@@ -83,9 +83,16 @@ def _copy(tree):
 
 
 # (param_update, mu_dtype, nu_dtype): layouts without a float32 master, their
-# three kinds of state (stochastic draws, a compensation, bfloat16 moments).
+# kinds of state (stochastic draws, a compensation, bfloat16 moments, 8-bit
+# moments: codes and block scales).
 NO_MASTER_LAYOUTS = (('stochastic', 'bfloat16', 'bfloat16'),
-                     ('kahan', 'float32', 'bfloat16'))
+                     ('kahan', 'float32', 'bfloat16'),
+                     ('stochastic', 'float8_blocks', 'float8_blocks'))
+# The dtypes a moment's leaves hold.
+_MOMENT_LEAF_DTYPES = {'float32': {jnp.dtype(jnp.float32)},
+                       'bfloat16': {jnp.dtype(jnp.bfloat16)},
+                       'float8_blocks': {jnp.dtype(jnp.float8_e4m3fn),
+                                         jnp.dtype(jnp.float32)}}
 
 
 @helpers.long_running
@@ -131,6 +138,7 @@ class MakeTrainStepTest(absltest.TestCase):
       chex.assert_trees_all_equal(new_state, library_step(state, batch)[0])
 
 
+@helpers.long_running
 class StateLayoutStepTest(parameterized.TestCase):
   """bfloat16 params without a master copy, in the whole train step."""
 
@@ -160,7 +168,7 @@ class StateLayoutStepTest(parameterized.TestCase):
                      {jnp.dtype(jnp.float32)})
     nu = optax.tree_utils.tree_get(state.opt_state, 'nu')
     self.assertEqual({x.dtype for x in jax.tree.leaves(nu)},
-                     {jnp.dtype(nu_dtype)})
+                     _MOMENT_LEAF_DTYPES[nu_dtype])
 
     before = _copy((state.params, state.opt_state))
     rng = jax.random.key_data(state.rng)

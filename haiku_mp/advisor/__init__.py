@@ -1,11 +1,14 @@
 """The precision advisor for any Haiku model: measure what float16,
-bfloat16 and fp8 would lose in each module, judge it, and write the
+bfloat16, fp8 and 4 bits (NVFP4, MXFP4) would lose in each module, judge it, and write the
 overrides. Statistics and verdicts only: the trainer's driver
 (`haiku_mp.advisor.driver`, `launch.lab advise`) is not imported here."""
 
+from haiku_mp.advisor.fp4_verdicts import Fp4Thresholds
 from haiku_mp.advisor.fp8_verdicts import Fp8Thresholds
 from haiku_mp.advisor.measurement import fp8_linears
+from haiku_mp.advisor.measurement import judge_fp4
 from haiku_mp.advisor.measurement import judge_fp8
+from haiku_mp.advisor.measurement import measure_fp4
 from haiku_mp.advisor.measurement import measure_fp8
 from haiku_mp.advisor.measurement import measure_model
 from haiku_mp.advisor.measurement import module_classes_of
@@ -14,6 +17,6 @@ from haiku_mp.advisor.verdicts import judge
 from haiku_mp.advisor.verdicts import overrides
 from haiku_mp.advisor.verdicts import Thresholds
 
-__all__ = ('Advice', 'Fp8Thresholds', 'Thresholds', 'fp8_linears', 'judge',
-           'judge_fp8', 'measure_fp8', 'measure_model', 'module_classes_of',
-           'overrides')
+__all__ = ('Advice', 'Fp4Thresholds', 'Fp8Thresholds', 'Thresholds',
+           'fp8_linears', 'judge', 'judge_fp4', 'judge_fp8', 'measure_fp4',
+           'measure_fp8', 'measure_model', 'module_classes_of', 'overrides')

@@ -50,6 +50,8 @@ def markdown(result: dict[str, Any]) -> str:
         f'{_fmt_scale(row["window"])} | {why} |')
   if 'fp8' in result:
     lines += fp8_markdown(result['fp8'])
+  if 'fp4' in result:
+    lines += fp4_markdown(result['fp4'])
   for fmt, rows in result.get('knockout', {}).items():
     lines += ['', f'## Knockout: one module at a time in {fmt}', '',
               '| module | logits relative error | loss change | finite |',
@@ -84,6 +86,32 @@ def fp8_markdown(fp8: dict[str, Any]) -> list[str]:
         f'{cell("input")} | {cell("weight")} | {cell("gradient")} / '
         f'{grad["saturate_share"]:.2g} | '
         f'{"; ".join(row["reasons"].get(scaling, []))} |')
+  return lines
+
+
+def fp4_markdown(fp4: dict[str, Any]) -> list[str]:
+  """The 4-bit verdicts: the flags, then a row per Linear with, per
+  format, the share of its blocks an outlier flushes and the rounding error
+  of each operand as the step blocks it."""
+  fmt = fp4['format']
+  wgrad = 'wgrad_hadamard' if fp4['hadamard'] else 'wgrad'
+  lines = ['', f'## 4 bits ({fmt}): keep {len(fp4["keep_fp8"])} Linear '
+           f'layer(s) in fp8, {len(fp4["keep_bf16"])} in bfloat16', '',
+           '```', ' \\\n  '.join(fp4['suggestion']['flags']), '```', '',
+           '| Linear | nvfp4 | mxfp4 | input flushed / error (forward, weight '
+           'gradient) | gradient flushed / error (input gradient, weight '
+           'gradient) | weight flushed / error | why not 4 bits |',
+           '|---|---|---|---|---|---|---|']
+  for row in fp4['modules']:
+    cell = lambda name, case: (f'{row[name][fmt][case]["flushed_share"]:.2g}'
+                               ' / '
+                               f'{row[name][fmt][case]["relative_error"]:.2g}')
+    lines.append(
+        f'| {row["path"]} | {row["verdicts"]["nvfp4"]} | '
+        f'{row["verdicts"]["mxfp4"]} | {cell("input", "forward")}, '
+        f'{cell("input", wgrad)} | {cell("gradient", "dgrad")}, '
+        f'{cell("gradient", wgrad)} | {cell("weight", "forward")} | '
+        f'{"; ".join(row["reasons"].get(fmt, []))} |')
   return lines
 
 

@@ -17,6 +17,10 @@ a few real batches.
    E4M3 / E5M2 would hold them under current, delayed and MX scaling
    (`fp8_probes`); a verdict per scaling (`fp8_verdicts`) and the
    `precision.fp8.modules` to paste.
+2c. 4 bits (`fp4_advice`): the same Linears' operands as NVFP4 and MXFP4
+   would block them (`fp4_numerics`); a verdict per format (`fp4_verdicts`:
+   4 bits, or fp8, or bfloat16) and the `precision.fp8.modules` and
+   `keep_fp8` to paste.
 3. `--level=knockout`: one module at a time in the half format (a path
    override on the float32 model), its loss and logits against float32's
    on the same batches, ranked.
@@ -37,6 +41,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from haiku_mp.advisor import fp4_verdicts
 from haiku_mp.advisor import fp8_verdicts
 from haiku_mp.advisor import measurement
 from haiku_mp.advisor import numerics
@@ -48,6 +53,7 @@ from haiku_mp.measure import machine
 from haiku_mp.measure import timing
 from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
+from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import experiment
@@ -265,6 +271,35 @@ def fp8_advice(config: ml_collections.ConfigDict, exp: experiment.Experiment,
               suggestion=dict(modules=modules, flags=flags))
 
 
+def fp4_advice(config: ml_collections.ConfigDict, exp: experiment.Experiment,
+               params, inputs, limits: fp4_verdicts.Fp4Thresholds,
+               fp8_judged: dict[str, Any], log: Callable[[str], None]
+               ) -> dict[str, Any]:
+  """The 4-bit verdicts (`measurement.measure_fp4`, `judge_fp4`) of the
+  config's candidate Linears over `inputs` at `params`, and the flags that
+  run 4 bits where they fit and fp8 or bfloat16 elsewhere, at the config's
+  4-bit format (NVFP4 when it runs fp8)."""
+  fp8_config = config.precision.fp8
+  fmt = (fp8_config.format if fp8_config.format in fp4_lib.FORMATS
+         else fp4_lib.FORMATS[0])
+  totals = measurement.measure_fp4(exp.loss_fn, params, inputs,
+                                   fp8_candidates(config, exp), log)
+  judged = measurement.judge_fp4(totals, fmt, fp8_config.hadamard, limits,
+                                 fp8_judged,
+                                 fp8_verdicts.candidates_setting(config))
+  flags = [f"--config.precision.fp8.modules='{judged['fp8_modules']}'",
+           f'--config.precision.fp8.format={fmt}',
+           '--config.precision.fp8.scaling=current']
+  if judged['keep_fp8_setting']:
+    flags.append(f"--config.precision.fp8.keep_fp8='"
+                 f"{judged['keep_fp8_setting']}'")
+  if variants.compute_dtype(config) == 'float16':
+    flags.insert(0, '--config.precision.policy=' + verdicts.policy(
+        config.precision.policy, 'bfloat16', 'float32'))
+  return dict(judged, thresholds=dataclasses.asdict(limits),
+              suggestion=dict(flags=flags))
+
+
 def knockout(config: ml_collections.ConfigDict, params, inputs,
              paths: list[str], dtypes: list[str], log: Callable[[str], None]
              ) -> dict[str, list[dict[str, Any]]]:
@@ -341,6 +376,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   _check(num_batches, level, repeats, checkpoint, config.advisor.init_steps)
   thresholds = verdicts.Thresholds.from_config(config.advisor)
   fp8_limits = fp8_verdicts.Fp8Thresholds.from_config(config.advisor)
+  fp4_limits = fp4_verdicts.Fp4Thresholds.from_config(config.advisor)
   target = variants.compute_dtype(config)
   formats = [target] if target in HALF_DTYPES else list(HALF_DTYPES)
   reference = variants.float32_reference(config)
@@ -386,6 +422,8 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
       target=target, modules=rows, **machine.describe())
   result['fp8'] = fp8_advice(config, exp, state.params, inputs, fp8_limits,
                              log)
+  result['fp4'] = fp4_advice(config, exp, state.params, inputs, fp4_limits,
+                             result['fp8'], log)
   if level == 'knockout':
     paths = [m.path for m in modules if m.same_as is None]
     result['knockout'] = knockout(reference, state.params, inputs, paths,

@@ -1,6 +1,7 @@
 """The advisor's measurements for any Haiku model: each module's values and
 gradients at 16 bits (`measure_model`) and each Linear's operands at 8 bits
-(`measure_fp8`), over a few batches at fixed params. They need only the
+(`measure_fp8`) and 4 bits (`measure_fp4`), over a few batches at fixed
+params. They need only the
 model's loss function: `driver` runs them on the trainer's ViT, from its
 workdirs and checkpoints.
 
@@ -14,12 +15,15 @@ import haiku as hk
 import jax
 import numpy as np
 
+from haiku_mp.advisor import fp4_numerics
+from haiku_mp.advisor import fp4_verdicts
 from haiku_mp.advisor import fp8_numerics
 from haiku_mp.advisor import fp8_probes
 from haiku_mp.advisor import fp8_verdicts
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
 from haiku_mp.advisor import verdicts
+from haiku_mp.model import fp4
 from haiku_mp.model import fp8
 from haiku_mp.model import half_dot
 from haiku_mp.model import policies
@@ -210,3 +214,77 @@ def judge_fp8(totals: dict[str, list[np.ndarray]], scaling: str,
   return dict(scaling=scaling, modules=rows, keep_bf16=kept,
               fp8_modules=fp8_verdicts.modules_setting(list(totals), kept,
                                                        targets))
+
+
+def measure_fp4(loss_fn: probes.LossFn, params, batches: Sequence,
+                paths: Sequence[str],
+                log: Optional[Callable[[str], None]] = None
+                ) -> dict[str, list[np.ndarray]]:
+  """Each Linear at `paths`: its input, weight and output gradient as NVFP4
+  and MXFP4 would hold them, blocked as the train step blocks each GEMM's
+  operands (the weight gradient's with and without the Hadamard transform,
+  the layer's own signs), summed over `batches` at `params`. `judge_fp4`
+  reads it. `loss_fn` computes in bfloat16 or float32, without low-bit
+  matmuls.
+
+  Example:
+    totals = advisor.measure_fp4(loss_fn, params, batches, paths)
+    judged = advisor.judge_fp4(totals, 'nvfp4', True, fp4_limits, fp8_judged,
+                               'Linear')
+  """
+  operands = fp8_probes.Operands(
+      fp4_numerics.size('input') + fp4_numerics.size('gradient'),
+      fp4_numerics.activations, fp4_numerics.weight)
+  stats = fp8_probes.statistics_fn(loss_fn, paths, operands=operands)
+  signs = {p: fp4.initial_signs(p)((fp4.NVFP4_BLOCK,), np.float32)
+           for p in stats.paths}
+  totals = {}
+  for i, batch in enumerate(batches):
+    found = jax.device_get(stats.fn(params, jax.random.key(i), batch, signs))
+    for p, vector in found.items():
+      parts = fp4_numerics.split(vector)
+      totals[p] = ([fp4_numerics.merge(a, b) for a, b in zip(totals[p], parts)]
+                   if p in totals else parts)
+    if log is not None:
+      log(f'advise: 4-bit statistics {i + 1}/{len(batches)}')
+  return totals
+
+
+def judge_fp4(totals: dict[str, list[np.ndarray]], fmt: str, hadamard: bool,
+              limits: fp4_verdicts.Fp4Thresholds, fp8_judged: dict,
+              targets: str) -> dict:
+  """The 4-bit verdicts of `measure_fp4`'s Linears: per path and format
+  whether 4 bits hold its operands (and why not); at `fmt`, per path
+  `fp4-ok`, `keep-fp8` (its fp8 verdict at current scaling, the one a
+  4-bit config's fp8 Linears run, passes in `fp8_judged`, `judge_fp8`'s)
+  or `keep-bf16`, and the `fp8_modules` / `keep_fp8` settings that run
+  exactly that.
+
+  Example:
+    judged = advisor.judge_fp4(totals, 'nvfp4', True, fp4_limits, fp8_judged,
+                               'Linear')
+    precision = haiku_mp.make_precision(BF16, model_class=hk.nets.MLP,
+        fp8_modules=judged['fp8_modules'], fp4=haiku_mp.Fp4('nvfp4'),
+        keep_fp8=judged['keep_fp8'])
+  """
+  fp8_of = {r['path']: r['verdicts']['current']
+            for r in fp8_judged['modules']}
+  rows, chosen = [], {}
+  for p, parts in totals.items():
+    operands = fp4_verdicts.operands(parts)
+    judged = {f: fp4_verdicts.judge(operands, f, hadamard, limits)
+              for f in fp4.FORMATS}
+    verdicts = {f: fp4_verdicts.verdict(fits, fp8_of.get(p, ''))
+                for f, (fits, _) in judged.items()}
+    chosen[p] = verdicts[fmt]
+    rows.append(dict(path=p, verdicts=verdicts,
+                     reasons={f: r for f, (_, r) in judged.items() if r},
+                     **operands))
+  setting = fp4_verdicts.settings(list(totals), chosen, targets)
+  return dict(format=fmt, hadamard=hadamard, modules=rows,
+              keep_fp8=[p for p, v in chosen.items()
+                        if v == fp4_verdicts.KEEP_FP8],
+              keep_bf16=[p for p, v in chosen.items()
+                         if v == fp4_verdicts.KEEP_BF16],
+              fp8_modules=setting['modules'],
+              keep_fp8_setting=setting['keep_fp8'])

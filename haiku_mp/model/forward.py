@@ -36,7 +36,8 @@ def make_precision(config: ml_collections.ConfigDict) -> policies.Precision:
       fp8=fp8_lib.Fp8(config.precision.fp8.scaling,
                       config.precision.fp8.history_length,
                       config.precision.fp8.margin),
-      fp4=make_fp4(config.precision.fp8))
+      fp4=make_fp4(config.precision.fp8),
+      keep_fp8=config.precision.fp8.keep_fp8)
 
 
 def make_fp4(fp8_config: ml_collections.ConfigDict) -> Optional[fp4_lib.Fp4]:
@@ -112,7 +113,7 @@ def _check_fp4_tokens(precision: policies.Precision,
   """Each 4-bit Linear's tokens per step (its input rows at batch 1, traced,
   times the batch) a whole number of blocks."""
   for c in calls:
-    if c.method == '__call__' and precision.runs_fp8(c.class_name, c.path):
+    if c.method == '__call__' and precision.runs_fp4(c.class_name, c.path):
       x = c.args[0][0]
       rows = math.prod(x.shape[:-1]) * batch_size
       w_out = c.output.shape[-1]

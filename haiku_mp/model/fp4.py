@@ -251,7 +251,13 @@ SIGNS_SEED = 4
 @dataclasses.dataclass(frozen=True)
 class Fp4:
   """How a 4-bit matmul quantizes, with the NVFP4 recipe's parts (arXiv
-  2509.25149) as settings, each at the paper's default."""
+  2509.25149) as settings, each at the paper's default.
+
+  Example:
+    precision = haiku_mp.make_precision(BF16, model_class=hk.nets.MLP,
+        fp8_modules='Linear', fp4=haiku_mp.Fp4('nvfp4'),
+        keep_fp8='*/linear_1')  # linear_1 keeps fp8, the others 4 bits.
+  """
   format: str = 'nvfp4'
   # Weights in 2-D tiles (16 x 16 for NVFP4, 32 x 32 for MXFP4): the forward
   # and the input gradient's GEMM see the same quantized weight.

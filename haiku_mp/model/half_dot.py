@@ -127,14 +127,23 @@ class Dots:
   platform: str = ''
   # The fp8 targets' matmuls in 4 bits instead (`fp4.Fp4`); None: fp8.
   fp4: Optional[fp4_lib.Fp4] = None
+  # Under `fp4`, the fp8 targets whose Linears keep fp8.
+  fp8_kept: tuple[str, ...] = ()
 
   @property
   def backend(self) -> str:
     return self.platform or jax.default_backend()
 
   def runs_fp8(self, class_name: str, path: str) -> bool:
+    """Whether the Linear runs low-bit matmuls: fp8, or 4 bits where
+    `runs_fp4` says so."""
     return (self.fp8 is not None and class_name == FP8_CLASS
             and selects(self.fp8_targets, class_name, path))
+
+  def runs_fp4(self, class_name: str, path: str) -> bool:
+    """Whether the Linear's low-bit matmuls are 4-bit ones."""
+    return (self.fp4 is not None and self.runs_fp8(class_name, path)
+            and not selects(self.fp8_kept, class_name, path))
 
   def einsum(self, spec: str, a: jax.Array, b: jax.Array,
              out_dtype=None) -> jax.Array:
@@ -259,7 +268,7 @@ def linear(module: hk.Linear, dots: Dots, plain: Callable[..., jax.Array],
   w = hk.get_parameter('w', [input_size, module.output_size], inputs.dtype,
                        init=w_init)
   x = inputs.reshape(-1, input_size)
-  if fp8 and dots.fp4 is not None:
+  if fp8 and dots.runs_fp4(FP8_CLASS, module.module_name):
     sums = fp4_lib.linear_sums(dots.fp4, module.module_name, x, w)
   elif fp8:
     sums = _fp8_sums(dots, x, w)

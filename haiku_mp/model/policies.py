@@ -165,12 +165,14 @@ class Precision:
   fp8_axis: Optional[str] = None  # See `under_pmap`.
   # The fp8 targets' matmuls in 4 bits (NVFP4, MXFP4) instead; None: fp8.
   fp4: Optional[fp4_lib.Fp4] = None
+  # Under `fp4`, the fp8 targets that keep fp8 (the advisor's overrides).
+  fp8_kept: tuple[str, ...] = ()
 
   @property
   def dots(self) -> half_dot.Dots:
     return half_dot.Dots(self.dot_form, self.matmul_precision, self.fp8,
                          self.fp8_targets, self.fp8_axis, self.dot_platform,
-                         self.fp4)
+                         self.fp4, self.fp8_kept)
 
   def under_pmap(self, axis_name: str) -> 'Precision':
     """This precision for a forward pass traced inside `pmap` over
@@ -183,6 +185,9 @@ class Precision:
 
   def runs_fp8(self, class_name: str, path: str) -> bool:
     return self.dots.runs_fp8(class_name, path)
+
+  def runs_fp4(self, class_name: str, path: str) -> bool:
+    return self.dots.runs_fp4(class_name, path)
 
   def check_fp8(self, modules: set[tuple[str, str]]) -> None:
     """Raises unless every fp8 target selects at least one Linear among the
@@ -205,6 +210,12 @@ class Precision:
             f'{half_dot.FP8_CLASS} ({", ".join(sorted({c for c, _ in selected}))}'
             f'): only {half_dot.FP8_CLASS} layers run fp8 matmuls (the patch '
             "embedding's convolution and attention's batched dots cannot)")
+    for t in self.fp8_kept:
+      if not any(half_dot.selects((t,), c, p) and self.runs_fp8(c, p)
+                 for c, p in modules):
+        raise PrecisionError(
+            f'precision.fp8.keep_fp8: target {t!r} selects no '
+            f'{half_dot.FP8_CLASS} that precision.fp8.modules runs in 4 bits')
 
   def rule_for(self, class_name: str, path: str) -> Optional[Rule]:
     """The module's own rule, or None when it inherits its caller's policy."""
@@ -279,7 +290,8 @@ def make_precision(policy: PolicyLike,
                    fp8_modules: Union[str, Sequence[Target]] = '',
                    fp8: Optional[fp8_lib.Fp8] = None,
                    dot_platform: str = '',
-                   fp4: Optional[fp4_lib.Fp4] = None) -> Precision:
+                   fp4: Optional[fp4_lib.Fp4] = None,
+                   keep_fp8: Union[str, Sequence[Any]] = '') -> Precision:
   """Builds a `Precision` from jmp policies and module classes, or from the
   configs' strings.
 
@@ -304,6 +316,8 @@ def make_precision(policy: PolicyLike,
       as `fp8` says; '' for none.
     fp4: those Linear layers' matmuls in 4 bits instead (`fp4.Fp4`: NVFP4
       or MXFP4, emulated); None for fp8.
+    keep_fp8: with `fp4`, targets (as `fp8_modules`) among those Linears
+      that keep fp8 matmuls at current scaling.
   """
   main = _as_policy(policy, 'precision.policy')
   model_class = _target_name(model_class, 'model_class')
@@ -327,12 +341,17 @@ def make_precision(policy: PolicyLike,
         f'precision.fp8.scaling={fp8.scaling} with precision.fp8.format='
         f'{fp4.format}: 4-bit formats scale per block themselves; leave '
         "precision.fp8.scaling at 'current'")
+  kept = parse_targets(keep_fp8)
+  if kept and (fp4 is None or not targets):
+    raise PrecisionError(
+        'precision.fp8.keep_fp8: keeps fp8 among 4-bit Linears; set '
+        "precision.fp8.format to 'nvfp4' or 'mxfp4' and precision.fp8.modules")
   return Precision(main, defaults, parse_overrides(overrides),
                    _check_matmul_precision(matmul_precision),
                    residual_stream == 'float32', half_dot.check_form(dot_form),
                    half_dot.check_platform(dot_platform),
                    (fp8 or fp8_lib.Fp8()) if targets else None, targets,
-                   fp4=fp4 if targets else None)
+                   fp4=fp4 if targets else None, fp8_kept=kept)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,19 +136,37 @@ def state_shardings(state, params_spec, trained_spec,
                     optimizer: optax.GradientTransformation, mesh: Mesh):
   """NamedShardings of a TrainState: params by rule (`params_spec`),
   optimizer state alike (`trained_spec`: the specs of the params the
-  optimizer holds)."""
+  optimizer holds). A param-shaped state leaf of another shape (an 8-bit
+  moment's block scales) takes its param's spec where that spec splits it
+  evenly, and is replicated otherwise (it is small)."""
   named = lambda spec: NamedSharding(mesh, spec)
   is_spec = lambda x: isinstance(x, P)
   replicated = named(P())
   param_shardings = jax.tree.map(named, params_spec, is_leaf=is_spec)
+
+  def like_its_param(leaf, sharding):
+    return sharding if _splits(sharding.spec, leaf.shape, mesh) else replicated
+
   opt_shardings = optax.tree_map_params(
-      optimizer, lambda _, s: s, state.opt_state,
+      optimizer, like_its_param, state.opt_state,
       jax.tree.map(named, trained_spec, is_leaf=is_spec),
       transform_non_params=lambda _: replicated)
   return state._replace(
       step=replicated, params=param_shardings, opt_state=opt_shardings,
       loss_scale=replicated,  # One sharding for the whole loss-scale state.
       rng=replicated, skipped_steps=replicated)
+
+
+def _splits(spec: P, shape: tuple[int, ...], mesh: Mesh) -> bool:
+  """Whether `spec` names dimensions `shape` has, each a multiple of its
+  mesh axes' size."""
+  if len(spec) > len(shape):
+    return False
+  for dim, axes in zip(shape, spec):
+    axes = (axes,) if isinstance(axes, str) else (axes or ())
+    if dim % math.prod(mesh.shape[a] for a in axes):
+      return False
+  return True
 
 
 def with_shardings(abstract, shardings):

@@ -196,7 +196,10 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
     row = dict(module=module, pass_=pass_, lhs=m['operands'][0],
                rhs=m['operands'][1], fp8_operands=fp8_operands,
                runs_fp8=runs_fp8,
-               format=_format(exp.precision, runs_fp8, pass_, fp8_operands))
+               format=_format(exp.precision,
+                              exp.precision.runs_fp4(classes.get(module, ''),
+                                                     module),
+                              pass_, fp8_operands))
     if compiled_matmuls is not None:
       compiled = by_op.get(m['op_name'], [])
       row['kernel'] = _kernel(compiled)
@@ -226,12 +229,12 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
   return result
 
 
-def _format(precision, runs_fp8: bool, pass_: str,
+def _format(precision, runs_fp4: bool, pass_: str,
             fp8_operands: bool) -> str:
   """The low-bit format a lowered matmul's operands hold: a 4-bit Linear's
   three GEMMs take its dequantized values (float32 in the program, so only
   the module and pass tell), an fp8 one's fp8; '-' for the others."""
-  if runs_fp8 and precision.fp4 is not None and pass_ in _PASSES.values():
+  if runs_fp4 and pass_ in _PASSES.values():
     return precision.fp4.format
   return 'fp8' if fp8_operands else '-'
 

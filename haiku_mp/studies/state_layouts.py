@@ -35,6 +35,8 @@ LAYOUTS = {
     'bf16 kahan, bf16 moments': ('bfloat16', 'kahan', 'bfloat16', 'bfloat16'),
     'bf16 stochastic, bf16 moments': ('bfloat16', 'stochastic', 'bfloat16',
                                       'bfloat16'),
+    'bf16 stochastic, 8-bit moments': ('bfloat16', 'stochastic',
+                                       'float8_blocks', 'float8_blocks'),
 }
 
 

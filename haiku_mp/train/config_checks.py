@@ -168,6 +168,7 @@ def _check_state_layout(precision_config: ml_collections.ConfigDict,
   for name in ('mu_dtype', 'nu_dtype'):
     errors.check_choice(f'precision.{name}', precision_config[name],
                         optimizer_lib.MOMENT_DTYPES)
+  _positive('precision.moment_block_size', precision_config.moment_block_size)
   if update == optimizer_lib.MASTER:
     return
   half = sorted(d for d in precision.param_dtypes if d != 'float32')

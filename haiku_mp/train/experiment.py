@@ -275,7 +275,8 @@ def build(config: ml_collections.ConfigDict, *,
       grad_clip_norm=config.grad_clip_norm, ema_decay=ema_decay,
       half_params=precision.half_params,
       param_update=config.precision.param_update,
-      mu_dtype=config.precision.mu_dtype, nu_dtype=config.precision.nu_dtype)
+      mu_dtype=config.precision.mu_dtype, nu_dtype=config.precision.nu_dtype,
+      moment_block_size=config.precision.moment_block_size)
   scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
   init_state = _init_state_fn(config, forward, optimizer, scaler)
   # The steps' forward: under pmap, fp8 scales from every replica's amaxes.

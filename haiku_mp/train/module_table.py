@@ -61,16 +61,17 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
                            for p in trained.values()),
         'input_dtypes': _dtype_names(call.args),
         'output_dtypes': _dtype_names(call.output),
-        'matmul': (_low_bit(precision)
+        'matmul': (_low_bit(precision, call.class_name, call.path)
                    if precision.runs_fp8(call.class_name, call.path) else '-'),
     }
   return sorted(rows.values(), key=lambda r: _preorder_key(r['path'], calls))
 
 
-def _low_bit(precision: policies.Precision) -> str:
+def _low_bit(precision: policies.Precision, class_name: str,
+             path: str) -> str:
   """A low-bit Linear's matmul as the table names it: 'fp8 current', ...,
   or its 4-bit format."""
-  if precision.fp4 is not None:
+  if precision.runs_fp4(class_name, path):
     return precision.fp4.format
   return f'fp8 {precision.fp8.scaling}'
 
@@ -133,7 +134,9 @@ def summary_line(rows: list[dict[str, Any]], overrides: str,
           f'overrides: {overrides or "none"}')
   fp8_rows = [r for r in rows if r['matmul'] != '-']
   if precision is not None and precision.fp4 is not None:
-    line += (f'; 4-bit matmuls: {len(fp8_rows)} Linear, '
+    kept = sum(1 for r in fp8_rows if r['matmul'].startswith('fp8'))
+    line += (f'; 4-bit matmuls: {len(fp8_rows) - kept} Linear'
+             + (f' ({kept} kept in fp8)' if kept else '') + ', '
              f'{precision.fp4.describe()} (emulated: dequantized float32 '
              'GEMMs)')
   elif precision is not None and precision.fp8 is not None:

@@ -13,9 +13,11 @@ results are kept (`precision.param_update`, docs/precision.md):
   is rounded into them to nearest, stochastically, or to nearest with a Kahan
   compensation buffer in the params' dtype (`rounding.py`).
 
-Adam's moments are float32 or bfloat16 each (`precision.mu_dtype`,
-`precision.nu_dtype`); bfloat16 moments are rounded stochastically, because
-to nearest the second moment's small steps vanish (rounding.py).
+Adam's moments are float32, bfloat16 or 8-bit each (`precision.mu_dtype`,
+`precision.nu_dtype`): bfloat16 moments are rounded stochastically, because
+to nearest the second moment's small steps vanish (rounding.py); 8-bit ones
+are float8 codes with a scale per block, also rounded stochastically
+(block_moments.py).
 """
 
 from typing import NamedTuple, Optional
@@ -24,13 +26,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from haiku_mp.update import block_moments
 from haiku_mp.update import rounding
 
 # How params take an update: see the module docstring.
 MASTER = 'master'
 PARAM_UPDATES = (MASTER, 'nearest', 'stochastic', 'kahan')
 # What Adam's first and second moments may be kept in.
-MOMENT_DTYPES = ('float32', 'bfloat16')
+MOMENT_DTYPES = ('float32', 'bfloat16', block_moments.FLOAT8_BLOCKS)
+# Elements per block of an 8-bit moment: torchao's (block_moments.py).
+MOMENT_BLOCK_SIZE = 256
 # The independent draws one step's rounding key gives (fold_in data).
 _PARAMS_DRAW, _MU_DRAW, _NU_DRAW = 0, 1, 2
 
@@ -162,41 +167,64 @@ def without_master(inner: optax.GradientTransformation, param_update: str
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
-                  mu_dtype: str = 'float32', nu_dtype: str = 'float32'
+                  mu_dtype: str = 'float32', nu_dtype: str = 'float32',
+                  block_size: int = MOMENT_BLOCK_SIZE
                   ) -> optax.GradientTransformationExtraArgs:
-  """`optax.scale_by_adam` with each moment kept in `mu_dtype` / `nu_dtype`
-  (float32 or bfloat16) and rounded stochastically into bfloat16 with the
-  `key` its update takes. Computed in float32 as optax does (the same
-  state structure, so `optax.tree` helpers find `mu` and `nu`): with both
-  moments float32 its updates are optax's bit for bit. optax's `mu_dtype`
-  rounds to nearest and it has no `nu_dtype` (see rounding.py for why that
-  fails)."""
-  dtypes = (jnp.dtype(mu_dtype), jnp.dtype(nu_dtype))
+  """`optax.scale_by_adam` with each moment kept in `mu_dtype` / `nu_dtype`:
+  float32, bfloat16 rounded stochastically, or 'float8_blocks' (8 bits per
+  value and a float32 scale per `block_size` values, rounded
+  stochastically; block_moments.py), with the `key` its update takes.
+  Computed in float32 as optax does (the same state structure, so
+  `optax.tree` helpers find `mu` and `nu`): with both moments float32 its
+  updates are optax's bit for bit. optax's `mu_dtype` rounds to nearest and
+  it has no `nu_dtype` (see rounding.py for why that fails)."""
+  kinds = (mu_dtype, nu_dtype)
+  for kind in kinds:
+    if kind not in MOMENT_DTYPES:
+      raise ValueError(f'moment dtype {kind!r}: expected one of '
+                       f'{MOMENT_DTYPES}')
+
+  def zeros(params, kind):
+    if kind == block_moments.FLOAT8_BLOCKS:
+      return block_moments.zeros_like(params, block_size)
+    return optax.tree.zeros_like(params, dtype=jnp.dtype(kind))
+
+  def load(moment, kind, second):
+    if kind == block_moments.FLOAT8_BLOCKS:
+      return block_moments.load(moment, block_size, square=second)
+    return _as_float32(moment)
+
+  def store(key, moment, kind, second):
+    if kind == 'float32':
+      return moment
+    if kind == block_moments.FLOAT8_BLOCKS:
+      return block_moments.store(key, moment, block_size, square_root=second)
+    return rounding.tree_stochastic_round(
+        key, moment, jax.tree.map(lambda _: jnp.dtype(kind), moment))
 
   def init(params):
-    return optax.ScaleByAdamState(
-        count=jnp.zeros([], jnp.int32),
-        mu=optax.tree.zeros_like(params, dtype=dtypes[0]),
-        nu=optax.tree.zeros_like(params, dtype=dtypes[1]))
+    return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32),
+                                  mu=zeros(params, kinds[0]),
+                                  nu=zeros(params, kinds[1]))
 
   def update(updates, state, params=None, *, key=None, **extra_args):
     del params, extra_args
-    mu = optax.tree.update_moment(updates, _as_float32(state.mu), b1, 1)
+    mu = optax.tree.update_moment(updates, load(state.mu, kinds[0], False),
+                                  b1, 1)
     nu = optax.tree.update_moment_per_elem_norm(
-        updates, _as_float32(state.nu), b2, 2)
+        updates, load(state.nu, kinds[1], True), b2, 2)
     count = optax.safe_increment(state.count)
     mu_hat = optax.tree.bias_correction(mu, b1, count)
     nu_hat = optax.tree.bias_correction(nu, b2, count)
     updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat,
                            nu_hat)
-    if any(d != jnp.float32 for d in dtypes) and key is None:
-      raise ValueError('bfloat16 moments are rounded stochastically: pass '
-                       'the step\'s key to update (key=...)')
-    mu, nu = (
-        m if d == jnp.float32 else rounding.tree_stochastic_round(
-            jax.random.fold_in(key, draw), m, jax.tree.map(lambda _: d, m))
-        for m, d, draw in ((mu, dtypes[0], _MU_DRAW),
-                           (nu, dtypes[1], _NU_DRAW)))
+    if any(k != 'float32' for k in kinds) and key is None:
+      raise ValueError('moments below float32 are rounded stochastically: '
+                       'pass the step\'s key to update (key=...)')
+    mu = store(jax.random.fold_in(key, _MU_DRAW) if key is not None else None,
+               mu, kinds[0], False)
+    nu = store(jax.random.fold_in(key, _NU_DRAW) if key is not None else None,
+               nu, kinds[1], True)
     return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
   return optax.GradientTransformationExtraArgs(init, update)
@@ -269,10 +297,13 @@ def ema_decay_for(decay: float, horizon: float, total_steps: int) -> float:
 def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0,
                    grad_clip_norm: float = 0.0, ema_decay: float = 0.0,
                    half_params: bool = False, param_update: str = MASTER,
-                   mu_dtype: str = 'float32', nu_dtype: str = 'float32'
+                   mu_dtype: str = 'float32', nu_dtype: str = 'float32',
+                   moment_block_size: int = MOMENT_BLOCK_SIZE
                    ) -> optax.GradientTransformationExtraArgs:
   """Clipping by global norm (if `grad_clip_norm` > 0), then AdamW on
-  `schedule` with its moments in `mu_dtype` / `nu_dtype`, then the params'
+  `schedule` with its moments in `mu_dtype` / `nu_dtype` ('float32',
+  'bfloat16', or 'float8_blocks': 8 bits and a scale per
+  `moment_block_size` values), then the params'
   moving average (if `ema_decay` > 0; float32 in every layout: see
   docs/precision.md).
 
@@ -284,6 +315,10 @@ def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0,
   Example:
     optimizer = haiku_mp.make_optimizer(schedule, half_params=True,  # :pure_bf16
         param_update='stochastic', mu_dtype='bfloat16', nu_dtype='bfloat16')
+    # About 4 bytes per parameter: bfloat16 params, 8-bit moments.
+    optimizer = haiku_mp.make_optimizer(schedule, half_params=True,
+        param_update='stochastic', mu_dtype='float8_blocks',
+        nu_dtype='float8_blocks')
   """
   if param_update not in PARAM_UPDATES:
     raise ValueError(f'param_update {param_update!r}: expected one of '
@@ -297,7 +332,8 @@ def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0,
                             mask=decay_mask)
   else:
     optimizer = optax.chain(
-        scale_by_adam(mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+        scale_by_adam(mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                      block_size=moment_block_size),
         optax.add_decayed_weights(weight_decay, decay_mask),
         optax.scale_by_learning_rate(schedule))
   if grad_clip_norm > 0:
