@@ -2,14 +2,17 @@
 transform, against references written here from the formats' definitions
 (NumPy and ml_dtypes, never the code under test)."""
 
+import contextlib
 import os
 import sys
+import tempfile
 
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -17,6 +20,7 @@ import numpy as np
 
 from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.model import fp4
+from haiku_mp.train import checkpoint
 from haiku_mp.train import experiment
 from haiku_mp.train import module_table
 from haiku_mp.update import step as step_lib
@@ -308,6 +312,39 @@ class ModelTest(absltest.TestCase):
     line = module_table.summary_line(module_table.module_rows(exp), '',
                                      exp.precision)
     self.assertIn('; 4-bit matmuls: 4 Linear (2 kept in fp8), nvfp4', line)
+
+  def test_a_resume_is_bit_exact_and_pjit_rounds_as_one_device(self):
+    """The gradients' stochastic rounding draws from the state's key: 2
+    steps, a checkpoint, 2 more are the 4 straight steps bit for bit; and a
+    pjit run over a (4, 2) mesh, whose program is the whole batch's, draws
+    the same roundings (losses within float32 sums' order)."""
+    config = self._config()
+    config.model.dropout_rate = 0.0
+    config.data.source = 'synthetic'
+    exp = experiment.build(config)
+    batches = [helpers.random_batch(config, 16, seed=s) for s in range(4)]
+
+    def steps(state, first, last, strategy=exp.strategy):
+      losses = []
+      for batch in batches[first:last]:
+        state, metrics = strategy.train_step(state, strategy.place_batch(batch))
+        losses.append(float(metrics['loss']))
+      return state, losses
+
+    straight, losses = steps(exp.strategy.init_state(), 0, 4)
+    with tempfile.TemporaryDirectory() as workdir:
+      with contextlib.closing(checkpoint.Checkpointer(workdir, 1)) as ckpt:
+        ckpt.save(2, steps(exp.strategy.init_state(), 0, 2)[0])
+      with contextlib.closing(checkpoint.Checkpointer(workdir, 1)) as ckpt:
+        _, restored = ckpt.restore_latest(exp.abstract_state)
+    resumed, _ = steps(exp.strategy.place_state(restored), 2, 4)
+    storable = lambda s: jax.device_get(s._replace(
+        rng=jax.random.key_data(s.rng)))
+    chex.assert_trees_all_equal(storable(resumed), storable(straight))
+    config.parallel.update(strategy='pjit', mesh_shape=(4, 2))
+    pjit = experiment.build(config).strategy
+    _, pjit_losses = steps(pjit.init_state(), 0, 4, pjit)
+    np.testing.assert_allclose(pjit_losses, losses, rtol=2e-5)
 
   def test_settings_that_cannot_work_name_themselves(self):
     for fp8, message in (
