@@ -8,6 +8,7 @@ python -m launch.lab profile --config=configs/vit_bf16.py --steps=5
 python -m launch.lab matmul --out=lab [--rows=1024 --cols=65536 --repeats=5]
 python -m launch.lab dot_algorithms --out=lab [--size=2048]
 python -m launch.lab fp8 --config=configs/vit_fp8.py [--nocompile]
+python -m launch.lab ladder --config=configs/vit_cpu_recipe.py --workdirs=runs/fp32,runs/bf16,...
 python -m launch.lab report --out=report [--parts=benchmark,...] [--quick] \
     [--config.data.source=arrays --config.data.arrays_path=cifar10.npz]
 python -m launch.lab rounding --checkpoint=WORKDIR [--checkpoint_step=N] [--batches=4]
@@ -41,6 +42,7 @@ from haiku_mp.measure import variants
 from haiku_mp.report import report
 from haiku_mp.studies import dot_algorithms
 from haiku_mp.studies import fp8_gemms
+from haiku_mp.studies import ladder
 from haiku_mp.studies import matmul
 from haiku_mp.studies import memory
 from haiku_mp.studies import params
@@ -98,6 +100,9 @@ _BATCHES = flags.DEFINE_integer('batches', 8, 'advise, rounding: training '
 _LEVEL = flags.DEFINE_string(
     'level', 'stats', "advise: 'stats' (statistics and verdicts) or "
     "'knockout' (also each module alone in half precision).")
+_WORKDIRS = flags.DEFINE_list(
+    'workdirs', [], 'ladder: finished launch.train workdirs (runs of one '
+    'variant are its seeds).')
 _COMPILE = flags.DEFINE_bool(
     'compile', True, "memory: also compile each variant's train step; fp8: "
     'compile the step to see which kernel runs each matmul.')
@@ -185,6 +190,14 @@ def _rounding():
   return result, rounding.plot
 
 
+def _ladder():
+  if not _WORKDIRS.value:
+    raise errors.ConfigError('--workdirs: the ladder takes finished '
+                             'launch.train workdirs, e.g. '
+                             '--workdirs=runs/fp32,runs/bf16')
+  return ladder.run(_CONFIG.value, _WORKDIRS.value, log=_log), ladder.plot
+
+
 def _dot_algorithms():
   return (dot_algorithms.run(_SIZE.value, _REPEATS.value, log=_log),
           dot_algorithms.plot)
@@ -193,7 +206,7 @@ def _dot_algorithms():
 STUDIES = {'params': _params, 'sweep': _sweep, 'memory': _memory,
                'precision': _precision, 'matmul': _matmul, 'profile': _profile,
                'dot_algorithms': _dot_algorithms, 'fp8': _fp8,
-               'rounding': _rounding}
+               'rounding': _rounding, 'ladder': _ladder}
 # Every command: the studies, the report that runs several of them, and
 # the advisor.
 COMMANDS = (*STUDIES, 'report', 'advise')

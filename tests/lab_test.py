@@ -7,6 +7,7 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import contextlib
+import copy
 import io
 import json
 import math
@@ -25,6 +26,7 @@ from haiku_mp import errors
 from haiku_mp.measure import compare
 from haiku_mp.measure import variants
 from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.studies import ladder
 from haiku_mp.studies import matmul
 from haiku_mp.studies import memory
 from haiku_mp.studies import params
@@ -323,6 +325,60 @@ def _moment_bytes(config, kind: str, count: int) -> int:
   scales = sum(math.prod(p.shape[:-1]) * -(-p.shape[-1] // block) if p.shape
                else 1 for p in jax.tree.leaves(trained))
   return count + 4 * scales
+
+
+class LadderTest(absltest.TestCase):
+
+  def test_runs_become_points_of_accuracy_and_bytes(self):
+    """Three finished runs (their config.json and summary.json): two seeds
+    of bfloat16 make one point, their mean; 4 bits and 8-bit moments are
+    placed by what they keep."""
+    base = helpers.tiny_config('params=float32,compute=bfloat16,'
+                               'output=float32')
+    runs = (('bf16_s0', 0, {}, 0.60), ('bf16_s1', 1, {}, 0.62),
+            ('nvfp4', 0, {'precision.fp8.modules': '*/encoder_block_*',
+                          'precision.fp8.format': 'nvfp4'}, 0.58),
+            ('state8', 0, {'precision.policy': 'p=bf16,c=bf16,o=f32',
+                           'precision.param_update': 'stochastic',
+                           'precision.mu_dtype': 'float8_blocks',
+                           'precision.nu_dtype': 'float8_blocks'}, 0.61))
+    workdirs = []
+    with tempfile.TemporaryDirectory() as root:
+      for name, seed, changes, accuracy in runs:
+        config = copy.deepcopy(base)
+        config.seed = seed
+        for key, value in changes.items():
+          *parents, field = key.split('.')
+          holder = config
+          for part in parents:
+            holder = holder[part]
+          holder[field] = value
+        workdir = os.path.join(root, name)
+        os.makedirs(os.path.join(workdir, 'checkpoints'))
+        with open(os.path.join(workdir, 'config.json'), 'w') as f:
+          f.write(config.to_json_best_effort())
+        with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+          json.dump(dict(test_accuracy=accuracy, ema_test_accuracy=accuracy),
+                    f)
+        workdirs.append(workdir)
+      result = ladder.run(base, workdirs, log=lambda _: None)
+      paths = ladder.plot(result, root)
+      self.assertTrue(os.path.getsize(paths[0]))
+    self.assertEqual([r['variant'] for r in result['runs']],
+                     ['bfloat16', 'bfloat16', 'nvfp4', 'pure_bf16_8bit'])
+    means = {m['variant']: m for m in result['variants']}
+    self.assertEqual(means['bfloat16']['seeds'], 2)
+    self.assertAlmostEqual(means['bfloat16']['test_accuracy'], 0.61)
+    self.assertEqual(means['nvfp4']['matmul_bytes'], 0.5625)
+    self.assertEqual(means['nvfp4']['state_bytes'],
+                     means['bfloat16']['state_bytes'])
+    # float32 params and moments: 12 bytes (the tiny model's LayerNorm and
+    # biases change nothing); 8-bit moments with bfloat16 params: under 6.
+    self.assertAlmostEqual(means['bfloat16']['state_bytes'], 12.0, places=3)
+    self.assertLess(means['pure_bf16_8bit']['state_bytes'], 6.0)
+    with self.assertRaisesRegex(errors.ConfigError,
+                                'summary.json cannot be read'):
+      ladder.run(base, ['/nonexistent'], log=lambda _: None)
 
 
 @helpers.long_running
@@ -699,7 +755,7 @@ class CommandLineTest(parameterized.TestCase):
   @parameterized.parameters(
       (['sweepp'], "expected one command of ('params', 'sweep', 'memory', "
                    "'precision', 'matmul', 'profile', 'dot_algorithms', "
-                   "'fp8', 'rounding', 'report', 'advise')"),
+                   "'fp8', 'rounding', 'ladder', 'report', 'advise')"),
       (['advise', '--batches=0'], '--batches=0 must be at least 1'),
       (['advise', '--level=deep'],
        "--level: unknown value 'deep'; expected one of"),
@@ -709,6 +765,8 @@ class CommandLineTest(parameterized.TestCase):
        'advisor.max_relative_error=2.0 must be in [0, 1)'),
       (['advise', '--config.advisor.fp8_max_underflow_share=2'],
        'advisor.fp8_max_underflow_share=2 must be in [0, 1]'),
+      (['ladder'], '--workdirs: the ladder takes finished launch.train '
+       'workdirs'),
       (['advise', '--config.advisor.fp4_max_flushed_share=-0.5'],
        'advisor.fp4_max_flushed_share=-0.5 must be in [0, 1]'),
       (['advise', '--config.advisor.loss_scale_headroom=0.5'],

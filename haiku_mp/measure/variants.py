@@ -30,6 +30,10 @@ BATCH_SIZES = (128, 1024, 4096)
 PURE_BF16 = 'pure_bf16'
 _PURE_BF16_STATE = dict(param_update='stochastic', mu_dtype='bfloat16',
                         nu_dtype='bfloat16')
+# Its params with 8-bit moments (configs/vit_pure_bf16_8bit.py).
+PURE_BF16_8BIT = 'pure_bf16_8bit'
+_PURE_BF16_8BIT_STATE = dict(param_update='stochastic',
+                             mu_dtype='float8_blocks', nu_dtype='float8_blocks')
 
 
 def compute_dtype(config: ml_collections.ConfigDict) -> str:
@@ -46,9 +50,11 @@ def variant_name(config: ml_collections.ConfigDict) -> str:
       return config.precision.fp8.format
     return fp8.VARIANT_PREFIX + config.precision.fp8.scaling
   policy = policies.parse_policy(config.precision.policy)
-  if (jnp.dtype(policy.param_dtype) == jnp.bfloat16 and
-      all(config.precision[k] == v for k, v in _PURE_BF16_STATE.items())):
-    return PURE_BF16
+  if jnp.dtype(policy.param_dtype) == jnp.bfloat16:
+    for name, state in ((PURE_BF16, _PURE_BF16_STATE),
+                        (PURE_BF16_8BIT, _PURE_BF16_8BIT_STATE)):
+      if all(config.precision[k] == v for k, v in state.items()):
+        return name
   return compute_dtype(config)
 
 

@@ -1,0 +1,122 @@
+"""Study `ladder`: the precision ladder, from finished runs. Each run's test
+accuracy against what its precision keeps per parameter, in two ways:
+
+- the matmul: the bytes per weight a GEMM reads in the run's format (a
+  low-bit format's block scales included: MXFP8 one E8M0 byte per 32, NVFP4
+  one E4M3 byte per 16, MXFP4 one E8M0 byte per 32; a per-tensor scale is
+  nothing per weight);
+- the training state: bytes per parameter of the params and what the
+  optimizer keeps for them (master copy, Adam's moments, a Kahan buffer),
+  read from the run's own state as `state_layout` reads it; the moving
+  average (float32 in every layout, and a run may keep none), fp8 and 4-bit
+  metadata and the step's counters left out.
+
+Runs of the same variant (`variants.variant_name`: dtype, fp8 scaling, 4-bit
+format or state layout) are its seeds: their mean is the point, each run a
+dot beside it.
+"""
+
+import collections
+import json
+import os
+from typing import Any, Callable
+
+import ml_collections
+import numpy as np
+
+from haiku_mp.advisor import driver as advisor
+from haiku_mp import errors
+from haiku_mp.measure import variants
+from haiku_mp.train import experiment
+from haiku_mp.train import run_plots
+from haiku_mp.train import state_layout
+
+SUMMARY_FILE = 'summary.json'
+# The parts of `state_layout.PARTS` the ladder counts as the state.
+_STATE_PARTS = ('params', 'master', 'mu', 'nu', 'compensation')
+# Bytes per weight a GEMM reads, per variant: the format's bits and its
+# block scales (a per-tensor scale costs nothing per weight).
+MATMUL_BYTES = {
+    'float32': 4.0, 'bfloat16': 2.0, 'float16': 2.0,
+    variants.PURE_BF16: 2.0, variants.PURE_BF16_8BIT: 2.0,
+    'fp8_current': 1.0, 'fp8_delayed': 1.0, 'fp8_mx': 1.0 + 1 / 32,
+    'nvfp4': 0.5 + 1 / 16, 'mxfp4': 0.5 + 1 / 32,
+}
+
+
+def run_row(config: ml_collections.ConfigDict, workdir: str,
+            log: Callable[[str], None] = print) -> dict[str, Any]:
+  """One finished run: its variant, seed, test accuracies and bytes."""
+  path = os.path.join(workdir, SUMMARY_FILE)
+  try:
+    with open(path) as f:
+      summary = json.load(f)
+  except (OSError, ValueError) as e:
+    raise errors.ConfigError(f'--workdirs: {path} cannot be read ({e}); '
+                             'the ladder takes finished runs') from None
+  config = advisor.with_run_config(config, workdir, log=log,
+                                   command='ladder')
+  name = variants.variant_name(config)
+  if name not in MATMUL_BYTES:
+    raise errors.ConfigError(f'--workdirs: {workdir} is a {name} run; the '
+                             f'ladder knows {tuple(MATMUL_BYTES)}')
+  state = experiment.build_without_data(config).abstract_state
+  per = state_layout.per_parameter(state_layout.bytes_by_part(state),
+                                   state_layout.param_count(state))
+  return dict(workdir=os.path.basename(os.path.normpath(workdir)),
+              variant=name, seed=config.seed,
+              test_accuracy=summary['test_accuracy'],
+              ema_test_accuracy=summary.get('ema_test_accuracy'),
+              matmul_bytes=MATMUL_BYTES[name],
+              state_bytes=sum(per[p] for p in _STATE_PARTS))
+
+
+def run(config: ml_collections.ConfigDict, workdirs: list[str],
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Every run's row and, per variant, the seeds' mean."""
+  rows = [run_row(config, w, log) for w in workdirs]
+  by_variant = collections.defaultdict(list)
+  for r in rows:
+    by_variant[r['variant']].append(r)
+  means = []
+  for name, runs in by_variant.items():
+    accuracy = [r['test_accuracy'] for r in runs]
+    means.append(dict(variant=name, seeds=len(runs),
+                      test_accuracy=float(np.mean(accuracy)),
+                      matmul_bytes=runs[0]['matmul_bytes'],
+                      state_bytes=runs[0]['state_bytes']))
+    log(f'ladder {name}: {100 * means[-1]["test_accuracy"]:.2f}% test over '
+        f'{len(runs)} run(s), matmul {runs[0]["matmul_bytes"]:.3g} bytes per '
+        f'weight, state {runs[0]["state_bytes"]:.2f} bytes per parameter')
+  means.sort(key=lambda m: (-m['matmul_bytes'], -m['state_bytes']))
+  return dict(experiment='ladder', runs=rows, variants=means)
+
+
+def plot(result: dict[str, Any], out_dir: str) -> list[str]:
+  """Two panels: test accuracy against the matmul's bytes per weight and
+  against the state's bytes per parameter; a point per variant (its seeds'
+  mean), a dot per run."""
+  path = os.path.join(out_dir, 'precision_ladder.png')
+  fig, axes = run_plots.figure(1, 2, figsize=(13, 4.8), sharey=True)
+  for ax, key, label in (
+      (axes[0], 'matmul_bytes', 'the matmul: bytes per weight'),
+      (axes[1], 'state_bytes', 'the training state: bytes per parameter')):
+    for m in result['variants']:
+      runs = [r for r in result['runs'] if r['variant'] == m['variant']]
+      line = ax.plot([m[key]], [100 * m['test_accuracy']], 'o',
+                     label=m['variant'])[0]
+      ax.plot([r[key] for r in runs], [100 * r['test_accuracy'] for r in runs],
+              '.', color=line.get_color(), alpha=0.5)
+      ax.annotate(m['variant'], (m[key], 100 * m['test_accuracy']),
+                  textcoords='offset points', xytext=(4, 4), fontsize=8)
+    ax.set_xscale('log', base=2)
+    ticks = sorted({m[key] for m in result['variants']})
+    ax.set_xticks(ticks, [f'{t:.3g}' for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel(label + ' (log scale)')
+    ax.grid(True, alpha=0.3)
+  axes[0].set_ylabel('test accuracy (%)')
+  fig.suptitle('The precision ladder: accuracy against what each format '
+               'keeps (a point per variant, its seeds\' mean; dots: runs)')
+  run_plots.save(fig, path)
+  return [path]
