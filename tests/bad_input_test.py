@@ -129,11 +129,13 @@ class BadInputTest(parameterized.TestCase):
        'configs/vit_cpu_recipe.py, configs/vit_recipe.py (:VARIANT, one of '
        "('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16', 'pure_bf16_8bit'))"),
       # A 56-line traceback ending in a SyntaxError.
-      ('config_file_not_python', ['--config=README.md', 'WORKDIR'],
-       'error: --config=README.md: README.md is not Python (SyntaxError at '
-       'line 18: unterminated string literal (detected at line 18)); '
-       '--config takes a config file: Python with a get_config() that '
-       'returns the settings, like configs/vit_cpu.py'),
+      # A file of its own: README.md's first syntax error moves as it grows.
+      ('config_file_not_python',
+       ['--config=tests/data/not_python.txt', 'WORKDIR'],
+       'error: --config=tests/data/not_python.txt: tests/data/not_python.txt '
+       'is not Python (SyntaxError at line 1: unterminated string literal '
+       '(detected at line 1)); --config takes a config file: Python with a '
+       'get_config() that returns the settings, like configs/vit_cpu.py'),
       # "error: IsADirectoryError: [Errno 21] Is a directory: 'configs'".
       ('config_file_a_directory', ['--config=configs', 'WORKDIR'],
        'error: --config=configs: configs is a directory; --config takes a '
