@@ -230,63 +230,44 @@ class StateLayoutsAgreeTest(parameterized.TestCase):
       # Integer bits added and masked: bit for bit on any sharding and CPU.
       chex.assert_trees_all_equal(np.asarray(got), np.asarray(want))
 
-  def test_8_bit_moments_are_sharded_like_the_params(self):
-    """The codes split as their params; each block scale lies with its
-    block where the param's split falls on whole blocks, and is replicated
-    where it does not."""
+  def test_compensation_and_moments_are_sharded_like_the_params(self):
+    """One program for three kinds of state: a Kahan buffer and a bfloat16
+    first moment split as their params; an 8-bit second moment's codes
+    too, and each block scale lies with its block where the param's split
+    falls on whole blocks, and is replicated where it does not."""
     config = _config('pjit', (4, 2), policy='p=bf16,c=bf16,o=f32')
     config.model.num_layers = 1
-    config.precision.update(param_update='stochastic',
-                            mu_dtype='float8_blocks',
+    config.precision.update(param_update='kahan', mu_dtype='bfloat16',
                             nu_dtype='float8_blocks', moment_block_size=16)
     par = _setup(config)
     state = par.init_state()
     name = 'vit/encoder_block_0/mlp_block/fc1'
+    query = 'vit/encoder_block_0/attention/query'
     fc1 = state.params[name]['w']
     self.assertEqual(fc1.sharding.spec, P(None, 'model'))
     rows, columns = fc1.shape
 
     def check(state):
-      for part in ('mu', 'nu'):
-        moment = optax.tree_utils.tree_get(state.opt_state, part)
-        codes, scales = moment.codes[name]['w'], moment.scales[name]['w']
-        self.assertEqual((codes.dtype, codes.sharding),
-                         (jnp.dtype(jnp.float8_e4m3fn), fc1.sharding), part)
-        self.assertEqual(scales.shape, (rows, columns // 16))
-        self.assertEqual(scales.sharding.spec, P(None, 'model'), part)
-        # query's 16 columns split in two, but its one block does not.
-        query = 'vit/encoder_block_0/attention/query'
-        self.assertEqual(moment.codes[query]['w'].sharding.spec,
-                         P(None, 'model'))
-        self.assertEqual(moment.scales[query]['w'].shape, (rows, 1))
-        self.assertEqual(moment.scales[query]['w'].sharding.spec, P())
+      for part in ('compensation', 'mu'):
+        leaf = optax.tree_utils.tree_get(state.opt_state, part)[name]['w']
+        self.assertEqual((leaf.dtype, leaf.sharding),
+                         (jnp.dtype(jnp.bfloat16), fc1.sharding), part)
+      nu = optax.tree_utils.tree_get(state.opt_state, 'nu')
+      codes, scales = nu.codes[name]['w'], nu.scales[name]['w']
+      self.assertEqual((codes.dtype, codes.sharding),
+                       (jnp.dtype(jnp.float8_e4m3fn), fc1.sharding))
+      self.assertEqual(scales.shape, (rows, columns // 16))
+      self.assertEqual(scales.sharding.spec, P(None, 'model'))
+      # query's 16 columns split in two, but its one block does not.
+      self.assertEqual(nu.codes[query]['w'].sharding.spec, P(None, 'model'))
+      self.assertEqual(nu.scales[query]['w'].shape, (rows, 1))
+      self.assertEqual(nu.scales[query]['w'].sharding.spec, P())
 
     check(state)
     state, metrics = par.train_step(state, par.place_batch(
         helpers.random_batch(config, config.batch_size)))
     self.assertTrue(bool(metrics['grads_finite']))
     check(state)
-
-  def test_compensation_and_moments_are_sharded_like_the_params(self):
-    config = _config('pjit', (4, 2), policy='p=bf16,c=bf16,o=f32')
-    config.model.num_layers = 1
-    config.precision.update(param_update='kahan', mu_dtype='bfloat16',
-                            nu_dtype='bfloat16')
-    par = _setup(config)
-    state = par.init_state()
-    name = 'vit/encoder_block_0/mlp_block/fc1'
-    fc1 = state.params[name]['w']
-    self.assertEqual(fc1.sharding.spec, P(None, 'model'))
-    for part in ('compensation', 'mu', 'nu'):
-      leaf = optax.tree_utils.tree_get(state.opt_state, part)[name]['w']
-      self.assertEqual((leaf.dtype, leaf.sharding),
-                       (jnp.dtype(jnp.bfloat16), fc1.sharding), part)
-    state, metrics = par.train_step(state, par.place_batch(
-        helpers.random_batch(config, config.batch_size)))
-    self.assertTrue(bool(metrics['grads_finite']))
-    self.assertEqual(optax.tree_utils.tree_get(
-        state.opt_state, 'compensation')[name]['w'].sharding.spec,
-                     P(None, 'model'))
 
 
 @helpers.long_running
