@@ -1,7 +1,7 @@
 """A CPU-sized ViT (embed 128, 4 layers, patch 4) for real runs on a few cores.
 
 The argument after the colon picks the precision variant (fp32, bf16, fp16,
-fp8, pure_bf16, pure_bf16_8bit):
+fp8, nvfp4, mxfp4, pure_bf16, pure_bf16_8bit):
 
 python -m launch.train --config=configs/vit_cpu.py:fp16 --workdir=runs/cpu_fp16
 """
@@ -12,7 +12,8 @@ import ml_collections
 
 from haiku_mp import errors
 
-VARIANTS = ('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16', 'pure_bf16_8bit')
+VARIANTS = ('fp32', 'bf16', 'fp16', 'fp8', 'nvfp4', 'mxfp4', 'pure_bf16',
+            'pure_bf16_8bit')
 
 
 def variant(module: str, precision: str) -> ml_collections.ConfigDict:

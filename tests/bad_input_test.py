@@ -108,12 +108,14 @@ class BadInputTest(parameterized.TestCase):
        'error: --config=configs/vit_fp61.py: no such file; the configs are '
        'configs/base.py, configs/vit_bf16.py, configs/vit_cpu.py, '
        'configs/vit_cpu_recipe.py, configs/vit_fp16.py, configs/vit_fp32.py, '
-       'configs/vit_fp8.py, configs/vit_pure_bf16.py, '
-       'configs/vit_pure_bf16_8bit.py, configs/vit_recipe.py'),
+       'configs/vit_fp8.py, configs/vit_mxfp4.py, configs/vit_nvfp4.py, '
+       'configs/vit_pure_bf16.py, configs/vit_pure_bf16_8bit.py, '
+       'configs/vit_recipe.py'),
       ('config_variant_unknown', ['--config=configs/vit_cpu.py:fp4',
                                   'WORKDIR'],
        "error: --config=configs/vit_cpu.py:fp4: unknown variant 'fp4'; "
-       "expected one of ('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16', 'pure_bf16_8bit')"),
+       "expected one of ('fp32', 'bf16', 'fp16', 'fp8', 'nvfp4', 'mxfp4', "
+       "'pure_bf16', 'pure_bf16_8bit')"),
       ('required_flag_missing', ['--config=configs/vit_fp16.py'],
        'error: --workdir is required'),
       # A missing file failed every override of its fields with a 58-line
@@ -127,7 +129,8 @@ class BadInputTest(parameterized.TestCase):
        'error: --config=configs/vit_fp32.py:bf16: configs/vit_fp32.py takes '
        'no variant (:bf16); the configs that do are configs/vit_cpu.py, '
        'configs/vit_cpu_recipe.py, configs/vit_recipe.py (:VARIANT, one of '
-       "('fp32', 'bf16', 'fp16', 'fp8', 'pure_bf16', 'pure_bf16_8bit'))"),
+       "('fp32', 'bf16', 'fp16', 'fp8', 'nvfp4', 'mxfp4', 'pure_bf16', "
+       "'pure_bf16_8bit'))"),
       # A 56-line traceback ending in a SyntaxError.
       # A file of its own: README.md's first syntax error moves as it grows.
       ('config_file_not_python',

@@ -57,7 +57,17 @@ class ConfigsTest(parameterized.TestCase):
                          'params=bfloat16,compute=bfloat16,output=float32',
                          'precision.param_update': 'stochastic',
                          'precision.mu_dtype': 'bfloat16',
-                         'precision.nu_dtype': 'bfloat16'}))
+                         'precision.nu_dtype': 'bfloat16'}),
+      ('vit_pure_bf16_8bit', {'precision.policy':
+                              'params=bfloat16,compute=bfloat16,output=float32',
+                              'precision.param_update': 'stochastic',
+                              'precision.mu_dtype': 'float8_blocks',
+                              'precision.nu_dtype': 'float8_blocks'}),
+      *((f'vit_{fmt}', {'precision.policy':
+                        'params=float32,compute=bfloat16,output=float32',
+                        'precision.fp8.modules': '*/encoder_block_*',
+                        'precision.fp8.format': fmt})
+        for fmt in ('nvfp4', 'mxfp4')))
   def test_variants_differ_only_in_precision(self, name, expected):
     reference = _flat(base.get_config())
     config = _flat(importlib.import_module(f'configs.{name}').get_config())
@@ -69,7 +79,7 @@ class ConfigsTest(parameterized.TestCase):
     with self.assertRaisesRegex(
         errors.ConfigError,
         r"^unknown variant 'fp4'; expected one of \('fp32', 'bf16', "
-        r"'fp16', 'fp8', 'pure_bf16', 'pure_bf16_8bit'\)$"):
+        r"'fp16', 'fp8', 'nvfp4', 'mxfp4', 'pure_bf16', 'pure_bf16_8bit'\)$"):
       vit_cpu.get_config('fp4')
 
   @parameterized.parameters('vit_cpu', 'vit_cpu_recipe', 'vit_recipe')
