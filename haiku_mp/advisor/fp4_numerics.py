@@ -53,21 +53,14 @@ def size(tensor: str) -> int:
   return len(fields(tensor))
 
 
-def _blocked(x: jax.Array, block: int) -> jax.Array:
-  """2-D `x` [rows, n] as [rows, n / block, block], zero-padded."""
-  x = jnp.pad(x, [(0, 0), (0, -x.shape[1] % block)])
-  return x.reshape(x.shape[0], -1, block)
-
-
 def _case_stats(x: jax.Array, fmt: str, axis: int) -> list[jax.Array]:
   """[blocks, flushed_blocks, underflow, error_squares] of 2-D `x` held as
   `fmt` in blocks along `axis`."""
   config = fp4.Fp4(fmt)
   held = config.quantized(x, axis)
   error = held - x
-  if axis == 0:
-    x, held = x.T, held.T
-  values, kept = _blocked(x, config.block), _blocked(held, config.block)
+  values = fp4.blocks(x, axis, config.block)
+  kept = fp4.blocks(held, axis, config.block)
   nonzero = values != 0
   flushed = nonzero & (kept == 0)
   count = jnp.sum(nonzero, axis=-1)

@@ -100,7 +100,7 @@ def _rounded(x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
   return round_e2m1(x) if key is None else stochastic_round_e2m1(x, key)
 
 
-def _blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
+def blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
   """float32 `x` with `axis` last, split into blocks of `block` values
   (`axis` zero-padded to a multiple of `block`)."""
   x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
@@ -110,9 +110,9 @@ def _blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
   return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _unblocks(blocks: jax.Array, axis: int, size: int) -> jax.Array:
-  """`_blocks` undone: the first `size` values of `axis`, back in place."""
-  x = blocks.reshape(*blocks.shape[:-2], -1)[..., :size]
+def unblocks(blocked: jax.Array, axis: int, size: int) -> jax.Array:
+  """`blocks` undone: the first `size` values of `axis`, back in place."""
+  x = blocked.reshape(*blocked.shape[:-2], -1)[..., :size]
   return jnp.moveaxis(x, -1, axis)
 
 
@@ -173,8 +173,8 @@ def nvfp4(x: jax.Array, axis: int = -1, *, two_d: bool = False,
     return _untiles(_nvfp4_blocks(_tiles(x, block), tensor_scale, key,
                                   (-2, -1)), x.shape)
   axis = axis % x.ndim
-  held = _nvfp4_blocks(_blocks(x, axis, block), tensor_scale, key, (-1,))
-  return _unblocks(held, axis, x.shape[axis])
+  held = _nvfp4_blocks(blocks(x, axis, block), tensor_scale, key, (-1,))
+  return unblocks(held, axis, x.shape[axis])
 
 
 def mxfp4_block_exponents(blocks: jax.Array) -> jax.Array:
@@ -196,11 +196,11 @@ def mxfp4(x: jax.Array, axis: int = -1, *, key: Optional[jax.Array] = None,
   each with a power-of-two (E8M0) scale; values rounded to E2M1, to nearest
   or, with `key`, stochastically."""
   axis = axis % x.ndim
-  blocks = _blocks(x, axis, block)
-  exponents = mxfp4_block_exponents(blocks)
+  blocked = blocks(x, axis, block)
+  exponents = mxfp4_block_exponents(blocked)
   # Exact powers of two, in two factors where E8M0 leaves float32's normals.
-  held = times_exp2(_rounded(times_exp2(blocks, -exponents), key), exponents)
-  return _unblocks(held, axis, x.shape[axis])
+  held = times_exp2(_rounded(times_exp2(blocked, -exponents), key), exponents)
+  return unblocks(held, axis, x.shape[axis])
 
 
 def hadamard(size: int = NVFP4_BLOCK) -> jax.Array:
@@ -241,8 +241,8 @@ def transform_blocks(x: jax.Array, matrix: jax.Array,
   if x.shape[axis] % size:
     raise ValueError(f'the Hadamard transform of {size} takes an axis that '
                      f'{size} divides, not {x.shape[axis]}')
-  blocks = _blocks(x, axis, size)
-  return _unblocks(jnp.einsum('...i,ji->...j', blocks, matrix), axis,
+  blocked = blocks(x, axis, size)
+  return unblocks(jnp.einsum('...i,ji->...j', blocked, matrix), axis,
                    x.shape[axis])
 
 

@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from haiku_mp.model import fp4
+
 FLOAT8_BLOCKS = 'float8_blocks'
 CODE_DTYPE = jnp.float8_e4m3fn
 _CODE_MAX = float(jnp.finfo(CODE_DTYPE).max)  # 448
@@ -65,19 +67,14 @@ def num_blocks(shape: tuple[int, ...], block_size: int) -> int:
 
 
 def _as_blocks(x: jax.Array, block_size: int) -> jax.Array:
-  """`x` as [..., blocks, block_size], the last axis padded with zeros."""
-  x = x.reshape(x.shape or (1,))
-  nb = num_blocks(x.shape, block_size)
-  pad = nb * block_size - x.shape[-1]
-  if pad:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-  return x.reshape(*x.shape[:-1], nb, block_size)
+  """float32 `x` as [..., blocks, block_size] along its last axis, padded
+  with zeros (a scalar as one value)."""
+  return fp4.blocks(x.reshape(x.shape or (1,)), -1, block_size)
 
 
-def _from_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def _from_blocks(blocked: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   last = shape[-1] if shape else 1
-  flat = blocks.reshape(*blocks.shape[:-2], -1)[..., :last]
-  return flat.reshape(shape)
+  return fp4.unblocks(blocked, -1, last).reshape(shape)
 
 
 def stochastic_round_e4m3(x: jax.Array, uniform: jax.Array) -> jax.Array:
