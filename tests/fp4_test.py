@@ -15,11 +15,13 @@ from absl.testing import parameterized
 import chex
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import ml_dtypes
 import numpy as np
 
 from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.model import fp4
+from haiku_mp.parallel import sharding as sharding_lib
 from haiku_mp.train import checkpoint
 from haiku_mp.train import experiment
 from haiku_mp.train import module_table
@@ -313,11 +315,14 @@ class ModelTest(absltest.TestCase):
                                      exp.precision)
     self.assertIn('; 4-bit matmuls: 4 Linear (2 kept in fp8), nvfp4', line)
 
-  def test_a_resume_is_bit_exact_and_pjit_rounds_as_one_device(self):
+  def test_a_resume_is_bit_exact_and_pjit_stays_with_one_device(self):
     """The gradients' stochastic rounding draws from the state's key: 2
-    steps, a checkpoint, 2 more are the 4 straight steps bit for bit; and a
-    pjit run over a (4, 2) mesh, whose program is the whole batch's, draws
-    the same roundings (losses within float32 sums' order)."""
+    steps, a checkpoint, 2 more are the 4 straight steps bit for bit; a
+    pjit run over a (4, 2) mesh, whose program is the whole batch's, stays
+    near them. (Not bit for bit: XLA:CPU sums a shard's GEMM in another
+    order than the whole batch's, and a last-bit difference in a bfloat16
+    activation flips one of its 4-bit roundings now and then; the draws
+    themselves agree, `test_pjit_draws_and_mixes_as_one_device`.)"""
     config = self._config()
     config.model.dropout_rate = 0.0
     config.data.source = 'synthetic'
@@ -344,7 +349,28 @@ class ModelTest(absltest.TestCase):
     config.parallel.update(strategy='pjit', mesh_shape=(4, 2))
     pjit = experiment.build(config).strategy
     _, pjit_losses = steps(pjit.init_state(), 0, 4, pjit)
-    np.testing.assert_allclose(pjit_losses, losses, rtol=2e-5)
+    np.testing.assert_allclose(pjit_losses, losses, rtol=1e-4)
+
+  def test_pjit_draws_and_mixes_as_one_device(self):
+    """The stochastic roundings and the Hadamard transform of a gradient
+    split over the mesh as the pjit step splits it (tokens over `batch`,
+    features over `model`) are one device's, bit for bit."""
+    mesh = sharding_lib.make_mesh((4, 2))
+    g = jax.random.normal(jax.random.key(0), (80, 32))  # 80 tokens: 16 x 5.
+    signs = jnp.where(jax.random.bernoulli(jax.random.key(1), 0.5, (16,)),
+                      1.0, -1.0)
+
+    def rounded(g, bits):
+      key = jax.random.wrap_key_data(bits)
+      return [fp4.nvfp4(g, 1, key=key), fp4.mxfp4(g, 1, key=key),
+              fp4.nvfp4(fp4.hadamard_transform(g, signs, 0), 0, key=key)]
+
+    for seed in range(3):
+      bits = jax.random.key_data(jax.random.key(seed))
+      want = jax.jit(rounded)(g, bits)
+      for spec in (P('batch'), P('batch', 'model'), P(None, 'model')):
+        sharded = jax.device_put(g, jax.sharding.NamedSharding(mesh, spec))
+        chex.assert_trees_all_equal(jax.jit(rounded)(sharded, bits), want)
 
   def test_settings_that_cannot_work_name_themselves(self):
     for fp8, message in (

@@ -75,7 +75,7 @@ def _hadamard_along_tokens(x: jax.Array, signs: jax.Array) -> jax.Array:
   """`x` [tokens, k] with the recipe's transform on each block of 16
   tokens (zero-padded to whole blocks; orthogonal, so the norm stays)."""
   x = jnp.pad(x, [(0, -x.shape[0] % fp4.NVFP4_BLOCK), (0, 0)])
-  return fp4.transform_blocks(x, fp4.signed_hadamard(signs), 0)
+  return fp4.hadamard_transform(x, signs, 0)
 
 
 def tensor_stats(x: jax.Array, tensor: str, signs: jax.Array) -> jax.Array:

@@ -82,16 +82,34 @@ def _grid_below(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
   return low, jnp.minimum(low + step, E2M1_MAX)
 
 
+# Random bits per stochastically rounded value: 16, two values per 32-bit
+# word of JAX's threefry (`jax.random.bits`). The uniform draw of 32 bits
+# each was half of a 4-bit matmul's time on XLA:CPU; 16 bits leave a bias
+# of at most 2**-17 of the gap between two grid values.
+_RANDOM_BITS = 16
+
+
+def _uniform_halves(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Uniform float32 in (0, 1) of `shape`, 16 random bits each, drawn as
+  half as many 32-bit words: the words' high halves fill the first half of
+  the last axis, their low halves the second."""
+  last = shape[-1] if shape else 1
+  words = jax.random.bits(key, (*shape[:-1], -(-last // 2)), jnp.uint32)
+  halves = jnp.concatenate([words >> _RANDOM_BITS, words & 0xFFFF], axis=-1)
+  halves = halves[..., :last].reshape(shape)
+  return (halves.astype(jnp.float32) + 0.5) * 2.0**-_RANDOM_BITS
+
+
 def stochastic_round_e2m1(x: jax.Array, key: jax.Array) -> jax.Array:
   """`x` (float32) rounded to one of the two E2M1 values around it, the
-  upper one with probability (|x| - low) / (high - low): unbiased, E[result]
-  = x, for |x| <= 6; saturated at +-6 beyond; non-finite values as they
-  are."""
+  upper one with probability (|x| - low) / (high - low) (to 16 bits):
+  unbiased, E[result] = x, for |x| <= 6; saturated at +-6 beyond;
+  non-finite values as they are."""
   x = x.astype(jnp.float32)
   magnitude = jnp.minimum(jnp.abs(x), E2M1_MAX)
   low, high = _grid_below(magnitude)
   gap = jnp.where(high > low, high - low, 1.0)
-  up = jax.random.uniform(key, x.shape) < (magnitude - low) / gap
+  up = _uniform_halves(key, x.shape) < (magnitude - low) / gap
   rounded = jnp.sign(x) * jnp.where(up, high, low)
   return jnp.where(jnp.isfinite(x), rounded, x)
 
@@ -116,20 +134,33 @@ def unblocks(blocked: jax.Array, axis: int, size: int) -> jax.Array:
   return jnp.moveaxis(x, -1, axis)
 
 
+def _split(x: jax.Array, axis: int, block: int) -> jax.Array:
+  """float32 `x` with `axis` split in place into (blocks, `block`),
+  zero-padded to a multiple of `block`: a block's values lie on axis
+  `axis + 1`. Unlike `blocks`, nothing moves: blocks along the tokens (the
+  weight gradient's GEMM) took twice as long through a transpose."""
+  x = x.astype(jnp.float32)
+  padded = -x.shape[axis] % block
+  if padded:
+    x = jnp.pad(x, [(0, padded if a == axis else 0) for a in range(x.ndim)])
+  return x.reshape(*x.shape[:axis], x.shape[axis] // block, block,
+                   *x.shape[axis + 1:])
+
+
+def _merge(split: jax.Array, axis: int, size: int) -> jax.Array:
+  """`_split` undone: the first `size` values of `axis`."""
+  x = split.reshape(*split.shape[:axis], -1, *split.shape[axis + 2:])
+  return jax.lax.slice_in_dim(x, 0, size, axis=axis)
+
+
 def _tiles(x: jax.Array, block: int) -> jax.Array:
-  """2-D `x` as [rows / block, cols / block, block, block] tiles (both
-  axes zero-padded to multiples of `block`)."""
-  rows, cols = x.shape
-  x = jnp.pad(x.astype(jnp.float32),
-              [(0, -rows % block), (0, -cols % block)])
-  r, c = x.shape[0] // block, x.shape[1] // block
-  return x.reshape(r, block, c, block).transpose(0, 2, 1, 3)
+  """2-D `x` as [rows / block, block, cols / block, block]: a tile's values
+  on axes 1 and 3 (both axes zero-padded to multiples of `block`)."""
+  return _split(_split(x, 0, block), 2, block)
 
 
 def _untiles(tiles: jax.Array, shape: tuple[int, int]) -> jax.Array:
-  r, c, block, _ = tiles.shape
-  x = tiles.transpose(0, 2, 1, 3).reshape(r * block, c * block)
-  return x[:shape[0], :shape[1]]
+  return _merge(_merge(tiles, 2, shape[1]), 0, shape[0])
 
 
 def nvfp4_tensor_scale(x: jax.Array) -> jax.Array:
@@ -171,17 +202,19 @@ def nvfp4(x: jax.Array, axis: int = -1, *, two_d: bool = False,
       raise ValueError(f'2-D block scaling takes a matrix, not shape '
                        f'{x.shape}')
     return _untiles(_nvfp4_blocks(_tiles(x, block), tensor_scale, key,
-                                  (-2, -1)), x.shape)
+                                  (1, 3)), x.shape)
   axis = axis % x.ndim
-  held = _nvfp4_blocks(blocks(x, axis, block), tensor_scale, key, (-1,))
-  return unblocks(held, axis, x.shape[axis])
+  held = _nvfp4_blocks(_split(x, axis, block), tensor_scale, key,
+                       (axis + 1,))
+  return _merge(held, axis, x.shape[axis])
 
 
-def mxfp4_block_exponents(blocks: jax.Array) -> jax.Array:
-  """E8M0 exponents (int32, [..., n, 1]) of blocks on the last axis:
-  ceil(log2(amax / 6)), so no value saturates, within E8M0's range; 0 for
-  a zero block."""
-  amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+def mxfp4_block_exponents(blocks: jax.Array,
+                          axes: tuple[int, ...] = (-1,)) -> jax.Array:
+  """E8M0 exponents (int32, size 1 on `axes`) of blocks whose values lie on
+  `axes`: ceil(log2(amax / 6)), so no value saturates, within E8M0's range;
+  0 for a zero block."""
+  amax = jnp.max(jnp.abs(blocks), axis=axes, keepdims=True)
   mantissa, exponent = jnp.frexp(jnp.maximum(amax, _TINY))
   # amax = m * 2**e, m in [0.5, 1); amax / 6 = (m / 0.75) * 2**(e - 3):
   # ceil(log2) is e - 3 where m <= 0.75, else e - 2.
@@ -190,17 +223,28 @@ def mxfp4_block_exponents(blocks: jax.Array) -> jax.Array:
   return jnp.where(amax > 0, ceil, 0)
 
 
+def _mxfp4_blocks(blocks: jax.Array, key: Optional[jax.Array],
+                  axes: tuple[int, ...]) -> jax.Array:
+  """Blocks (values on `axes`) as MXFP4 holds them: exact powers of two, in
+  two factors where E8M0 leaves float32's normals."""
+  exponents = mxfp4_block_exponents(blocks, axes)
+  return times_exp2(_rounded(times_exp2(blocks, -exponents), key), exponents)
+
+
 def mxfp4(x: jax.Array, axis: int = -1, *, key: Optional[jax.Array] = None,
-          block: int = MXFP4_BLOCK) -> jax.Array:
-  """`x` (float32) as MXFP4 holds it: blocks of `block` values along `axis`,
-  each with a power-of-two (E8M0) scale; values rounded to E2M1, to nearest
-  or, with `key`, stochastically."""
+          block: int = MXFP4_BLOCK, two_d: bool = False) -> jax.Array:
+  """`x` (float32) as MXFP4 holds it: blocks of `block` values along `axis`
+  (`two_d`: 2-D `x` in `block` x `block` tiles), each with a power-of-two
+  (E8M0) scale; values rounded to E2M1, to nearest or, with `key`,
+  stochastically."""
+  if two_d:
+    if x.ndim != 2:
+      raise ValueError(f'2-D block scaling takes a matrix, not shape '
+                       f'{x.shape}')
+    return _untiles(_mxfp4_blocks(_tiles(x, block), key, (1, 3)), x.shape)
   axis = axis % x.ndim
-  blocked = blocks(x, axis, block)
-  exponents = mxfp4_block_exponents(blocked)
-  # Exact powers of two, in two factors where E8M0 leaves float32's normals.
-  held = times_exp2(_rounded(times_exp2(blocked, -exponents), key), exponents)
-  return unblocks(held, axis, x.shape[axis])
+  held = _mxfp4_blocks(_split(x, axis, block), key, (axis + 1,))
+  return _merge(held, axis, x.shape[axis])
 
 
 def hadamard(size: int = NVFP4_BLOCK) -> jax.Array:
@@ -238,12 +282,44 @@ def transform_blocks(x: jax.Array, matrix: jax.Array,
   `x.T @ g` = (H x).T @ (H g) blockwise along the tokens, exactly, before
   either is quantized."""
   size = matrix.shape[0]
+  axis = axis % x.ndim
   if x.shape[axis] % size:
     raise ValueError(f'the Hadamard transform of {size} takes an axis that '
                      f'{size} divides, not {x.shape[axis]}')
-  blocked = blocks(x, axis, size)
-  return unblocks(jnp.einsum('...i,ji->...j', blocked, matrix), axis,
-                   x.shape[axis])
+  split = _split(x, axis, size)
+  # The blocks' axis contracted in place (a transpose to the last axis took
+  # three times as long on XLA:CPU), at full float32 precision everywhere.
+  letters = 'abcdefghijklmnopqrstuvwx'[:split.ndim]
+  mixed = letters[:axis + 1] + 'z' + letters[axis + 2:]
+  split = jnp.einsum(f'{letters},z{letters[axis + 1]}->{mixed}', split,
+                     matrix, precision=jax.lax.Precision.HIGHEST)
+  return _merge(split, axis, x.shape[axis])
+
+
+def hadamard_transform(x: jax.Array, signs: jax.Array,
+                       axis: int) -> jax.Array:
+  """`transform_blocks(x, signed_hadamard(signs), axis)` as butterflies:
+  Sylvester's H is a Kronecker product of 2 x 2 factors, so each block is
+  mixed by log2(size) rounds of sums and differences. Each output is the
+  same sums in the same order however the tokens are sharded (a GEMM's
+  order is not, and a last-bit difference flips a rounding to E2M1), and on
+  XLA:CPU it takes a fraction of the GEMM's time."""
+  size = signs.shape[0]
+  axis = axis % x.ndim
+  if size < 1 or size & (size - 1) or x.shape[axis] % size:
+    raise ValueError(f'the Hadamard transform of {size} (a power of two) '
+                     f'takes an axis that {size} divides, not '
+                     f'{x.shape[axis]}')
+  split = _split(x, axis, size)
+  shape = split.shape
+  split = split * signs.astype(jnp.float32).reshape(
+      size, *[1] * (split.ndim - axis - 2))
+  rounds = size.bit_length() - 1
+  mixed = split.reshape(*shape[:axis + 1], *[2] * rounds, *shape[axis + 2:])
+  for bit in range(axis + 1, axis + 1 + rounds):
+    low, high = (jax.lax.index_in_dim(mixed, i, bit) for i in (0, 1))
+    mixed = jnp.concatenate([low + high, low - high], axis=bit)
+  return _merge(mixed.reshape(shape) / math.sqrt(size), axis, x.shape[axis])
 
 
 # ---- the 4-bit matmul of a Linear -------------------------------------------
@@ -290,12 +366,7 @@ class Fp4:
     """`x` as this format holds it, in blocks along `axis` (or tiles)."""
     if self.format == 'nvfp4':
       return nvfp4(x, axis, two_d=two_d, key=key)
-    if two_d:  # One E8M0 scale per 32 x 32 tile.
-      tiles = _tiles(x, MXFP4_BLOCK)
-      flat = tiles.reshape(*tiles.shape[:2], -1)
-      held = mxfp4(flat, -1, key=key, block=flat.shape[-1])
-      return _untiles(held.reshape(tiles.shape), x.shape)
-    return mxfp4(x, axis, key=key)
+    return mxfp4(x, axis, two_d=two_d, key=key)
 
   def describe(self) -> str:
     parts = [f'{self.format} (blocks of {self.block})']
@@ -372,8 +443,7 @@ def _backward(config, out_dtype, residuals, g):
     dx = _dot(qg, w_dgrad, _DGRAD)
   xt, gt = x.astype(jnp.float32), g
   if config.hadamard:
-    h = signed_hadamard(signs)
-    xt, gt = transform_blocks(xt, h, 0), transform_blocks(gt, h, 0)
+    xt, gt = (hadamard_transform(t, signs, 0) for t in (xt, gt))
   qxt = config.quantized(xt, 0)
   qgt = config.quantized(gt, 0, wgrad_key if stochastic else None)
   with jax.named_scope(WGRAD):
