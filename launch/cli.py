@@ -35,6 +35,7 @@ from ml_collections.config_flags.config_flags import is_config_flag
 from configs import vit_cpu
 from haiku_mp import errors
 from launch import command_help
+from launch import failed_saves
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OWN_CODE = tuple(os.path.join(_ROOT, package) + os.sep
@@ -400,9 +401,12 @@ def run(main: Callable[[list[str]], None], leave_at_exit: bool = True
       _exit(f'interrupted: {e}' if str(e) else
             'interrupted (Ctrl-C); stopped without saving', EXIT_INTERRUPTED)
 
-  try:
-    app.run(guarded, flags_parser=_parse_flags)
-  except SystemExit as e:
-    if not leave_at_exit:
-      raise
-    leave(e.code)
+  # One console for the whole command, failed checkpoint writes included;
+  # a command that leaves ends with it entered.
+  with failed_saves.silenced():
+    try:
+      app.run(guarded, flags_parser=_parse_flags)
+    except SystemExit as e:
+      if not leave_at_exit:
+        raise
+      leave(e.code)

@@ -38,6 +38,7 @@ from haiku_mp.train import metrics as metrics_lib
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
+from launch import failed_saves
 from tests import disk_full_at_step
 from tests import helpers
 from tests import signal_at_step
@@ -403,13 +404,15 @@ class CheckpointerTest(parameterized.TestCase):
     self.assertEqual(ckpt.run_record(2), dict(train_sec=2.5))
 
   def test_a_failed_save_is_one_error_and_what_it_leaves_prints_nothing(self):
-    # The failure leaves its quiet hooks for the rest of the process (which
-    # then stops); this one gets its own back after the test.
-    for owner, name in ((sys, 'excepthook'), (sys, 'unraisablehook'),
-                        (threading, 'excepthook'), (warnings, 'filters')):
-      self.enter_context(mock.patch.object(owner, name, getattr(owner, name)))
-    for logger in (logging.getLogger('asyncio'), absl_logging.get_absl_logger()):
-      self.enter_context(mock.patch.object(logger, 'filters', []))
+    """The checkpointer raises one error and touches no hook; the commands'
+    console (`failed_saves.silenced`, entered here as `cli.run` enters it)
+    drops what the failed writes leave, and gives the hooks back."""
+    owners = ((sys, 'excepthook'), (sys, 'unraisablehook'),
+              (threading, 'excepthook'))
+    loggers = (logging.getLogger('asyncio'), absl_logging.get_absl_logger())
+    found = lambda: ([getattr(o, n) for o, n in owners],
+                     [list(l.filters) for l in loggers], list(warnings.filters))
+    before = found()
     # orbax does not wait for the rest of a failed save's TensorStore writes:
     # given room back, some still create files in the checkpoint's temporary
     # folder after it has closed (a run stops then, and they stop with it).
@@ -426,29 +429,32 @@ class CheckpointerTest(parameterized.TestCase):
         jax.random.key(0))
     ckpt.save(1, state)
     ckpt.wait()
-    give_room_back = disk_full_at_step.leave_no_room(ckpt.directory)
-    try:
-      with self.assertRaisesRegex(
-          errors.RunError, 'could not save the checkpoint of step 2 .*the '
-          'last good checkpoint is step 1'):
-        ckpt.save(2, state._replace(step=jnp.asarray(2)))
-        ckpt.wait()
-    finally:
-      give_room_back()
-    # What TensorStore's writes leave once orbax has closed its event loop
-    # (seen in a full-disk run's output): futures whose exception was set,
-    # never raised (no traceback), and never retrieved; coroutines never
-    # awaited. Freed later, at any time, they print nothing.
-    loop = asyncio.new_event_loop()
-    future = loop.create_future()
-    future.set_exception(ValueError('OUT_OF_RANGE: Error writing "rng/0"'))
-    coroutine = asyncio.sleep(0)
-    with self.assertNoLogs('asyncio'), \
-        warnings.catch_warnings(record=True) as shown:
-      del future, coroutine
-      gc.collect()
-    loop.close()
-    self.assertEqual([str(w.message) for w in shown], [])
+    self.assertEqual(found(), before)
+    with failed_saves.silenced():
+      give_room_back = disk_full_at_step.leave_no_room(ckpt.directory)
+      try:
+        with self.assertRaisesRegex(
+            errors.RunError, 'could not save the checkpoint of step 2 .*the '
+            'last good checkpoint is step 1'):
+          ckpt.save(2, state._replace(step=jnp.asarray(2)))
+          ckpt.wait()
+      finally:
+        give_room_back()
+      # What TensorStore's writes leave once orbax has closed its event loop
+      # (seen in a full-disk run's output): futures whose exception was set,
+      # never raised (no traceback), and never retrieved; coroutines never
+      # awaited. Freed later, at any time, they print nothing.
+      loop = asyncio.new_event_loop()
+      future = loop.create_future()
+      future.set_exception(ValueError('OUT_OF_RANGE: Error writing "rng/0"'))
+      coroutine = asyncio.sleep(0)
+      with self.assertNoLogs('asyncio'), \
+          warnings.catch_warnings(record=True) as shown:
+        del future, coroutine
+        gc.collect()
+      loop.close()
+      self.assertEqual([str(w.message) for w in shown], [])
+    self.assertEqual(found(), before)
 
   def test_a_save_keeps_the_state_the_next_step_donates(self):
     # The save returns once the state is off the device; the next train step

@@ -12,7 +12,7 @@ from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import matplotlib.pyplot as plt
+from matplotlib import figure as mpl_figure
 
 from haiku_mp.measure import charts
 from haiku_mp.report import report
@@ -154,7 +154,6 @@ class PlotsTest(absltest.TestCase):
       self.assertEqual(fig.axes[-1].get_ylabel(),
                        run_plots.axis_label('updates_lost') if panels == 4 else
                        run_plots.axis_label('loss_scale', 'log'))
-      plt.close(fig)
 
   def test_lines_that_are_not_json_are_skipped_and_named(self):
     """A run killed mid-write leaves its last line cut short: what is
@@ -209,11 +208,14 @@ class FiguresTest(parameterized.TestCase):
     """The rendered figures `plot(result, out_dir)` draws."""
     tmp = self.enter_context(tempfile.TemporaryDirectory())
     figures = []
-    # Every figure is saved (so rendered) and then closed: keep it open.
-    with mock.patch.object(plt, 'close', side_effect=figures.append):
+    save = mpl_figure.Figure.savefig
+
+    def saved(fig, *args, **kwargs):  # Rendered as it is saved.
+      figures.append(fig)
+      return save(fig, *args, **kwargs)
+
+    with mock.patch.object(mpl_figure.Figure, 'savefig', saved):
       plot(result_fn(tmp), tmp)
-    for fig in figures:
-      self.addCleanup(plt.close, fig)
     self.assertNotEmpty(figures)
     return figures
 

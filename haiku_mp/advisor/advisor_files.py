@@ -10,6 +10,7 @@ import numpy as np
 
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import verdicts
+from haiku_mp.train import run_plots
 
 
 def _fmt_scale(window) -> str:
@@ -119,14 +120,11 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   """Per-module log2 histograms of outputs and gradients as heat maps, with
   float16's range drawn over them (for gradients, as the window's top scale
   sees them)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   rows = [r for r in result['modules'] if not r['same_as']]
   exponents = np.asarray(result['exponents'])
   top = result['float16_window']['exponents'][1] or 0
-  fig, axes = plt.subplots(1, 2, figsize=(16, 2 + 0.28 * len(rows)),
-                           sharey=True)
+  fig, axes = run_plots.figure(1, 2, figsize=(16, 2 + 0.28 * len(rows)),
+                               sharey=True)
   for ax, part, shift in ((axes[0], 'output', 0), (axes[1], 'gradient', top)):
     counts = np.asarray([r[part]['histogram'] for r in rows], np.float64)
     shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
@@ -154,7 +152,6 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   fig.colorbar(image, ax=axes, label='log10 share of non-zero values')
   path = os.path.join(out_dir, 'advise_histograms.png')
   fig.savefig(path, dpi=90, bbox_inches='tight')
-  plt.close(fig)
   return [path]
 
 

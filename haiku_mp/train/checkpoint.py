@@ -7,7 +7,10 @@ another shape) is skipped with a warning for the one before it; the trainer
 then sets it aside (renamed, never deleted) so that the step can be saved
 again. If none restores, the run stops with an error naming the directory.
 A save that fails (a full disk) is one error naming the step and the last
-good checkpoint. PRNG keys are stored as their raw key data.
+good checkpoint. PRNG keys are stored as their raw key data. What orbax's
+threads print after a failed write is theirs to print: the library leaves
+the process's hooks and loggers alone (`launch/failed_saves.py` quiets them
+for the commands).
 
 Each step holds two orbax items: `default`, the TrainState, and `run`, a small
 JSON record of the run so far (its train and eval time, and the metrics of
@@ -17,15 +20,10 @@ uninterrupted run does.
 Checkpoints without a `run` item (older ones) restore with an empty record.
 """
 
-import contextlib
 import dataclasses
-import logging as python_logging
 import os
 import re
-import sys
-import threading
 import time
-import warnings
 from typing import Any, Callable, Optional
 
 from absl import logging
@@ -97,108 +95,6 @@ def _describe(error: BaseException) -> str:
   return f'{type(error).__name__}: {text}' if text else type(error).__name__
 
 
-class _DropOrbaxErrors(python_logging.Filter):
-  """orbax logs each failed write with its traceback from several threads
-  (over a thousand lines for a full disk), and each unreadable file of a
-  corrupt checkpoint; the save's one error or the restore's one warning
-  says what happened."""
-
-  def filter(self, record: python_logging.LogRecord) -> bool:
-    return not (record.levelno >= python_logging.ERROR and
-                f'{os.sep}orbax{os.sep}' in record.pathname)
-
-
-class _OrbaxErrorsDropped:
-  """Drops orbax's error logs while it is entered (a class, not a generator,
-  so that one left entered after a failed save stays so when it is freed)."""
-
-  def __init__(self):
-    self._logger = logging.get_absl_logger()  # orbax logs through absl's.
-    self._filter = _DropOrbaxErrors()
-
-  def __enter__(self):
-    self._logger.addFilter(self._filter)
-    return self
-
-  def __exit__(self, *exc_info):
-    self._logger.removeFilter(self._filter)
-
-
-def _from_a_failed_save(traceback) -> bool:
-  """Whether a traceback runs through orbax's or asyncio's code."""
-  while traceback is not None:
-    filename = traceback.tb_frame.f_code.co_filename
-    if any(f'{os.sep}{name}{os.sep}' in filename
-           for name in ('orbax', 'asyncio', 'tensorstore')):
-      return True
-    traceback = traceback.tb_next
-  return False
-
-
-class _UnretrievedOrbaxWrites(python_logging.Filter):
-  """asyncio's 'Task exception was never retrieved' for orbax's writes (the
-  exception raised through orbax's code) and 'Future exception was never
-  retrieved' (the exception set on the future by TensorStore, never raised:
-  it has no traceback at all). Nothing else in a training process uses
-  asyncio while a save is in flight."""
-
-  def filter(self, record: python_logging.LogRecord) -> bool:
-    if not record.exc_info:
-      return True
-    traceback = record.exc_info[2]
-    return not (traceback is None or _from_a_failed_save(traceback))
-
-
-class _FailedSaveSilenced:
-  """Drops what a failed save's (or restore's) threads print: orbax closes its event loop on
-  the first failed write while TensorStore still completes the others, whose
-  callbacks then raise 'Event loop is closed' (through `sys.excepthook`),
-  asyncio logs each of its tasks' and futures' exceptions as never retrieved
-  when they are freed, Python warns of each coroutine never awaited, and the
-  unfinished ones are reported at exit (`sys.unraisablehook`): hundreds of
-  tracebacks for one full disk, at any time until the process ends.
-  Exceptions from elsewhere still reach the hooks that were there. After a
-  failure (the process is about to stop with the save's one error) it is
-  left entered: a class, not a generator, so freeing it changes nothing."""
-
-  # The message of Python's RuntimeWarning for a coroutine never awaited.
-  _UNAWAITED = r"coroutine '.*' was never awaited"
-
-  def __enter__(self):
-    self._hooks = sys.excepthook, sys.unraisablehook, threading.excepthook
-    excepthook, unraisablehook, thread_hook = self._hooks
-
-    def quiet_excepthook(kind, value, traceback):
-      # The main thread's own uncaught exception is never a failed save's
-      # leftover: it ends the process, and must be seen.
-      if (threading.current_thread() is threading.main_thread() or
-          not _from_a_failed_save(traceback)):
-        excepthook(kind, value, traceback)
-
-    def quiet_unraisablehook(unraisable):
-      if not _from_a_failed_save(unraisable.exc_traceback):
-        unraisablehook(unraisable)
-
-    def quiet_thread_hook(args):
-      if not _from_a_failed_save(args.exc_traceback):
-        thread_hook(args)
-
-    sys.excepthook = quiet_excepthook
-    sys.unraisablehook = quiet_unraisablehook
-    threading.excepthook = quiet_thread_hook
-    self._unretrieved = _UnretrievedOrbaxWrites()
-    python_logging.getLogger('asyncio').addFilter(self._unretrieved)
-    self._warnings = warnings.catch_warnings()
-    self._warnings.__enter__()
-    warnings.filterwarnings('ignore', self._UNAWAITED, RuntimeWarning)
-    return self
-
-  def __exit__(self, *exc_info):
-    self._warnings.__exit__(*exc_info)
-    python_logging.getLogger('asyncio').removeFilter(self._unretrieved)
-    sys.excepthook, sys.unraisablehook, threading.excepthook = self._hooks
-
-
 def _set_aside(path: str) -> str:
   """Renames `path` to the first free `path.unrestorable[-N]`."""
   target, n = path + UNRESTORABLE, 1
@@ -213,7 +109,6 @@ def _set_aside(path: str) -> str:
 class _Write:
   """A save whose files are still being written in the background."""
   step: int
-  quiet: contextlib.ExitStack  # Silences its threads until it is finished.
   start: float  # The clock when it started.
   blocking_sec: float = 0.0  # How long it held the loop.
 
@@ -258,11 +153,7 @@ class Checkpointer:
     self.wait()
     state = self._ready(state)
     start = self._clock()
-    # What a failed write's threads print is silenced until it is finished.
-    quiet = contextlib.ExitStack()
-    quiet.enter_context(_OrbaxErrorsDropped())
-    quiet.enter_context(_FailedSaveSilenced())
-    self._in_flight = _Write(step, quiet, start)
+    self._in_flight = _Write(step, start)
     try:
       self._manager.save(step, args=ocp.args.Composite(**{
           _STATE: ocp.args.StandardSave(_to_storable(state)),
@@ -273,7 +164,7 @@ class Checkpointer:
 
   def _failed(self, error: Exception):
     step = self._in_flight.step
-    self._in_flight = None  # Its quiet hooks stay: the run stops now.
+    self._in_flight = None
     last = max((s for s in self._manager.all_steps() if s != step),
                default=None)
     raise errors.RunError(
@@ -295,7 +186,6 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except
       self._failed(e)
     self._in_flight = None
-    write.quiet.close()
     # Found done at a log point: the write took at most this long.
     logging.info('Saved checkpoint %s/%d (off the device in %.2fs, its files '
                  'written in the background within %.1fs).',
@@ -321,20 +211,14 @@ class Checkpointer:
                ) -> tuple[Optional[str], Optional[TrainState]]:
     """(None, state) if `step` restores into `target`, else (why not, None)."""
     try:
-      with _OrbaxErrorsDropped():
-        metadata = self._manager.item_metadata(step)
+      metadata = self._manager.item_metadata(step)
       tree = metadata.get(_STATE) if metadata is not None else None
       problem = _first_mismatch(
           _shapes(getattr(tree, 'tree', tree) or {}), _shapes(target))
       if problem is not None:
         return problem, None
-      # A failed read leaves what a failed write does (the hooks' text):
-      # silenced from the start, and for good once it has failed.
-      leftovers = _FailedSaveSilenced().__enter__()
-      with _OrbaxErrorsDropped():
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            **{_STATE: ocp.args.StandardRestore(target)}))
-      leftovers.__exit__(None, None, None)
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          **{_STATE: ocp.args.StandardRestore(target)}))
       return None, restored[_STATE]
     except Exception as e:  # pylint: disable=broad-except
       logging.vlog(1, 'Checkpoint %s/%d: %s', self.directory, step, e)
@@ -393,8 +277,7 @@ class Checkpointer:
 
     orbax's own closing waits for its metadata writes, which fail too when
     the save did (a full disk): the save's error is the one raised, not a
-    second one from orbax (which a failed save's silenced hooks would also
-    have hidden: the run then ended with no line at all).
+    second one from orbax.
     """
     failure = None
     try:
@@ -402,8 +285,7 @@ class Checkpointer:
     except errors.RunError as e:
       failure = e
     try:
-      with _OrbaxErrorsDropped():
-        self._manager.close()
+      self._manager.close()
     except Exception as e:  # pylint: disable=broad-except
       if failure is None:
         failure = errors.RunError(

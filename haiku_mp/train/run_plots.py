@@ -11,10 +11,8 @@ import os
 from typing import Mapping
 
 from absl import logging
-import matplotlib
-
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+# Figures without pyplot: no backend is chosen, and a program's own stays.
+from matplotlib import figure as mpl_figure
 
 # Readable axis labels of the fields the plots draw (a result's or a
 # metrics.jsonl event's key); `axis_label` adds the unit.
@@ -103,8 +101,12 @@ def _series(events, split, key):
 
 
 def figure(*args, **kwargs):
-  """A figure whose constrained layout makes room for a legend outside."""
-  return plt.subplots(*args, layout='constrained', **kwargs)
+  """(figure, axes) as `pyplot.subplots(*args, **kwargs)` makes them, with a
+  constrained layout that makes room for a legend outside; the figure is
+  pyplot's never (which would choose a backend for the whole process)."""
+  figure_args = {k: kwargs.pop(k) for k in ('figsize', 'dpi') if k in kwargs}
+  fig = mpl_figure.Figure(layout='constrained', **figure_args)
+  return fig, fig.subplots(*args, **kwargs)
 
 
 def legend_outside(fig) -> None:
@@ -120,7 +122,6 @@ def legend_outside(fig) -> None:
 
 def save(fig, out_path: str) -> None:
   fig.savefig(out_path, dpi=_DPI)
-  plt.close(fig)
 
 
 def plot_runs(runs: Mapping[str, list[dict]], out_path: str,
