@@ -1,0 +1,1 @@
+"""DP-SGD on JAX Privacy, with its precision rules (`dp_sgd`)."""
