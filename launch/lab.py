@@ -48,7 +48,7 @@ from haiku_mp.studies import memory
 from haiku_mp.studies import params
 from haiku_mp.studies import precision as precision_lab
 from haiku_mp.studies import profile
-from haiku_mp.studies import rounding
+from haiku_mp.studies import lost_updates
 from haiku_mp.studies import sweep
 from launch import cli
 from launch import flag_checks
@@ -184,10 +184,10 @@ def _rounding():
     given = config_flags.get_override_values(flags.FLAGS['config'])
     config = advisor.with_run_config(config, _CHECKPOINT.value, given,
                                      log=_log, command='rounding')
-  result = rounding.run(config, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
+  result = lost_updates.run(config, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
                         _BATCHES.value, log=_log)
-  print(rounding.table(result), flush=True)
-  return result, rounding.plot
+  print(lost_updates.table(result), flush=True)
+  return result, lost_updates.plot
 
 
 def _ladder():

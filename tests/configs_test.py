@@ -42,7 +42,7 @@ class ConfigsTest(parameterized.TestCase):
     config = importlib.import_module(f'configs.{name}').get_config()
     with self.assertRaises(AttributeError):
       config.batch_sise = 3
-    forward_lib.make_precision(config)
+    forward_lib.precision_from_config(config)
     loss_scaling.LossScaler.from_config(config.loss_scale)
 
   @parameterized.parameters(
@@ -91,7 +91,7 @@ class ConfigsTest(parameterized.TestCase):
     self.assertEqual(config.precision.param_update, 'stochastic')
     self.assertEqual((config.precision.mu_dtype, config.precision.nu_dtype),
                      ('bfloat16', 'bfloat16'))
-    self.assertTrue(forward_lib.make_precision(config).half_params)
+    self.assertTrue(forward_lib.precision_from_config(config).half_params)
     diff = {k for k, v in _flat(config).items() if _flat(bf16)[k] != v}
     self.assertEqual(diff, {'precision.policy', 'precision.param_update',
                             'precision.mu_dtype', 'precision.nu_dtype'})

@@ -32,7 +32,7 @@ from haiku_mp.studies import memory
 from haiku_mp.studies import params
 from haiku_mp.studies import precision as precision_lab
 from haiku_mp.studies import profile
-from haiku_mp.studies import rounding
+from haiku_mp.studies import lost_updates
 from haiku_mp.studies import state_layouts
 from haiku_mp.studies import sweep
 from haiku_mp.train import experiment
@@ -456,7 +456,7 @@ class RoundingTest(absltest.TestCase):
     config.precision.param_update = 'nearest'
     config.advisor.init_steps = 3
     lines = []
-    result = rounding.run(config, num_batches=2, log=lines.append)
+    result = lost_updates.run(config, num_batches=2, log=lines.append)
     groups = {r['name']: r for r in result['groups']}
     count = state_layout.param_count(
         experiment.build_without_data(config).abstract_state)
@@ -469,7 +469,7 @@ class RoundingTest(absltest.TestCase):
     self.assertLess(abs(result['total']['lost_stochastic']),
                     0.5 * result['total']['lost_nearest'])
     self.assertLen(lines, 1 + len(groups))
-    self.assertIn('| all params |', rounding.table(result))
+    self.assertIn('| all params |', lost_updates.table(result))
 
 
 @helpers.long_running

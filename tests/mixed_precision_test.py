@@ -150,7 +150,8 @@ class ResidualStreamTest(parameterized.TestCase):
   def test_stream_dtype_and_matmuls_stay_half(self, stream, stream_dtype):
     config = helpers.tiny_config(POLICIES['bf16'][0], num_layers=2)
     config.precision.residual_stream = stream
-    calls, _ = forward_lib.trace_modules(config.model, forward_lib.make_precision(config))
+    calls, _ = forward_lib.trace_modules(
+        config.model, forward_lib.precision_from_config(config))
     blocks = [c for c in calls if c.class_name == 'EncoderBlock']
     self.assertLen(blocks, 2)
     for call in blocks:

@@ -22,7 +22,7 @@ from haiku_mp.studies import memory
 from haiku_mp.studies import params
 from haiku_mp.studies import precision
 from haiku_mp.studies import profile
-from haiku_mp.studies import rounding
+from haiku_mp.studies import lost_updates
 from haiku_mp.studies import sweep
 from haiku_mp.train import run_plots
 from haiku_mp.train import state_layout
@@ -87,7 +87,7 @@ LAB_PLOTS = (
         state_layouts=[dict(layout=name, per_parameter=dict(
             dict.fromkeys(state_layout.PARTS, 2.0), total=16.0))
                        for name in ('float32', 'bf16 kahan, bf16 moments')])),
-    ('rounding', rounding.plot, lambda tmp: dict(
+    ('rounding', lost_updates.plot, lambda tmp: dict(
         step=10, learning_rate=1e-3,
         groups=[dict(name='MLP weights', lost_nearest=0.5,
                      lost_stochastic=0.01)],

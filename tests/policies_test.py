@@ -29,7 +29,8 @@ def _two_blocks(*args, **kwargs):
 
 def _policies_by_path(config):
   """{path: (policy in force, input dtypes)} of every module's __call__."""
-  calls, _ = forward_lib.trace_modules(config.model, forward_lib.make_precision(config))
+  calls, _ = forward_lib.trace_modules(
+      config.model, forward_lib.precision_from_config(config))
   return {c.path: (policies.policy_str(c.policy),
                    tuple(x.dtype for x in jax.tree.leaves(c.args)
                          if hasattr(x, 'dtype')))
@@ -169,7 +170,8 @@ class ScopeTest(parameterized.TestCase):
 
   def test_same_program_as_hk_mixed_precision_for_class_rules(self):
     config = _two_blocks(FP16)
-    ours = forward_lib.make_forward(config.model, forward_lib.make_precision(config))
+    ours = forward_lib.make_forward(
+        config.model, forward_lib.precision_from_config(config))
     kwargs = {k: config.model[k] for k in forward_lib.MODEL_FIELDS}
     main = policies.parse_policy(FP16)
     layer_norm = jmp.Policy(jnp.float32, jnp.float32, jnp.float16)

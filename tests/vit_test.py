@@ -102,7 +102,8 @@ class VitTest(parameterized.TestCase):
     config = helpers.tiny_config(dropout_rate=0.0, drop_path_rate=0.5,
                                  num_layers=3)
     config.precision.policy = 'params=float32,compute=bfloat16,output=float32'
-    calls, _ = forward_lib.trace_modules(config.model, forward_lib.make_precision(config))
+    calls, _ = forward_lib.trace_modules(
+        config.model, forward_lib.precision_from_config(config))
     forward, _ = forward_lib.checked_forward(config)
     images = helpers.random_batch(config, batch_size=64)['image']
     params = jax.jit(lambda k, x: forward.init(k, x, True))(

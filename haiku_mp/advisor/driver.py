@@ -308,7 +308,7 @@ def knockout(config: ml_collections.ConfigDict, params, inputs,
   `inputs`, most sensitive first."""
 
   def logits_and_loss(variant):
-    precision = forward_lib.make_precision(variant)
+    precision = forward_lib.precision_from_config(variant)
     step = jax.jit(step_lib.make_eval_step(
         forward_lib.make_forward(variant.model, precision)))
     outs = [step(params, batch) for batch in inputs]

@@ -22,7 +22,8 @@ MODEL_FIELDS = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
                 'drop_path_rate', 'layer_norm_epsilon', 'patch_init')
 
 
-def make_precision(config: ml_collections.ConfigDict) -> policies.Precision:
+def precision_from_config(config: ml_collections.ConfigDict
+                          ) -> policies.Precision:
   """The `Precision` that `config.precision` describes for the ViT."""
   return policies.make_precision(
       config.precision.policy, config.precision.overrides,
@@ -97,7 +98,7 @@ def checked_precision(config: ml_collections.ConfigDict
                                  list[policies.ModuleCall]]:
   """`config`'s Precision, every override checked against the module calls
   of one (abstract) forward pass, and those calls."""
-  precision = make_precision(config)
+  precision = precision_from_config(config)
   calls, _ = trace_modules(config.model, precision)
   modules = {(c.class_name, c.path) for c in calls}
   precision.check_overrides(modules)

@@ -162,7 +162,7 @@ def run(config: ml_collections.ConfigDict,
   """Both sets of variants at `config.batch_size`, against one reference."""
   for dtype in dtypes:  # Every setting is checked before anything runs.
     for name in matmul_precisions:
-      forward_lib.make_precision(variants.matmul_variant(
+      forward_lib.precision_from_config(variants.matmul_variant(
           config, dtype, config.batch_size, name))
   ref = reference(config, numerics_batch_size)
   matmul_rows = []

@@ -207,7 +207,8 @@ def ops_by_self_time(ops, op_names, modules: set[str]
 
 
 def _module_paths(config) -> set[str]:
-  calls, _ = forward_lib.trace_modules(config.model, forward_lib.make_precision(config))
+  calls, _ = forward_lib.trace_modules(
+      config.model, forward_lib.precision_from_config(config))
   return {c.path for c in calls}
 
 

@@ -150,7 +150,8 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   remat.check(config.remat)
   fp8 = config.precision.fp8
   # fp8.Fp8 checks its own settings.
-  _check_state_layout(config.precision, forward_lib.make_precision(config))
+  _check_state_layout(config.precision,
+                      forward_lib.precision_from_config(config))
   if config.privacy.enabled and fp8.modules.strip():
     raise errors.ConfigError(
         f'precision.fp8.modules={fp8.modules!r} with privacy.enabled: DP-SGD '
