@@ -188,7 +188,7 @@ class WhatDoesNotFitTest(absltest.TestCase):
     config = report.quick_config(helpers.tiny_config())
     sizes = report.Sizes(batch_sizes=(8,), steps=1)
     failure = errors.ConfigError('variant failed: RESOURCE_EXHAUSTED')
-    with mock.patch.object(isolated, 'measure', side_effect=failure):
+    with mock.patch.object(isolated, 'time_step', side_effect=failure):
       rows = report.memory_part(config, sizes, log=lambda _: None)['results']
     self.assertEqual([r['fits'] for r in rows], [False] * 3)
     self.assertGreater(rows[0]['kept_activation_bytes'], 0)
@@ -197,7 +197,7 @@ class WhatDoesNotFitTest(absltest.TestCase):
     config = report.quick_config(helpers.tiny_config())
     sizes = report.Sizes(batch_sizes=(8,), steps=1, isolate_memory=False)
     failure = RuntimeError('RESOURCE_EXHAUSTED: Out of memory')
-    with mock.patch.object(isolated, 'measure', side_effect=failure):
+    with mock.patch.object(isolated, 'time_step', side_effect=failure):
       rows = report.memory_part(config, sizes, log=lambda _: None)['results']
     self.assertEqual([r['fits'] for r in rows], [False] * 3)
 

@@ -85,8 +85,9 @@ class AdvisorTest(absltest.TestCase):
   def _judge(cls, params=None, loss_fn=None, inputs=None):
     state = cls.exp.strategy.init_state()._replace(
         params=copy.deepcopy(params or cls.params))
-    modules, _, _, _ = advisor.measure(cls.exp, state, inputs or cls.inputs,
-                                      lambda line: None, loss_fn=loss_fn)
+    modules, _, _, _ = advisor.gather_statistics(
+        cls.exp, state, inputs or cls.inputs, lambda line: None,
+        loss_fn=loss_fn)
     return modules, verdicts.judge(modules, THRESHOLDS)
 
   def _kept(self, judged, fmt):

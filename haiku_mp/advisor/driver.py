@@ -172,9 +172,9 @@ def module_classes(exp: experiment.Experiment) -> dict[str, str]:
           if c.method == '__call__'}
 
 
-def measure(exp: experiment.Experiment, state, inputs,
-            log: Callable[[str], None],
-            loss_fn: Optional[probes.LossFn] = None):
+def gather_statistics(exp: experiment.Experiment, state, inputs,
+                      log: Callable[[str], None],
+                      loss_fn: Optional[probes.LossFn] = None):
   """Statistics over `inputs`, a train step between batches.
 
   Returns (modules, loss scales seen, the statistics function, the state
@@ -391,7 +391,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
     state = _train(exp, state, batches[:init_steps], log)
     source += f' + {init_steps} float32 steps'
   inputs = model_inputs(exp, batches[init_steps:], reference.seed)
-  modules, scales, stats, state = measure(exp, state, inputs, log)
+  modules, scales, stats, state = gather_statistics(exp, state, inputs, log)
   judged = verdicts.judge(modules, thresholds)
   rows = []
   for m in modules:

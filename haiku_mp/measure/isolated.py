@@ -28,8 +28,8 @@ def measure_compiled(step: timing.CompiledStep, num_steps: int,
               device=str(jax.devices()[0].device_kind))
 
 
-def measure(config: ml_collections.ConfigDict, num_steps: int,
-            warmup_steps: int, isolate: bool = True) -> dict[str, Any]:
+def time_step(config: ml_collections.ConfigDict, num_steps: int,
+              warmup_steps: int, isolate: bool = True) -> dict[str, Any]:
   """`measure_compiled` of `config`'s train step, in a fresh process if
   `isolate`. A variant that fails there is one ConfigError naming it."""
   if not isolate:
@@ -54,8 +54,8 @@ def main() -> None:
   config = ml_collections.ConfigDict(json.loads(request['config']))
   config.parallel.mesh_shape = tuple(config.parallel.mesh_shape)
   try:
-    result = measure(config, request['num_steps'], request['warmup_steps'],
-                     isolate=False)
+    result = time_step(config, request['num_steps'], request['warmup_steps'],
+                       isolate=False)
   except errors.ConfigError as e:
     print(f'{type(e).__name__}: {e}', file=sys.stderr)
     sys.exit(2)

@@ -135,7 +135,7 @@ def memory_part(config, sizes: Sizes, log) -> dict[str, Any]:
       row = dict(dtype=dtype, batch_size=batch_size,
                  kept_activation_bytes=kept)
       try:
-        measured = isolated.measure(variant, sizes.steps, 1,
+        measured = isolated.time_step(variant, sizes.steps, 1,
                                     sizes.isolate_memory)
         row.update(fits=True, **{k: measured[k] for k in (
             'device_peak_bytes', 'temp_size_in_bytes', 'compiled_total_bytes',

@@ -143,7 +143,7 @@ def _measure(exp, lowered, ref, num_steps, numerics_batch_size, isolate
   """Time and memory (in a fresh process if `isolate`, else from the program
   already lowered here), and the error against `ref`."""
   if isolate:
-    measured = isolated.measure(exp.config, num_steps, 1)
+    measured = isolated.time_step(exp.config, num_steps, 1)
   else:
     measured = isolated.measure_compiled(
         timing.compile_experiment(exp, lowered), num_steps, 1)

@@ -41,7 +41,7 @@ def run(config: ml_collections.ConfigDict,
     sharding.mesh_for(variant.parallel)
   results = []
   for (dtype, batch_size, layout), variant in zip(chosen, configs):
-    result = dict(dtype=dtype, layout=layout, **isolated.measure(
+    result = dict(dtype=dtype, layout=layout, **isolated.time_step(
         variant, num_steps, warmup_steps, isolate))
     log(json.dumps(result))
     results.append(result)
