@@ -33,8 +33,8 @@ import orbax.checkpoint as ocp
 from haiku_mp import errors
 from haiku_mp.train import checkpoint
 from haiku_mp.train import experiment
+from haiku_mp.train import log_window
 from haiku_mp.train import loop
-from haiku_mp.train import metrics as metrics_lib
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
@@ -520,16 +520,16 @@ class CheckpointerTest(parameterized.TestCase):
                    consecutive_skips=np.int32(0), skipped_steps=np.int32(1))]
     ckpt = checkpoint.Checkpointer(self.workdir, keep=1)
     ckpt.save(1, _tiny_state(4), dict(
-        train_sec=1.5, log_window=metrics_lib.window_record(window)))
+        train_sec=1.5, log_window=log_window.window_record(window)))
     record = ckpt.run_record(1)  # Read back from its file.
-    restored = metrics_lib.window_from_record(record['log_window'])
+    restored = log_window.window_from_record(record['log_window'])
     means = ('loss', 'accuracy', 'grad_norm', 'updates_lost')
-    np.testing.assert_equal(metrics_lib.window_summary(restored, means),
-                            metrics_lib.window_summary(window, means))
+    np.testing.assert_equal(log_window.window_summary(restored, means),
+                            log_window.window_summary(window, means))
     jax.tree.map(np.testing.assert_array_equal, restored, window)
     # Steps saved by a run without a metric this one has (DP-SGD turned on
     # at the resume, say): it is averaged over the steps that have it.
-    summary = metrics_lib.window_summary(
+    summary = log_window.window_summary(
         [*restored, dict(window[1], clipped_fraction=np.float32(0.25))],
         (*means, 'clipped_fraction'))
     self.assertEqual(summary['clipped_fraction'], 0.25)

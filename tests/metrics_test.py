@@ -14,7 +14,9 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
+from haiku_mp.train import console_lines
 from haiku_mp.train import metrics
+from haiku_mp.train import progress as progress_lib
 from tests import helpers
 
 
@@ -71,7 +73,7 @@ class MetricsWriterTest(parameterized.TestCase):
 
   def test_progress_counts_only_the_running_clock_over_every_segment(self):
     times = iter([10.0, 12.0, 13.0, 20.0, 20.0, 21.0])
-    progress = metrics.Progress(total_steps=10, batch_size=4, start_step=2,
+    progress = progress_lib.Progress(total_steps=10, batch_size=4, start_step=2,
                                 record=dict(train_sec=6.0, train_steps=2,
                                             eval_sec=1.0),
                                 clock=lambda: next(times))
@@ -94,14 +96,14 @@ class MetricsWriterTest(parameterized.TestCase):
                    images_per_sec=125.64756154787665, train_time_sec=199.7,
                    eval_time_sec=25.2)
     self.assertEqual(
-        metrics.summary_line(summary, 'runs/first/summary.json'),
+        console_lines.summary_line(summary, 'runs/first/summary.json'),
         'Summary: test 39.88% (loss 1.6543), val 40.02% (loss 1.6412); 300 '
         'steps, 0 skipped, final loss scale 32768; 126 img/s, train 3m19s, '
         'eval 0m25s. Every figure: runs/first/summary.json')
     private = dict(summary, epsilon=2.314, val_accuracy=None, val_loss=None,
                    ema_test_accuracy=0.41, ema_val_accuracy=0.415)
     self.assertEqual(
-        metrics.summary_line(private, 's.json'),
+        console_lines.summary_line(private, 's.json'),
         'Summary: test 39.88% (loss 1.6543), val -; moving average: test '
         '41.00%, val 41.50%; 300 steps, 0 skipped, final loss scale 32768; '
         'epsilon 2.31; 126 img/s, train 3m19s, eval 0m25s. Every figure: '

@@ -19,13 +19,18 @@ from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.parallel import sharding
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import compilation_cache
+from haiku_mp.train import console_lines
+from haiku_mp.train import device_memory
 from haiku_mp.train import evaluation
 from haiku_mp.train import experiment
 from haiku_mp.train import in_flight
 from haiku_mp.train import interruption as interruption_lib
+from haiku_mp.train import log_window as log_window_lib
 from haiku_mp.train import metrics as metrics_lib
 from haiku_mp.train import module_table
+from haiku_mp.train import progress as progress_lib
 from haiku_mp.train import run_dir
+from haiku_mp.train import run_files
 from haiku_mp.train import state_layout
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
@@ -66,7 +71,7 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
   table = module_table.format_table(rows)
   path = os.path.join(workdir, MODULES_FILE)
   if is_writer:
-    metrics_lib.write_atomically(path, table + '\n')
+    run_files.write_atomically(path, table + '\n')
   logging.info('%s; every module: %s', module_table.summary_line(
       rows, exp.config.precision.overrides, exp.precision), path)
   logging.info('%s', state_layout.describe(exp.config.precision,
@@ -195,8 +200,8 @@ def _log_window(exp, fetched, window, step, writer, progress,
   metrics are on the host already; `window`: the others): logs, writes, and
   stops the run (after writing) when the loss scale says it diverged."""
   host_window = _on_host(exp, fetched, window)
-  summary = metrics_lib.window_summary(host_window, exp.mean_metrics)
-  metrics_lib.log_overflows(host_window, step - len(host_window) + 1,
+  summary = log_window_lib.window_summary(host_window, exp.mean_metrics)
+  console_lines.log_overflows(host_window, step - len(host_window) + 1,
                             exp.param_names)
   rates = progress.update(step)
   summary.update(images_per_sec=rates['images_per_sec'],
@@ -208,11 +213,11 @@ def _log_window(exp, fetched, window, step, writer, progress,
                      summary['window_skipped_steps'])
   finally:
     writer.write(step, 'train', summary)
-  logging.info(metrics_lib.log_line(step, exp.total_steps, summary, rates))
+  logging.info(console_lines.log_line(step, exp.total_steps, summary, rates))
 
 
 @contextlib.contextmanager
-def _clock_stopped(progress: metrics_lib.Progress, step: int):
+def _clock_stopped(progress: progress_lib.Progress, step: int):
   """Work inside the block (evaluation, a save) is left out of the rates."""
   progress.stop(step)
   yield
@@ -272,7 +277,7 @@ class _Run:
       run_dir.write_config(workdir, exp.config)
     self.writer = stack.enter_context(_Closed(metrics_lib.MetricsWriter(
         workdir, enabled=is_writer, start_step=self.start_step)))
-    self.progress = metrics_lib.Progress(exp.total_steps, settings.batch_size,
+    self.progress = progress_lib.Progress(exp.total_steps, settings.batch_size,
                                          self.start_step, record)
     self.evaluator = evaluation.Evaluator(exp, splits, self.shard, self.writer,
                                           self.progress, self.on_stall)
@@ -280,7 +285,7 @@ class _Run:
     self.last_val_ema = record.get('last_val_ema', {})
     # The steps between the last log point and the checkpoint resumed from
     # (none in older checkpoints): the first log window starts with them.
-    self.log_window = metrics_lib.window_from_record(
+    self.log_window = log_window_lib.window_from_record(
         record.get('log_window', []))
 
   def evaluate_val(self, step: int) -> None:
@@ -303,7 +308,7 @@ class _Run:
     self.checkpointer.save(step, self.exp.strategy.unreplicate(self.state),
                            dict(self.progress.record(), last_val=self.last_val,
                                 last_val_ema=self.last_val_ema,
-                                log_window=metrics_lib.window_record(
+                                log_window=log_window_lib.window_record(
                                     log_window)))
     if wait:
       self.checkpointer.wait()
@@ -408,7 +413,7 @@ def _summary(run: _Run) -> dict[str, Any]:
       eval_time_sec=progress.eval_seconds,
       images_per_sec=progress.mean_images_per_sec,
       host_ms_per_step=progress.host_ms_per_step(),
-      peak_memory_bytes=metrics_lib.peak_memory_bytes(),
+      peak_memory_bytes=device_memory.peak_memory_bytes(),
       devices=[str(d) for d in jax.devices()],
       strategy=strategy.name,
       mesh_shape=exp.mesh and list(exp.mesh.devices.shape),
@@ -479,6 +484,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     summary = _summary(run)
   path = os.path.join(workdir, run_dir.SUMMARY_FILE)
   if is_writer:
-    metrics_lib.write_json(path, summary)
-  logging.info('%s', metrics_lib.summary_line(summary, path))
+    run_files.write_json(path, summary)
+  logging.info('%s', console_lines.summary_line(summary, path))
   return summary

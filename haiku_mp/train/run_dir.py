@@ -14,7 +14,7 @@ import ml_collections
 
 from haiku_mp import errors
 from haiku_mp.train import compilation_cache
-from haiku_mp.train import metrics
+from haiku_mp.train import run_files
 
 CONFIG_FILE = 'config.json'
 SUMMARY_FILE = 'summary.json'
@@ -77,7 +77,7 @@ def finished_summary(config: ml_collections.ConfigDict, workdir: str
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
   """config.json: what `finished_summary` compares a later start with."""
-  metrics.write_atomically(os.path.join(workdir, CONFIG_FILE),
+  run_files.write_atomically(os.path.join(workdir, CONFIG_FILE),
                            config_text(config))
 
 
