@@ -24,7 +24,7 @@ from haiku_mp.studies import precision
 from haiku_mp.studies import profile
 from haiku_mp.studies import lost_updates
 from haiku_mp.studies import sweep
-from haiku_mp.train import run_plots
+from haiku_mp.measure import run_plots
 from haiku_mp.train import state_layout
 from tests import helpers
 

@@ -61,7 +61,7 @@ class ProcessAloneTest(absltest.TestCase):
     self._assert_as(_process(), before)
 
     from haiku_mp.train import checkpoint  # pylint: disable=g-import-not-at-top
-    from haiku_mp.train import run_plots  # pylint: disable=g-import-not-at-top
+    from haiku_mp.measure import run_plots  # pylint: disable=g-import-not-at-top
     from haiku_mp.update import loss_scaling  # pylint: disable=g-import-not-at-top
     from haiku_mp.update import step as step_lib  # pylint: disable=g-import-not-at-top
     workdir = tempfile.mkdtemp()

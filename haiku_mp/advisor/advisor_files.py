@@ -10,7 +10,7 @@ import numpy as np
 
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import verdicts
-from haiku_mp.train import run_plots
+from haiku_mp.measure import run_plots
 
 
 def _fmt_scale(window) -> str:

@@ -1,10 +1,10 @@
-"""The lab's bar charts, in the house style of `train/run_plots.py`: a value
+"""The lab's bar charts, in the house style of `run_plots.py`: a value
 on every bar, the legend outside the axes, an exact zero on a log axis
 written as such."""
 
 from typing import Mapping
 
-from haiku_mp.train import run_plots
+from haiku_mp.measure import run_plots
 
 # What a log axis shows for an exact zero, which it cannot draw as a bar.
 EXACT_ZERO_TEXT = 'exact (0)'

@@ -43,7 +43,7 @@ from haiku_mp.studies import memory
 from haiku_mp.studies import precision as precision_lab
 from haiku_mp.train import experiment
 from haiku_mp.train import loop
-from haiku_mp.train import run_plots
+from haiku_mp.measure import run_plots
 
 PARTS = ('benchmark', 'memory', 'precision', 'matmul', 'dot_algorithms',
          'accuracy')

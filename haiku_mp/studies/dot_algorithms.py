@@ -25,7 +25,7 @@ import numpy as np
 
 from haiku_mp.measure import charts
 from haiku_mp.measure import timing
-from haiku_mp.train import run_plots
+from haiku_mp.measure import run_plots
 
 X64_ENV = 'JAX_ENABLE_X64'
 

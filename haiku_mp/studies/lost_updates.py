@@ -26,7 +26,7 @@ from haiku_mp import errors
 from haiku_mp.measure import charts
 from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
-from haiku_mp.train import run_plots
+from haiku_mp.measure import run_plots
 from haiku_mp.update import rounding as rounding_lib
 from haiku_mp.update import step as step_lib
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from haiku_mp.measure import charts
 from haiku_mp.measure import timing
-from haiku_mp.train import run_plots
+from haiku_mp.measure import run_plots
 
 DTYPES = ('float64', 'float32', 'float16', 'bfloat16')
 

@@ -29,7 +29,7 @@ from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.studies import memory
 from haiku_mp.train import experiment
-from haiku_mp.train import run_plots
+from haiku_mp.measure import run_plots
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
 
