@@ -28,6 +28,7 @@ from haiku_mp.measure import compare
 from haiku_mp.measure import machine
 from haiku_mp.measure import timing
 from haiku_mp.measure import variants
+from haiku_mp.train import console_lines
 from haiku_mp.train import experiment
 from haiku_mp.train import loop
 from haiku_mp.measure import run_plots
@@ -66,7 +67,7 @@ def steady_images_per_sec(events: Sequence[dict[str, Any]], batch_size: int
 
 
 def _loop_round(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  with tempfile.TemporaryDirectory() as workdir, loop.quietly():
+  with tempfile.TemporaryDirectory() as workdir, console_lines.quietly():
     summary = loop.train_and_evaluate(config, workdir)
     events = run_plots.read_metrics(workdir)
   if 'preempted_at_step' in summary:

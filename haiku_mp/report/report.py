@@ -41,6 +41,7 @@ from haiku_mp.studies import dot_algorithms
 from haiku_mp.studies import matmul
 from haiku_mp.studies import memory
 from haiku_mp.studies import precision as precision_lab
+from haiku_mp.train import console_lines
 from haiku_mp.train import experiment
 from haiku_mp.train import loop
 from haiku_mp.measure import run_plots
@@ -176,7 +177,7 @@ def accuracy(config, out_dir: str, seeds: Sequence[int], log
       workdir = os.path.join(out_dir, 'accuracy', f'{dtype}_seed{seed}')
       variant = variants.for_accuracy(config, dtype, seed)
       start = time.perf_counter()
-      with loop.quietly():
+      with console_lines.quietly():
         summary = loop.train_and_evaluate(variant, workdir)
       if 'preempted_at_step' in summary:
         raise errors.ConfigError(

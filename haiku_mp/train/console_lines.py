@@ -1,6 +1,7 @@
 """The trainer's console: a line per log window, the skipped steps'
 warnings, the summary line at the end."""
 
+import contextlib
 from typing import Any, Mapping, Optional
 
 from absl import logging
@@ -58,3 +59,19 @@ def log_line(step: int, total: int, summary: Mapping[str, Any],
           f'scale {summary["loss_scale"]:g} skipped {summary["skipped_steps"]} '
           f'{epsilon}| {progress["images_per_sec"]:.0f} img/s '
           f'| ETA {progress_lib.format_duration(progress["eta_sec"])}')
+
+
+@contextlib.contextmanager
+def quietly():
+  """The trainer's INFO log (its startup, progress, checkpoint and summary
+  lines) hidden inside the block at the default verbosity, for callers that
+  print one line per run of their own (the report, the loop benchmark); each
+  run's record is in its workdir (metrics.jsonl, summary.json). Warnings and
+  errors still show."""
+  verbosity = logging.get_verbosity()
+  if verbosity == logging.INFO:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(verbosity)

@@ -18,7 +18,7 @@ from haiku_mp.data import pipeline
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.parallel import sharding
 from haiku_mp.train import checkpoint as checkpoint_lib
-from haiku_mp.train import compilation_cache
+from haiku_mp.train import compiled_steps
 from haiku_mp.train import console_lines
 from haiku_mp.train import device_memory
 from haiku_mp.train import evaluation
@@ -27,17 +27,13 @@ from haiku_mp.train import in_flight
 from haiku_mp.train import interruption as interruption_lib
 from haiku_mp.train import log_window as log_window_lib
 from haiku_mp.train import metrics as metrics_lib
-from haiku_mp.train import module_table
 from haiku_mp.train import progress as progress_lib
+from haiku_mp.train import resources
 from haiku_mp.train import run_dir
 from haiku_mp.train import run_files
-from haiku_mp.train import state_layout
+from haiku_mp.train import startup_log
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
-
-# The module table a run writes into its workdir.
-MODULES_FILE = 'modules.txt'
-
 
 def _call(step, state, batch):
   return step(state, batch)
@@ -58,38 +54,6 @@ def _due(step: int, every: int, total: int) -> bool:
   return step % every == 0 or step == total
 
 
-def log_startup(exp: experiment.Experiment, state, workdir: str,
-                is_writer: bool, log_module_table: bool = False) -> None:
-  """The devices, one line about the model (the whole module table in
-  `workdir/modules.txt`, and logged with `log_module_table`) and, when
-  sharded, one kernel's layout."""
-  strategy = exp.strategy
-  logging.info('Devices: %s (process %d of %d), strategy %s, mesh %s',
-               jax.devices(), jax.process_index(), jax.process_count(),
-               strategy.name, exp.mesh and dict(exp.mesh.shape))
-  rows = module_table.module_rows(exp)
-  table = module_table.format_table(rows)
-  path = os.path.join(workdir, MODULES_FILE)
-  if is_writer:
-    run_files.write_atomically(path, table + '\n')
-  logging.info('%s; every module: %s', module_table.summary_line(
-      rows, exp.config.precision.overrides, exp.precision), path)
-  logging.info('%s', state_layout.describe(exp.config.precision,
-                                           exp.abstract_state))
-  if log_module_table:
-    logging.info('Modules:\n%s', table)
-  for line in exp.describe():
-    logging.info('%s', line)
-  if strategy.state_shardings is None:
-    return
-  name = next((k for k in state.params if k.endswith('mlp_block/fc1')), None)
-  if name is not None:
-    kernel = state.params[name]['w']
-    logging.info('%s/w %s sharded as %s:', name, kernel.shape,
-                 kernel.sharding.spec)
-    jax.debug.visualize_array_sharding(kernel)
-
-
 def _restore_or_init(exp, checkpointer, workdir: str, is_writer: bool):
   """(start step, state, run record): the newest checkpoint that restores
   (newer ones that do not are set aside, to be saved again), or step 0."""
@@ -107,68 +71,6 @@ def _restore_or_init(exp, checkpointer, workdir: str, is_writer: bool):
     metrics_lib.truncate_after(workdir, start_step)
   return (start_step, strategy.place_state(state),
           checkpointer.run_record(start_step))
-
-
-class _Closed:
-  """Closes a resource on leaving the block. Leaving on an error, an error
-  of the closing itself is dropped: the first failure is the one reported
-  (a full disk that failed a save fails the checkpoints' and the metrics'
-  closing too, and would replace the save's error with theirs)."""
-
-  def __init__(self, resource):
-    self._resource = resource
-
-  def __enter__(self):
-    return self._resource
-
-  def __exit__(self, kind, value, traceback):
-    if kind is None:
-      self._resource.close()
-      return False
-    try:
-      self._resource.close()
-    except Exception:  # pylint: disable=broad-except
-      logging.debug('Closing %s after an error failed too.', self._resource,
-                    exc_info=True)
-    return False
-
-
-class _CompiledSteps:
-  """The train step compiled ahead of a step of each batch shape it meets, so
-  that every logged rate, the first window's after a start or a resume
-  included, excludes compilation. Ordinary training meets one shape; DP-SGD
-  another in the rare step whose Poisson draw outgrows the padded batch."""
-
-  def __init__(self, strategy):
-    self._strategy = strategy
-    self._compiled = {}
-
-  def compile(self, state, batch):
-    shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))
-    if shapes not in self._compiled and not self._strategy.compiles_ahead:
-      logging.info('The train step compiles in its first call (%s over %d '
-                   'processes cannot be compiled ahead): the first log '
-                   "window's rate includes it.", self._strategy.name,
-                   jax.process_count())
-      self._compiled[shapes] = self._strategy.train_step
-    if shapes not in self._compiled:
-      start = time.perf_counter()
-      lowered = self._strategy.train_step.lower(state, batch)
-      lowered_at = time.perf_counter()
-      with compilation_cache.hits() as hits:
-        self._compiled[shapes] = lowered.compile()
-      end = time.perf_counter()
-      # Tracing and lowering run every time; XLA's compile is what the
-      # persistent compilation cache saves.
-      logging.info('Compiled the train step for a batch of %d in %.1fs '
-                   '(tracing and lowering %.1fs, XLA %.1fs%s).',
-                   batch['label'].size, end - start, lowered_at - start,
-                   end - lowered_at,
-                   ', loaded from the compilation cache' if hits else '')
-    return self._compiled[shapes]
-
-  def __call__(self, state, batch):
-    return self.compile(state, batch)(state, batch)
 
 
 def _ema_params(state: step_lib.TrainState):
@@ -224,23 +126,6 @@ def _clock_stopped(progress: progress_lib.Progress, step: int):
   progress.start(step)
 
 
-def _load_data(exp: experiment.Experiment) -> pipeline.Splits:
-  start = time.perf_counter()
-  splits = exp.load_splits()
-  logging.info('Data (%s): %s in memory in %.1fs.', exp.config.data.source,
-               ', '.join(f'{name} {len(split.labels)}' for name, split in
-                         zip(splits._fields, splits)),
-               time.perf_counter() - start)
-  return splits
-
-
-def _use_compilation_cache(setting: str) -> None:
-  cache = compilation_cache.use(setting)
-  logging.info('Compilation cache: %s', cache or (
-      f'off ({setting!r} on {jax.default_backend()}; set '
-      '--config.compilation_cache_dir=DIR for one)'))
-
-
 class _Run:
   """One run: its experiment and data, the resources owned by the ExitStack
   it is opened in (the signal handlers, the checkpointer, the in-flight watch,
@@ -257,7 +142,7 @@ class _Run:
     self.learning_rate = jax.jit(exp.schedule)
     self.shard = pipeline.Shard.current()
     self.interruption = stack.enter_context(interruption_lib.Interruption())
-    self.checkpointer = stack.enter_context(_Closed(
+    self.checkpointer = stack.enter_context(resources.closed_on_exit(
         checkpoint_lib.Checkpointer(workdir, settings.keep_checkpoints)))
     self.on_stall = in_flight.exit_on_stall(
         f'The newest checkpoint in {self.checkpointer.directory} is whole: '
@@ -275,7 +160,7 @@ class _Run:
         logging.warning('%s', run_dir.describe_changes(changes, workdir,
                                                        self.start_step))
       run_dir.write_config(workdir, exp.config)
-    self.writer = stack.enter_context(_Closed(metrics_lib.MetricsWriter(
+    self.writer = stack.enter_context(resources.closed_on_exit(metrics_lib.MetricsWriter(
         workdir, enabled=is_writer, start_step=self.start_step)))
     self.progress = progress_lib.Progress(exp.total_steps, settings.batch_size,
                                          self.start_step, record)
@@ -327,7 +212,7 @@ def _train_batches(run: _Run):
       exp.train_batches(run.splits.train, run.shard, run.start_step),
       strategy.place_batch, exp.loop.prefetch_batches))
   first = next(batches)
-  train_step = _CompiledSteps(strategy)
+  train_step = compiled_steps.CompiledSteps(strategy)
   train_step.compile(run.state, tag(first))
   # The schedule (run at every log point) compiles now, not on the clock.
   run.learning_rate(run.start_step)
@@ -423,22 +308,6 @@ def _summary(run: _Run) -> dict[str, Any]:
       **exp.summary_fields(total_steps, skipped_steps))
 
 
-@contextlib.contextmanager
-def quietly():
-  """The trainer's INFO log (its startup, progress, checkpoint and summary
-  lines) hidden inside the block at the default verbosity, for callers that
-  print one line per run of their own (the report, the loop benchmark); each
-  run's record is in its workdir (metrics.jsonl, summary.json). Warnings and
-  errors still show."""
-  verbosity = logging.get_verbosity()
-  if verbosity == logging.INFO:
-    logging.set_verbosity(logging.WARNING)
-  try:
-    yield
-  finally:
-    logging.set_verbosity(verbosity)
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        log_module_table: bool = False,
                        on_checked: Callable[[], None] = lambda: None,
@@ -471,13 +340,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     run_dir.check_writable(workdir)
   exp = experiment.build(config, check_data=True)
   on_checked()
-  _use_compilation_cache(exp.config.compilation_cache_dir)
-  splits = _load_data(exp)
+  startup_log.use_compilation_cache(exp.config.compilation_cache_dir)
+  splits = startup_log.load_data(exp)
   if is_writer:
     run_dir.prepare(workdir)
   with contextlib.ExitStack() as stack:
     run = _Run(stack, exp, splits, workdir, is_writer, hooks)
-    log_startup(exp, run.state, workdir, is_writer, log_module_table)
+    startup_log.log_startup(exp, run.state, workdir, is_writer,
+                            log_module_table)
     stopped = _train(run)
     if stopped is not None:
       return stopped
