@@ -35,20 +35,20 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import advisor_files
+from haiku_mp.advisor import driver as advisor
 from haiku_mp import errors
 from haiku_mp.measure import variants
 from haiku_mp.report import report
 from haiku_mp.studies import dot_algorithms
 from haiku_mp.studies import fp8_gemms
 from haiku_mp.studies import ladder
+from haiku_mp.studies import lost_updates
 from haiku_mp.studies import matmul
 from haiku_mp.studies import memory
 from haiku_mp.studies import params
 from haiku_mp.studies import precision as precision_lab
 from haiku_mp.studies import profile
-from haiku_mp.studies import lost_updates
 from haiku_mp.studies import sweep
 from launch import cli
 from launch import flag_checks

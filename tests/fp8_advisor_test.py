@@ -16,6 +16,7 @@ import numpy as np
 from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import fp8_numerics
 from haiku_mp.advisor import fp8_verdicts
+from haiku_mp.advisor import settings as advisor_settings
 from haiku_mp.measure import variants
 from haiku_mp.model import fp8
 from haiku_mp.train import experiment
@@ -76,7 +77,7 @@ class Fp8AdviceTest(absltest.TestCase):
     params = dict(params, **{PLANTED: dict(params[PLANTED],
                                            w=jnp.asarray(w))})
     inputs = [helpers.random_batch(config, 8, seed=i) for i in range(2)]
-    limits = fp8_verdicts.Fp8Thresholds.from_config(config.advisor)
+    limits = advisor_settings.parse(config.advisor).fp8
     result = advisor.fp8_advice(config, exp, params, inputs, limits,
                                 log=lambda _: None)
     rows = {r['path']: r for r in result['modules']}

@@ -27,12 +27,12 @@ from haiku_mp.measure import compare
 from haiku_mp.measure import variants
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.studies import ladder
+from haiku_mp.studies import lost_updates
 from haiku_mp.studies import matmul
 from haiku_mp.studies import memory
 from haiku_mp.studies import params
 from haiku_mp.studies import precision as precision_lab
 from haiku_mp.studies import profile
-from haiku_mp.studies import lost_updates
 from haiku_mp.studies import state_layouts
 from haiku_mp.studies import sweep
 from haiku_mp.train import experiment
@@ -762,7 +762,7 @@ class CommandLineTest(parameterized.TestCase):
       (['advise', '--checkpoint=/nonexistent'],
        '--checkpoint=/nonexistent: no checkpoints directory in it'),
       (['advise', '--config.advisor.max_relative_error=2'],
-       'advisor.max_relative_error=2.0 must be in [0, 1)'),
+       'advisor.max_relative_error=2 must be in [0, 1]'),
       (['advise', '--config.advisor.fp8_max_underflow_share=2'],
        'advisor.fp8_max_underflow_share=2 must be in [0, 1]'),
       (['ladder'], '--workdirs: the ladder takes finished launch.train '

@@ -6,18 +6,22 @@ import contextlib
 import copy
 import functools
 import os
+import re
 import sys
 
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl.testing import absltest
+from absl.testing import parameterized
 import haiku as hk
 import jax
 
 from configs import base
+from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import numerics
+from haiku_mp.advisor import settings as advisor_settings
 from haiku_mp.advisor import verdicts
 from haiku_mp.train import experiment
 from tests import helpers
@@ -25,7 +29,7 @@ from tests import probes_test
 
 FP16 = 'params=float32,compute=float16,output=float32'
 FC1 = 'vit/encoder_block_0/mlp_block/fc1'
-THRESHOLDS = verdicts.Thresholds.from_config(base.get_config().advisor)
+THRESHOLDS = advisor_settings.parse(base.get_config().advisor).thresholds
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -69,6 +73,35 @@ def _scaled_loss(loss_fn, factor):
 
 
 @helpers.long_running
+class AdvisorSettingsTest(parameterized.TestCase):
+  """`config.advisor` parsed in one place, by one rule per kind of field."""
+
+  def test_the_limits_become_the_thresholds_of_each_format(self):
+    advisor = base.get_config().advisor
+    advisor.update(max_relative_error=0.02, fp8_max_saturate_share=0.5,
+                   fp4_max_flushed_share=1.0, init_steps=7)
+    settings = advisor_settings.parse(advisor)
+    self.assertEqual(settings.thresholds, verdicts.Thresholds(0.02, 0.0, 1.0))
+    self.assertEqual(settings.fp8.max_saturate_share, 0.5)
+    self.assertEqual(settings.fp4.max_flushed_share, 1.0)
+    self.assertEqual(settings.init_steps, 7)
+
+  @parameterized.parameters(
+      ('max_relative_error', 1.5, 'in [0, 1]'),
+      ('max_overflow_share', -0.1, 'in [0, 1]'),
+      ('fp8_max_relative_error', 2.0, 'in [0, 1]'),
+      ('fp4_max_relative_error', -1.0, 'in [0, 1]'),
+      ('loss_scale_headroom', 0.5, '>= 1'),
+      ('init_steps', -1, '>= 0'))
+  def test_a_bad_limit_names_itself(self, name, value, rule):
+    advisor = base.get_config().advisor
+    advisor[name] = value
+    with self.assertRaisesRegex(
+        haiku_mp_errors.ConfigError,
+        rf'^advisor\.{name}=\S+ must be {re.escape(rule)}'):
+      advisor_settings.parse(advisor)
+
+
 class AdvisorTest(absltest.TestCase):
 
   @classmethod

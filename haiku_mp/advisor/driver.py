@@ -46,6 +46,7 @@ from haiku_mp.advisor import fp8_verdicts
 from haiku_mp.advisor import measurement
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
+from haiku_mp.advisor import settings as settings_lib
 from haiku_mp.advisor import verdicts
 from haiku_mp.data import pipeline
 from haiku_mp import errors
@@ -99,10 +100,8 @@ def with_run_config(config: ml_collections.ConfigDict, workdir: str,
   return config
 
 
-def _check(num_batches: int, level: str, steps: int, checkpoint: str,
-           init_steps: int) -> None:
-  if init_steps < 0:
-    raise errors.ConfigError(f'advisor.init_steps={init_steps} must be >= 0')
+def _check(num_batches: int, level: str, steps: int, checkpoint: str
+           ) -> None:
   if checkpoint and not os.path.isdir(os.path.join(checkpoint, 'checkpoints')):
     raise errors.ConfigError(
         f'--checkpoint={checkpoint}: no checkpoints directory in it (a '
@@ -373,16 +372,16 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
         log: Callable[[str], None] = print) -> dict[str, Any]:
   """The advisor's result as a JSON-ready dict (`advisor_files.write` makes
   the files)."""
-  _check(num_batches, level, repeats, checkpoint, config.advisor.init_steps)
-  thresholds = verdicts.Thresholds.from_config(config.advisor)
-  fp8_limits = fp8_verdicts.Fp8Thresholds.from_config(config.advisor)
-  fp4_limits = fp4_verdicts.Fp4Thresholds.from_config(config.advisor)
+  settings = settings_lib.parse(config.advisor)
+  _check(num_batches, level, repeats, checkpoint)
+  thresholds, fp8_limits, fp4_limits = (
+      settings.thresholds, settings.fp8, settings.fp4)
   target = variants.compute_dtype(config)
   formats = [target] if target in HALF_DTYPES else list(HALF_DTYPES)
   reference = variants.float32_reference(config)
   exp = experiment.build(reference)
   state, step, source = initial_state(exp, checkpoint, checkpoint_step)
-  init_steps = 0 if checkpoint else config.advisor.init_steps
+  init_steps = 0 if checkpoint else settings.init_steps
   start = time.perf_counter()
   batches = training_batches(reference, init_steps + num_batches, step)
   log(f'advise: {init_steps + num_batches} batches of {config.batch_size} '

@@ -17,7 +17,6 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from haiku_mp import errors
 from haiku_mp.advisor import fp4_numerics
 from haiku_mp.advisor import fp8_verdicts
 
@@ -38,16 +37,6 @@ class Fp4Thresholds:
   """
   max_relative_error: float
   max_flushed_share: float
-
-  @classmethod
-  def from_config(cls, advisor) -> 'Fp4Thresholds':
-    """From a config's `advisor` section (an ml_collections ConfigDict)."""
-    for name in ('fp4_max_relative_error', 'fp4_max_flushed_share'):
-      value = advisor[name]
-      if not 0 <= value <= 1:
-        raise errors.ConfigError(
-            f'advisor.{name}={value:g} must be in [0, 1]')
-    return cls(advisor.fp4_max_relative_error, advisor.fp4_max_flushed_share)
 
 
 def operands(parts: Sequence[np.ndarray]) -> dict[str, dict]:

@@ -17,7 +17,6 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from haiku_mp.advisor import fp8_numerics
-from haiku_mp import errors
 from haiku_mp.model import fp8
 
 FP8_OK = 'fp8-ok'
@@ -38,19 +37,6 @@ class Fp8Thresholds:
   max_relative_error: float
   max_underflow_share: float
   max_saturate_share: float
-
-  @classmethod
-  def from_config(cls, advisor) -> 'Fp8Thresholds':
-    """From a config's `advisor` section (an ml_collections ConfigDict)."""
-    for name in ('fp8_max_relative_error', 'fp8_max_underflow_share',
-                 'fp8_max_saturate_share'):
-      value = advisor[name]
-      if not 0 <= value <= 1:
-        raise errors.ConfigError(
-            f'advisor.{name}={value:g} must be in [0, 1]')
-    return cls(advisor.fp8_max_relative_error,
-               advisor.fp8_max_underflow_share,
-               advisor.fp8_max_saturate_share)
 
 
 def operands(parts: Sequence[np.ndarray]) -> dict[str, dict]:

@@ -38,7 +38,6 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from haiku_mp.advisor import numerics
-from haiku_mp import errors
 from haiku_mp.model import policies
 
 KEEP = 'keep-f32'
@@ -61,21 +60,6 @@ class Thresholds:
   max_relative_error: float
   max_overflow_share: float
   loss_scale_headroom: float
-
-  @classmethod
-  def from_config(cls, advisor) -> 'Thresholds':
-    """From a config's `advisor` section (an ml_collections ConfigDict)."""
-    for name in ('max_relative_error', 'max_overflow_share'):
-      if not 0 <= advisor[name] < 1:
-        raise errors.ConfigError(
-            f'advisor.{name}={advisor[name]} must be in [0, 1)')
-    if not advisor.loss_scale_headroom >= 1:
-      raise errors.ConfigError(
-          f'advisor.loss_scale_headroom={advisor.loss_scale_headroom} must be '
-          '>= 1')
-    return cls(float(advisor.max_relative_error),
-               float(advisor.max_overflow_share),
-               float(advisor.loss_scale_headroom))
 
 
 @dataclasses.dataclass

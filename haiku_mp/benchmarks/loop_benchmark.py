@@ -26,12 +26,12 @@ import numpy as np
 from haiku_mp.data import pipeline
 from haiku_mp.measure import compare
 from haiku_mp.measure import machine
+from haiku_mp.measure import run_plots
 from haiku_mp.measure import timing
 from haiku_mp.measure import variants
 from haiku_mp.train import console_lines
 from haiku_mp.train import experiment
 from haiku_mp.train import loop
-from haiku_mp.measure import run_plots
 
 # The loop should keep the device this busy (issue target, a benchmark's).
 TARGET_LOOP_OVER_STEP = 0.90

@@ -35,6 +35,7 @@ from haiku_mp.measure import charts
 from haiku_mp.measure import compare
 from haiku_mp.measure import isolated
 from haiku_mp.measure import machine
+from haiku_mp.measure import run_plots
 from haiku_mp.measure import variants
 from haiku_mp.report import report_markdown
 from haiku_mp.studies import dot_algorithms
@@ -44,7 +45,6 @@ from haiku_mp.studies import precision as precision_lab
 from haiku_mp.train import console_lines
 from haiku_mp.train import experiment
 from haiku_mp.train import loop
-from haiku_mp.measure import run_plots
 
 PARTS = ('benchmark', 'memory', 'precision', 'matmul', 'dot_algorithms',
          'accuracy')

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp.measure import charts
-from haiku_mp.measure import timing
 from haiku_mp.measure import run_plots
+from haiku_mp.measure import timing
 
 X64_ENV = 'JAX_ENABLE_X64'
 

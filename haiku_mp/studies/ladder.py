@@ -26,9 +26,9 @@ import numpy as np
 
 from haiku_mp.advisor import driver as advisor
 from haiku_mp import errors
+from haiku_mp.measure import run_plots
 from haiku_mp.measure import variants
 from haiku_mp.train import experiment
-from haiku_mp.measure import run_plots
 from haiku_mp.train import state_layout
 
 SUMMARY_FILE = 'summary.json'

@@ -22,11 +22,12 @@ import ml_collections
 import numpy as np
 
 from haiku_mp.advisor import driver as advisor
+from haiku_mp.advisor import settings as advisor_settings
 from haiku_mp import errors
 from haiku_mp.measure import charts
+from haiku_mp.measure import run_plots
 from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
-from haiku_mp.measure import run_plots
 from haiku_mp.update import rounding as rounding_lib
 from haiku_mp.update import step as step_lib
 
@@ -93,7 +94,8 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
                                               checkpoint_step)
   # From init, the run's own steps first (`advisor.init_steps`): a ViT's
   # zero head gives the rest no gradient at step 0.
-  init_steps = 0 if checkpoint else config.advisor.init_steps
+  init_steps = (0 if checkpoint else
+                advisor_settings.parse(config.advisor).init_steps)
   batches = advisor.training_batches(config, init_steps + num_batches, step)
   for batch in batches[:init_steps]:
     state, _ = exp.strategy.train_step(state, exp.strategy.place_batch(batch))

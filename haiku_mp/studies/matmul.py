@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp.measure import charts
-from haiku_mp.measure import timing
 from haiku_mp.measure import run_plots
+from haiku_mp.measure import timing
 
 DTYPES = ('float64', 'float32', 'float16', 'bfloat16')
 

@@ -28,12 +28,12 @@ import numpy as np
 
 from haiku_mp.measure import charts
 from haiku_mp.measure import compare
+from haiku_mp.measure import run_plots
 from haiku_mp.measure import timing
 from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.studies import state_layouts
 from haiku_mp.train import experiment
-from haiku_mp.measure import run_plots
 
 OUTSIDE_MODEL = '(loss, outside the model)'
 _TRANSFORM = re.compile(r'^\w+\((.*)\)$')  # 'jvp(vit)' -> 'vit'.

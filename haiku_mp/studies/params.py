@@ -16,10 +16,10 @@ import ml_collections
 import numpy as np
 
 from haiku_mp.measure import charts
+from haiku_mp.measure import run_plots
 from haiku_mp.studies import state_layouts
 from haiku_mp.train import experiment
 from haiku_mp.train import module_table
-from haiku_mp.measure import run_plots
 
 DTYPES = ('float32', 'float16', 'bfloat16')
 

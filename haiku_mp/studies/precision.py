@@ -24,12 +24,12 @@ from haiku_mp.data import pipeline
 from haiku_mp.measure import charts
 from haiku_mp.measure import compare
 from haiku_mp.measure import isolated
+from haiku_mp.measure import run_plots
 from haiku_mp.measure import timing
 from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.studies import memory
 from haiku_mp.train import experiment
-from haiku_mp.measure import run_plots
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
 

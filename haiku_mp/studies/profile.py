@@ -31,10 +31,10 @@ import jax
 import ml_collections
 
 from haiku_mp.measure import charts
+from haiku_mp.measure import run_plots
 from haiku_mp.measure import timing
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.studies import memory
-from haiku_mp.measure import run_plots
 
 STEP_NAME = 'train'
 TOP_OPS = 20

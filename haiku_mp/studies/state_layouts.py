@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import ml_collections
 
 from haiku_mp.measure import charts
+from haiku_mp.measure import run_plots
 from haiku_mp.measure import timing
 from haiku_mp.model import policies
 from haiku_mp.train import experiment
-from haiku_mp.measure import run_plots
 from haiku_mp.train import state_layout
 
 # name -> (param dtype, param_update, mu_dtype, nu_dtype), from the default

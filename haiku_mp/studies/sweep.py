@@ -19,9 +19,9 @@ import ml_collections
 from haiku_mp.measure import charts
 from haiku_mp.measure import compare
 from haiku_mp.measure import isolated
+from haiku_mp.measure import run_plots
 from haiku_mp.measure import variants
 from haiku_mp.parallel import sharding
-from haiku_mp.measure import run_plots
 
 # Compared as ratios to float32 at the same batch size and layout.
 RATIO_FIELDS = ('median_step_sec', 'temp_size_in_bytes',
