@@ -223,7 +223,9 @@ _OUT_OF_RANGE = (
      "precision.residual_stream: unknown value 'float16'"),
     ('loss_scale_initial', {'loss_scale.initial': 0.0},
      'loss_scale.initial: must be a positive finite number, got 0.0'),
-    ('loss_scale_minimum', {'loss_scale.minimum': 2.0**16},
+    # The floor bounds a dynamic scale; a static one may sit below it.
+    ('loss_scale_minimum', {'loss_scale.kind': 'dynamic',
+                            'loss_scale.minimum': 2.0**16},
      'loss_scale.minimum: must be in (0, loss_scale.initial]'),
     ('loss_scale_hysteresis', {'loss_scale.hysteresis': 0},
      'loss_scale.hysteresis: must be a positive integer, got 0'),
@@ -319,6 +321,17 @@ class CheckTest(parameterized.TestCase):
         _CHECKED_ELSEWHERE)
     self.assertEmpty(sorted(unchecked), 'settings with no out-of-range case')
 
+
+  def test_the_check_returns_what_it_built(self):
+    """The scaler and the precision the settings describe, built once by
+    the check for `experiment.build`; a static scale may sit below the
+    floor, which bounds a dynamic one only."""
+    checked = config_checks.check(_config(**{
+        'loss_scale.kind': 'static', 'loss_scale.initial': 0.25,
+        'precision.policy': 'params=float32,compute=bfloat16,output=float32'}))
+    self.assertEqual((checked.scaler.kind, checked.scaler.initial),
+                     ('static', 0.25))
+    self.assertEqual(checked.precision.policy.compute_dtype, jax.numpy.bfloat16)
 
   @parameterized.parameters(*configs_test.CONFIG_NAMES)
   def test_every_config_file_passes(self, name):

@@ -93,12 +93,14 @@ def trace_modules(model_config: ml_collections.ConfigDict,
   return calls, params
 
 
-def checked_precision(config: ml_collections.ConfigDict
+def checked_precision(config: ml_collections.ConfigDict,
+                      precision: Optional[policies.Precision] = None
                       ) -> tuple[policies.Precision,
                                  list[policies.ModuleCall]]:
-  """`config`'s Precision, every override checked against the module calls
-  of one (abstract) forward pass, and those calls."""
-  precision = precision_from_config(config)
+  """`config`'s Precision (`precision`, where already built from it), every
+  override checked against the module calls of one (abstract) forward
+  pass, and those calls."""
+  precision = precision or precision_from_config(config)
   calls, _ = trace_modules(config.model, precision)
   modules = {(c.class_name, c.path) for c in calls}
   precision.check_overrides(modules)

@@ -10,7 +10,7 @@ a checkpoint) is checked where it is read.
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_collections
 import numpy as np
@@ -128,7 +128,7 @@ def _check_training(config: ml_collections.ConfigDict) -> None:
         'both to 0')
 
 
-def _check_model(config: ml_collections.ConfigDict) -> None:
+def _check_model(config: ml_collections.ConfigDict) -> policies.Precision:
   model = config.model
   for name in _POSITIVE_MODEL:
     _positive(f'model.{name}', model[name])
@@ -150,13 +150,14 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   remat.check(config.remat)
   fp8 = config.precision.fp8
   # fp8.Fp8 checks its own settings.
-  _check_state_layout(config.precision,
-                      forward_lib.precision_from_config(config))
+  precision = forward_lib.precision_from_config(config)
+  _check_state_layout(config.precision, precision)
   if config.privacy.enabled and fp8.modules.strip():
     raise errors.ConfigError(
         f'precision.fp8.modules={fp8.modules!r} with privacy.enabled: DP-SGD '
         "clips per-example gradients that fp8's per-tensor scales do not "
         "follow (untested); set precision.fp8.modules='' for a private run")
+  return precision
 
 
 def _check_state_layout(precision_config: ml_collections.ConfigDict,
@@ -232,19 +233,24 @@ def _check_data(data: ml_collections.ConfigDict, image_size: int) -> None:
            data.std, f'{_CHANNELS} positive numbers, one per channel')
 
 
-def check(config: ml_collections.ConfigDict) -> None:
+class Checked(NamedTuple):
+  """What the check built on its way, for `experiment.build` to use."""
+  precision: policies.Precision
+  scaler: loss_scaling.LossScaler
+
+
+def check(config: ml_collections.ConfigDict) -> Checked:
   """Raises `errors.ConfigError` naming the first setting out of its range,
-  its value and what would be valid."""
+  its value and what would be valid; else returns the objects the settings
+  describe that it built to check them (each built once)."""
   _check_training(config)
-  _check_model(config)
-  loss_scaling.LossScaler.from_config(config.loss_scale)
-  # Every loss-scale setting in its range, whichever kind reads it.
-  loss_scaling.LossScaler.from_config(ml_collections.ConfigDict(
-      dict(config.loss_scale.to_dict(), kind='dynamic')))
+  precision = _check_model(config)
+  scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
   _check_parallel(config.parallel)
   _check_data(config.data, config.model.image_size)
   dp_sgd.check_settings(config.privacy)
   compilation_cache.check(config.compilation_cache_dir)
+  return Checked(precision, scaler)
 
 
 def check_batches(config: ml_collections.ConfigDict, batch_devices: int,

@@ -247,7 +247,7 @@ def build(config: ml_collections.ConfigDict, *,
   `data.download` allows one). `total_steps` (the learning-rate schedule's
   length) defaults to the config's. Compiles nothing and writes nothing.
   """
-  config_checks.check(config)
+  checked = config_checks.check(config)
   mesh = sharding.mesh_for(config.parallel, devices)
   batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
   config_checks.check_batches(config, batch_devices, jax.process_count())
@@ -255,7 +255,7 @@ def build(config: ml_collections.ConfigDict, *,
                 config.privacy.enabled or config.data.source == 'synthetic')
   num_train_examples = (pipeline.check_available(config.data)
                         if check_data or needs_size else None)
-  precision, calls = forward_lib.checked_precision(config)
+  precision, calls = forward_lib.checked_precision(config, checked.precision)
   forward = forward_lib.make_forward(config.model, precision,
                                      remat=config.remat)
   if total_steps is None:
@@ -277,7 +277,7 @@ def build(config: ml_collections.ConfigDict, *,
       param_update=config.precision.param_update,
       mu_dtype=config.precision.mu_dtype, nu_dtype=config.precision.nu_dtype,
       moment_block_size=config.precision.moment_block_size)
-  scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
+  scaler = checked.scaler
   init_state = _init_state_fn(config, forward, optimizer, scaler)
   # The steps' forward: under pmap, fp8 scales from every replica's amaxes.
   step_forward = forward

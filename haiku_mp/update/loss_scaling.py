@@ -62,28 +62,29 @@ class LossScaler:
   max_consecutive_skips: int = 50
 
   def __post_init__(self):
+    # Every setting in its range whichever kind reads it: a config's unused
+    # dynamic settings are checked too, before a change of kind meets them.
     errors.check_choice('loss_scale.kind', self.kind, KINDS, LossScaleError)
-    if self.kind == 'none':
-      return
     if not np.isfinite(self.initial) or self.initial <= 0:
       raise LossScaleError(
           f'loss_scale.initial: must be a positive finite number, got {self.initial!r}')
-    if self.kind == 'dynamic':
-      if int(self.period) != self.period or self.period < 1:
-        raise LossScaleError(
-            f'loss_scale.period: must be a positive integer, got {self.period!r}')
-      if self.factor <= 1:
-        raise LossScaleError(f'loss_scale.factor: must be > 1, got {self.factor!r}')
-      if self.minimum <= 0 or self.minimum > self.initial:
-        raise LossScaleError(
-            f'loss_scale.minimum: must be in (0, loss_scale.initial], got {self.minimum!r}')
-      if int(self.hysteresis) != self.hysteresis or self.hysteresis < 1:
-        raise LossScaleError(
-            f'loss_scale.hysteresis: must be a positive integer, got {self.hysteresis!r}')
-      if self.max_consecutive_skips < 1:
-        raise LossScaleError(
-            'loss_scale.max_consecutive_skips: must be positive, got '
-            f'{self.max_consecutive_skips!r}')
+    if int(self.period) != self.period or self.period < 1:
+      raise LossScaleError(
+          f'loss_scale.period: must be a positive integer, got {self.period!r}')
+    if self.factor <= 1:
+      raise LossScaleError(f'loss_scale.factor: must be > 1, got {self.factor!r}')
+    # The floor bounds a dynamic scale only; a static one may sit below it.
+    if self.minimum <= 0 or (self.kind == 'dynamic' and
+                             self.minimum > self.initial):
+      raise LossScaleError(
+          f'loss_scale.minimum: must be in (0, loss_scale.initial], got {self.minimum!r}')
+    if int(self.hysteresis) != self.hysteresis or self.hysteresis < 1:
+      raise LossScaleError(
+          f'loss_scale.hysteresis: must be a positive integer, got {self.hysteresis!r}')
+    if self.max_consecutive_skips < 1:
+      raise LossScaleError(
+          'loss_scale.max_consecutive_skips: must be positive, got '
+          f'{self.max_consecutive_skips!r}')
 
   @classmethod
   def from_config(cls, config) -> 'LossScaler':
