@@ -1,8 +1,9 @@
 """The library leaves the process alone: importing every module of
-`haiku_mp`, saving and restoring a checkpoint (a failed save included) and
-drawing a plot change none of the process's hooks, warnings filters,
-loggers or matplotlib backend. A program of one's own finds them as it left
-them; the commands own the console (`launch/cli.py`, `launch/failed_saves.py`)."""
+`haiku_mp`, saving and restoring a checkpoint (a failed save included),
+drawing a plot or quieting the trainer change none of the process's hooks,
+warnings filters, loggers, absl's verbosity or matplotlib backend. A
+program of one's own finds them as it left them; the commands own the
+console (`launch/cli.py`, `launch/failed_saves.py`)."""
 
 import os
 import sys
@@ -19,6 +20,7 @@ import tempfile
 import threading
 import warnings
 
+from absl import logging as absl_logging
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,7 @@ def _process() -> dict:
       handler_filters={id(h): list(h.filters) for logger in loggers
                        for h in logger.handlers},
       # The backend as set, unresolved: resolving it would choose one.
+      verbosity=absl_logging.get_verbosity(),
       backend=dict.__getitem__(matplotlib.rcParams, 'backend'),
       pyplot='matplotlib.pyplot' in sys.modules)
 
@@ -93,6 +96,11 @@ class ProcessAloneTest(absltest.TestCase):
                  dict(step=1, split='val', accuracy=0.5)]},
         os.path.join(workdir, 'runs.png'))
     self.assertTrue(os.path.exists(os.path.join(workdir, 'runs.png')))
+    # The report's and the loop benchmark's quiet trainer: the library's own
+    # state, not absl's verbosity.
+    from haiku_mp.train import console_lines  # pylint: disable=g-import-not-at-top
+    with console_lines.quietly():
+      self._assert_as(_process(), before)
     self._assert_as(_process(), before)
 
   def _assert_as(self, after: dict, before: dict) -> None:

@@ -32,6 +32,7 @@ from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
 from haiku_mp import errors
+from haiku_mp.train import console_lines
 from haiku_mp.update import step as step_lib
 
 TrainState = step_lib.TrainState
@@ -187,7 +188,7 @@ class Checkpointer:
       self._failed(e)
     self._in_flight = None
     # Found done at a log point: the write took at most this long.
-    logging.info('Saved checkpoint %s/%d (off the device in %.2fs, its files '
+    console_lines.info('Saved checkpoint %s/%d (off the device in %.2fs, its files '
                  'written in the background within %.1fs).',
                  self.directory, write.step, write.blocking_sec,
                  self._clock() - write.start)

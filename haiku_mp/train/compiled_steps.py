@@ -4,10 +4,10 @@ so that no logged rate includes compilation. (Beside the loop, not in
 
 import time
 
-from absl import logging
 import jax
 
 from haiku_mp.train import compilation_cache
+from haiku_mp.train import console_lines
 
 
 class CompiledSteps:
@@ -23,7 +23,7 @@ class CompiledSteps:
   def compile(self, state, batch):
     shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))
     if shapes not in self._compiled and not self._strategy.compiles_ahead:
-      logging.info('The train step compiles in its first call (%s over %d '
+      console_lines.info('The train step compiles in its first call (%s over %d '
                    'processes cannot be compiled ahead): the first log '
                    "window's rate includes it.", self._strategy.name,
                    jax.process_count())
@@ -37,7 +37,7 @@ class CompiledSteps:
       end = time.perf_counter()
       # Tracing and lowering run every time; XLA's compile is what the
       # persistent compilation cache saves.
-      logging.info('Compiled the train step for a batch of %d in %.1fs '
+      console_lines.info('Compiled the train step for a batch of %d in %.1fs '
                    '(tracing and lowering %.1fs, XLA %.1fs%s).',
                    batch['label'].size, end - start, lowered_at - start,
                    end - lowered_at,

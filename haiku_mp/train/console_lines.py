@@ -2,7 +2,8 @@
 warnings, the summary line at the end."""
 
 import contextlib
-from typing import Any, Mapping, Optional
+import contextvars
+from typing import Any, Iterator, Mapping, Optional
 
 from absl import logging
 
@@ -61,17 +62,30 @@ def log_line(step: int, total: int, summary: Mapping[str, Any],
           f'| ETA {progress_lib.format_duration(progress["eta_sec"])}')
 
 
+# Whether the trainer's INFO lines are held back (`quietly`): the library's
+# own state, per context, where lowering absl's verbosity would change the
+# whole process's logging.
+_QUIET = contextvars.ContextVar('haiku_mp_trainer_quiet', default=False)
+
+
+def info(message: str, *args) -> None:
+  """One of the trainer's INFO lines (startup, progress, checkpoints,
+  evaluation, summary), logged as from its caller's line, unless `quietly`
+  holds it back."""
+  if _QUIET.get() and logging.get_verbosity() <= logging.INFO:
+    return
+  logging.info(message, *args, stacklevel=2)
+
+
 @contextlib.contextmanager
-def quietly():
-  """The trainer's INFO log (its startup, progress, checkpoint and summary
-  lines) hidden inside the block at the default verbosity, for callers that
-  print one line per run of their own (the report, the loop benchmark); each
-  run's record is in its workdir (metrics.jsonl, summary.json). Warnings and
-  errors still show."""
-  verbosity = logging.get_verbosity()
-  if verbosity == logging.INFO:
-    logging.set_verbosity(logging.WARNING)
+def quietly() -> Iterator[None]:
+  """The trainer's INFO lines (`info`) held back inside the block at the
+  default verbosity (`--verbosity=1` shows them), for callers that print one
+  line per run of their own (the report, the loop benchmark); each run's
+  record is in its workdir (metrics.jsonl, summary.json). Warnings, errors
+  and every other logger are left as they are."""
+  token = _QUIET.set(True)
   try:
     yield
   finally:
-    logging.set_verbosity(verbosity)
+    _QUIET.reset(token)

@@ -3,9 +3,9 @@
 import time
 from typing import Optional
 
-from absl import logging
 
 from haiku_mp.data import pipeline
+from haiku_mp.train import console_lines
 from haiku_mp.train import in_flight
 
 
@@ -71,7 +71,7 @@ class Evaluator:
                              exp.strategy.to_host, watch), **extra)
     self._progress.eval_seconds += time.perf_counter() - start
     self._writer.write(step, label, result)
-    logging.info('%s at step %d: loss %.4f accuracy %.4f (%d examples)',
+    console_lines.info('%s at step %d: loss %.4f accuracy %.4f (%d examples)',
                  label, step, result['loss'], result['accuracy'],
                  result['num_examples'])
     return result

@@ -65,7 +65,7 @@ def _restore_or_init(exp, checkpointer, workdir: str, is_writer: bool):
   if restored is None:
     return 0, strategy.init_state(), {}
   start_step, state = restored
-  logging.info('Resuming from %s at step %d.', checkpointer.directory,
+  console_lines.info('Resuming from %s at step %d.', checkpointer.directory,
                start_step)
   if is_writer:
     metrics_lib.truncate_after(workdir, start_step)
@@ -115,7 +115,7 @@ def _log_window(exp, fetched, window, step, writer, progress,
                      summary['window_skipped_steps'])
   finally:
     writer.write(step, 'train', summary)
-  logging.info(console_lines.log_line(step, exp.total_steps, summary, rates))
+  console_lines.info(console_lines.log_line(step, exp.total_steps, summary, rates))
 
 
 @contextlib.contextmanager
@@ -331,7 +331,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   run_dir.check_given(workdir)  # On every process: no run without one.
   finished = run_dir.finished_summary(config, workdir)
   if finished is not None:
-    logging.info('This run is complete (step %d of %d): nothing to do. Its '
+    console_lines.info('This run is complete (step %d of %d): nothing to do. Its '
                  'summary: %s', finished['steps'], finished['steps'],
                  os.path.join(workdir, run_dir.SUMMARY_FILE))
     return finished
@@ -355,5 +355,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   path = os.path.join(workdir, run_dir.SUMMARY_FILE)
   if is_writer:
     run_files.write_json(path, summary)
-  logging.info('%s', console_lines.summary_line(summary, path))
+  console_lines.info('%s', console_lines.summary_line(summary, path))
   return summary

@@ -4,11 +4,11 @@ devices, the model's modules and the state's layout."""
 import os
 import time
 
-from absl import logging
 import jax
 
 from haiku_mp.data import pipeline
 from haiku_mp.train import compilation_cache
+from haiku_mp.train import console_lines
 from haiku_mp.train import experiment
 from haiku_mp.train import module_table
 from haiku_mp.train import run_files
@@ -21,7 +21,7 @@ MODULES_FILE = 'modules.txt'
 def load_data(exp: experiment.Experiment) -> pipeline.Splits:
   start = time.perf_counter()
   splits = exp.load_splits()
-  logging.info('Data (%s): %s in memory in %.1fs.', exp.config.data.source,
+  console_lines.info('Data (%s): %s in memory in %.1fs.', exp.config.data.source,
                ', '.join(f'{name} {len(split.labels)}' for name, split in
                          zip(splits._fields, splits)),
                time.perf_counter() - start)
@@ -30,7 +30,7 @@ def load_data(exp: experiment.Experiment) -> pipeline.Splits:
 
 def use_compilation_cache(setting: str) -> None:
   cache = compilation_cache.use(setting)
-  logging.info('Compilation cache: %s', cache or (
+  console_lines.info('Compilation cache: %s', cache or (
       f'off ({setting!r} on {jax.default_backend()}; set '
       '--config.compilation_cache_dir=DIR for one)'))
 
@@ -41,7 +41,7 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
   `workdir/modules.txt`, and logged with `log_module_table`) and, when
   sharded, one kernel's layout."""
   strategy = exp.strategy
-  logging.info('Devices: %s (process %d of %d), strategy %s, mesh %s',
+  console_lines.info('Devices: %s (process %d of %d), strategy %s, mesh %s',
                jax.devices(), jax.process_index(), jax.process_count(),
                strategy.name, exp.mesh and dict(exp.mesh.shape))
   rows = module_table.module_rows(exp)
@@ -49,19 +49,19 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
   path = os.path.join(workdir, MODULES_FILE)
   if is_writer:
     run_files.write_atomically(path, table + '\n')
-  logging.info('%s; every module: %s', module_table.summary_line(
+  console_lines.info('%s; every module: %s', module_table.summary_line(
       rows, exp.config.precision.overrides, exp.precision), path)
-  logging.info('%s', state_layout.describe(exp.config.precision,
+  console_lines.info('%s', state_layout.describe(exp.config.precision,
                                            exp.abstract_state))
   if log_module_table:
-    logging.info('Modules:\n%s', table)
+    console_lines.info('Modules:\n%s', table)
   for line in exp.describe():
-    logging.info('%s', line)
+    console_lines.info('%s', line)
   if strategy.state_shardings is None:
     return
   name = next((k for k in state.params if k.endswith('mlp_block/fc1')), None)
   if name is not None:
     kernel = state.params[name]['w']
-    logging.info('%s/w %s sharded as %s:', name, kernel.shape,
+    console_lines.info('%s/w %s sharded as %s:', name, kernel.shape,
                  kernel.sharding.spec)
     jax.debug.visualize_array_sharding(kernel)
