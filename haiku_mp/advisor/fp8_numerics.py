@@ -30,19 +30,17 @@ from haiku_mp.model import fp8
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Format:
-  """An fp8 format: its dtype, mantissa bits and smallest normal exponent."""
+  """An fp8 format: its name and dtype."""
   name: str
   dtype: object
-  mantissa_bits: int
-  min_exponent: int  # Of its smallest normal number, 2**min_exponent.
 
   @property
   def max(self) -> float:
     return fp8.max_finite(self.dtype)
 
 
-E4M3 = Fp8Format('e4m3', fp8.E4M3, 3, -6)
-E5M2 = Fp8Format('e5m2', fp8.E5M2, 2, -14)
+E4M3 = Fp8Format('e4m3', fp8.E4M3)
+E5M2 = Fp8Format('e5m2', fp8.E5M2)
 
 TENSOR_FIELDS = ('amax', 'nonzero', 'sum_squares')
 SCALING_FIELDS = ('underflow', 'saturate', 'error_squares')
@@ -53,17 +51,8 @@ SIZE = len(FIELDS)
 
 def round_to_fp8(v: jax.Array, fmt: Fp8Format) -> jax.Array:
   """float32 `v` (already divided by its scale) as `fmt` holds it, in
-  float32: `fp8.quantize`'s cast, on the format's grid."""
-  v = v.astype(jnp.float32)
-  magnitude = jnp.abs(v)
-  # The binade's exponent from the float32 bits (exact; log2 is not).
-  biased = (jax.lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) & 0xff
-  exponent = jnp.maximum(biased - 127, fmt.min_exponent)
-  # 2**(exponent - mantissa_bits) from its bits: exact (XLA's exp2 is not).
-  spacing = jax.lax.bitcast_convert_type(
-      (exponent - fmt.mantissa_bits + 127) << 23, jnp.float32)
-  rounded = jnp.round(magnitude / spacing) * spacing
-  return jnp.sign(v) * jnp.minimum(rounded, fmt.max)
+  float32: `fp8.quantize`'s saturating cast itself."""
+  return fp8.quantize(v, fmt.dtype, 1.0).astype(jnp.float32)
 
 
 def _scaled_stats(x: jax.Array, scale: jax.Array, fmt: Fp8Format
@@ -81,17 +70,9 @@ def _scaled_stats(x: jax.Array, scale: jax.Array, fmt: Fp8Format
 
 
 def _block_scales(x: jax.Array, fmt: Fp8Format, axis: int) -> jax.Array:
-  """Per element, the MX scale of its block along `axis` (padded with zeros
-  to whole blocks, as `fp8.mx_quantize_dequantize` does)."""
-  size = x.shape[axis]
-  padded = -size % fp8.MX_BLOCK
-  if padded:
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, padded)
-    x = jnp.pad(x, pad)
-  scales = jnp.repeat(fp8.mx_block_scales(x, fmt.dtype, axis), fp8.MX_BLOCK,
-                      axis=axis)
-  return jax.lax.slice_in_dim(scales, 0, size, axis=axis)
+  """Per element, the MX scale of its block along `axis`, as
+  `fp8.mx_quantize_dequantize` blocks it."""
+  return fp8.mx_element_scales(x, fmt.dtype, axis)
 
 
 def tensor_stats(x: jax.Array, fmt: Fp8Format, delayed_amax: jax.Array,

@@ -390,12 +390,10 @@ def mx_block_scales(x: jax.Array, dtype, axis: int,
                            _MIN_EXPONENT))
 
 
-def _mx_quantize(x: jax.Array, dtype, axis: int,
-                 block: int) -> tuple[jax.Array, jax.Array]:
-  """(q, e): `x`'s MX blocks of `dtype` along `axis`, each value as the
-  format holds it (in float32) and its block's exponent. Times 2**-e
-  (2**120 at most for a finite amax: exact), then cast. `axis` is
-  zero-padded to a multiple of `block` for the blocking and cut back."""
+def mx_element_exponents(x: jax.Array, dtype, axis: int,
+                         block: int = MX_BLOCK) -> jax.Array:
+  """Per element of `x`, its MX block's exponent (`mx_block_exponents`);
+  `axis` is zero-padded to a multiple of `block` for the blocking."""
   size = x.shape[axis]
   padded = -size % block
   if padded:
@@ -404,11 +402,27 @@ def _mx_quantize(x: jax.Array, dtype, axis: int,
     x = jnp.pad(x, pad)
   exponents = jnp.repeat(mx_block_exponents(x, dtype, axis, block), block,
                          axis=axis)
+  return jax.lax.slice_in_dim(exponents, 0, size, axis=axis)
+
+
+def mx_element_scales(x: jax.Array, dtype, axis: int,
+                      block: int = MX_BLOCK) -> jax.Array:
+  """Per element of `x`, its MX block's scale as `mx_block_scales` gives it
+  (a normal float32)."""
+  return _exp2(jnp.maximum(mx_element_exponents(x, dtype, axis, block),
+                           _MIN_EXPONENT))
+
+
+def _mx_quantize(x: jax.Array, dtype, axis: int,
+                 block: int) -> tuple[jax.Array, jax.Array]:
+  """(q, e): `x`'s MX blocks of `dtype` along `axis`, each value as the
+  format holds it (in float32) and its block's exponent. Times 2**-e
+  (2**120 at most for a finite amax: exact), then cast."""
+  exponents = mx_element_exponents(x, dtype, axis, block)
   limit = max_finite(dtype)
   q = jnp.clip(x.astype(jnp.float32) * _exp2(-exponents), -limit,
                limit).astype(dtype).astype(jnp.float32)
-  cut = lambda t: jax.lax.slice_in_dim(t, 0, size, axis=axis)
-  return cut(q), cut(exponents)
+  return q, exponents
 
 
 def mx_quantize_dequantize(x: jax.Array, dtype, axis: int,
