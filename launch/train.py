@@ -18,6 +18,7 @@ import jax
 from ml_collections import config_flags
 
 from haiku_mp.measure import machine
+from haiku_mp.train import experiment
 from haiku_mp.train import in_flight
 from haiku_mp.train import loop
 from launch import cli
@@ -58,17 +59,17 @@ def main(argv):
   os.environ['XLA_FLAGS'] = in_flight.xla_flags(
       os.environ.get('XLA_FLAGS', ''), _CONFIG.value.stall_timeout_sec)
   _initialize_distributed()
-  overrides = config_flags.get_override_values(flags.FLAGS['config'])
-
-  def announce():
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  result = loop.unfinished(config, workdir)
+  if result is None:
+    exp = experiment.build(config, check_data=True)
+    # Logged once the config passed: a bad setting's line stands alone.
+    overrides = config_flags.get_override_values(flags.FLAGS['config'])
     logging.info('Config: %s%s',
                  config_flags.get_config_filename(flags.FLAGS['config']),
                  ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
     logging.info('%s', machine.host_line())
-
-  result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
-                                   log_module_table=_MODULES_TABLE.value,
-                                   on_checked=announce)
+    result = loop.train(exp, workdir, log_module_table=_MODULES_TABLE.value)
   if result.get('signal') == 'SIGINT':  # Saved, but stopped by Ctrl-C.
     sys.exit(cli.EXIT_INTERRUPTED)
 

@@ -308,38 +308,39 @@ def _summary(run: _Run) -> dict[str, Any]:
       **exp.summary_fields(total_steps, skipped_steps))
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       log_module_table: bool = False,
-                       on_checked: Callable[[], None] = lambda: None,
-                       hooks: Hooks = Hooks()) -> dict[str, Any]:
-  """Trains, evaluates on val periodically and on test at the end.
-
-  `on_checked` is called once the config has passed its check and the data
-  was found (the launcher logs its config there, so that a bad setting
-  prints its one error line alone). `hooks` see each step's dispatch and
-  each wait for one.
-
-  Everything that can be wrong with the config or the data is checked
-  (`experiment.build`) before anything is written to `workdir`; a run this
-  config has already finished there is left as it is. Returns the summary
-  also written to `workdir/summary.json`, or `{'preempted_at_step': N,
-  'signal': NAME}` after a SIGTERM or a Ctrl-C (SIGINT). The writer, the
-  checkpointer and the signal handlers are owned by one ExitStack, so every
-  exit (the end, divergence, a signal, any exception) closes and restores
-  them.
-  """
+def unfinished(config: ml_collections.ConfigDict, workdir: str
+               ) -> Optional[dict[str, Any]]:
+  """What to check of `workdir` before a run is built: given on every
+  process, writable by the writing one (before the data is looked for: a
+  download, perhaps). Returns the summary of a run this config has already
+  finished there (logged, and left as it is), else None."""
   run_dir.check_given(workdir)  # On every process: no run without one.
   finished = run_dir.finished_summary(config, workdir)
   if finished is not None:
-    console_lines.info('This run is complete (step %d of %d): nothing to do. Its '
-                 'summary: %s', finished['steps'], finished['steps'],
-                 os.path.join(workdir, run_dir.SUMMARY_FILE))
+    console_lines.info('This run is complete (step %d of %d): nothing to '
+                       'do. Its summary: %s', finished['steps'],
+                       finished['steps'],
+                       os.path.join(workdir, run_dir.SUMMARY_FILE))
     return finished
-  is_writer = jax.process_index() == 0
-  if is_writer:  # Before the data is looked for (a download, perhaps).
+  if jax.process_index() == 0:
     run_dir.check_writable(workdir)
-  exp = experiment.build(config, check_data=True)
-  on_checked()
+  return None
+
+
+def train(exp: experiment.Experiment, workdir: str,
+          log_module_table: bool = False,
+          hooks: Hooks = Hooks()) -> dict[str, Any]:
+  """Trains the built run `exp` in `workdir` (checked by `unfinished`),
+  evaluates on val periodically and on test at the end.
+
+  Returns the summary also written to `workdir/summary.json`, or
+  `{'preempted_at_step': N, 'signal': NAME}` after a SIGTERM or a Ctrl-C
+  (SIGINT). `hooks` see each step's dispatch and each wait for one. The
+  writer, the checkpointer and the signal handlers are owned by one
+  ExitStack, so every exit (the end, divergence, a signal, any exception)
+  closes and restores them.
+  """
+  is_writer = jax.process_index() == 0
   startup_log.use_compilation_cache(exp.config.compilation_cache_dir)
   splits = startup_log.load_data(exp)
   if is_writer:
@@ -357,3 +358,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     run_files.write_json(path, summary)
   console_lines.info('%s', console_lines.summary_line(summary, path))
   return summary
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       log_module_table: bool = False,
+                       hooks: Hooks = Hooks()) -> dict[str, Any]:
+  """`train` of the run `config` describes: everything that can be wrong
+  with the workdir, the config or the data is checked (`unfinished`,
+  `experiment.build`) before anything is written to `workdir`; a run this
+  config has already finished there is left as it is (its summary
+  returned). `launch.train` takes these steps itself, to log the config
+  once it is checked."""
+  finished = unfinished(config, workdir)
+  if finished is not None:
+    return finished
+  exp = experiment.build(config, check_data=True)
+  return train(exp, workdir, log_module_table, hooks)
