@@ -155,11 +155,7 @@ class _Run:
     self.start_step, self.state, record = _restore_or_init(
         exp, self.checkpointer, workdir, is_writer)
     if is_writer:
-      changes = run_dir.config_changes(exp.config, workdir)
-      if changes:
-        logging.warning('%s', run_dir.describe_changes(changes, workdir,
-                                                       self.start_step))
-      run_dir.write_config(workdir, exp.config)
+      run_dir.record_config(exp.config, workdir, self.start_step)
     self.writer = stack.enter_context(resources.closed_on_exit(metrics_lib.MetricsWriter(
         workdir, enabled=is_writer, start_step=self.start_step)))
     self.progress = progress_lib.Progress(exp.total_steps, settings.batch_size,
@@ -303,7 +299,7 @@ def _summary(run: _Run) -> dict[str, Any]:
       strategy=strategy.name,
       mesh_shape=exp.mesh and list(exp.mesh.devices.shape),
       precision_policy=exp.config.precision.policy,
-      loss_scale_kind=exp.config.loss_scale.kind,
+      loss_scale_kind=exp.scaler.kind,
       **ema_summary,
       **exp.summary_fields(total_steps, skipped_steps))
 

@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any, Optional
 
+from absl import logging
 import ml_collections
 
 from haiku_mp import errors
@@ -78,7 +79,7 @@ def finished_summary(config: ml_collections.ConfigDict, workdir: str
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
   """config.json: what `finished_summary` compares a later start with."""
   run_files.write_atomically(os.path.join(workdir, CONFIG_FILE),
-                           config_text(config))
+                             config_text(config))
 
 
 def flat_settings(tree: Any, prefix: str = '') -> dict[str, Any]:
@@ -107,6 +108,16 @@ def _changes(saved: dict[str, Any], config: ml_collections.ConfigDict
   now = flat_settings(json.loads(config_text(config)))
   return [(k, saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
           if saved.get(k) != now.get(k) and k not in _NOT_THE_RUN]
+
+
+def record_config(config: ml_collections.ConfigDict, workdir: str,
+                  start_step: int) -> None:
+  """Warns of the settings this command changes against the run's
+  config.json (`describe_changes`), then writes `config` there."""
+  changes = config_changes(config, workdir)
+  if changes:
+    logging.warning('%s', describe_changes(changes, workdir, start_step))
+  write_config(workdir, config)
 
 
 def config_changes(config: ml_collections.ConfigDict, workdir: str
