@@ -113,7 +113,8 @@ class LayersTest(absltest.TestCase):
     found = self._planted({'model/vit.py':
                            'def f():\n  from haiku_mp.train import loop\n'})
     self.assertEqual(found, {'model': {'train'}})
-    self.assertEqual(_upward(found), ['model (floor 1) imports train (floor 4)'])
+    self.assertEqual(_upward(found),
+                     ['model (floor 1) imports train (floor 4)'])
 
   def test_the_reader_sees_every_way_up(self):
     """Each form an upward import can take is found: the second name of a

@@ -123,8 +123,8 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   rows = [r for r in result['modules'] if not r['same_as']]
   exponents = np.asarray(result['exponents'])
   top = result['float16_window']['exponents'][1] or 0
-  fig, axes = run_plots.figure(1, 2, figsize=(16, 2 + 0.28 * len(rows)),
-                               sharey=True)
+  fig, axes = run_plots.figure(
+      1, 2, figsize=(16, 2 + 0.28 * len(rows)), sharey=True)
   for ax, part, shift in ((axes[0], 'output', 0), (axes[1], 'gradient', top)):
     counts = np.asarray([r[part]['histogram'] for r in rows], np.float64)
     shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)

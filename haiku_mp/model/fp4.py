@@ -296,8 +296,7 @@ def transform_blocks(x: jax.Array, matrix: jax.Array,
   return _merge(split, axis, x.shape[axis])
 
 
-def hadamard_transform(x: jax.Array, signs: jax.Array,
-                       axis: int) -> jax.Array:
+def hadamard_transform(x: jax.Array, signs: jax.Array, axis: int) -> jax.Array:
   """`transform_blocks(x, signed_hadamard(signs), axis)` as butterflies:
   Sylvester's H is a Kronecker product of 2 x 2 factors, so each block is
   mixed by log2(size) rounds of sums and differences. Each output is the

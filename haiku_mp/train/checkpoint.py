@@ -188,10 +188,10 @@ class Checkpointer:
       self._failed(e)
     self._in_flight = None
     # Found done at a log point: the write took at most this long.
-    console_lines.info('Saved checkpoint %s/%d (off the device in %.2fs, its files '
-                 'written in the background within %.1fs).',
-                 self.directory, write.step, write.blocking_sec,
-                 self._clock() - write.start)
+    console_lines.info(
+        'Saved checkpoint %s/%d (off the device in %.2fs, its files '
+        'written in the background within %.1fs).', self.directory,
+        write.step, write.blocking_sec, self._clock() - write.start)
 
   def poll(self) -> None:
     """`wait` if the save in flight is done (free: no wait, no device op)."""

@@ -23,10 +23,11 @@ class CompiledSteps:
   def compile(self, state, batch):
     shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))
     if shapes not in self._compiled and not self._strategy.compiles_ahead:
-      console_lines.info('The train step compiles in its first call (%s over %d '
-                   'processes cannot be compiled ahead): the first log '
-                   "window's rate includes it.", self._strategy.name,
-                   jax.process_count())
+      console_lines.info(
+          'The train step compiles in its first call (%s over %d '
+          'processes cannot be compiled ahead): the first log '
+          "window's rate includes it.", self._strategy.name,
+          jax.process_count())
       self._compiled[shapes] = self._strategy.train_step
     if shapes not in self._compiled:
       start = time.perf_counter()
@@ -37,11 +38,11 @@ class CompiledSteps:
       end = time.perf_counter()
       # Tracing and lowering run every time; XLA's compile is what the
       # persistent compilation cache saves.
-      console_lines.info('Compiled the train step for a batch of %d in %.1fs '
-                   '(tracing and lowering %.1fs, XLA %.1fs%s).',
-                   batch['label'].size, end - start, lowered_at - start,
-                   end - lowered_at,
-                   ', loaded from the compilation cache' if hits else '')
+      console_lines.info(
+          'Compiled the train step for a batch of %d in %.1fs '
+          '(tracing and lowering %.1fs, XLA %.1fs%s).', batch['label'].size,
+          end - start, lowered_at - start, end - lowered_at,
+          ', loaded from the compilation cache' if hits else '')
     return self._compiled[shapes]
 
   def __call__(self, state, batch):

@@ -44,9 +44,10 @@ def summary_line(summary: Mapping[str, Any], path: str) -> str:
                f'skipped, final loss scale {summary["final_loss_scale"]:g}')
   if summary.get('epsilon') is not None:
     parts.append(f'epsilon {summary["epsilon"]:.2f}')
-  parts.append(f'{summary["images_per_sec"]:.0f} img/s, train '
-               f'{progress_lib.format_duration(summary["train_time_sec"])}, eval '
-               f'{progress_lib.format_duration(summary["eval_time_sec"])}')
+  parts.append(
+      f'{summary["images_per_sec"]:.0f} img/s, train '
+      f'{progress_lib.format_duration(summary["train_time_sec"])}, eval '
+      f'{progress_lib.format_duration(summary["eval_time_sec"])}')
   return f'Summary: {"; ".join(parts)}. Every figure: {path}'
 
 

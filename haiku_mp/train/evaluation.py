@@ -72,6 +72,6 @@ class Evaluator:
     self._progress.eval_seconds += time.perf_counter() - start
     self._writer.write(step, label, result)
     console_lines.info('%s at step %d: loss %.4f accuracy %.4f (%d examples)',
-                 label, step, result['loss'], result['accuracy'],
-                 result['num_examples'])
+                       label, step, result['loss'], result['accuracy'],
+                       result['num_examples'])
     return result

@@ -66,7 +66,7 @@ def _restore_or_init(exp, checkpointer, workdir: str, is_writer: bool):
     return 0, strategy.init_state(), {}
   start_step, state = restored
   console_lines.info('Resuming from %s at step %d.', checkpointer.directory,
-               start_step)
+                     start_step)
   if is_writer:
     metrics_lib.truncate_after(workdir, start_step)
   return (start_step, strategy.place_state(state),
@@ -104,7 +104,7 @@ def _log_window(exp, fetched, window, step, writer, progress,
   host_window = _on_host(exp, fetched, window)
   summary = log_window_lib.window_summary(host_window, exp.mean_metrics)
   console_lines.log_overflows(host_window, step - len(host_window) + 1,
-                            exp.param_names)
+                              exp.param_names)
   rates = progress.update(step)
   summary.update(images_per_sec=rates['images_per_sec'],
                  learning_rate=float(learning_rate(step - 1)),
@@ -115,7 +115,8 @@ def _log_window(exp, fetched, window, step, writer, progress,
                      summary['window_skipped_steps'])
   finally:
     writer.write(step, 'train', summary)
-  console_lines.info(console_lines.log_line(step, exp.total_steps, summary, rates))
+  console_lines.info(
+      console_lines.log_line(step, exp.total_steps, summary, rates))
 
 
 @contextlib.contextmanager
@@ -142,8 +143,9 @@ class _Run:
     self.learning_rate = jax.jit(exp.schedule)
     self.shard = pipeline.Shard.current()
     self.interruption = stack.enter_context(interruption_lib.Interruption())
-    self.checkpointer = stack.enter_context(resources.closed_on_exit(
-        checkpoint_lib.Checkpointer(workdir, settings.keep_checkpoints)))
+    self.checkpointer = stack.enter_context(
+        resources.closed_on_exit(
+            checkpoint_lib.Checkpointer(workdir, settings.keep_checkpoints)))
     self.on_stall = in_flight.exit_on_stall(
         f'The newest checkpoint in {self.checkpointer.directory} is whole: '
         'run the same command to resume (--config.stall_timeout_sec='
@@ -156,10 +158,12 @@ class _Run:
         exp, self.checkpointer, workdir, is_writer)
     if is_writer:
       run_dir.record_config(exp.config, workdir, self.start_step)
-    self.writer = stack.enter_context(resources.closed_on_exit(metrics_lib.MetricsWriter(
-        workdir, enabled=is_writer, start_step=self.start_step)))
+    self.writer = stack.enter_context(
+        resources.closed_on_exit(
+            metrics_lib.MetricsWriter(
+                workdir, enabled=is_writer, start_step=self.start_step)))
     self.progress = progress_lib.Progress(exp.total_steps, settings.batch_size,
-                                         self.start_step, record)
+                                          self.start_step, record)
     self.evaluator = evaluation.Evaluator(exp, splits, self.shard, self.writer,
                                           self.progress, self.on_stall)
     self.last_val = record.get('last_val', {})
@@ -186,11 +190,13 @@ class _Run:
     returns once the state is off the device (the files are written while
     training goes on) unless `wait`."""
     self.writer.flush()  # What the checkpoint covers is on disk before it.
-    self.checkpointer.save(step, self.exp.strategy.unreplicate(self.state),
-                           dict(self.progress.record(), last_val=self.last_val,
-                                last_val_ema=self.last_val_ema,
-                                log_window=log_window_lib.window_record(
-                                    log_window)))
+    self.checkpointer.save(
+        step, self.exp.strategy.unreplicate(self.state),
+        dict(
+            self.progress.record(),
+            last_val=self.last_val,
+            last_val_ema=self.last_val_ema,
+            log_window=log_window_lib.window_record(log_window)))
     if wait:
       self.checkpointer.wait()
 
@@ -313,10 +319,10 @@ def unfinished(config: ml_collections.ConfigDict, workdir: str
   run_dir.check_given(workdir)  # On every process: no run without one.
   finished = run_dir.finished_summary(config, workdir)
   if finished is not None:
-    console_lines.info('This run is complete (step %d of %d): nothing to '
-                       'do. Its summary: %s', finished['steps'],
-                       finished['steps'],
-                       os.path.join(workdir, run_dir.SUMMARY_FILE))
+    console_lines.info(
+        'This run is complete (step %d of %d): nothing to '
+        'do. Its summary: %s', finished['steps'], finished['steps'],
+        os.path.join(workdir, run_dir.SUMMARY_FILE))
     return finished
   if jax.process_index() == 0:
     run_dir.check_writable(workdir)

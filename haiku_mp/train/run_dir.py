@@ -78,8 +78,8 @@ def finished_summary(config: ml_collections.ConfigDict, workdir: str
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
   """config.json: what `finished_summary` compares a later start with."""
-  run_files.write_atomically(os.path.join(workdir, CONFIG_FILE),
-                             config_text(config))
+  run_files.write_atomically(
+      os.path.join(workdir, CONFIG_FILE), config_text(config))
 
 
 def flat_settings(tree: Any, prefix: str = '') -> dict[str, Any]:

@@ -21,18 +21,20 @@ MODULES_FILE = 'modules.txt'
 def load_data(exp: experiment.Experiment) -> pipeline.Splits:
   start = time.perf_counter()
   splits = exp.load_splits()
-  console_lines.info('Data (%s): %s in memory in %.1fs.', exp.config.data.source,
-               ', '.join(f'{name} {len(split.labels)}' for name, split in
-                         zip(splits._fields, splits)),
-               time.perf_counter() - start)
+  console_lines.info(
+      'Data (%s): %s in memory in %.1fs.', exp.config.data.source,
+      ', '.join(f'{name} {len(split.labels)}'
+                for name, split in zip(splits._fields, splits)),
+      time.perf_counter() - start)
   return splits
 
 
 def use_compilation_cache(setting: str) -> None:
   cache = compilation_cache.use(setting)
-  console_lines.info('Compilation cache: %s', cache or (
-      f'off ({setting!r} on {jax.default_backend()}; set '
-      '--config.compilation_cache_dir=DIR for one)'))
+  console_lines.info(
+      'Compilation cache: %s', cache or
+      (f'off ({setting!r} on {jax.default_backend()}; set '
+       '--config.compilation_cache_dir=DIR for one)'))
 
 
 def log_startup(exp: experiment.Experiment, state, workdir: str,
@@ -42,17 +44,19 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
   sharded, one kernel's layout."""
   strategy = exp.strategy
   console_lines.info('Devices: %s (process %d of %d), strategy %s, mesh %s',
-               jax.devices(), jax.process_index(), jax.process_count(),
-               strategy.name, exp.mesh and dict(exp.mesh.shape))
+                     jax.devices(), jax.process_index(), jax.process_count(),
+                     strategy.name, exp.mesh and dict(exp.mesh.shape))
   rows = module_table.module_rows(exp)
   table = module_table.format_table(rows)
   path = os.path.join(workdir, MODULES_FILE)
   if is_writer:
     run_files.write_atomically(path, table + '\n')
-  console_lines.info('%s; every module: %s', module_table.summary_line(
-      rows, exp.config.precision.overrides, exp.precision), path)
-  console_lines.info('%s', state_layout.describe(exp.config.precision,
-                                           exp.abstract_state))
+  console_lines.info(
+      '%s; every module: %s',
+      module_table.summary_line(rows, exp.config.precision.overrides,
+                                exp.precision), path)
+  console_lines.info(
+      '%s', state_layout.describe(exp.config.precision, exp.abstract_state))
   if log_module_table:
     console_lines.info('Modules:\n%s', table)
   for line in exp.describe():
@@ -63,5 +67,5 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
   if name is not None:
     kernel = state.params[name]['w']
     console_lines.info('%s/w %s sharded as %s:', name, kernel.shape,
-                 kernel.sharding.spec)
+                       kernel.sharding.spec)
     jax.debug.visualize_array_sharding(kernel)
