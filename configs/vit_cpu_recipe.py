@@ -26,4 +26,8 @@ def get_config(precision: str = 'bf16'):
   config.model.drop_path_rate = 0.0
   data = config.data
   data.policy = 'none'
+  data.erasing_probability = 0.0
+  data.mixup_alpha = 0.0
+  data.cutmix_alpha = 0.0
+  data.mixing_off_share = 0.0
   return config

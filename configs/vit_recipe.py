@@ -7,9 +7,14 @@ reach 91% on CIFAR-10 do (Compact-Transformers' ViT-Lite-7/4, 91.38%:
 peak rate of 5e-4 with 5 epochs of warmup and a cosine (about 70,000
 updates), pad-and-crop + flip, AutoAugment's CIFAR-10 policy, label
 smoothing 0.1, AdamW whose decay skips biases, LayerNorm, the cls token and
-the position embedding, clipping, stochastic depth 0.1, and no mixup,
-CutMix or erasing (neither anchor mixes or erases). A moving average of the
-params, its time constant 5% of the run, is evaluated beside them. The
+the position embedding, clipping and stochastic depth 0.1. On top, what the
+anchors' smaller models do without and this 10.7M-param ViT measured to need
+(it overfits without: train loss 0.59, val 84.5% on an H100): mixup 0.8 and
+CutMix 1.0 on every example for the first 80% of the run (CCT's CIFAR-10
+setting switches mixing off for the last 42%, timm's `mixup_off_epoch`) and
+random erasing 0.25 (DeiT's), 86.15% test on an H200 against 84.5% val
+without. A moving average of the params, its time constant 5% of the run, is
+evaluated beside them. The
 argument after the colon picks the precision; float32 here means float32
 matmuls (matmul_precision 'highest'), so a GPU's TF32 is not called float32.
 docs/training.md has each setting's evidence.
@@ -43,7 +48,9 @@ def get_config(precision: str = 'bf16'):
   data = config.data
   data.crop = 'pad'
   data.policy = 'autoaugment'
-  data.erasing_probability = 0.0
-  data.mixup_alpha = 0.0
-  data.cutmix_alpha = 0.0
+  data.erasing_probability = 0.25
+  data.mixup_alpha = 0.8
+  data.cutmix_alpha = 1.0
+  data.mixing_probability = 1.0
+  data.mixing_off_share = 0.2
   return config

@@ -170,11 +170,9 @@ class TrainerTest(parameterized.TestCase):
 
   def test_the_recipe_trains_in_float16(self):
     """Every recipe setting on (configs/vit_recipe.py) in one compiled step:
-    augmentation policy, erasing, mixing (the last two off in the recipe
-    now), smoothing, drop path, decay, the moving average."""
+    augmentation policy, erasing, mixing, smoothing, drop path, decay, the
+    moving average."""
     config = vit_recipe.get_config('fp16')
-    config.data.update(erasing_probability=0.25, mixup_alpha=0.8,
-                       cutmix_alpha=1.0)
     config.model.update(helpers.tiny_config().model.to_dict())
     # Two blocks: drop path's rate rises from 0 in the first.
     config.model.update(dict(image_size=32, patch_size=8, dropout_rate=0.0,
