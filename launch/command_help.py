@@ -1,6 +1,6 @@
 """`--help` of every entry point: the command's usage, its own flags, and each
-field of its config as `--config.FIELD=DEFAULT` with one line of the comment
-that documents it in configs/base.py.
+field of its config as `--config.FIELD=DEFAULT` with one line of its doc in
+the settings' schema (haiku_mp/settings/).
 
 absl's own `--help` lists the main module's flags alone (not the config's
 fields) and exits 1; `--helpfull` stays absl's. This runs before the flags
@@ -8,23 +8,24 @@ are parsed: it needs no required flag, and nothing is compiled or read but
 the config file.
 """
 
-import ast
-import io
 import os
 import re
 import shlex
 import shutil
 import sys
 import textwrap
-import tokenize
-from typing import Any, Iterator, NamedTuple, NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
 from absl import flags
 import ml_collections
 from ml_collections.config_flags.config_flags import is_config_flag
 
+from haiku_mp import settings
+from haiku_mp.settings import fields as settings_fields
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_CONFIG = os.path.join(_ROOT, 'configs', 'base.py')
+_SCHEMA = 'haiku_mp/settings/'
 
 # absl's help flags: `--help`, its alias `--helpshort` and its short `-?`.
 _HELP_NAMES = ('help', 'helpshort', '?')
@@ -119,127 +120,22 @@ def _flag_line(flag: flags.Flag, width: int) -> str:
                        break_on_hyphens=False)
 
 
-# The config's fields and the comments that document them in base.py.
+# The config's fields and their docs, from the settings' schema.
 
 
-def _callee(node: ast.AST) -> str:
-  func = node.func if isinstance(node, ast.Call) else None
-  if isinstance(func, ast.Attribute):
-    return func.attr
-  return func.id if isinstance(func, ast.Name) else ''
-
-
-def _items(node: ast.AST) -> Optional[list[tuple[str, int, ast.AST]]]:
-  """(key, line, value) of a `ConfigDict(dict(k=v, ...))`, `dict(...)` or
-  `{'k': v}` node; None for any other value."""
-  if isinstance(node, ast.Dict):
-    return [(k.value, k.lineno, v) for k, v in zip(node.keys, node.values)
-            if isinstance(k, ast.Constant) and isinstance(k.value, str)]
-  name = _callee(node)
-  if name == 'dict':
-    items = [(kw.arg, kw.lineno, kw.value) for kw in node.keywords if kw.arg]
-    return (_items(node.args[0]) or []) + items if node.args else items
-  if name in ('ConfigDict', 'FrozenConfigDict'):
-    return (_items(node.args[0]) or []) if node.args else []
-  return None
-
-
-def _target(node: ast.AST) -> Optional[tuple[str, ...]]:
-  """`config.a.b` as ('a', 'b')."""
-  path = []
-  while isinstance(node, ast.Attribute):
-    path.insert(0, node.attr)
-    node = node.value
-  return tuple(path) if isinstance(node, ast.Name) and path else None
-
-
-def _fields(path: tuple[str, ...], line: int,
-            value: ast.AST) -> Iterator[tuple[tuple[str, ...], int]]:
-  yield path, line
-  for key, key_line, sub_value in _items(value) or ():
-    yield from _fields(path + (key,), key_line, sub_value)
-
-
-def _comments(source: str) -> dict[int, tuple[str, bool]]:
-  """Each comment's text by line, and whether it is the line's only text."""
-  lines = source.splitlines()
-  comments = {}
-  for token in tokenize.generate_tokens(io.StringIO(source).readline):
-    if token.type == tokenize.COMMENT:
-      row, col = token.start
-      comments[row] = (token.string.lstrip('#').strip(),
-                       not lines[row - 1][:col].strip())
-  return comments
-
-
-class Comment(NamedTuple):
-  text: str
-  # Borrowed from a field above that names this one (`policy`'s comment
-  # for `randaugment_ops`).
-  borrowed: bool = False
-
-
-def field_comments(source: str) -> dict[tuple[str, ...], Comment]:
-  """Every field (and group) the source of a config file assigns, in source
-  order, with its comment: the comment lines directly above it and the
-  comment at the end of its line, joined ('' where there is none). A field
-  with none borrows the comment of the nearest field above it in its group
-  (or of the group) that has one, where that comment names it: base.py
-  documents `randaugment_ops` in the comment on `policy`."""
-  comments = _comments(source)
-  fields = []
-  for node in ast.walk(ast.parse(source)):
-    if isinstance(node, ast.Assign) and len(node.targets) == 1:
-      path = _target(node.targets[0])
-      if path:
-        fields += _fields(path, node.lineno, node.value)
-  fields.sort(key=lambda field: field[1])
-  found = {}
-  for path, line in fields:
-    above, row = [], line - 1
-    while row in comments and comments[row][1]:
-      above.insert(0, comments[row][0])
-      row -= 1
-    trailing = comments.get(line, ('', True))
-    own = ' '.join(above + ([] if trailing[1] else [trailing[0]]))
-    found[path] = Comment(own) if own else _named_in(path, found)
-  return found
-
-
-def _names(text: str, name: str) -> Optional[re.Match]:
-  """Where `text` names the field `name` (not as part of a file name)."""
-  return re.search(rf'(?<![\w./]){re.escape(name)}(?![\w/]|\.\w)', text)
-
-
-def _named_in(path: tuple[str, ...],
-              found: dict[tuple[str, ...], Comment]) -> Comment:
-  """The comment of the nearest commented field above `path` in its group
-  (or of the group), if it names `path`'s last part."""
-  for other in reversed(list(found)):
-    if other[:-1] == path[:-1] or other == path[:-1]:
-      if found[other].text:
-        named = _names(found[other].text, path[-1])
-        return Comment(found[other].text, True) if named else Comment('')
-      if other == path[:-1]:
-        break
-  return Comment('')
+def field_docs() -> dict[tuple[str, ...], str]:
+  """Every field and group of the schema, in its order, with its doc."""
+  return {path: doc for path, doc, _ in
+          settings_fields.documented(settings.Settings)}
 
 
 # A sentence's or clause's end (not "e.g. " or "i.e. ").
 _SENTENCE_END = re.compile(r'(?<!e\.g)(?<!i\.e)([.;]) ')
 
 
-def one_line(comment: Comment, width: int, name: str) -> str:
-  """`comment` in `width` characters: cut after a sentence, or at a word
-  (then '...'); a borrowed one starts at the clause that names `name`."""
-  text = comment.text
-  at = _names(text, name) if comment.borrowed else None
-  if at:
-    before = text[:at.start()]
-    start = max([before.rfind('(')] + [before.rfind(sep) + len(sep) for sep
-                                       in ('; ', '. ', ', ') if sep in before])
-    if start > 0:
-      text = _ELLIPSIS + text[start:]
+def one_line(text: str, width: int) -> str:
+  """`text` in `width` characters: cut after a sentence, or at a word (then
+  '...')."""
   if len(text) <= width:
     return text
   cut = text[:width - len(_ELLIPSIS) + 1]
@@ -262,7 +158,7 @@ def _config_value(value: Any) -> str:
 
 def _fields_of(config: ml_collections.ConfigDict, order: dict, path=()):
   """(path, value) of every field, its settings before its groups (each
-  group, a ConfigDict, then its own), in base.py's order (fields base.py
+  group, a ConfigDict, then its own), in the schema's order (fields it
   lacks after, by name)."""
   keys = sorted(config.keys(), key=lambda k: (
       isinstance(config[k], ml_collections.ConfigDict),
@@ -313,15 +209,14 @@ def _load(flag: flags.Flag, argv: list[str]):
 
 def _config_lines(flag: flags.Flag, argv: list[str], width: int) -> list[str]:
   config, heading, note = _load(flag, argv)
-  with open(BASE_CONFIG) as f:
-    comments = field_comments(f.read())
-  order = {p: i for i, p in enumerate(comments)}
+  docs = field_docs()
+  order = {p: i for i, p in enumerate(docs)}
   lines = [f'{heading} (set one with --{flag.name}.FIELD=VALUE; whole '
-           f'comments in {_display_path(BASE_CONFIG)}):']
+           f'docs in {_SCHEMA}):']
   if note:
     lines.append(f'  {note}')
   for field, value in _fields_of(config, order):
-    comment = comments.get(field, Comment(''))
+    doc = docs.get(field, '')
     if isinstance(value, ml_collections.ConfigDict):
       head, space = f'  {flag.name}.{".".join(field)}:', ' '
       lines += ['', head]
@@ -329,7 +224,7 @@ def _config_lines(flag: flags.Flag, argv: list[str], width: int) -> list[str]:
       head = f'  --{flag.name}.{".".join(field)}={_config_value(value)}'
       space = '  '
       lines.append(head)
-    if comment.text:
-      lines[-1] += space + one_line(
-          comment, max(width - len(head) - len(space), 30), field[-1])
+    if doc:
+      lines[-1] += space + one_line(doc, max(width - len(head) - len(space),
+                                              30))
   return lines

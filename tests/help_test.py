@@ -1,6 +1,6 @@
 """`--help` on every entry point: exit 0, the command's own flags, and every
-field of its config with its default and one line of its comment in
-configs/base.py; `--helpfull` stays absl's."""
+field of its config with its default and one line of its doc in the
+settings' schema; `--helpfull` stays absl's."""
 
 import os
 import sys
@@ -51,12 +51,18 @@ def _base_fields(config=None, prefix=''):
       yield f'{prefix}{key}'
 
 
-def _base_comment_text():
-  """Every comment of configs/base.py, joined into one line."""
-  with open(command_help.BASE_CONFIG) as f:
-    source = f.read()
-  return ' '.join(' '.join(line.split('#', 1)[1].split())
-                  for line in source.splitlines() if '#' in line)
+def _base_fields_paths(config=None, prefix=()):
+  config = base.get_config() if config is None else config
+  for key, value in config.items():
+    yield prefix + (key,), value
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from _base_fields_paths(value, prefix + (key,))
+
+
+def _docs():
+  """Each field's doc in the settings' schema, by its dotted name."""
+  return {'.'.join(path): doc
+          for path, doc in command_help.field_docs().items()}
 
 
 class HelpCommandTest(parameterized.TestCase):
@@ -120,16 +126,16 @@ class HelpCommandTest(parameterized.TestCase):
     self.assertIn('  --config.data.randaugment_ops=2  ', result.stdout)
     self.assertEqual(fields['data.randaugment_ops'],
                      [('2', "'randaugment': operations per image (1-14).")])
-    # Every comment shown is base.py's text (a cut one ends in '...').
-    comments = _base_comment_text()
+    # Every comment shown is its own field's doc (a cut one ends in '...').
+    docs = _docs()
     for field, [(_, comment)] in fields.items():
-      self.assertIn(comment.strip('.').removeprefix('..'), comments, field)
+      self.assertTrue(docs[field].startswith(comment.rstrip('.')), field)
       self.assertLessEqual(len(f'  --config.{field}=x  {comment}'), 130)
     self.assertEqual(fields['eval_batch_size'],
                      [('1000', 'Divides val (5,000) and test (10,000).')])
     self.assertEqual(fields['loss_scale.period'][0][1],
                      'dynamic: finite steps before the scale grows.')
-    # Every setting of base.py has a comment of its own to show.
+    # Every setting has a doc of its own to show.
     self.assertEqual([f for f, [(_, comment)] in fields.items()
                       if not comment], [])
 
@@ -170,56 +176,24 @@ class HelpTextTest(absltest.TestCase):
                  ['--', '--help'], ['--helper']):
       self.assertFalse(command_help.wanted(['cmd', *argv]), argv)
 
-  def test_field_comments(self):
-    source = '\n'.join([
-        'def get_config():',
-        '  config = ml_collections.ConfigDict()',
-        '  config.a = 1  # A trailing one.',
-        '  # Above b, on',
-        '  # two lines.',
-        '  config.b = 2',
-        '  # Not above c: a blank line between.',
-        '',
-        '  config.c = 3',
-        '  # The group g.',
-        '  config.g = ml_collections.ConfigDict(dict(',
-        '      # x, and y with it.',
-        '      x=1,',
-        '      y=2,',
-        '      z=3,',
-        '      w={',
-        '          "k": 4,  # k, its own.',
-        '      },',
-        '  ))',
-        '  return config',
-    ])
-    comments = command_help.field_comments(source)
-    self.assertEqual(list(comments), [('a',), ('b',), ('c',), ('g',),
-                                      ('g', 'x'), ('g', 'y'), ('g', 'z'),
-                                      ('g', 'w'), ('g', 'w', 'k')])
-    self.assertEqual(
-        {k: tuple(v) for k, v in comments.items()},
-        {('a',): ('A trailing one.', False),
-         ('b',): ('Above b, on two lines.', False), ('c',): ('', False),
-         ('g',): ('The group g.', False),
-         ('g', 'x'): ('x, and y with it.', False),
-         ('g', 'y'): ('x, and y with it.', True), ('g', 'z'): ('', False),
-         ('g', 'w'): ('', False), ('g', 'w', 'k'): ('k, its own.', False)})
+  def test_field_docs_follow_the_schema(self):
+    docs = command_help.field_docs()
+    paths = [path for path, _ in _base_fields_paths()]
+    self.assertEqual(set(paths) - set(docs), set())
+    self.assertEqual([path for path in paths if not docs[path]], [])
+    # Groups are documented too, and listed before their own fields.
+    self.assertIn('DP-SGD', docs[('privacy',)])
+    order = list(docs)
+    self.assertLess(order.index(('precision', 'fp8')),
+                    order.index(('precision', 'fp8', 'modules')))
 
   def test_one_line(self):
-    comment = command_help.Comment(
-        'First sentence here. Then a second, longer sentence that goes on.')
-    self.assertEqual(command_help.one_line(comment, 100, 'f'), comment.text)
+    text = 'First sentence here. Then a second, longer sentence that goes on.'
+    self.assertEqual(command_help.one_line(text, 100), text)
     # A sentence's end in the second half of the width, else a word's.
-    self.assertEqual(command_help.one_line(comment, 30, 'f'),
-                     'First sentence here.')
-    self.assertEqual(command_help.one_line(comment, 40, 'f'),
+    self.assertEqual(command_help.one_line(text, 30), 'First sentence here.')
+    self.assertEqual(command_help.one_line(text, 40),
                      'First sentence here. Then a second...')
-    borrowed = command_help.Comment(
-        "'none', 'randaugment' (ops operations drawn per image) or 'auto'.",
-        borrowed=True)
-    self.assertEqual(command_help.one_line(borrowed, 100, 'ops'),
-                     "...(ops operations drawn per image) or 'auto'.")
 
 
 if __name__ == '__main__':

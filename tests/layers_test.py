@@ -21,6 +21,7 @@ from absl.testing import absltest
 # import from every floor), and above it the programs that use the library.
 FLOORS = (
     ('errors',),
+    ('settings',),
     ('model',),
     ('update',),
     ('data', 'parallel', 'privacy'),
@@ -114,7 +115,7 @@ class LayersTest(absltest.TestCase):
                            'def f():\n  from haiku_mp.train import loop\n'})
     self.assertEqual(found, {'model': {'train'}})
     self.assertEqual(_upward(found),
-                     ['model (floor 1) imports train (floor 4)'])
+                     ['model (floor 2) imports train (floor 5)'])
 
   def test_the_reader_sees_every_way_up(self):
     """Each form an upward import can take is found: the second name of a

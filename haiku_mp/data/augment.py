@@ -153,7 +153,7 @@ def check_settings(data_config: ml_collections.ConfigDict) -> None:
         f'data.erasing_probability={data_config.erasing_probability:g} must '
         'be in [0, 1]')
   for name in ('mixup_alpha', 'cutmix_alpha'):
-    alpha = data_config[name]
+    alpha = getattr(data_config, name)
     if not (0 <= alpha < math.inf):
       raise errors.ConfigError(f'data.{name}={alpha:g} must be a finite '
                                'number >= 0 (0: off)')

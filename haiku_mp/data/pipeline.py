@@ -154,7 +154,7 @@ def _arrays_splits(data_config: ml_collections.ConfigDict) -> Splits:
   sizes = {s: len(arrays[f'{s}_label']) for s in npz_source.SPLITS}
   splits = []
   for setting in SPLIT_SETTINGS:
-    name, examples = split_slice(setting, data_config[setting], sizes)
+    name, examples = split_slice(setting, getattr(data_config, setting), sizes)
     rows = slice(examples.start, examples.stop, examples.step)
     splits.append(Split(arrays[f'{name}_image'][rows],
                         arrays[f'{name}_label'][rows].astype(np.int32)))
@@ -166,9 +166,9 @@ def _tfds_splits(data_config: ml_collections.ConfigDict) -> Splits:
   splits = []
   for setting in SPLIT_SETTINGS:
     try:
-      images, labels = tfds_source.read_split(builder, data_config[setting])
+      images, labels = tfds_source.read_split(builder, getattr(data_config, setting))
     except ValueError as e:
-      raise DataError(f'data.{setting}={data_config[setting]!r}: '
+      raise DataError(f'data.{setting}={getattr(data_config, setting)!r}: '
                       f'{str(e).splitlines()[0]}') from None
     splits.append(Split(images, labels.astype(np.int32)))
   return Splits(*splits)
@@ -225,12 +225,12 @@ def check_available(data_config: ml_collections.ConfigDict) -> Optional[int]:
     return data_config.synthetic_train_examples
   if source == 'arrays':
     sizes = npz_source.split_sizes(data_config.arrays_path)
-    examples = {setting: split_slice(setting, data_config[setting], sizes)[1]
+    examples = {setting: split_slice(setting, getattr(data_config, setting), sizes)[1]
                 for setting in SPLIT_SETTINGS}
     return len(examples['train_split'])
   builder = tfds_source.builder(data_config)
   for setting in SPLIT_SETTINGS:
-    split = data_config[setting]
+    split = getattr(data_config, setting)
     try:
       builder.info.splits[split]  # pylint: disable=pointless-statement
     except KeyError:  # No metadata to check against (tfds.testing.mock_data).

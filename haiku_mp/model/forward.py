@@ -59,7 +59,7 @@ def make_forward(model_config: ml_collections.ConfigDict,
   """`forward(images, is_training) -> logits` transformed, with `precision`
   applied and `remat` (`remat.CHOICES`) per encoder block."""
   remat_lib.check(remat)
-  kwargs = {k: model_config[k] for k in MODEL_FIELDS}
+  kwargs = {k: getattr(model_config, k) for k in MODEL_FIELDS}
   kwargs['float32_residual'] = precision.float32_residual
   kwargs['dots'] = precision.dots
   kwargs['remat'] = remat

@@ -19,6 +19,7 @@ from haiku_mp.data import augment
 from haiku_mp.data import auto_augment
 from haiku_mp.data import pipeline
 from haiku_mp import errors
+from haiku_mp import settings as settings_lib
 from haiku_mp.model import dropout
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies
@@ -84,7 +85,7 @@ def _check_training(config: ml_collections.ConfigDict) -> None:
   _require(_is_int(config.seed) and 0 <= config.seed <= _MAX_SEED, 'seed',
            config.seed, 'a non-negative 64-bit integer')
   for name in _POSITIVE:
-    _positive(name, config[name])
+    _positive(name, getattr(config, name))
   steps = config.num_train_steps
   _require(_is_int(steps) and (steps > 0 or steps == -1), 'num_train_steps',
            steps, 'positive, or -1 for num_epochs over the train split')
@@ -131,7 +132,7 @@ def _check_training(config: ml_collections.ConfigDict) -> None:
 def _check_model(config: ml_collections.ConfigDict) -> policies.Precision:
   model = config.model
   for name in _POSITIVE_MODEL:
-    _positive(f'model.{name}', model[name])
+    _positive(f'model.{name}', getattr(model, name))
   if model.image_size % model.patch_size:
     raise errors.ConfigError(
         f'model.image_size={model.image_size} is not divisible by '
@@ -168,7 +169,7 @@ def _check_state_layout(precision_config: ml_collections.ConfigDict,
   errors.check_choice('precision.param_update', update,
                       optimizer_lib.PARAM_UPDATES)
   for name in ('mu_dtype', 'nu_dtype'):
-    errors.check_choice(f'precision.{name}', precision_config[name],
+    errors.check_choice(f'precision.{name}', getattr(precision_config, name),
                         optimizer_lib.MOMENT_DTYPES)
   _positive('precision.moment_block_size', precision_config.moment_block_size)
   if update == optimizer_lib.MASTER:
@@ -212,7 +213,7 @@ def _check_data(data: ml_collections.ConfigDict, image_size: int) -> None:
   pipeline.check_settings(data)
   augment.check_settings(data)
   for name in _POSITIVE_DATA:
-    _positive(f'data.{name}', data[name])
+    _positive(f'data.{name}', getattr(data, name))
   ops = len(auto_augment.RANDAUGMENT_OPS)
   _require(data.randaugment_ops <= ops, 'data.randaugment_ops',
            data.randaugment_ops, f'in [1, {ops}] (operations applied to each '
@@ -234,7 +235,9 @@ def _check_data(data: ml_collections.ConfigDict, image_size: int) -> None:
 
 
 class Checked(NamedTuple):
-  """What the check built on its way, for `experiment.build` to use."""
+  """What the check built on its way, for `experiment.build` to use: the
+  config parsed into typed settings, and the objects they describe."""
+  settings: settings_lib.Settings
   precision: policies.Precision
   scaler: loss_scaling.LossScaler
 
@@ -250,7 +253,9 @@ def check(config: ml_collections.ConfigDict) -> Checked:
   _check_data(config.data, config.model.image_size)
   dp_sgd.check_settings(config.privacy)
   compilation_cache.check(config.compilation_cache_dir)
-  return Checked(precision, scaler)
+  # After the range checks, whose messages say what each setting takes; the
+  # parse names any value left of another type than its field's.
+  return Checked(settings_lib.parse(config), precision, scaler)
 
 
 def check_batches(config: ml_collections.ConfigDict, batch_devices: int,
@@ -258,7 +263,7 @@ def check_batches(config: ml_collections.ConfigDict, batch_devices: int,
   """The global batches split evenly over the processes and over the mesh's
   `batch` axis (and, for mixup / CutMix, in pairs on each device)."""
   for name in ('batch_size', 'eval_batch_size'):
-    size = config[name]
+    size = getattr(config, name)
     if size % process_count:
       raise errors.ConfigError(
           f'{name}={size} is not divisible by the number of processes '

@@ -23,6 +23,7 @@ from haiku_mp.data import augment
 from haiku_mp.data import pipeline
 from haiku_mp.data import sampling
 from haiku_mp import errors
+from haiku_mp import settings as settings_lib
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies
 from haiku_mp.parallel import sharding
@@ -63,6 +64,7 @@ class LoopSettings(NamedTuple):
 class Experiment:
   """Everything a run of one config needs."""
   config: ml_collections.ConfigDict
+  settings: settings_lib.Settings  # `config`, parsed.
   # The ('batch', 'model') mesh `config.parallel` asks for; None for 'single'.
   mesh: Optional[Mesh]
   loop: LoopSettings
@@ -219,13 +221,13 @@ def build_without_data(config: ml_collections.ConfigDict) -> Experiment:
   return build(on_synthetic_data(config))
 
 
-def _init_state_fn(config, forward, optimizer, scaler):
+def _init_state_fn(settings, forward, optimizer, scaler):
   """Takes no arrays, so a strategy can run it under jit with the state's
   shardings as outputs (nothing is ever gathered on one device)."""
 
   def init_state() -> step_lib.TrainState:
-    init_rng, state_rng = jax.random.split(jax.random.key(config.seed))
-    images = forward_lib.dummy_images(config.model)
+    init_rng, state_rng = jax.random.split(jax.random.key(settings.seed))
+    images = forward_lib.dummy_images(settings.model)
     params = forward.init(init_rng, images, True)
     return step_lib.init_train_state(params, optimizer, scaler,
                                            state_rng)
@@ -248,63 +250,65 @@ def build(config: ml_collections.ConfigDict, *,
   length) defaults to the config's. Compiles nothing and writes nothing.
   """
   checked = config_checks.check(config)
-  mesh = sharding.mesh_for(config.parallel, devices)
+  settings = checked.settings  # Below here, the typed settings alone.
+  mesh = sharding.mesh_for(settings.parallel, devices)
   batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
-  config_checks.check_batches(config, batch_devices, jax.process_count())
-  needs_size = ((total_steps is None and config.num_train_steps <= 0) or
-                config.privacy.enabled or config.data.source == 'synthetic')
-  num_train_examples = (pipeline.check_available(config.data)
+  config_checks.check_batches(settings, batch_devices, jax.process_count())
+  needs_size = ((total_steps is None and settings.num_train_steps <= 0) or
+                settings.privacy.enabled or settings.data.source == 'synthetic')
+  num_train_examples = (pipeline.check_available(settings.data)
                         if check_data or needs_size else None)
-  precision, calls = forward_lib.checked_precision(config, checked.precision)
-  forward = forward_lib.make_forward(config.model, precision,
-                                     remat=config.remat)
+  precision, calls = forward_lib.checked_precision(settings, checked.precision)
+  forward = forward_lib.make_forward(settings.model, precision,
+                                     remat=settings.remat)
   if total_steps is None:
-    total_steps = total_train_steps(config, num_train_examples)
-  if config.warmup_steps >= total_steps:
+    total_steps = total_train_steps(settings, num_train_examples)
+  if settings.warmup_steps >= total_steps:
     # Valid (a run may stop early on purpose), but rarely meant.
     logging.warning(
         'warmup_steps=%d is not shorter than the run\'s %d steps: the '
         'learning rate rises for the whole run and never decays',
-        config.warmup_steps, total_steps)
+        settings.warmup_steps, total_steps)
   schedule = optimizer_lib.learning_rate_schedule(
-      config.learning_rate, config.warmup_steps, total_steps)
-  ema_decay = optimizer_lib.ema_decay_for(config.ema_decay,
-                                          config.ema_horizon, total_steps)
+      settings.learning_rate, settings.warmup_steps, total_steps)
+  ema_decay = optimizer_lib.ema_decay_for(settings.ema_decay,
+                                          settings.ema_horizon, total_steps)
   optimizer = optimizer_lib.make_optimizer(
-      schedule, weight_decay=config.weight_decay,
-      grad_clip_norm=config.grad_clip_norm, ema_decay=ema_decay,
+      schedule, weight_decay=settings.weight_decay,
+      grad_clip_norm=settings.grad_clip_norm, ema_decay=ema_decay,
       half_params=precision.half_params,
-      param_update=config.precision.param_update,
-      mu_dtype=config.precision.mu_dtype, nu_dtype=config.precision.nu_dtype,
-      moment_block_size=config.precision.moment_block_size)
+      param_update=settings.precision.param_update,
+      mu_dtype=settings.precision.mu_dtype, nu_dtype=settings.precision.nu_dtype,
+      moment_block_size=settings.precision.moment_block_size)
   scaler = checked.scaler
-  init_state = _init_state_fn(config, forward, optimizer, scaler)
+  init_state = _init_state_fn(settings, forward, optimizer, scaler)
   # The steps' forward: under pmap, fp8 scales from every replica's amaxes.
   step_forward = forward
-  if config.parallel.strategy == 'pmap' and precision.fp8 is not None:
+  if settings.parallel.strategy == 'pmap' and precision.fp8 is not None:
     step_forward = forward_lib.make_forward(
-        config.model, precision.under_pmap(sharding.BATCH), remat=config.remat)
+        settings.model, precision.under_pmap(sharding.BATCH), remat=settings.remat)
   loss_fn = step_lib.make_classification_loss(step_forward,
-                                              config.label_smoothing)
+                                              settings.label_smoothing)
   private = dp_sgd.from_config(
-      config.privacy, config.batch_size, num_train_examples, total_steps,
+      settings.privacy, settings.batch_size, num_train_examples, total_steps,
       batch_devices=batch_devices,
-      num_processes=jax.process_count()) if config.privacy.enabled else None
+      num_processes=jax.process_count()) if settings.privacy.enabled else None
   gradients = (step_lib.ordinary_gradients(loss_fn, scaler)
                if private is None else
                dp_sgd.make_gradients(loss_fn, scaler, private))
-  train_inputs = functools.partial(augment.train_inputs, config.data,
-                                   num_classes=config.model.num_classes,
+  train_inputs = functools.partial(augment.train_inputs, settings.data,
+                                   num_classes=settings.model.num_classes,
                                    total_steps=total_steps)
   strategy = strategies.make_strategy(
-      config.parallel.strategy, mesh, strategies.StepParts(
+      settings.parallel.strategy, mesh, strategies.StepParts(
           step_forward, optimizer, scaler, init_state,
           train_inputs=train_inputs,
-          eval_inputs=functools.partial(augment.eval_inputs, config.data),
+          eval_inputs=functools.partial(augment.eval_inputs, settings.data),
           gradients=gradients),
-      rules=sharding.rules(config.parallel))
+      rules=sharding.rules(settings.parallel))
   return Experiment(
-      config=config, mesh=mesh, loop=LoopSettings.from_config(config),
+      config=config, settings=settings, mesh=mesh,
+      loop=LoopSettings.from_config(settings),
       precision=precision, module_calls=calls,
       forward=forward, loss_fn=loss_fn, train_inputs=train_inputs,
       num_train_examples=num_train_examples, total_steps=total_steps,

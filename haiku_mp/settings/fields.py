@@ -1,0 +1,135 @@
+"""The schema's machinery: a documented field, and the parse of a config's
+values into frozen settings with the field's type.
+
+Written here rather than taken from ml_collections: its ConfigDict infers a
+field's type from its first value and keeps no documentation, and its
+`config_dict.create`/`FieldReference` give neither a frozen typed object nor
+a one-line error naming the setting.
+"""
+
+import dataclasses
+import typing
+from typing import Any, Iterator, Mapping, TypeVar
+
+import ml_collections
+
+from haiku_mp import errors
+
+T = TypeVar('T')
+
+
+def setting(default: Any, doc: str) -> Any:
+  """A field with its default and the one doc `--help` shows for it."""
+  return dataclasses.field(default=default, metadata={'doc': doc})
+
+
+def group(kind: type, doc: str = '') -> Any:
+  """A field holding a group of settings (its own frozen dataclass)."""
+  return dataclasses.field(default_factory=kind, metadata={'doc': doc})
+
+
+def doc_of(field: dataclasses.Field) -> str:
+  return field.metadata.get('doc', '')
+
+
+def _hints(kind: type) -> dict[str, Any]:
+  """Each field's type, resolved (a field's `type` may be a string)."""
+  return typing.get_type_hints(kind)
+
+
+def parse(kind: type[T], values: Mapping[str, Any] | None,
+          path: str = '') -> T:
+  """`values` (a ConfigDict, a dict from config.json, ...) as a `kind`.
+
+  Each field takes its value converted to the field's type: an int where a
+  float is asked, a list where a tuple is; a field `values` lacks keeps its
+  default (a config written before the field existed still parses). A value
+  of another type, or a name the schema does not hold, raises a ConfigError
+  naming the setting.
+  """
+  values = {} if values is None else values
+  hints = _hints(kind)
+  fields = {f.name: f for f in dataclasses.fields(kind)}
+  unknown = sorted(set(values.keys()) - set(fields))
+  if unknown:
+    raise errors.ConfigError(
+        f'{path}{unknown[0]}: no such setting (the settings of '
+        f'{path.rstrip(".") or "the config"}: {", ".join(sorted(fields))})')
+  given = {}
+  for name, field in fields.items():
+    if name not in values:
+      continue
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint):
+      given[name] = parse(hint, values[name], f'{path}{name}.')
+    else:
+      given[name] = _typed(values[name], hint, f'{path}{name}')
+  return kind(**given)
+
+
+def _typed(value: Any, hint: Any, name: str) -> Any:
+  """`value` as the type `hint` names, or a ConfigError."""
+  if typing.get_origin(hint) is tuple:
+    (item, _) = typing.get_args(hint)
+    if isinstance(value, (tuple, list)):
+      return tuple(_typed(v, item, f'{name}[{i}]') for i, v in enumerate(value))
+  elif hint is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+  elif hint is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    if isinstance(value, float) and value.is_integer():
+      return int(value)
+  elif isinstance(value, hint):
+    return value
+  raise errors.ConfigError(
+      f'{name}={value!r} must be {_described(hint)}')
+
+
+_DESCRIBED = {bool: ('true or false', 'booleans'),
+              int: ('an integer', 'integers'), float: ('a number', 'numbers'),
+              str: ('a string', 'strings')}
+
+
+def _described(hint: Any) -> str:
+  if typing.get_origin(hint) is tuple:
+    return f'a tuple of {_DESCRIBED[typing.get_args(hint)[0]][1]}'
+  return _DESCRIBED[hint][0]
+
+
+def to_dict(settings: Any) -> dict[str, Any]:
+  """The settings as nested plain dicts (tuples kept), in schema order."""
+  return {f.name: (to_dict(getattr(settings, f.name))
+                   if dataclasses.is_dataclass(getattr(settings, f.name))
+                   else getattr(settings, f.name))
+          for f in dataclasses.fields(settings)}
+
+
+def to_config_dict(settings: Any) -> ml_collections.ConfigDict:
+  """A locked ConfigDict of the settings: what config files change."""
+  config = ml_collections.ConfigDict(to_dict(settings))
+  config.lock()
+  return config
+
+
+def documented(kind: type, path: tuple[str, ...] = ()
+               ) -> Iterator[tuple[tuple[str, ...], str, bool]]:
+  """(path, doc, is a group) of every field of `kind`, depth first, in
+  schema order."""
+  hints = _hints(kind)
+  for field in dataclasses.fields(kind):
+    inner = hints[field.name]
+    nested = dataclasses.is_dataclass(inner)
+    yield path + (field.name,), doc_of(field), nested
+    if nested:
+      yield from documented(inner, path + (field.name,))
+
+
+def frozen(kind: type[T]) -> type[T]:
+  """A settings class: a frozen, keyword-only dataclass."""
+  return dataclasses.dataclass(frozen=True, kw_only=True)(kind)
+
+
+__all__ = ['setting', 'group', 'parse', 'to_dict', 'to_config_dict',
+           'documented', 'frozen']
