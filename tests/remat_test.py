@@ -16,6 +16,7 @@ import jax
 from configs import base
 from haiku_mp import errors
 from haiku_mp.measure import variants
+from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import remat
 from haiku_mp.studies import memory
 from haiku_mp.train import experiment
@@ -51,6 +52,14 @@ class RematTest(parameterized.TestCase):
   def test_unknown_setting_is_a_config_error(self):
     with self.assertRaisesRegex(errors.ConfigError, "remat: unknown value 'some'"):
       experiment.build_without_data(_config('some'))
+    # A library call, without `build`'s check: where the blocks are wrapped.
+    config = _config('some')
+    forward = forward_lib.make_forward(
+        config.model, forward_lib.precision_from_config(config),
+        remat='some')
+    with self.assertRaisesRegex(errors.ConfigError, "remat: unknown value 'some'"):
+      forward.init(jax.random.key(0), forward_lib.dummy_images(config.model),
+                   True)
 
   @parameterized.parameters('dots', 'full')
   def test_keeps_only_what_the_setting_names(self, setting):

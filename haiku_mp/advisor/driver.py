@@ -55,7 +55,6 @@ from haiku_mp.measure import timing
 from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import fp4 as fp4_lib
-from haiku_mp.model import fp8
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import experiment
 from haiku_mp.train import run_dir
@@ -188,7 +187,7 @@ def gather_statistics(exp: experiment.Experiment, state, inputs,
   state = exp.strategy.place_state(state)
   totals = measurement.Totals()
   scales = []
-  key = jax.random.key(exp.config.seed + 1)
+  key = jax.random.key(exp.settings.seed + 1)
   for i, batch in enumerate(inputs):
     start = time.perf_counter()
     scales.append(float(state.loss_scale.scale))

@@ -15,6 +15,8 @@ import jax
 import ml_collections
 
 from haiku_mp import errors
+from haiku_mp import settings
+from haiku_mp.settings import fields as settings_fields
 from haiku_mp.measure import timing
 
 
@@ -51,8 +53,9 @@ def time_step(config: ml_collections.ConfigDict, num_steps: int,
 
 def main() -> None:
   request = json.loads(sys.stdin.read())
-  config = ml_collections.ConfigDict(json.loads(request['config']))
-  config.parallel.mesh_shape = tuple(config.parallel.mesh_shape)
+  # Parsed: the JSON's lists become the tuples the settings hold.
+  config = settings_fields.to_config_dict(
+      settings.parse(json.loads(request['config'])))
   try:
     result = time_step(config, request['num_steps'], request['warmup_steps'],
                        isolate=False)

@@ -65,7 +65,7 @@ def compile_experiment(exp: experiment.Experiment,
                        lowered: Any = None) -> CompiledStep:
   """`compile_train_step` of a built experiment, from its `lowered` step if
   the caller already has it (`compile_sec` then excludes the lowering)."""
-  config, mesh = exp.config, exp.mesh
+  settings, mesh = exp.settings, exp.mesh
   start = time.perf_counter()
   lowered = lowered or lower_train_step(exp)
   compiled = lowered.compile()
@@ -85,8 +85,8 @@ def compile_experiment(exp: experiment.Experiment,
           abstract_state.opt_state, shardings and shardings.opt_state))
   stats = dict(strategy=exp.strategy.name,
                mesh_shape=mesh and list(mesh.devices.shape),
-               batch_size=config.batch_size,
-               policy=config.precision.policy,
+               batch_size=settings.batch_size,
+               policy=settings.precision.policy,
                compile_sec=compile_seconds, **memory, **per_device,
                # Equal fingerprints: the same program (as lowered for XLA).
                program_sha256=fingerprint(lowered.as_text()))
@@ -101,7 +101,7 @@ def compiled_step_stats(config: ml_collections.ConfigDict) -> dict[str, Any]:
 def random_inputs(exp: experiment.Experiment):
   """The initial state and a fixed random batch, placed for the strategy."""
   return exp.strategy.init_state(), exp.strategy.place_batch(
-      exp.example_batch(exp.config.seed))
+      exp.example_batch(exp.settings.seed))
 
 
 def seconds(fn, args, repeats: int) -> list[float]:

@@ -12,7 +12,6 @@ from haiku_mp import errors
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import policies
-from haiku_mp.model import remat as remat_lib
 from haiku_mp.model import vit
 
 # `precision.fp8.format`'s fp8 (E4M3 / E5M2); the others are `fp4.FORMATS`.
@@ -57,8 +56,8 @@ def make_forward(model_config: ml_collections.ConfigDict,
                  observer: Optional[policies.Observer] = None,
                  remat: str = 'none') -> hk.Transformed:
   """`forward(images, is_training) -> logits` transformed, with `precision`
-  applied and `remat` (`remat.CHOICES`) per encoder block."""
-  remat_lib.check(remat)
+  applied and `remat` (`remat.CHOICES`, checked where each block is
+  wrapped) per encoder block."""
   kwargs = {k: getattr(model_config, k) for k in MODEL_FIELDS}
   kwargs['float32_residual'] = precision.float32_residual
   kwargs['dots'] = precision.dots

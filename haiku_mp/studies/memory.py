@@ -76,7 +76,7 @@ def saved_residuals(exp: experiment.Experiment,
   `module` is the path of the module that computed it.
   """
   loss_fn = exp.loss_fn
-  images = forward_lib.dummy_images(exp.config.model, batch_size)
+  images = forward_lib.dummy_images(exp.settings.model, batch_size)
   params = exp.abstract_state.params
   batch = dict(image=jax.ShapeDtypeStruct(images.shape, jnp.float32),
                label=jax.ShapeDtypeStruct((batch_size,), jnp.int32))

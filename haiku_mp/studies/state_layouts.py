@@ -67,10 +67,10 @@ def row(config: ml_collections.ConfigDict, name: str,
   state = exp.abstract_state
   sizes = state_layout.bytes_by_part(state)
   count = state_layout.param_count(state)
-  result = dict(layout=name, policy=exp.config.precision.policy,
-                param_update=exp.config.precision.param_update,
-                mu_dtype=exp.config.precision.mu_dtype,
-                nu_dtype=exp.config.precision.nu_dtype,
+  result = dict(layout=name, policy=exp.settings.precision.policy,
+                param_update=exp.settings.precision.param_update,
+                mu_dtype=exp.settings.precision.mu_dtype,
+                nu_dtype=exp.settings.precision.nu_dtype,
                 param_count=count, bytes=sizes,
                 state_bytes=sum(sizes.values()),
                 per_parameter=state_layout.per_parameter(sizes, count))

@@ -107,17 +107,17 @@ class Experiment:
     """The global batch's shape: DP-SGD's padded Poisson batch, or
     `batch_size`."""
     if self.privacy is None:
-      return self.config.batch_size
+      return self.settings.batch_size
     return self.privacy.padded_batch_size
 
   def example_batch(self, seed: int = 0) -> dict[str, np.ndarray]:
     """A random global train batch of the step's shape (already normalized
     model inputs); under DP-SGD `batch_size` rows of it sampled, the padding
     where a real draw of that size has it."""
-    batch = pipeline.random_batch(self.config.model,
+    batch = pipeline.random_batch(self.settings.model,
                                         self.train_batch_size, seed)
     if self.privacy is not None:
-      sampled = np.arange(self.config.batch_size)
+      sampled = np.arange(self.settings.batch_size)
       batch['mask'] = (sampling.pad(sampled, self.privacy) >= 0).astype(
           np.float32)
     return batch
@@ -134,22 +134,22 @@ class Experiment:
     """This process's uint8 train batches from `start_step` on: drawn by
     index, or DP-SGD's padded Poisson samples."""
     if self.privacy is None:
-      return pipeline.train_batches(self.config.seed, self.config.batch_size,
+      return pipeline.train_batches(self.settings.seed, self.settings.batch_size,
                                     split, shard, start_step)
     return pipeline.private_train_batches(
-        self.config.seed, split, shard, self.privacy, self.total_steps,
+        self.settings.seed, split, shard, self.privacy, self.total_steps,
         start_step)
 
   def eval_batches(self, split: pipeline.Split, shard: pipeline.Shard
                    ) -> Iterator[dict[str, np.ndarray]]:
     """This process's padded uint8 batches covering its part of `split`."""
-    return pipeline.eval_batches(self.config.eval_batch_size, split, shard)
+    return pipeline.eval_batches(self.settings.eval_batch_size, split, shard)
 
   def load_splits(self) -> pipeline.Splits:
     """The train, val and test splits in memory, checked against the model
     and the batch size."""
-    return pipeline.load(self.config.data, self.config.model,
-                         self.config.seed, self.config.batch_size)
+    return pipeline.load(self.settings.data, self.settings.model,
+                         self.settings.seed, self.settings.batch_size)
 
   @property
   def mean_metrics(self) -> tuple[str, ...]:
@@ -181,11 +181,11 @@ class Experiment:
                    f'a time constant of {steps:,.0f} steps '
                    f'({steps / self.total_steps:.0%} of the run\'s '
                    f'{self.total_steps:,}), evaluated beside the params')
-    off_step = augment.mixing_off_step(self.config.data, self.total_steps)
+    off_step = augment.mixing_off_step(self.settings.data, self.total_steps)
     if off_step is not None:
       lines.append(f'Mixing: off from step {off_step:,} of '
                    f'{self.total_steps:,} (the last '
-                   f'{self.config.data.mixing_off_share:.0%} of the run trains '
+                   f'{self.settings.data.mixing_off_share:.0%} of the run trains '
                    'on whole examples)')
     if self.privacy is not None:
       lines.append(self.privacy.describe(self.total_steps))

@@ -157,7 +157,7 @@ class _Run:
     self.start_step, self.state, record = _restore_or_init(
         exp, self.checkpointer, workdir, is_writer)
     if is_writer:
-      run_dir.record_config(exp.config, workdir, self.start_step)
+      run_dir.record_config(exp.settings, workdir, self.start_step)
     self.writer = stack.enter_context(
         resources.closed_on_exit(
             metrics_lib.MetricsWriter(
@@ -304,7 +304,7 @@ def _summary(run: _Run) -> dict[str, Any]:
       devices=[str(d) for d in jax.devices()],
       strategy=strategy.name,
       mesh_shape=exp.mesh and list(exp.mesh.devices.shape),
-      precision_policy=exp.config.precision.policy,
+      precision_policy=exp.settings.precision.policy,
       loss_scale_kind=exp.scaler.kind,
       **ema_summary,
       **exp.summary_fields(total_steps, skipped_steps))
@@ -343,7 +343,7 @@ def train(exp: experiment.Experiment, workdir: str,
   closes and restores them.
   """
   is_writer = jax.process_index() == 0
-  startup_log.use_compilation_cache(exp.config.compilation_cache_dir)
+  startup_log.use_compilation_cache(exp.settings.compilation_cache_dir)
   splits = startup_log.load_data(exp)
   if is_writer:
     run_dir.prepare(workdir)

@@ -14,6 +14,8 @@ from absl import logging
 import ml_collections
 
 from haiku_mp import errors
+from haiku_mp import settings as settings_lib
+from haiku_mp.settings import fields as settings_fields
 from haiku_mp.train import compilation_cache
 from haiku_mp.train import run_files
 
@@ -47,8 +49,10 @@ def prepare(workdir: str) -> None:
                              f'({e.strerror})') from None
 
 
-def config_text(config: ml_collections.ConfigDict) -> str:
-  return config.to_json_best_effort(indent=1, sort_keys=True) + '\n'
+def config_text(tree: dict[str, Any]) -> str:
+  """config.json's text of a config's tree (`ConfigDict.to_dict()`, or
+  `settings.fields.to_dict` of the parsed settings: the same tree)."""
+  return json.dumps(tree, indent=1, sort_keys=True) + '\n'
 
 
 # Settings that change how a run gets its programs, not what it computes: a
@@ -69,17 +73,18 @@ def finished_summary(config: ml_collections.ConfigDict, workdir: str
       summary = json.load(f)
   except (OSError, ValueError):
     return None
-  same_config = saved is not None and not _changes(saved, config)
+  same_config = saved is not None and not _changes(saved, config.to_dict())
   final = os.path.join(workdir, 'checkpoints', str(summary.get('steps')))
   if same_config and isinstance(summary, dict) and os.path.isdir(final):
     return summary
   return None
 
 
-def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+def write_config(workdir: str, settings: settings_lib.Settings) -> None:
   """config.json: what `finished_summary` compares a later start with."""
   run_files.write_atomically(
-      os.path.join(workdir, CONFIG_FILE), config_text(config))
+      os.path.join(workdir, CONFIG_FILE),
+      config_text(settings_fields.to_dict(settings)))
 
 
 def flat_settings(tree: Any, prefix: str = '') -> dict[str, Any]:
@@ -103,29 +108,30 @@ def _saved_config(workdir: str) -> Optional[dict[str, Any]]:
   return flat_settings(saved) if isinstance(saved, dict) else None
 
 
-def _changes(saved: dict[str, Any], config: ml_collections.ConfigDict
+def _changes(saved: dict[str, Any], tree: dict[str, Any]
              ) -> list[tuple[str, Any, Any]]:
-  now = flat_settings(json.loads(config_text(config)))
+  now = flat_settings(json.loads(config_text(tree)))
   return [(k, saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
           if saved.get(k) != now.get(k) and k not in _NOT_THE_RUN]
 
 
-def record_config(config: ml_collections.ConfigDict, workdir: str,
+def record_config(settings: settings_lib.Settings, workdir: str,
                   start_step: int) -> None:
   """Warns of the settings this command changes against the run's
-  config.json (`describe_changes`), then writes `config` there."""
-  changes = config_changes(config, workdir)
+  config.json (`describe_changes`), then writes `settings` there."""
+  changes = config_changes(settings, workdir)
   if changes:
     logging.warning('%s', describe_changes(changes, workdir, start_step))
-  write_config(workdir, config)
+  write_config(workdir, settings)
 
 
-def config_changes(config: ml_collections.ConfigDict, workdir: str
+def config_changes(settings: settings_lib.Settings, workdir: str
                    ) -> list[tuple[str, Any, Any]]:
-  """(setting, in the workdir's config.json, in `config`) for each setting
+  """(setting, in the workdir's config.json, in `settings`) for each setting
   that differs, the compilation cache's aside; [] without a readable one."""
   saved = _saved_config(workdir)
-  return [] if saved is None else _changes(saved, config)
+  return ([] if saved is None else
+          _changes(saved, settings_fields.to_dict(settings)))
 
 
 def describe_changes(changes: list[tuple[str, Any, Any]], workdir: str,

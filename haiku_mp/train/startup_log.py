@@ -22,7 +22,7 @@ def load_data(exp: experiment.Experiment) -> pipeline.Splits:
   start = time.perf_counter()
   splits = exp.load_splits()
   console_lines.info(
-      'Data (%s): %s in memory in %.1fs.', exp.config.data.source,
+      'Data (%s): %s in memory in %.1fs.', exp.settings.data.source,
       ', '.join(f'{name} {len(split.labels)}'
                 for name, split in zip(splits._fields, splits)),
       time.perf_counter() - start)
@@ -53,10 +53,10 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
     run_files.write_atomically(path, table + '\n')
   console_lines.info(
       '%s; every module: %s',
-      module_table.summary_line(rows, exp.config.precision.overrides,
+      module_table.summary_line(rows, exp.settings.precision.overrides,
                                 exp.precision), path)
   console_lines.info(
-      '%s', state_layout.describe(exp.config.precision, exp.abstract_state))
+      '%s', state_layout.describe(exp.settings.precision, exp.abstract_state))
   if log_module_table:
     console_lines.info('Modules:\n%s', table)
   for line in exp.describe():
