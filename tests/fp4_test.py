@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from haiku_mp import errors as haiku_mp_errors
+from haiku_mp.model import blocks as blocks_lib
 from haiku_mp.model import fp4
 from haiku_mp.parallel import sharding as sharding_lib
 from haiku_mp.train import checkpoint
@@ -31,6 +32,27 @@ from tests import helpers
 # E2M1's values and their codes' parity (ties go to the even code).
 _VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _EVEN = np.arange(8) % 2 == 0
+
+
+def _transform_blocks(x: jax.Array, matrix: jax.Array,
+                     axis: int) -> jax.Array:
+  """The reference the butterflies (`fp4.hadamard_transform`) are held to:
+  each block of `matrix.shape[0]` values of `x` along `axis` (whose size it
+  divides) times `matrix`, as a GEMM. For the weight gradient's GEMM,
+  `x.T @ g` = (H x).T @ (H g) blockwise along the tokens, exactly, before
+  either is quantized."""
+  size = matrix.shape[0]
+  axis = axis % x.ndim
+  if x.shape[axis] % size:
+    raise ValueError(f'the Hadamard transform of {size} takes an axis that '
+                     f'{size} divides, not {x.shape[axis]}')
+  split = blocks_lib.split(x, axis, size)
+  # The blocks' axis contracted in place, at full float32 precision.
+  letters = 'abcdefghijklmnopqrstuvwx'[:split.ndim]
+  mixed = letters[:axis + 1] + 'z' + letters[axis + 2:]
+  split = jnp.einsum(f'{letters},z{letters[axis + 1]}->{mixed}', split,
+                     matrix, precision=jax.lax.Precision.HIGHEST)
+  return blocks_lib.merge(split, axis, x.shape[axis])
 
 
 def _round_reference(x: np.ndarray) -> np.ndarray:
@@ -201,7 +223,7 @@ class MatmulTest(parameterized.TestCase):
         a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
     close(dx, dot(config.quantized(g, 1, dgrad_key), qw.T))
     h = fp4.signed_hadamard(signs)
-    xt, gt = (fp4.transform_blocks(t, h, 0) for t in (x, g))
+    xt, gt = (_transform_blocks(t, h, 0) for t in (x, g))
     close(dw, dot(config.quantized(xt, 0).T,
                   config.quantized(gt, 0, wgrad_key)))
 
@@ -399,7 +421,7 @@ class HadamardTest(absltest.TestCase):
     x = jnp.asarray(rng.normal(size=(64, 24)), jnp.float32)
     g = jnp.asarray(rng.normal(size=(64, 10)), jnp.float32)
     h = fp4.random_hadamard(jax.random.key(7))
-    hx, hg = (fp4.transform_blocks(t, h, axis=0) for t in (x, g))
+    hx, hg = (_transform_blocks(t, h, axis=0) for t in (x, g))
     np.testing.assert_allclose(np.asarray(hx.T @ hg), np.asarray(x.T @ g),
                                atol=1e-4)
     self.assertFalse(np.allclose(np.asarray(hx), np.asarray(x)))
@@ -413,8 +435,8 @@ class HadamardTest(absltest.TestCase):
     noise = np.random.default_rng(8).normal(size=(16, 8)).astype(np.float32)
     x = jnp.asarray(10.0 + 0.1 * noise)
     signs = fp4.initial_signs('layer')((16,), jnp.float32)
-    spread = fp4.transform_blocks(x, fp4.signed_hadamard(signs), 0)
-    spike = fp4.transform_blocks(x, signs[:, None] * fp4.hadamard(), 0)
+    spread = _transform_blocks(x, fp4.signed_hadamard(signs), 0)
+    spike = _transform_blocks(x, signs[:, None] * fp4.hadamard(), 0)
     peak = lambda y: float(jnp.max(jnp.square(y) / jnp.sum(
         jnp.square(y), axis=0)))
     self.assertGreater(peak(spike), 0.9999)
@@ -427,7 +449,7 @@ class HadamardTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, 'power of two'):
       fp4.hadamard(12)
     with self.assertRaisesRegex(ValueError, 'takes an axis that 16 divides'):
-      fp4.transform_blocks(jnp.ones((20, 4)), fp4.hadamard(), axis=0)
+      fp4.hadamard_transform(jnp.ones((20, 4)), jnp.ones(16), axis=0)
 
 
 if __name__ == '__main__':

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from haiku_mp.model import blocks as blocks_lib
 from haiku_mp.model import fp4
 
 # Per tensor, the ways the step blocks it: (name, axis, Hadamard).
@@ -59,8 +60,8 @@ def _case_stats(x: jax.Array, fmt: str, axis: int) -> list[jax.Array]:
   config = fp4.Fp4(fmt)
   held = config.quantized(x, axis)
   error = held - x
-  values = fp4.blocks(x, axis, config.block)
-  kept = fp4.blocks(held, axis, config.block)
+  values = blocks_lib.along_last(x, axis, config.block)
+  kept = blocks_lib.along_last(held, axis, config.block)
   nonzero = values != 0
   flushed = nonzero & (kept == 0)
   count = jnp.sum(nonzero, axis=-1)

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp import errors
+from haiku_mp.model import blocks as blocks_lib
 from haiku_mp.model.fp8 import DGRAD
 from haiku_mp.model.fp8 import FP4_SIGNS
 from haiku_mp.model.fp8 import FPROP
@@ -118,51 +119,6 @@ def _rounded(x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
   return round_e2m1(x) if key is None else stochastic_round_e2m1(x, key)
 
 
-def blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
-  """float32 `x` with `axis` last, split into blocks of `block` values
-  (`axis` zero-padded to a multiple of `block`)."""
-  x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
-  padded = -x.shape[-1] % block
-  if padded:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded)])
-  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-
-
-def unblocks(blocked: jax.Array, axis: int, size: int) -> jax.Array:
-  """`blocks` undone: the first `size` values of `axis`, back in place."""
-  x = blocked.reshape(*blocked.shape[:-2], -1)[..., :size]
-  return jnp.moveaxis(x, -1, axis)
-
-
-def _split(x: jax.Array, axis: int, block: int) -> jax.Array:
-  """float32 `x` with `axis` split in place into (blocks, `block`),
-  zero-padded to a multiple of `block`: a block's values lie on axis
-  `axis + 1`. Unlike `blocks`, nothing moves: blocks along the tokens (the
-  weight gradient's GEMM) took twice as long through a transpose."""
-  x = x.astype(jnp.float32)
-  padded = -x.shape[axis] % block
-  if padded:
-    x = jnp.pad(x, [(0, padded if a == axis else 0) for a in range(x.ndim)])
-  return x.reshape(*x.shape[:axis], x.shape[axis] // block, block,
-                   *x.shape[axis + 1:])
-
-
-def _merge(split: jax.Array, axis: int, size: int) -> jax.Array:
-  """`_split` undone: the first `size` values of `axis`."""
-  x = split.reshape(*split.shape[:axis], -1, *split.shape[axis + 2:])
-  return jax.lax.slice_in_dim(x, 0, size, axis=axis)
-
-
-def _tiles(x: jax.Array, block: int) -> jax.Array:
-  """2-D `x` as [rows / block, block, cols / block, block]: a tile's values
-  on axes 1 and 3 (both axes zero-padded to multiples of `block`)."""
-  return _split(_split(x, 0, block), 2, block)
-
-
-def _untiles(tiles: jax.Array, shape: tuple[int, int]) -> jax.Array:
-  return _merge(_merge(tiles, 2, shape[1]), 0, shape[0])
-
-
 def nvfp4_tensor_scale(x: jax.Array) -> jax.Array:
   """NVFP4's float32 scale per tensor: amax / (6 x 448), so that a block
   scale of at most E4M3's 448 covers the tensor's largest value; 1 for a
@@ -201,12 +157,13 @@ def nvfp4(x: jax.Array, axis: int = -1, *, two_d: bool = False,
     if x.ndim != 2:
       raise ValueError(f'2-D block scaling takes a matrix, not shape '
                        f'{x.shape}')
-    return _untiles(_nvfp4_blocks(_tiles(x, block), tensor_scale, key,
-                                  (1, 3)), x.shape)
+    held = _nvfp4_blocks(blocks_lib.tiles(x, block), tensor_scale, key,
+                         (1, 3))
+    return blocks_lib.untiles(held, x.shape)
   axis = axis % x.ndim
-  held = _nvfp4_blocks(_split(x, axis, block), tensor_scale, key,
+  held = _nvfp4_blocks(blocks_lib.split(x, axis, block), tensor_scale, key,
                        (axis + 1,))
-  return _merge(held, axis, x.shape[axis])
+  return blocks_lib.merge(held, axis, x.shape[axis])
 
 
 def mxfp4_block_exponents(blocks: jax.Array,
@@ -241,10 +198,11 @@ def mxfp4(x: jax.Array, axis: int = -1, *, key: Optional[jax.Array] = None,
     if x.ndim != 2:
       raise ValueError(f'2-D block scaling takes a matrix, not shape '
                        f'{x.shape}')
-    return _untiles(_mxfp4_blocks(_tiles(x, block), key, (1, 3)), x.shape)
+    held = _mxfp4_blocks(blocks_lib.tiles(x, block), key, (1, 3))
+    return blocks_lib.untiles(held, x.shape)
   axis = axis % x.ndim
-  held = _mxfp4_blocks(_split(x, axis, block), key, (axis + 1,))
-  return _merge(held, axis, x.shape[axis])
+  held = _mxfp4_blocks(blocks_lib.split(x, axis, block), key, (axis + 1,))
+  return blocks_lib.merge(held, axis, x.shape[axis])
 
 
 def hadamard(size: int = NVFP4_BLOCK) -> jax.Array:
@@ -275,29 +233,9 @@ def random_hadamard(key: jax.Array, size: int = NVFP4_BLOCK) -> jax.Array:
       jnp.where(jax.random.bernoulli(key, 0.5, (size,)), 1.0, -1.0))
 
 
-def transform_blocks(x: jax.Array, matrix: jax.Array,
-                     axis: int) -> jax.Array:
-  """`x` with each block of `matrix.shape[0]` values along `axis` (whose
-  size it divides) multiplied by `matrix`: for the weight gradient's GEMM,
-  `x.T @ g` = (H x).T @ (H g) blockwise along the tokens, exactly, before
-  either is quantized."""
-  size = matrix.shape[0]
-  axis = axis % x.ndim
-  if x.shape[axis] % size:
-    raise ValueError(f'the Hadamard transform of {size} takes an axis that '
-                     f'{size} divides, not {x.shape[axis]}')
-  split = _split(x, axis, size)
-  # The blocks' axis contracted in place (a transpose to the last axis took
-  # three times as long on XLA:CPU), at full float32 precision everywhere.
-  letters = 'abcdefghijklmnopqrstuvwx'[:split.ndim]
-  mixed = letters[:axis + 1] + 'z' + letters[axis + 2:]
-  split = jnp.einsum(f'{letters},z{letters[axis + 1]}->{mixed}', split,
-                     matrix, precision=jax.lax.Precision.HIGHEST)
-  return _merge(split, axis, x.shape[axis])
-
-
 def hadamard_transform(x: jax.Array, signs: jax.Array, axis: int) -> jax.Array:
-  """`transform_blocks(x, signed_hadamard(signs), axis)` as butterflies:
+  """Each block of 16 values along `axis` times `signed_hadamard(signs)`,
+  as butterflies:
   Sylvester's H is a Kronecker product of 2 x 2 factors, so each block is
   mixed by log2(size) rounds of sums and differences. Each output is the
   same sums in the same order however the tokens are sharded (a GEMM's
@@ -309,7 +247,7 @@ def hadamard_transform(x: jax.Array, signs: jax.Array, axis: int) -> jax.Array:
     raise ValueError(f'the Hadamard transform of {size} (a power of two) '
                      f'takes an axis that {size} divides, not '
                      f'{x.shape[axis]}')
-  split = _split(x, axis, size)
+  split = blocks_lib.split(x, axis, size)
   shape = split.shape
   split = split * signs.astype(jnp.float32).reshape(
       size, *[1] * (split.ndim - axis - 2))
@@ -318,7 +256,8 @@ def hadamard_transform(x: jax.Array, signs: jax.Array, axis: int) -> jax.Array:
   for bit in range(axis + 1, axis + 1 + rounds):
     low, high = (jax.lax.index_in_dim(mixed, i, bit) for i in (0, 1))
     mixed = jnp.concatenate([low + high, low - high], axis=bit)
-  return _merge(mixed.reshape(shape) / math.sqrt(size), axis, x.shape[axis])
+  return blocks_lib.merge(mixed.reshape(shape) / math.sqrt(size), axis,
+                          x.shape[axis])
 
 
 # ---- the 4-bit matmul of a Linear -------------------------------------------

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp import errors
+from haiku_mp.model import blocks as blocks_lib
 
 E4M3 = jnp.float8_e4m3fn  # Weights and activations: more precision.
 E5M2 = jnp.float8_e5m2  # Output gradients: more range.
@@ -362,22 +363,17 @@ delayed_matmul.defvjp(_delayed_fwd, _delayed_bwd)
 # ---- MX: one power-of-two scale per block of 32 -----------------------------
 
 
-def _blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
-  """float32 `x` with `axis` last, split into blocks of `block` values."""
-  x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
-  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-
-
 def mx_block_exponents(x: jax.Array, dtype, axis: int,
                        block: int = MX_BLOCK) -> jax.Array:
   """E8M0 exponents (int32) of `x`'s blocks of `block` values along `axis`
-  (whose size `block` divides): ceil(log2(amax / max_finite)), so no block
-  saturates, from -127 to 127 (E8M0's range); 0 for a zero block. Shape:
-  `x`'s with `axis` divided by `block`."""
-  block_amax = jnp.max(jnp.abs(_blocks(x, axis, block)), axis=-1)
-  exponents = _exponent_from_amax(block_amax, dtype, 0.0, _MX_MIN_EXPONENT,
-                                  _MX_MAX_EXPONENT)
-  return jnp.moveaxis(exponents, -1, axis)
+  (zero-padded to a multiple of `block`): ceil(log2(amax / max_finite)), so
+  no block saturates, from -127 to 127 (E8M0's range); 0 for a zero block.
+  Shape: `x`'s with `axis` holding one per block."""
+  axis = axis % x.ndim
+  block_amax = jnp.max(jnp.abs(blocks_lib.split(x, axis, block)),
+                       axis=axis + 1)
+  return _exponent_from_amax(block_amax, dtype, 0.0, _MX_MIN_EXPONENT,
+                             _MX_MAX_EXPONENT)
 
 
 def mx_block_scales(x: jax.Array, dtype, axis: int,
@@ -392,14 +388,8 @@ def mx_block_scales(x: jax.Array, dtype, axis: int,
 
 def mx_element_exponents(x: jax.Array, dtype, axis: int,
                          block: int = MX_BLOCK) -> jax.Array:
-  """Per element of `x`, its MX block's exponent (`mx_block_exponents`);
-  `axis` is zero-padded to a multiple of `block` for the blocking."""
+  """Per element of `x`, its MX block's exponent (`mx_block_exponents`)."""
   size = x.shape[axis]
-  padded = -size % block
-  if padded:
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, padded)
-    x = jnp.pad(x, pad)
   exponents = jnp.repeat(mx_block_exponents(x, dtype, axis, block), block,
                          axis=axis)
   return jax.lax.slice_in_dim(exponents, 0, size, axis=axis)

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.model import fp4
+from haiku_mp.model import blocks as blocks_lib
 
 FLOAT8_BLOCKS = 'float8_blocks'
 CODE_DTYPE = jnp.float8_e4m3fn
@@ -69,12 +69,12 @@ def num_blocks(shape: tuple[int, ...], block_size: int) -> int:
 def _as_blocks(x: jax.Array, block_size: int) -> jax.Array:
   """float32 `x` as [..., blocks, block_size] along its last axis, padded
   with zeros (a scalar as one value)."""
-  return fp4.blocks(x.reshape(x.shape or (1,)), -1, block_size)
+  return blocks_lib.along_last(x.reshape(x.shape or (1,)), -1, block_size)
 
 
 def _from_blocks(blocked: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   last = shape[-1] if shape else 1
-  return fp4.unblocks(blocked, -1, last).reshape(shape)
+  return blocks_lib.from_last(blocked, -1, last).reshape(shape)
 
 
 def stochastic_round_e4m3(x: jax.Array, uniform: jax.Array) -> jax.Array:
