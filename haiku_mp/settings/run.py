@@ -85,7 +85,8 @@ class Settings:
   loss_scale: LossScaleSettings = group(
       LossScaleSettings, 'Loss scaling, on jmp\'s.')
   parallel: ParallelSettings = group(
-      ParallelSettings, "Devices: the strategy and the ('batch', 'model') mesh.")
+      ParallelSettings,
+      "Devices: the strategy and the ('batch', 'model') mesh.")
   privacy: PrivacySettings = group(
       PrivacySettings,
       'DP-SGD (haiku_mp/privacy/dp_sgd.py, on JAX Privacy). On: batch_size '

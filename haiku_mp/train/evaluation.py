@@ -63,9 +63,9 @@ class Evaluator:
     start = time.perf_counter()
     with pipeline.DevicePrefetch(
         exp.eval_batches(getattr(self._splits, split_name), self._shard),
-        exp.strategy.place_batch, exp.loop.prefetch_batches
+        exp.strategy.place_batch, exp.settings.data.prefetch_batches
     ) as batches, in_flight.InFlight(
-        exp.loop.steps_in_flight, exp.loop.stall_timeout_sec,
+        exp.settings.steps_in_flight, exp.settings.stall_timeout_sec,
         self._on_stall) as watch:
       result = dict(evaluate(exp.strategy.eval_step, params, batches,
                              exp.strategy.to_host, watch), **extra)

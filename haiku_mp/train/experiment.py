@@ -9,7 +9,7 @@ together, so what is measured is what is trained.
 import copy
 import dataclasses
 import functools
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from absl import logging
 import haiku as hk
@@ -35,31 +35,6 @@ from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
 
 
-class LoopSettings(NamedTuple):
-  """What the training loop reads of a config: when it logs, evaluates and
-  saves, and how far it runs ahead of the devices."""
-  batch_size: int
-  log_every_steps: int
-  eval_every_steps: int
-  checkpoint_every_steps: int
-  keep_checkpoints: int
-  steps_in_flight: int
-  stall_timeout_sec: float
-  prefetch_batches: int
-
-  @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> 'LoopSettings':
-    return cls(
-        batch_size=config.batch_size,
-        log_every_steps=config.log_every_steps,
-        eval_every_steps=config.eval_every_steps,
-        checkpoint_every_steps=config.checkpoint_every_steps,
-        keep_checkpoints=config.keep_checkpoints,
-        steps_in_flight=config.steps_in_flight,
-        stall_timeout_sec=config.stall_timeout_sec,
-        prefetch_batches=config.data.prefetch_batches)
-
-
 @dataclasses.dataclass(frozen=True)
 class Experiment:
   """Everything a run of one config needs."""
@@ -67,7 +42,6 @@ class Experiment:
   settings: settings_lib.Settings  # `config`, parsed.
   # The ('batch', 'model') mesh `config.parallel` asks for; None for 'single'.
   mesh: Optional[Mesh]
-  loop: LoopSettings
   precision: policies.Precision
   # Every module call of one forward pass (path, class, policy, dtypes).
   module_calls: list[policies.ModuleCall]
@@ -134,8 +108,9 @@ class Experiment:
     """This process's uint8 train batches from `start_step` on: drawn by
     index, or DP-SGD's padded Poisson samples."""
     if self.privacy is None:
-      return pipeline.train_batches(self.settings.seed, self.settings.batch_size,
-                                    split, shard, start_step)
+      return pipeline.train_batches(self.settings.seed,
+                                    self.settings.batch_size, split, shard,
+                                    start_step)
     return pipeline.private_train_batches(
         self.settings.seed, split, shard, self.privacy, self.total_steps,
         start_step)
@@ -185,8 +160,8 @@ class Experiment:
     if off_step is not None:
       lines.append(f'Mixing: off from step {off_step:,} of '
                    f'{self.total_steps:,} (the last '
-                   f'{self.settings.data.mixing_off_share:.0%} of the run trains '
-                   'on whole examples)')
+                   f'{self.settings.data.mixing_off_share:.0%} of the run '
+                   'trains on whole examples)')
     if self.privacy is not None:
       lines.append(self.privacy.describe(self.total_steps))
     return lines
@@ -278,7 +253,8 @@ def build(config: ml_collections.ConfigDict, *,
       grad_clip_norm=settings.grad_clip_norm, ema_decay=ema_decay,
       half_params=precision.half_params,
       param_update=settings.precision.param_update,
-      mu_dtype=settings.precision.mu_dtype, nu_dtype=settings.precision.nu_dtype,
+      mu_dtype=settings.precision.mu_dtype,
+      nu_dtype=settings.precision.nu_dtype,
       moment_block_size=settings.precision.moment_block_size)
   scaler = checked.scaler
   init_state = _init_state_fn(settings, forward, optimizer, scaler)
@@ -286,7 +262,8 @@ def build(config: ml_collections.ConfigDict, *,
   step_forward = forward
   if settings.parallel.strategy == 'pmap' and precision.fp8 is not None:
     step_forward = forward_lib.make_forward(
-        settings.model, precision.under_pmap(sharding.BATCH), remat=settings.remat)
+        settings.model, precision.under_pmap(sharding.BATCH),
+        remat=settings.remat)
   loss_fn = step_lib.make_classification_loss(step_forward,
                                               settings.label_smoothing)
   private = dp_sgd.from_config(
@@ -308,7 +285,6 @@ def build(config: ml_collections.ConfigDict, *,
       rules=sharding.rules(settings.parallel))
   return Experiment(
       config=config, settings=settings, mesh=mesh,
-      loop=LoopSettings.from_config(settings),
       precision=precision, module_calls=calls,
       forward=forward, loss_fn=loss_fn, train_inputs=train_inputs,
       num_train_examples=num_train_examples, total_steps=total_steps,

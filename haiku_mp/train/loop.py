@@ -137,7 +137,7 @@ class _Run:
                splits: pipeline.Splits, workdir: str, is_writer: bool,
                hooks: Hooks):
     self.exp, self.splits, self.stack, self.hooks = exp, splits, stack, hooks
-    settings = exp.loop
+    settings = exp.settings
     # The learning rate each log line reports: one small program, where the
     # schedule's ops run eagerly were seven, each compiled in every process.
     self.learning_rate = jax.jit(exp.schedule)
@@ -212,7 +212,7 @@ def _train_batches(run: _Run):
                                            local_batch_shards)
   batches = run.stack.enter_context(pipeline.DevicePrefetch(
       exp.train_batches(run.splits.train, run.shard, run.start_step),
-      strategy.place_batch, exp.loop.prefetch_batches))
+      strategy.place_batch, exp.settings.data.prefetch_batches))
   first = next(batches)
   train_step = compiled_steps.CompiledSteps(strategy)
   train_step.compile(run.state, tag(first))
@@ -226,7 +226,7 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
   points; `{'preempted_at_step': N, 'signal': NAME}` if a signal stopped it,
   else None."""
   exp = run.exp
-  settings, total_steps = exp.loop, exp.total_steps
+  settings, total_steps = exp.settings, exp.total_steps
   if run.start_step >= total_steps:
     return None
   batches, train_step = _train_batches(run)
