@@ -114,8 +114,12 @@ class ParseTest(parameterized.TestCase):
        'model.num_layers=2.5 must be an integer'),
       ('item_of_a_tuple', {'data': {'mean': [0.5, 'x', 0.5]}},
        "data.mean[1]='x' must be a number"),
-      ('int_for_tuple', {'parallel': {'mesh_shape': 8}},
-       'parallel.mesh_shape=8 must be a tuple of integers'),
+      ('int_for_tuple', {'data': {'crop_area': 8}},
+       'data.crop_area=8 must be a tuple of numbers'),
+      # A field that says what it takes says so.
+      ('word_for_a_mesh', {'parallel': {'mesh_shape': ('4x2',)}},
+       "parallel.mesh_shape='4x2': expected two positive integers (batch, "
+       'model) like (4,2)'),
       ('int_for_bool', {'data': {'flip': 1}},
        'data.flip=1 must be true or false'),
       ('unknown_name', {'precision': {'fp8': {'scalling': 'mx'}}},

@@ -18,9 +18,12 @@ from haiku_mp import errors
 T = TypeVar('T')
 
 
-def setting(default: Any, doc: str) -> Any:
-  """A field with its default and the one doc `--help` shows for it."""
-  return dataclasses.field(default=default, metadata={'doc': doc})
+def setting(default: Any, doc: str, takes: str = '') -> Any:
+  """A field with its default and the one doc `--help` shows for it;
+  `takes`, what a value of another type is told it should be (else its
+  type's name)."""
+  return dataclasses.field(default=default,
+                           metadata={'doc': doc, 'takes': takes})
 
 
 def group(kind: type, doc: str = '') -> Any:
@@ -30,6 +33,25 @@ def group(kind: type, doc: str = '') -> Any:
 
 def doc_of(field: dataclasses.Field) -> str:
   return field.metadata.get('doc', '')
+
+
+def takes(kind: type, name: str) -> str:
+  """What the field `name` of `kind` takes, as its errors say it."""
+  return {f.name: f for f in dataclasses.fields(kind)}[name].metadata.get(
+      'takes', '')
+
+
+def shown(value: Any) -> str:
+  """A value as a message shows it: floats short, strings quoted, and a word
+  the command line made a tuple of (`4x2` -> ('4x2',)) as the word typed."""
+  if isinstance(value, float):
+    return f'{value:g}'
+  if isinstance(value, str):
+    return repr(value)
+  if (isinstance(value, (tuple, list)) and len(value) == 1 and
+      isinstance(value[0], str)):
+    return repr(value[0])
+  return str(tuple(value) if isinstance(value, list) else value)
 
 
 def _hints(kind: type) -> dict[str, Any]:
@@ -63,7 +85,14 @@ def parse(kind: type[T], values: Mapping[str, Any] | None,
     if dataclasses.is_dataclass(hint):
       given[name] = parse(hint, values[name], f'{path}{name}.')
     else:
-      given[name] = _typed(values[name], hint, f'{path}{name}')
+      try:
+        given[name] = _typed(values[name], hint, f'{path}{name}')
+      except errors.ConfigError:
+        if not field.metadata.get('takes'):
+          raise
+        raise errors.ConfigError(
+            f'{path}{name}={shown(values[name])}: expected '
+            f'{field.metadata["takes"]}') from None
   return kind(**given)
 
 
@@ -132,4 +161,4 @@ def frozen(kind: type[T]) -> type[T]:
 
 
 __all__ = ['setting', 'group', 'parse', 'to_dict', 'to_config_dict',
-           'documented', 'frozen']
+           'documented', 'frozen', 'takes', 'shown']

@@ -11,7 +11,9 @@ class ParallelSettings:
   strategy: str = setting('single', "'single' | 'pmap' | 'pjit'")
   mesh_shape: tuple[int, ...] = setting(
       (-1, 1),
-      '(batch, model); -1: the remaining devices.')
+      '(batch, model); -1: the remaining devices.',
+      takes='two positive integers (batch, model) like (4,2); one may be -1 '
+      '(the remaining devices)')
   sharding_rules: str = setting(
       '',
       "'REGEX=SPEC;...' over 'module/path/param', e.g. "

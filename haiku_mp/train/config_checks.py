@@ -20,6 +20,7 @@ from haiku_mp.data import auto_augment
 from haiku_mp.data import pipeline
 from haiku_mp import errors
 from haiku_mp import settings as settings_lib
+from haiku_mp.settings import fields as settings_fields
 from haiku_mp.model import dropout
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies
@@ -45,17 +46,7 @@ _MAX_SEED = np.iinfo(np.int64).max
 _CHANNELS = 3
 
 
-def _shown(value: Any) -> str:
-  """A value as a message shows it: floats short, strings quoted, and a word
-  the command line made a tuple of (`4x2` -> ('4x2',)) as the word typed."""
-  if isinstance(value, float):
-    return f'{value:g}'
-  if isinstance(value, str):
-    return repr(value)
-  if (isinstance(value, (tuple, list)) and len(value) == 1 and
-      isinstance(value[0], str)):
-    return repr(value[0])
-  return str(tuple(value) if isinstance(value, list) else value)
+_shown = settings_fields.shown
 
 
 def _require(ok: bool, setting: str, value: Any, valid: str) -> None:
@@ -81,7 +72,7 @@ def _positive(setting: str, value: Any) -> None:
   _require(_is_int(value) and value > 0, setting, value, 'positive')
 
 
-def _check_training(config: ml_collections.ConfigDict) -> None:
+def _check_training(config: settings_lib.Settings) -> None:
   _require(_is_int(config.seed) and 0 <= config.seed <= _MAX_SEED, 'seed',
            config.seed, 'a non-negative 64-bit integer')
   for name in _POSITIVE:
@@ -129,7 +120,7 @@ def _check_training(config: ml_collections.ConfigDict) -> None:
         'both to 0')
 
 
-def _check_model(config: ml_collections.ConfigDict) -> policies.Precision:
+def _check_model(config: settings_lib.Settings) -> policies.Precision:
   model = config.model
   for name in _POSITIVE_MODEL:
     _positive(f'model.{name}', getattr(model, name))
@@ -161,7 +152,7 @@ def _check_model(config: ml_collections.ConfigDict) -> policies.Precision:
   return precision
 
 
-def _check_state_layout(precision_config: ml_collections.ConfigDict,
+def _check_state_layout(precision_config: settings_lib.PrecisionSettings,
                         precision: policies.Precision) -> None:
   """The layout of params and moments: names known, and rounding into
   params only where they are bfloat16."""
@@ -189,7 +180,7 @@ def _check_state_layout(precision_config: ml_collections.ConfigDict,
         "params=bfloat16, or param_update='master'")
 
 
-def _check_parallel(parallel_config: ml_collections.ConfigDict) -> None:
+def _check_parallel(parallel_config: settings_lib.ParallelSettings) -> None:
   name = parallel_config.strategy
   errors.check_choice('parallel.strategy', name, strategies.STRATEGIES)
   shape = parallel_config.mesh_shape
@@ -197,8 +188,8 @@ def _check_parallel(parallel_config: ml_collections.ConfigDict) -> None:
           all(_is_int(d) and (d > 0 or d == -1) for d in shape) and
           list(shape).count(-1) < 2):
     raise errors.ConfigError(
-        f'parallel.mesh_shape={_shown(shape)}: expected two positive integers '
-        '(batch, model) like (4,2); one may be -1 (the remaining devices)')
+        f'parallel.mesh_shape={_shown(shape)}: expected '
+        f'{settings_fields.takes(settings_lib.ParallelSettings, "mesh_shape")}')
   sharding.parse_rules(parallel_config.sharding_rules)
 
 
@@ -209,7 +200,7 @@ def _check_range(setting: str, value: Any, low: float, high: float,
            setting, value, valid)
 
 
-def _check_data(data: ml_collections.ConfigDict, image_size: int) -> None:
+def _check_data(data: settings_lib.DataSettings, image_size: int) -> None:
   pipeline.check_settings(data)
   augment.check_settings(data)
   for name in _POSITIVE_DATA:
@@ -243,22 +234,22 @@ class Checked(NamedTuple):
 
 
 def check(config: ml_collections.ConfigDict) -> Checked:
-  """Raises `errors.ConfigError` naming the first setting out of its range,
-  its value and what would be valid; else returns the objects the settings
-  describe that it built to check them (each built once)."""
-  _check_training(config)
-  precision = _check_model(config)
-  scaler = loss_scaling.LossScaler.from_config(config.loss_scale)
-  _check_parallel(config.parallel)
-  _check_data(config.data, config.model.image_size)
-  dp_sgd.check_settings(config.privacy)
-  compilation_cache.check(config.compilation_cache_dir)
-  # After the range checks, whose messages say what each setting takes; the
-  # parse names any value left of another type than its field's.
-  return Checked(settings_lib.parse(config), precision, scaler)
+  """Raises `errors.ConfigError` naming the first setting of another type
+  (the parse) or out of its range, its value and what would be valid; else
+  returns the settings and the objects they describe that it built to check
+  them (each built once)."""
+  settings = settings_lib.parse(config)
+  _check_training(settings)
+  precision = _check_model(settings)
+  scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
+  _check_parallel(settings.parallel)
+  _check_data(settings.data, settings.model.image_size)
+  dp_sgd.check_settings(settings.privacy)
+  compilation_cache.check(settings.compilation_cache_dir)
+  return Checked(settings, precision, scaler)
 
 
-def check_batches(config: ml_collections.ConfigDict, batch_devices: int,
+def check_batches(config: settings_lib.Settings, batch_devices: int,
                   process_count: int) -> None:
   """The global batches split evenly over the processes and over the mesh's
   `batch` axis (and, for mixup / CutMix, in pairs on each device)."""
