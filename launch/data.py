@@ -19,6 +19,7 @@ from ml_collections import config_flags
 
 from haiku_mp.data import npz_source
 from haiku_mp import errors
+from haiku_mp import settings
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -40,7 +41,8 @@ def main(argv):
   directory = os.path.dirname(os.path.abspath(out))
   if not os.path.isdir(directory):
     raise errors.ConfigError(f'--out={out}: {directory} is not a directory')
-  counts = npz_source.export_from_tfds(_CONFIG.value.data, out)
+  counts = npz_source.export_from_tfds(settings.parse(_CONFIG.value).data,
+                                      out)
   print(f'wrote {out}: {counts["train"]} train, {counts["test"]} test images')
 
 

@@ -30,7 +30,7 @@ def main(argv):
     print(json.dumps(rows, indent=1))
   else:
     print(module_table.format_table(rows))
-    print(state_layout.describe(config.precision, exp.abstract_state))
+    print(state_layout.describe(exp.settings.precision, exp.abstract_state))
 
 
 if __name__ == '__main__':

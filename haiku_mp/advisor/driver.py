@@ -55,6 +55,7 @@ from haiku_mp.measure import timing
 from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import fp4 as fp4_lib
+from haiku_mp import settings as settings_schema
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import experiment
 from haiku_mp.train import run_dir
@@ -306,6 +307,7 @@ def knockout(config: ml_collections.ConfigDict, params, inputs,
   `inputs`, most sensitive first."""
 
   def logits_and_loss(variant):
+    variant = settings_schema.parse(variant)
     precision = forward_lib.precision_from_config(variant)
     step = jax.jit(step_lib.make_eval_step(
         forward_lib.make_forward(variant.model, precision)))

@@ -18,12 +18,12 @@ from typing import Mapping, NamedTuple, Optional
 import dm_pix as pix
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from haiku_mp.data import auto_augment
 from haiku_mp.data import mixing
 from haiku_mp import errors
 from haiku_mp.update import keys as keys_lib
+from haiku_mp.settings import DataSettings
 
 CROPS = ('resized', 'pad', 'none')
 POLICIES = ('none', 'randaugment', 'autoaugment')
@@ -45,7 +45,7 @@ class Windows(NamedTuple):
 
 
 def normalize(images: jax.Array,
-              data_config: ml_collections.ConfigDict) -> jax.Array:
+              data_config: DataSettings) -> jax.Array:
   """uint8 (or float pixel values) [B, H, W, 3] -> float32, per channel
   (x / 255 - mean) / std."""
   mean = jnp.asarray(data_config.mean, jnp.float32)
@@ -139,7 +139,7 @@ def _erase(key: jax.Array, image: jax.Array, probability: float
   return jnp.where(erase & inside[..., None], noise, image)
 
 
-def check_settings(data_config: ml_collections.ConfigDict) -> None:
+def check_settings(data_config: DataSettings) -> None:
   """The augmentation's names and ranges (`config_checks` runs this)."""
   errors.check_choice('data.crop', data_config.crop, CROPS)
   errors.check_choice('data.policy', data_config.policy, POLICIES)
@@ -169,14 +169,14 @@ def check_settings(data_config: ml_collections.ConfigDict) -> None:
         'nothing, set data.mixup_alpha and data.cutmix_alpha to 0)')
 
 
-def mixes(data_config: ml_collections.ConfigDict) -> bool:
+def mixes(data_config: DataSettings) -> bool:
   """Whether the train batch is mixed (mixup or CutMix): soft labels, and
   examples in pairs."""
   return data_config.augment and (data_config.mixup_alpha > 0 or
                                   data_config.cutmix_alpha > 0)
 
 
-def mixing_off_step(data_config: ml_collections.ConfigDict,
+def mixing_off_step(data_config: DataSettings,
                     total_steps: int) -> Optional[int]:
   """The step from which a mixing run trains on whole examples (timm's
   `mixup_off_epoch`, as a share of the run): None when it never stops."""
@@ -186,7 +186,7 @@ def mixing_off_step(data_config: ml_collections.ConfigDict,
 
 
 def augment(keys: jax.Array, images: jax.Array,
-            data_config: ml_collections.ConfigDict) -> jax.Array:
+            data_config: DataSettings) -> jax.Array:
   """uint8 [B, H, W, 3] -> the augmented, normalized float32 batch; image i
   is a function of `keys[i]` alone, so a batch split over devices is
   augmented as it would be whole. (Mixing, which pairs images, is
@@ -224,7 +224,7 @@ def augment(keys: jax.Array, images: jax.Array,
   return pixels
 
 
-def train_inputs(data_config: ml_collections.ConfigDict, key: jax.Array,
+def train_inputs(data_config: DataSettings, key: jax.Array,
                  batch: Batch, axis_name: Optional[str] = None,
                  step: Optional[jax.Array] = None, num_classes: int = 0,
                  total_steps: int = 0) -> Batch:
@@ -257,7 +257,7 @@ def train_inputs(data_config: ml_collections.ConfigDict, key: jax.Array,
   return dict(batch, image=images, targets=targets)
 
 
-def eval_inputs(data_config: ml_collections.ConfigDict, batch: Batch
+def eval_inputs(data_config: DataSettings, batch: Batch
                 ) -> Batch:
   """An evaluation batch as the model takes it: uint8 pixels normalized."""
   if batch['image'].dtype != jnp.uint8:

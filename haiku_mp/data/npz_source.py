@@ -11,10 +11,10 @@ import os
 from typing import Callable
 import zipfile
 
-import ml_collections
 import numpy as np
 
 from haiku_mp import errors
+from haiku_mp.settings import DataSettings
 
 SPLITS = ('train', 'test')
 KEYS = ('train_image', 'train_label', 'test_image', 'test_label')
@@ -112,7 +112,7 @@ def save(path: str, arrays: dict[str, np.ndarray]) -> None:
       os.remove(tmp)
 
 
-def export_from_tfds(data_config: ml_collections.ConfigDict, path: str,
+def export_from_tfds(data_config: DataSettings, path: str,
                      log: Callable[[str], None] = print) -> dict[str, int]:
   """The TFDS copy `data_config` names (`train` and `test`, in its order) as
   a `.npz` at `path`; the example count per split."""

@@ -22,13 +22,14 @@ import threading
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
-import ml_collections
 import numpy as np
 
 from haiku_mp.data import npz_source
 from haiku_mp.data import sampling
 from haiku_mp.data import tfds_source
 from haiku_mp import errors
+from haiku_mp.settings import DataSettings
+from haiku_mp.settings import ModelSettings
 
 Batch = dict[str, np.ndarray]
 
@@ -81,7 +82,7 @@ def pad_batch(batch: Batch, batch_size: int) -> Batch:
   return padded
 
 
-def random_batch(model_config: ml_collections.ConfigDict, batch_size: int,
+def random_batch(model_config: ModelSettings, batch_size: int,
                  seed, dtype=np.float32) -> Batch:
   """Normal random model inputs (already normalized) and uniform labels, a
   function of `seed` alone (an int or a list of ints): every measurement's
@@ -94,7 +95,7 @@ def random_batch(model_config: ml_collections.ConfigDict, batch_size: int,
                          dtype=np.int32))
 
 
-def _source(data_config: ml_collections.ConfigDict) -> str:
+def _source(data_config: DataSettings) -> str:
   errors.check_choice('data.source', data_config.source, SOURCES, DataError)
   return data_config.source
 
@@ -137,8 +138,8 @@ def split_slice(setting: str, spec: str, sizes: dict[str, int]
 # ------------------------------------------------------------------ sources --
 
 
-def _synthetic_split(data: ml_collections.ConfigDict,
-                     model: ml_collections.ConfigDict, seed: int,
+def _synthetic_split(data: DataSettings,
+                     model: ModelSettings, seed: int,
                      setting: str) -> Split:
   """Random pixels and labels, a function of (seed, setting) alone."""
   num = (data.synthetic_train_examples if setting == 'train_split'
@@ -149,7 +150,7 @@ def _synthetic_split(data: ml_collections.ConfigDict,
                rng.integers(0, model.num_classes, num, np.int32))
 
 
-def _arrays_splits(data_config: ml_collections.ConfigDict) -> Splits:
+def _arrays_splits(data_config: DataSettings) -> Splits:
   arrays = npz_source.load(data_config.arrays_path)
   sizes = {s: len(arrays[f'{s}_label']) for s in npz_source.SPLITS}
   splits = []
@@ -161,12 +162,13 @@ def _arrays_splits(data_config: ml_collections.ConfigDict) -> Splits:
   return Splits(*splits)
 
 
-def _tfds_splits(data_config: ml_collections.ConfigDict) -> Splits:
+def _tfds_splits(data_config: DataSettings) -> Splits:
   builder = tfds_source.builder(data_config)
   splits = []
   for setting in SPLIT_SETTINGS:
     try:
-      images, labels = tfds_source.read_split(builder, getattr(data_config, setting))
+      images, labels = tfds_source.read_split(
+          builder, getattr(data_config, setting))
     except ValueError as e:
       raise DataError(f'data.{setting}={getattr(data_config, setting)!r}: '
                       f'{str(e).splitlines()[0]}') from None
@@ -174,8 +176,8 @@ def _tfds_splits(data_config: ml_collections.ConfigDict) -> Splits:
   return Splits(*splits)
 
 
-def load(data_config: ml_collections.ConfigDict,
-         model_config: ml_collections.ConfigDict, seed: int,
+def load(data_config: DataSettings,
+         model_config: ModelSettings, seed: int,
          batch_size: int) -> Splits:
   """The train, val and test splits of `data_config`, in memory, checked
   against the model's image size and classes and the run's `batch_size`
@@ -206,7 +208,7 @@ def load(data_config: ml_collections.ConfigDict,
   return splits
 
 
-def check_settings(data_config: ml_collections.ConfigDict) -> None:
+def check_settings(data_config: DataSettings) -> None:
   """The data settings this module reads that need no data to check."""
   _source(data_config)
   if data_config.prefetch_batches < 1:
@@ -214,7 +216,7 @@ def check_settings(data_config: ml_collections.ConfigDict) -> None:
                     'must be at least 1')
 
 
-def check_available(data_config: ml_collections.ConfigDict) -> Optional[int]:
+def check_available(data_config: DataSettings) -> Optional[int]:
   """The train split's size (all processes: epochs, ETAs, DP-SGD's
   sampling), from the dataset's metadata read once (None where it has none:
   tfds.testing.mock_data); raises `DataError` now, before a run writes or
@@ -225,8 +227,9 @@ def check_available(data_config: ml_collections.ConfigDict) -> Optional[int]:
     return data_config.synthetic_train_examples
   if source == 'arrays':
     sizes = npz_source.split_sizes(data_config.arrays_path)
-    examples = {setting: split_slice(setting, getattr(data_config, setting), sizes)[1]
-                for setting in SPLIT_SETTINGS}
+    examples = {
+        setting: split_slice(setting, getattr(data_config, setting), sizes)[1]
+        for setting in SPLIT_SETTINGS}
     return len(examples['train_split'])
   builder = tfds_source.builder(data_config)
   for setting in SPLIT_SETTINGS:

@@ -16,10 +16,10 @@ import threading
 from typing import Callable, Iterator, Optional
 
 from absl import logging
-import ml_collections
 import numpy as np
 
 from haiku_mp import errors
+from haiku_mp.settings import DataSettings
 
 DataError = errors.DataError
 
@@ -361,7 +361,7 @@ def _check_without_tensorflow(data_dir: str, name: str, download: bool,
     raise _not_prepared(name, where)
 
 
-def builder(data_config: ml_collections.ConfigDict):
+def builder(data_config: DataSettings):
   """The TFDS builder of `data_config.name`, prepared (downloaded if allowed).
 
   Every way this can fail is a one-line `DataError` naming the setting.

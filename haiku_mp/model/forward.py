@@ -6,13 +6,15 @@ from typing import Optional
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from haiku_mp import errors
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import policies
 from haiku_mp.model import vit
+from haiku_mp.settings import Fp8Settings
+from haiku_mp.settings import ModelSettings
+from haiku_mp.settings import Settings
 
 # `precision.fp8.format`'s fp8 (E4M3 / E5M2); the others are `fp4.FORMATS`.
 FP8_FORMAT = 'fp8'
@@ -21,7 +23,7 @@ MODEL_FIELDS = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
                 'drop_path_rate', 'layer_norm_epsilon', 'patch_init')
 
 
-def precision_from_config(config: ml_collections.ConfigDict
+def precision_from_config(config: Settings
                           ) -> policies.Precision:
   """The `Precision` that `config.precision` describes for the ViT."""
   return policies.make_precision(
@@ -40,7 +42,7 @@ def precision_from_config(config: ml_collections.ConfigDict
       keep_fp8=config.precision.fp8.keep_fp8)
 
 
-def make_fp4(fp8_config: ml_collections.ConfigDict) -> Optional[fp4_lib.Fp4]:
+def make_fp4(fp8_config: Fp8Settings) -> Optional[fp4_lib.Fp4]:
   """The 4-bit format `precision.fp8.format` names, with the recipe's
   parts; None for fp8 itself."""
   errors.check_choice('precision.fp8.format', fp8_config.format,
@@ -51,7 +53,7 @@ def make_fp4(fp8_config: ml_collections.ConfigDict) -> Optional[fp4_lib.Fp4]:
                      fp8_config.hadamard, fp8_config.stochastic_gradients)
 
 
-def make_forward(model_config: ml_collections.ConfigDict,
+def make_forward(model_config: ModelSettings,
                  precision: policies.Precision,
                  observer: Optional[policies.Observer] = None,
                  remat: str = 'none') -> hk.Transformed:
@@ -70,13 +72,13 @@ def make_forward(model_config: ml_collections.ConfigDict,
   return hk.transform(forward)
 
 
-def dummy_images(model_config: ml_collections.ConfigDict,
+def dummy_images(model_config: ModelSettings,
                  batch_size: int = 1) -> jax.Array:
   size = model_config.image_size
   return jnp.zeros((batch_size, size, size, 3), jnp.float32)
 
 
-def trace_modules(model_config: ml_collections.ConfigDict,
+def trace_modules(model_config: ModelSettings,
                   precision: policies.Precision,
                   batch_size: int = 1
                   ) -> tuple[list[policies.ModuleCall], hk.Params]:
@@ -92,7 +94,7 @@ def trace_modules(model_config: ml_collections.ConfigDict,
   return calls, params
 
 
-def checked_precision(config: ml_collections.ConfigDict,
+def checked_precision(config: Settings,
                       precision: Optional[policies.Precision] = None
                       ) -> tuple[policies.Precision,
                                  list[policies.ModuleCall]]:
@@ -122,7 +124,7 @@ def _check_fp4_tokens(precision: policies.Precision,
       fp4_lib.check_dims(precision.fp4, c.path, rows, x.shape[-1], w_out)
 
 
-def checked_forward(config: ml_collections.ConfigDict
+def checked_forward(config: Settings
                     ) -> tuple[hk.Transformed, policies.Precision]:
   """The forward function for `config` and its Precision, the overrides
   checked (the model alone; a whole run is `experiment.build`)."""

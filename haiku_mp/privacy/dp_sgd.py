@@ -31,11 +31,11 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from haiku_mp import errors
 from haiku_mp.update import keys as keys_lib
 from haiku_mp.update import loss_scaling
+from haiku_mp.settings import PrivacySettings
 
 # The noise search's tolerance: JAX Privacy's default (0.01 in sigma) left
 # epsilon 1.6% under its target.
@@ -99,7 +99,7 @@ class DpSgd(NamedTuple):
 MEAN_METRICS = ('num_examples', 'example_grad_norm', 'clipped_fraction')
 
 
-def check_settings(privacy: ml_collections.ConfigDict) -> None:
+def check_settings(privacy: PrivacySettings) -> None:
   """DP-SGD's ranges, whether or not it is on (`config_checks` runs this)."""
   if not privacy.l2_clip_norm > 0:
     raise errors.ConfigError(
@@ -138,7 +138,7 @@ def padded_batch_size(batch_size: int, num_examples: int, stddevs: float,
   return -(-size // multiple) * multiple
 
 
-def from_config(privacy: ml_collections.ConfigDict, batch_size: int,
+def from_config(privacy: PrivacySettings, batch_size: int,
                 num_examples: int, total_steps: int, batch_devices: int,
                 num_processes: int = 1) -> DpSgd:
   """`privacy` (the config's) as a run of expected batch `batch_size` on

@@ -28,6 +28,7 @@ from haiku_mp.measure import run_plots
 from haiku_mp.measure import timing
 from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
+from haiku_mp import settings
 from haiku_mp.studies import memory
 from haiku_mp.train import experiment
 from haiku_mp.update import loss_scaling
@@ -162,8 +163,8 @@ def run(config: ml_collections.ConfigDict,
   """Both sets of variants at `config.batch_size`, against one reference."""
   for dtype in dtypes:  # Every setting is checked before anything runs.
     for name in matmul_precisions:
-      forward_lib.precision_from_config(variants.matmul_variant(
-          config, dtype, config.batch_size, name))
+      forward_lib.precision_from_config(settings.parse(
+          variants.matmul_variant(config, dtype, config.batch_size, name)))
   ref = reference(config, numerics_batch_size)
   matmul_rows = []
   for dtype in dtypes:

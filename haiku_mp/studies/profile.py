@@ -34,6 +34,7 @@ from haiku_mp.measure import charts
 from haiku_mp.measure import run_plots
 from haiku_mp.measure import timing
 from haiku_mp.model import forward as forward_lib
+from haiku_mp import settings
 from haiku_mp.studies import memory
 
 STEP_NAME = 'train'
@@ -207,8 +208,9 @@ def ops_by_self_time(ops, op_names, modules: set[str]
 
 
 def _module_paths(config) -> set[str]:
+  parsed = settings.parse(config)
   calls, _ = forward_lib.trace_modules(
-      config.model, forward_lib.precision_from_config(config))
+      parsed.model, forward_lib.precision_from_config(parsed))
   return {c.path for c in calls}
 
 

@@ -167,7 +167,7 @@ class Experiment:
     return lines
 
 
-def total_train_steps(config: ml_collections.ConfigDict,
+def total_train_steps(config: settings_lib.Settings,
                       num_train_examples: int) -> int:
   """`num_train_steps`, or `num_epochs` over the train split."""
   if config.num_train_steps > 0:

@@ -11,9 +11,9 @@ import math
 from typing import Any, Mapping
 
 import jax
-import ml_collections
 
 from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.settings import PrecisionSettings
 
 # The parts, in the order a table shows them; `other` is the step, counts,
 # loss scale and key: a few bytes.
@@ -65,7 +65,7 @@ def dtype_names(tree) -> str:
   return '/'.join(sorted(sizes, key=lambda d: -sizes[d])) or '-'
 
 
-def describe(precision_config: ml_collections.ConfigDict, state) -> str:
+def describe(precision_config: PrecisionSettings, state) -> str:
   """The `State:` line of a run: the layout, and bytes per parameter in all
   and per part."""
   sizes = bytes_by_part(state)

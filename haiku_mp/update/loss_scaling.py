@@ -88,7 +88,8 @@ class LossScaler:
 
   @classmethod
   def from_config(cls, config) -> 'LossScaler':
-    """From a config's `loss_scale` section (an ml_collections ConfigDict)."""
+    """From a run's `loss_scale` settings (`LossScaleSettings`, or a
+    ConfigDict's `loss_scale` in a program of your own)."""
     return cls(kind=config.kind, initial=float(config.initial),
                period=int(config.period), factor=float(config.factor),
                minimum=float(config.minimum),
