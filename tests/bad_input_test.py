@@ -178,6 +178,9 @@ class BadInputTest(parameterized.TestCase):
                                        '--config.parallel.mesh_shape=4x2'],
        "error: parallel.mesh_shape='4x2': expected two positive integers "
        '(batch, model) like (4,2); one may be -1 (the remaining devices)'),
+      # A tuple's items are typed by the settings' parse, before any range.
+      ('mean_not_numbers', ['--config.data.mean=a,b,c'],
+       "error: data.mean='a,b,c': expected 3 numbers, one per channel"),
       ('eval_batch_size', ['--config.eval_batch_size=-5'],
        'error: eval_batch_size=-5 must be positive'),
       # One step an epoch: a run that took 0 for -1 would end, not hang.

@@ -112,10 +112,12 @@ class ParseTest(parameterized.TestCase):
        'learning_rate=True must be a number'),
       ('fraction_for_int', {'model': {'num_layers': 2.5}},
        'model.num_layers=2.5 must be an integer'),
-      ('item_of_a_tuple', {'data': {'mean': [0.5, 'x', 0.5]}},
-       "data.mean[1]='x' must be a number"),
+      ('item_of_a_tuple', {'parallel': {'mesh_shape': [4, 'x']}},
+       "parallel.mesh_shape=(4, 'x'): expected two positive integers"),
+      ('item_of_the_mean', {'data': {'mean': [0.5, 'x', 0.5]}},
+       "data.mean=(0.5, 'x', 0.5): expected 3 numbers, one per channel"),
       ('int_for_tuple', {'data': {'crop_area': 8}},
-       'data.crop_area=8 must be a tuple of numbers'),
+       'data.crop_area=8: expected (min, max) fractions of the image area'),
       # A field that says what it takes says so.
       ('word_for_a_mesh', {'parallel': {'mesh_shape': ('4x2',)}},
        "parallel.mesh_shape='4x2': expected two positive integers (batch, "
@@ -130,6 +132,21 @@ class ParseTest(parameterized.TestCase):
       settings.parse(values)
     self.assertStartsWith(str(raised.exception), message)
     self.assertNotIn('\n', str(raised.exception))
+
+  def test_a_field_that_says_nothing_is_told_its_type(self):
+
+    @fields.frozen
+    class Pair:
+      sizes: tuple[int, ...] = fields.setting((1, 2), 'Two sizes.')
+
+    with self.assertRaises(errors.ConfigError) as raised:
+      fields.parse(Pair, {'sizes': [1, 'x']}, 'pair.')
+    self.assertEqual(str(raised.exception),
+                     "pair.sizes[1]='x' must be an integer")
+    with self.assertRaises(errors.ConfigError) as raised:
+      fields.parse(Pair, {'sizes': 3}, 'pair.')
+    self.assertEqual(str(raised.exception),
+                     'pair.sizes=3 must be a tuple of integers')
 
   def test_an_integral_float_is_an_integer(self):
     self.assertEqual(settings.parse({'batch_size': 256.0}).batch_size, 256)

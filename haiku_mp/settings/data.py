@@ -39,11 +39,13 @@ class DataSettings:
   crop_area: tuple[float, ...] = setting(
       (0.9, 1.0),
       "'resized': the crop's share of the image's area, drawn in this "
-      '(low, high) range.')
+      '(low, high) range.',
+      takes='(min, max) fractions of the image area with 0 < min <= max <= 1')
   crop_aspect_ratio: tuple[float, ...] = setting(
       (0.9, 1.1),
       "'resized': the crop's aspect ratio, drawn in this (low, high) "
-      'range.')
+      'range.',
+      takes='(min, max) width/height ratios with 0 < min <= max')
   crop_max_attempts: int = setting(
       10,
       "'resized': draws before the whole image.")
@@ -79,10 +81,12 @@ class DataSettings:
       'the end.')
   mean: tuple[float, ...] = setting(
       (0.4914, 0.4822, 0.4465),
-      "Per-channel normalization of pixels in [0, 1] (CIFAR-10's).")
+      "Per-channel normalization of pixels in [0, 1] (CIFAR-10's).",
+      takes='3 numbers, one per channel')
   std: tuple[float, ...] = setting(
       (0.2023, 0.1994, 0.201),
-      'Divides each channel, mean taken.')
+      'Divides each channel, mean taken.',
+      takes='3 positive numbers, one per channel')
   prefetch_batches: int = setting(2, 'Batches on their way to the devices.')
   synthetic_train_examples: int = setting(
       45000,
