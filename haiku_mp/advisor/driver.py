@@ -56,6 +56,7 @@ from haiku_mp.measure import variants
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp import settings as settings_schema
+from haiku_mp.settings import fields as settings_fields
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import experiment
 from haiku_mp.train import run_dir
@@ -86,15 +87,17 @@ def with_run_config(config: ml_collections.ConfigDict, workdir: str,
   except (OSError, ValueError) as e:
     raise errors.ConfigError(f'--checkpoint={workdir}: {path} cannot be read '
                              f'({e})') from None
-  config = copy.deepcopy(config)
+  tree = config.to_dict()
   for key, value in saved.items():
     *parents, name = key.split('.')
-    holder = config
+    holder = tree
     for part in parents:
-      holder = holder.get(part) if holder is not None else None
-    if key in given or holder is None or name not in holder:
+      holder = holder.get(part) if isinstance(holder, dict) else None
+    if key in given or not isinstance(holder, dict) or name not in holder:
       continue  # Set on the command line, or a field no longer in configs.
-    holder[name] = tuple(value) if isinstance(holder[name], tuple) else value
+    holder[name] = value
+  # Parsed: config.json's lists become the settings' tuples again.
+  config = settings_fields.to_config_dict(settings_schema.parse(tree))
   log(f'{command}: the config of {path}; from the command line: '
       + (', '.join(f'--config.{k}' for k in sorted(given)) or 'nothing'))
   return config
