@@ -129,10 +129,10 @@ def _described(hint: Any) -> str:
 
 def to_dict(settings: Any) -> dict[str, Any]:
   """The settings as nested plain dicts (tuples kept), in schema order."""
-  return {f.name: (to_dict(getattr(settings, f.name))
-                   if dataclasses.is_dataclass(getattr(settings, f.name))
-                   else getattr(settings, f.name))
-          for f in dataclasses.fields(settings)}
+  values = {f.name: getattr(settings, f.name)
+            for f in dataclasses.fields(settings)}
+  return {name: to_dict(value) if dataclasses.is_dataclass(value) else value
+          for name, value in values.items()}
 
 
 def to_config_dict(settings: Any) -> ml_collections.ConfigDict:
