@@ -240,9 +240,8 @@ def _advise():
     print(f'wrote {path}', flush=True)
   for fmt, suggestion in result['suggestions'].items():
     print(f'{fmt}: ' + ' '.join(suggestion['flags']), flush=True)
-  print('fp8: ' + ' '.join(result['fp8']['suggestion']['flags']), flush=True)
-  print(f"4 bits ({result['fp4']['format']}): " +
-        ' '.join(result['fp4']['suggestion']['flags']), flush=True)
+  for line in advisor_files.matmul_flag_lines(result):
+    print(line, flush=True)
   print(json.dumps(dict(float16_window=result['float16_window'],
                         suggestions=result['suggestions'],
                         cost=result['cost'])))

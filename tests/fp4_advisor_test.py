@@ -17,7 +17,6 @@ import numpy as np
 import haiku_mp
 from haiku_mp import advisor
 from haiku_mp.advisor import fp4_numerics
-from haiku_mp.advisor import fp4_verdicts
 from haiku_mp.model import fp4
 from tests import helpers
 
@@ -64,9 +63,9 @@ class Fp4NumericsTest(absltest.TestCase):
     operands = {t: fp4_numerics.as_dict(np.asarray(fp4_numerics.tensor_stats(
         x, t, _SIGNS)), t) for t in ('input', 'gradient', 'weight')}
     for fmt in fp4.FORMATS:
-      fits, reasons = fp4_verdicts.judge(operands, fmt, True,
-                                         advisor.Fp4Thresholds(0.2, 0.05))
-      self.assertTrue(fits, reasons)
+      reasons = advisor.Fp4Matmuls(hadamard=True).check(
+          operands, fmt, advisor.Fp4Thresholds(0.2, 0.05))
+      self.assertEmpty(reasons)
 
 
 def _mlp(fp8_modules='', fp4_config=None, keep_fp8=''):
@@ -107,13 +106,14 @@ class Fp4AdviceTest(absltest.TestCase):
     self.assertEqual(paths, ['mlp/~/linear_0', 'mlp/~/linear_1'])
 
     def advise(params):
-      fp8_judged = advisor.judge_fp8(
-          advisor.measure_fp8(loss_fn, params, batches, paths), 'current',
-          advisor.Fp8Thresholds(0.1, 0.01, 0.0), targets)
-      totals = advisor.measure_fp4(loss_fn, params, batches, paths)
-      return advisor.judge_fp4(totals, 'nvfp4', True,
-                               advisor.Fp4Thresholds(0.2, 0.05), fp8_judged,
-                               targets)
+      fp8, fp4 = advisor.Fp8Matmuls(), advisor.Fp4Matmuls()
+      fp8_judged = advisor.judge_matmuls(
+          advisor.measure_matmuls(loss_fn, params, batches, paths, fp8), fp8,
+          'mx', advisor.Fp8Thresholds(0.1, 0.01, 0.0), targets)
+      totals = advisor.measure_matmuls(loss_fn, params, batches, paths, fp4)
+      return advisor.judge_matmuls(totals, fp4, 'nvfp4',
+                                   advisor.Fp4Thresholds(0.2, 0.05), targets,
+                                   fallback=fp8_judged)
 
     judged = advise(params)
     self.assertEqual({r['path']: r['verdicts'] for r in judged['modules']},

@@ -15,7 +15,8 @@ import numpy as np
 
 from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import fp8_numerics
-from haiku_mp.advisor import fp8_verdicts
+from haiku_mp.advisor import matmul_formats
+from haiku_mp.advisor import numerics
 from haiku_mp.advisor import settings as advisor_settings
 from haiku_mp.measure import variants
 from haiku_mp.model import fp8
@@ -27,8 +28,8 @@ PLANTED = 'vit/encoder_block_1/mlp_block/fc1'
 
 class Fp8NumericsTest(parameterized.TestCase):
 
-  @parameterized.parameters((fp8_numerics.E4M3, ml_dtypes.float8_e4m3fn),
-                            (fp8_numerics.E5M2, ml_dtypes.float8_e5m2))
+  @parameterized.parameters((numerics.E4M3, ml_dtypes.float8_e4m3fn),
+                            (numerics.E5M2, ml_dtypes.float8_e5m2))
   def test_the_grid_is_the_cast(self, fmt, ml_dtype):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(4000) *
@@ -37,7 +38,7 @@ class Fp8NumericsTest(parameterized.TestCase):
                             2.0**-17, 3 * 2.0**-18]]).astype(np.float32)
     want = np.clip(x, -fmt.max, fmt.max).astype(ml_dtype).astype(np.float32)
     np.testing.assert_array_equal(
-        np.asarray(fp8_numerics.round_to_fp8(jnp.asarray(x), fmt)), want)
+        np.asarray(numerics.round_to(jnp.asarray(x), fmt)), want)
 
   def test_counts_and_errors_at_each_scaling(self):
     # 64 values: one of 1000 and 63 of 1e-3. Per tensor, E4M3's scale (4)
@@ -49,7 +50,7 @@ class Fp8NumericsTest(parameterized.TestCase):
     x = np.full((1, 64), 1e-3, np.float32)
     x[0, 0] = 1000.0
     stats = fp8_numerics.as_dict(np.asarray(fp8_numerics.tensor_stats(
-        jnp.asarray(x), fp8_numerics.E4M3, jnp.float32(500.0))))
+        jnp.asarray(x), numerics.E4M3, jnp.float32(500.0))))
     self.assertEqual(stats['nonzero'], 64)
     self.assertEqual(stats['current']['underflow_share'], 63 / 64)
     self.assertEqual(stats['current']['saturate_share'], 0.0)
@@ -78,17 +79,19 @@ class Fp8AdviceTest(absltest.TestCase):
                                            w=jnp.asarray(w))})
     inputs = [helpers.random_batch(config, 8, seed=i) for i in range(2)]
     limits = advisor_settings.parse(config.advisor).fp8
-    result = advisor.fp8_advice(config, exp, params, inputs, limits,
-                                log=lambda _: None)
+    fmt, choice = advisor.matmul_formats_of(config)[0]
+    self.assertEqual((fmt.name, choice), ('fp8', 'current'))
+    result = advisor.matmul_advice(config, exp, params, inputs, fmt, choice,
+                                   limits, None, log=lambda _: None)
     rows = {r['path']: r for r in result['modules']}
     self.assertLen(rows, 12)  # Six Linears in each of the two blocks.
     for path, row in rows.items():
       planted = path == PLANTED
       for scaling in ('current', 'delayed'):
         self.assertEqual(row['verdicts'][scaling],
-                         fp8_verdicts.KEEP_BF16 if planted else
-                         fp8_verdicts.FP8_OK, (path, scaling, row['reasons']))
-      self.assertEqual(row['verdicts']['mx'], fp8_verdicts.FP8_OK, path)
+                         'keep-bf16' if planted else 'fp8-ok',
+                         (path, scaling, row['reasons']))
+      self.assertEqual(row['verdicts']['mx'], 'fp8-ok', path)
     self.assertIn("of the weight's values underflow to 0 in E4M3",
                   rows[PLANTED]['reasons']['current'][0])
     self.assertEqual(result['keep_bf16'], [PLANTED])
@@ -103,7 +106,7 @@ class Fp8AdviceTest(absltest.TestCase):
                      sorted(p for p in rows if p != PLANTED))
 
   def test_every_layer_fine_keeps_the_configured_setting(self):
-    self.assertEqual(fp8_verdicts.modules_setting(
+    self.assertEqual(matmul_formats.modules_setting(
         ['a', 'b'], [], fp8.DEFAULT_MODULES), fp8.DEFAULT_MODULES)
 
 

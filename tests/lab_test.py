@@ -720,6 +720,17 @@ class CommandLineTest(parameterized.TestCase):
       self.assertGreater(os.path.getsize(os.path.join(out, 'init', name)), 500)
     pasted = result['suggestions']['float16']['flags']
     self.assertIn('float16: ' + ' '.join(pasted), done.stdout)
+    # One table and one line of flags per low-bit format, from one pipeline.
+    self.assertEqual((result['fp8']['choice'], result['fp4']['choice']),
+                     ('current', 'nvfp4'))
+    for name, title in (('fp8', 'fp8'), ('fp4', '4 bits')):
+      flags_line = ' '.join(result[name]['suggestion']['flags'])
+      self.assertIn(f"{title} ({result[name]['choice']}): {flags_line}",
+                    done.stdout)
+    with open(os.path.join(out, 'init', 'advise.md')) as f:
+      page = f.read()
+    self.assertIn('| Linear | current | delayed | mx |', page)
+    self.assertIn('| Linear | nvfp4 | mxfp4 |', page)
     # From a run's checkpoint: its params and loss scale, its files untouched;
     # its config.json gives the model, data, batch and loss scale (no flag
     # repeated), a flag on the command line wins (a threshold, which changes

@@ -3,13 +3,14 @@ bfloat16, fp8 and 4 bits (NVFP4, MXFP4) would lose in each module, judge it, and
 overrides. Statistics and verdicts only: the trainer's driver
 (`haiku_mp.advisor.driver`, `launch.lab advise`) is not imported here."""
 
-from haiku_mp.advisor.fp4_verdicts import Fp4Thresholds
-from haiku_mp.advisor.fp8_verdicts import Fp8Thresholds
+from haiku_mp.advisor.fp4_numerics import Fp4Matmuls
+from haiku_mp.advisor.fp4_numerics import Fp4Thresholds
+from haiku_mp.advisor.fp8_numerics import Fp8Matmuls
+from haiku_mp.advisor.fp8_numerics import Fp8Thresholds
+from haiku_mp.advisor.matmul_formats import judge as judge_matmuls
+from haiku_mp.advisor.matmul_formats import MatmulFormat
 from haiku_mp.advisor.measurement import fp8_linears
-from haiku_mp.advisor.measurement import judge_fp4
-from haiku_mp.advisor.measurement import judge_fp8
-from haiku_mp.advisor.measurement import measure_fp4
-from haiku_mp.advisor.measurement import measure_fp8
+from haiku_mp.advisor.measurement import measure_matmuls
 from haiku_mp.advisor.measurement import measure_model
 from haiku_mp.advisor.measurement import module_classes_of
 from haiku_mp.advisor.verdicts import Advice
@@ -17,6 +18,7 @@ from haiku_mp.advisor.verdicts import judge
 from haiku_mp.advisor.verdicts import overrides
 from haiku_mp.advisor.verdicts import Thresholds
 
-__all__ = ('Advice', 'Fp4Thresholds', 'Fp8Thresholds', 'Thresholds',
-           'fp8_linears', 'judge', 'judge_fp4', 'judge_fp8', 'measure_fp4',
-           'measure_fp8', 'measure_model', 'module_classes_of', 'overrides')
+__all__ = ('Advice', 'Fp4Matmuls', 'Fp4Thresholds', 'Fp8Matmuls',
+           'Fp8Thresholds', 'MatmulFormat', 'Thresholds', 'fp8_linears',
+           'judge', 'judge_matmuls', 'measure_matmuls', 'measure_model',
+           'module_classes_of', 'overrides')

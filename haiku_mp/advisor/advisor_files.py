@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from haiku_mp.advisor import measurement
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import verdicts
 from haiku_mp.measure import run_plots
@@ -49,10 +50,9 @@ def markdown(result: dict[str, Any]) -> str:
         f'{grad["amax"]:.3g} | '
         f'{grad["f16_flush_share"] + grad["f16_subnormal_share"]:.2g} | '
         f'{_fmt_scale(row["window"])} | {why} |')
-  if 'fp8' in result:
-    lines += fp8_markdown(result['fp8'])
-  if 'fp4' in result:
-    lines += fp4_markdown(result['fp4'])
+  for name in measurement.MATMUL_FORMATS:
+    if name in result:
+      lines += matmul_markdown(result[name])
   for fmt, rows in result.get('knockout', {}).items():
     lines += ['', f'## Knockout: one module at a time in {fmt}', '',
               '| module | logits relative error | loss change | finite |',
@@ -66,53 +66,33 @@ def markdown(result: dict[str, Any]) -> str:
   return '\n'.join(lines)
 
 
-def fp8_markdown(fp8: dict[str, Any]) -> list[str]:
-  """The 8-bit verdicts: the flags, then a row per Linear with each
-  operand's rounding error, underflow and saturation at the advice's
-  scaling."""
-  scaling = fp8['scaling']
-  lines = ['', f'## fp8 ({scaling} scaling): keep {len(fp8["keep_bf16"])} '
-           'Linear layer(s) in bfloat16', '', '```',
-           ' \\\n  '.join(fp8['suggestion']['flags']), '```', '',
-           '| Linear | current | delayed | mx | input E4M3 error / underflow '
-           '| weight E4M3 error / underflow | gradient E5M2 error / underflow '
-           '/ saturate | why bfloat16 |', '|---|---|---|---|---|---|---|---|']
-  for row in fp8['modules']:
-    cell = lambda name: (f'{row[name][scaling]["relative_error"]:.3g} / '
-                         f'{row[name][scaling]["underflow_share"]:.2g}')
-    grad = row['gradient'][scaling]
-    lines.append(
-        f'| {row["path"]} | {row["verdicts"]["current"]} | '
-        f'{row["verdicts"]["delayed"]} | {row["verdicts"]["mx"]} | '
-        f'{cell("input")} | {cell("weight")} | {cell("gradient")} / '
-        f'{grad["saturate_share"]:.2g} | '
-        f'{"; ".join(row["reasons"].get(scaling, []))} |')
-  return lines
+def matmul_flag_lines(result: dict[str, Any]) -> list[str]:
+  """Per low-bit format in `result`, its heading and the flags to paste:
+  `fp8 (current): --config...`."""
+  return [f'{measurement.MATMUL_FORMATS[name].title} '
+          f'({result[name]["choice"]}): '
+          + ' '.join(result[name]['suggestion']['flags'])
+          for name in measurement.MATMUL_FORMATS if name in result]
 
 
-def fp4_markdown(fp4: dict[str, Any]) -> list[str]:
-  """The 4-bit verdicts: the flags, then a row per Linear with, per
-  format, the share of its blocks an outlier flushes and the rounding error
-  of each operand as the step blocks it."""
-  fmt = fp4['format']
-  wgrad = 'wgrad_hadamard' if fp4['hadamard'] else 'wgrad'
-  lines = ['', f'## 4 bits ({fmt}): keep {len(fp4["keep_fp8"])} Linear '
-           f'layer(s) in fp8, {len(fp4["keep_bf16"])} in bfloat16', '',
-           '```', ' \\\n  '.join(fp4['suggestion']['flags']), '```', '',
-           '| Linear | nvfp4 | mxfp4 | input flushed / error (forward, weight '
-           'gradient) | gradient flushed / error (input gradient, weight '
-           'gradient) | weight flushed / error | why not 4 bits |',
-           '|---|---|---|---|---|---|---|']
-  for row in fp4['modules']:
-    cell = lambda name, case: (f'{row[name][fmt][case]["flushed_share"]:.2g}'
-                               ' / '
-                               f'{row[name][fmt][case]["relative_error"]:.2g}')
-    lines.append(
-        f'| {row["path"]} | {row["verdicts"]["nvfp4"]} | '
-        f'{row["verdicts"]["mxfp4"]} | {cell("input", "forward")}, '
-        f'{cell("input", wgrad)} | {cell("gradient", "dgrad")}, '
-        f'{cell("gradient", wgrad)} | {cell("weight", "forward")} | '
-        f'{"; ".join(row["reasons"].get(fmt, []))} |')
+def matmul_markdown(judged: dict[str, Any]) -> list[str]:
+  """One low-bit format's verdicts (`driver.matmul_advice`): the flags,
+  then a row per Linear with its verdict per choice and its format's
+  numbers at the advice's choice."""
+  fmt = measurement.MATMUL_FORMATS[judged['format']](**judged['options'])
+  choice = judged['choice']
+  kept = (f'{len(judged["keep_fp8"])} Linear layer(s) in '
+          f'{judged["fallback"]}, ' if judged['fallback'] else '')
+  columns = (*fmt.choices, *fmt.columns, f'why not {fmt.title}')
+  lines = ['', f'## {fmt.title} ({choice}): keep {kept}'
+           f'{len(judged["keep_bf16"])} Linear layer(s) in bfloat16', '',
+           '```', ' \\\n  '.join(judged['suggestion']['flags']), '```', '',
+           '| Linear | ' + ' | '.join(columns) + ' |',
+           '|---' * (len(columns) + 1) + '|']
+  for row in judged['modules']:
+    cells = (row['path'], *(row['verdicts'][c] for c in fmt.choices),
+             *fmt.cells(row, choice), '; '.join(row['reasons'].get(choice, [])))
+    lines.append('| ' + ' | '.join(cells) + ' |')
   return lines
 
 

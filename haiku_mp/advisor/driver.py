@@ -12,15 +12,13 @@ a few real batches.
    (`numerics`), the float16 shares at the step's loss scale.
 2. Verdicts per module and format, the float16 loss-scale window, and the
    config to paste (`advice`).
-2b. fp8 (`fp8_advice`): at the measured params, one more pass per batch
+2b. Low-bit matmuls (`matmul_advice`, once per format of
+   `matmul_formats_of`): at the measured params, one more pass per batch
    measures each candidate Linear's input, weight and output gradient as
-   E4M3 / E5M2 would hold them under current, delayed and MX scaling
-   (`fp8_probes`); a verdict per scaling (`fp8_verdicts`) and the
-   `precision.fp8.modules` to paste.
-2c. 4 bits (`fp4_advice`): the same Linears' operands as NVFP4 and MXFP4
-   would block them (`fp4_numerics`); a verdict per format (`fp4_verdicts`:
-   4 bits, or fp8, or bfloat16) and the `precision.fp8.modules` and
-   `keep_fp8` to paste.
+   the format would hold them (`matmul_formats`): fp8 as E4M3 / E5M2 under
+   current, delayed and MX scaling, then 4 bits as NVFP4 and MXFP4 would
+   block them; a verdict per choice (4 bits fall back on fp8, fp8 on
+   bfloat16) and the `precision.fp8.modules` and `keep_fp8` to paste.
 3. `--level=knockout`: one module at a time in the half format (a path
    override on the float32 model), its loss and logits against float32's
    on the same batches, ranked.
@@ -41,8 +39,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from haiku_mp.advisor import fp4_verdicts
-from haiku_mp.advisor import fp8_verdicts
+from haiku_mp.advisor import fp4_numerics
+from haiku_mp.advisor import fp8_numerics
+from haiku_mp.advisor import matmul_formats
 from haiku_mp.advisor import measurement
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
@@ -244,54 +243,47 @@ def _suggestion(config, exp, modules, judged: verdicts.Advice, fmt: str
 
 def fp8_candidates(config: ml_collections.ConfigDict,
                    exp: experiment.Experiment) -> list[str]:
-  """The Linear layers the fp8 advice judges: those the config's fp8 modules
-  select, or `fp8.DEFAULT_MODULES`'s when it runs none."""
+  """The Linear layers the low-bit advice judges: those the config's fp8
+  modules select, or `fp8.DEFAULT_MODULES`'s when it runs none."""
   return measurement.fp8_linears(module_classes(exp),
-                                 fp8_verdicts.candidates_setting(config))
+                                 _candidates_setting(config))
 
 
-def fp8_advice(config: ml_collections.ConfigDict, exp: experiment.Experiment,
-               params, inputs, limits: fp8_verdicts.Fp8Thresholds,
-               log: Callable[[str], None]) -> dict[str, Any]:
-  """The 8-bit verdicts (`measurement.measure_fp8`, `judge_fp8`) of the
-  config's candidate Linears over `inputs` at `params`, and the flags that
-  keep bfloat16 in exactly the layers judged `keep-bf16` at the config's
-  scaling."""
+def _candidates_setting(config: ml_collections.ConfigDict) -> str:
+  return matmul_formats.candidates_setting(config.precision.fp8.modules)
+
+
+def matmul_formats_of(config: ml_collections.ConfigDict
+                      ) -> list[tuple[matmul_formats.MatmulFormat, str]]:
+  """The formats the low-bit advice judges, widest first, each with the
+  choice its flags select: fp8 at the config's scaling, then 4 bits at the
+  config's 4-bit format (NVFP4 when it runs fp8)."""
   fp8_config = config.precision.fp8
-  totals = measurement.measure_fp8(
-      exp.loss_fn, params, inputs, fp8_candidates(config, exp),
-      fp8_config.history_length, fp8_config.margin, log)
-  judged = measurement.judge_fp8(totals, fp8_config.scaling, limits,
-                                 fp8_verdicts.candidates_setting(config))
-  modules = judged.pop('fp8_modules')
-  flags = [f"--config.precision.fp8.modules='{modules}'",
-           f'--config.precision.fp8.scaling={fp8_config.scaling}']
-  if variants.compute_dtype(config) == 'float16':
-    flags.insert(0, '--config.precision.policy=' + verdicts.policy(
-        config.precision.policy, 'bfloat16', 'float32'))
-  return dict(judged, thresholds=dataclasses.asdict(limits),
-              suggestion=dict(modules=modules, flags=flags))
+  fp4_format = (fp8_config.format if fp8_config.format in fp4_lib.FORMATS
+                else fp4_lib.FORMATS[0])
+  fp8_scaling = (fp8_config.scaling if fp8_config.format == 'fp8'
+                 else fp8_numerics.Fp8Matmuls.choices[0])
+  return [(fp8_numerics.Fp8Matmuls(fp8_config.history_length,
+                                   fp8_config.margin), fp8_scaling),
+          (fp4_numerics.Fp4Matmuls(fp8_config.hadamard), fp4_format)]
 
 
-def fp4_advice(config: ml_collections.ConfigDict, exp: experiment.Experiment,
-               params, inputs, limits: fp4_verdicts.Fp4Thresholds,
-               fp8_judged: dict[str, Any], log: Callable[[str], None]
-               ) -> dict[str, Any]:
-  """The 4-bit verdicts (`measurement.measure_fp4`, `judge_fp4`) of the
-  config's candidate Linears over `inputs` at `params`, and the flags that
-  run 4 bits where they fit and fp8 or bfloat16 elsewhere, at the config's
-  4-bit format (NVFP4 when it runs fp8)."""
-  fp8_config = config.precision.fp8
-  fmt = (fp8_config.format if fp8_config.format in fp4_lib.FORMATS
-         else fp4_lib.FORMATS[0])
-  totals = measurement.measure_fp4(exp.loss_fn, params, inputs,
-                                   fp8_candidates(config, exp), log)
-  judged = measurement.judge_fp4(totals, fmt, fp8_config.hadamard, limits,
-                                 fp8_judged,
-                                 fp8_verdicts.candidates_setting(config))
-  flags = [f"--config.precision.fp8.modules='{judged['fp8_modules']}'",
-           f'--config.precision.fp8.format={fmt}',
-           '--config.precision.fp8.scaling=current']
+def matmul_advice(config: ml_collections.ConfigDict,
+                  exp: experiment.Experiment, params, inputs,
+                  fmt: matmul_formats.MatmulFormat, choice: str, limits,
+                  fallback: Optional[dict[str, Any]],
+                  log: Callable[[str], None]) -> dict[str, Any]:
+  """The verdicts of the config's candidate Linears under `fmt` over
+  `inputs` at `params` (`measurement.measure_matmuls`,
+  `matmul_formats.judge`; `fallback`: the wider format's advice), and the
+  flags that run `choice` where it fits, the wider format or bfloat16
+  elsewhere."""
+  totals = measurement.measure_matmuls(
+      exp.loss_fn, params, inputs, fp8_candidates(config, exp), fmt, log)
+  judged = matmul_formats.judge(totals, fmt, choice, limits,
+                                _candidates_setting(config), fallback)
+  modules = judged['fp8_modules']
+  flags = [f"--config.precision.fp8.modules='{modules}'", *fmt.flags(choice)]
   if judged['keep_fp8_setting']:
     flags.append(f"--config.precision.fp8.keep_fp8='"
                  f"{judged['keep_fp8_setting']}'")
@@ -299,7 +291,7 @@ def fp4_advice(config: ml_collections.ConfigDict, exp: experiment.Experiment,
     flags.insert(0, '--config.precision.policy=' + verdicts.policy(
         config.precision.policy, 'bfloat16', 'float32'))
   return dict(judged, thresholds=dataclasses.asdict(limits),
-              suggestion=dict(flags=flags))
+              suggestion=dict(modules=modules, flags=flags))
 
 
 def knockout(config: ml_collections.ConfigDict, params, inputs,
@@ -378,8 +370,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   the files)."""
   settings = settings_lib.parse(config.advisor)
   _check(num_batches, level, repeats, checkpoint)
-  thresholds, fp8_limits, fp4_limits = (
-      settings.thresholds, settings.fp8, settings.fp4)
+  thresholds = settings.thresholds
   target = variants.compute_dtype(config)
   formats = [target] if target in HALF_DTYPES else list(HALF_DTYPES)
   reference = variants.float32_reference(config)
@@ -423,10 +414,12 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
       suggestions={fmt: _suggestion(config, exp, modules, judged, fmt)
                    for fmt in HALF_DTYPES},
       target=target, modules=rows, **machine.describe())
-  result['fp8'] = fp8_advice(config, exp, state.params, inputs, fp8_limits,
-                             log)
-  result['fp4'] = fp4_advice(config, exp, state.params, inputs, fp4_limits,
-                             result['fp8'], log)
+  limits = {'fp8': settings.fp8, 'fp4': settings.fp4}
+  fallback = None
+  for fmt, choice in matmul_formats_of(config):
+    fallback = result[fmt.name] = matmul_advice(
+        config, exp, state.params, inputs, fmt, choice, limits[fmt.name],
+        fallback, log)
   if level == 'knockout':
     paths = [m.path for m in modules if m.same_as is None]
     result['knockout'] = knockout(reference, state.params, inputs, paths,

@@ -1,6 +1,7 @@
-"""How NVFP4 and MXFP4 would hold a Linear's operands: one vector of
-statistics per tensor, computed on the device, as `fp8_numerics` does for
-E4M3 and E5M2.
+"""4 bits' entry in the advisor's matmul pipeline (`matmul_formats`): how
+NVFP4 and MXFP4 would hold a Linear's operands, one vector of statistics
+per tensor, computed on the device, as `fp8_numerics` does for E4M3 and
+E5M2, and the limits a Linear must keep to run a 4-bit format.
 
 A 4-bit block has one scale for 16 (NVFP4) or 32 (MXFP4) values and E2M1
 values, whose smallest non-zero magnitude is 1/12 of the largest: one large
@@ -22,12 +23,15 @@ its block. The weight is blocked along its input features (the recipe's
 nearest: stochastic rounding is unbiased but no closer.
 """
 
+import dataclasses
 import math
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from haiku_mp.advisor import matmul_formats
 from haiku_mp.model import blocks as blocks_lib
 from haiku_mp.model import fp4
 
@@ -94,11 +98,6 @@ def tensor_stats(x: jax.Array, tensor: str, signs: jax.Array) -> jax.Array:
   return jnp.stack(out)
 
 
-def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-  """Two batches' statistics of a tensor as one (all sums)."""
-  return np.asarray(a, np.float64) + np.asarray(b, np.float64)
-
-
 def as_dict(stats: np.ndarray, tensor: str) -> dict:
   """Per format and case: the share of blocks flushed, of non-zero values
   rounded to zero, and the rounding error relative to the tensor's norm."""
@@ -118,21 +117,96 @@ def as_dict(stats: np.ndarray, tensor: str) -> dict:
   return result
 
 
-def activations(x: jax.Array, g: jax.Array, signs: jax.Array) -> jax.Array:
-  """A Linear's input and output gradient's statistics, one vector (a
-  probe's `Operands.activations`; `signs`: the layer's Hadamard signs)."""
-  return jnp.concatenate([tensor_stats(x, 'input', signs),
-                          tensor_stats(g, 'gradient', signs)])
+@dataclasses.dataclass(frozen=True)
+class Fp4Thresholds:
+  """How much of an operand a 4-bit format may lose (`config.advisor`'s fp4
+  limits): at most `max_flushed_share` of its blocks flushed by an outlier
+  (a block whose other values an outlier pushes under E2M1's smallest step:
+  the norm survives, the block's information does not) and at most
+  `max_relative_error` of its norm to rounding.
+
+  Example:
+    limits = advisor.Fp4Thresholds(max_relative_error=0.2,
+                                   max_flushed_share=0.05)
+  """
+  max_relative_error: float
+  max_flushed_share: float
 
 
-def weight(w: jax.Array, signs: jax.Array) -> jax.Array:
-  """A Linear's weight's statistics (a probe's `Operands.weight`)."""
-  return tensor_stats(w, 'weight', signs)
+@dataclasses.dataclass(frozen=True)
+class Fp4Matmuls(matmul_formats.MatmulFormat):
+  """4 bits in the advisor's matmul pipeline: a choice per format
+  (`fp4.FORMATS`), each operand blocked as the train step blocks it
+  (`CASES`), the weight gradient's inputs through the random Hadamard
+  transform when `hadamard` (the config's `precision.fp8.hadamard`), with
+  the layer's own signs. A Linear that fails keeps fp8 where fp8's verdict
+  at current scaling, the one a 4-bit config's fp8 Linears run, passes.
 
+  Example:
+    totals = advisor.measure_matmuls(loss_fn, params, batches, paths,
+                                     advisor.Fp4Matmuls())
+  """
+  hadamard: bool = True
 
-def split(vector) -> list[np.ndarray]:
-  """A Linear's statistics as its three parts: x's, g's, the weight's."""
-  vector = np.asarray(vector, np.float64)
-  sizes = [size(t) for t in ('input', 'gradient', 'weight')]
-  starts = np.cumsum([0] + sizes)
-  return [vector[a:b] for a, b in zip(starts[:-1], starts[1:])]
+  name = 'fp4'
+  title = '4 bits'
+  choices = fp4.FORMATS
+  part_sizes = (size('input'), size('gradient'), size('weight'))
+  columns = ('input flushed / error (forward, weight gradient)',
+             'gradient flushed / error (input gradient, weight gradient)',
+             'weight flushed / error')
+  fallback_choice = 'current'  # fp8's scaling that a layer kept in fp8 runs.
+
+  def extra(self, path: str, history: Sequence[Sequence[np.ndarray]]
+            ) -> np.ndarray:
+    """The layer's Hadamard signs, as its `Linear` initializes them."""
+    del history
+    return np.asarray(fp4.initial_signs(path)((fp4.NVFP4_BLOCK,),
+                                              np.float32))
+
+  def activations(self, x: jax.Array, g: jax.Array, extra: jax.Array
+                  ) -> jax.Array:
+    return jnp.concatenate([tensor_stats(x, 'input', extra),
+                            tensor_stats(g, 'gradient', extra)])
+
+  def weight(self, w: jax.Array, extra: jax.Array) -> jax.Array:
+    return tensor_stats(w, 'weight', extra)
+
+  def describe(self, stats: np.ndarray, operand: str) -> dict[str, Any]:
+    return as_dict(stats, operand)
+
+  def cases(self) -> dict[str, tuple[str, ...]]:
+    """The blockings the train step uses, per operand."""
+    wgrad = 'wgrad_hadamard' if self.hadamard else 'wgrad'
+    return {'input': ('forward', wgrad), 'gradient': ('dgrad', wgrad),
+            'weight': ('forward',)}
+
+  def check(self, operands: Mapping[str, dict], choice: str,
+            limits: Fp4Thresholds) -> list[str]:
+    reasons = []
+    for name, used in self.cases().items():
+      for case in used:
+        s = operands[name][choice][case]
+        where = f'{name} ({case.replace("_", " + ")})'
+        if s['flushed_share'] > limits.max_flushed_share:
+          reasons.append(
+              f'{100 * s["flushed_share"]:.3g}% of the {where}\'s {choice} '
+              f'blocks are flushed by an outlier (> '
+              f'{100 * limits.max_flushed_share:g}%)')
+        if s['relative_error'] > limits.max_relative_error:
+          reasons.append(f'{where} in {choice} errs by '
+                         f'{s["relative_error"]:.3g} of its norm (> '
+                         f'{limits.max_relative_error:g})')
+    return reasons
+
+  def flags(self, choice: str) -> list[str]:
+    return [f'--config.precision.fp8.format={choice}',
+            f'--config.precision.fp8.scaling={self.fallback_choice}']
+
+  def cells(self, row: Mapping[str, Any], choice: str) -> list[str]:
+    cell = lambda name, case: (
+        f'{row[name][choice][case]["flushed_share"]:.2g} / '
+        f'{row[name][choice][case]["relative_error"]:.2g}')
+    cases = self.cases()
+    return [', '.join(cell(name, case) for case in cases[name])
+            for name in matmul_formats.OPERANDS]

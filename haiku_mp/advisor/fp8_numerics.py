@@ -1,14 +1,10 @@
-"""How E4M3 and E5M2 would hold a float32 tensor under each fp8 scaling: one
-vector of statistics per tensor, computed on the device, as `numerics` does
-for float16 and bfloat16.
+"""fp8's entry in the advisor's matmul pipeline (`matmul_formats`): how E4M3
+and E5M2 would hold a Linear's operands under each fp8 scaling, one vector
+of statistics per tensor, computed on the device, and the limits a Linear
+must keep to run fp8 at a scaling.
 
-Values are rounded on the format's own grid (`round_to_fp8`): a power-of-two
-spacing per binade, fixed below the smallest normal number, round half to
-even, saturated at the largest finite value. That is the cast
-`fp8.quantize` makes, bit for bit (fp8_numerics_test), written as arithmetic
-XLA cannot fold away under jit (an f32 -> f8 -> f32 round trip it may), and
-without `reduce_precision`, which knows neither subnormals nor E4M3's top
-binade (E4M3 here is `float8_e4m3fn`: no inf, largest 448).
+Values are rounded by `numerics.round_to`, the saturating cast
+`fp8.quantize` makes (E4M3 here is `float8_e4m3fn`: no inf, largest 448).
 
 Per tensor and scaling (`fp8.SCALINGS`), at the scale that scaling would use:
 the non-zero values that underflow to zero, those that saturate, and the
@@ -20,47 +16,32 @@ per block of `fp8.MX_BLOCK` along the given axis.
 
 import dataclasses
 import math
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from haiku_mp.advisor import matmul_formats
+from haiku_mp.advisor import numerics
 from haiku_mp.model import fp8
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp8Format:
-  """An fp8 format: its name and dtype."""
-  name: str
-  dtype: object
-
-  @property
-  def max(self) -> float:
-    return fp8.max_finite(self.dtype)
-
-
-E4M3 = Fp8Format('e4m3', fp8.E4M3)
-E5M2 = Fp8Format('e5m2', fp8.E5M2)
 
 TENSOR_FIELDS = ('amax', 'nonzero', 'sum_squares')
 SCALING_FIELDS = ('underflow', 'saturate', 'error_squares')
 FIELDS = TENSOR_FIELDS + tuple(f'{s}_{f}' for s in fp8.SCALINGS
                                for f in SCALING_FIELDS)
 SIZE = len(FIELDS)
+# Each operand's format in the train step's matmuls.
+OPERAND_FORMATS = {'input': numerics.E4M3, 'gradient': numerics.E5M2,
+                   'weight': numerics.E4M3}
 
 
-def round_to_fp8(v: jax.Array, fmt: Fp8Format) -> jax.Array:
-  """float32 `v` (already divided by its scale) as `fmt` holds it, in
-  float32: `fp8.quantize`'s saturating cast itself."""
-  return fp8.quantize(v, fmt.dtype, 1.0).astype(jnp.float32)
-
-
-def _scaled_stats(x: jax.Array, scale: jax.Array, fmt: Fp8Format
+def _scaled_stats(x: jax.Array, scale: jax.Array, fmt: numerics.Format
                   ) -> list[jax.Array]:
   """[underflow, saturate, error_squares] of `x` held as `fmt` at `scale`
   (a scalar, or one per element)."""
   v = x / scale
-  held = round_to_fp8(v, fmt)
+  held = numerics.round_to(v, fmt)
   nonzero = x != 0
   underflow = jnp.sum(nonzero & (held == 0))
   saturate = jnp.sum(jnp.abs(v) > fmt.max)
@@ -69,13 +50,7 @@ def _scaled_stats(x: jax.Array, scale: jax.Array, fmt: Fp8Format
           jnp.sum(error * error)]
 
 
-def _block_scales(x: jax.Array, fmt: Fp8Format, axis: int) -> jax.Array:
-  """Per element, the MX scale of its block along `axis`, as
-  `fp8.mx_quantize_dequantize` blocks it."""
-  return fp8.mx_element_scales(x, fmt.dtype, axis)
-
-
-def tensor_stats(x: jax.Array, fmt: Fp8Format, delayed_amax: jax.Array,
+def tensor_stats(x: jax.Array, fmt: numerics.Format, delayed_amax: jax.Array,
                  block_axis: int = -1, margin: float = 0.0) -> jax.Array:
   """`x`'s statistics (`FIELDS`) as one float32 vector. `delayed_amax`: the
   history's maximum delayed scaling would scale by; 0 or less (no history
@@ -86,7 +61,7 @@ def tensor_stats(x: jax.Array, fmt: Fp8Format, delayed_amax: jax.Array,
   delayed_amax = jnp.where(delayed_amax > 0, delayed_amax, amax)
   current = fp8.scale_from_amax(amax, fmt.dtype, margin)
   delayed = fp8.scale_from_amax(delayed_amax, fmt.dtype, margin)
-  blocks = _block_scales(x, fmt, block_axis % x.ndim)
+  blocks = fp8.mx_element_scales(x, fmt.dtype, block_axis % x.ndim)
   fields = [amax, jnp.sum(x != 0).astype(jnp.float32), jnp.sum(x * x)]
   for scale in (current, delayed, blocks):
     fields += _scaled_stats(x, scale, fmt)
@@ -94,17 +69,6 @@ def tensor_stats(x: jax.Array, fmt: Fp8Format, delayed_amax: jax.Array,
 
 
 _AMAX = FIELDS.index('amax')
-
-
-def amax_of(stats: np.ndarray) -> float:
-  return float(stats[_AMAX])
-
-
-def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-  """Two batches' statistics of a tensor as one: sums, the larger amax."""
-  merged = np.asarray(a, np.float64) + np.asarray(b, np.float64)
-  merged[_AMAX] = max(a[_AMAX], b[_AMAX])
-  return merged
 
 
 def as_dict(stats: np.ndarray) -> dict:
@@ -123,3 +87,102 @@ def as_dict(stats: np.ndarray) -> dict:
         relative_error=(math.sqrt(named[f'{scaling}_error_squares']) / norm
                         if norm else 0.0))
   return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Thresholds:
+  """How much of an operand E4M3 / E5M2 may lose (`config.advisor`'s fp8
+  limits): at most `max_relative_error` of its norm to rounding, at most
+  `max_underflow_share` of its non-zero values flushed to zero (a tensor
+  whose values span more binades than the format: its norm may survive
+  while most of its values do not) and at most `max_saturate_share` clipped
+  at the largest finite value (a delayed scale behind a growing tensor).
+
+  Example:
+    limits = advisor.Fp8Thresholds(max_relative_error=0.1,
+                                   max_underflow_share=0.01, max_saturate_share=0.0)
+  """
+  max_relative_error: float
+  max_underflow_share: float
+  max_saturate_share: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Matmuls(matmul_formats.MatmulFormat):
+  """fp8 in the advisor's matmul pipeline: the input and weight in E4M3,
+  the output gradient in E5M2, at the scales each scaling (`fp8.SCALINGS`)
+  uses. Delayed scaling's history is the measurement's own: the amaxes of
+  the batches before, up to `history_length`; scales leave
+  amax * 2**`margin` in range. Inputs and gradients are blocked for MX
+  along their last axis (the forward's and the input gradient's contracting
+  dimension), weights along their first.
+
+  Example:
+    totals = advisor.measure_matmuls(loss_fn, params, batches, paths,
+                                     advisor.Fp8Matmuls())
+  """
+  history_length: int = 16
+  margin: float = 0.0
+
+  name = 'fp8'
+  title = 'fp8'
+  choices = fp8.SCALINGS
+  part_sizes = (SIZE, SIZE, SIZE)
+  max_at = (_AMAX,)
+  columns = ('input E4M3 error / underflow', 'weight E4M3 error / underflow',
+             'gradient E5M2 error / underflow / saturate')
+
+  def extra(self, path: str, history: Sequence[Sequence[np.ndarray]]
+            ) -> np.ndarray:
+    """The delayed amaxes of x and g: the largest of the last
+    `history_length` batches' (0: none yet, each tensor its own)."""
+    del path
+    amaxes = [[parts[0][_AMAX], parts[1][_AMAX]]
+              for parts in history[-self.history_length:]]
+    return np.max(amaxes, axis=0) if amaxes else np.zeros(2)
+
+  def activations(self, x: jax.Array, g: jax.Array, extra: jax.Array
+                  ) -> jax.Array:
+    return jnp.concatenate([
+        tensor_stats(x, OPERAND_FORMATS['input'], extra[0],
+                     margin=self.margin),
+        tensor_stats(g, OPERAND_FORMATS['gradient'], extra[1],
+                     margin=self.margin)])
+
+  def weight(self, w: jax.Array, extra: jax.Array) -> jax.Array:
+    del extra
+    return tensor_stats(w, OPERAND_FORMATS['weight'], jnp.float32(0.0),
+                        block_axis=0, margin=self.margin)
+
+  def describe(self, stats: np.ndarray, operand: str) -> dict[str, Any]:
+    del operand
+    return as_dict(stats)
+
+  def check(self, operands: Mapping[str, dict], choice: str,
+            limits: Fp8Thresholds) -> list[str]:
+    reasons = []
+    for name, fmt in OPERAND_FORMATS.items():
+      s, fmt = operands[name][choice], fmt.name.upper()
+      if s['relative_error'] > limits.max_relative_error:
+        reasons.append(f'{name} in {fmt} errs by {s["relative_error"]:.3g} '
+                       f'of its norm (> {limits.max_relative_error:g})')
+      if s['underflow_share'] > limits.max_underflow_share:
+        reasons.append(f'{100 * s["underflow_share"]:.3g}% of the {name}\'s '
+                       f'values underflow to 0 in {fmt} (> '
+                       f'{100 * limits.max_underflow_share:g}%)')
+      if s['saturate_share'] > limits.max_saturate_share:
+        reasons.append(f'{100 * s["saturate_share"]:.3g}% of the {name}\'s '
+                       f'values saturate in {fmt} (> '
+                       f'{100 * limits.max_saturate_share:g}%)')
+    return reasons
+
+  def flags(self, choice: str) -> list[str]:
+    return ['--config.precision.fp8.format=fp8',
+            f'--config.precision.fp8.scaling={choice}']
+
+  def cells(self, row: Mapping[str, Any], choice: str) -> list[str]:
+    cell = lambda name: (f'{row[name][choice]["relative_error"]:.3g} / '
+                         f'{row[name][choice]["underflow_share"]:.2g}')
+    saturate = row['gradient'][choice]['saturate_share']
+    return [cell('input'), cell('weight'),
+            f'{cell("gradient")} / {saturate:.2g}']

@@ -1,13 +1,18 @@
-"""How float16 and bfloat16 would hold a float32 tensor: rounding, range and
-one vector of statistics per tensor, computed on the device.
+"""How a float format would hold a float32 tensor: rounding, range and, for
+float16 and bfloat16, one vector of statistics per tensor, computed on the
+device. One `Format` and one `round_to` serve every format the advisor
+judges: float16 and bfloat16 here, E4M3 and E5M2 in `fp8_numerics`.
 
-Formats are simulated with `jax.lax.reduce_precision`, not `astype` round
-trips, which XLA may fold away under jit (it allows excess precision). XLA's
-reduce-precision has no subnormals, though: on XLA:CPU (jaxlib 0.10.2) every
-value in [2^-25, 2^-14) became 0 where IEEE float16 keeps it on a grid of
-2^-24, so `round_to` rounds that range on the grid itself and matches a real
-float16 cast bit for bit (numerics_test). bfloat16's subnormals lie in
-float32's own subnormal range, which XLA:CPU flushes anyway.
+16-bit formats are simulated with `jax.lax.reduce_precision`, not `astype`
+round trips, which XLA may fold away under jit (it allows excess precision).
+XLA's reduce-precision has no subnormals, though: on XLA:CPU (jaxlib 0.10.2)
+every value in [2^-25, 2^-14) became 0 where IEEE float16 keeps it on a grid
+of 2^-24, so `round_to` rounds that range on the grid itself and matches a
+real float16 cast bit for bit (numerics_test). bfloat16's subnormals lie in
+float32's own subnormal range, which XLA:CPU flushes anyway. fp8 formats
+are rounded by the saturating cast the fp8 matmuls make (`fp8.quantize`),
+which `reduce_precision` cannot express (it knows neither subnormals nor
+E4M3's top binade, and overflows to inf where the cast saturates).
 
 `tensor_stats` packs what the precision advisor reads into one float32
 vector, so a tensor's statistics can travel as the cotangent of a probe
@@ -19,42 +24,54 @@ below or above any power of two is read from it exactly.
 
 import dataclasses
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+
+from haiku_mp.model import fp8
 
 
 @dataclasses.dataclass(frozen=True)
 class Format:
-  """A floating-point format as `reduce_precision` names it."""
+  """A floating-point format the advisor rounds to: its name and dtype;
+  `saturates` when the matmuls clip to its largest finite value (fp8)
+  instead of overflowing to inf."""
   name: str
-  exponent_bits: int
-  mantissa_bits: int
+  dtype: object
+  saturates: bool = False
 
   @property
   def max(self) -> float:
-    return float(jnp.finfo(self.name).max)
+    return float(ml_dtypes.finfo(self.dtype).max)
 
   @property
   def smallest_normal(self) -> float:
-    return float(jnp.finfo(self.name).smallest_normal)
+    return float(ml_dtypes.finfo(self.dtype).smallest_normal)
 
   @property
   def smallest_subnormal(self) -> float:
-    return float(jnp.finfo(self.name).smallest_subnormal)
+    return float(ml_dtypes.finfo(self.dtype).smallest_subnormal)
 
 
-FLOAT16 = Format('float16', 5, 10)
-BFLOAT16 = Format('bfloat16', 8, 7)
-FORMATS = {f.name: f for f in (FLOAT16, BFLOAT16)}
+FLOAT16 = Format('float16', jnp.float16)
+BFLOAT16 = Format('bfloat16', jnp.bfloat16)
+E4M3 = Format('e4m3', fp8.E4M3, saturates=True)
+E5M2 = Format('e5m2', fp8.E5M2, saturates=True)
+FORMATS = {f.name: f for f in (FLOAT16, BFLOAT16, E4M3, E5M2)}
 
 
 def round_to(x: jax.Array, fmt: Format) -> jax.Array:
   """float32 `x` rounded to `fmt` as a cast would (nearest even; overflow to
-  inf; float16 subnormals kept), returned in float32."""
+  inf, or saturated for fp8; float16 subnormals kept), returned in
+  float32."""
   x = x.astype(jnp.float32)
-  rounded = jax.lax.reduce_precision(x, fmt.exponent_bits, fmt.mantissa_bits)
+  if fmt.saturates:
+    return fp8.quantize(x, fmt.dtype, 1.0).astype(jnp.float32)
+  finfo = ml_dtypes.finfo(fmt.dtype)
+  rounded = jax.lax.reduce_precision(x, finfo.nexp, finfo.nmant)
   if fmt is not FLOAT16:
     return rounded
   # float16's subnormal range, on its fixed grid: both scalings are exact.
@@ -142,12 +159,16 @@ def tensor_stats(x: jax.Array, scale=1.0) -> jax.Array:
   return jnp.concatenate([fields, by_fate[:, _FLUSH:].sum(axis=1)])
 
 
-def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-  """Two tensors' (or batches') statistics as one: sums, and the larger
-  `amax`."""
+AMAX = FIELDS.index('amax')
+
+
+def merge(a: np.ndarray, b: np.ndarray,
+          max_at: Sequence[int] = (AMAX,)) -> np.ndarray:
+  """Two tensors' (or batches') statistics as one: sums, but the larger value
+  at `max_at` (a largest magnitude); by default this file's vectors."""
   merged = np.asarray(a, np.float64) + np.asarray(b, np.float64)
-  amax = FIELDS.index('amax')
-  merged[amax] = max(a[amax], b[amax])
+  for i in max_at:
+    merged[i] = max(a[i], b[i])
   return merged
 
 

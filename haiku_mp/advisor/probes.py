@@ -1,15 +1,18 @@
-"""Statistics of every module's output and of the gradient flowing into it,
-from one forward and backward pass in one jitted function, with no host
-callback.
+"""Statistics of tensors in a forward and backward pass, in one jitted
+function with no host callback: every module's output and the gradient
+flowing into it (`statistics_fn`, 16 bits), and every Linear's input, output
+gradient and weight as a low-bit format would hold them
+(`linear_statistics_fn`, any `matmul_formats.MatmulFormat`).
 
-Each module call's output goes through an identity with a custom VJP whose
-second argument is a zero "probe" vector: the forward keeps the output as a
-residual (the backward pass of whatever consumes it keeps it anyway); the
-backward returns the output's cotangent unchanged and, as the probe's
-cotangent, the output's statistics (`numerics.tensor_stats`) followed by
-the cotangent's. So the gradient with respect to the probes is every
-module's statistics, and the gradient with respect to the params, taken in
-the same pass, gives theirs.
+A probed call's output y goes through an identity with a custom VJP (one
+`_make_probe` for both) that also takes a tensor x, a zero "probe" vector
+and an extra input: the forward keeps x as a residual (the backward pass of
+whatever consumes the output keeps it anyway); the backward returns y's
+cotangent g unchanged and, as the probe's cotangent, the statistics of x
+and g. A module's x is its output itself; a Linear's is its input, whose
+real cotangent comes from the matmul. So the gradient with respect to the
+probes is every call's statistics, and the gradient with respect to the
+params, taken in the same pass, gives theirs.
 """
 
 import functools
@@ -19,35 +22,43 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from haiku_mp.advisor import matmul_formats
 from haiku_mp.advisor import numerics
+from haiku_mp.model import half_dot
 
 # (params, rng, batch) -> (scalar loss, aux), as `train_step.LossFn`.
 LossFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-@jax.custom_vjp
-def _probe(x, probe, scale):
-  del probe, scale
-  return x
+def _make_probe(measure: Callable[[jax.Array, jax.Array, Any], jax.Array]):
+  """The identity `probe(y, x, vector, extra) -> y` whose backward gives
+  `vector` the cotangent `measure(x, g, extra)` (g: y's cotangent) and x and
+  `extra` none."""
+
+  @jax.custom_vjp
+  def probe(y, x, vector, extra):
+    del x, vector, extra
+    return y
+
+  def fwd(y, x, vector, extra):
+    del vector
+    return y, (x, extra)
+
+  def bwd(residuals, g):
+    x, extra = residuals
+    return g, jnp.zeros_like(x), measure(x, g, extra), jnp.zeros_like(extra)
+
+  probe.defvjp(fwd, bwd)
+  return probe
 
 
-def _probe_fwd(x, probe, scale):
-  del probe
-  return x, (x, scale)
-
-
-def _probe_bwd(residuals, g):
-  """Both statistics here, the forward pass left as the model's own. The
-  output's are taken at a traced scale of one: with a literal 1.0 XLA:CPU
-  folds the scaling away and fuses the statistics into a slower program
-  (the CPU-sized ViT's pass took 0.87 s instead of 0.74 s)."""
-  x, scale = residuals
-  stats = jnp.concatenate([numerics.tensor_stats(x, scale / scale),
-                           numerics.tensor_stats(g, scale)])
-  return g, stats, jnp.zeros_like(scale)
-
-
-_probe.defvjp(_probe_fwd, _probe_bwd)
+def _module_stats(x, g, scale):
+  """A module's output's statistics and its gradient's. The output's are
+  taken at a traced scale of one: with a literal 1.0 XLA:CPU folds the
+  scaling away and fuses the statistics into a slower program (the
+  CPU-sized ViT's pass took 0.87 s instead of 0.74 s)."""
+  return jnp.concatenate([numerics.tensor_stats(x, scale / scale),
+                          numerics.tensor_stats(g, scale)])
 
 
 def zero_probes(paths: Iterable[str]) -> dict[str, jax.Array]:
@@ -56,7 +67,7 @@ def zero_probes(paths: Iterable[str]) -> dict[str, jax.Array]:
 
 def _interceptor(probes: dict[str, jax.Array], scale: jax.Array,
                  aliases: dict[str, str]):
-  """Puts each probed module's first call's output through `_probe`: the
+  """Puts each probed module's first call's output through a probe: the
   outermost call of a path (a subclass's `__call__` that calls its base's is
   one call). A module that hands on another's probed output as its own (a
   container returning its last module's output) is recorded in `aliases`
@@ -66,6 +77,7 @@ def _interceptor(probes: dict[str, jax.Array], scale: jax.Array,
   probed = {}
   probed_paths = set()
   running = set()
+  probe = _make_probe(_module_stats)
 
   def intercept(next_f, args, kwargs, context: hk.MethodContext):
     if context.method_name != '__call__':
@@ -86,7 +98,7 @@ def _interceptor(probes: dict[str, jax.Array], scale: jax.Array,
       return out
     if path in probed_paths:
       return out
-    out = _probe(out, probes[path], scale)
+    out = probe(out, out, probes[path], scale)
     probed[id(out)] = (path, out)
     probed_paths.add(path)
     return out
@@ -131,3 +143,48 @@ def statistics_fn(loss_fn: LossFn, paths: Iterable[str]) -> StatisticsFn:
     return {p: modules[p] for p in paths if p not in aliases}, param_stats
 
   return StatisticsFn(stats, aliases)
+
+
+class LinearStatisticsFn(NamedTuple):
+  """`fn(params, rng, batch, extra) -> {path: statistics}`, jitted: each
+  Linear's statistics under a `MatmulFormat` (its operands' parts, as the
+  format's `split` reads them); `extra[path]` is the layer's extra input
+  (the format's `extra`)."""
+  fn: Callable[..., Any]
+  paths: tuple[str, ...]
+
+
+def linear_statistics_fn(loss_fn: LossFn, paths: Iterable[str],
+                         fmt: matmul_formats.MatmulFormat
+                         ) -> LinearStatisticsFn:
+  """The statistics `fmt` takes of the Linear layers at `paths` under
+  `loss_fn` (`LinearStatisticsFn`): of x and g in the probes' backward, of
+  the weight from the params."""
+  paths = tuple(dict.fromkeys(paths))
+  probe = _make_probe(fmt.activations)
+  activations_size = fmt.size - fmt.part_sizes[-1]
+
+  def interceptor(vectors, extra):
+    def intercept(next_f, args, kwargs, context: hk.MethodContext):
+      if (context.method_name != '__call__'
+          or type(context.module).__name__ != half_dot.FP8_CLASS
+          or context.module.module_name not in vectors):
+        return next_f(*args, **kwargs)
+      path = context.module.module_name
+      out = next_f(*args, **kwargs)
+      return probe(out, args[0], vectors[path], extra[path])
+    return intercept
+
+  def loss_of(params, vectors, rng, batch, extra):
+    with hk.intercept_methods(interceptor(vectors, extra)):
+      return loss_fn(params, rng, batch)[0]
+
+  @jax.jit
+  def stats(params, rng, batch, extra):
+    vectors = {p: jnp.zeros(activations_size, jnp.float32) for p in paths}
+    found = jax.grad(loss_of, argnums=1)(params, vectors, rng, batch, extra)
+    return {p: jnp.concatenate([found[p], fmt.weight(params[p]['w'],
+                                                     extra[p])])
+            for p in paths}
+
+  return LinearStatisticsFn(stats, paths)

@@ -6,8 +6,8 @@ import dataclasses
 import ml_collections
 
 from haiku_mp import errors
-from haiku_mp.advisor import fp4_verdicts
-from haiku_mp.advisor import fp8_verdicts
+from haiku_mp.advisor import fp4_numerics
+from haiku_mp.advisor import fp8_numerics
 from haiku_mp.advisor import verdicts
 
 # Shares of a tensor's values or blocks, and errors relative to its norm:
@@ -23,8 +23,8 @@ class AdvisorSettings:
   """What `config.advisor` describes: the limits of each format's verdicts,
   and the float32 steps taken from init before measuring."""
   thresholds: verdicts.Thresholds
-  fp8: fp8_verdicts.Fp8Thresholds
-  fp4: fp4_verdicts.Fp4Thresholds
+  fp8: fp8_numerics.Fp8Thresholds
+  fp4: fp4_numerics.Fp4Thresholds
   init_steps: int
 
 
@@ -46,11 +46,11 @@ def parse(advisor: ml_collections.ConfigDict) -> AdvisorSettings:
       thresholds=verdicts.Thresholds(
           float(advisor.max_relative_error), float(advisor.max_overflow_share),
           float(advisor.loss_scale_headroom)),
-      fp8=fp8_verdicts.Fp8Thresholds(
+      fp8=fp8_numerics.Fp8Thresholds(
           float(advisor.fp8_max_relative_error),
           float(advisor.fp8_max_underflow_share),
           float(advisor.fp8_max_saturate_share)),
-      fp4=fp4_verdicts.Fp4Thresholds(
+      fp4=fp4_numerics.Fp4Thresholds(
           float(advisor.fp4_max_relative_error),
           float(advisor.fp4_max_flushed_share)),
       init_steps=int(advisor.init_steps))

@@ -32,7 +32,7 @@ class AdvisorSettings:
       '[2^11, 2^17] after 351). A checkpoint is measured as it is.')
   fp8_max_relative_error: float = setting(
       0.1,
-      'fp8 (haiku_mp/advisor/fp8_verdicts.py): what E4M3 / E5M2 may cost '
+      'fp8 (haiku_mp/advisor/fp8_numerics.py): what E4M3 / E5M2 may cost '
       "a Linear's matmul input, weight or output gradient, relative to "
       'its norm (their own rounding is ~2-3% and ~5% of a well-scaled '
       "tensor's).")
@@ -45,7 +45,7 @@ class AdvisorSettings:
       "fp8: share of a tensor's non-zero values that may saturate.")
   fp4_max_relative_error: float = setting(
       0.2,
-      '4 bits (haiku_mp/advisor/fp4_verdicts.py): what NVFP4 / MXFP4 may '
+      '4 bits (haiku_mp/advisor/fp4_numerics.py): what NVFP4 / MXFP4 may '
       'cost an operand, relative to its norm (E2M1 blocks of Gaussian '
       'values lose ~10%).')
   fp4_max_flushed_share: float = setting(
