@@ -18,10 +18,11 @@ import haiku_mp
 from haiku_mp import advisor
 from haiku_mp.advisor import fp4_numerics
 from haiku_mp.model import fp4
+from haiku_mp.model import fp4_blocks
 from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'
-_SIGNS = jnp.ones([fp4.NVFP4_BLOCK], jnp.float32)
+_SIGNS = jnp.ones([fp4_blocks.NVFP4_BLOCK], jnp.float32)
 
 
 class Fp4NumericsTest(absltest.TestCase):
@@ -51,7 +52,7 @@ class Fp4NumericsTest(absltest.TestCase):
     # plus a little, and none is lost.
     x = np.ones((16, 1), np.float32)
     x[5, 0] = 1000.0
-    signs = fp4.initial_signs('layer')((fp4.NVFP4_BLOCK,), jnp.float32)
+    signs = fp4.initial_signs('layer')((fp4_blocks.NVFP4_BLOCK,), jnp.float32)
     stats = fp4_numerics.as_dict(np.asarray(fp4_numerics.tensor_stats(
         jnp.asarray(x), 'gradient', signs)), 'gradient')['nvfp4']
     self.assertEqual(stats['wgrad']['flushed_share'], 1.0)

@@ -22,6 +22,7 @@ import numpy as np
 from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.model import blocks as blocks_lib
 from haiku_mp.model import fp4
+from haiku_mp.model import fp4_blocks
 from haiku_mp.parallel import sharding as sharding_lib
 from haiku_mp.train import checkpoint
 from haiku_mp.train import experiment
@@ -36,7 +37,7 @@ _EVEN = np.arange(8) % 2 == 0
 
 def _transform_blocks(x: jax.Array, matrix: jax.Array,
                      axis: int) -> jax.Array:
-  """The reference the butterflies (`fp4.hadamard_transform`) are held to:
+  """The reference the butterflies (`fp4_blocks.hadamard_transform`) are held to:
   each block of `matrix.shape[0]` values of `x` along `axis` (whose size it
   divides) times `matrix`, as a GEMM. For the weight gradient's GEMM,
   `x.T @ g` = (H x).T @ (H g) blockwise along the tokens, exactly, before
@@ -115,15 +116,15 @@ class E2M1Test(absltest.TestCase):
                                                1e6, -1e6, 0.0], np.float32)
     rng = np.random.default_rng(0)
     x = np.concatenate([x, rng.normal(scale=3.0, size=500).astype(np.float32)])
-    got = np.asarray(fp4.round_e2m1(jnp.asarray(x)))
+    got = np.asarray(fp4_blocks.round_e2m1(jnp.asarray(x)))
     np.testing.assert_array_equal(got, _round_reference(x))
     # The cast itself, on this backend, is ml_dtypes' (the module relies on it).
     np.testing.assert_array_equal(
-        np.asarray(jnp.asarray(x).astype(fp4.E2M1).astype(jnp.float32)),
+        np.asarray(jnp.asarray(x).astype(fp4_blocks.E2M1).astype(jnp.float32)),
         x.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
 
   def test_non_finite_values_stay(self):
-    got = np.asarray(fp4.round_e2m1(jnp.asarray([np.nan, np.inf, -np.inf])))
+    got = np.asarray(fp4_blocks.round_e2m1(jnp.asarray([np.nan, np.inf, -np.inf])))
     self.assertTrue(np.isnan(got[0]))
     np.testing.assert_array_equal(got[1:], [np.inf, -np.inf])
 
@@ -131,7 +132,7 @@ class E2M1Test(absltest.TestCase):
     x = jnp.asarray([0.3, 1.2, 2.6, 3.9, 5.0, -0.7, 6.0, 0.0], jnp.float32)
     draws = 40_000
     keys = jax.random.split(jax.random.key(0), draws)
-    got = np.asarray(jax.vmap(lambda k: fp4.stochastic_round_e2m1(x, k))(keys))
+    got = np.asarray(jax.vmap(lambda k: fp4_blocks.stochastic_round_e2m1(x, k))(keys))
     for j, v in enumerate(np.asarray(x)):
       column = got[:, j]
       below = _VALUES[_VALUES <= abs(v)].max()
@@ -147,7 +148,7 @@ class BlocksTest(parameterized.TestCase):
     x = np.random.default_rng(1).normal(scale=2.0, size=(8, 64))
     x[3, 16:32] = 0.0  # A zero block.
     x[5, 0] = 300.0  # An outlier: its block's small values flush to zero.
-    got = np.asarray(fp4.nvfp4(jnp.asarray(x, jnp.float32)))
+    got = np.asarray(fp4_blocks.nvfp4(jnp.asarray(x, jnp.float32)))
     np.testing.assert_array_equal(got, _nvfp4_reference(x))
     np.testing.assert_array_equal(got[3, 16:32], 0.0)
     self.assertEqual(np.count_nonzero(got[5, 1:16]), 0)
@@ -158,25 +159,25 @@ class BlocksTest(parameterized.TestCase):
     x = np.zeros((1, 32), np.float32)
     x[0, 0] = 6.0 * 448.0
     x[0, 16] = 55.8
-    got = np.asarray(fp4.nvfp4(jnp.asarray(x)))
+    got = np.asarray(fp4_blocks.nvfp4(jnp.asarray(x)))
     self.assertEqual(got[0, 0], 6.0 * 448.0)
     self.assertEqual(got[0, 16], 54.0)
 
   def test_two_d_tiles_quantize_a_matrix_and_its_transpose_alike(self):
     w = jnp.asarray(np.random.default_rng(2).normal(size=(32, 48)),
                     jnp.float32)
-    np.testing.assert_array_equal(np.asarray(fp4.nvfp4(w, two_d=True)).T,
-                                  np.asarray(fp4.nvfp4(w.T, two_d=True)))
+    np.testing.assert_array_equal(np.asarray(fp4_blocks.nvfp4(w, two_d=True)).T,
+                                  np.asarray(fp4_blocks.nvfp4(w.T, two_d=True)))
     # A tile is one block: its 16 x 16 values share a scale.
     x = np.zeros((16, 16), np.float32)
     x[0, 0], x[15, 15] = 300.0, 1.0
-    self.assertEqual(float(fp4.nvfp4(jnp.asarray(x), two_d=True)[15, 15]), 0)
+    self.assertEqual(float(fp4_blocks.nvfp4(jnp.asarray(x), two_d=True)[15, 15]), 0)
 
   def test_mxfp4_matches_the_reference_and_never_saturates(self):
     x = np.random.default_rng(3).normal(scale=5.0, size=(4, 96))
     x[1, 32:64] = 0.0
     x[2, 70] = 1e4
-    got = np.asarray(fp4.mxfp4(jnp.asarray(x, jnp.float32)))
+    got = np.asarray(fp4_blocks.mxfp4(jnp.asarray(x, jnp.float32)))
     np.testing.assert_allclose(got, _mxfp4_reference(x), rtol=1e-6)
     blocks = x.reshape(4, 3, 32)
     held = got.reshape(4, 3, 32)
@@ -188,10 +189,10 @@ class BlocksTest(parameterized.TestCase):
   def test_blocks_along_another_axis(self):
     x = jnp.asarray(np.random.default_rng(4).normal(size=(64, 8)),
                     jnp.float32)
-    np.testing.assert_array_equal(np.asarray(fp4.nvfp4(x, axis=0)),
-                                  np.asarray(fp4.nvfp4(x.T)).T)
-    np.testing.assert_array_equal(np.asarray(fp4.mxfp4(x, axis=0)),
-                                  np.asarray(fp4.mxfp4(x.T)).T)
+    np.testing.assert_array_equal(np.asarray(fp4_blocks.nvfp4(x, axis=0)),
+                                  np.asarray(fp4_blocks.nvfp4(x.T)).T)
+    np.testing.assert_array_equal(np.asarray(fp4_blocks.mxfp4(x, axis=0)),
+                                  np.asarray(fp4_blocks.mxfp4(x.T)).T)
 
 
 class MatmulTest(parameterized.TestCase):
@@ -222,7 +223,7 @@ class MatmulTest(parameterized.TestCase):
     close = lambda a, b: np.testing.assert_allclose(
         a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
     close(dx, dot(config.quantized(g, 1, dgrad_key), qw.T))
-    h = fp4.signed_hadamard(signs)
+    h = fp4_blocks.signed_hadamard(signs)
     xt, gt = (_transform_blocks(t, h, 0) for t in (x, g))
     close(dw, dot(config.quantized(xt, 0).T,
                   config.quantized(gt, 0, wgrad_key)))
@@ -292,7 +293,7 @@ class ModelTest(absltest.TestCase):
                    and e.params['precision'] is not None]
     self.assertLen(dequantized, 3 * linears)  # Forward, dx, dw.
     casts = [e for e in eqns if e.primitive.name == 'convert_element_type'
-             and e.params['new_dtype'] == fp4.E2M1]
+             and e.params['new_dtype'] == fp4_blocks.E2M1]
     # x and w forward, x along the tokens backward (the gradients are
     # rounded stochastically, on the grid).
     self.assertLen(casts, 3 * linears)
@@ -328,7 +329,7 @@ class ModelTest(absltest.TestCase):
                                                      jnp.dtype(jnp.float8_e5m2)}]
     self.assertLen(fp8_dots, 3 * 2)  # fc1, fc2: forward, dx, dw.
     casts = [e for e in eqns if e.primitive.name == 'convert_element_type'
-             and e.params['new_dtype'] == fp4.E2M1]
+             and e.params['new_dtype'] == fp4_blocks.E2M1]
     self.assertLen(casts, 3 * 4)  # query, key, value, out.
     signs = {k for k, v in state.params.items() if fp4.SIGNS_NAME in v}
     self.assertEqual(signs, {f'vit/encoder_block_0/attention/{n}'
@@ -384,8 +385,8 @@ class ModelTest(absltest.TestCase):
 
     def rounded(g, bits):
       key = jax.random.wrap_key_data(bits)
-      return [fp4.nvfp4(g, 1, key=key), fp4.mxfp4(g, 1, key=key),
-              fp4.nvfp4(fp4.hadamard_transform(g, signs, 0), 0, key=key)]
+      return [fp4_blocks.nvfp4(g, 1, key=key), fp4_blocks.mxfp4(g, 1, key=key),
+              fp4_blocks.nvfp4(fp4_blocks.hadamard_transform(g, signs, 0), 0, key=key)]
 
     for seed in range(3):
       bits = jax.random.key_data(jax.random.key(seed))
@@ -412,7 +413,7 @@ class ModelTest(absltest.TestCase):
 class HadamardTest(absltest.TestCase):
 
   def test_random_hadamard_is_orthogonal(self):
-    h = np.asarray(fp4.random_hadamard(jax.random.key(5)))
+    h = np.asarray(fp4_blocks.random_hadamard(jax.random.key(5)))
     np.testing.assert_allclose(h @ h.T, np.eye(16), atol=1e-6)
     self.assertEqual(set(np.unique(np.abs(h))), {0.25})
 
@@ -420,7 +421,7 @@ class HadamardTest(absltest.TestCase):
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.normal(size=(64, 24)), jnp.float32)
     g = jnp.asarray(rng.normal(size=(64, 10)), jnp.float32)
-    h = fp4.random_hadamard(jax.random.key(7))
+    h = fp4_blocks.random_hadamard(jax.random.key(7))
     hx, hg = (_transform_blocks(t, h, axis=0) for t in (x, g))
     np.testing.assert_allclose(np.asarray(hx.T @ hg), np.asarray(x.T @ g),
                                atol=1e-4)
@@ -435,21 +436,21 @@ class HadamardTest(absltest.TestCase):
     noise = np.random.default_rng(8).normal(size=(16, 8)).astype(np.float32)
     x = jnp.asarray(10.0 + 0.1 * noise)
     signs = fp4.initial_signs('layer')((16,), jnp.float32)
-    spread = _transform_blocks(x, fp4.signed_hadamard(signs), 0)
-    spike = _transform_blocks(x, signs[:, None] * fp4.hadamard(), 0)
+    spread = _transform_blocks(x, fp4_blocks.signed_hadamard(signs), 0)
+    spike = _transform_blocks(x, signs[:, None] * fp4_blocks.hadamard(), 0)
     peak = lambda y: float(jnp.max(jnp.square(y) / jnp.sum(
         jnp.square(y), axis=0)))
     self.assertGreater(peak(spike), 0.9999)
     self.assertLess(peak(spread), 0.3)
-    flushed = lambda y: int(jnp.sum(fp4.nvfp4(y, axis=0) == 0))
+    flushed = lambda y: int(jnp.sum(fp4_blocks.nvfp4(y, axis=0) == 0))
     self.assertEqual(flushed(spike), 15 * 8)
     self.assertLess(flushed(spread), flushed(spike) / 2)
 
   def test_sizes_it_cannot_take(self):
     with self.assertRaisesRegex(ValueError, 'power of two'):
-      fp4.hadamard(12)
+      fp4_blocks.hadamard(12)
     with self.assertRaisesRegex(ValueError, 'takes an axis that 16 divides'):
-      fp4.hadamard_transform(jnp.ones((20, 4)), jnp.ones(16), axis=0)
+      fp4_blocks.hadamard_transform(jnp.ones((20, 4)), jnp.ones(16), axis=0)
 
 
 if __name__ == '__main__':

@@ -23,6 +23,8 @@ import orbax.checkpoint as ocp
 
 from haiku_mp import errors
 from haiku_mp.model import fp8
+from haiku_mp.model import fp8_scales
+from haiku_mp.model import meta_params
 from haiku_mp.studies import fp8_gemms
 from haiku_mp.train import experiment
 from haiku_mp.train import module_table
@@ -30,8 +32,8 @@ from haiku_mp.update import step as step_lib
 from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'
-FORMATS = {'e4m3': (fp8.E4M3, ml_dtypes.float8_e4m3fn, 448.0),
-           'e5m2': (fp8.E5M2, ml_dtypes.float8_e5m2, 57344.0)}
+FORMATS = {'e4m3': (fp8_scales.E4M3, ml_dtypes.float8_e4m3fn, 448.0),
+           'e5m2': (fp8_scales.E5M2, ml_dtypes.float8_e5m2, 57344.0)}
 BLOCK_LINEARS = ('attention/query', 'attention/key', 'attention/value',
                  'attention/out', 'mlp_block/fc1', 'mlp_block/fc2')
 
@@ -56,14 +58,14 @@ def _config(modules='*/encoder_block_*', scaling='current', **settings):
 
 
 def _qdq(x, dtype, scale):
-  """float64 of what `fp8.quantize` keeps of `x`."""
-  return np.asarray(fp8.quantize(x, dtype, scale), np.float64) * float(scale)
+  """float64 of what `fp8_scales.quantize` keeps of `x`."""
+  return np.asarray(fp8_scales.quantize(x, dtype, scale), np.float64) * float(scale)
 
 
 # ---- An independent float64 reference of docs/fp8.md's rules ---------------
 
 TINY = float(np.finfo(np.float32).tiny)  # float32's smallest normal number.
-ML_DTYPES = {fp8.E4M3: ml_dtypes.float8_e4m3fn, fp8.E5M2: ml_dtypes.float8_e5m2}
+ML_DTYPES = {fp8_scales.E4M3: ml_dtypes.float8_e4m3fn, fp8_scales.E5M2: ml_dtypes.float8_e5m2}
 
 
 def _limit(dtype):
@@ -117,9 +119,9 @@ def _ref_mx(t, dtype, axis):
   """`t` as MX blocks of 32 along `axis` hold it (float64): E8M0 scales
   2**ceil(log2(amax / max)) from 2**-127."""
   t = np.moveaxis(np.asarray(t, np.float64), axis, -1)
-  pad = -t.shape[-1] % fp8.MX_BLOCK
+  pad = -t.shape[-1] % fp8_scales.MX_BLOCK
   blocks = np.pad(t, [(0, 0)] * (t.ndim - 1) + [(0, pad)]).reshape(
-      *t.shape[:-1], -1, fp8.MX_BLOCK)
+      *t.shape[:-1], -1, fp8_scales.MX_BLOCK)
   scales = np.vectorize(lambda a: 2.0 ** _ref_exponent(
       a, dtype, low=-127, high=127))(np.abs(blocks).max(-1))[..., None]
   held = (_ref_round(blocks / scales, dtype) * scales).reshape(
@@ -145,14 +147,14 @@ class QuantizeTest(parameterized.TestCase):
   @parameterized.parameters('e4m3', 'e5m2')
   def test_casts_as_ml_dtypes_does_and_saturates(self, name):
     dtype, ml_dtype, limit = FORMATS[name]
-    self.assertEqual(fp8.max_finite(dtype), limit)
+    self.assertEqual(fp8_scales.max_finite(dtype), limit)
     x = _values(limit)
-    ours = np.asarray(fp8.quantize(jnp.asarray(x), dtype, jnp.float32(1.0)))
+    ours = np.asarray(fp8_scales.quantize(jnp.asarray(x), dtype, jnp.float32(1.0)))
     want = np.clip(x, -limit, limit).astype(ml_dtype)
     np.testing.assert_array_equal(ours.view(np.uint8), want.view(np.uint8))
     # Beyond the range: the largest finite value, never inf or NaN.
     big = np.array([limit * 3, -limit * 3, np.inf, -np.inf], np.float32)
-    out = np.asarray(fp8.quantize(jnp.asarray(big), dtype, jnp.float32(1.0)),
+    out = np.asarray(fp8_scales.quantize(jnp.asarray(big), dtype, jnp.float32(1.0)),
                      np.float32)
     np.testing.assert_array_equal(out, [limit, -limit, limit, -limit])
 
@@ -173,7 +175,7 @@ class QuantizeTest(parameterized.TestCase):
         [1e-36, 1e-20, 3.0, 0.0, 1e-40, 1e-45, np.inf, np.nan,
          np.finfo(np.float32).max]]).astype(np.float32)
     for margin in (0, 1, 3):
-      got = np.asarray(jax.jit(lambda a, m=margin: fp8.scale_from_amax(
+      got = np.asarray(jax.jit(lambda a, m=margin: fp8_scales.scale_from_amax(
           a, dtype, m))(jnp.asarray(amaxes)))
       want = np.array([2.0 ** _ref_exponent(a, dtype, margin)
                        for a in amaxes], np.float32)
@@ -198,8 +200,8 @@ class QuantizeTest(parameterized.TestCase):
     w = np.clip(rng.standard_normal((384, 384)) * amax / 4, -amax, amax)
     w[0, 0] = amax
     w = w.astype(ml_dtypes.bfloat16).astype(np.float32)
-    scale = fp8.scale_from_amax(fp8.amax(jnp.asarray(w)), dtype)
-    got = np.asarray(jax.jit(fp8.quantize, static_argnums=1)(
+    scale = fp8_scales.scale_from_amax(fp8_scales.amax(jnp.asarray(w)), dtype)
+    got = np.asarray(jax.jit(fp8_scales.quantize, static_argnums=1)(
         jnp.asarray(w), dtype, scale), np.float64)
     want = _ref_q(w, dtype, float(scale))
     np.testing.assert_array_equal(got, want)
@@ -214,12 +216,12 @@ class QuantizeTest(parameterized.TestCase):
 
   def test_zero_tiny_and_nonfinite_amaxes_give_finite_scales(self):
     for amax in (0.0, np.nan, np.inf):
-      self.assertEqual(float(fp8.scale_from_amax(jnp.float32(amax), fp8.E4M3)),
+      self.assertEqual(float(fp8_scales.scale_from_amax(jnp.float32(amax), fp8_scales.E4M3)),
                        1.0, amax)
     tiny = jnp.float32(1e-44)  # A float32 subnormal.
-    scale = fp8.scale_from_amax(tiny, fp8.E4M3)
+    scale = fp8_scales.scale_from_amax(tiny, fp8_scales.E4M3)
     self.assertEqual(float(scale), TINY)
-    q = float(fp8.quantize(tiny, fp8.E4M3, scale))
+    q = float(fp8_scales.quantize(tiny, fp8_scales.E4M3, scale))
     self.assertTrue(np.isfinite(q))
 
 
@@ -248,15 +250,15 @@ class MatmulTest(parameterized.TestCase):
     formats and scales are exactly these, with float32 sums."""
     out, dx, dw = self._vjp(
         lambda x, w: fp8.matmul(fp8.Fp8('current'), x, w, jnp.float32))
-    s = lambda t, d: fp8.scale_from_amax(fp8.amax(jnp.asarray(t)), d)
-    x4 = _qdq(self.x, fp8.E4M3, s(self.x, fp8.E4M3))
-    w4 = _qdq(self.w, fp8.E4M3, s(self.w, fp8.E4M3))
-    g5 = _qdq(self.g, fp8.E5M2, s(self.g, fp8.E5M2))
+    s = lambda t, d: fp8_scales.scale_from_amax(fp8_scales.amax(jnp.asarray(t)), d)
+    x4 = _qdq(self.x, fp8_scales.E4M3, s(self.x, fp8_scales.E4M3))
+    w4 = _qdq(self.w, fp8_scales.E4M3, s(self.w, fp8_scales.E4M3))
+    g5 = _qdq(self.g, fp8_scales.E5M2, s(self.g, fp8_scales.E5M2))
     np.testing.assert_allclose(out, x4 @ w4, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(dx, g5 @ w4.T, rtol=1e-5, atol=1e-9)
     np.testing.assert_allclose(dw, x4.T @ g5, rtol=1e-5, atol=1e-7)
     # Quantizing the gradient as E4M3 would give other products.
-    g4 = _qdq(self.g, fp8.E4M3, s(self.g, fp8.E4M3))
+    g4 = _qdq(self.g, fp8_scales.E4M3, s(self.g, fp8_scales.E4M3))
     self.assertGreater(np.abs(dx - g4 @ w4.T).max(), 1e-7)
 
   def test_replicas_of_a_pmap_scale_as_the_whole_batch(self):
@@ -373,14 +375,14 @@ class BottomOfTheRangeTest(parameterized.TestCase):
   def _reference(self, scaling, x, w, g):
     """(out, dx, dw) and each's sum of magnitudes, in float64."""
     if scaling == 'mx':
-      x4, w4 = _ref_mx(x, fp8.E4M3, 1), _ref_mx(w, fp8.E4M3, 0)
-      g5_dx, w4_dx = _ref_mx(g, fp8.E5M2, 1), _ref_mx(w, fp8.E4M3, 1)
-      x4_dw, g5_dw = _ref_mx(x, fp8.E4M3, 0), _ref_mx(g, fp8.E5M2, 0)
+      x4, w4 = _ref_mx(x, fp8_scales.E4M3, 1), _ref_mx(w, fp8_scales.E4M3, 0)
+      g5_dx, w4_dx = _ref_mx(g, fp8_scales.E5M2, 1), _ref_mx(w, fp8_scales.E4M3, 1)
+      x4_dw, g5_dw = _ref_mx(x, fp8_scales.E4M3, 0), _ref_mx(g, fp8_scales.E5M2, 0)
     else:
       scales = [_ref_tensor_scale(t, f) for t, f in
-                ((x, fp8.E4M3), (w, fp8.E4M3), (g, fp8.E5M2))]
+                ((x, fp8_scales.E4M3), (w, fp8_scales.E4M3), (g, fp8_scales.E5M2))]
       x4, w4, g5 = (_ref_q(t, f, s) * s for t, f, s in zip(
-          (x, w, g), (fp8.E4M3, fp8.E4M3, fp8.E5M2), scales))
+          (x, w, g), (fp8_scales.E4M3, fp8_scales.E4M3, fp8_scales.E5M2), scales))
       g5_dx, w4_dx, x4_dw, g5_dw = g5, w4, x4, g5
     pairs = ((x4, w4), (g5_dx, w4_dx.T), (x4_dw.T, g5_dw))
     return [(a @ b, np.abs(a) @ np.abs(b)) for a, b in pairs]
@@ -452,15 +454,15 @@ class DelayedTest(absltest.TestCase):
                  jnp.array([1.0, 0.0]))
     out = fp8.matmul(fp8.Fp8('delayed', 2), x, w, jnp.float32, histories)
     np.testing.assert_allclose(out, x, rtol=1e-6)
-    scale = fp8.scale_from_amax(jnp.float32(8.0), fp8.E4M3)
-    self.assertEqual(float(fp8.quantize(jnp.float32(2.0), fp8.E4M3, scale)),
+    scale = fp8_scales.scale_from_amax(jnp.float32(8.0), fp8_scales.E4M3)
+    self.assertEqual(float(fp8_scales.quantize(jnp.float32(2.0), fp8_scales.E4M3, scale)),
                      64.0)
 
   def test_a_nonfinite_amax_is_not_recorded(self):
     history = jnp.array([1.0, 6.0, 2.0])
-    np.testing.assert_array_equal(fp8.roll_history(history, jnp.float32(
+    np.testing.assert_array_equal(fp8_scales.roll_history(history, jnp.float32(
         np.inf)), [6.0, 1.0, 6.0])
-    np.testing.assert_array_equal(fp8.roll_history(history, jnp.float32(
+    np.testing.assert_array_equal(fp8_scales.roll_history(history, jnp.float32(
         np.nan)), [6.0, 1.0, 6.0])
 
 
@@ -473,7 +475,7 @@ class MxTest(absltest.TestCase):
     x[1, 32:64] = 0.0  # A zero block: scale 1.
     x[2, 64:96] = 1.0
     x[2, 70] = 448.0 * 4  # The largest value exactly: scale 4, not 8.
-    scales = np.asarray(fp8.mx_block_scales(jnp.asarray(x), fp8.E4M3, axis=1))
+    scales = np.asarray(fp8_scales.mx_block_scales(jnp.asarray(x), fp8_scales.E4M3, axis=1))
     blocks = np.abs(x.astype(np.float64)).reshape(4, 3, 32).max(-1)
     with np.errstate(divide='ignore'):
       want = np.where(blocks > 0, np.exp2(np.ceil(np.log2(blocks / 448.0))),
@@ -481,7 +483,7 @@ class MxTest(absltest.TestCase):
     np.testing.assert_array_equal(scales, want)
     # Rounded up: no block saturates, and each block's amax lands in the
     # format's top binade.
-    qdq = np.asarray(fp8.mx_quantize_dequantize(jnp.asarray(x), fp8.E4M3, 1))
+    qdq = np.asarray(fp8_scales.mx_quantize_dequantize(jnp.asarray(x), fp8_scales.E4M3, 1))
     kept = np.abs(x).reshape(4, 3, 32).max(-1) / scales
     self.assertTrue(((kept <= 448.0) & ((kept > 224.0) | (blocks == 0))).all())
     np.testing.assert_allclose(qdq, x, rtol=1 / 16)
@@ -495,30 +497,30 @@ class MxTest(absltest.TestCase):
     x = np.concatenate([_signed_uniform(rng, (2, 32), m) for m in magnitudes],
                        axis=1)
     x[:, 32] = 2.0**-126 * 448  # Exactly the amax of scale 2**-126.
-    got = jax.jit(fp8.mx_quantize_dequantize, static_argnums=(1, 2))(
-        jnp.asarray(x), fp8.E4M3, 1)
-    want = _ref_mx(x, fp8.E4M3, 1)
+    got = jax.jit(fp8_scales.mx_quantize_dequantize, static_argnums=(1, 2))(
+        jnp.asarray(x), fp8_scales.E4M3, 1)
+    want = _ref_mx(x, fp8_scales.E4M3, 1)
     self.assertTrue((np.abs(want) >= TINY).all())
     np.testing.assert_array_equal(np.asarray(got, np.float64), want)
-    block_amax = np.abs(x).reshape(2, -1, fp8.MX_BLOCK).max(-1)
-    want = np.vectorize(lambda a: _ref_exponent(a, fp8.E4M3, low=-127,
+    block_amax = np.abs(x).reshape(2, -1, fp8_scales.MX_BLOCK).max(-1)
+    want = np.vectorize(lambda a: _ref_exponent(a, fp8_scales.E4M3, low=-127,
                                                 high=127))(block_amax)
     self.assertEqual(want[0, 0], -127)
     np.testing.assert_array_equal(
-        fp8.mx_block_exponents(jnp.asarray(x), fp8.E4M3, axis=1), want)
+        fp8_scales.mx_block_exponents(jnp.asarray(x), fp8_scales.E4M3, axis=1), want)
     # As float32 scales: normal numbers, 2**-127 as 2**-126.
     np.testing.assert_array_equal(
-        fp8.mx_block_scales(jnp.asarray(x), fp8.E4M3, axis=1),
+        fp8_scales.mx_block_scales(jnp.asarray(x), fp8_scales.E4M3, axis=1),
         np.exp2(np.maximum(want, -126)).astype(np.float32))
 
   def test_a_dimension_that_is_no_multiple_of_the_block_is_padded(self):
     x = jnp.linspace(-3.0, 5.0, 50).reshape(1, 50)
-    qdq = fp8.mx_quantize_dequantize(x, fp8.E4M3, axis=1)
+    qdq = fp8_scales.mx_quantize_dequantize(x, fp8_scales.E4M3, axis=1)
     chex.assert_shape(qdq, (1, 50))
     np.testing.assert_allclose(qdq, x, rtol=1 / 16, atol=1e-6)
     # The same values in a block of their own: the same result.
     np.testing.assert_array_equal(
-        qdq[:, 32:], fp8.mx_quantize_dequantize(x[:, 32:], fp8.E4M3, axis=1))
+        qdq[:, 32:], fp8_scales.mx_quantize_dequantize(x[:, 32:], fp8_scales.E4M3, axis=1))
 
 
 @helpers.long_running
@@ -578,7 +580,7 @@ class ModelTest(parameterized.TestCase):
     histories, trained = step_lib.split_fp8(state.params)
     self.assertLen(histories, 12)  # Six Linears in each of two blocks.
     for module in histories.values():
-      self.assertEqual(sorted(module), sorted(fp8.HISTORY_NAMES))
+      self.assertEqual(sorted(module), sorted(meta_params.HISTORY_NAMES))
       for h in module.values():
         chex.assert_shape(h, (4,))
         chex.assert_type(h, jnp.float32)

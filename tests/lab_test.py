@@ -25,7 +25,7 @@ from configs import vit_pure_bf16 as configs_pure_bf16
 from haiku_mp import errors
 from haiku_mp.measure import compare
 from haiku_mp.measure import variants
-from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import meta_params
 from haiku_mp.studies import ladder
 from haiku_mp.studies import lost_updates
 from haiku_mp.studies import matmul
@@ -320,7 +320,7 @@ def _moment_bytes(config, kind: str, count: int) -> int:
   if kind != 'float8_blocks':
     return count * np.dtype(kind).itemsize
   exp = experiment.build_without_data(config)
-  _, trained = fp8_lib.split_meta(exp.abstract_state.params)
+  _, trained = meta_params.split_meta(exp.abstract_state.params)
   block = config.precision.moment_block_size
   scales = sum(math.prod(p.shape[:-1]) * -(-p.shape[-1] // block) if p.shape
                else 1 for p in jax.tree.leaves(trained))

@@ -34,6 +34,7 @@ import numpy as np
 from haiku_mp.advisor import matmul_formats
 from haiku_mp.model import blocks as blocks_lib
 from haiku_mp.model import fp4
+from haiku_mp.model import fp4_blocks
 
 # Per tensor, the ways the step blocks it: (name, axis, Hadamard).
 CASES = {
@@ -79,8 +80,8 @@ def _case_stats(x: jax.Array, fmt: str, axis: int) -> list[jax.Array]:
 def _hadamard_along_tokens(x: jax.Array, signs: jax.Array) -> jax.Array:
   """`x` [tokens, k] with the recipe's transform on each block of 16
   tokens (zero-padded to whole blocks; orthogonal, so the norm stays)."""
-  x = jnp.pad(x, [(0, -x.shape[0] % fp4.NVFP4_BLOCK), (0, 0)])
-  return fp4.hadamard_transform(x, signs, 0)
+  x = jnp.pad(x, [(0, -x.shape[0] % fp4_blocks.NVFP4_BLOCK), (0, 0)])
+  return fp4_blocks.hadamard_transform(x, signs, 0)
 
 
 def tensor_stats(x: jax.Array, tensor: str, signs: jax.Array) -> jax.Array:
@@ -161,7 +162,7 @@ class Fp4Matmuls(matmul_formats.MatmulFormat):
             ) -> np.ndarray:
     """The layer's Hadamard signs, as its `Linear` initializes them."""
     del history
-    return np.asarray(fp4.initial_signs(path)((fp4.NVFP4_BLOCK,),
+    return np.asarray(fp4.initial_signs(path)((fp4_blocks.NVFP4_BLOCK,),
                                               np.float32))
 
   def activations(self, x: jax.Array, g: jax.Array, extra: jax.Array

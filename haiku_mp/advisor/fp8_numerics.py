@@ -4,14 +4,14 @@ of statistics per tensor, computed on the device, and the limits a Linear
 must keep to run fp8 at a scaling.
 
 Values are rounded by `numerics.round_to`, the saturating cast
-`fp8.quantize` makes (E4M3 here is `float8_e4m3fn`: no inf, largest 448).
+`fp8_scales.quantize` makes (E4M3 here is `float8_e4m3fn`: no inf, largest 448).
 
 Per tensor and scaling (`fp8.SCALINGS`), at the scale that scaling would use:
 the non-zero values that underflow to zero, those that saturate, and the
 squared rounding error (unscaled), beside the tensor's amax, non-zero count
 and squared norm. `current` scales by the tensor's own amax, `delayed` by
 the amax history's maximum passed in (the pass's own earlier batches), `mx`
-per block of `fp8.MX_BLOCK` along the given axis.
+per block of `fp8_scales.MX_BLOCK` along the given axis.
 """
 
 import dataclasses
@@ -25,6 +25,7 @@ import numpy as np
 from haiku_mp.advisor import matmul_formats
 from haiku_mp.advisor import numerics
 from haiku_mp.model import fp8
+from haiku_mp.model import fp8_scales
 
 TENSOR_FIELDS = ('amax', 'nonzero', 'sum_squares')
 SCALING_FIELDS = ('underflow', 'saturate', 'error_squares')
@@ -59,9 +60,9 @@ def tensor_stats(x: jax.Array, fmt: numerics.Format, delayed_amax: jax.Array,
   x = jnp.where(jnp.isfinite(x), x, 0.0)
   amax = jnp.max(jnp.abs(x), initial=0.0)
   delayed_amax = jnp.where(delayed_amax > 0, delayed_amax, amax)
-  current = fp8.scale_from_amax(amax, fmt.dtype, margin)
-  delayed = fp8.scale_from_amax(delayed_amax, fmt.dtype, margin)
-  blocks = fp8.mx_element_scales(x, fmt.dtype, block_axis % x.ndim)
+  current = fp8_scales.scale_from_amax(amax, fmt.dtype, margin)
+  delayed = fp8_scales.scale_from_amax(delayed_amax, fmt.dtype, margin)
+  blocks = fp8_scales.mx_element_scales(x, fmt.dtype, block_axis % x.ndim)
   fields = [amax, jnp.sum(x != 0).astype(jnp.float32), jnp.sum(x * x)]
   for scale in (current, delayed, blocks):
     fields += _scaled_stats(x, scale, fmt)

@@ -10,7 +10,7 @@ every value in [2^-25, 2^-14) became 0 where IEEE float16 keeps it on a grid
 of 2^-24, so `round_to` rounds that range on the grid itself and matches a
 real float16 cast bit for bit (numerics_test). bfloat16's subnormals lie in
 float32's own subnormal range, which XLA:CPU flushes anyway. fp8 formats
-are rounded by the saturating cast the fp8 matmuls make (`fp8.quantize`),
+are rounded by the saturating cast the fp8 matmuls make (`fp8_scales.quantize`),
 which `reduce_precision` cannot express (it knows neither subnormals nor
 E4M3's top binade, and overflows to inf where the cast saturates).
 
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from haiku_mp.model import fp8
+from haiku_mp.model import fp8_scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +58,8 @@ class Format:
 
 FLOAT16 = Format('float16', jnp.float16)
 BFLOAT16 = Format('bfloat16', jnp.bfloat16)
-E4M3 = Format('e4m3', fp8.E4M3, saturates=True)
-E5M2 = Format('e5m2', fp8.E5M2, saturates=True)
+E4M3 = Format('e4m3', fp8_scales.E4M3, saturates=True)
+E5M2 = Format('e5m2', fp8_scales.E5M2, saturates=True)
 FORMATS = {f.name: f for f in (FLOAT16, BFLOAT16, E4M3, E5M2)}
 
 
@@ -69,7 +69,7 @@ def round_to(x: jax.Array, fmt: Format) -> jax.Array:
   float32."""
   x = x.astype(jnp.float32)
   if fmt.saturates:
-    return fp8.quantize(x, fmt.dtype, 1.0).astype(jnp.float32)
+    return fp8_scales.quantize(x, fmt.dtype, 1.0).astype(jnp.float32)
   finfo = ml_dtypes.finfo(fmt.dtype)
   rounded = jax.lax.reduce_precision(x, finfo.nexp, finfo.nmant)
   if fmt is not FLOAT16:

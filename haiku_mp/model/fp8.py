@@ -12,23 +12,19 @@ into the dot, scalar float32 scales, one contracting dimension), as flax's
 converts f8 to f16 and runs a float32 dot, so on a CPU the same program is an
 emulation, bit for bit in its rounding, and no faster.
 
-Every scale is a power of two (`scale_from_amax`, `mx_block_exponents`), as
-MX's are by definition: then `t / s` is exact, so `q(t)` rounds `t / s` once,
-ties to even, also where XLA rewrites the division as a product with `1 / s`
-(exact too); and the output's scaling is exact. The two scales' product is
-applied as one factor where it is a normal float32 number and split in two
-where it is not (`times_exp2`): XLA:CPU flushes a subnormal factor to zero.
+Every scale is a power of two (`fp8_scales`, which says why); the two
+scales' product is applied as one exact factor.
 
 Scaling (`SCALINGS`), the divisor `s_t` of each tensor:
 
 - ``current``: from the tensor's own amax in this step;
 - ``delayed``: from the maximum of a history of the tensor's amaxes over the
   last `history_length` steps (TE's DelayedScaling, flax's `fp8_ops`). The
-  histories are params of the module (`META_NAMES`) that the optimizer never
-  sees: the custom VJP returns each new history as that param's "gradient",
-  and the train step writes it over the param (flax's "overwrite with
-  gradient"). So histories live in the TrainState, are checkpointed with the
-  params, and need no second Haiku state;
+  histories are params of the module (`meta_params.META_NAMES`) that the
+  optimizer never sees: the custom VJP returns each new history as that
+  param's "gradient", and the train step writes it over the param (flax's
+  "overwrite with gradient"). So histories live in the TrainState, are
+  checkpointed with the params, and need no second Haiku state;
 - ``mx``: MXFP8, one power-of-two (E8M0) scale per block of `MX_BLOCK` values
   along the contracting dimension, rounded up so that no block saturates.
   Every matmul re-blocks its operands along its own contracting dimension,
@@ -45,16 +41,24 @@ under the largest finite value for amaxes that grow between steps.
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from haiku_mp import errors
-from haiku_mp.model import blocks as blocks_lib
+from haiku_mp.model.fp8_scales import amax
+from haiku_mp.model.fp8_scales import E4M3
+from haiku_mp.model.fp8_scales import E5M2
+from haiku_mp.model.fp8_scales import exponent_of
+from haiku_mp.model.fp8_scales import MX_BLOCK
+from haiku_mp.model.fp8_scales import MX_MIN_EXPONENT
+from haiku_mp.model.fp8_scales import mx_quantize
+from haiku_mp.model.fp8_scales import quantize
+from haiku_mp.model.fp8_scales import roll_history
+from haiku_mp.model.fp8_scales import scale_from_amax
+from haiku_mp.model.fp8_scales import times_exp2
 
-E4M3 = jnp.float8_e4m3fn  # Weights and activations: more precision.
-E5M2 = jnp.float8_e5m2  # Output gradients: more range.
 SCALINGS = ('current', 'delayed', 'mx')
 # What runs fp8 unless told otherwise (the :fp8 configs, the lab's fp8
 # variants): the encoder blocks' Linear layers, as Transformer Engine and
@@ -64,26 +68,9 @@ DEFAULT_MODULES = '*/encoder_block_*'
 COMPUTE_DTYPE = 'bfloat16'
 # The lab's name of a variant: `fp8_` + its scaling ('fp8_current', ...).
 VARIANT_PREFIX = 'fp8_'
-MX_BLOCK = 32  # Values per MX scale (the OCP MX spec's block size).
-# A delayed-scaling Linear's amax histories (float32 [history_length]): its
-# input `x`, its weight `w` and its output gradient `g`.
-HISTORY_NAMES = ('fp8_x_amax_history', 'fp8_w_amax_history',
-                 'fp8_g_amax_history')
-# A 4-bit Linear's Hadamard signs (`fp4.matmul`): state like the histories,
-# its "gradient" itself, so the overwrite keeps it.
-FP4_SIGNS = 'fp4_hadamard_signs'
-# Every param no optimizer sees, written over by its "gradient".
-META_NAMES = HISTORY_NAMES + (FP4_SIGNS,)
 # Named scopes of the three matmuls of an fp8 Linear: in the HLO's op names,
 # they tell `launch.lab fp8` which matmul a GEMM is.
 FPROP, DGRAD, WGRAD = 'fp8_fprop', 'fp8_dgrad', 'fp8_wgrad'
-# The exponent range of scales, as powers of two. Current and delayed: float32's
-# normal numbers whose reciprocal is one too (a subnormal scale, or its
-# reciprocal, XLA:CPU flushes to zero). MX: E8M0's, 2**-127 to 2**127.
-_F32 = jnp.finfo(jnp.float32)
-_MIN_EXPONENT, _MAX_EXPONENT = int(_F32.minexp), -int(_F32.minexp)
-_MX_MIN_EXPONENT, _MX_MAX_EXPONENT = -127, 127
-_TINY = float(_F32.tiny)  # A subnormal amax counts as this.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,101 +118,6 @@ class Fp8:
     return ''
 
 
-def max_finite(dtype) -> float:
-  return float(jnp.finfo(dtype).max)
-
-
-def _exp2(exponent: jax.Array) -> jax.Array:
-  """2**exponent (int32, a normal float32's exponent) from its bits: exact,
-  where XLA's exp2 (and `jnp.ldexp`, which uses it) may not be."""
-  return jax.lax.bitcast_convert_type(
-      (exponent.astype(jnp.int32) + 127) << 23, jnp.float32)
-
-
-def _exponent_of(scale: jax.Array) -> jax.Array:
-  """e of a power-of-two float32 `scale` = 2**e (a normal number)."""
-  bits = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32)
-  return ((bits >> 23) & 0xff) - 127
-
-
-def times_exp2(x: jax.Array, exponent: jax.Array) -> jax.Array:
-  """x * 2**exponent (|exponent| <= 252), exact wherever the result is a
-  normal float32: as x * 2**e1 * 2**e2 with e1 the exponent clipped to
-  float32's normal range, so that each factor and the product in between
-  stay normal (XLA:CPU flushes subnormals to zero). In range, as for any
-  amaxes not near float32's bottom, e2 = 0: the whole scale is the first
-  factor. (XLA folds two compile-time constant factors into one; scales
-  computed from the data are not.)"""
-  first = jnp.clip(exponent, _MIN_EXPONENT, _MAX_EXPONENT)
-  second = jnp.clip(exponent - first, _MIN_EXPONENT, _MAX_EXPONENT)
-  return x * _exp2(first) * _exp2(second)
-
-
-def _ceil_log2_ratio(amax: jax.Array, dtype, margin: float) -> jax.Array:
-  """ceil(log2(amax * 2**margin / max_finite(dtype))) (int32), exact for a
-  positive finite amax and an integer margin, from the amax's own mantissa
-  and exponent: no division, which would flush to zero below
-  max_finite * 2**-126, and no log2 (XLA's is an approximation). A subnormal
-  amax counts as float32's smallest normal number."""
-  whole = math.floor(margin)
-  # amax * 2**margin / max = (m / c) * 2**(e + whole - max_exponent), where
-  # m in [0.5, 1) is amax's mantissa and c = max's mantissa / 2**(margin's
-  # fraction), in (0.25, 1): m / c lies in (0.5, 4), and its ceil(log2) is
-  # 0, 1 or 2.
-  max_mantissa, max_exponent = math.frexp(max_finite(dtype))
-  c = max_mantissa / 2.0 ** (margin - whole)
-  mantissa, exponent = jnp.frexp(jnp.maximum(amax.astype(jnp.float32), _TINY))
-  up = (mantissa > c).astype(jnp.int32) + (mantissa > 2 * c).astype(jnp.int32)
-  return exponent + (whole - max_exponent) + up
-
-
-def _exponent_from_amax(amax: jax.Array, dtype, margin: float, low: int,
-                        high: int) -> jax.Array:
-  """The scale's exponent: `_ceil_log2_ratio` clipped to [low, high]; 0
-  (a scale of 1) for a zero or non-finite amax."""
-  amax = jnp.asarray(amax, jnp.float32)
-  exponent = jnp.clip(_ceil_log2_ratio(amax, dtype, margin), low, high)
-  # Non-zero from the bits: XLA:CPU reads a subnormal as zero in `amax > 0`.
-  bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
-  usable = jnp.isfinite(amax) & ((bits & 0x7fffffff) != 0)
-  return jnp.where(usable, exponent, 0)
-
-
-def scale_from_amax(amax: jax.Array, dtype, margin: float = 0.0) -> jax.Array:
-  """The float32 divisor of a tensor with this amax: the smallest power of
-  two that leaves `amax * 2**margin` within the largest finite value of
-  `dtype`, 2**ceil(log2(amax * 2**margin / max)), so that quantizing
-  divides exactly. 1 for a zero or non-finite amax; never below float32's
-  smallest normal number (a tiny or subnormal amax gives a finite scale)."""
-  return _exp2(_exponent_from_amax(amax, dtype, margin, _MIN_EXPONENT,
-                                   _MAX_EXPONENT))
-
-
-def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
-  """`x / scale` in `dtype`: saturated at its largest finite value (never inf
-  or NaN from a finite x), rounded to nearest even by the cast. Exact before
-  the cast for a power-of-two scale (`scale_from_amax`), so ties round to
-  even; with another scale, XLA may compute `x * (1 / scale)` instead and
-  round a tie either way."""
-  limit = max_finite(dtype)
-  return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
-
-
-def amax(x: jax.Array, axis_name: Optional[str] = None) -> jax.Array:
-  """max |x| in float32; with `axis_name` (pmap), over every replica's `x`,
-  so that replicas quantize with the scales one device would use."""
-  result = jnp.max(jnp.abs(x)).astype(jnp.float32)
-  return result if axis_name is None else jax.lax.pmax(result, axis_name)
-
-
-def roll_history(history: jax.Array, new_amax: jax.Array) -> jax.Array:
-  """`history` with `new_amax` first and its oldest entry dropped. A
-  non-finite amax (a step that overflowed) is recorded as the history's
-  maximum, so that it never poisons a scale."""
-  new_amax = jnp.where(jnp.isfinite(new_amax), new_amax, jnp.max(history))
-  return jnp.concatenate([new_amax[None], history[:-1]]).astype(jnp.float32)
-
-
 def _scaled_dot(qa, qb, dims, a_scale, b_scale, scope):
   """The fp8 GEMM pattern: f8 operands into the dot, float32 result times the
   two scalar (power-of-two) scales' product, `times_exp2`'s one factor where
@@ -237,7 +129,7 @@ def _scaled_dot(qa, qb, dims, a_scale, b_scale, scope):
   with jax.named_scope(scope):
     out = jax.lax.dot_general(qa, qb, dims,
                               preferred_element_type=jnp.float32)
-    return times_exp2(out, _exponent_of(a_scale) + _exponent_of(b_scale))
+    return times_exp2(out, exponent_of(a_scale) + exponent_of(b_scale))
 
 
 # Dimension numbers of the three matmuls of `x [n, k] @ w [k, o]`.
@@ -363,66 +255,6 @@ delayed_matmul.defvjp(_delayed_fwd, _delayed_bwd)
 # ---- MX: one power-of-two scale per block of 32 -----------------------------
 
 
-def mx_block_exponents(x: jax.Array, dtype, axis: int,
-                       block: int = MX_BLOCK) -> jax.Array:
-  """E8M0 exponents (int32) of `x`'s blocks of `block` values along `axis`
-  (zero-padded to a multiple of `block`): ceil(log2(amax / max_finite)), so
-  no block saturates, from -127 to 127 (E8M0's range); 0 for a zero block.
-  Shape: `x`'s with `axis` holding one per block."""
-  axis = axis % x.ndim
-  block_amax = jnp.max(jnp.abs(blocks_lib.split(x, axis, block)),
-                       axis=axis + 1)
-  return _exponent_from_amax(block_amax, dtype, 0.0, _MX_MIN_EXPONENT,
-                             _MX_MAX_EXPONENT)
-
-
-def mx_block_scales(x: jax.Array, dtype, axis: int,
-                    block: int = MX_BLOCK) -> jax.Array:
-  """2**`mx_block_exponents` as normal float32 numbers, for arithmetic on a
-  backend that flushes subnormals (XLA:CPU): E8M0's 2**-127, a float32
-  subnormal, is given as 2**-126. The quantization here scales with the
-  exponents themselves."""
-  return _exp2(jnp.maximum(mx_block_exponents(x, dtype, axis, block),
-                           _MIN_EXPONENT))
-
-
-def mx_element_exponents(x: jax.Array, dtype, axis: int,
-                         block: int = MX_BLOCK) -> jax.Array:
-  """Per element of `x`, its MX block's exponent (`mx_block_exponents`)."""
-  size = x.shape[axis]
-  exponents = jnp.repeat(mx_block_exponents(x, dtype, axis, block), block,
-                         axis=axis)
-  return jax.lax.slice_in_dim(exponents, 0, size, axis=axis)
-
-
-def mx_element_scales(x: jax.Array, dtype, axis: int,
-                      block: int = MX_BLOCK) -> jax.Array:
-  """Per element of `x`, its MX block's scale as `mx_block_scales` gives it
-  (a normal float32)."""
-  return _exp2(jnp.maximum(mx_element_exponents(x, dtype, axis, block),
-                           _MIN_EXPONENT))
-
-
-def _mx_quantize(x: jax.Array, dtype, axis: int,
-                 block: int) -> tuple[jax.Array, jax.Array]:
-  """(q, e): `x`'s MX blocks of `dtype` along `axis`, each value as the
-  format holds it (in float32) and its block's exponent. Times 2**-e
-  (2**120 at most for a finite amax: exact), then cast."""
-  exponents = mx_element_exponents(x, dtype, axis, block)
-  limit = max_finite(dtype)
-  q = jnp.clip(x.astype(jnp.float32) * _exp2(-exponents), -limit,
-               limit).astype(dtype).astype(jnp.float32)
-  return q, exponents
-
-
-def mx_quantize_dequantize(x: jax.Array, dtype, axis: int,
-                           block: int = MX_BLOCK) -> jax.Array:
-  """`x` (float32) as MX blocks of `dtype` along `axis` hold it: quantized
-  (`_mx_quantize`) and times 2**e as `times_exp2` multiplies (2**-127 is
-  no normal float32)."""
-  return times_exp2(*_mx_quantize(x, dtype, axis, block))
-
-
 def _mx_dot(a, a_axis, a_dtype, b, b_axis, b_dtype, dims, scope):
   """A 2-D dot of MX operands blocked along their contracting axes. Each
   row of `a` (column of `b`) is dequantized relative to its largest block
@@ -431,9 +263,9 @@ def _mx_dot(a, a_axis, a_dtype, b, b_axis, b_dtype, dims, scope):
   two as `times_exp2` does; exactly as dequantizing first wherever no
   product underflows."""
   def relative(t, axis, dtype):
-    q, exponents = _mx_quantize(t, dtype, axis, MX_BLOCK)
+    q, exponents = mx_quantize(t, dtype, axis, MX_BLOCK)
     # Zero blocks (scale 1) set no row's exponent.
-    largest = jnp.max(jnp.where(q == 0, _MX_MIN_EXPONENT, exponents),
+    largest = jnp.max(jnp.where(q == 0, MX_MIN_EXPONENT, exponents),
                       axis=axis, keepdims=True)
     return times_exp2(q, exponents - largest), largest.reshape(-1)
 
@@ -479,33 +311,3 @@ def matmul(fp8: Fp8, x: jax.Array, w: jax.Array, out_dtype,
   if fp8.scaling == 'delayed':
     return delayed_matmul(fp8.margin, out_dtype, axis_name, x, w, *histories)
   return mx_matmul(out_dtype, x, w)
-
-
-def split_meta(tree: Mapping[str, Any]) -> tuple[dict, dict]:
-  """(the amax histories, everything else) of a params tree (or one of the
-  same structure: gradients, shardings), each a nested dict without empty
-  branches. Any nesting of mappings: Haiku's two levels, or a flat dict."""
-  meta, rest = {}, {}
-  for key, value in tree.items():
-    if isinstance(value, Mapping):
-      sub_meta, sub_rest = split_meta(value)
-      if sub_meta:
-        meta[key] = sub_meta
-      if sub_rest or not sub_meta:
-        rest[key] = sub_rest
-    elif key in META_NAMES:
-      meta[key] = value
-    else:
-      rest[key] = value
-  return meta, rest
-
-
-def merge_meta(rest: Mapping[str, Any], meta: Mapping[str, Any]) -> dict:
-  """`split_meta` undone: `rest` with `meta`'s leaves put back."""
-  merged = dict(rest)
-  for key, value in meta.items():
-    if isinstance(value, Mapping):
-      merged[key] = merge_meta(rest.get(key, {}), value)
-    else:
-      merged[key] = value
-  return merged

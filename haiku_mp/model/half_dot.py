@@ -41,6 +41,7 @@ import numpy as np
 from haiku_mp import errors
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import meta_params
 from haiku_mp.model import remat
 
 FORMS = ('auto', 'native', 'upcast', 'plain')
@@ -284,14 +285,14 @@ def linear(module: hk.Linear, dots: Dots, plain: Callable[..., jax.Array],
 def _fp8_sums(dots: Dots, x: jax.Array, w: jax.Array) -> jax.Array:
   """`x @ w` in float32 from fp8 operands (`fp8.matmul`); delayed scaling
   keeps its amax histories as the calling module's params
-  (`fp8.META_NAMES`)."""
+  (`meta_params.META_NAMES`)."""
   config = dots.fp8
   histories = None
   if config.scaling == 'delayed':
     histories = tuple(
         hk.get_parameter(name, [config.history_length], jnp.float32,
                          init=jnp.zeros)
-        for name in fp8_lib.HISTORY_NAMES)
+        for name in meta_params.HISTORY_NAMES)
   return fp8_lib.matmul(config, x, w, jnp.float32, histories, dots.fp8_axis)
 
 

@@ -55,9 +55,10 @@ from haiku_mp import errors
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
+from haiku_mp.model import meta_params
 
 LAYER_NORM_CLASS = 'LayerNorm'
-_META = frozenset(fp8_lib.META_NAMES)
+_META = frozenset(meta_params.META_NAMES)
 _GLOB_CHARS = frozenset('*?[')
 
 
@@ -386,7 +387,8 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
   dots = precision.dots
 
   def creator(next_creator, shape, dtype, init, context):
-    # fp8 amax histories stay float32 whatever the policy (`fp8.META_NAMES`).
+    # fp8 amax histories stay float32 whatever the policy
+    # (`meta_params.META_NAMES`).
     if jnp.issubdtype(dtype, jnp.floating) and context.name not in _META:
       dtype = stack[-1].param_dtype
     return next_creator(shape, dtype, init)

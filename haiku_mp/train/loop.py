@@ -15,7 +15,7 @@ import jax
 import ml_collections
 
 from haiku_mp.data import pipeline
-from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import meta_params
 from haiku_mp.parallel import sharding
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import compiled_steps
@@ -79,7 +79,7 @@ def _ema_params(state: step_lib.TrainState):
   ema = optimizer_lib.ema_params(state.opt_state)
   if ema is None:
     return None
-  return fp8_lib.merge_meta(ema, step_lib.split_fp8(state.params)[0])
+  return meta_params.merge_meta(ema, step_lib.split_fp8(state.params)[0])
 
 
 def _settle(steps: in_flight.InFlight, finished):

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from haiku_mp.model import fp8
+from haiku_mp.model import meta_params
 from haiku_mp.model import policies
 from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
@@ -46,7 +46,7 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
       continue
     own = params.get(call.path, {})
     # fp8 amax histories are listed with the params, not counted as ones.
-    trained = {n: p for n, p in own.items() if n not in fp8.META_NAMES}
+    trained = {n: p for n, p in own.items() if n not in meta_params.META_NAMES}
     rows[call.path] = {
         'path': call.path,
         'class': call.class_name,

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import jax
 
-from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import meta_params
 from haiku_mp.settings import PrecisionSettings
 
 # The parts, in the order a table shows them; `other` is the step, counts,
@@ -33,7 +33,7 @@ def _nbytes(leaf) -> int:
 def _part(path) -> str:
   names = [getattr(k, 'name', getattr(k, 'key', None)) for k in path]
   if names[0] == 'params':
-    return 'fp8' if names[-1] in fp8_lib.META_NAMES else 'params'
+    return 'fp8' if names[-1] in meta_params.META_NAMES else 'params'
   if names[0] == 'opt_state':
     for name in reversed(names):
       if name in _FIELD_PARTS:
@@ -53,7 +53,7 @@ def bytes_by_part(state) -> dict[str, int]:
 
 def param_count(state) -> int:
   """The trained parameters (fp8 histories left out)."""
-  _, trained = fp8_lib.split_meta(state.params)
+  _, trained = meta_params.split_meta(state.params)
   return sum(math.prod(p.shape) for p in jax.tree.leaves(trained))
 
 
@@ -71,7 +71,7 @@ def describe(precision_config: PrecisionSettings, state) -> str:
   sizes = bytes_by_part(state)
   per = per_parameter(sizes, param_count(state))
   update = precision_config.param_update
-  params = dtype_names(fp8_lib.split_meta(state.params)[1])
+  params = dtype_names(meta_params.split_meta(state.params)[1])
   if sizes['master']:
     how = 'rounded from a float32 master copy'
   elif update == 'master':

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import jmp
 import optax
 
-from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import meta_params
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 
@@ -85,7 +85,7 @@ def init_train_state(params: hk.Params,
 
 def split_fp8(tree: hk.Params) -> tuple[hk.Params, hk.Params]:
   """(fp8 amax histories, everything else) of params or their gradients."""
-  return fp8_lib.split_meta(tree)
+  return meta_params.split_meta(tree)
 
 
 def _cross_replica_mean(tree, axis_name):
@@ -124,7 +124,7 @@ def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
     histories = jax.lax.pmax(histories, axis_name)
   metrics = _cross_replica_mean(dict(aux, loss=loss), axis_name)
   grads = loss_scaler.unscale(loss_scale, grads)
-  return (fp8_lib.merge_meta(grads, histories), metrics.pop('loss'),
+  return (meta_params.merge_meta(grads, histories), metrics.pop('loss'),
           metrics)
 
 
@@ -191,7 +191,7 @@ def make_train_step(loss_fn: Optional[LossFn],
                                     batch, axis_name)
     # fp8 amax histories are written over on every step, skipped or not: a
     # skipped step's amaxes are real observations (non-finite ones are not
-    # recorded, fp8.roll_history), and the next step's scales need them.
+    # recorded, fp8_scales.roll_history), and the next step's scales need them.
     histories, grads = split_fp8(grads)
     _, trained = split_fp8(state.params)
     # One flag per gradient leaf: the skip decision, and where float16
@@ -210,7 +210,7 @@ def make_train_step(loss_fn: Optional[LossFn],
     params, opt_state = jmp.select_tree(
         grads_finite, (new_params, new_opt_state),
         (trained, state.opt_state))
-    params = fp8_lib.merge_meta(params, histories)
+    params = meta_params.merge_meta(params, histories)
     skipped_steps = state.skipped_steps + (~grads_finite).astype(jnp.int32)
     new_state = TrainState(
         step=state.step + 1,
