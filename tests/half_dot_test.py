@@ -18,6 +18,7 @@ import numpy as np
 from haiku_mp import errors
 from haiku_mp.measure import variants
 from haiku_mp.model import half_dot
+from haiku_mp.model import matmul_modules
 from haiku_mp.studies import precision as precision_lab
 from tests import helpers
 
@@ -117,11 +118,11 @@ class EinsumTest(parameterized.TestCase):
 class LayersTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
-      ('linear', lambda: hk.Linear(5), lambda d: half_dot.Linear(5, d),
+      ('linear', lambda: hk.Linear(5), lambda d: matmul_modules.Linear(5, d),
        (2, 3, 4)),
       ('patch_conv', lambda: hk.Conv2D(5, 2, stride=2, padding='VALID'),
-       lambda d: half_dot.Conv2D(5, d, kernel_shape=2, stride=2,
-                                 padding='VALID'), (2, 4, 6, 3)))
+       lambda d: matmul_modules.Conv2D(5, d, kernel_shape=2, stride=2,
+                                       padding='VALID'), (2, 4, 6, 3)))
   def test_haiku_params_and_outputs(self, haiku_module, ours, shape):
     x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
     theirs = hk.without_apply_rng(hk.transform(lambda x: haiku_module()(x)))
@@ -151,7 +152,7 @@ class LayersTest(parameterized.TestCase):
     params = {'linear': {'w': jnp.asarray([[16.0], [1.0]], jnp.bfloat16),
                          'b': jnp.asarray([0.5], jnp.bfloat16)}}
     linear = hk.without_apply_rng(hk.transform(
-        lambda x: half_dot.Linear(1, half_dot.Dots(form))(x)))
+        lambda x: matmul_modules.Linear(1, half_dot.Dots(form))(x)))
     chex.assert_trees_all_equal_shapes_and_dtypes(
         linear.init(jax.random.key(0), x), params)
     np.testing.assert_array_equal(np.float32(linear.apply(params, x)), 258.0)
@@ -168,7 +169,7 @@ class LayersTest(parameterized.TestCase):
   def test_conv_is_a_dot_only_as_a_patch_embedding(self, stride, padding,
                                                    primitive):
     x = jnp.zeros((2, 4, 4, 3), jnp.bfloat16)
-    conv = hk.without_apply_rng(hk.transform(lambda x: half_dot.Conv2D(
+    conv = hk.without_apply_rng(hk.transform(lambda x: matmul_modules.Conv2D(
         5, half_dot.Dots('native'), kernel_shape=2, stride=stride,
         padding=padding)(x)))
     params = conv.init(jax.random.key(0), x)

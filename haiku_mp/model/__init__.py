@@ -3,9 +3,9 @@ run in it: the names a user's own model imports."""
 
 from haiku_mp.model.fp4 import Fp4
 from haiku_mp.model.fp8 import Fp8
-from haiku_mp.model.half_dot import Conv2D
 from haiku_mp.model.half_dot import Dots
-from haiku_mp.model.half_dot import Linear
+from haiku_mp.model.matmul_modules import Conv2D
+from haiku_mp.model.matmul_modules import Linear
 from haiku_mp.model.policies import apply as apply_precision
 from haiku_mp.model.policies import make_precision
 from haiku_mp.model.policies import parse_policy

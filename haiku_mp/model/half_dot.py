@@ -9,14 +9,9 @@ instructions, a GPU's tensor cores) and accumulates in float32, rounded once to
 the result dtype: the standard mixed-precision numerics on every backend.
 
 `einsum` is that dot with a custom VJP whose two backward dots take the
-cotangent in the operands' dtype and are written the same way. `Linear` and
-`Conv2D` are Haiku's modules (same class names, param names, shapes and
-initializers, so checkpoints, sharding rules and overrides keep working) whose
-matmul is `einsum`, with the bias added to the float32 sums before the one
-rounding, and whose output is tagged for `remat`'s ``dots``; `Conv2D` does so
-for the patch embedding's stride = kernel convolution, a matmul over patches.
-Float32 operands take Haiku's and JAX's own path, so a float32 policy's
-program is what it was.
+cotangent in the operands' dtype and are written the same way. `Dots` says
+which form each dtype gets and which Linears run fp8 or 4 bits; the modules
+that run it are in `matmul_modules`.
 
 Which form a half dtype gets is decided in one place, `form_for`:
 
@@ -31,18 +26,14 @@ import dataclasses
 import fnmatch
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Optional
 
-import haiku as hk
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from haiku_mp import errors
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
-from haiku_mp.model import meta_params
-from haiku_mp.model import remat
 
 FORMS = ('auto', 'native', 'upcast', 'plain')
 # Backends a program may be traced for (`Dots.platform`); '' is JAX's own.
@@ -238,173 +229,3 @@ def _transposed_in_memory(a: jax.Array) -> jax.Array:
 
 
 _einsum.defvjp(_einsum_fwd, _einsum_bwd)
-
-
-def _agreed(dots: Optional[Dots], in_force: Dots, module: hk.Module) -> Dots:
-  """The dots a haiku_mp module runs: the precision's in force, which its own
-  `dots=`, where given, must equal (a silently ignored setting is a bug)."""
-  if dots is not None and dots != in_force:
-    raise errors.ConfigError(
-        f'{module.module_name}: dots={dots} contradicts the precision in force '
-        f'({in_force}); leave dots= out to take the precision\'s')
-  return in_force
-
-
-def linear(module: hk.Linear, dots: Dots, plain: Callable[..., jax.Array],
-           inputs: jax.Array, *, precision=None) -> jax.Array:
-  """`module`'s call with its matmul as `dots` says: fp8 where its targets
-  select it, half operands with float32 sums otherwise, and `plain` (Haiku's
-  own call) for float32 operands or the ``plain`` form. Runs in the module's
-  own scope: any `hk.Linear`, stock or not, keeps its params' names, shapes,
-  dtypes and initializers."""
-  fp8 = dots.runs_fp8(FP8_CLASS, module.module_name)
-  if not fp8 and form_for(dots.form, inputs.dtype, dots.backend) == 'plain':
-    return remat.tag_matmul_output(plain(inputs, precision=precision))
-  if not inputs.shape:
-    raise ValueError('Input must not be scalar.')  # hk.Linear's own check.
-  input_size = module.input_size = inputs.shape[-1]
-  # The params exactly as hk.Linear creates them (name, shape, initializer).
-  w_init = module.w_init or hk.initializers.TruncatedNormal(
-      1.0 / np.sqrt(input_size))
-  w = hk.get_parameter('w', [input_size, module.output_size], inputs.dtype,
-                       init=w_init)
-  x = inputs.reshape(-1, input_size)
-  if fp8 and dots.runs_fp4(FP8_CLASS, module.module_name):
-    sums = fp4_lib.linear_sums(dots.fp4, module.module_name, x, w)
-  elif fp8:
-    sums = _fp8_sums(dots, x, w)
-  else:
-    sums = dots.einsum('ni,io->no', x, w, out_dtype=jnp.float32)
-  b = (hk.get_parameter('b', [module.output_size], inputs.dtype,
-                        init=module.b_init) if module.with_bias else None)
-  out = _biased_and_rounded(sums, b, inputs.dtype)
-  out = out.reshape(inputs.shape[:-1] + (module.output_size,))
-  return remat.tag_matmul_output(out)
-
-
-def _fp8_sums(dots: Dots, x: jax.Array, w: jax.Array) -> jax.Array:
-  """`x @ w` in float32 from fp8 operands (`fp8.matmul`); delayed scaling
-  keeps its amax histories as the calling module's params
-  (`meta_params.META_NAMES`)."""
-  config = dots.fp8
-  histories = None
-  if config.scaling == 'delayed':
-    histories = tuple(
-        hk.get_parameter(name, [config.history_length], jnp.float32,
-                         init=jnp.zeros)
-        for name in meta_params.HISTORY_NAMES)
-  return fp8_lib.matmul(config, x, w, jnp.float32, histories, dots.fp8_axis)
-
-
-class Linear(hk.Linear):
-  """`hk.Linear` whose matmul is `Dots.einsum` (half operands, float32 sums).
-
-  Inside `apply_precision` it takes the precision's dots (as a stock
-  `hk.Linear` does there); `dots=` is for a call outside one, and inside one
-  must agree with the precision's.
-
-  Example:
-    layer = haiku_mp.Linear(10)  # In a function under hk.transform.
-    logits = layer(features)     # bf16 x bf16 -> f32 sums, rounded once.
-  """
-
-  def __init__(self, output_size: int, dots: Optional[Dots] = None,
-               **kwargs):
-    super().__init__(output_size, **kwargs)
-    self.dots = dots
-
-  def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
-    return linear(self, Dots() if self.dots is None else self.dots,
-                  super().__call__, inputs, precision=precision)
-
-
-def _biased_and_rounded(sums: jax.Array, b: Optional[jax.Array],
-                        dtype) -> jax.Array:
-  """`sums + b` in float32, rounded once to `dtype`: a GPU matmul's bias
-  epilogue. Its gradient is a float32 sum of the float32 cotangent; a half
-  bias added after rounding has a half sum instead, which XLA:CPU runs as a
-  slow windowed tree reduction (fc1 at batch 128: 48 ms, BENCHMARKS.md)."""
-  if b is not None:
-    sums = sums + b.astype(sums.dtype)
-  return sums.astype(dtype)
-
-
-def _is_patch_embedding(module: hk.Conv2D) -> bool:
-  """Whether `module` convolves non-overlapping patches (stride = kernel,
-  VALID, NHWC, no groups, dilation or mask): a matmul over patches."""
-  return (tuple(module.stride) == tuple(module.kernel_shape)
-          and module.padding == 'VALID' and module.data_format == 'NHWC'
-          and module.feature_group_count == 1
-          and tuple(module.kernel_dilation) == (1, 1) and module.mask is None)
-
-
-def conv2d(module: hk.Conv2D, dots: Dots, plain: Callable[..., jax.Array],
-           inputs: jax.Array, *, precision=None) -> jax.Array:
-  """`module`'s call; as a patch embedding (`_is_patch_embedding`) with half
-  operands, a `Dots.einsum` over the image's patches. Any other convolution
-  is `plain`'s (Haiku's own): XLA's convolution takes the operands' dtype."""
-  form = form_for(dots.form, inputs.dtype, dots.backend)
-  ph, pw = module.kernel_shape
-  if (form == 'plain' or not _is_patch_embedding(module) or inputs.ndim != 4
-      or inputs.shape[1] % ph or inputs.shape[2] % pw):
-    return remat.tag_matmul_output(plain(inputs, precision=precision))
-  batch, height, width, channels = inputs.shape
-  w_shape = (ph, pw, channels, module.output_channels)
-  # The params exactly as hk.Conv2D creates them.
-  w_init = module.w_init or hk.initializers.TruncatedNormal(
-      1.0 / np.sqrt(ph * pw * channels))
-  w = hk.get_parameter('w', w_shape, inputs.dtype, init=w_init)
-  rows, cols = height // ph, width // pw
-  patches = inputs.reshape(batch, rows, ph, cols, pw, channels)
-  patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(-1, ph * pw * channels)
-  sums = dots.einsum('np,pd->nd', patches,
-                     w.reshape(ph * pw * channels, -1), out_dtype=jnp.float32)
-  b = (hk.get_parameter('b', (module.output_channels,), inputs.dtype,
-                        init=module.b_init) if module.with_bias else None)
-  out = _biased_and_rounded(sums, b, inputs.dtype)
-  out = out.reshape(batch, rows, cols, module.output_channels)
-  return remat.tag_matmul_output(out)
-
-
-class Conv2D(hk.Conv2D):
-  """`hk.Conv2D`; as a patch embedding (stride = kernel, VALID, NHWC) its
-  convolution is a `Dots.einsum` over the image's patches. Takes its dots as
-  `Linear` does.
-
-  Example:
-    embed = haiku_mp.Conv2D(64, kernel_shape=4, stride=4, padding='VALID')
-    tokens = embed(images)  # [b, h/4, w/4, 64]: one matmul over patches.
-  """
-
-  def __init__(self, output_channels: int, dots: Optional[Dots] = None,
-               **kwargs):
-    super().__init__(output_channels, **kwargs)
-    self.dots = dots
-
-  def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
-    return conv2d(self, Dots() if self.dots is None else self.dots,
-                  super().__call__, inputs, precision=precision)
-
-
-def intercepted(dots: Dots, next_f: Callable[..., Any], args, kwargs,
-                context: hk.MethodContext) -> Any:
-  """A module method call inside `apply_precision`, its matmul as `dots`
-  says: Haiku's own `hk.Linear` and `hk.Conv2D` calls (a stock module's, a
-  subclass's `super().__call__`) and haiku_mp's; any other as it is."""
-  module, defined_by = context.module, context.orig_class
-  if context.method_name != '__call__':
-    return next_f(*args, **kwargs)
-  if defined_by is Linear or defined_by is Conv2D:
-    run = linear if defined_by is Linear else conv2d
-    haiku_call = (hk.Linear if defined_by is Linear else hk.Conv2D).__call__
-    # Haiku's call, intercepted in turn as the plain form below.
-    plain = functools.partial(haiku_call, module)
-    return run(module, _agreed(module.dots, dots, module), plain, *args,
-               **kwargs)
-  if isinstance(module, (Linear, Conv2D)):
-    return next_f(*args, **kwargs)  # The plain form of the branch above.
-  if defined_by is hk.Linear:
-    return linear(module, dots, next_f, *args, **kwargs)
-  if defined_by is hk.ConvND and isinstance(module, hk.Conv2D):
-    return conv2d(module, dots, next_f, *args, **kwargs)
-  return next_f(*args, **kwargs)

@@ -55,6 +55,7 @@ from haiku_mp import errors
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
+from haiku_mp.model import matmul_modules
 from haiku_mp.model import meta_params
 
 LAYER_NORM_CLASS = 'LayerNorm'
@@ -377,7 +378,7 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
   Use inside a function passed to `hk.transform`. `observer`, if given, is
   called once per module method call with the cast inputs and outputs.
   Every `hk.Linear` and `hk.Conv2D` called inside, stock or haiku_mp's, runs
-  its matmul as `precision.dots` says (`half_dot.intercepted`).
+  its matmul as `precision.dots` says (`matmul_modules.intercepted`).
 
   Example:
     with haiku_mp.apply_precision(precision):
@@ -412,7 +413,7 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
         stack.append(rule.policy)
         ctx.callback(stack.pop)
         args, kwargs = rule.policy.cast_to_compute((args, kwargs))
-      out = half_dot.intercepted(dots, next_f, args, kwargs, context)
+      out = matmul_modules.intercepted(dots, next_f, args, kwargs, context)
       if rule is not None:
         out = rule.policy.cast_to_output(out)
       if observer is not None:

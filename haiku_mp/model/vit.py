@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from haiku_mp import errors
 from haiku_mp.model import dropout
 from haiku_mp.model import half_dot
+from haiku_mp.model import matmul_modules
 from haiku_mp.model import remat as remat_lib
 
 
@@ -56,10 +57,11 @@ class PatchEmbed(hk.Module):
     self.init = init
 
   def __call__(self, images: jax.Array) -> jax.Array:
-    x = half_dot.Conv2D(self.embed_dim, dots=self.dots,
-                        kernel_shape=self.patch_size, stride=self.patch_size,
-                        padding='VALID', w_init=PATCH_INITS[self.init](),
-                        name='conv')(images)
+    x = matmul_modules.Conv2D(self.embed_dim, dots=self.dots,
+                              kernel_shape=self.patch_size,
+                              stride=self.patch_size, padding='VALID',
+                              w_init=PATCH_INITS[self.init](),
+                              name='conv')(images)
     batch, height, width, dim = x.shape
     return x.reshape(batch, height * width, dim)
 
@@ -81,7 +83,8 @@ class Attention(hk.Module):
     head_dim = dim // self.num_heads
 
     def project(name):
-      y = half_dot.Linear(dim, self.dots, w_init=_linear_init(), name=name)(x)
+      y = matmul_modules.Linear(dim, self.dots, w_init=_linear_init(),
+                                name=name)(x)
       return y.reshape(batch, tokens, self.num_heads, head_dim)
 
     q, k, v = project('query'), project('key'), project('value')
@@ -91,8 +94,8 @@ class Attention(hk.Module):
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = self.dots.einsum('bhqk,bkhd->bqhd', weights, v)
     out = out.reshape(batch, tokens, dim)
-    return half_dot.Linear(dim, self.dots, w_init=_linear_init(),
-                           name='out')(out)
+    return matmul_modules.Linear(dim, self.dots, w_init=_linear_init(),
+                                 name='out')(out)
 
 
 class MlpBlock(hk.Module):
@@ -108,10 +111,11 @@ class MlpBlock(hk.Module):
 
   def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
     dim = x.shape[-1]
-    y = half_dot.Linear(self.mlp_dim, self.dots, w_init=_linear_init(),
-                        name='fc1')(x)
+    y = matmul_modules.Linear(self.mlp_dim, self.dots,
+                              w_init=_linear_init(), name='fc1')(x)
     y = _dropout(jax.nn.gelu(y), self.dropout_rate, is_training)
-    y = half_dot.Linear(dim, self.dots, w_init=_linear_init(), name='fc2')(y)
+    y = matmul_modules.Linear(dim, self.dots, w_init=_linear_init(),
+                              name='fc2')(y)
     return _dropout(y, self.dropout_rate, is_training)
 
 
@@ -238,8 +242,8 @@ class VisionTransformer(hk.Module):
       x = remat_lib.wrap(block, self.remat, static_argnums=(1,))(
           x, is_training)
     x = _layer_norm('ln_final', self.layer_norm_epsilon)(x[:, 0])
-    return half_dot.Linear(self.num_classes, self.dots, w_init=jnp.zeros,
-                           name='head')(x)
+    return matmul_modules.Linear(self.num_classes, self.dots,
+                                 w_init=jnp.zeros, name='head')(x)
 
 
 MODEL_CLASS = VisionTransformer.__name__
