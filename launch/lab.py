@@ -38,6 +38,7 @@ from ml_collections import config_flags
 from haiku_mp.advisor import advisor_files
 from haiku_mp.advisor import driver as advisor
 from haiku_mp import errors
+from haiku_mp.measure import run_inputs
 from haiku_mp.measure import variants
 from haiku_mp.report import report
 from haiku_mp.studies import dot_algorithms
@@ -182,8 +183,8 @@ def _rounding():
   config = _CONFIG.value
   if _CHECKPOINT.value:
     given = config_flags.get_override_values(flags.FLAGS['config'])
-    config = advisor.with_run_config(config, _CHECKPOINT.value, given,
-                                     log=_log, command='rounding')
+    config = run_inputs.with_run_config(config, _CHECKPOINT.value, given,
+                                        log=_log, command='rounding')
   result = lost_updates.run(config, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
                         _BATCHES.value, log=_log)
   print(lost_updates.table(result), flush=True)
@@ -233,7 +234,8 @@ def _advise():
   config = _CONFIG.value
   if _CHECKPOINT.value:
     given = config_flags.get_override_values(flags.FLAGS['config'])
-    config = advisor.with_run_config(config, _CHECKPOINT.value, given, log=_log)
+    config = run_inputs.with_run_config(config, _CHECKPOINT.value, given,
+                                        log=_log)
   result = advisor.run(config, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
                       _BATCHES.value, _LEVEL.value, _STEPS.value, log=_log)
   for path in advisor_files.write(result, _OUT.value):

@@ -24,8 +24,8 @@ from typing import Any, Callable
 import ml_collections
 import numpy as np
 
-from haiku_mp.advisor import driver as advisor
 from haiku_mp import errors
+from haiku_mp.measure import run_inputs
 from haiku_mp.measure import run_plots
 from haiku_mp.measure import variants
 from haiku_mp.train import experiment
@@ -54,8 +54,8 @@ def run_row(config: ml_collections.ConfigDict, workdir: str,
   except (OSError, ValueError) as e:
     raise errors.ConfigError(f'--workdirs: {path} cannot be read ({e}); '
                              'the ladder takes finished runs') from None
-  config = advisor.with_run_config(config, workdir, log=log,
-                                   command='ladder')
+  config = run_inputs.with_run_config(config, workdir, log=log,
+                                      command='ladder')
   name = variants.variant_name(config)
   if name not in MATMUL_BYTES:
     raise errors.ConfigError(f'--workdirs: {workdir} is a {name} run; the '

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import settings as advisor_settings
 from haiku_mp import errors
 from haiku_mp.measure import charts
+from haiku_mp.measure import run_inputs
 from haiku_mp.measure import run_plots
 from haiku_mp.parallel import sharding
 from haiku_mp.train import experiment
@@ -90,18 +90,19 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   if num_batches < 1:
     raise errors.ConfigError(f'--batches={num_batches} must be at least 1')
   exp = experiment.build(config)
-  state, step, source = advisor.initial_state(exp, checkpoint,
-                                              checkpoint_step)
+  state, step, source = run_inputs.initial_state(exp, checkpoint,
+                                                 checkpoint_step)
   # From init, the run's own steps first (`advisor.init_steps`): a ViT's
   # zero head gives the rest no gradient at step 0.
   init_steps = (0 if checkpoint else
                 advisor_settings.parse(config.advisor).init_steps)
-  batches = advisor.training_batches(config, init_steps + num_batches, step)
+  batches = run_inputs.training_batches(config, init_steps + num_batches,
+                                        step)
   for batch in batches[:init_steps]:
     state, _ = exp.strategy.train_step(state, exp.strategy.place_batch(batch))
   if init_steps:
     source += f' + {init_steps} steps'
-  inputs = advisor.model_inputs(exp, batches[init_steps:], config.seed)
+  inputs = run_inputs.model_inputs(exp, batches[init_steps:], config.seed)
   _, trained = step_lib.split_fp8(state.params)
 
   @jax.jit
