@@ -28,7 +28,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from haiku_mp.model import fp8_scales
@@ -45,15 +44,15 @@ class Format:
 
   @property
   def max(self) -> float:
-    return float(ml_dtypes.finfo(self.dtype).max)
+    return float(jnp.finfo(self.dtype).max)
 
   @property
   def smallest_normal(self) -> float:
-    return float(ml_dtypes.finfo(self.dtype).smallest_normal)
+    return float(jnp.finfo(self.dtype).smallest_normal)
 
   @property
   def smallest_subnormal(self) -> float:
-    return float(ml_dtypes.finfo(self.dtype).smallest_subnormal)
+    return float(jnp.finfo(self.dtype).smallest_subnormal)
 
 
 FLOAT16 = Format('float16', jnp.float16)
@@ -70,7 +69,7 @@ def round_to(x: jax.Array, fmt: Format) -> jax.Array:
   x = x.astype(jnp.float32)
   if fmt.saturates:
     return fp8_scales.quantize(x, fmt.dtype, 1.0).astype(jnp.float32)
-  finfo = ml_dtypes.finfo(fmt.dtype)
+  finfo = jnp.finfo(fmt.dtype)
   rounded = jax.lax.reduce_precision(x, finfo.nexp, finfo.nmant)
   if fmt is not FLOAT16:
     return rounded
