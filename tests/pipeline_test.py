@@ -18,6 +18,7 @@ import numpy as np
 
 from haiku_mp.data import npz_source
 from haiku_mp.data import pipeline
+from haiku_mp.data import prefetch
 from haiku_mp.data import sampling
 from haiku_mp.data import tfds_source
 from haiku_mp.privacy import dp_sgd
@@ -199,7 +200,7 @@ class DevicePrefetchTest(absltest.TestCase):
       placed_by.add(threading.get_ident())
       return batch * 10
 
-    with pipeline.DevicePrefetch(iter(range(7)), place, 2) as batches:
+    with prefetch.DevicePrefetch(iter(range(7)), place, 2) as batches:
       self.assertEqual(list(batches), [i * 10 for i in range(7)])
       self.assertEqual(list(batches), [])  # Ended, and stays ended.
     self.assertLen(placed_by, 1)
@@ -211,7 +212,7 @@ class DevicePrefetchTest(absltest.TestCase):
       yield 1
       raise pipeline.DataError('batch 2 is unreadable')
 
-    with pipeline.DevicePrefetch(batches(), lambda b: b, 1) as fed:
+    with prefetch.DevicePrefetch(batches(), lambda b: b, 1) as fed:
       self.assertEqual([next(fed), next(fed)], [0, 1])
       with self.assertRaisesRegex(pipeline.DataError, 'batch 2'):
         next(fed)
@@ -225,7 +226,7 @@ class DevicePrefetchTest(absltest.TestCase):
         made.append(i)
         yield i
 
-    fed = pipeline.DevicePrefetch(endless(), lambda b: b, 2)
+    fed = prefetch.DevicePrefetch(endless(), lambda b: b, 2)
     with fed:
       self.assertEqual(next(fed), 0)
     self.assertFalse(any(t.name == 'haiku_mp-prefetch' and t.is_alive()
@@ -240,7 +241,7 @@ class DevicePrefetchTest(absltest.TestCase):
     batches = functools.partial(pipeline.train_batches, config.seed,
                                 config.batch_size, split, pipeline.Shard(), 3)
     direct = batches()
-    with pipeline.DevicePrefetch(batches(), lambda b: b, 2) as fed:
+    with prefetch.DevicePrefetch(batches(), lambda b: b, 2) as fed:
       for _ in range(10):
         got, want = next(fed), next(direct)
         np.testing.assert_array_equal(got['image'], want['image'])

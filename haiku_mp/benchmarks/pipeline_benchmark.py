@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from haiku_mp.data import pipeline
+from haiku_mp.data import prefetch
 from haiku_mp.measure import machine
 from haiku_mp.measure import timing
 from haiku_mp.train import experiment
@@ -66,7 +67,7 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   state = strategy.init_state()
   fixed = strategy.place_batch(next(batches))
   step = strategy.train_step.lower(state, fixed).compile()
-  with pipeline.DevicePrefetch(batches, strategy.place_batch,
+  with prefetch.DevicePrefetch(batches, strategy.place_batch,
                                config.data.prefetch_batches) as fed:
     feeds = dict(device_batch=iter(lambda: fixed, None), pipeline_fed=fed)
     # Warm-up.

@@ -4,7 +4,7 @@ import time
 from typing import Optional
 
 
-from haiku_mp.data import pipeline
+from haiku_mp.data import prefetch
 from haiku_mp.train import console_lines
 from haiku_mp.train import in_flight
 
@@ -61,7 +61,7 @@ class Evaluator:
     label = label or split_name
     exp = self._exp
     start = time.perf_counter()
-    with pipeline.DevicePrefetch(
+    with prefetch.DevicePrefetch(
         exp.eval_batches(getattr(self._splits, split_name), self._shard),
         exp.strategy.place_batch, exp.settings.data.prefetch_batches
     ) as batches, in_flight.InFlight(

@@ -15,6 +15,7 @@ import jax
 import ml_collections
 
 from haiku_mp.data import pipeline
+from haiku_mp.data import prefetch
 from haiku_mp.model import meta_params
 from haiku_mp.parallel import sharding
 from haiku_mp.train import checkpoint as checkpoint_lib
@@ -210,7 +211,7 @@ def _train_batches(run: _Run):
   local_batch_shards = strategy.batch_devices // jax.process_count()
   tag = lambda batch: run.interruption.tag(batch, strategy.place_batch,
                                            local_batch_shards)
-  batches = run.stack.enter_context(pipeline.DevicePrefetch(
+  batches = run.stack.enter_context(prefetch.DevicePrefetch(
       exp.train_batches(run.splits.train, run.shard, run.start_step),
       strategy.place_batch, exp.settings.data.prefetch_batches))
   first = next(batches)
