@@ -102,6 +102,7 @@ class AdvisorSettingsTest(parameterized.TestCase):
       advisor_settings.parse(advisor)
 
 
+@helpers.long_running
 class AdvisorTest(absltest.TestCase):
 
   @classmethod
