@@ -195,7 +195,6 @@ class BlocksTest(parameterized.TestCase):
                                   np.asarray(fp4_blocks.mxfp4(x.T)).T)
 
 
-@helpers.long_running
 class MatmulTest(parameterized.TestCase):
 
   def _operands(self):

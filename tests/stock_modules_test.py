@@ -134,7 +134,6 @@ def _pairs(dots) -> collections.Counter:
   return pairs
 
 
-@helpers.long_running
 class StockModulesTest(parameterized.TestCase):
 
   # Per model, the dots of its hk.Linear (and patch-embedding hk.Conv2D)

@@ -102,7 +102,6 @@ class AdvisorSettingsTest(parameterized.TestCase):
       advisor_settings.parse(advisor)
 
 
-@helpers.long_running
 class AdvisorTest(absltest.TestCase):
 
   @classmethod

@@ -53,7 +53,6 @@ def page_code(path: str = PAGE) -> str:
   return blocks[0]
 
 
-@helpers.long_running
 class YourModelPageTest(absltest.TestCase):
 
   @classmethod
