@@ -354,7 +354,8 @@ class LadderTest(absltest.TestCase):
             holder = holder[part]
           holder[field] = value
         workdir = os.path.join(root, name)
-        os.makedirs(os.path.join(workdir, 'checkpoints'))
+        # The ladder reads a run's two files; its checkpoints may be gone.
+        os.makedirs(workdir)
         with open(os.path.join(workdir, 'config.json'), 'w') as f:
           f.write(config.to_json_best_effort())
         with open(os.path.join(workdir, 'summary.json'), 'w') as f:
@@ -379,6 +380,15 @@ class LadderTest(absltest.TestCase):
     with self.assertRaisesRegex(errors.ConfigError,
                                 'summary.json cannot be read'):
       ladder.run(base, ['/nonexistent'], log=lambda _: None)
+    # Without its config.json a run is never counted as --config's variant.
+    with tempfile.TemporaryDirectory() as workdir:
+      os.makedirs(os.path.join(workdir, 'checkpoints'))
+      with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+        json.dump(dict(test_accuracy=0.5), f)
+      with self.assertRaisesRegex(
+          errors.ConfigError, r'^--workdirs: no .*config\.json; the ladder '
+          r"reads each run's precision from it$"):
+        ladder.run(base, [workdir], log=lambda _: None)
 
 
 @helpers.long_running

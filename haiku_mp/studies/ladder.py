@@ -55,7 +55,7 @@ def run_row(config: ml_collections.ConfigDict, workdir: str,
     raise errors.ConfigError(f'--workdirs: {path} cannot be read ({e}); '
                              'the ladder takes finished runs') from None
   config = run_inputs.with_run_config(config, workdir, log=log,
-                                      command='ladder')
+                                      command='ladder', needs_config=True)
   name = variants.variant_name(config)
   if name not in MATMUL_BYTES:
     raise errors.ConfigError(f'--workdirs: {workdir} is a {name} run; the '
