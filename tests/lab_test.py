@@ -338,6 +338,10 @@ class LadderTest(absltest.TestCase):
     runs = (('bf16_s0', 0, {}, 0.60), ('bf16_s1', 1, {}, 0.62),
             ('nvfp4', 0, {'precision.fp8.modules': '*/encoder_block_*',
                           'precision.fp8.format': 'nvfp4'}, 0.58),
+            ('nvfp4_ablation', 0,
+             {'precision.fp8.modules': '*/encoder_block_*',
+              'precision.fp8.format': 'nvfp4', 'precision.fp8.hadamard': False,
+              'precision.fp8.keep_fp8': '*/encoder_block_0'}, 0.57),
             ('state8', 0, {'precision.policy': 'p=bf16,c=bf16,o=f32',
                            'precision.param_update': 'stochastic',
                            'precision.mu_dtype': 'float8_blocks',
@@ -365,10 +369,16 @@ class LadderTest(absltest.TestCase):
       result = ladder.run(base, workdirs, log=lambda _: None)
       paths = ladder.plot(result, root)
       self.assertTrue(os.path.getsize(paths[0]))
+    # A run off the 4-bit recipe is a variant of its own, not a seed.
+    ablation = 'nvfp4 (no Hadamard, fp8 in */encoder_block_0)'
     self.assertEqual([r['variant'] for r in result['runs']],
-                     ['bfloat16', 'bfloat16', 'nvfp4', 'pure_bf16_8bit'])
+                     ['bfloat16', 'bfloat16', 'nvfp4', ablation,
+                      'pure_bf16_8bit'])
     means = {m['variant']: m for m in result['variants']}
     self.assertEqual(means['bfloat16']['seeds'], 2)
+    self.assertEqual((means['nvfp4']['seeds'], means[ablation]['seeds']),
+                     (1, 1))
+    self.assertAlmostEqual(means[ablation]['test_accuracy'], 0.57)
     self.assertAlmostEqual(means['bfloat16']['test_accuracy'], 0.61)
     self.assertEqual(means['nvfp4']['matmul_bytes'], 0.5625)
     self.assertEqual(means['nvfp4']['state_bytes'],

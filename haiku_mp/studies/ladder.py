@@ -13,7 +13,10 @@ accuracy against what its precision keeps per parameter, in two ways:
 
 Runs of the same variant (`variants.variant_name`: dtype, fp8 scaling, 4-bit
 format or state layout) are its seeds: their mean is the point, each run a
-dot beside it.
+dot beside it. A 4-bit run with a part of NVIDIA's recipe switched off, or
+with Linears kept in fp8, is a variant of its own ('nvfp4 (no Hadamard)'),
+never a seed of the recipe's defaults; its bytes per weight are its
+format's, those of the Linears it keeps in 4 bits.
 """
 
 import collections
@@ -56,10 +59,11 @@ def run_row(config: ml_collections.ConfigDict, workdir: str,
                              'the ladder takes finished runs') from None
   config = run_inputs.with_run_config(config, workdir, log=log,
                                       command='ladder', needs_config=True)
-  name = variants.variant_name(config)
-  if name not in MATMUL_BYTES:
-    raise errors.ConfigError(f'--workdirs: {workdir} is a {name} run; the '
+  base = variants.variant_name(config)
+  if base not in MATMUL_BYTES:
+    raise errors.ConfigError(f'--workdirs: {workdir} is a {base} run; the '
                              f'ladder knows {tuple(MATMUL_BYTES)}')
+  name = base + _departures(config.precision.fp8, base)
   state = experiment.build_without_data(config).abstract_state
   per = state_layout.per_parameter(state_layout.bytes_by_part(state),
                                    state_layout.param_count(state))
@@ -67,8 +71,24 @@ def run_row(config: ml_collections.ConfigDict, workdir: str,
               variant=name, seed=config.seed,
               test_accuracy=summary['test_accuracy'],
               ema_test_accuracy=summary.get('ema_test_accuracy'),
-              matmul_bytes=MATMUL_BYTES[name],
+              matmul_bytes=MATMUL_BYTES[base],
               state_bytes=sum(per[p] for p in _STATE_PARTS))
+
+
+# The 4-bit recipe's parts a run may switch off, as the ladder names them.
+_FP4_PARTS = (('two_d_weights', '1-D weight blocks'),
+              ('hadamard', 'no Hadamard'),
+              ('stochastic_gradients', 'nearest gradients'))
+
+
+def _departures(fp8: ml_collections.ConfigDict, base: str) -> str:
+  """' (no Hadamard, ...)': where a 4-bit run leaves NVIDIA's recipe."""
+  if base not in variants.FP4_VARIANTS:
+    return ''
+  parts = [label for field, label in _FP4_PARTS if not fp8[field]]
+  if fp8.keep_fp8.strip():
+    parts.append(f'fp8 in {fp8.keep_fp8}')
+  return f' ({", ".join(parts)})' if parts else ''
 
 
 def run(config: ml_collections.ConfigDict, workdirs: list[str],
