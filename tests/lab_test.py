@@ -399,6 +399,11 @@ class LadderTest(absltest.TestCase):
           errors.ConfigError, r'^--workdirs: no .*config\.json; the ladder '
           r"reads each run's precision from it$"):
         ladder.run(base, [workdir], log=lambda _: None)
+      with open(os.path.join(workdir, 'config.json'), 'w') as f:
+        f.write('{')
+      with self.assertRaisesRegex(
+          errors.ConfigError, r'^--workdirs: .*config\.json cannot be read '):
+        ladder.run(base, [workdir], log=lambda _: None)
 
 
 @helpers.long_running

@@ -25,30 +25,33 @@ from haiku_mp.train import run_dir
 def with_run_config(config: ml_collections.ConfigDict, workdir: str,
                     given: Collection[str] = (),
                     log: Callable[[str], None] = print,
-                    command: str = 'advise',
-                    needs_config: bool = False) -> ml_collections.ConfigDict:
+                    command: str = 'advise') -> ml_collections.ConfigDict:
   """`config` with every field of the run in `workdir` (its config.json, as
   launch.train wrote it: model, data, batch size, precision, loss scale,
   optimizer; what restores its checkpoint and draws its batches), except the
   dotted fields in `given` (set on the command line, they win). A workdir
-  without config.json leaves `config` as it is, and says so; with
-  `needs_config` (a study that reads only the run's files, no checkpoint:
-  the run's precision must be its own, never --config's) it is an error."""
+  without config.json leaves `config` as it is, and says so."""
   path = os.path.join(workdir, run_dir.CONFIG_FILE)
-  if needs_config:
-    if not os.path.exists(path):
-      raise errors.ConfigError(f'--workdirs: no {path}; the {command} reads '
-                               'each run\'s precision from it')
-  elif not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
     return config  # Not a run: `run` says so before anything is done.
-  elif not os.path.exists(path):
+  if not os.path.exists(path):
     log(f'{command}: no {path}; the config is --config\'s')
     return config
+  return merged_config(config, path, f'--checkpoint={workdir}', given, log,
+                       command)
+
+
+def merged_config(config: ml_collections.ConfigDict, path: str, flag: str,
+                  given: Collection[str] = (),
+                  log: Callable[[str], None] = print,
+                  command: str = 'advise') -> ml_collections.ConfigDict:
+  """`config` with every field of the config.json at `path` except those in
+  `given`; `flag`, the setting that named the run, heads the one-line error
+  when the file cannot be read."""
   try:
     with open(path) as f:
       saved = run_dir.flat_settings(json.load(f))
   except (OSError, ValueError) as e:
-    flag = '--workdirs' if needs_config else f'--checkpoint={workdir}'
     raise errors.ConfigError(f'{flag}: {path} cannot be read ({e})') from None
   tree = config.to_dict()
   for key, value in saved.items():

@@ -32,9 +32,9 @@ from haiku_mp.measure import run_inputs
 from haiku_mp.measure import run_plots
 from haiku_mp.measure import variants
 from haiku_mp.train import experiment
+from haiku_mp.train import run_dir
 from haiku_mp.train import state_layout
 
-SUMMARY_FILE = 'summary.json'
 # The parts of `state_layout.PARTS` the ladder counts as the state.
 _STATE_PARTS = ('params', 'master', 'mu', 'nu', 'compensation')
 # Bytes per weight a GEMM reads, per variant: the format's bits and its
@@ -50,15 +50,20 @@ MATMUL_BYTES = {
 def run_row(config: ml_collections.ConfigDict, workdir: str,
             log: Callable[[str], None] = print) -> dict[str, Any]:
   """One finished run: its variant, seed, test accuracies and bytes."""
-  path = os.path.join(workdir, SUMMARY_FILE)
+  path = os.path.join(workdir, run_dir.SUMMARY_FILE)
   try:
     with open(path) as f:
       summary = json.load(f)
   except (OSError, ValueError) as e:
     raise errors.ConfigError(f'--workdirs: {path} cannot be read ({e}); '
                              'the ladder takes finished runs') from None
-  config = run_inputs.with_run_config(config, workdir, log=log,
-                                      command='ladder', needs_config=True)
+  # The run's precision is its own, never --config's: config.json is needed.
+  path = os.path.join(workdir, run_dir.CONFIG_FILE)
+  if not os.path.exists(path):
+    raise errors.ConfigError(f'--workdirs: no {path}; the ladder reads each '
+                             'run\'s precision from it')
+  config = run_inputs.merged_config(config, path, '--workdirs', log=log,
+                                    command='ladder')
   base = variants.variant_name(config)
   if base not in MATMUL_BYTES:
     raise errors.ConfigError(f'--workdirs: {workdir} is a {base} run; the '
