@@ -329,6 +329,22 @@ def _moment_bytes(config, kind: str, count: int) -> int:
 
 class LadderTest(absltest.TestCase):
 
+  def test_close_labels_are_spread_apart_and_far_ones_stay(self):
+    """Labels of close points (the same bytes, or within a tick's ratio)
+    end at least a gap apart, in the points' order, centred on them; a
+    point alone keeps its height."""
+    xs = [2.0, 2.0, 2.0, 0.5625, 0.53125, 4.0]
+    ys = [65.00, 64.88, 64.86, 63.73, 63.70, 65.07]
+    heights = ladder.label_heights(xs, ys, gap=0.12)
+    np.testing.assert_allclose(heights[3:5], [63.775, 63.655])
+    self.assertEqual(heights[5], 65.07)
+    near = [heights[2], heights[1], heights[0]]  # Ascending accuracy.
+    np.testing.assert_array_less(0.12 - 1e-9, np.diff(near))
+    self.assertAlmostEqual(np.mean(near), np.mean(ys[:3]))
+    # Points already a gap apart are not moved.
+    self.assertEqual(ladder.label_heights([1.0, 1.0], [60.0, 61.0], 0.5),
+                     [60.0, 61.0])
+
   def test_runs_become_points_of_accuracy_and_bytes(self):
     """Three finished runs (their config.json and summary.json): two seeds
     of bfloat16 make one point, their mean; 4 bits and 8-bit moments are
