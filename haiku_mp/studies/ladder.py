@@ -20,10 +20,12 @@ format's, those of the Linears it keeps in 4 bits.
 """
 
 import collections
+import itertools
 import json
 import os
 from typing import Any, Callable
 
+from matplotlib import colormaps
 import ml_collections
 import numpy as np
 
@@ -131,9 +133,10 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
     heights = label_heights([m[key] for m in result['variants']],
                             [100 * m['test_accuracy']
                              for m in result['variants']], gap)
-    for m, height in zip(result['variants'], heights):
+    for m, height, color in zip(result['variants'], heights,
+                                itertools.cycle(_COLORS)):
       runs = [r for r in result['runs'] if r['variant'] == m['variant']]
-      line = ax.plot([m[key]], [100 * m['test_accuracy']], 'o',
+      line = ax.plot([m[key]], [100 * m['test_accuracy']], 'o', color=color,
                      label=m['variant'])[0]
       ax.plot([r[key] for r in runs], [100 * r['test_accuracy'] for r in runs],
               '.', color=line.get_color(), alpha=0.5)
@@ -169,6 +172,10 @@ def _spaced(ticks: list[float]) -> list[float]:
       kept.append(t)
   return kept
 
+
+# Twenty colours, the ten strong ones first: the ladder has more variants
+# than matplotlib's cycle of ten (float32 and NVFP4 shared its blue).
+_COLORS = colormaps['tab20'].colors[0::2] + colormaps['tab20'].colors[1::2]
 
 # A label's height, as a share of the accuracies' span: about one line of
 # 8-point text on the figure's 4.8-inch panels. Labels sit this ratio to the
