@@ -125,11 +125,11 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   mean), a dot per run."""
   path = os.path.join(out_dir, 'precision_ladder.png')
   fig, axes = run_plots.figure(1, 2, figsize=(13, 4.8), sharey=True)
+  shown = [100 * r['test_accuracy'] for r in result['runs']]
+  gap = _LABEL_GAP * max(max(shown) - min(shown), 1.0)
   for ax, key, label in (
       (axes[0], 'matmul_bytes', 'the matmul: bytes per weight'),
       (axes[1], 'state_bytes', 'the training state: bytes per parameter')):
-    shown = [100 * r['test_accuracy'] for r in result['runs']]
-    gap = _LABEL_GAP * max(max(shown) - min(shown), 1.0)
     heights = label_heights([m[key] for m in result['variants']],
                             [100 * m['test_accuracy']
                              for m in result['variants']], gap)
@@ -164,13 +164,21 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
 _TICK_RATIO = 1.25
 
 
+def _clusters(xs: list[float]) -> list[list[int]]:
+  """The indices of `xs` in increasing x, grouped: a group holds the x
+  within `_TICK_RATIO` of its first (the smallest)."""
+  groups = []
+  for i in sorted(range(len(xs)), key=lambda i: xs[i]):
+    if groups and xs[i] / xs[groups[-1][0]] < _TICK_RATIO:
+      groups[-1].append(i)
+    else:
+      groups.append([i])
+  return groups
+
+
 def _spaced(ticks: list[float]) -> list[float]:
-  """`ticks` without those within `_TICK_RATIO` of the one kept before."""
-  kept = []
-  for t in ticks:
-    if not kept or t / kept[-1] >= _TICK_RATIO:
-      kept.append(t)
-  return kept
+  """The smallest of each cluster of `ticks`: one label per cluster."""
+  return [ticks[group[0]] for group in _clusters(ticks)]
 
 
 # Twenty colours, the ten strong ones first: the ladder has more variants
@@ -192,16 +200,7 @@ def label_heights(xs: list[float], ys: list[float],
   where it is told: the ladder's close points (float16 beside
   `pure_bf16_8bit`, NVFP4 beside MXFP4) printed over each other."""
   heights = list(ys)
-  order = sorted(range(len(xs)), key=lambda i: xs[i])
-  groups, group = [], []
-  for i in order:
-    if group and xs[i] / xs[group[0]] >= _TICK_RATIO:
-      groups.append(group)
-      group = []
-    group.append(i)
-  if group:
-    groups.append(group)
-  for group in groups:
+  for group in _clusters(xs):
     group.sort(key=lambda i: ys[i])
     # Order kept and gaps met: label k sits at z_k + k * gap for the
     # non-decreasing z nearest to y_k - k * gap (pool adjacent violators).
