@@ -346,9 +346,10 @@ class LadderTest(absltest.TestCase):
                      [60.0, 61.0])
 
   def test_runs_become_points_of_accuracy_and_bytes(self):
-    """Three finished runs (their config.json and summary.json): two seeds
-    of bfloat16 make one point, their mean; 4 bits and 8-bit moments are
-    placed by what they keep."""
+    """Finished runs (their config.json and summary.json): two seeds of
+    bfloat16 make one point, their mean; 4 bits and 8-bit moments are placed
+    by what they keep, a 4-bit run with Linears kept in fp8 by the mean of
+    its Linears' bytes."""
     base = helpers.tiny_config('params=float32,compute=bfloat16,'
                                'output=float32')
     runs = (('bf16_s0', 0, {}, 0.60), ('bf16_s1', 1, {}, 0.62),
@@ -357,7 +358,12 @@ class LadderTest(absltest.TestCase):
             ('nvfp4_ablation', 0,
              {'precision.fp8.modules': '*/encoder_block_*',
               'precision.fp8.format': 'nvfp4', 'precision.fp8.hadamard': False,
-              'precision.fp8.keep_fp8': '*/encoder_block_0'}, 0.57),
+              'precision.fp8.keep_fp8': '*/mlp_block/*'}, 0.57),
+            # As many Linears kept in fp8, other ones: not the same variant.
+            ('nvfp4_other_kept', 0,
+             {'precision.fp8.modules': '*/encoder_block_*',
+              'precision.fp8.format': 'nvfp4', 'precision.fp8.hadamard': False,
+              'precision.fp8.keep_fp8': '*/query;*/key'}, 0.56),
             ('state8', 0, {'precision.policy': 'p=bf16,c=bf16,o=f32',
                            'precision.param_update': 'stochastic',
                            'precision.mu_dtype': 'float8_blocks',
@@ -386,9 +392,10 @@ class LadderTest(absltest.TestCase):
       paths = ladder.plot(result, root)
       self.assertTrue(os.path.getsize(paths[0]))
     # A run off the 4-bit recipe is a variant of its own, not a seed.
-    ablation = 'nvfp4 (no Hadamard, fp8 in */encoder_block_0)'
+    ablation = 'nvfp4 (no Hadamard, 2 of 6 Linears in fp8) [A]'
+    other = 'nvfp4 (no Hadamard, 2 of 6 Linears in fp8) [B]'
     self.assertEqual([r['variant'] for r in result['runs']],
-                     ['bfloat16', 'bfloat16', 'nvfp4', ablation,
+                     ['bfloat16', 'bfloat16', 'nvfp4', ablation, other,
                       'pure_bf16_8bit'])
     means = {m['variant']: m for m in result['variants']}
     self.assertEqual(means['bfloat16']['seeds'], 2)
@@ -397,6 +404,13 @@ class LadderTest(absltest.TestCase):
     self.assertAlmostEqual(means[ablation]['test_accuracy'], 0.57)
     self.assertAlmostEqual(means['bfloat16']['test_accuracy'], 0.61)
     self.assertEqual(means['nvfp4']['matmul_bytes'], 0.5625)
+    # The tiny block's MLP holds half its Linears' weights (16x32 and 32x16
+    # of 2,048), two of its attention's four 16x16 a quarter.
+    self.assertEqual(means[ablation]['matmul_bytes'], (0.5625 + 1.0) / 2)
+    self.assertEqual(means[other]['matmul_bytes'], 0.75 * 0.5625 + 0.25)
+    self.assertEqual(means[other]['fp8_kept'],
+                     ['vit/encoder_block_0/attention/query',
+                      'vit/encoder_block_0/attention/key'])
     self.assertEqual(means['nvfp4']['state_bytes'],
                      means['bfloat16']['state_bytes'])
     # float32 params and moments: 12 bytes (the tiny model's LayerNorm and

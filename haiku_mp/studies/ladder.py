@@ -14,14 +14,16 @@ accuracy against what its precision keeps per parameter, in two ways:
 Runs of the same variant (`variants.variant_name`: dtype, fp8 scaling, 4-bit
 format or state layout) are its seeds: their mean is the point, each run a
 dot beside it. A 4-bit run with a part of NVIDIA's recipe switched off, or
-with Linears kept in fp8, is a variant of its own ('nvfp4 (no Hadamard)'),
-never a seed of the recipe's defaults; its bytes per weight are its
-format's, those of the Linears it keeps in 4 bits.
+with Linears kept in fp8, is a variant of its own ('nvfp4 (no Hadamard)',
+'nvfp4 (7 of 24 Linears in fp8)'), never a seed of the recipe's defaults.
+Its bytes per weight are the mean over its low-bit Linears, weighted by
+their kernels: a Linear kept in fp8 reads fp8's byte.
 """
 
 import collections
 import itertools
 import json
+import math
 import os
 from typing import Any, Callable
 
@@ -34,6 +36,7 @@ from haiku_mp.measure import run_inputs
 from haiku_mp.measure import run_plots
 from haiku_mp.measure import variants
 from haiku_mp.train import experiment
+from haiku_mp.train import module_table
 from haiku_mp.train import run_dir
 from haiku_mp.train import state_layout
 
@@ -70,16 +73,31 @@ def run_row(config: ml_collections.ConfigDict, workdir: str,
   if base not in MATMUL_BYTES:
     raise errors.ConfigError(f'--workdirs: {workdir} is a {base} run; the '
                              f'ladder knows {tuple(MATMUL_BYTES)}')
-  name = base + _departures(config.precision.fp8, base)
-  state = experiment.build_without_data(config).abstract_state
+  exp = experiment.build_without_data(config)
+  low_bit = [r for r in module_table.module_rows(exp) if r['matmul'] != '-']
+  fp8_kept = ([r['path'] for r in low_bit if r['matmul'] != base]
+              if base in variants.FP4_VARIANTS else [])
+  state = exp.abstract_state
   per = state_layout.per_parameter(state_layout.bytes_by_part(state),
                                    state_layout.param_count(state))
   return dict(workdir=os.path.basename(os.path.normpath(workdir)),
-              variant=name, seed=config.seed,
+              variant=base + _departures(config.precision.fp8, base,
+                                         len(fp8_kept), len(low_bit)),
+              fp8_kept=fp8_kept, seed=config.seed,
               test_accuracy=summary['test_accuracy'],
               ema_test_accuracy=summary.get('ema_test_accuracy'),
-              matmul_bytes=MATMUL_BYTES[base],
+              matmul_bytes=_matmul_bytes(base, low_bit),
               state_bytes=sum(per[p] for p in _STATE_PARTS))
+
+
+def _matmul_bytes(base: str, low_bit: list[dict[str, Any]]) -> float:
+  """Bytes per weight of the run's low-bit GEMMs, weighted by their
+  kernels ('w'): a 4-bit run's Linears kept in fp8 read fp8's byte."""
+  if not low_bit:
+    return MATMUL_BYTES[base]
+  kernels = [math.prod(r['params']['w']['shape']) for r in low_bit]
+  reads = [MATMUL_BYTES[r['matmul'].replace(' ', '_')] for r in low_bit]
+  return float(np.dot(kernels, reads) / sum(kernels))
 
 
 # The 4-bit recipe's parts a run may switch off, as the ladder names them.
@@ -88,13 +106,15 @@ _FP4_PARTS = (('two_d_weights', '1-D weight blocks'),
               ('stochastic_gradients', 'nearest gradients'))
 
 
-def _departures(fp8: ml_collections.ConfigDict, base: str) -> str:
-  """' (no Hadamard, ...)': where a 4-bit run leaves NVIDIA's recipe."""
+def _departures(fp8: ml_collections.ConfigDict, base: str, kept: int,
+                low_bit: int) -> str:
+  """' (no Hadamard, ...)': where a 4-bit run leaves NVIDIA's recipe, of
+  its `low_bit` Linears `kept` in fp8 among them."""
   if base not in variants.FP4_VARIANTS:
     return ''
   parts = [label for field, label in _FP4_PARTS if not fp8[field]]
-  if fp8.keep_fp8.strip():
-    parts.append(f'fp8 in {fp8.keep_fp8}')
+  if kept:
+    parts.append(f'{kept} of {low_bit} Linears in fp8')
   return f' ({", ".join(parts)})' if parts else ''
 
 
@@ -104,17 +124,32 @@ def run(config: ml_collections.ConfigDict, workdirs: list[str],
   rows = [run_row(config, w, log) for w in workdirs]
   by_variant = collections.defaultdict(list)
   for r in rows:
-    by_variant[r['variant']].append(r)
+    by_variant[r['variant'], tuple(r['fp8_kept'])].append(r)
+  # Runs keeping as many Linears in fp8, but other ones, are told apart by
+  # a letter (the paths would fill the plot); the log names their Linears.
+  shared = collections.Counter(name for name, _ in by_variant)
+  lettered = collections.Counter()
+  for (name, _), runs in by_variant.items():
+    if shared[name] > 1:
+      letter = chr(ord('A') + lettered[name])
+      lettered[name] += 1
+      for r in runs:
+        r['variant'] = f'{name} [{letter}]'
   means = []
-  for name, runs in by_variant.items():
+  for runs in by_variant.values():
+    name = runs[0]['variant']
     accuracy = [r['test_accuracy'] for r in runs]
     means.append(dict(variant=name, seeds=len(runs),
                       test_accuracy=float(np.mean(accuracy)),
                       matmul_bytes=runs[0]['matmul_bytes'],
-                      state_bytes=runs[0]['state_bytes']))
+                      state_bytes=runs[0]['state_bytes'],
+                      fp8_kept=runs[0]['fp8_kept']))
+    kept = (f'; fp8 in {";".join(runs[0]["fp8_kept"])}'
+            if runs[0]['fp8_kept'] else '')
     log(f'ladder {name}: {100 * means[-1]["test_accuracy"]:.2f}% test over '
         f'{len(runs)} run(s), matmul {runs[0]["matmul_bytes"]:.3g} bytes per '
-        f'weight, state {runs[0]["state_bytes"]:.2f} bytes per parameter')
+        f'weight, state {runs[0]["state_bytes"]:.2f} bytes per parameter'
+        + kept)
   means.sort(key=lambda m: (-m['matmul_bytes'], -m['state_bytes']))
   return dict(experiment='ladder', runs=rows, variants=means)
 
