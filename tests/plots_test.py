@@ -152,8 +152,11 @@ class PlotsTest(absltest.TestCase):
       fig = save.call_args.args[0]
       self.assertLen(fig.axes, panels)
       self.assertEqual(fig.axes[-1].get_ylabel(),
-                       run_plots.axis_label('updates_lost') if panels == 4 else
+                       run_plots.axis_label('updates_lost', 'symmetric log')
+                       if panels == 4 else
                        run_plots.axis_label('loss_scale', 'log'))
+    # Shares from 1e-4 to 0.5 on one panel: linear only near 0.
+    self.assertEqual(fig.axes[-1].get_yscale(), 'symlog')
 
   def test_lines_that_are_not_json_are_skipped_and_named(self):
     """A run killed mid-write leaves its last line cut short: what is

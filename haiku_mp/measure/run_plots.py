@@ -49,6 +49,11 @@ FIELD_LABELS = {
 }
 # A line needs two points; a shorter series is drawn as markers alone.
 LINE_MIN_POINTS = 2
+# The share of the updates lost runs from about 1e-4 either side of 0
+# (stochastic rounding's draws) to about 0.5 in a schedule's last steps (a
+# learning rate near 0 asks for updates float32 params cannot take): on a
+# symmetric log scale, linear within this of 0, both stay readable.
+LOST_LINEAR_WITHIN = 1e-3
 NO_POINTS_TEXT = 'no points to draw'
 _DPI = 100
 
@@ -131,7 +136,7 @@ def plot_runs(runs: Mapping[str, list[dict]], out_path: str,
   panels = [('train', 'loss', ''), ('val', 'accuracy', ''),
             ('train', 'loss_scale', 'log')]
   if any('updates_lost' in e for events in runs.values() for e in events):
-    panels.append(('train', 'updates_lost', ''))
+    panels.append(('train', 'updates_lost', 'symmetric log'))
   fig, axes = figure(1, len(panels), figsize=(5 * len(panels), 4.2))
   for ax, (split, key, unit) in zip(axes, panels):
     drawn = False
@@ -149,6 +154,8 @@ def plot_runs(runs: Mapping[str, list[dict]], out_path: str,
     ax.set_ylabel(axis_label(key, unit))
     ax.grid(alpha=0.3)
   axes[2].set_yscale('log', base=2)
+  if len(panels) > 3:
+    axes[3].set_yscale('symlog', linthresh=LOST_LINEAR_WITHIN)
   legend_outside(fig)
   if title:
     fig.suptitle(title)
