@@ -108,8 +108,8 @@ _FP4_PARTS = (('two_d_weights', '1-D weight blocks'),
 
 def _departures(fp8: ml_collections.ConfigDict, base: str, kept: int,
                 low_bit: int) -> str:
-  """' (no Hadamard, ...)': where a 4-bit run leaves NVIDIA's recipe, of
-  its `low_bit` Linears `kept` in fp8 among them."""
+  """' (no Hadamard, ...)': where a 4-bit run leaves NVIDIA's recipe; a
+  run keeping `kept` of its `low_bit` Linears in fp8 is one of them."""
   if base not in variants.FP4_VARIANTS:
     return ''
   parts = [label for field, label in _FP4_PARTS if not fp8[field]]
