@@ -344,6 +344,13 @@ class LadderTest(absltest.TestCase):
     # Points already a gap apart are not moved.
     self.assertEqual(ladder.label_heights([1.0, 1.0], [60.0, 61.0], 0.5),
                      [60.0, 61.0])
+    # A long label reaches a point further along: their labels are spread.
+    apart = [1.0, 1.5]
+    self.assertEqual(ladder.label_heights(apart, [60.0, 60.1], 0.5),
+                     [60.0, 60.1])
+    np.testing.assert_allclose(
+        ladder.label_heights(apart, [60.0, 60.1], 0.5, ends=[2.0, 1.6]),
+        [59.8, 60.3])
 
   def test_runs_become_points_of_accuracy_and_bytes(self):
     """Finished runs (their config.json and summary.json): two seeds of

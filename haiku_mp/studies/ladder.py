@@ -165,9 +165,14 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
   for ax, key, label in (
       (axes[0], 'matmul_bytes', 'the matmul: bytes per weight'),
       (axes[1], 'state_bytes', 'the training state: bytes per parameter')):
-    heights = label_heights([m[key] for m in result['variants']],
-                            [100 * m['test_accuracy']
-                             for m in result['variants']], gap)
+    xs = [m[key] for m in result['variants']]
+    # Where each label ends, as a ratio along the log axis: its characters'
+    # share of the panel's width, of the x span (and the axis' margins).
+    octaves = _X_MARGINS * math.log2(max(xs) / min(xs)) / _PANEL_CHARS
+    ends = [x * _LABEL_SHIFT * 2 ** (len(m['variant']) * octaves)
+            for x, m in zip(xs, result['variants'])]
+    heights = label_heights(xs, [100 * m['test_accuracy']
+                                 for m in result['variants']], gap, ends)
     for m, height, color in zip(result['variants'], heights,
                                 itertools.cycle(_COLORS)):
       runs = [r for r in result['runs'] if r['variant'] == m['variant']]
@@ -199,21 +204,25 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
 _TICK_RATIO = 1.25
 
 
-def _clusters(xs: list[float]) -> list[list[int]]:
-  """The indices of `xs` in increasing x, grouped: a group holds the x
-  within `_TICK_RATIO` of its first (the smallest)."""
-  groups = []
+def _clusters(xs: list[float], ends: list[float]) -> list[list[int]]:
+  """The indices of `xs` in increasing x, grouped: a point joins the group
+  before it while its x is short of where a label in that group ends."""
+  groups, end = [], 0.0
   for i in sorted(range(len(xs)), key=lambda i: xs[i]):
-    if groups and xs[i] / xs[groups[-1][0]] < _TICK_RATIO:
+    if groups and xs[i] < end:
       groups[-1].append(i)
+      end = max(end, ends[i])
     else:
       groups.append([i])
+      end = ends[i]
   return groups
 
 
 def _spaced(ticks: list[float]) -> list[float]:
-  """The smallest of each cluster of `ticks`: one label per cluster."""
-  return [ticks[group[0]] for group in _clusters(ticks)]
+  """The smallest of each cluster of `ticks` (a tick's label reaching
+  `_TICK_RATIO` along): one label per cluster."""
+  return [ticks[group[0]]
+          for group in _clusters(ticks, [t * _TICK_RATIO for t in ticks])]
 
 
 # Twenty colours, the ten strong ones first: the ladder has more variants
@@ -225,17 +234,23 @@ _COLORS = colormaps['tab20'].colors[0::2] + colormaps['tab20'].colors[1::2]
 # right of their point (the x axes are log scale).
 _LABEL_GAP = 0.045
 _LABEL_SHIFT = 1.06
+# About how many 8-point characters fit across one of the figure's 13-inch
+# pair of panels, and the share matplotlib adds to an axis' data span.
+_PANEL_CHARS = 75
+_X_MARGINS = 1.1
 
 
-def label_heights(xs: list[float], ys: list[float],
-                  gap: float) -> list[float]:
+def label_heights(xs: list[float], ys: list[float], gap: float,
+                  ends: list[float] | None = None) -> list[float]:
   """Heights for labels of points (xs, ys), at least `gap` apart among
-  points whose x are within `_TICK_RATIO` of each other, moved as little as
-  can be (least squares). Written here because matplotlib places a label
+  points whose labels may meet (a label ends at its `ends` x, by default
+  `_TICK_RATIO` along), moved as little as can be (least squares). Written here because matplotlib places a label
   where it is told: the ladder's close points (float16 beside
   `pure_bf16_8bit`, NVFP4 beside MXFP4) printed over each other."""
   heights = list(ys)
-  for group in _clusters(xs):
+  if ends is None:
+    ends = [x * _TICK_RATIO for x in xs]
+  for group in _clusters(xs, ends):
     group.sort(key=lambda i: ys[i])
     # Order kept and gaps met: label k sits at z_k + k * gap for the
     # non-decreasing z nearest to y_k - k * gap (pool adjacent violators).
