@@ -244,9 +244,10 @@ def label_heights(xs: list[float], ys: list[float], gap: float,
                   ends: list[float] | None = None) -> list[float]:
   """Heights for labels of points (xs, ys), at least `gap` apart among
   points whose labels may meet (a label ends at its `ends` x, by default
-  `_TICK_RATIO` along), moved as little as can be (least squares). Written here because matplotlib places a label
-  where it is told: the ladder's close points (float16 beside
-  `pure_bf16_8bit`, NVFP4 beside MXFP4) printed over each other."""
+  `_TICK_RATIO` along), moved as little as can be (least squares).
+  Written here because matplotlib places a label where it is told: the
+  ladder's close points (float16 beside `pure_bf16_8bit`, NVFP4 beside
+  MXFP4) printed over each other."""
   heights = list(ys)
   if ends is None:
     ends = [x * _TICK_RATIO for x in xs]
