@@ -19,18 +19,22 @@ from haiku_mp.model import Linear
 from haiku_mp.model import make_precision
 from haiku_mp.model import parse_policy
 from haiku_mp.model import Precision
+from haiku_mp.update import float32_master
 from haiku_mp.update import init_train_state
 from haiku_mp.update import learning_rate_schedule
 from haiku_mp.update import LossScaler
+from haiku_mp.update import LossWithState
 from haiku_mp.update import make_classification_loss
 from haiku_mp.update import make_eval_step
 from haiku_mp.update import make_optimizer
 from haiku_mp.update import make_train_step
 from haiku_mp.update import ordinary_gradients
 from haiku_mp.update import TrainState
+from haiku_mp.update import without_master
 
-__all__ = ('Conv2D', 'Dots', 'Fp4', 'Fp8', 'Linear', 'LossScaler', 'Precision',
-           'TrainState', 'apply_precision', 'init_train_state',
-           'learning_rate_schedule', 'make_classification_loss',
-           'make_eval_step', 'make_optimizer', 'make_precision',
-           'make_train_step', 'ordinary_gradients', 'parse_policy')
+__all__ = ('Conv2D', 'Dots', 'Fp4', 'Fp8', 'Linear', 'LossScaler',
+           'LossWithState', 'Precision', 'TrainState', 'apply_precision',
+           'float32_master', 'init_train_state', 'learning_rate_schedule',
+           'make_classification_loss', 'make_eval_step', 'make_optimizer',
+           'make_precision', 'make_train_step', 'ordinary_gradients',
+           'parse_policy', 'without_master')

@@ -25,6 +25,7 @@ from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import meta_params
 from haiku_mp.model import remat
+from haiku_mp.model import stock_attention
 from haiku_mp.model.half_dot import Dots
 from haiku_mp.model.half_dot import FP8_CLASS
 from haiku_mp.model.half_dot import form_for
@@ -180,7 +181,9 @@ def intercepted(dots: Dots, next_f: Callable[..., Any], args, kwargs,
                 context: hk.MethodContext) -> Any:
   """A module method call inside `apply_precision`, its matmul as `dots`
   says: Haiku's own `hk.Linear` and `hk.Conv2D` calls (a stock module's, a
-  subclass's `super().__call__`) and haiku_mp's; any other as it is."""
+  subclass's `super().__call__`) and haiku_mp's; Haiku's
+  `hk.MultiHeadAttention` with float32 logits and softmax
+  (`stock_attention`); any other as it is."""
   module, defined_by = context.module, context.orig_class
   if context.method_name != '__call__':
     return next_f(*args, **kwargs)
@@ -197,4 +200,7 @@ def intercepted(dots: Dots, next_f: Callable[..., Any], args, kwargs,
     return linear(module, dots, next_f, *args, **kwargs)
   if defined_by is hk.ConvND and isinstance(module, hk.Conv2D):
     return conv2d(module, dots, next_f, *args, **kwargs)
+  if defined_by is hk.MultiHeadAttention:
+    return stock_attention.multi_head_attention(module, dots, next_f, *args,
+                                                **kwargs)
   return next_f(*args, **kwargs)

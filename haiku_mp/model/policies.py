@@ -43,6 +43,7 @@ Every place a dtype is decided in a step:
 
 import contextlib
 import dataclasses
+import difflib
 import fnmatch
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -59,8 +60,12 @@ from haiku_mp.model import matmul_modules
 from haiku_mp.model import meta_params
 
 LAYER_NORM_CLASS = 'LayerNorm'
+BATCH_NORM_CLASS = 'BatchNorm'
 _META = frozenset(meta_params.META_NAMES)
 _GLOB_CHARS = frozenset('*?[')
+# How alike a class or path end must be to a target to be offered for it
+# (difflib's ratio).
+_NEAREST_CUTOFF = 0.6
 
 
 class PrecisionError(errors.ConfigError):
@@ -169,6 +174,12 @@ class Precision:
   fp4: Optional[fp4_lib.Fp4] = None
   # Under `fp4`, the fp8 targets that keep fp8 (the advisor's overrides).
   fp8_kept: tuple[str, ...] = ()
+  # The model's outermost module class: every module runs inside it.
+  model_class: str = ''
+  # Whether a forward pass under `apply` has checked the targets (`check`):
+  # once, at the end of the first, as a trace of the whole model.
+  _checked: list[bool] = dataclasses.field(
+      default_factory=list, init=False, compare=False, repr=False)
 
   @property
   def dots(self) -> half_dot.Dots:
@@ -193,19 +204,13 @@ class Precision:
 
   def check_fp8(self, modules: set[tuple[str, str]]) -> None:
     """Raises unless every fp8 target selects at least one Linear among the
-    `(class, path)` modules."""
+    `(class, path)` modules, and every `keep_fp8` target one of those."""
     if self.fp8 is None:
       return
-    classes = sorted({c for c, _ in modules})
     for t in self.fp8_targets:
       selected = [(c, p) for c, p in modules if half_dot.selects((t,), c, p)]
       if not selected:
-        hint = ''
-        if not _GLOB_CHARS & set(t):
-          hint = f" (for a module path ending in it, write '*/{t}')"
-        raise PrecisionError(
-            f'precision.fp8.modules: target {t!r} matches no module class or '
-            f'module path{hint}. Classes: {", ".join(classes)}')
+        raise unmatched('precision.fp8.modules', t, modules)
       if not any(c == half_dot.FP8_CLASS for c, _ in selected):
         raise PrecisionError(
             f'precision.fp8.modules: target {t!r} selects no '
@@ -242,19 +247,57 @@ class Precision:
 
   def check_overrides(self, modules: set[tuple[str, str]]) -> None:
     """Raises unless every override matched one of `(class, path)` modules."""
-    classes = sorted({c for c, _ in modules})
-    paths = sorted({p for _, p in modules})
+    classes = {c for c, _ in modules}
+    paths = {p for _, p in modules}
     for rule in self.overrides:
       t = rule.target
-      if t in classes or any(fnmatch.fnmatchcase(p, t) for p in paths):
-        continue
-      hint = ''
-      if not _GLOB_CHARS & set(t):
-        hint = f" (to match a module path ending in it, write '*/{t}')"
-      raise PrecisionError(
-          f'precision.overrides: target {t!r} matches no module class or '
-          f'module path{hint}. Classes: {", ".join(classes)}. '
-          f'Paths start like: {", ".join(paths[:4])}, ...')
+      if t not in classes and not any(fnmatch.fnmatchcase(p, t)
+                                      for p in paths):
+        raise unmatched('precision.overrides', t, modules)
+
+  def check(self, modules: set[tuple[str, str]]) -> None:
+    """Raises one line naming the first target that matches none of the
+    `(class name, path)` modules: `model_class`, an override, an fp8 or
+    4-bit target. `apply` runs it at the end of its first forward pass;
+    call it yourself to check a precision against another model's modules.
+
+    Example:
+      precision.check({('MLP', 'mlp'), ('Linear', 'mlp/~/linear_0')})
+    """
+    if self.model_class and self.model_class not in {c for c, _ in modules}:
+      raise unmatched('model_class', self.model_class, modules,
+                      ' (its policy would reach no module: the model would '
+                      'run in float32)')
+    self.check_overrides(modules)
+    self.check_fp8(modules)
+
+
+def _nearest(target: str, modules: set[tuple[str, str]]) -> list[str]:
+  """The module classes and path ends closest in spelling to `target`, as
+  targets (a path end as a glob, '*/linear_1')."""
+  key = target.rsplit('/', 1)[-1].strip('*?')
+  classes = {c for c, _ in modules}
+  ends = {p.rsplit('/', 1)[-1] for _, p in modules} - classes
+  close = difflib.get_close_matches(key, sorted(classes | ends), n=3,
+                                    cutoff=_NEAREST_CUTOFF)
+  return [c if c in classes else f'*/{c}' for c in close]
+
+
+def unmatched(setting: str, target: str, modules: set[tuple[str, str]],
+              why: str = '') -> PrecisionError:
+  """The error for a `setting` target that matches no module: one line
+  naming it, the targets nearest to it and the model's classes."""
+  paths = {p for _, p in modules}
+  hint = ''
+  if (not _GLOB_CHARS & set(target)
+      and any(p.rsplit('/', 1)[-1] == target for p in paths)):
+    hint = f" (for a module path ending in it, write '*/{target}')"
+  nearest = _nearest(target, modules)
+  near = f' Nearest: {", ".join(nearest)}.' if nearest else ''
+  classes = ', '.join(sorted({c for c, _ in modules}))
+  return PrecisionError(
+      f'{setting}: target {target!r} matches no module class or module '
+      f'path{hint}{why}.{near} Classes: {classes}')
 
 
 RESIDUAL_STREAMS = ('compute', 'float32')
@@ -286,7 +329,8 @@ def _check_matmul_precision(name: str) -> Optional[str]:
 def make_precision(policy: PolicyLike,
                    overrides: Union[str, Mapping[Target, PolicyLike]] = '',
                    *, model_class: Target,
-                   float32_layer_norm: bool = True, matmul_precision: str = '',
+                   float32_layer_norm: bool = True,
+                   float32_batch_norm: bool = True, matmul_precision: str = '',
                    residual_stream: str = 'compute',
                    dot_form: str = 'auto',
                    fp8_modules: Union[str, Sequence[Target]] = '',
@@ -308,6 +352,8 @@ def make_precision(policy: PolicyLike,
       overrides (a target: a module class, its name, or a path glob).
     model_class: the model's top module class (or its name).
     float32_layer_norm: keep LayerNorm in float32 (output in compute dtype).
+    float32_batch_norm: keep BatchNorm in float32, its moving statistics
+      included (output in compute dtype), as Haiku's ImageNet example does.
     matmul_precision: a `jax.default_matmul_precision` name, '' for the default.
     residual_stream: 'compute' (the compute dtype) or 'float32'.
     dot_form: how matmuls with half operands run (`half_dot.FORMS`).
@@ -326,11 +372,15 @@ def make_precision(policy: PolicyLike,
   errors.check_choice('precision.residual_stream', residual_stream,
                       RESIDUAL_STREAMS, PrecisionError)
   defaults = {model_class: Rule(model_class, main, 'default')}
-  if float32_layer_norm:
-    defaults[LAYER_NORM_CLASS] = Rule(
-        LAYER_NORM_CLASS,
-        jmp.Policy(param_dtype=jnp.float32, compute_dtype=jnp.float32,
-                   output_dtype=main.compute_dtype), 'default')
+  # Normalization in float32: its statistics (and BatchNorm's moving
+  # averages, its state) in float32, its output in the compute dtype so that
+  # the next matmul runs in half precision.
+  normalized = jmp.Policy(param_dtype=jnp.float32, compute_dtype=jnp.float32,
+                          output_dtype=main.compute_dtype)
+  for keep, class_name in ((float32_layer_norm, LAYER_NORM_CLASS),
+                           (float32_batch_norm, BATCH_NORM_CLASS)):
+    if keep:
+      defaults[class_name] = Rule(class_name, normalized, 'default')
   targets = parse_targets(fp8_modules)
   if targets and jnp.dtype(main.compute_dtype) == jnp.float16:
     raise PrecisionError(
@@ -353,7 +403,8 @@ def make_precision(policy: PolicyLike,
                    residual_stream == 'float32', half_dot.check_form(dot_form),
                    half_dot.check_platform(dot_platform),
                    (fp8 or fp8_lib.Fp8()) if targets else None, targets,
-                   fp4=fp4 if targets else None, fp8_kept=kept)
+                   fp4=fp4 if targets else None, fp8_kept=kept,
+                   model_class=model_class)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,13 +437,25 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
   """
   stack: list[jmp.Policy] = []
   dots = precision.dots
+  # What the first forward pass called, for `Precision.check`: (class,
+  # path) of every module, and the calls that ran under no policy.
+  modules: set[tuple[str, str]] = set()
+  outside: list[tuple[str, str]] = []
 
   def creator(next_creator, shape, dtype, init, context):
-    # fp8 amax histories stay float32 whatever the policy
-    # (`meta_params.META_NAMES`).
+    # Params and Haiku state alike, in the policy's param dtype; fp8 amax
+    # histories stay float32 whatever the policy (`meta_params.META_NAMES`).
     if jnp.issubdtype(dtype, jnp.floating) and context.name not in _META:
       dtype = stack[-1].param_dtype
     return next_creator(shape, dtype, init)
+
+  def setter(next_setter, value, context):
+    # State keeps the dtype it was created in (`creator`): a module that
+    # computes in half precision sets it from half values.
+    del context
+    if jnp.issubdtype(jnp.result_type(value), jnp.floating):
+      value = jnp.asarray(value).astype(stack[-1].param_dtype)
+    return next_setter(value)
 
   def getter(next_getter, value, context):
     if context.name in _META:
@@ -405,11 +468,15 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
     module = context.module
     class_name = type(module).__name__
     rule = precision.rule_for(class_name, module.module_name)
+    modules.add((class_name, module.module_name))
+    if rule is None and not stack:
+      outside.append((class_name, module.module_name))
     with contextlib.ExitStack() as ctx:
       if rule is not None:
         if not stack:
-          ctx.enter_context(hk.custom_creator(creator))
+          ctx.enter_context(hk.custom_creator(creator, state=True))
           ctx.enter_context(hk.custom_getter(getter, state=True))
+          ctx.enter_context(hk.custom_setter(setter))
         stack.append(rule.policy)
         ctx.callback(stack.pop)
         args, kwargs = rule.policy.cast_to_compute((args, kwargs))
@@ -427,6 +494,25 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
       ctx.enter_context(jax.default_matmul_precision(precision.matmul_precision))
     ctx.enter_context(hk.intercept_methods(interceptor))
     yield
+  if not precision._checked:  # pylint: disable=protected-access
+    _check_first_pass(precision, modules, outside)
+    precision._checked.append(True)  # pylint: disable=protected-access
+
+
+def _check_first_pass(precision: Precision, modules: set[tuple[str, str]],
+                      outside: list[tuple[str, str]]) -> None:
+  """`precision.check` of what one forward pass called, and no module
+  called outside `model_class` (it would run under no policy)."""
+  if not modules:
+    return  # Nothing called under `apply`: nothing to check against.
+  precision.check(modules)
+  if outside and precision.model_class:
+    class_name, path = outside[0]
+    raise PrecisionError(
+        f'model_class: module {path!r} ({class_name}) is called outside '
+        f'{precision.model_class!r} and would run under no policy; make '
+        'model_class the outermost module, or give it its own rule in '
+        f"precision.overrides (e.g. '{path}:p=f32,c=bf16,o=f32')")
 
 
 def policy_str(policy: Optional[jmp.Policy]) -> str:

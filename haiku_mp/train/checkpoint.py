@@ -24,7 +24,7 @@ import dataclasses
 import os
 import re
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 from absl import logging
 import jax
@@ -45,12 +45,35 @@ class CheckpointError(errors.ConfigError):
   """No usable checkpoint where one is expected; names the directory."""
 
 
-def _to_storable(state: TrainState) -> TrainState:
-  return state._replace(rng=jax.random.key_data(state.rng))
+class _WithoutModelState(NamedTuple):
+  """A TrainState as a model without Haiku state stores it: the fields
+  checkpoints held before `TrainState.model_state`, so that those restore
+  and new ones are the same."""
+  step: Any
+  params: Any
+  opt_state: Any
+  loss_scale: Any
+  rng: Any
+  skipped_steps: Any
 
 
-def _from_storable(state: TrainState) -> TrainState:
+def _storable(state: TrainState) -> Union[TrainState, _WithoutModelState]:
+  """`state` as orbax stores it (`rng` already as key data): without its
+  `model_state` when that is empty."""
+  if state.model_state:
+    return state
+  return _WithoutModelState(*state[:len(_WithoutModelState._fields)])
+
+
+def _to_storable(state: TrainState) -> Union[TrainState, _WithoutModelState]:
+  return _storable(state._replace(rng=jax.random.key_data(state.rng)))
+
+
+def _from_storable(stored: Union[TrainState, _WithoutModelState]
+                   ) -> TrainState:
   """Keys come from `jax.random.key`: the default implementation."""
+  state = (stored if isinstance(stored, TrainState)
+           else TrainState(*stored, model_state={}))
   return state._replace(rng=jax.random.wrap_key_data(state.rng))
 
 
@@ -241,9 +264,9 @@ class Checkpointer:
     if not steps:
       return None
     key_data = jax.eval_shape(jax.random.key_data, abstract_state.rng)
-    target = abstract_state._replace(rng=jax.ShapeDtypeStruct(
+    target = _storable(abstract_state._replace(rng=jax.ShapeDtypeStruct(
         key_data.shape, key_data.dtype,
-        sharding=getattr(abstract_state.rng, 'sharding', None)))
+        sharding=getattr(abstract_state.rng, 'sharding', None))))
     failures = []
     for step in reversed(steps):
       problem, restored = self._problem(step, target)

@@ -2,16 +2,19 @@
 scaling, the optimizer on the state's layout, the step itself."""
 
 from haiku_mp.update.loss_scaling import LossScaler
+from haiku_mp.update.optimizer import float32_master
 from haiku_mp.update.optimizer import learning_rate_schedule
 from haiku_mp.update.optimizer import make_optimizer
+from haiku_mp.update.optimizer import without_master
 from haiku_mp.update.step import init_train_state
+from haiku_mp.update.step import LossWithState
 from haiku_mp.update.step import make_classification_loss
 from haiku_mp.update.step import make_eval_step
 from haiku_mp.update.step import make_train_step
 from haiku_mp.update.step import ordinary_gradients
 from haiku_mp.update.step import TrainState
 
-__all__ = ('LossScaler', 'TrainState', 'init_train_state',
-           'learning_rate_schedule', 'make_classification_loss',
-           'make_eval_step', 'make_optimizer', 'make_train_step',
-           'ordinary_gradients')
+__all__ = ('LossScaler', 'LossWithState', 'TrainState', 'float32_master',
+           'init_train_state', 'learning_rate_schedule',
+           'make_classification_loss', 'make_eval_step', 'make_optimizer',
+           'make_train_step', 'ordinary_gradients', 'without_master')

@@ -36,6 +36,26 @@ class LossScaleState(NamedTuple):
   hysteresis: jax.Array
 
 
+# A state per kind, so that a step can tell a state from another kind's
+# scaler (a 'none' state stepped with a dynamic scaler would keep a scale
+# of 1 and never say so): the class is in the pytree's structure, not in
+# its leaves, so checkpoints hold the same arrays as before.
+class NoLossScaleState(LossScaleState):
+  """The state of `LossScaler('none')`."""
+
+
+class StaticLossScaleState(LossScaleState):
+  """The state of `LossScaler('static')`."""
+
+
+class DynamicLossScaleState(LossScaleState):
+  """The state of `LossScaler('dynamic')`."""
+
+
+_STATE_TYPES = {'none': NoLossScaleState, 'static': StaticLossScaleState,
+                'dynamic': DynamicLossScaleState}
+
+
 class LossScaleError(errors.ConfigError):
   """A loss-scale setting that cannot be used; names the setting."""
 
@@ -100,9 +120,22 @@ class LossScaler:
     """The initial loss-scale state."""
     scale = 1.0 if self.kind == 'none' else self.initial
     # Distinct buffers: a donated state must not hold one array twice.
-    return LossScaleState(jnp.asarray(scale, jnp.float32),
-                          jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
-                          jnp.asarray(self.hysteresis, jnp.int32))
+    return _STATE_TYPES[self.kind](
+        jnp.asarray(scale, jnp.float32), jnp.zeros([], jnp.int32),
+        jnp.zeros([], jnp.int32), jnp.asarray(self.hysteresis, jnp.int32))
+
+  def check_state(self, state: LossScaleState, where: str) -> None:
+    """Raises one line when `state` is another kind's (`init` of a scaler
+    of another `kind`), naming `where` it was found."""
+    made_by = next((k for k, t in _STATE_TYPES.items() if type(state) is t),
+                   None)
+    if made_by != self.kind:
+      made = (f"LossScaler('{made_by}')" if made_by else
+              f'a {type(state).__name__}, not a LossScaler')
+      raise LossScaleError(
+          f"{where} was made by {made}; this step's scaler is "
+          f"LossScaler('{self.kind}'): build the state with the scaler the "
+          'step takes')
 
   def jmp_loss_scale(self, state: LossScaleState) -> jmp.LossScale:
     """jmp's loss scale for `state`, with the configured floor."""
@@ -142,8 +175,19 @@ class LossScaler:
                      jnp.maximum(state.hysteresis - 1, 0))
     held = ~grads_finite & (left > 0)
     scale = jnp.where(held, state.scale, new.loss_scale)
-    return LossScaleState(scale, new.counter, overflows,
-                          left.astype(jnp.int32))
+    return type(state)(scale, new.counter, overflows, left.astype(jnp.int32))
+
+  def check_metrics(self, step: int, metrics: dict) -> None:
+    """`check` after one train step, from its `metrics` (read on the host):
+    the trainer's guard, for a loop of your own.
+
+    Example:
+      state, metrics = train_step(state, batch)
+      scaler.check_metrics(int(state.step), metrics)
+    """
+    self.check(step, float(metrics['loss_scale']),
+               int(metrics['consecutive_skips']),
+               int(not metrics['grads_finite']))
 
   def check(self, step: int, scale: float, consecutive_skips: int,
             skipped_in_window: int) -> None:

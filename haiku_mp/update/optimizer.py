@@ -75,11 +75,17 @@ class MasterState(NamedTuple):
 
 def float32_master(inner: optax.GradientTransformation
                    ) -> optax.GradientTransformation:
-  """Runs `inner` on a float32 copy of the params, whatever their dtype.
+  """Runs any optax `inner` on a float32 copy of the params, whatever their
+  dtype: half-precision params are that copy rounded after every step, so
+  updates below their ulp are not lost. The outermost transformation, as
+  `without_master`.
 
   Apply its updates with `apply_updates` below: the new params are then exactly
   the updated float32 copy rounded to each param's dtype. (`optax.apply_updates`
   gets within rounding of that, as `params + (master - params)`.)
+
+  Example:
+    optimizer = haiku_mp.float32_master(optax.adam(1e-3, b2=0.99))
   """
   inner = optax.with_extra_args_support(inner)
 
@@ -126,14 +132,18 @@ _NO_MASTER_STATES = {'nearest': NearestState, 'stochastic': StochasticState,
 
 def without_master(inner: optax.GradientTransformation, param_update: str
                    ) -> optax.GradientTransformationExtraArgs:
-  """Runs `inner` on the params read as float32, with no float32 copy.
+  """Runs any optax `inner` on half-precision params read as float32, with
+  no float32 copy: each param is its float32 result, `param + update`,
+  rounded to its dtype by `param_update` ('nearest', 'stochastic', or
+  'kahan': to nearest after adding the compensation this state keeps).
+  float32 params in the tree (LayerNorm's, under `float32_layer_norm`)
+  simply take the float32 result. It must be the outermost transformation
+  (`make_train_step` applies its updates with `apply_updates` below and the
+  step's rounding key).
 
-  Apply its updates with `apply_updates` below and the step's rounding key:
-  each param is then its float32 result, `param + update`, rounded to its
-  dtype by `param_update` ('nearest', 'stochastic', or 'kahan': to nearest
-  after adding the compensation this state keeps). float32 params in the
-  tree (LayerNorm's, under `float32_layer_norm`) simply take the float32
-  result.
+  Example:
+    optimizer = haiku_mp.without_master(optax.lion(1e-4), 'stochastic')
+    state = haiku_mp.init_train_state(bf16_params, optimizer, scaler, key)
   """
   if param_update not in _NO_MASTER_STATES:
     raise ValueError(f'param_update {param_update!r}: expected one of '
@@ -143,6 +153,13 @@ def without_master(inner: optax.GradientTransformation, param_update: str
   state_type = _NO_MASTER_STATES[param_update]
 
   def init(params):
+    if not any(jnp.finfo(p.dtype).bits < 32 for p in jax.tree.leaves(params)
+               if jnp.issubdtype(p.dtype, jnp.floating)):
+      raise ValueError(
+          f'without_master(..., {param_update!r}) rounds updates into '
+          'half-precision params, but every param is float32; store params '
+          "in bfloat16 (a 'params=bfloat16' policy), or use the optimizer "
+          'itself')
     # Moments and averages of float32 values; the copy is transient.
     inner_state = inner.init(_as_float32(params))
     if kahan:
@@ -267,6 +284,13 @@ def apply_updates(params: optax.Params, updates: optax.Updates,
   `float32_master`; under `without_master`, `param + update` in float32
   rounded to each param's dtype, stochastically from `key` (the step's
   rounding key, the one its optimizer update took)."""
+  nested = _nested_layout(new_opt_state)
+  if nested is not None:
+    raise TypeError(
+        f'{nested} is inside another optax transformation (a chain, '
+        'MultiSteps, ...); it must wrap the whole optimizer: e.g. '
+        'without_master(optax.chain(clip, adam), ...), not '
+        'optax.chain(clip, without_master(adam, ...))')
   if isinstance(new_opt_state, MasterState):
     return jax.tree.map(lambda m, p: m.astype(p.dtype), new_opt_state.master,
                         params)
@@ -283,6 +307,25 @@ def apply_updates(params: optax.Params, updates: optax.Updates,
   return optax.apply_updates(params, updates)
 
 
+_LAYOUT_STATES = (MasterState, NearestState, StochasticState, KahanState)
+_LAYOUT_NAMES = {MasterState: 'float32_master(...)',
+                 NearestState: "without_master(..., 'nearest')",
+                 StochasticState: "without_master(..., 'stochastic')",
+                 KahanState: "without_master(..., 'kahan')"}
+
+
+def _nested_layout(opt_state: optax.OptState) -> Optional[str]:
+  """The name of a layout (`float32_master`, `without_master`) whose state
+  sits below the top of `opt_state`, where its updates would not be
+  applied as it needs; None if there is none."""
+  if isinstance(opt_state, _LAYOUT_STATES):
+    return None
+  found = [x for x in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, _LAYOUT_STATES))
+           if isinstance(x, _LAYOUT_STATES)]
+  return _LAYOUT_NAMES[type(found[0])] if found else None
+
+
 def ema_decay_for(decay: float, horizon: float, total_steps: int) -> float:
   """`decay`, or with `horizon` > 0 the decay whose time constant
   (1 / (1 - decay) steps) is that share of `total_steps`: a fixed decay
@@ -294,14 +337,17 @@ def ema_decay_for(decay: float, horizon: float, total_steps: int) -> float:
   return 1.0 - 1.0 / max(horizon * total_steps, 2.0)
 
 
-def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0,
+def make_optimizer(schedule: optax.Schedule, *, b1: float = 0.9,
+                   b2: float = 0.999, eps: float = 1e-8,
+                   weight_decay: float = 0.0,
                    grad_clip_norm: float = 0.0, ema_decay: float = 0.0,
                    half_params: bool = False, param_update: str = MASTER,
                    mu_dtype: str = 'float32', nu_dtype: str = 'float32',
                    moment_block_size: int = MOMENT_BLOCK_SIZE
                    ) -> optax.GradientTransformationExtraArgs:
   """Clipping by global norm (if `grad_clip_norm` > 0), then AdamW on
-  `schedule` with its moments in `mu_dtype` / `nu_dtype` ('float32',
+  `schedule` (`b1`, `b2`, `eps` as optax's) with its moments in `mu_dtype`
+  / `nu_dtype` ('float32',
   'bfloat16', or 'float8_blocks': 8 bits and a scale per
   `moment_block_size` values), then the params'
   moving average (if `ema_decay` > 0; float32 in every layout: see
@@ -311,6 +357,7 @@ def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0,
   their updates as `param_update` says: from a float32 master copy
   (`float32_master`), or rounded into them (`without_master`). Its update
   takes the step's rounding `key=` (`apply_updates` takes the same key).
+  Another optax optimizer gets the same layouts from those two wrappers.
 
   Example:
     optimizer = haiku_mp.make_optimizer(schedule, half_params=True,  # :pure_bf16
@@ -328,11 +375,11 @@ def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0,
                      'these params are float32')
   if mu_dtype == nu_dtype == 'float32':
     # optax's own, so that states saved before moment dtypes existed restore.
-    optimizer = optax.adamw(schedule, weight_decay=weight_decay,
-                            mask=decay_mask)
+    optimizer = optax.adamw(schedule, b1=b1, b2=b2, eps=eps,
+                            weight_decay=weight_decay, mask=decay_mask)
   else:
     optimizer = optax.chain(
-        scale_by_adam(mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
                       block_size=moment_block_size),
         optax.add_decayed_weights(weight_decay, decay_mask),
         optax.scale_by_learning_rate(schedule))

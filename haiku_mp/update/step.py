@@ -8,13 +8,14 @@ transform, so it sees unscaled gradients) -> if any gradient is not finite,
 params and optimizer state stay exactly as they were -> loss scale adjusted.
 """
 
+import dataclasses
 import functools
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+import inspect
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import jmp
 import optax
 
 from haiku_mp.model import meta_params
@@ -25,6 +26,28 @@ Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
 # loss_fn(params, rng, batch) -> (float32 scalar loss, metrics such as accuracy).
 LossFn = Callable[[hk.Params, jax.Array, Batch], tuple[jax.Array, Metrics]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossWithState:
+  """The loss of a model with Haiku state (`hk.transform_with_state`:
+  BatchNorm's moving statistics): `fn(params, model_state, rng, batch) ->
+  (loss, metrics, new_model_state)`. `make_train_step` keeps the state in
+  `TrainState.model_state`, and a skipped step leaves it as it was.
+
+  Example:
+    loss_fn = haiku_mp.make_classification_loss(hk.transform_with_state(f))
+    # or, written by hand:
+    loss_fn = haiku_mp.LossWithState(my_loss)
+  """
+  fn: Callable[[hk.Params, hk.State, jax.Array, Batch],
+               tuple[jax.Array, Metrics, hk.State]]
+
+  def __call__(self, params, model_state, rng, batch):
+    return self.fn(params, model_state, rng, batch)
+
+
+AnyLoss = Union[LossFn, LossWithState]
 # train_inputs(key, batch, axis_name, step) -> the batch the model takes
 # (augmented and normalized on the device; `step`, the state's, for settings
 # that change over the run); eval_inputs(batch) -> the same, no randomness.
@@ -60,27 +83,42 @@ class TrainState(NamedTuple):
   loss_scale: loss_scaling.LossScaleState  # scale and finite-step counter.
   rng: jax.Array  # PRNG key, split every step for dropout.
   skipped_steps: jax.Array  # int32 scalar: steps skipped for non-finite grads.
+  # Haiku state (`hk.transform_with_state`), as `apply_precision` keeps it
+  # (float32 by default); {} for a model without.
+  model_state: hk.State = {}  # Never mutated: a NamedTuple field's default.
 
 
 def init_train_state(params: hk.Params,
                      optimizer: optax.GradientTransformation,
                      loss_scaler: loss_scaling.LossScaler,
-                     rng: jax.Array) -> TrainState:
+                     rng: jax.Array,
+                     model_state: Optional[hk.State] = None) -> TrainState:
   """The state before the first step: `params` as `forward.init` made them,
   `optimizer`'s state of them (fp8 histories left out), the initial loss
-  scale, and the key the steps split.
+  scale, the key the steps split, and the model's Haiku state if it has one.
 
   Example:
     params = forward.init(jax.random.key(0), images, True)
     state = haiku_mp.init_train_state(params, optimizer, scaler, jax.random.key(1))
+    # A model with state (hk.transform_with_state):
+    params, model_state = forward.init(jax.random.key(0), images, True)
+    state = haiku_mp.init_train_state(params, optimizer, scaler,
+                                      jax.random.key(1), model_state)
   """
+  if isinstance(params, tuple) and len(params) == 2 and model_state is None:
+    raise TypeError(
+        'init_train_state: params is a (params, state) pair, what '
+        'hk.transform_with_state\'s init returns; pass the state as '
+        'model_state: init_train_state(params, optimizer, scaler, rng, '
+        'model_state)')
   return TrainState(
       step=jnp.zeros([], jnp.int32),
       params=params,
       opt_state=optimizer.init(split_fp8(params)[1]),
       loss_scale=loss_scaler.init(),
       rng=rng,
-      skipped_steps=jnp.zeros([], jnp.int32))
+      skipped_steps=jnp.zeros([], jnp.int32),
+      model_state=model_state or {})
 
 
 def split_fp8(tree: hk.Params) -> tuple[hk.Params, hk.Params]:
@@ -96,6 +134,52 @@ def _cross_replica_mean(tree, axis_name):
               jax.lax.pmean(v, axis_name)) for k, v in tree.items()}
 
 
+def _stateful(loss_fn: AnyLoss) -> LossWithState:
+  """`loss_fn` as a loss with state: a stateless one passes the state on."""
+  if isinstance(loss_fn, LossWithState):
+    return loss_fn
+
+  def fn(params, model_state, rng, batch):
+    return (*loss_fn(params, rng, batch), model_state)
+
+  return LossWithState(fn)
+
+
+def _state_gradients(loss_fn: LossWithState,
+                     loss_scaler: loss_scaling.LossScaler,
+                     loss_scale: loss_scaling.LossScaleState,
+                     params: hk.Params, model_state: hk.State,
+                     rng: jax.Array, batch: Batch,
+                     axis_name: Optional[str] = None
+                     ) -> tuple[hk.Params, jax.Array, Metrics, hk.State]:
+  """`gradients`, and the model's state after the forward pass (averaged
+  over `axis_name` replicas, so that every replica keeps the same)."""
+  if axis_name is not None:
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+
+  def scaled_loss(params):
+    loss, aux, new_state = loss_fn(params, model_state, rng, batch)
+    return loss_scaler.scale(loss_scale, loss), (loss, aux, new_state)
+
+  grads, (loss, aux, new_state) = jax.grad(scaled_loss, has_aux=True)(params)
+  # The amax histories' "gradients" are the histories rolled on (fp8.py):
+  # not scaled, reduced by their maximum, so replicas keep the same scales.
+  histories, grads = split_fp8(grads)
+  grads = jax.tree.map(
+      lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
+  if axis_name is not None:
+    grads = jax.lax.pmean(grads, axis_name)
+    histories = jax.lax.pmax(histories, axis_name)
+    new_state = jax.tree.map(
+        lambda x: (jax.lax.pmean(x, axis_name)
+                   if jnp.issubdtype(x.dtype, jnp.floating) else x),
+        new_state)
+  metrics = _cross_replica_mean(dict(aux, loss=loss), axis_name)
+  grads = loss_scaler.unscale(loss_scale, grads)
+  return (meta_params.merge_meta(grads, histories), metrics.pop('loss'),
+          metrics, new_state)
+
+
 def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
               loss_scale: loss_scaling.LossScaleState, params: hk.Params,
               rng: jax.Array, batch: Batch, axis_name: Optional[str] = None
@@ -105,27 +189,10 @@ def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
   over `axis_name` replicas, then unscaled. Not yet checked for finiteness.
   Each replica draws its own dropout masks from `rng`; the loss and metrics
   cover every replica."""
-
-  if axis_name is not None:
-    rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
-
-  def scaled_loss(params):
-    loss, aux = loss_fn(params, rng, batch)
-    return loss_scaler.scale(loss_scale, loss), (loss, aux)
-
-  grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
-  # The amax histories' "gradients" are the histories rolled on (fp8.py):
-  # not scaled, reduced by their maximum, so replicas keep the same scales.
-  histories, grads = split_fp8(grads)
-  grads = jax.tree.map(
-      lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
-  if axis_name is not None:
-    grads = jax.lax.pmean(grads, axis_name)
-    histories = jax.lax.pmax(histories, axis_name)
-  metrics = _cross_replica_mean(dict(aux, loss=loss), axis_name)
-  grads = loss_scaler.unscale(loss_scale, grads)
-  return (meta_params.merge_meta(grads, histories), metrics.pop('loss'),
-          metrics)
+  grads, loss, metrics, _ = _state_gradients(
+      _stateful(loss_fn), loss_scaler, loss_scale, params, {}, rng, batch,
+      axis_name)
+  return grads, loss, metrics
 
 
 # gradients_fn(loss_scale, params, rng, batch, axis_name) -> (float32
@@ -143,10 +210,79 @@ def ordinary_gradients(loss_fn: LossFn,
     gradients_fn = haiku_mp.ordinary_gradients(loss_fn, scaler)
     step = haiku_mp.make_train_step(None, optimizer, scaler, gradients_fn=gradients_fn)
   """
+  if isinstance(loss_fn, LossWithState):
+    raise TypeError('ordinary_gradients: loss_fn has Haiku state '
+                    '(LossWithState); pass it to make_train_step itself')
   return functools.partial(gradients, loss_fn, loss_scaler)
 
 
-def make_train_step(loss_fn: Optional[LossFn],
+def _is_state_dict(value: Any) -> bool:
+  return isinstance(value, Mapping) and {'params', 'opt_state'} <= set(value)
+
+
+def _check_state(state: Any, optimizer: optax.GradientTransformation,
+                 loss_scaler: loss_scaling.LossScaler, stateful: bool
+                 ) -> None:
+  """Raises one line naming what is wrong when `state` is not a TrainState
+  this step can take: made by `init_train_state` with the same optimizer and
+  loss scaler, with Haiku state exactly when the loss has it. At trace time:
+  nothing of it runs in the compiled step."""
+  if not isinstance(state, TrainState):
+    if _is_state_dict(state):
+      raise TypeError(
+          'train_step: state is a dict of a TrainState\'s fields (a '
+          'checkpoint restored without a target?); restore into the state\'s '
+          'layout: ocp.args.StandardRestore(jax.eval_shape(lambda: state))')
+    raise TypeError(
+        f'train_step: state is a {type(state).__name__}, not a '
+        'haiku_mp.TrainState; build it with haiku_mp.init_train_state('
+        'params, optimizer, loss_scaler, rng)')
+  expected = jax.tree.structure(
+      jax.eval_shape(optimizer.init, split_fp8(state.params)[1]))
+  found = jax.tree.structure(state.opt_state)
+  if found != expected:
+    raise TypeError(
+        'train_step: state.opt_state is not this optimizer\'s state (it holds '
+        f'{_outline(state.opt_state)}; this optimizer\'s init makes '
+        f'{_outline(jax.tree.unflatten(expected, expected.num_leaves * [0]))}'
+        '); build the state with init_train_state and the optimizer the '
+        'step takes')
+  loss_scaler.check_state(state.loss_scale, 'train_step: state.loss_scale')
+  if stateful and not state.model_state:
+    raise TypeError(
+        'train_step: the loss has Haiku state (LossWithState) but '
+        'state.model_state is empty; pass forward.init\'s state to '
+        'init_train_state(..., model_state=state)')
+  if not stateful and state.model_state:
+    raise TypeError(
+        'train_step: state.model_state holds Haiku state but the loss takes '
+        'none; make the loss from the hk.transform_with_state model '
+        '(make_classification_loss, or LossWithState)')
+
+
+def _outline(tree: Any, depth: int = 2) -> str:
+  """The node types at the top of `tree`, e.g. `(ScaleByAdamState,
+  EmptyState)`: enough to tell two optimizers' states apart."""
+  if depth == 0 or not isinstance(tree, (tuple, list)):
+    return type(tree).__name__
+  inner = ', '.join(_outline(t, depth - 1) for t in tree)
+  if hasattr(tree, '_fields'):
+    return f'{type(tree).__name__}({inner})'
+  return f'({inner})'
+
+
+def _kept_if_skipped(finite: jax.Array, new: Any, old: Any) -> Any:
+  """`new` where the step's gradients are `finite`, else `old`, each leaf in
+  `old`'s dtype: an optax transformation may return state in the dtype of
+  the float32 gradients for half params (optax.adam's moments of bfloat16
+  params), which the next step must not see change (jmp's `select_tree`
+  refuses the mix)."""
+  return jax.tree.map(
+      lambda n, o: jnp.where(finite, jnp.asarray(n).astype(o.dtype), o),
+      new, old)
+
+
+def make_train_step(loss_fn: Optional[AnyLoss],
                     optimizer: optax.GradientTransformation,
                     loss_scaler: loss_scaling.LossScaler = (
                         loss_scaling.LossScaler()),
@@ -160,12 +296,14 @@ def make_train_step(loss_fn: Optional[LossFn],
     step = jax.jit(haiku_mp.make_train_step(loss_fn, optax.adam(1e-3),
                                             haiku_mp.LossScaler('dynamic')))
 
-  `loss_fn(params, rng, batch) -> (loss, metrics)`; its gradients are those
+  `loss_fn(params, rng, batch) -> (loss, metrics)`, or a `LossWithState`
+  for a model with Haiku state; its gradients are those
   of the loss scaled by `loss_scaler` (default: none), unscaled in float32.
   A caller that brings its own gradients (DP-SGD) passes `gradients_fn`
   (`ordinary_gradients`'s signature) instead, and None for `loss_fn`.
   `optimizer` is `optimizer.make_optimizer`'s (or any optax
-  transformation): its update takes the step's rounding key as `key=`.
+  transformation; with half params, wrapped in `with_float32_master` or
+  `without_master`): its update takes the step's rounding key as `key=`.
 
   Jit it with `donate_argnums=0`; every metric is a device scalar, so nothing
   syncs with the host until the caller reads one. Under `jax.pmap`, pass its
@@ -175,20 +313,41 @@ def make_train_step(loss_fn: Optional[LossFn],
   the host batch into the model's (augmentation on the device), keyed by the
   step's own key, the same on every replica. `gradients_fn` takes the
   step's key as it is on every replica.
+
+  At its first trace the step checks the state it is given (a TrainState of
+  this optimizer and loss scaler): a mismatch is one line, not an error deep
+  in optax. It does not stop a run; call `loss_scaler.check_metrics` at your
+  log points for the trainer's guard against endless skipped steps.
   """
   if (loss_fn is None) == (gradients_fn is None):
     raise ValueError('make_train_step: give a loss_fn, or gradients_fn '
                      '(with loss_fn None), not both')
+  if loss_fn is not None and not callable(loss_fn):
+    raise TypeError(f'make_train_step: loss_fn is a {type(loss_fn).__name__}, '
+                    'not a function of (params, rng, batch)')
+  stateful = isinstance(loss_fn, LossWithState)
   if gradients_fn is None:
-    gradients_fn = ordinary_gradients(loss_fn, loss_scaler)
+    loss = _stateful(loss_fn)
+
+    def gradients_fn(loss_scale, params, rng, batch, axis_name, model_state):
+      return _state_gradients(loss, loss_scaler, loss_scale, params,
+                              model_state, rng, batch, axis_name)
+  else:
+    brought = gradients_fn
+
+    def gradients_fn(loss_scale, params, rng, batch, axis_name, model_state):
+      return (*brought(loss_scale, params, rng, batch, axis_name),
+              model_state)
 
   optimizer = optax.with_extra_args_support(optimizer)
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    _check_state(state, optimizer, loss_scaler, stateful)
     rng, step_rng, inputs_rng = jax.random.split(state.rng, 3)
     batch = inputs(inputs_rng, batch, axis_name, state.step)
-    grads, loss, aux = gradients_fn(state.loss_scale, state.params, step_rng,
-                                    batch, axis_name)
+    grads, loss, aux, model_state = gradients_fn(
+        state.loss_scale, state.params, step_rng, batch, axis_name,
+        state.model_state)
     # fp8 amax histories are written over on every step, skipped or not: a
     # skipped step's amaxes are real observations (non-finite ones are not
     # recorded, fp8_scales.roll_history), and the next step's scales need them.
@@ -207,9 +366,9 @@ def make_train_step(loss_fn: Optional[LossFn],
     new_params = optimizer_lib.apply_updates(trained, updates, new_opt_state,
                                              round_key)
     updates_lost = _updates_lost(trained, new_params, updates)
-    params, opt_state = jmp.select_tree(
-        grads_finite, (new_params, new_opt_state),
-        (trained, state.opt_state))
+    params, opt_state, model_state = _kept_if_skipped(
+        grads_finite, (new_params, new_opt_state, model_state),
+        (trained, state.opt_state, state.model_state))
     params = meta_params.merge_meta(params, histories)
     skipped_steps = state.skipped_steps + (~grads_finite).astype(jnp.int32)
     new_state = TrainState(
@@ -218,7 +377,8 @@ def make_train_step(loss_fn: Optional[LossFn],
         opt_state=opt_state,
         loss_scale=loss_scaler.adjust(state.loss_scale, grads_finite),
         rng=rng,
-        skipped_steps=skipped_steps)
+        skipped_steps=skipped_steps,
+        model_state=model_state)
     metrics = dict(
         aux, loss=loss,
         nonfinite_grads=nonfinite,  # In the order of jax.tree.leaves.
@@ -292,40 +452,100 @@ def _weighted_metrics(logits: jax.Array, batch: Batch,
               num_examples=sums['num_examples'])
 
 
-def make_classification_loss(forward: hk.Transformed,
-                             label_smoothing: float = 0.0) -> LossFn:
+def _takes_rng(forward: Any) -> bool:
+  """Whether `forward.apply` takes a key (`hk.transform`), or not
+  (`hk.without_apply_rng`), checked as Haiku writes its signatures; raises
+  one line when `forward` is not a transformed Haiku function."""
+  if not isinstance(forward, (hk.Transformed, hk.TransformedWithState)):
+    raise TypeError(
+        f'forward is a {type(forward).__name__}, not a transformed Haiku '
+        'function; pass hk.transform(f) or hk.transform_with_state(f)')
+  names = list(inspect.signature(forward.apply).parameters)
+  first = 2 if isinstance(forward, hk.TransformedWithState) else 1
+  return names[first:first + 1] == ['rng']
+
+
+def _applied(forward: Any) -> Callable[..., Any]:
+  """`forward.apply` as `(params, [model_state,] rng, images, is_training)`,
+  whether or not it takes a key (`hk.without_apply_rng`)."""
+  if _takes_rng(forward):
+    return forward.apply
+  if isinstance(forward, hk.TransformedWithState):
+    return lambda params, state, rng, *args: forward.apply(params, state,
+                                                           *args)
+  return lambda params, rng, *args: forward.apply(params, *args)
+
+
+def make_classification_loss(forward: Union[hk.Transformed,
+                                            hk.TransformedWithState],
+                             label_smoothing: float = 0.0) -> AnyLoss:
   """The training loss of a classifier `forward(images, is_training)`:
   cross-entropy in float32, its targets smoothed by `label_smoothing`.
+  `forward` is `hk.transform`'s (with or without `hk.without_apply_rng`) or
+  `hk.transform_with_state`'s; then the loss is a `LossWithState`, which
+  the train step gives the state in `TrainState.model_state`.
 
   Example:
     loss_fn = haiku_mp.make_classification_loss(hk.transform(forward), 0.1)
     loss, metrics = loss_fn(params, rng, dict(image=images, label=labels))
   """
+  apply = _applied(forward)
 
-  def loss_fn(params, rng, batch):
-    logits = forward.apply(params, rng, batch['image'], True)
+  def metrics_of(logits, batch):
     metrics = _weighted_metrics(logits, batch,
                                 label_smoothing=label_smoothing)
     return metrics.pop('loss'), metrics
 
+  if isinstance(forward, hk.TransformedWithState):
+
+    def loss_with_state(params, model_state, rng, batch):
+      logits, model_state = apply(params, model_state, rng, batch['image'],
+                                  True)
+      return (*metrics_of(logits, batch), model_state)
+
+    return LossWithState(loss_with_state)
+
+  def loss_fn(params, rng, batch):
+    return metrics_of(apply(params, rng, batch['image'], True), batch)
+
   return loss_fn
 
 
-def make_eval_step(forward: hk.Transformed, axis_name: Optional[str] = None,
+def make_eval_step(forward: Union[hk.Transformed, hk.TransformedWithState],
+                   axis_name: Optional[str] = None,
                    inputs: EvalInputs = lambda batch: batch
-                   ) -> Callable[[hk.Params, Batch], Metrics]:
-  """`eval_step(params, batch) -> {logits, loss, accuracy, num_examples}`, no dropout.
+                   ) -> Callable[..., Metrics]:
+  """`eval_step(params, batch) -> {logits, loss, accuracy, num_examples}`, no
+  dropout; for a model with Haiku state `eval_step(params, batch,
+  model_state)`, which reads the state (BatchNorm's moving statistics) and
+  leaves it as it is.
 
   Under `jax.pmap` pass its `axis_name`: the metrics then cover every replica.
 
   Example:
     eval_step = jax.jit(haiku_mp.make_eval_step(hk.transform(forward)))
     accuracy = eval_step(state.params, batch)['accuracy']
+    # With state: eval_step(state.params, batch, state.model_state)
   """
+  apply = _applied(forward)
+  stateful = isinstance(forward, hk.TransformedWithState)
 
-  def eval_step(params: hk.Params, batch: Batch) -> Metrics:
+  def eval_step(params: hk.Params, batch: Batch,
+                model_state: Optional[hk.State] = None) -> Metrics:
+    if isinstance(params, TrainState):
+      raise TypeError('eval_step: takes the params (state.params), not the '
+                      'TrainState')
+    if stateful and model_state is None:
+      raise TypeError('eval_step: the model has Haiku state; pass it: '
+                      'eval_step(params, batch, state.model_state)')
+    if not stateful and model_state:
+      raise TypeError('eval_step: the model takes no Haiku state (made with '
+                      'hk.transform), but model_state was given')
     batch = inputs(batch)
-    logits = forward.apply(params, None, batch['image'], False)
+    if stateful:
+      logits, _ = apply(params, model_state, None, batch['image'], False)
+    else:
+      logits = apply(params, None, batch['image'], False)
     return dict(_weighted_metrics(logits, batch, axis_name), logits=logits)
 
   return eval_step
