@@ -23,6 +23,7 @@ from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.model import blocks as blocks_lib
 from haiku_mp.model import fp4
 from haiku_mp.model import fp4_blocks
+from haiku_mp.model import fp8_scales
 from haiku_mp.parallel import sharding as sharding_lib
 from haiku_mp.train import checkpoint
 from haiku_mp.train import experiment
@@ -106,6 +107,63 @@ def _mxfp4_reference(x: np.ndarray, block: int = 32) -> np.ndarray:
 def math_ceil_log2(v: float) -> int:
   exponent = int(np.floor(np.log2(v)))
   return exponent if 2.0**exponent >= v else exponent + 1
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)  # The smallest normal float32.
+# E2M1's largest relative error to nearest, at a tie between two of its
+# normal values (1.25, 2.5, 5): all that a block's largest values may lose.
+_E2M1_NEAREST_ERROR = 0.2
+
+
+def _nvfp4_reference_f64(x: np.ndarray, block: int = 16) -> np.ndarray:
+  """NVFP4 of a 2-D `x` (blocks along its last axis) in float64, whose
+  range holds the scales of any float32 tensor: the tensor's scale amax /
+  (6 * 448), each block's amax / 6 in its units cast to E4M3, values
+  rounded to E2M1."""
+  x = np.asarray(x, np.float64)
+  amax = np.abs(x).max()
+  if amax == 0:
+    return np.zeros_like(x)
+  tensor_scale = amax / (6.0 * 448.0)
+  blocks = x.reshape(x.shape[0], -1, block)
+  scale = (np.abs(blocks).max(-1, keepdims=True) / 6.0 / tensor_scale).astype(
+      ml_dtypes.float8_e4m3fn).astype(np.float64)
+  unit = np.broadcast_to(scale * tensor_scale, blocks.shape)
+  values = _round_reference(np.divide(blocks, unit, out=np.zeros_like(blocks),
+                                      where=unit > 0))
+  return (values * unit).reshape(x.shape)
+
+
+def _mx_reference_f64(x: np.ndarray, dtype, block: int = 32) -> np.ndarray:
+  """MX blocks of `dtype` (an ml_dtypes fp8) of a 2-D `x` along its last
+  axis in float64: each block's scale the smallest power of two that leaves
+  its amax within the format's largest value, values cast to it."""
+  x = np.asarray(x, np.float64)
+  out = np.zeros_like(x)
+  top = float(ml_dtypes.finfo(dtype).max)
+  for r in range(x.shape[0]):
+    for start in range(0, x.shape[1], block):
+      values = x[r, start:start + block]
+      amax = np.abs(values).max()
+      if amax > 0:
+        scale = 2.0 ** math_ceil_log2(amax / top)
+        out[r, start:start + block] = (values / scale).astype(dtype).astype(
+            np.float64) * scale
+  return out
+
+
+def _tiny_test_tensor() -> np.ndarray:
+  """(16, 32) float32 of amax 1: blocks of different amaxes and a zero one,
+  every other magnitude in [0.2, 1], so that times 1e-37 each value and
+  its NVFP4 value (at least 0.15 of the amax) are normal float32 numbers,
+  which XLA:CPU does not flush."""
+  rng = np.random.default_rng(12)
+  y = rng.uniform(0.2, 1.0, (16, 32)) * rng.choice([-1.0, 1.0], (16, 32))
+  y[0, 0] = 1.0
+  y[0, 16:] = np.clip(y[0, 16:], -0.5, 0.5)
+  y[1, :16] = 0.0
+  return y.astype(np.float32)
 
 
 class E2M1Test(absltest.TestCase):
@@ -193,6 +251,82 @@ class BlocksTest(parameterized.TestCase):
                                   np.asarray(fp4_blocks.nvfp4(x.T)).T)
     np.testing.assert_array_equal(np.asarray(fp4_blocks.mxfp4(x, axis=0)),
                                   np.asarray(fp4_blocks.mxfp4(x.T)).T)
+
+
+class RangeEdgesTest(parameterized.TestCase):
+  """Tensors at either end of float32's range, against float64 references:
+  a tiny NVFP4 tensor keeps its relative values (its scale amax / 2688 is
+  no normal float32 below an amax of 3.16e-35, and it came out all zeros);
+  a finite value near float32's largest stays finite in MXFP4 and MXFP8
+  (one that rounds up to 2**128 came out inf)."""
+
+  @parameterized.parameters(3.1e-35, 1e-36, 1e-37)
+  def test_a_tiny_nvfp4_tensor_keeps_its_relative_values(self, amax):
+    y = _tiny_test_tensor()
+    x = y * np.float32(amax)
+    self.assertGreaterEqual(np.abs(x[x != 0]).min(), _F32_TINY)
+    got = np.asarray(fp4_blocks.nvfp4(jnp.asarray(x)), np.float64) / amax
+    np.testing.assert_array_equal(got == 0, y == 0)
+    np.testing.assert_allclose(got, _nvfp4_reference_f64(y), rtol=1e-6)
+    # The other ends as they were: a zero tensor holds zeros, NaN stays.
+    np.testing.assert_array_equal(fp4_blocks.nvfp4(jnp.zeros_like(x)), 0.0)
+    x[3, 5] = np.nan
+    self.assertTrue(np.isnan(fp4_blocks.nvfp4(jnp.asarray(x))[3, 5]))
+
+  @parameterized.parameters((-115, False, False), (-123, True, False),
+                            (-123, False, True))
+  def test_a_tiny_nvfp4_tensor_is_its_scaled_up_copy_bit_for_bit(
+      self, exponent, stochastic, two_d):
+    y = jnp.asarray(_tiny_test_tensor())
+    key = jax.random.key(13) if stochastic else None
+    quantize = lambda t: fp4_blocks.nvfp4(t, key=key, two_d=two_d)
+    scale = 2.0**exponent  # 2.4e-35 and 9.4e-38: exact, normal products.
+    np.testing.assert_array_equal(quantize(y * scale), quantize(y) * scale)
+
+  def _near_the_top(self) -> np.ndarray:
+    """(3, 32): magnitudes from 1.5e38 to float32's largest (3e38 and 3.4e38
+    among them; MXFP4 rounds those from 2.98e38 on up to 2**128), random
+    signs; a block of ordinary values with inf, -inf and NaN; a zero
+    block."""
+    rng = np.random.default_rng(14)
+    x = np.zeros((3, 32), np.float32)
+    x[0] = np.linspace(1.5e38, _F32_MAX, 32) * rng.choice([-1.0, 1.0], 32)
+    x[0, :3] = 3e38, 3.4e38, -3.4e38
+    x[1] = rng.normal(size=32)
+    x[1, :3] = np.inf, -np.inf, np.nan
+    return x
+
+  @parameterized.parameters(False, True)
+  def test_mxfp4_near_float32s_largest_stays_finite(self, stochastic):
+    x = self._near_the_top()
+    key = jax.random.key(15) if stochastic else None
+    got = np.asarray(fp4_blocks.mxfp4(jnp.asarray(x), key=key), np.float64)
+    self.assertTrue(np.isfinite(got[0]).all(), got[0])
+    if stochastic:  # One of the two E2M1 values around each: 2**126 apart
+      # at most (E2M1's step of 1 from 2 to 4, under the scale 2**126).
+      np.testing.assert_array_less(np.abs(got[0] - x[0]), 2.0**126)
+    else:
+      want = _mxfp4_reference(x[:1])[0]  # 2**128 where E2M1 gives 4 * 2**126.
+      np.testing.assert_allclose(got[0], want, rtol=2.0**-23)
+      np.testing.assert_array_less(np.abs(got[0] - x[0]),
+                                   _E2M1_NEAREST_ERROR * np.abs(x[0]))
+    np.testing.assert_array_equal(got[1, :2], [np.inf, -np.inf])
+    self.assertTrue(np.isnan(got[1, 2]))
+    np.testing.assert_array_equal(got[2], 0.0)
+
+  @parameterized.parameters((fp8_scales.E4M3, ml_dtypes.float8_e4m3fn),
+                            (fp8_scales.E5M2, ml_dtypes.float8_e5m2))
+  def test_mxfp8_near_float32s_largest_stays_finite(self, dtype, reference):
+    x = self._near_the_top()
+    x[1] = 1.0  # MXFP8 saturates inf (`fp8_scales.quantize`): not this test's.
+    x[1, 0] = np.nan
+    got = np.asarray(fp8_scales.mx_quantize_dequantize(jnp.asarray(x), dtype,
+                                                       1), np.float64)
+    self.assertTrue(np.isfinite(got[0]).all(), got[0])
+    np.testing.assert_allclose(got[0], _mx_reference_f64(x[:1], reference)[0],
+                               rtol=2.0**-23)
+    self.assertTrue(np.isnan(got[1, 0]))
+    np.testing.assert_array_equal(got[2], 0.0)
 
 
 class MatmulTest(parameterized.TestCase):

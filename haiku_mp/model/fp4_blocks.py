@@ -8,12 +8,17 @@ Both formats hold E2M1 values (sign, 2 exponent bits, 1 mantissa bit: 0,
   maps the tensor's amax to E4M3's largest scale times E2M1's largest value
   (6 x 448), as Transformer Engine computes it. A block's E4M3 scale is its
   amax / 6 in those units, rounded to nearest, so the block's largest value
-  may exceed 6 after it and saturate.
+  may exceed 6 after it and saturate. A tensor whose amax is below 1 is
+  quantized as its copy scaled up by a power of two (`nvfp4_tensor_scale`),
+  which is exact and keeps every scale a normal float32 however tiny the
+  tensor.
 - ``mxfp4`` (OCP MX v1.0): blocks of 32 values with an E8M0 (power-of-two)
   scale. The spec's scale, 2**(floor(log2(amax)) - 2), lets a block's
   largest values reach 8 and saturate at 6; here, as for MXFP8
   (`fp8_scales.mx_block_exponents`) and in Transformer Engine's MX recipes, the
-  exponent is rounded up so that no value of a block saturates.
+  exponent is rounded up so that no value of a block saturates. A finite
+  value that rounds up to 2**128 (4 under E8M0's 2**126), past float32's
+  largest, saturates there.
 
 Rounding to E2M1 is the cast to `float4_e2m1fn` (ml_dtypes' dtype): XLA:CPU
 (jaxlib 0.10.2) converts float32 to it round-to-nearest-even and saturating
@@ -21,7 +26,8 @@ at 6, the same bit for bit as ml_dtypes (tests/fp4_test.py checks it on this
 machine), but it turns NaN into -0; `round_e2m1` keeps non-finite values
 as they are, so that a step's finite check still sees them. Stochastic
 rounding (`stochastic_round_e2m1`) picks one of the two grid points around a
-value with the probability that makes it unbiased.
+value with the probability that makes it unbiased, for values within +-6:
+those an NVFP4 block holds above 6 (its E4M3 scale rounded down) saturate.
 
 The 4-bit matmul of a Linear (`fp4`) quantizes with these; so does the
 advisor (`advisor.fp4_numerics`).
@@ -36,6 +42,7 @@ import jax.numpy as jnp
 from haiku_mp.model import blocks as blocks_lib
 from haiku_mp.model.fp8_scales import MX_MAX_EXPONENT  # E8M0's, as MXFP8's.
 from haiku_mp.model.fp8_scales import MX_MIN_EXPONENT
+from haiku_mp.model.fp8_scales import exponent_of
 from haiku_mp.model.fp8_scales import times_exp2
 
 E2M1 = jnp.float4_e2m1fn
@@ -46,6 +53,10 @@ MXFP4_BLOCK = 32  # Values per E8M0 scale (the OCP MX spec's).
 # E2M1's largest exponent: 6 = 1.5 * 2**2.
 _E2M1_EMAX = 2
 _TINY = float(jnp.finfo(jnp.float32).tiny)
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+# The largest power of two that scales an NVFP4 tensor up (as an exponent):
+# float32's largest whose reciprocal is normal too.
+_MAX_SHIFT = 126
 
 
 def round_e2m1(x: jax.Array) -> jax.Array:
@@ -108,29 +119,47 @@ def _rounded(x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
   return round_e2m1(x) if key is None else stochastic_round_e2m1(x, key)
 
 
-def nvfp4_tensor_scale(x: jax.Array) -> jax.Array:
-  """NVFP4's float32 scale per tensor: amax / (6 x 448), so that a block
-  scale of at most E4M3's 448 covers the tensor's largest value; 1 for a
-  zero or non-finite amax."""
+def nvfp4_tensor_scale(x: jax.Array
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """NVFP4's scale per tensor, amax / (6 x 448), so that a block scale of at
+  most E4M3's 448 covers the tensor's largest value, as (scale, up, down):
+  the float32 scale of `x` times `up`, the power of two that brings an amax
+  below 1 up to [1, 2) (1 for an amax of 1 or more), and `down`, 1 / up.
+  `nvfp4` quantizes `x` times `up` and scales the result back, exactly:
+  amax / 2688 of an amax below 3.16e-35 is no normal float32, which XLA:CPU
+  flushes to zero (the block scales would be NaN, the tensor all zeros).
+  Clamping the scale at float32's smallest normal, as Transformer Engine
+  clamps its reciprocal at float32's largest, would shrink such a tensor's
+  block scales and round it otherwise than a larger copy; a power of two
+  does not. (1, 1, 1) for a zero or non-finite amax."""
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   usable = jnp.isfinite(amax) & (amax > 0)
-  return jnp.where(usable, jnp.maximum(amax, _TINY) / (E2M1_MAX * E4M3_MAX),
-                   1.0)
+  amax = jnp.where(usable, amax, 1.0)
+  scaled = times_exp2(amax, jnp.clip(-exponent_of(amax), 0, _MAX_SHIFT))
+  # The factors as quotients (exact: powers of two), not from the exponent's
+  # bits: XLA:CPU computed those again for every value, in the loop that
+  # rounds them, and stochastic NVFP4 took 1.5 times as long.
+  return (jnp.where(usable, scaled / (E2M1_MAX * E4M3_MAX), 1.0),
+          scaled / amax, amax / scaled)
 
 
-def _nvfp4_blocks(blocks: jax.Array, tensor_scale: jax.Array,
+def _nvfp4_blocks(blocks: jax.Array,
+                  tensor_scale: tuple[jax.Array, jax.Array, jax.Array],
                   key: Optional[jax.Array], axes: tuple[int, ...]
                   ) -> jax.Array:
-  """Blocks (each block's values on `axes`) as NVFP4 holds them: each
-  block's scale, amax / 6 in units of `tensor_scale`, rounded to E4M3; its
-  values divided by it, rounded to E2M1, and multiplied back."""
+  """Blocks (each block's values on `axes`) as NVFP4 holds them, times
+  `up` and back (`nvfp4_tensor_scale`): each block's scale, amax / 6 in
+  units of the tensor's scale, rounded to E4M3; its values divided by it,
+  rounded to E2M1, and multiplied back."""
+  tensor_scale, up, down = tensor_scale
+  blocks = blocks * up
   block_amax = jnp.max(jnp.abs(blocks), axis=axes, keepdims=True)
   scale = (block_amax / E2M1_MAX / tensor_scale).astype(
       jnp.float8_e4m3fn).astype(jnp.float32)
   # A zero block (or one whose scale underflows E4M3) holds zeros.
   safe = jnp.where(scale > 0, scale, 1.0) * tensor_scale
   values = _rounded(blocks / safe, key)
-  return jnp.where(scale > 0, values * safe, 0.0 * blocks)
+  return jnp.where(scale > 0, values * safe, 0.0 * blocks) * down
 
 
 def nvfp4(x: jax.Array, axis: int = -1, *, two_d: bool = False,
@@ -172,9 +201,13 @@ def mxfp4_block_exponents(blocks: jax.Array,
 def _mxfp4_blocks(blocks: jax.Array, key: Optional[jax.Array],
                   axes: tuple[int, ...]) -> jax.Array:
   """Blocks (values on `axes`) as MXFP4 holds them: exact powers of two, in
-  two factors where E8M0 leaves float32's normals."""
+  two factors where E8M0 leaves float32's normals; a finite value that
+  rounds up to 2**128 saturates at float32's largest, the float32 nearest
+  it, as no float32 holds it (non-finite values stay as they are)."""
   exponents = mxfp4_block_exponents(blocks, axes)
-  return times_exp2(_rounded(times_exp2(blocks, -exponents), key), exponents)
+  held = times_exp2(_rounded(times_exp2(blocks, -exponents), key), exponents)
+  return jnp.where(jnp.isfinite(blocks), jnp.clip(held, -_F32_MAX, _F32_MAX),
+                   held)
 
 
 def mxfp4(x: jax.Array, axis: int = -1, *, key: Optional[jax.Array] = None,

@@ -186,6 +186,10 @@ def mx_quantize(x: jax.Array, dtype, axis: int,
 def mx_quantize_dequantize(x: jax.Array, dtype, axis: int,
                            block: int = MX_BLOCK) -> jax.Array:
   """`x` (float32) as MX blocks of `dtype` along `axis` hold it: quantized
-  (`_mx_quantize`) and times 2**e as `times_exp2` multiplies (2**-127 is
-  no normal float32)."""
-  return times_exp2(*mx_quantize(x, dtype, axis, block))
+  (`mx_quantize`) and times 2**e as `times_exp2` multiplies (2**-127 is
+  no normal float32). A value that rounds up to 2**128 (E4M3's 256 under
+  2**120, E5M2's 32768 under 2**113: from 3.30e38 and 3.19e38) is no
+  float32 either: it saturates at float32's largest, the float32 nearest
+  it, as `quantize` saturates (never inf from a finite x)."""
+  return jnp.clip(times_exp2(*mx_quantize(x, dtype, axis, block)),
+                  -_F32.max, _F32.max)
