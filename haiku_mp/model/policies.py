@@ -436,6 +436,7 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
       logits = hk.nets.MLP([64, 10])(images.reshape(len(images), -1))
   """
   stack: list[jmp.Policy] = []
+  owners: list[str] = []  # The path of the module whose rule each one is.
   dots = precision.dots
   # What the first forward pass called, for `Precision.check`: (class,
   # path) of every module, and the calls that ran under no policy.
@@ -471,6 +472,8 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
     modules.add((class_name, module.module_name))
     if rule is None and not stack:
       outside.append((class_name, module.module_name))
+    if rule is None and stack and isinstance(module, _MATMUL_MODULES):
+      _check_inherited_input(module, stack[-1], owners[-1], args)
     with contextlib.ExitStack() as ctx:
       if rule is not None:
         if not stack:
@@ -478,7 +481,9 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
           ctx.enter_context(hk.custom_getter(getter, state=True))
           ctx.enter_context(hk.custom_setter(setter))
         stack.append(rule.policy)
+        owners.append(module.module_name)
         ctx.callback(stack.pop)
+        ctx.callback(owners.pop)
         args, kwargs = rule.policy.cast_to_compute((args, kwargs))
       out = matmul_modules.intercepted(dots, next_f, args, kwargs, context)
       if rule is not None:
@@ -497,6 +502,31 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
   if not precision._checked:  # pylint: disable=protected-access
     _check_first_pass(precision, modules, outside)
     precision._checked.append(True)  # pylint: disable=protected-access
+
+
+# Modules whose Haiku call takes one dtype for input and params (a
+# convolution refuses a mix; a dot promotes it silently to float32).
+_MATMUL_MODULES = (hk.Linear, hk.ConvND)
+
+
+def _check_inherited_input(module: hk.Module, policy: jmp.Policy,
+                           owner: str, args: Any) -> None:
+  """Raises one line when a matmul module that inherits `policy` (from the
+  module at `owner`) gets a floating input in another dtype than its params
+  are read in: an input made inside `owner` after its policy cast it (an
+  integer batch divided by 255 is float32)."""
+  compute = jnp.dtype(policy.compute_dtype)
+  for x in jax.tree.leaves(args):
+    dtype = jnp.result_type(x)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype != compute:
+      class_name = type(module).__name__
+      raise PrecisionError(
+          f'{module.module_name} ({class_name}) gets a {dtype.name} input '
+          f'but reads its params in {compute.name}, under the '
+          f'{policy_str(policy)} policy it inherits from {owner!r}; cast the '
+          f'input to {compute.name} where it is made inside {owner!r} '
+          '(integer images divided by 255 become float32), or give '
+          f'{class_name} a rule of its own in precision.overrides')
 
 
 def _check_first_pass(precision: Precision, modules: set[tuple[str, str]],

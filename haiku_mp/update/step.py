@@ -248,11 +248,6 @@ def _check_state(state: Any, optimizer: optax.GradientTransformation,
         '); build the state with init_train_state and the optimizer the '
         'step takes')
   loss_scaler.check_state(state.loss_scale, 'train_step: state.loss_scale')
-  if stateful and not state.model_state:
-    raise TypeError(
-        'train_step: the loss has Haiku state (LossWithState) but '
-        'state.model_state is empty; pass forward.init\'s state to '
-        'init_train_state(..., model_state=state)')
   if not stateful and state.model_state:
     raise TypeError(
         'train_step: state.model_state holds Haiku state but the loss takes '
@@ -354,9 +349,15 @@ def make_train_step(loss_fn: Optional[AnyLoss],
     histories, grads = split_fp8(grads)
     _, trained = split_fp8(state.params)
     # One flag per gradient leaf: the skip decision, and where float16
-    # overflowed for the log of a skipped step.
-    nonfinite = jnp.stack([~jnp.isfinite(g).all()
-                           for g in jax.tree.leaves(grads)])
+    # overflowed for the log of a skipped step. Read from each leaf's sum of
+    # squares, which the gradient norm needs anyway: a separate `isfinite`
+    # reduction per leaf, selecting the whole state, made XLA:CPU compile
+    # the step 2-3x as long as the model's plain step (BENCHMARKS.md). A sum
+    # is not finite if a value is not, or if the leaf's norm passes
+    # float32's range (1.8e19), a gradient no step survives either
+    # (DeepSpeed reads overflow from a sum too).
+    squares = [jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)]
+    nonfinite = ~jnp.isfinite(jnp.stack(squares))
     grads_finite = ~nonfinite.any()
     # The rounding of bfloat16 state (optimizer.py): the same on every
     # replica and shard, from the state's key, so a resume redraws it.
@@ -385,7 +386,7 @@ def make_train_step(loss_fn: Optional[AnyLoss],
         consecutive_skips=new_state.loss_scale.overflows,
         loss_scale=state.loss_scale.scale,
         grads_finite=grads_finite,
-        grad_norm=optax.tree.norm(grads),
+        grad_norm=jnp.sqrt(sum(squares)),
         # NaN at a skipped step (a log window averages the others).
         updates_lost=jnp.where(grads_finite, updates_lost, jnp.nan),
         skipped_steps=skipped_steps)
