@@ -19,6 +19,7 @@ from haiku_mp.model import policies
 from haiku_mp.parallel import stop_request
 from haiku_mp.train import experiment
 from haiku_mp.update import loss_scaling
+from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
 from tests import helpers
 
@@ -443,6 +444,178 @@ class EvalStepTest(parameterized.TestCase):
     labels = batch['label']
     expected = np.mean(np.argmax(first['logits'], -1) == labels)
     np.testing.assert_allclose(first['accuracy'], expected)
+
+
+class StateCheckTest(parameterized.TestCase):
+  """A state the step cannot take is one line at the first trace, naming
+  what is wrong and what was expected (`jax.eval_shape`: no compile)."""
+
+  def setUp(self):
+    super().setUp()
+    self.batch = _regression_batch()
+    forward, self.loss_fn = _linear_regression(FP32)
+    self.params = forward.init(jax.random.key(0), self.batch['x'])
+
+  def _step(self, optimizer, scaler):
+    return step_lib.make_train_step(self.loss_fn, optimizer, scaler)
+
+  def _state(self, optimizer, scaler):
+    return step_lib.init_train_state(self.params, optimizer, scaler,
+                                     jax.random.key(1))
+
+  def test_the_params_instead_of_a_state(self):
+    step = self._step(optax.sgd(0.1), loss_scaling.LossScaler())
+    with self.assertRaisesRegex(TypeError, r'^train_step: state is a dict, '
+                                'not a haiku_mp.TrainState; build it with '
+                                r'haiku_mp.init_train_state\('):
+      jax.eval_shape(step, self.params, self.batch)
+
+  def test_a_checkpoint_restored_without_its_target(self):
+    state = self._state(optax.sgd(0.1), loss_scaling.LossScaler())
+    step = self._step(optax.sgd(0.1), loss_scaling.LossScaler())
+    with self.assertRaisesRegex(TypeError, 'a checkpoint restored without a '
+                                'target.*StandardRestore'):
+      jax.eval_shape(step, state._asdict(), self.batch)
+
+  def test_a_state_of_another_optimizer(self):
+    state = self._state(optax.adam(0.1), loss_scaling.LossScaler())
+    step = self._step(optimizer_lib.make_optimizer(
+        optax.constant_schedule(0.1), half_params=True),
+                      loss_scaling.LossScaler())
+    with self.assertRaises(TypeError) as raised:
+      jax.eval_shape(step, state, self.batch)
+    message = str(raised.exception)
+    self.assertIn("state.opt_state is not this optimizer's state", message)
+    self.assertIn('MasterState', message)  # What the step's makes.
+    self.assertIn('ScaleByAdamState', message)  # What the state holds.
+    self.assertNotIn('\n', message)
+
+  @parameterized.parameters(('none', 'dynamic'), ('dynamic', 'static'),
+                            ('static', 'none'))
+  def test_a_state_of_another_loss_scaler(self, made, stepped):
+    state = self._state(optax.sgd(0.1), loss_scaling.LossScaler(made))
+    step = self._step(optax.sgd(0.1), loss_scaling.LossScaler(stepped))
+    with self.assertRaisesRegex(
+        loss_scaling.LossScaleError,
+        f"state.loss_scale was made by LossScaler\\('{made}'\\); this "
+        f"step's scaler is LossScaler\\('{stepped}'\\)"):
+      jax.eval_shape(step, state, self.batch)
+
+  def test_the_same_optimizer_and_scaler_step(self):
+    scaler = loss_scaling.LossScaler('dynamic')
+    state = self._state(optax.adam(0.1), scaler)
+    new_state, _ = jax.eval_shape(self._step(optax.adam(0.1), scaler), state,
+                                  self.batch)
+    self.assertIsInstance(new_state.loss_scale,
+                          loss_scaling.DynamicLossScaleState)
+
+  def test_a_forward_without_apply_rng_trains_and_evaluates(self):
+    policy = policies.make_precision(BF16, model_class='Linear')
+
+    def forward(images, is_training):
+      del is_training
+      with policies.apply(policy):
+        return hk.Linear(3)(images)
+
+    forward = hk.without_apply_rng(hk.transform(forward))
+    batch = dict(image=self.batch['x'], label=jnp.arange(16) % 3)
+    params = forward.init(jax.random.key(0), batch['image'], True)
+    loss_fn = step_lib.make_classification_loss(forward)
+    loss, _ = loss_fn(params, jax.random.key(1), batch)
+    self.assertTrue(np.isfinite(float(loss)))
+    metrics = step_lib.make_eval_step(forward)(params, batch)
+    np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-6)
+
+  def test_a_function_that_is_not_transformed(self):
+    with self.assertRaisesRegex(TypeError, 'forward is a function, not a '
+                                'transformed Haiku function'):
+      step_lib.make_classification_loss(lambda x, t: x)
+
+
+class StateCheckTest(parameterized.TestCase):
+  """A state the step cannot take is one line at the first trace, naming
+  what is wrong and what was expected (`jax.eval_shape`: no compile)."""
+
+  def setUp(self):
+    super().setUp()
+    self.batch = _regression_batch()
+    forward, self.loss_fn = _linear_regression(FP32)
+    self.params = forward.init(jax.random.key(0), self.batch['x'])
+
+  def _step(self, optimizer, scaler):
+    return step_lib.make_train_step(self.loss_fn, optimizer, scaler)
+
+  def _state(self, optimizer, scaler):
+    return step_lib.init_train_state(self.params, optimizer, scaler,
+                                     jax.random.key(1))
+
+  def test_the_params_instead_of_a_state(self):
+    step = self._step(optax.sgd(0.1), loss_scaling.LossScaler())
+    with self.assertRaisesRegex(TypeError, r'^train_step: state is a dict, '
+                                'not a haiku_mp.TrainState; build it with '
+                                r'haiku_mp.init_train_state\('):
+      jax.eval_shape(step, self.params, self.batch)
+
+  def test_a_checkpoint_restored_without_its_target(self):
+    state = self._state(optax.sgd(0.1), loss_scaling.LossScaler())
+    step = self._step(optax.sgd(0.1), loss_scaling.LossScaler())
+    with self.assertRaisesRegex(TypeError, 'a checkpoint restored without a '
+                                'target.*StandardRestore'):
+      jax.eval_shape(step, state._asdict(), self.batch)
+
+  def test_a_state_of_another_optimizer(self):
+    state = self._state(optax.adam(0.1), loss_scaling.LossScaler())
+    step = self._step(optimizer_lib.make_optimizer(
+        optax.constant_schedule(0.1), half_params=True),
+                      loss_scaling.LossScaler())
+    with self.assertRaises(TypeError) as raised:
+      jax.eval_shape(step, state, self.batch)
+    message = str(raised.exception)
+    self.assertIn("state.opt_state is not this optimizer's state", message)
+    self.assertIn('MasterState', message)  # What the step's makes.
+    self.assertIn('ScaleByAdamState', message)  # What the state holds.
+    self.assertNotIn('\n', message)
+
+  @parameterized.parameters(('none', 'dynamic'), ('dynamic', 'static'),
+                            ('static', 'none'))
+  def test_a_state_of_another_loss_scaler(self, made, stepped):
+    state = self._state(optax.sgd(0.1), loss_scaling.LossScaler(made))
+    step = self._step(optax.sgd(0.1), loss_scaling.LossScaler(stepped))
+    with self.assertRaisesRegex(
+        loss_scaling.LossScaleError,
+        f"state.loss_scale was made by LossScaler\\('{made}'\\); this "
+        f"step's scaler is LossScaler\\('{stepped}'\\)"):
+      jax.eval_shape(step, state, self.batch)
+
+  def test_the_same_optimizer_and_scaler_step(self):
+    scaler = loss_scaling.LossScaler('dynamic')
+    state = self._state(optax.adam(0.1), scaler)
+    new_state, _ = jax.eval_shape(self._step(optax.adam(0.1), scaler), state,
+                                  self.batch)
+    self.assertIsInstance(new_state.loss_scale,
+                          loss_scaling.DynamicLossScaleState)
+
+  def test_a_forward_without_apply_rng_trains_and_evaluates(self):
+    policy = policies.make_precision(BF16, model_class='Linear')
+
+    def forward(images, is_training):
+      del is_training
+      with policies.apply(policy):
+        return hk.Linear(3)(images)
+
+    forward = hk.without_apply_rng(hk.transform(forward))
+    batch = dict(image=self.batch['x'], label=jnp.arange(16) % 3)
+    params = forward.init(jax.random.key(0), batch['image'], True)
+    loss_fn = step_lib.make_classification_loss(forward)
+    loss, _ = loss_fn(params, jax.random.key(1), batch)
+    self.assertTrue(np.isfinite(float(loss)))
+    metrics = step_lib.make_eval_step(forward)(params, batch)
+    np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-6)
+
+  def test_a_function_that_is_not_transformed(self):
+    with self.assertRaisesRegex(TypeError, 'forward is a function, not a '
+                                'transformed Haiku function'):
+      step_lib.make_classification_loss(lambda x, t: x)
 
 
 if __name__ == '__main__':

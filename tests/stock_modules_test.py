@@ -263,5 +263,189 @@ def _in(precision, fn):
     return fn()
 
 
+def _mlp_init(precision, second_top_level=False):
+  """`init` of Haiku's MLP under `precision`, with another top-level Linear
+  after it if asked."""
+
+  def forward(x):
+    with haiku_mp.apply_precision(precision):
+      y = hk.nets.MLP([8, 4])(x)
+      return hk.Linear(2)(y) if second_top_level else y
+
+  return hk.transform(forward).init(jax.random.key(0), jnp.ones((2, 3)))
+
+
+class TargetsCheckedTest(parameterized.TestCase):
+  """Every target is checked at the end of the first forward pass under
+  `apply_precision`, in the library: one line naming it, with the nearest
+  class names and paths."""
+
+  @parameterized.named_parameters(
+      ('model_class_typo', dict(model_class='MPL'),
+       "model_class: target 'MPL' matches no module class or module path "
+       '(its policy would reach no module: the model would run in float32). '
+       'Nearest: MLP.'),
+      ('override_of_nothing', dict(overrides='*/nothing:float32'),
+       "precision.overrides: target '*/nothing' matches no module class or "
+       'module path.'),
+      ('override_of_a_bare_name', dict(overrides='linear_1:float32'),
+       "precision.overrides: target 'linear_1' matches no module class or "
+       "module path (for a module path ending in it, write '*/linear_1')"),
+      ('override_class_typo', dict(overrides='Lienar:float32'),
+       "precision.overrides: target 'Lienar' matches no module class or "
+       'module path. Nearest: Linear.'),
+      ('fp8_on_a_class_not_there', dict(fp8_modules='LayerNorm'),
+       "precision.fp8.modules: target 'LayerNorm' matches no module class "
+       'or module path.'),
+      ('fp8_of_nothing', dict(fp8_modules='*/nothing'),
+       "precision.fp8.modules: target '*/nothing' matches no module class or "
+       'module path.'),
+      ('fp8_bare_name', dict(fp8_modules='linear_1'),
+       "precision.fp8.modules: target 'linear_1' matches no module class or "
+       "module path (for a module path ending in it, write '*/linear_1')"))
+  def test_a_target_that_matches_nothing(self, settings, message):
+    settings = dict(dict(model_class=hk.nets.MLP), **settings)
+    precision = haiku_mp.make_precision(BF16, **settings)
+    with self.assertRaises(haiku_mp.errors.ConfigError) as raised:
+      _mlp_init(precision)
+    self.assertIn(message, str(raised.exception))
+    self.assertIn('Classes: Linear, MLP', str(raised.exception))
+    self.assertNotIn('\n', str(raised.exception))
+
+  def test_a_second_top_level_module(self):
+    precision = haiku_mp.make_precision(BF16, model_class=hk.nets.MLP)
+    with self.assertRaisesRegex(
+        haiku_mp.errors.ConfigError,
+        "model_class: module 'linear' \\(Linear\\) is called outside 'MLP' "
+        'and would run under no policy'):
+      _mlp_init(precision, second_top_level=True)
+    # With a rule of its own it runs under that rule.
+    _mlp_init(haiku_mp.make_precision(BF16, 'linear:' + BF16,
+                                      model_class=hk.nets.MLP),
+              second_top_level=True)
+
+  def test_targets_that_match_pass_and_check_is_public(self):
+    precision = haiku_mp.make_precision(
+        BF16, {'*/linear_1': F32}, model_class=hk.nets.MLP,
+        fp8_modules=[hk.Linear])
+    _mlp_init(precision)  # No error.
+    modules = {('MLP', 'mlp'), ('Linear', 'mlp/~/linear_0')}
+    with self.assertRaisesRegex(haiku_mp.errors.ConfigError,
+                                "target '\\*/linear_1' matches no module"):
+      precision.check(modules)
+
+  def test_only_the_first_forward_pass_is_checked(self):
+    precision = haiku_mp.make_precision(BF16, '*/linear_1:float32',
+                                        model_class=hk.nets.MLP)
+
+    def forward(x, first_layer_only):
+      with haiku_mp.apply_precision(precision):
+        mlp = hk.nets.MLP([8, 4])
+        return mlp.layers[0](x) if first_layer_only else mlp(x)
+
+    forward = hk.transform(forward)
+    params = forward.init(jax.random.key(0), jnp.ones((2, 3)), False)
+    # A later pass through part of the model (its override's module not
+    # called) is not a whole model's: nothing to check against.
+    forward.apply(params, None, jnp.ones((2, 3)), True)
+
+
+class _Attend(hk.Module):
+  """One `hk.MultiHeadAttention` over padded sequences, Haiku's own mask
+  convention (1 where a key may be attended to), and a linear head."""
+
+  def __call__(self, tokens):
+    valid = tokens > 0
+    length = tokens.shape[1]
+    mask = valid[:, None, None, :] * jnp.tril(jnp.ones((length, length)))
+    x = hk.Embed(8, 16)(tokens)
+    x = hk.MultiHeadAttention(2, 8, w_init=hk.initializers.VarianceScaling(
+        1.0))(x, x, x, mask=mask)
+    return hk.Linear(8)(x)
+
+
+def _masked_attention(policy=None, **kwargs):
+  """`_Attend` under `policy` (None: Haiku alone)."""
+  if policy is None:
+    return hk.transform(lambda tokens: _Attend()(tokens))
+  precision = haiku_mp.make_precision(policy, model_class=_Attend, **kwargs)
+
+  def forward(tokens):
+    with haiku_mp.apply_precision(precision):
+      return _Attend()(tokens)
+
+  return hk.transform(forward)
+
+
+# Left-padded sequences: a padding query row's keys are all masked.
+_TOKENS = jnp.array([[0, 0, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]])
+F16 = 'params=float32,compute=float16,output=float32'
+
+
+def _next_token_loss(forward, params):
+  logits = forward.apply(params, None, _TOKENS).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits[:, :-1], _TOKENS[:, 1:]).mean()
+
+
+class HalfPrecisionAttentionTest(parameterized.TestCase):
+
+  @parameterized.parameters(F16, BF16)
+  def test_masked_rows_stay_finite_and_losses_near_float32s(self, policy):
+    reference = _masked_attention(F32)
+    params = reference.init(jax.random.key(0), _TOKENS)
+    expected = _next_token_loss(reference, params)
+    half = _masked_attention(policy)
+    loss, grads = jax.value_and_grad(
+        lambda p: _next_token_loss(half, p))(params)
+    self.assertTrue(np.isfinite(float(loss)))
+    self.assertTrue(all(bool(jnp.isfinite(g).all())
+                        for g in jax.tree.leaves(grads)))
+    np.testing.assert_allclose(loss, expected, rtol=2e-2)
+
+  def test_logits_and_softmax_in_float32_projections_in_half(self):
+    # The program a GPU runs: half operands into float32 sums.
+    forward = _masked_attention(F16, dot_platform='gpu')
+    params = forward.init(jax.random.key(0), _TOKENS)
+    apply = lambda p: forward.apply(p, None, _TOKENS)
+    exps = helpers.eqns_of(apply, params, primitives=('exp',))
+    self.assertEqual({helpers.operand_dtypes(e) for e in exps},
+                     {('float32',)})
+    dots = [helpers.operand_dtypes(e)
+            for e in helpers.eqns_of(apply, params, primitives=('dot_general',))]
+    # Four projections and the head; the logits' and the values' batched
+    # dots take float16 operands too, into float32 sums.
+    self.assertEqual(dots.count(('float16', 'float16')), 7)
+    self.assertLen(dots, 7)
+
+  def test_a_float32_policy_runs_haikus_own_attention(self):
+    params = _masked_attention(F32).init(jax.random.key(0), _TOKENS)
+    ours = _masked_attention(F32).apply(params, None, _TOKENS)
+    np.testing.assert_array_equal(
+        ours, _masked_attention().apply(params, None, _TOKENS))
+
+
+class InheritedInputTest(absltest.TestCase):
+
+  def test_a_convolution_takes_a_float32_input_made_inside_the_model(self):
+    # hk.Sequential as the model class; its first layer divides integer
+    # images by 255, which makes float32 after the policy's cast.
+    precision = haiku_mp.make_precision(BF16, model_class=hk.Sequential,
+                                        dot_form='native')
+
+    def forward(images):
+      with haiku_mp.apply_precision(precision):
+        return hk.Sequential([lambda x: x / 255.0, hk.Conv2D(4, 3),
+                              jax.nn.relu, hk.Flatten(), hk.Linear(3)])(images)
+
+    forward = hk.transform(forward)
+    images = np.zeros((2, 8, 8, 3), np.uint8)
+    params = forward.init(jax.random.key(0), images)  # Eager, NumPy input.
+    eqns = helpers.eqns_of(lambda p: forward.apply(p, None, images), params,
+                           primitives=('conv_general_dilated', 'dot_general'))
+    self.assertEqual({helpers.operand_dtypes(e) for e in eqns},
+                     {('bfloat16', 'bfloat16')})
+
+
 if __name__ == '__main__':
   absltest.main()

@@ -8,10 +8,12 @@ trainer's ViT, from its workdirs and checkpoints.
   print(advisor.overrides(modules, advisor.judge(modules, limits), 'float16'))
 """
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp.advisor import fp4_numerics
@@ -91,8 +93,50 @@ def module_classes_of(loss_fn: probes.LossFn, params, rng: jax.Array,
   return classes
 
 
+def _all_finite(tree) -> jax.Array:
+  """Whether every floating value in `tree` is finite (True for none)."""
+  flags = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
+           if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+  return jnp.stack(flags).all() if flags else jnp.bool_(True)
+
+
+def nonfinite_sources(loss_fn: probes.LossFn, params, rng: jax.Array,
+                      batch) -> dict[str, jax.Array]:
+  """Per module path, whether a forward pass of `loss_fn` made a value that
+  is not finite inside that module: its output holds inf or NaN though its
+  inputs and the outputs of the modules it called were finite. Run on the
+  model's float16 loss, it finds what float32 statistics cannot show: a
+  mask value that is -inf in float16 (Haiku's -1e30), an `exp` past 65504
+  inside a module, a subtraction of two infinities."""
+  frames: list[list[jax.Array]] = []
+  sources: dict[str, jax.Array] = {}
+
+  def record(next_f, args, kwargs, context: hk.MethodContext):
+    if context.method_name == '__init__':
+      return next_f(*args, **kwargs)
+    frames.append([])
+    try:
+      out = next_f(*args, **kwargs)
+    finally:
+      children = frames.pop()
+    out_bad = ~_all_finite(out)
+    inner_bad = jnp.stack(children).any() if children else jnp.bool_(False)
+    made_here = _all_finite((args, kwargs)) & out_bad & ~inner_bad
+    path = context.module.module_name
+    sources[path] = sources.get(path, jnp.bool_(False)) | made_here
+    if frames:
+      frames[-1].append(out_bad)
+    return out
+
+  with hk.intercept_methods(record):
+    loss_fn(params, rng, batch)
+  return sources
+
+
 def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
-                  loss_scale: float = 1.0) -> list[verdicts.Module]:
+                  loss_scale: float = 1.0, *,
+                  float16_loss_fn: Optional[probes.LossFn] = None
+                  ) -> list[verdicts.Module]:
   """The statistics `verdicts.judge` reads, for any Haiku model: each module
   call's output and output gradient, and each param's gradient, over
   `batches` at fixed `params`, the float16 shares taken at `loss_scale`.
@@ -100,7 +144,10 @@ def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
   `loss_fn(params, rng, batch) -> (loss, aux)` is the model's training loss
   under its precision (float32 compute measures what half precision would
   lose; `launch.lab advise` does that for the ViT, with train steps between
-  batches).
+  batches). Given `float16_loss_fn`, the same model's loss under a float16
+  policy, it also runs a float16 forward pass on each batch
+  (`nonfinite_sources`): a module that makes inf or NaN there is kept in
+  float32 whatever its float32 statistics say.
 
   Example:
     modules = advisor.measure_model(loss_fn, params, batches, jax.random.key(0))
@@ -112,7 +159,17 @@ def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
   for i, batch in enumerate(batches):
     totals.add(*stats.fn(params, jax.random.fold_in(key, i), batch,
                          loss_scale))
-  return totals.modules(classes, stats.aliases)
+  modules = totals.modules(classes, stats.aliases)
+  if float16_loss_fn is not None:
+    sources = jax.jit(functools.partial(nonfinite_sources, float16_loss_fn))
+    made = set()
+    for i, batch in enumerate(batches):
+      found = jax.device_get(sources(params, jax.random.fold_in(key, i),
+                                     batch))
+      made |= {p for p, bad in found.items() if bad}
+    for m in modules:
+      m.float16_nonfinite = m.path in made
+  return modules
 
 
 

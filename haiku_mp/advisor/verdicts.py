@@ -10,7 +10,10 @@ format a module gets one verdict:
   range, so only precision can rule it out);
 - float16: `keep-f32` when its output overflows (more than
   `max_overflow_share` of it) or errs by more than `max_relative_error`
-  (tiny values flushing), or when no loss scale keeps its gradients in range;
+  (tiny values flushing), when a float16 forward pass makes inf or NaN
+  inside it (where one was run: what float32 statistics cannot see, such
+  as a mask value that is -inf in float16), or when no loss scale keeps its
+  gradients in range;
   otherwise `f16-ok` if it trains at scale 1, else `f16-needs-loss-scale`.
 
 A module's loss-scale window is `[2^lo, 2^hi]`: `lo` the smallest power of
@@ -71,6 +74,9 @@ class Module:
   gradient: np.ndarray
   param_gradients: dict[str, np.ndarray]
   same_as: Optional[str] = None
+  # Whether a float16 forward pass made inf or NaN inside it
+  # (`measurement.nonfinite_sources`); None: no such pass was run.
+  float16_nonfinite: Optional[bool] = None
 
 
 def lowest_scale_exponent(stats: np.ndarray, error: float) -> Optional[int]:
@@ -132,6 +138,9 @@ def _bf16_reason(module: Module, t: Thresholds) -> Optional[str]:
 
 
 def _f16_output_reason(module: Module, t: Thresholds) -> Optional[str]:
+  if module.float16_nonfinite:
+    return ('a float16 forward pass makes inf or NaN inside it from finite '
+            'inputs (a mask value or an exp beyond 65504)')
   out = numerics.as_dict(module.output)
   if out['f16_overflow'] and out['f16_overflow_share'] > t.max_overflow_share:
     return (f'its output overflows float16: {_pct(out["f16_overflow_share"])} '

@@ -436,7 +436,6 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
       logits = hk.nets.MLP([64, 10])(images.reshape(len(images), -1))
   """
   stack: list[jmp.Policy] = []
-  owners: list[str] = []  # The path of the module whose rule each one is.
   dots = precision.dots
   # What the first forward pass called, for `Precision.check`: (class,
   # path) of every module, and the calls that ran under no policy.
@@ -473,7 +472,11 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
     if rule is None and not stack:
       outside.append((class_name, module.module_name))
     if rule is None and stack and isinstance(module, _MATMUL_MODULES):
-      _check_inherited_input(module, stack[-1], owners[-1], args)
+      # The input a module with a rule of its own would take: one made
+      # inside the model after its policy cast it (integer images divided
+      # by 255; the float32 output of a module kept in float32) would else
+      # fail a convolution on mixed dtypes, or run a dot in float32.
+      args, kwargs = stack[-1].cast_to_compute((args, kwargs))
     with contextlib.ExitStack() as ctx:
       if rule is not None:
         if not stack:
@@ -481,9 +484,7 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
           ctx.enter_context(hk.custom_getter(getter, state=True))
           ctx.enter_context(hk.custom_setter(setter))
         stack.append(rule.policy)
-        owners.append(module.module_name)
         ctx.callback(stack.pop)
-        ctx.callback(owners.pop)
         args, kwargs = rule.policy.cast_to_compute((args, kwargs))
       out = matmul_modules.intercepted(dots, next_f, args, kwargs, context)
       if rule is not None:
@@ -504,29 +505,11 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
     precision._checked.append(True)  # pylint: disable=protected-access
 
 
-# Modules whose Haiku call takes one dtype for input and params (a
-# convolution refuses a mix; a dot promotes it silently to float32).
-_MATMUL_MODULES = (hk.Linear, hk.ConvND)
-
-
-def _check_inherited_input(module: hk.Module, policy: jmp.Policy,
-                           owner: str, args: Any) -> None:
-  """Raises one line when a matmul module that inherits `policy` (from the
-  module at `owner`) gets a floating input in another dtype than its params
-  are read in: an input made inside `owner` after its policy cast it (an
-  integer batch divided by 255 is float32)."""
-  compute = jnp.dtype(policy.compute_dtype)
-  for x in jax.tree.leaves(args):
-    dtype = jnp.result_type(x)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype != compute:
-      class_name = type(module).__name__
-      raise PrecisionError(
-          f'{module.module_name} ({class_name}) gets a {dtype.name} input '
-          f'but reads its params in {compute.name}, under the '
-          f'{policy_str(policy)} policy it inherits from {owner!r}; cast the '
-          f'input to {compute.name} where it is made inside {owner!r} '
-          '(integer images divided by 255 become float32), or give '
-          f'{class_name} a rule of its own in precision.overrides')
+# Modules whose Haiku call takes its input in its params' dtype: a
+# convolution refuses a mix of dtypes, a dot promotes it to float32.
+_MATMUL_MODULES = (hk.Linear, hk.ConvND, hk.ConvNDTranspose,
+                   hk.DepthwiseConv1D, hk.DepthwiseConv2D,
+                   hk.DepthwiseConv3D)
 
 
 def _check_first_pass(precision: Precision, modules: set[tuple[str, str]],
