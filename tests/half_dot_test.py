@@ -3,6 +3,7 @@ Haiku's params; float32 untouched."""
 
 import os
 import sys
+import tempfile
 
 if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,6 +18,7 @@ import numpy as np
 
 from haiku_mp import errors
 from haiku_mp.measure import variants
+from haiku_mp.model import cpu_features
 from haiku_mp.model import half_dot
 from haiku_mp.model import matmul_modules
 from haiku_mp.studies import precision as precision_lab
@@ -25,6 +27,20 @@ from tests import helpers
 LOGITS = 'bqhd,bkhd->bhqk'
 DENSE = 'ni,io->no'
 _SHAPES = {LOGITS: ((2, 3, 2, 4), (2, 5, 2, 4)), DENSE: ((6, 4), (4, 5))}
+# /proc/cpuinfo flags of the three kinds of CPU measured (abridged).
+XEON_AMX = frozenset({'avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16',
+                      'amx_bf16', 'amx_tile'})
+EPYC_ZEN4 = frozenset({'avx2', 'avx512f', 'avx512_bf16'})
+EPYC_ZEN3 = frozenset({'avx2', 'fma', 'f16c'})
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx2 fma f16c
+bugs\t\t: sysret_ss_attrs
+
+processor\t: 1
+flags\t\t: fpu sse2 avx2 fma f16c
+"""
 
 
 def _operands(spec, dtype, shapes=None):
@@ -73,6 +89,8 @@ class EinsumTest(parameterized.TestCase):
     # not take (the weight gradient's, unless transposed first) to float32.
     if jax.default_backend() != 'cpu':
       self.skipTest('the layouts of XLA:CPU')
+    if half_dot.form_for(form, jnp.bfloat16, 'cpu') != 'native':
+      self.skipTest('auto is upcast on a CPU without bf16 instructions')
     a, b = (x.astype(jnp.bfloat16) for x in
             _operands(DENSE, jnp.float32, ((64, 16), (16, 32))))
     dots = half_dot.Dots(form)
@@ -104,15 +122,83 @@ class EinsumTest(parameterized.TestCase):
       want = jax.make_jaxpr(lambda a, b: jnp.einsum(DENSE, a, b))
       self.assertEqual(str(got(a, b)), str(want(a, b)), (dtype, form))
 
-  def test_auto_form_per_backend(self):
-    self.assertEqual(half_dot.form_for('auto', jnp.bfloat16, 'cpu'), 'native')
-    self.assertEqual(half_dot.form_for('auto', jnp.bfloat16, 'gpu'), 'native')
-    self.assertEqual(half_dot.form_for('auto', jnp.float32, 'gpu'), 'plain')
-    self.assertEqual(half_dot.form_for('native', jnp.float32, 'cpu'), 'plain')
-
   def test_unknown_form_names_the_setting(self):
     with self.assertRaisesRegex(errors.ConfigError, 'precision.dot_form'):
       half_dot.check_form('fast')
+
+
+class AutoFormTest(parameterized.TestCase):
+  """`auto` per backend and, on a CPU, per the CPU's bf16 instructions."""
+
+  def test_auto_form_per_backend(self):
+    self.assertEqual(half_dot.form_for('auto', jnp.bfloat16, 'gpu'), 'native')
+    self.assertEqual(half_dot.form_for('auto', jnp.float16, 'tpu'), 'native')
+    self.assertEqual(half_dot.form_for('auto', jnp.float32, 'gpu'), 'plain')
+    self.assertEqual(half_dot.form_for('native', jnp.float32, 'cpu'), 'plain')
+
+  @parameterized.parameters(
+      (XEON_AMX, 'bfloat16', 'native', 'cpu has amx_bf16'),
+      (EPYC_ZEN4, 'bfloat16', 'native', 'cpu has avx512_bf16'),
+      (EPYC_ZEN3, 'bfloat16', 'upcast',
+       'cpu has no bf16 instructions: avx2 only'),
+      (frozenset({'sse2'}), 'bfloat16', 'upcast',
+       'cpu has no bf16 instructions: no avx2'),
+      (None, 'bfloat16', 'native', 'cpu features unknown'),
+      (XEON_AMX, 'float16', 'upcast', 'no float16 matmul kernel'),
+      (EPYC_ZEN4, 'float16', 'upcast', 'no float16 matmul kernel'),
+      (EPYC_ZEN3, 'float16', 'upcast', 'no float16 matmul kernel'))
+  def test_cpu_form_per_feature_set(self, features, dtype, form, why):
+    got, reason = half_dot.cpu_form(dtype, features)
+    self.assertEqual(got, form)
+    self.assertIn(why, reason)
+
+  def test_auto_on_this_cpu_is_what_its_features_say(self):
+    features = cpu_features.host_features()
+    for dtype in (jnp.bfloat16, jnp.float16):
+      form, _ = half_dot.cpu_form(dtype, features)
+      self.assertEqual(half_dot.form_for('auto', dtype, 'cpu'), form)
+      self.assertEqual(half_dot.auto_form(dtype, 'cpu'),
+                       half_dot.cpu_form(dtype, features))
+    bf16 = features is None or any(
+        f in features for f in half_dot.CPU_BF16_FEATURES)
+    self.assertEqual(half_dot.form_for('auto', jnp.bfloat16, 'cpu'),
+                     'native' if bf16 else 'upcast')
+    # Batched dots are never native on XLA:CPU, whatever the CPU.
+    self.assertEqual(
+        half_dot.form_for('auto', jnp.bfloat16, 'cpu', batched=True), 'upcast')
+
+  def test_cpuinfo_flags_of_the_first_core(self):
+    self.assertEqual(cpu_features.parse_flags(CPUINFO),
+                     {'fpu', 'sse2', 'avx2', 'fma', 'f16c'})
+    self.assertIsNone(cpu_features.parse_flags(
+        'processor\t: 0\nFeatures\t: fp asimd bf16\n'))  # Arm: unknown.
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    self.assertIsNone(cpu_features.host_features(os.path.join(tmp, 'none')))
+    path = os.path.join(tmp, 'cpuinfo')
+    with open(path, 'w') as f:
+      f.write(CPUINFO)
+    self.assertEqual(cpu_features.describe(cpu_features.host_features(path)),
+                     'avx2 only')
+    self.assertEqual(cpu_features.describe(XEON_AMX),
+                     'amx_bf16, avx512_bf16, avx512_fp16')
+
+  def test_matmuls_line_says_the_form_and_why(self):
+    form, why = half_dot.auto_form(jnp.bfloat16, 'cpu')
+    self.assertEqual(
+        half_dot.matmuls_line('auto', ['bfloat16', 'float32'], 'cpu'),
+        f'Matmuls: bfloat16 dots {form} ({why}'
+        + ('; batched dots upcast' if form == 'native' else '')
+        + "); float32 dots plain (float32 operands: JAX's own dots)")
+    self.assertEqual(
+        half_dot.matmuls_line('native', [jnp.float16], 'gpu'),
+        "Matmuls: float16 dots native (precision.dot_form='native')")
+    self.assertEqual(
+        half_dot.matmuls_line('native', [jnp.bfloat16], 'cpu'),
+        "Matmuls: bfloat16 dots native (precision.dot_form='native'; "
+        'batched dots upcast)')
+    self.assertEqual(
+        half_dot.matmuls_line('auto', [jnp.bfloat16], 'gpu'),
+        'Matmuls: bfloat16 dots native (gpu: half operands, float32 sums)')
 
 
 class LayersTest(parameterized.TestCase):

@@ -16,12 +16,14 @@ from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
 from configs import vit_recipe
 from haiku_mp.data import npz_source
 from haiku_mp.data import pipeline
+from haiku_mp.model import half_dot
 from haiku_mp.train import checkpoint as checkpoint_lib
 from haiku_mp.train import loop
 from haiku_mp.train import metrics as metrics_lib
@@ -315,7 +317,9 @@ class LaunchTrainTest(parameterized.TestCase):
     self.assertContainsSubset(sources, OWN_FILES)  # No orbax, JAX, ... INFO.
     for expected in ('Config: configs/vit_fp16.py --config.data.source=',
                      'Data (synthetic): train 64, val 10, test 10 in memory',
-                     'Devices: ', 'Model: 16 modules, ',
+                     'Devices: ', half_dot.matmuls_line(
+                         'auto', ['float16'], jax.default_backend()),
+                     'Model: 16 modules, ',
                      f'; every module: {workdir}/modules.txt',
                      'Compiled the train step',
                      'step 1/4 [25%]', 'ETA', 'step 4/4', 'val at step 4:',

@@ -19,6 +19,17 @@ Which form a half dtype gets is decided in one place, `form_for`:
 - ``upcast``: both operands converted to float32 first (what XLA does itself
   for a dtype the backend has no kernel for), rounded once;
 - ``plain``: Haiku's and JAX's own ops, half x half -> half.
+
+``auto`` takes the form measured fastest (`auto_form`). On a GPU or TPU that
+is ``native``. On a CPU it depends on the CPU (`cpu_form`): XLA:CPU's bf16
+kernel is fast with AMX-BF16 or AVX512-BF16 instructions and slower than a
+float32 dot without them (it emulates bf16), and XLA:CPU has no float16
+kernel at all, so bfloat16 is ``native`` only on a CPU with bf16 instructions
+and float16 is always ``upcast``. The features are this host's
+(`cpu_features`), also when a program is traced for 'cpu' on a host whose
+backend is another (`Dots.platform`): the one CPU that can be read, and the
+one that runs the program unless it is exported; a program meant for another
+CPU names its form.
 """
 
 import contextlib
@@ -32,16 +43,26 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp import errors
+from haiku_mp.model import cpu_features
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 
 FORMS = ('auto', 'native', 'upcast', 'plain')
 # Backends a program may be traced for (`Dots.platform`); '' is JAX's own.
 PLATFORMS = ('', 'cpu', 'gpu', 'tpu')
-# The measured fastest form per (backend, half dtype) for `auto`: see
-# BENCHMARKS.md "Dot forms" for the numbers behind each entry.
-_AUTO = {('cpu', 'bfloat16'): 'native', ('cpu', 'float16'): 'upcast'}
-_DEFAULT_AUTO = 'native'  # GPUs: half operands, float32 accumulation.
+# `auto` on a GPU or TPU: half operands on its matrix units, float32 sums.
+_ACCELERATOR_AUTO = 'native'
+# `auto` on a CPU, per half dtype, by the best bf16 instructions the CPU has
+# (None: none of them): the fastest form measured on each kind of CPU
+# (BENCHMARKS.md "Dot forms per CPU").
+CPU_BF16_FEATURES = ('amx_bf16', 'avx512_bf16')
+CPU_AUTO = {
+    'amx_bf16': {'bfloat16': 'native', 'float16': 'upcast'},
+    'avx512_bf16': {'bfloat16': 'native', 'float16': 'upcast'},
+    None: {'bfloat16': 'upcast', 'float16': 'upcast'},
+}
+# Where the CPU's features cannot be read: the choice before they were.
+_CPU_UNKNOWN_AUTO = {'bfloat16': 'native', 'float16': 'upcast'}
 # Backends whose half-precision matmul kernel takes a weight gradient only
 # with its first operand transposed in memory (see `_einsum_bwd`): XLA:CPU's.
 _TRANSPOSE_FOR_KERNEL = ('cpu',)
@@ -57,19 +78,63 @@ def check_platform(platform: str) -> str:
   return platform
 
 
+def cpu_form(dtype, features: Optional[frozenset[str]]) -> tuple[str, str]:
+  """`auto`'s form for a dot with half `dtype` operands on a CPU with
+  `features` (its /proc/cpuinfo flags; None: unknown), and why."""
+  name = jnp.dtype(dtype).name
+  if features is None:
+    table = _CPU_UNKNOWN_AUTO
+    why = 'cpu features unknown: the choice for a cpu with bf16 instructions'
+  else:
+    best = next((f for f in CPU_BF16_FEATURES if f in features), None)
+    table = CPU_AUTO[best]
+    why = (f'cpu has {best}' if best else 'cpu has no bf16 instructions: '
+           f'{cpu_features.describe(features)}')
+  if name == 'float16':
+    why = 'XLA:CPU has no float16 matmul kernel'
+  return table.get(name, _ACCELERATOR_AUTO), why
+
+
+def auto_form(dtype, platform: str) -> tuple[str, str]:
+  """The form `auto` takes for a dot with `dtype` operands on `platform`
+  (a CPU: this host's), and why, for the run's first lines."""
+  if jnp.finfo(dtype).bits >= 32:
+    return 'plain', "float32 operands: JAX's own dots"
+  if platform == 'cpu':
+    return cpu_form(dtype, cpu_features.host_features())
+  return _ACCELERATOR_AUTO, f'{platform}: half operands, float32 sums'
+
+
 def form_for(form: str, dtype, platform: str, batched: bool = False) -> str:
   """The form a dot with `dtype` operands runs in on `platform`; `batched`:
   the dot has batch dimensions (attention's einsums)."""
   if jnp.finfo(dtype).bits >= 32:
     return 'plain'  # Float32 (and float64) operands: JAX's own dot.
   if form == 'auto':
-    form = _AUTO.get((platform, jnp.dtype(dtype).name), _DEFAULT_AUTO)
+    form, _ = auto_form(dtype, platform)
   if form == 'native' and batched and platform == 'cpu':
     # XLA:CPU (jaxlib 0.10) runs half x half -> float32 only in the dots it
     # fuses into its matmul library; a batched one left outside fails at run
     # time ("Unsupported element type for DotThunk: BF16 x BF16 = F32").
     return 'upcast'
   return form
+
+
+def matmuls_line(form: str, dtypes, platform: str) -> str:
+  """The console's `Matmuls:` line: the form the dots of each compute dtype
+  in `dtypes` take on `platform` under `precision.dot_form=form`, and why."""
+  parts = []
+  for name in dict.fromkeys(jnp.dtype(d).name for d in dtypes):
+    chosen = form_for(form, name, platform)
+    if form == 'auto' or jnp.finfo(name).bits >= 32:
+      why = auto_form(name, platform)[1]
+    else:
+      why = f'precision.dot_form={form!r}'
+    batched = form_for(form, name, platform, batched=True)
+    if batched != chosen:
+      why += f'; batched dots {batched}'
+    parts.append(f'{name} dots {chosen} ({why})')
+  return 'Matmuls: ' + '; '.join(parts)
 
 
 def _split_spec(spec: str) -> tuple[str, str, str]:

@@ -1,5 +1,5 @@
 """What a run logs as it starts: the compilation cache, the data, the
-devices, the model's modules and the state's layout."""
+devices, how its matmuls run, the model's modules and the state's layout."""
 
 import os
 import time
@@ -7,6 +7,7 @@ import time
 import jax
 
 from haiku_mp.data import pipeline
+from haiku_mp.model import half_dot
 from haiku_mp.train import compilation_cache
 from haiku_mp.train import console_lines
 from haiku_mp.train import experiment
@@ -39,13 +40,19 @@ def use_compilation_cache(setting: str) -> None:
 
 def log_startup(exp: experiment.Experiment, state, workdir: str,
                 is_writer: bool, log_module_table: bool = False) -> None:
-  """The devices, one line about the model (the whole module table in
-  `workdir/modules.txt`, and logged with `log_module_table`) and, when
-  sharded, one kernel's layout."""
+  """The devices, how the matmuls run (`half_dot.matmuls_line`), one line
+  about the model (the whole module table in `workdir/modules.txt`, and
+  logged with `log_module_table`) and, when sharded, one kernel's layout."""
   strategy = exp.strategy
   console_lines.info('Devices: %s (process %d of %d), strategy %s, mesh %s',
                      jax.devices(), jax.process_index(), jax.process_count(),
                      strategy.name, exp.mesh and dict(exp.mesh.shape))
+  precision = exp.precision
+  console_lines.info('%s', half_dot.matmuls_line(
+      precision.dot_form,
+      [precision.policy.compute_dtype,
+       *(rule.policy.compute_dtype for rule in precision.overrides)],
+      precision.dots.backend))
   rows = module_table.module_rows(exp)
   table = module_table.format_table(rows)
   path = os.path.join(workdir, MODULES_FILE)
