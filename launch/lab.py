@@ -7,6 +7,7 @@ python -m launch.lab precision --config=configs/vit_cpu.py
 python -m launch.lab profile --config=configs/vit_bf16.py --steps=5
 python -m launch.lab matmul --out=lab [--rows=1024 --cols=65536 --repeats=5]
 python -m launch.lab dot_algorithms --out=lab [--size=2048]
+python -m launch.lab step_compile --out=lab [--repeats=3]
 python -m launch.lab fp8 --config=configs/vit_fp8.py [--nocompile]
 python -m launch.lab ladder --config=configs/vit_cpu_recipe.py --workdirs=runs/fp32,runs/bf16,...
 python -m launch.lab report --out=report [--parts=benchmark,...] [--quick] \
@@ -50,6 +51,7 @@ from haiku_mp.studies import memory
 from haiku_mp.studies import params
 from haiku_mp.studies import precision as precision_lab
 from haiku_mp.studies import profile
+from haiku_mp.studies import step_compile
 from haiku_mp.studies import sweep
 from launch import cli
 from launch import flag_checks
@@ -59,7 +61,9 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/vit_fp32.py',
 _OUT = flags.DEFINE_string('out', 'lab', 'Directory for JSON and PNG files.')
 _ROWS = flags.DEFINE_integer('rows', 1024, 'matmul: rows of A.')
 _COLS = flags.DEFINE_integer('cols', 1024 * 64, 'matmul: columns of A.')
-_REPEATS = flags.DEFINE_integer('repeats', 5, 'matmul: timed repetitions.')
+_REPEATS = flags.DEFINE_integer(
+    'repeats', 5, 'matmul: timed repetitions; step_compile: compiles of '
+    'each step (the median is kept).')
 _DTYPES = flags.DEFINE_list('dtypes', list(variants.DTYPES),
                             'sweep, memory: compute dtypes.')
 _BATCH_SIZES = flags.DEFINE_list('batch_sizes',
@@ -204,10 +208,16 @@ def _dot_algorithms():
           dot_algorithms.plot)
 
 
+def _step_compile():
+  return (step_compile.run(repeats=_REPEATS.value, log=_log),
+          step_compile.plot)
+
+
 STUDIES = {'params': _params, 'sweep': _sweep, 'memory': _memory,
                'precision': _precision, 'matmul': _matmul, 'profile': _profile,
                'dot_algorithms': _dot_algorithms, 'fp8': _fp8,
-               'rounding': _rounding, 'ladder': _ladder}
+               'rounding': _rounding, 'ladder': _ladder,
+               'step_compile': _step_compile}
 # Every command: the studies, the report that runs several of them, and
 # the advisor.
 COMMANDS = (*STUDIES, 'report', 'advise')
