@@ -256,14 +256,17 @@ def _check_state(state: Any, optimizer: optax.GradientTransformation,
 
 
 def _outline(tree: Any, depth: int = 2) -> str:
-  """The node types at the top of `tree`, e.g. `(ScaleByAdamState,
-  EmptyState)`: enough to tell two optimizers' states apart."""
-  if depth == 0 or not isinstance(tree, (tuple, list)):
-    return type(tree).__name__
-  inner = ', '.join(_outline(t, depth - 1) for t in tree)
-  if hasattr(tree, '_fields'):
-    return f'{type(tree).__name__}({inner})'
-  return f'({inner})'
+  """The node types at the top of `tree`, e.g. `(ScaleByAdamState(array,
+  dict, dict), EmptyState())`: enough to tell two optimizers' states
+  apart."""
+  if isinstance(tree, Mapping):
+    return 'dict'
+  if not isinstance(tree, (tuple, list)):
+    return 'array'
+  name = type(tree).__name__ if hasattr(tree, '_fields') else ''
+  if depth == 0:
+    return name or '(...)'
+  return f'{name}({", ".join(_outline(t, depth - 1) for t in tree)})'
 
 
 def _kept_if_skipped(finite: jax.Array, new: Any, old: Any) -> Any:
