@@ -59,7 +59,9 @@ class Fp4:
   # The weight gradient's GEMM inputs through a random 16 x 16 Hadamard
   # transform along the tokens, which spreads an outlier over its block.
   hadamard: bool = True
-  # Output gradients rounded stochastically (unbiased); the rest to nearest.
+  # Output gradients rounded stochastically (unbiased, but for the values an
+  # NVFP4 block whose E4M3 scale rounded down saturates at 6); the rest to
+  # nearest.
   stochastic_gradients: bool = True
 
   def __post_init__(self):

@@ -35,7 +35,8 @@ class Fp8Settings:
       'GEMM inputs, along the tokens.')
   stochastic_gradients: bool = setting(
       True,
-      '4 bits: output gradients rounded stochastically (unbiased).')
+      '4 bits: output gradients rounded stochastically (unbiased, but for '
+      'values an NVFP4 block saturates at 6).')
   keep_fp8: str = setting(
       '',
       "4 bits: 'TARGET;...' among `modules` whose Linears keep fp8 (E4M3 "
