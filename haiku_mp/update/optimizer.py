@@ -86,6 +86,7 @@ def float32_master(inner: optax.GradientTransformation
 
   Example:
     optimizer = haiku_mp.float32_master(optax.adam(1e-3, b2=0.99))
+    state = haiku_mp.init_train_state(bf16_params, optimizer, scaler, key)
   """
   inner = optax.with_extra_args_support(inner)
 
