@@ -87,6 +87,8 @@ def _transformed(name, precision=None):
 
 
 def _precision(name, fp8_modules='', **kwargs):
+  # Half operands into float32 sums whatever this CPU's `auto` form is.
+  kwargs.setdefault('dot_form', 'native')
   _, model_class, overrides = MODELS[name]
   return haiku_mp.make_precision(BF16, overrides, model_class=model_class,
                                  fp8_modules=fp8_modules, **kwargs)
@@ -139,18 +141,19 @@ class StockModulesTest(parameterized.TestCase):
   # Per model, the dots of its hk.Linear (and patch-embedding hk.Conv2D)
   # layers: one forward, the input's gradient (but the first layer's, of the
   # images) and the weight's. The block's attention has 2 batched dots of
-  # its own (jnp.einsum, Haiku's code: bf16 x bf16 into bf16, 3 each with
-  # the backward).
+  # its own (the logits and the weighted values, 3 each with the backward),
+  # summed in float32 (`stock_attention`); batched, on a CPU they take
+  # float32 operands (XLA:CPU runs no batched half x half -> float32 dot).
   @parameterized.parameters(('mlp', 3 * 3 - 1, 0), ('resnet', 3, 0),
                             ('block', 1 * 2 + (4 + 2 + 1) * 3, 2 * 3))
   def test_every_matmul_takes_bf16_operands_forward_and_backward(
-      self, name, ours, haikus):
+      self, name, ours, attention):
     dots = _lowered_dots(_transformed(name, _precision(name)),
                          _images(16 if name == 'resnet' else 8))
-    # Ours sum in float32, Haiku's attention einsums in bf16.
+    # Every matmul sums in float32.
     expected = {(BF, BF, F32): ours}
-    if haikus:
-      expected[(BF, BF, BF)] = haikus
+    if attention:
+      expected[(F32, F32, F32)] = attention
     self.assertEqual(dots, expected)
 
   def test_resnet_convolutions_stay_haikus_in_bf16(self):
@@ -166,14 +169,15 @@ class StockModulesTest(parameterized.TestCase):
 
   # fp8 on chosen layers: E4M3 forward, E5M2 output gradients, float32
   # sums; the others stay bf16. (fp8 layers, of them the first, whose input
-  # gradient is not computed; bf16 x bf16 dots left)
+  # gradient is not computed; bf16 x bf16 dots left; the attention's batched
+  # dots, upcast on a CPU)
   @parameterized.parameters(
-      ('mlp', '*/linear_0;*/linear_1', 2, 1, 3),
-      ('resnet', 'Linear', 1, 0, 0),
-      ('block', '*/multi_head_attention/*', 4, 0, 2 + 3 * 3 + 2 * 3))
+      ('mlp', '*/linear_0;*/linear_1', 2, 1, 3, 0),
+      ('resnet', 'Linear', 1, 0, 0, 0),
+      ('block', '*/multi_head_attention/*', 4, 0, 2 + 3 * 3, 2 * 3))
   def test_fp8_targets_run_fp8_forward_and_backward(self, name, targets,
                                                     fp8_layers, first,
-                                                    bf16_dots):
+                                                    bf16_dots, attention):
     dots = _lowered_dots(_transformed(name, _precision(name, targets)),
                          _images(16 if name == 'resnet' else 8))
     for (lhs, rhs, out), count in dots.items():
@@ -184,6 +188,8 @@ class StockModulesTest(parameterized.TestCase):
     expected = {k: v for k, v in expected.items() if v}
     if bf16_dots:
       expected[(BF, BF)] = bf16_dots
+    if attention:
+      expected[(F32, F32)] = attention
     self.assertEqual(_pairs(dots), expected)
 
   @parameterized.parameters('mlp', 'resnet', 'block')

@@ -154,8 +154,11 @@ def without_master(inner: optax.GradientTransformation, param_update: str
   state_type = _NO_MASTER_STATES[param_update]
 
   def init(params):
-    if not any(jnp.finfo(p.dtype).bits < 32 for p in jax.tree.leaves(params)
-               if jnp.issubdtype(p.dtype, jnp.floating)):
+    # Of array leaves only: `optax.tree_map_params` inits with placeholders.
+    floats = [p.dtype for p in jax.tree.leaves(params)
+              if jnp.issubdtype(getattr(p, 'dtype', None) or jnp.int32,
+                                jnp.floating)]
+    if floats and all(jnp.finfo(d).bits >= 32 for d in floats):
       raise ValueError(
           f'without_master(..., {param_update!r}) rounds updates into '
           'half-precision params, but every param is float32; store params '
