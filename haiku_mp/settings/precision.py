@@ -69,7 +69,8 @@ class PrecisionSettings:
   dot_form: str = setting(
       'auto',
       "How matmuls with half operands run: 'auto' (the fastest form "
-      "measured for the backend), 'native' (half x half -> float32 sums, "
+      "measured for the backend and, on a CPU, its bf16 instructions), "
+      "'native' (half x half -> float32 sums, "
       "rounded once), 'upcast' (operands converted to float32 first) or "
       "'plain' (Haiku's and JAX's own half x half -> half). Float32 "
       'matmuls are never changed.')
