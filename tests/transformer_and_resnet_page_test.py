@@ -8,8 +8,6 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
-import subprocess
-import tempfile
 
 from absl.testing import absltest
 
@@ -39,16 +37,8 @@ class TransformerAndResnetPageTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
-    with tempfile.TemporaryDirectory() as cwd:
-      script = os.path.join(cwd, 'my_models.py')
-      with open(script, 'w') as f:
-        f.write(your_model_test.page_code(PAGE) + _REPORT)
-      run = subprocess.run([sys.executable, script], cwd=cwd, env=env,
-                           capture_output=True, text=True, timeout=900)
-    if run.returncode:
-      raise AssertionError(f'my_models.py failed:\n{run.stderr[-3000:]}')
-    cls.report = json.loads(run.stdout.splitlines()[-1])
+    cls.report = json.loads(your_model_test.run_page(
+        PAGE, 'my_models.py', _REPORT)[-1])
 
   def test_it_ran_outside_the_checkout(self):
     self.assertFalse(self.report['cwd'].startswith(helpers.ROOT))

@@ -53,21 +53,28 @@ def page_code(path: str = PAGE) -> str:
   return blocks[0]
 
 
+def run_page(page: str, name: str, report: str) -> list[str]:
+  """Runs `page`'s script with `report` appended, saved as `name` in a
+  temporary directory outside the checkout, against the installed package
+  (no PYTHONPATH); the lines it printed."""
+  env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+  with tempfile.TemporaryDirectory() as cwd:
+    script = os.path.join(cwd, name)
+    with open(script, 'w') as f:
+      f.write(page_code(page) + report)
+    run = subprocess.run([sys.executable, script], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=900)
+  if run.returncode:
+    raise AssertionError(f'{name} failed:\n{run.stderr[-3000:]}')
+  return run.stdout.splitlines()
+
+
 class YourModelPageTest(absltest.TestCase):
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
-    with tempfile.TemporaryDirectory() as cwd:
-      script = os.path.join(cwd, 'my_model.py')
-      with open(script, 'w') as f:
-        f.write(page_code() + _REPORT)
-      run = subprocess.run([sys.executable, script], cwd=cwd, env=env,
-                           capture_output=True, text=True, timeout=600)
-    if run.returncode:
-      raise AssertionError(f'my_model.py failed:\n{run.stderr[-3000:]}')
-    lines = run.stdout.splitlines()
+    lines = run_page(PAGE, 'my_model.py', _REPORT)
     cls.printed = '\n'.join(lines[:-1])
     cls.report = json.loads(lines[-1])
 
