@@ -9,23 +9,26 @@ from typing import Any
 
 import jax
 
-CPU_FLAGS = ('amx_bf16', 'avx512_bf16', 'avx512_fp16')
+from haiku_mp.model import cpu_features
+
+# The half-precision instructions recorded: those `auto`'s matmul form
+# follows (`cpu_features`).
+CPU_FLAGS = cpu_features.HALF_FEATURES
 
 
-def cpu_info(cpuinfo_path: str = '/proc/cpuinfo') -> dict[str, Any]:
+def cpu_info(cpuinfo_path: str = cpu_features.CPUINFO_PATH
+             ) -> dict[str, Any]:
   """The host CPU's model name and whether it has the half-precision
   instructions XLA:CPU can use (bf16 speed depends on them)."""
-  name, flags = 'unknown', set()
   try:
     with open(cpuinfo_path) as f:
-      for line in f:
-        key, _, value = line.partition(':')
-        if key.strip() == 'model name' and name == 'unknown':
-          name = value.strip()
-        elif key.strip() == 'flags' and not flags:
-          flags = set(value.split())
+      text = f.read()
   except OSError:
-    pass
+    text = ''
+  name = next((value.strip() for key, _, value in
+               (line.partition(':') for line in text.splitlines())
+               if key.strip() == 'model name'), 'unknown')
+  flags = cpu_features.parse_flags(text) or frozenset()
   return dict(model=name, **{flag: flag in flags for flag in CPU_FLAGS})
 
 

@@ -52,17 +52,13 @@ FORMS = ('auto', 'native', 'upcast', 'plain')
 PLATFORMS = ('', 'cpu', 'gpu', 'tpu')
 # `auto` on a GPU or TPU: half operands on its matrix units, float32 sums.
 _ACCELERATOR_AUTO = 'native'
-# `auto` on a CPU, per half dtype, by the best bf16 instructions the CPU has
-# (None: none of them): the fastest form measured on each kind of CPU
-# (BENCHMARKS.md "Dot forms per CPU").
+# `auto` on a CPU, per half dtype: with bf16 instructions (any of
+# `CPU_BF16_FEATURES`) and without (the fastest form measured on each kind
+# of CPU: BENCHMARKS.md "Dot forms per CPU"). Where the CPU's features
+# cannot be read, the first: the choice before they were read.
 CPU_BF16_FEATURES = ('amx_bf16', 'avx512_bf16')
-CPU_AUTO = {
-    'amx_bf16': {'bfloat16': 'native', 'float16': 'upcast'},
-    'avx512_bf16': {'bfloat16': 'native', 'float16': 'upcast'},
-    None: {'bfloat16': 'upcast', 'float16': 'upcast'},
-}
-# Where the CPU's features cannot be read: the choice before they were.
-_CPU_UNKNOWN_AUTO = {'bfloat16': 'native', 'float16': 'upcast'}
+_CPU_WITH_BF16_AUTO = {'bfloat16': 'native', 'float16': 'upcast'}
+_CPU_WITHOUT_BF16_AUTO = {'bfloat16': 'upcast', 'float16': 'upcast'}
 # Backends whose half-precision matmul kernel takes a weight gradient only
 # with its first operand transposed in memory (see `_einsum_bwd`): XLA:CPU's.
 _TRANSPOSE_FOR_KERNEL = ('cpu',)
@@ -83,11 +79,11 @@ def cpu_form(dtype, features: Optional[frozenset[str]]) -> tuple[str, str]:
   `features` (its /proc/cpuinfo flags; None: unknown), and why."""
   name = jnp.dtype(dtype).name
   if features is None:
-    table = _CPU_UNKNOWN_AUTO
+    table = _CPU_WITH_BF16_AUTO
     why = 'cpu features unknown: the choice for a cpu with bf16 instructions'
   else:
     best = next((f for f in CPU_BF16_FEATURES if f in features), None)
-    table = CPU_AUTO[best]
+    table = _CPU_WITH_BF16_AUTO if best else _CPU_WITHOUT_BF16_AUTO
     why = (f'cpu has {best}' if best else 'cpu has no bf16 instructions: '
            f'{cpu_features.describe(features)}')
   if name == 'float16':

@@ -26,7 +26,6 @@ from typing import Any, Callable, Optional
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from haiku_mp.measure import charts

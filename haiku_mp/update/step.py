@@ -225,7 +225,7 @@ def _check_state(state: Any, optimizer: optax.GradientTransformation,
                  ) -> None:
   """Raises one line naming what is wrong when `state` is not a TrainState
   this step can take: made by `init_train_state` with the same optimizer and
-  loss scaler, with Haiku state exactly when the loss has it. At trace time:
+  loss scaler, with Haiku state only if the loss has it. At trace time:
   nothing of it runs in the compiled step."""
   if not isinstance(state, TrainState):
     if _is_state_dict(state):
@@ -300,7 +300,7 @@ def make_train_step(loss_fn: Optional[AnyLoss],
   A caller that brings its own gradients (DP-SGD) passes `gradients_fn`
   (`ordinary_gradients`'s signature) instead, and None for `loss_fn`.
   `optimizer` is `optimizer.make_optimizer`'s (or any optax
-  transformation; with half params, wrapped in `with_float32_master` or
+  transformation; with half params, wrapped in `float32_master` or
   `without_master`): its update takes the step's rounding key as `key=`.
 
   Jit it with `donate_argnums=0`; every metric is a device scalar, so nothing
