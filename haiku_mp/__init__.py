@@ -19,6 +19,7 @@ from haiku_mp.model import Linear
 from haiku_mp.model import make_precision
 from haiku_mp.model import parse_policy
 from haiku_mp.model import Precision
+from haiku_mp.update import DataParallel
 from haiku_mp.update import float32_master
 from haiku_mp.update import init_train_state
 from haiku_mp.update import learning_rate_schedule
@@ -32,8 +33,8 @@ from haiku_mp.update import ordinary_gradients
 from haiku_mp.update import TrainState
 from haiku_mp.update import without_master
 
-__all__ = ('Conv2D', 'Dots', 'Fp4', 'Fp8', 'Linear', 'LossScaler',
-           'LossWithState', 'Precision', 'TrainState', 'apply_precision',
+__all__ = ('Conv2D', 'DataParallel', 'Dots', 'Fp4', 'Fp8', 'Linear',
+           'LossScaler', 'LossWithState', 'Precision', 'TrainState', 'apply_precision',
            'float32_master', 'init_train_state', 'learning_rate_schedule',
            'make_classification_loss', 'make_eval_step', 'make_optimizer',
            'make_precision', 'make_train_step', 'ordinary_gradients',

@@ -121,7 +121,37 @@ _OUT_OF_RANGE = (
      'loss_scale.period: must be a positive integer, got 0'),
     ('strategy', {'parallel.strategy': 'dp'},
      "parallel.strategy: unknown value 'dp'; expected one of ('single', "
-     "'pmap', 'pjit')"),
+     "'pmap', 'pjit', 'fsdp')"),
+    ('gather_dtype', {'parallel.gather_dtype': 'bf16'},
+     "parallel.gather_dtype: unknown value 'bf16'"),
+    ('reduce_dtype', {'parallel.reduce_dtype': 'fp8'},
+     "parallel.reduce_dtype: unknown value 'fp8'"),
+    ('fp8_gathers_without_fp8', {'parallel.strategy': 'fsdp',
+                                 'parallel.gather_dtype': 'fp8'},
+     'parallel.gather_dtype=fp8 gathers the fp8 Linears\' kernels in fp8, '
+     'and no Linear runs in fp8'),
+    ('fp8_gathers_under_pmap', {
+        'parallel.strategy': 'pmap', 'parallel.gather_dtype': 'fp8',
+        'precision.fp8.modules': 'Linear'},
+     'parallel.gather_dtype=fp8: parallel.strategy=pmap gathers no '
+     'parameters'),
+    ('float16_reduction_without_loss_scale', {
+        'precision.policy': 'params=float32,compute=float16,output=float32',
+        'parallel.reduce_dtype': 'compute'},
+     'parallel.reduce_dtype=compute sums float16 gradients without a loss '
+     'scale'),
+    ('fsdp_with_privacy', {'parallel.strategy': 'fsdp',
+                           'privacy.enabled': True, 'data.augment': False},
+     'parallel.strategy=fsdp with privacy.enabled'),
+    ('half_reduction_with_privacy', {
+        'parallel.reduce_dtype': 'compute', 'privacy.enabled': True,
+        'data.augment': False},
+     'parallel.reduce_dtype=compute with privacy.enabled'),
+    ('rule_over_both_axes',
+     {'parallel.sharding_rules': '.*fc1/w=None,batch+model'},
+     'shards one dimension over both mesh axes'),
+    ('rule_over_batch', {'parallel.sharding_rules': '.*fc1/w=batch,None'},
+     "names the 'batch' axis, which holds the data"),
     ('mesh_shape_word', {'parallel.mesh_shape': ('4x2',)},
      "parallel.mesh_shape='4x2': expected two positive integers (batch, "
      'model) like (4,2); one may be -1 (the remaining devices)'),

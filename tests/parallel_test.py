@@ -149,21 +149,23 @@ class StrategiesAgreeTest(parameterized.TestCase):
     want_losses, want = results['single']
     for strategy, (losses, state) in results.items():
       # Sums in another order, and the bfloat16 roundings they move: up to
-      # 7e-6 here.
-      np.testing.assert_allclose(losses, want_losses, rtol=2e-5,
+      # 4e-5 here (pjit: each replica's weight gradients, a bfloat16 sum of
+      # its own examples, then averaged, as under pmap).
+      np.testing.assert_allclose(losses, want_losses, rtol=1e-4,
                                  err_msg=strategy)
       chex.assert_trees_all_equal_dtypes(state, want)
       weights = [(np.asarray(a, np.float32), np.asarray(b, np.float32))
                  for (path, a), b in zip(
                      jax.tree_util.tree_flatten_with_path(state.params)[0],
                      jax.tree.leaves(want.params)) if path[-1].key == 'w']
-      # 2.6% (pjit) and 4.8% (pmap) here, as under the float32 master: the
-      # weights that sums in another order (another again on another CPU)
-      # move by an ulp or an Adam step (below); at most 10%. Rounding drawn
-      # from another key (per replica, or per shard) moves about half of
-      # them.
+      # 4.8% (pmap) and 22% (pjit) here: the weights that sums in another
+      # order (another again on another CPU) move by an ulp or an Adam step
+      # (below). pjit's replicas compute their gradients as pmap's do, in a
+      # shard_map whose bfloat16 roundings XLA places otherwise. At most
+      # 30%. Rounding drawn from another key (per replica, or per shard)
+      # moves about half of them.
       differ = sum(np.sum(a != b) for a, b in weights)
-      self.assertLess(differ / sum(a.size for a, _ in weights), 0.1,
+      self.assertLess(differ / sum(a.size for a, _ in weights), 0.3,
                       strategy)
       # And those by one ulp, or by one Adam step the other way where the
       # gradient is near zero (its sign then depends on the sums' order).
@@ -193,11 +195,13 @@ class StrategiesAgreeTest(parameterized.TestCase):
     # 3 histories per fp8 Linear, 6 Linears in the block.
     self.assertLen(jax.tree.leaves(want_histories), 3 * 6)
     for strategy, (losses, histories) in results.items():
-      # The first two steps' losses agree to float32 sums in another order;
-      # by the third, Adam has moved params apart where a gradient is near
-      # zero (one exactly 0 on one layout and -6e-5 on another: a whole
-      # step of the learning rate), up to 3e-5 relative.
-      np.testing.assert_allclose(losses[:2], want_losses[:2], rtol=1e-5,
+      # The first two steps' losses agree to the sums in another order (in
+      # bfloat16 around the fp8 matmuls: up to 1.6e-5 relative on pjit,
+      # whose replicas compute their gradients as pmap's do); by the third,
+      # Adam has moved params apart where a gradient is near zero (one
+      # exactly 0 on one layout and -6e-5 on another: a whole step of the
+      # learning rate), up to 3e-5 relative.
+      np.testing.assert_allclose(losses[:2], want_losses[:2], rtol=4e-5,
                                  err_msg=strategy)
       np.testing.assert_allclose(losses[2], want_losses[2], rtol=1e-4,
                                  err_msg=strategy)

@@ -9,7 +9,7 @@ no rule matches is replicated.
 
 import math
 import re
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -66,14 +66,26 @@ def make_mesh(mesh_shape: Sequence[int],
 
 
 def parse_spec(text: str) -> P:
-  """``'None,model'`` -> ``P(None, 'model')``; ``''`` -> ``P()``."""
+  """``'None,model'`` -> ``P(None, 'model')``; ``''`` -> ``P()``. Rules name
+  the `model` axis only: `batch` is the data's, and parameters are split
+  over it by `parallel.strategy=fsdp` alone (sharding.fsdp_specs)."""
   parts = [p.strip() for p in text.split(',')] if text.strip() else []
   axes = []
   for part in parts:
     if part in ('None', ''):
       axes.append(None)
-    elif part in AXES:
+    elif part == MODEL:
       axes.append(part)
+    elif BATCH in part and MODEL in part:
+      raise ShardingError(
+          f'parallel.sharding_rules: {text!r} shards one dimension over both '
+          f"mesh axes; a rule names 'model' only (parallel.strategy=fsdp "
+          "splits parameters over 'batch', on another dimension)")
+    elif part == BATCH:
+      raise ShardingError(
+          f"parallel.sharding_rules: {text!r} names the 'batch' axis, which "
+          "holds the data; split parameters over it with "
+          'parallel.strategy=fsdp')
     else:
       raise ShardingError(f'parallel.sharding_rules: unknown mesh axis '
                           f'{part!r} in {text!r}; expected {AXES} or None')
@@ -132,20 +144,78 @@ def param_specs(params, rules: Sequence[tuple[str, str]], mesh: Mesh):
   return jax.tree_util.tree_map_with_path(spec_for, params)
 
 
+def fsdp_specs(params, specs, mesh: Mesh) -> tuple[Any, Any]:
+  """`specs` with each parameter also split over the `batch` axis (FSDP): on
+  its largest dimension that the axis divides and no rule splits already.
+  Returns (specs, dims): dims a tree of the dimension chosen, or None for a
+  parameter that no dimension fits, which stays replicated over `batch`."""
+  size = mesh.shape[BATCH]
+
+  def split(value, spec):
+    entries = list(spec) + [None] * (len(value.shape) - len(spec))
+    fits = [d for d, n in enumerate(value.shape)
+            if entries[d] is None and n % size == 0 and size > 1]
+    if not fits:
+      return spec, None
+    dim = max(fits, key=lambda d: value.shape[d])  # The first of the largest.
+    entries[dim] = BATCH
+    return P(*entries), dim
+
+  is_spec = lambda x: isinstance(x, P)
+  pairs = jax.tree.map(split, params, specs, is_leaf=is_spec)
+  is_pair = lambda x: isinstance(x, tuple) and not isinstance(x, P)
+  return (jax.tree.map(lambda pair: pair[0], pairs, is_leaf=is_pair),
+          jax.tree.map(lambda pair: pair[1], pairs, is_leaf=is_pair))
+
+
+def batch_part(spec: P) -> P:
+  """The `batch` entries of `spec` alone: what a `shard_map` over `batch`
+  (its `model` axis left to the compiler) takes as a parameter's spec."""
+  return P(*(a if a == BATCH else None for a in spec))
+
+
+def bytes_per_device(abstract, shardings) -> tuple[int, int]:
+  """(bytes one device holds, bytes of the whole) of a tree of
+  ShapeDtypeStructs laid out by `shardings` (NamedShardings, same tree)."""
+  held = whole = 0
+  for value, named in zip(jax.tree.leaves(abstract),
+                          jax.tree.leaves(shardings)):
+    size = nbytes(value)
+    axes = [a for entry in named.spec if entry is not None
+            for a in ((entry,) if isinstance(entry, str) else entry)]
+    held += size // math.prod(named.mesh.shape[a] for a in axes)
+    whole += size
+  return held, whole
+
+
+def nbytes(value) -> int:
+  """Bytes of an array or ShapeDtypeStruct; a PRNG key counts its data."""
+  if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    return jax.eval_shape(jax.random.key_data, value).size * 4
+  return value.size * value.dtype.itemsize
+
+
 def state_shardings(state, params_spec, trained_spec,
                     optimizer: optax.GradientTransformation, mesh: Mesh):
   """NamedShardings of a TrainState: params by rule (`params_spec`),
   optimizer state alike (`trained_spec`: the specs of the params the
   optimizer holds). A param-shaped state leaf of another shape (an 8-bit
-  moment's block scales) takes its param's spec where that spec splits it
-  evenly, and is replicated otherwise (it is small)."""
+  moment's block scales) takes its param's spec on each dimension that spec
+  splits evenly, and is whole along the others (it is small)."""
   named = lambda spec: NamedSharding(mesh, spec)
   is_spec = lambda x: isinstance(x, P)
   replicated = named(P())
   param_shardings = jax.tree.map(named, params_spec, is_leaf=is_spec)
 
   def like_its_param(leaf, sharding):
-    return sharding if _splits(sharding.spec, leaf.shape, mesh) else replicated
+    if _splits(sharding.spec, leaf.shape, mesh):
+      return sharding
+    if len(sharding.spec) > len(leaf.shape):
+      return replicated
+    # Split where the param's split fits (a row's block scales take the
+    # rows' split), whole along the rest.
+    return named(P(*(axes if _splits(P(axes), (dim,), mesh) else None
+                     for dim, axes in zip(leaf.shape, sharding.spec))))
 
   opt_shardings = optax.tree_map_params(
       optimizer, like_its_param, state.opt_state,

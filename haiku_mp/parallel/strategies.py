@@ -1,4 +1,5 @@
-"""Training strategies: `single` device, `pmap` data parallel, `pjit` mesh.
+"""Training strategies: `single` device, `pmap` data parallel, `pjit` mesh,
+`fsdp` (pjit with the parameters and optimizer state split over `batch`).
 
 The strategy named `pjit` (the config value `parallel.strategy='pjit'`, kept
 for the commands and checkpoints that name it) is plain `jax.jit` with
@@ -13,6 +14,7 @@ a strategy's name.
 """
 
 import abc
+import functools
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import haiku as hk
@@ -25,6 +27,8 @@ import numpy as np
 import optax
 
 from haiku_mp import errors
+from haiku_mp.model import meta_params
+from haiku_mp.parallel import communication as communication_lib
 from haiku_mp.parallel import sharding
 from haiku_mp.parallel import stop_request
 from haiku_mp.update import loss_scaling
@@ -46,6 +50,10 @@ class StepParts(NamedTuple):
   eval_inputs: step_lib.EvalInputs
   # The train step's gradients: ordinary, or DP-SGD's.
   gradients: step_lib.GradientsFn
+  # The precision of the collectives, for gradients that take a
+  # DataParallel (ordinary ones); None: float32 reductions as the gradients
+  # make them (DP-SGD's), under jit over the mesh as the compiler places them.
+  communication: Optional[communication_lib.Communication] = None
 
 
 class Strategy(abc.ABC):
@@ -65,8 +73,8 @@ class Strategy(abc.ABC):
                rules: Sequence[tuple[str, str]] = ()):
     """`rules`: (parameter pattern, spec) pairs, for a strategy that shards
     parameters (`sharding.rules`)."""
-    del rules  # Only a strategy that shards parameters reads them.
     self.mesh = mesh
+    self.communication = parts.communication
     # The initial state's shapes and dtypes (jax.ShapeDtypeStruct leaves).
     self.abstract_state = jax.eval_shape(parts.init_state)
     # The steps, built here once; each strategy only wraps them (jit, pmap,
@@ -74,10 +82,34 @@ class Strategy(abc.ABC):
     self._train_step = stop_request.with_stop_request(
         step_lib.make_train_step(
             None, parts.optimizer, parts.scaler, axis_name=self.axis_name,
-            inputs=parts.train_inputs, gradients_fn=parts.gradients),
+            inputs=parts.train_inputs,
+            gradients_fn=self._gradients(parts, rules)),
         self.axis_name)
     self._eval_step = step_lib.make_eval_step(
         parts.forward, axis_name=self.axis_name, inputs=parts.eval_inputs)
+
+  def _gradients(self, parts: StepParts,
+                 rules: Sequence[tuple[str, str]]) -> step_lib.GradientsFn:
+    """The train step's gradients as this strategy runs them. `rules`:
+    (parameter pattern, spec) pairs, read by a strategy that shards
+    parameters."""
+    del rules
+    if self.axis_name is None or parts.communication is None:
+      return parts.gradients
+    parallel = parts.communication.data_parallel()
+
+    def gradients(loss_scale, params, rng, batch, axis_name):
+      del axis_name  # self.axis_name, which `parallel` names.
+      return parts.gradients(loss_scale, params, rng, batch, parallel)
+
+    return gradients
+
+  def describe(self) -> list[str]:
+    """Lines for the run's start: what each device holds, and what its
+    collectives carry."""
+    if self.communication is None or self.batch_devices == 1:
+      return []
+    return [self.communication.describe(gathers=False)]
 
   @property
   def batch_devices(self) -> int:
@@ -243,22 +275,56 @@ class Pmap(Strategy):
 
 class Pjit(Strategy):
   """`jax.jit` with NamedShardings over the ('batch', 'model') mesh: the
-  batch split on `batch`, kernels split on `model` by the sharding rules."""
+  batch split on `batch`, kernels split on `model` by the sharding rules.
+  The gradients are computed under `shard_map` over `batch` (the `model`
+  axis left to the compiler), so that their reduction is written, in the
+  dtype `parallel.reduce_dtype` says, not placed by the compiler."""
 
   name = 'pjit'
 
+  def _specs(self, rules):
+    """Each parameter's PartitionSpec (fp8 histories included), and the
+    dimension split over `batch` of each trained one (None: none)."""
+    specs = sharding.param_specs(self.abstract_state.params, rules, self.mesh)
+    _, trained = step_lib.split_fp8(specs)
+    return specs, jax.tree.map(lambda _: None, trained,
+                               is_leaf=lambda x: isinstance(x, P))
+
+  def _gradients(self, parts, rules):
+    self._param_specs, self._dims = self._specs(rules)
+    if parts.communication is None:
+      return parts.gradients  # Placed by the compiler (DP-SGD).
+    _, trained = step_lib.split_fp8(self.abstract_state.params)
+    parallel = parts.communication.data_parallel(self._dims, trained)
+    is_spec = lambda x: isinstance(x, P)
+    specs = jax.tree.map(sharding.batch_part, self._param_specs,
+                         is_leaf=is_spec)
+    local = functools.partial(_local_gradients, parts.gradients, parallel)
+    sharded = jax.shard_map(
+        local, mesh=self.mesh,
+        in_specs=(P(), specs, P(), P(sharding.BATCH)),
+        out_specs=(specs, P(), P()), axis_names={sharding.BATCH},
+        # Replicated params' gradients are reduced by DataParallel itself.
+        check_vma=False)
+
+    def gradients(loss_scale, params, rng, batch, axis_name):
+      del axis_name  # None under jit: the shard_map names the axis.
+      return sharded(loss_scale, params, rng, batch)
+
+    return gradients
+
   def __init__(self, mesh, parts, rules=()):
-    super().__init__(mesh, parts)
-    specs = sharding.param_specs(self.abstract_state.params, rules, mesh)
-    # The optimizer holds no fp8 amax histories (step.split_fp8).
-    _, trained_specs = step_lib.split_fp8(specs)
+    super().__init__(mesh, parts, rules)
+    _, trained_specs = step_lib.split_fp8(self._param_specs)
     self.state_shardings = sharding.state_shardings(
-        self.abstract_state, specs, trained_specs, parts.optimizer, mesh)
+        self.abstract_state, self._param_specs, trained_specs,
+        parts.optimizer, mesh)
     self._batch = NamedSharding(mesh, P(sharding.BATCH))
     replicated = NamedSharding(mesh, P())
     self.train_step = jax.jit(
         self._train_step, in_shardings=(self.state_shardings, self._batch),
-        out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        out_shardings=(self.state_shardings, replicated), donate_argnums=0,
+        compiler_options=_compiler_options(parts.communication))
     metrics = dict(loss=replicated, accuracy=replicated,
                    num_examples=replicated, logits=self._batch)
     self.eval_step = jax.jit(
@@ -287,8 +353,79 @@ class Pjit(Strategy):
     state = sharding.with_shardings(self.abstract_state, self.state_shardings)
     return state, _abstract(host_batch)
 
+  def describe(self):
+    held, whole = sharding.bytes_per_device(self.abstract_state,
+                                            self.state_shardings)
+    lines = [f'State: {_mib(held)} per device of {_mib(whole)} in all '
+             f'({held / whole:.3f} of it)']
+    gathers = any(d is not None for d in jax.tree.leaves(
+        self._dims, is_leaf=lambda x: x is None))
+    if self.communication is not None and self.batch_devices > 1:
+      lines.append(self.communication.describe(gathers=gathers))
+    return lines
 
-STRATEGIES = {cls.name: cls for cls in (Single, Pmap, Pjit)}
+
+class Fsdp(Pjit):
+  """`pjit` with every parameter and its optimizer state split over `batch`
+  as well (FSDP, ZeRO-3), on a dimension the axis divides: each step
+  all-gathers the parameters in `parallel.gather_dtype` and reduce-scatters
+  the gradients in `parallel.reduce_dtype`."""
+
+  name = 'fsdp'
+
+  def __init__(self, mesh, parts, rules=()):
+    if parts.communication is None:
+      raise errors.ConfigError(
+          'parallel.strategy=fsdp gathers parameters in its own step; '
+          'DP-SGD (privacy.enabled) computes its gradients otherwise: use '
+          'pjit or pmap')
+    super().__init__(mesh, parts, rules)
+
+  def _specs(self, rules):
+    specs, _ = super()._specs(rules)
+    histories, trained = step_lib.split_fp8(specs)
+    _, abstract = step_lib.split_fp8(self.abstract_state.params)
+    trained, dims = sharding.fsdp_specs(abstract, trained, self.mesh)
+    return meta_params.merge_meta(trained, histories), dims
+
+  def describe(self):
+    lines = super().describe()
+    _, abstract = step_lib.split_fp8(self.abstract_state.params)
+    left = [v for v, d in zip(jax.tree.leaves(abstract), jax.tree.leaves(
+        self._dims, is_leaf=lambda x: x is None)) if d is None]
+    if left:
+      size = sum(v.size * v.dtype.itemsize for v in left)
+      lines.append(
+          f'FSDP: {len(left)} parameters ({_mib(size)}) stay whole on every '
+          f'device: no dimension of theirs divides by the '
+          f'{self.batch_devices} devices of \'batch\'')
+    return lines
+
+
+def _compiler_options(communication) -> Optional[dict[str, str]]:
+  """XLA:CPU's `all-reduce-promotion` pass aborts the process ("Invalid
+  binary instruction opcode copy") on a half-precision all-reduce or
+  reduce-scatter inside a shard_map that leaves the `model` axis to the
+  compiler. Without it, XLA:CPU's float normalization widens the reduction
+  as it does its other half collectives; the program as partitioned keeps
+  the half dtype (what a GPU runs)."""
+  half = (communication is not None and
+          jnp.dtype(communication.reduce()) != jnp.float32)
+  if half and jax.default_backend() == 'cpu':
+    return {'xla_disable_hlo_passes': 'all-reduce-promotion'}
+  return None
+
+
+def _local_gradients(gradients, parallel, loss_scale, params, rng, batch):
+  """One replica's part of the gradients, inside the shard_map."""
+  return gradients(loss_scale, params, rng, batch, parallel)
+
+
+def _mib(size: int) -> str:
+  return f'{size / 2**20:.2f} MiB'
+
+
+STRATEGIES = {cls.name: cls for cls in (Single, Pmap, Pjit, Fsdp)}
 
 
 def make_strategy(name: str, mesh: Optional[Mesh], parts: StepParts,

@@ -210,6 +210,10 @@ def make_gradients(loss_fn: ExampleLoss, scaler: loss_scaling.LossScaler,
   """
 
   def gradients(loss_scale, params, rng, batch, axis_name=None):
+    if not isinstance(axis_name, (str, type(None))):
+      raise TypeError('DP-SGD sums its clipped gradients in float32 over a '
+                      'named axis; it takes an axis name, not '
+                      f'{type(axis_name).__name__}')
     dropout_key, noise_key = jax.random.split(rng)
     real = batch['mask'].astype(jnp.float32)
     examples = {k: v for k, v in batch.items() if k != 'mask'}

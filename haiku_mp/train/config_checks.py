@@ -13,6 +13,7 @@ import numbers
 from typing import Any, NamedTuple
 
 import ml_collections
+import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp.data import augment
@@ -26,6 +27,7 @@ from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies
 from haiku_mp.model import remat
 from haiku_mp.model import vit
+from haiku_mp.parallel import communication
 from haiku_mp.parallel import sharding
 from haiku_mp.parallel import strategies
 from haiku_mp.privacy import dp_sgd
@@ -193,6 +195,45 @@ def _check_parallel(parallel_config: settings_lib.ParallelSettings) -> None:
   sharding.parse_rules(parallel_config.sharding_rules)
 
 
+def _check_communication(settings: settings_lib.Settings,
+                         precision: policies.Precision) -> None:
+  """`parallel.gather_dtype` and `reduce_dtype`, against the strategy, the
+  precision, loss scaling and DP-SGD."""
+  parallel = settings.parallel
+  errors.check_choice('parallel.gather_dtype', parallel.gather_dtype,
+                      communication.GATHER_DTYPES)
+  errors.check_choice('parallel.reduce_dtype', parallel.reduce_dtype,
+                      communication.REDUCE_DTYPES)
+  fp8_gathers = parallel.gather_dtype == 'fp8'
+  if fp8_gathers and parallel.strategy != 'fsdp':
+    raise errors.ConfigError(
+        f'parallel.gather_dtype=fp8: parallel.strategy={parallel.strategy} '
+        'gathers no parameters (every device holds them whole); only fsdp '
+        "splits them over 'batch'")
+  if fp8_gathers and precision.fp8 is None:
+    raise errors.ConfigError(
+        'parallel.gather_dtype=fp8 gathers the fp8 Linears\' kernels in fp8, '
+        'and no Linear runs in fp8 (precision.fp8.modules is empty): use '
+        "'compute', or configs/vit_fp8.py")
+  half_reduce = parallel.reduce_dtype == 'compute'
+  compute = jnp.dtype(precision.policy.compute_dtype)
+  if (half_reduce and compute == jnp.float16 and
+      settings.loss_scale.kind == 'none'):
+    raise errors.ConfigError(
+        'parallel.reduce_dtype=compute sums float16 gradients without a loss '
+        "scale (loss_scale.kind='none'): small ones flush to zero; set "
+        "loss_scale.kind='dynamic', or reduce in 'float32'")
+  if settings.privacy.enabled and parallel.strategy == 'fsdp':
+    raise errors.ConfigError(
+        'parallel.strategy=fsdp with privacy.enabled: DP-SGD computes its '
+        'gradients per example in its own step, which does not gather '
+        'parameters; use pjit or pmap')
+  if settings.privacy.enabled and half_reduce:
+    raise errors.ConfigError(
+        'parallel.reduce_dtype=compute with privacy.enabled: DP-SGD sums its '
+        "clipped gradients in float32; use 'float32'")
+
+
 def _check_range(setting: str, value: Any, low: float, high: float,
                  valid: str) -> None:
   """A (min, max) pair of numbers with low < min <= max <= high."""
@@ -243,6 +284,7 @@ def check(config: ml_collections.ConfigDict) -> Checked:
   precision = _check_model(settings)
   scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
   _check_parallel(settings.parallel)
+  _check_communication(settings, precision)
   _check_data(settings.data, settings.model.image_size)
   dp_sgd.check_settings(settings.privacy)
   compilation_cache.check(settings.compilation_cache_dir)

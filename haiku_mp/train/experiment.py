@@ -26,6 +26,7 @@ from haiku_mp import errors
 from haiku_mp import settings as settings_lib
 from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies
+from haiku_mp.parallel import communication as communication_lib
 from haiku_mp.parallel import sharding
 from haiku_mp.parallel import strategies
 from haiku_mp.privacy import dp_sgd
@@ -148,7 +149,7 @@ class Experiment:
 
   def describe(self) -> list[str]:
     """Lines for a run's start beyond the model's (the moving average,
-    DP-SGD's settings)."""
+    DP-SGD's settings, the state's bytes per device, communication)."""
     lines = []
     if self.ema_decay > 0:
       steps = 1 / (1 - self.ema_decay)
@@ -164,7 +165,7 @@ class Experiment:
                    'trains on whole examples)')
     if self.privacy is not None:
       lines.append(self.privacy.describe(self.total_steps))
-    return lines
+    return lines + self.strategy.describe()
 
 
 def total_train_steps(config: settings_lib.Settings,
@@ -258,14 +259,23 @@ def build(config: ml_collections.ConfigDict, *,
       moment_block_size=settings.precision.moment_block_size)
   scaler = checked.scaler
   init_state = _init_state_fn(settings, forward, optimizer, scaler)
-  # The steps' forward: under pmap, fp8 scales from every replica's amaxes.
+  private = settings.privacy.enabled
+  # The steps' forward: where the step names the batch axis (pmap, and the
+  # shard_map of pjit and fsdp), fp8 scales from every replica's amaxes.
   step_forward = forward
-  if settings.parallel.strategy == 'pmap' and precision.fp8 is not None:
+  names_axis = settings.parallel.strategy == 'pmap' or (
+      settings.parallel.strategy in ('pjit', 'fsdp') and not private)
+  if names_axis and precision.fp8 is not None:
     step_forward = forward_lib.make_forward(
         settings.model, precision.under_pmap(sharding.BATCH),
         remat=settings.remat)
   loss_fn = step_lib.make_classification_loss(step_forward,
                                               settings.label_smoothing)
+  communication = None if private else communication_lib.Communication(
+      settings.parallel.gather_dtype, settings.parallel.reduce_dtype,
+      precision.policy.compute_dtype,
+      frozenset(c.path for c in calls
+                if precision.runs_fp8(c.class_name, c.path)))
   private = dp_sgd.from_config(
       settings.privacy, settings.batch_size, num_train_examples, total_steps,
       batch_devices=batch_devices,
@@ -281,7 +291,7 @@ def build(config: ml_collections.ConfigDict, *,
           step_forward, optimizer, scaler, init_state,
           train_inputs=train_inputs,
           eval_inputs=functools.partial(augment.eval_inputs, settings.data),
-          gradients=gradients),
+          gradients=gradients, communication=communication),
       rules=sharding.rules(settings.parallel))
   return Experiment(
       config=config, settings=settings, mesh=mesh,

@@ -1,6 +1,7 @@
 """What a train step does to a TrainState, for any Haiku model: loss
 scaling, the optimizer on the state's layout, the step itself."""
 
+from haiku_mp.update.data_parallel import DataParallel
 from haiku_mp.update.loss_scaling import LossScaler
 from haiku_mp.update.optimizer import float32_master
 from haiku_mp.update.optimizer import learning_rate_schedule
@@ -14,7 +15,7 @@ from haiku_mp.update.step import make_train_step
 from haiku_mp.update.step import ordinary_gradients
 from haiku_mp.update.step import TrainState
 
-__all__ = ('LossScaler', 'LossWithState', 'TrainState', 'float32_master',
+__all__ = ('DataParallel', 'LossScaler', 'LossWithState', 'TrainState', 'float32_master',
            'init_train_state', 'learning_rate_schedule',
            'make_classification_loss', 'make_eval_step', 'make_optimizer',
            'make_train_step', 'ordinary_gradients', 'without_master')

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from haiku_mp.model import meta_params
+from haiku_mp.update import data_parallel
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 
@@ -48,6 +49,10 @@ class LossWithState:
 
 
 AnyLoss = Union[LossFn, LossWithState]
+# A step's data-parallel axis: None (one device, or jit over a mesh), the
+# name of a `pmap` / `shard_map` axis (float32 reductions), or a
+# `DataParallel` that also sets the precision of its collectives.
+AxisName = Union[None, str, data_parallel.DataParallel]
 # train_inputs(key, batch, axis_name, step) -> the batch the model takes
 # (augmented and normalized on the device; `step`, the state's, for settings
 # that change over the run); eval_inputs(batch) -> the same, no randomness.
@@ -150,31 +155,43 @@ def _state_gradients(loss_fn: LossWithState,
                      loss_scale: loss_scaling.LossScaleState,
                      params: hk.Params, model_state: hk.State,
                      rng: jax.Array, batch: Batch,
-                     axis_name: Optional[str] = None
+                     axis_name: AxisName = None
                      ) -> tuple[hk.Params, jax.Array, Metrics, hk.State]:
   """`gradients`, and the model's state after the forward pass (averaged
   over `axis_name` replicas, so that every replica keeps the same)."""
-  if axis_name is not None:
-    rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+  parallel = data_parallel.of(axis_name)
+  if parallel is not None:
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(parallel.axis_name))
+  histories, trained = split_fp8(params)
+  if parallel is not None:
+    # Differentiated in float32: the reduction's result is not rounded back
+    # to a half parameter's dtype (data_parallel.DataParallel.whole).
+    stored = trained
+    trained = jax.tree.map(
+        lambda p: p.astype(jnp.promote_types(p.dtype, jnp.float32)), trained)
 
-  def scaled_loss(params):
-    loss, aux, new_state = loss_fn(params, model_state, rng, batch)
+  def scaled_loss(histories, trained):
+    if parallel is not None:
+      trained = parallel.whole(trained, stored)
+    loss, aux, new_state = loss_fn(meta_params.merge_meta(trained, histories),
+                                   model_state, rng, batch)
     return loss_scaler.scale(loss_scale, loss), (loss, aux, new_state)
 
-  grads, (loss, aux, new_state) = jax.grad(scaled_loss, has_aux=True)(params)
+  (histories, grads), (loss, aux, new_state) = jax.grad(
+      scaled_loss, argnums=(0, 1), has_aux=True)(histories, trained)
   # The amax histories' "gradients" are the histories rolled on (fp8.py):
   # not scaled, reduced by their maximum, so replicas keep the same scales.
-  histories, grads = split_fp8(grads)
   grads = jax.tree.map(
       lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
-  if axis_name is not None:
-    grads = jax.lax.pmean(grads, axis_name)
-    histories = jax.lax.pmax(histories, axis_name)
+  if parallel is not None:
+    # The gradients were reduced on their way back (DataParallel.whole).
+    histories = jax.lax.pmax(histories, parallel.axis_name)
     new_state = jax.tree.map(
-        lambda x: (jax.lax.pmean(x, axis_name)
+        lambda x: (jax.lax.pmean(x, parallel.axis_name)
                    if jnp.issubdtype(x.dtype, jnp.floating) else x),
         new_state)
-  metrics = _cross_replica_mean(dict(aux, loss=loss), axis_name)
+  metrics = _cross_replica_mean(
+      dict(aux, loss=loss), parallel and parallel.axis_name)
   grads = loss_scaler.unscale(loss_scale, grads)
   return (meta_params.merge_meta(grads, histories), metrics.pop('loss'),
           metrics, new_state)
@@ -182,13 +199,14 @@ def _state_gradients(loss_fn: LossWithState,
 
 def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
               loss_scale: loss_scaling.LossScaleState, params: hk.Params,
-              rng: jax.Array, batch: Batch, axis_name: Optional[str] = None
+              rng: jax.Array, batch: Batch, axis_name: AxisName = None
               ) -> tuple[hk.Params, jax.Array, Metrics]:
   """(gradients, loss, metrics) as the train step takes them: of the scaled
   loss, cast to at least float32 (half gradients of float32 params), averaged
   over `axis_name` replicas, then unscaled. Not yet checked for finiteness.
   Each replica draws its own dropout masks from `rng`; the loss and metrics
-  cover every replica."""
+  cover every replica. A `DataParallel` as `axis_name` sets the dtype the
+  gradients are reduced in, and gathers parameters split over the axis."""
   grads, loss, metrics, _ = _state_gradients(
       _stateful(loss_fn), loss_scaler, loss_scale, params, {}, rng, batch,
       axis_name)
@@ -284,7 +302,7 @@ def make_train_step(loss_fn: Optional[AnyLoss],
                     optimizer: optax.GradientTransformation,
                     loss_scaler: loss_scaling.LossScaler = (
                         loss_scaling.LossScaler()),
-                    axis_name: Optional[str] = None,
+                    axis_name: AxisName = None,
                     inputs: TrainInputs = _as_is_train, *,
                     gradients_fn: Optional[GradientsFn] = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
@@ -307,10 +325,12 @@ def make_train_step(loss_fn: Optional[AnyLoss],
   syncs with the host until the caller reads one. Under `jax.pmap`, pass its
   `axis_name`: gradients are then averaged over replicas before the finite
   check, so every replica takes the same skip decision and keeps the same
-  loss scale, and each replica draws its own dropout masks. `inputs` turns
-  the host batch into the model's (augmentation on the device), keyed by the
-  step's own key, the same on every replica. `gradients_fn` takes the
-  step's key as it is on every replica.
+  loss scale, and each replica draws its own dropout masks; a
+  `DataParallel` (`haiku_mp.DataParallel`) in its place also sets the dtype
+  of the reduction. `inputs` turns the host batch into the model's
+  (augmentation on the device), keyed by the step's own key, the same on
+  every replica. `gradients_fn` takes the step's key as it is on every
+  replica.
 
   At its first trace the step checks the state it is given (a TrainState of
   this optimizer and loss scaler): a mismatch is one line, not an error deep
@@ -338,11 +358,12 @@ def make_train_step(loss_fn: Optional[AnyLoss],
               model_state)
 
   optimizer = optax.with_extra_args_support(optimizer)
+  axis = data_parallel.of(axis_name)
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     _check_state(state, optimizer, loss_scaler, stateful)
     rng, step_rng, inputs_rng = jax.random.split(state.rng, 3)
-    batch = inputs(inputs_rng, batch, axis_name, state.step)
+    batch = inputs(inputs_rng, batch, axis and axis.axis_name, state.step)
     grads, loss, aux, model_state = gradients_fn(
         state.loss_scale, state.params, step_rng, batch, axis_name,
         state.model_state)
