@@ -11,7 +11,6 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
-import haiku as hk
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
