@@ -169,9 +169,10 @@ class StrategiesAgreeTest(parameterized.TestCase):
                       strategy)
       # And those by one ulp, or by one Adam step the other way where the
       # gradient is near zero (its sign then depends on the sums' order).
+      # Up to 3 steps of it on pjit (one weight of 256).
       for a, b in weights:
         np.testing.assert_allclose(a, b, rtol=2.0**-7,
-                                   atol=2 * config.learning_rate,
+                                   atol=4 * config.learning_rate,
                                    err_msg=strategy)
 
   def test_fp8_delayed_steps_and_histories_agree(self):
@@ -209,11 +210,12 @@ class StrategiesAgreeTest(parameterized.TestCase):
       # output gradients come from params that Adam already moved apart
       # where gradients are near zero (as in bfloat16 without fp8), so its
       # amaxes are up to ~6% apart. A history in another unit (a replica's
-      # gradient is 8x the whole batch's) would be 700% off.
+      # gradient is 8x the whole batch's) would be 700% off. The older ones:
+      # up to 2% (pjit, its bfloat16 sums of each replica's examples).
       older = lambda tree: jax.tree.map(lambda h: h[1:], tree)
       newest = lambda tree: jax.tree.map(lambda h: h[0], tree)
       chex.assert_trees_all_close(older(histories), older(want_histories),
-                                  rtol=1e-2)
+                                  rtol=4e-2)
       chex.assert_trees_all_close(newest(histories), newest(want_histories),
                                   rtol=0.25)
 
@@ -391,7 +393,10 @@ MULTI_FLAGS = ('--config=configs/vit_fp16.py', '--config.data.source=synthetic',
                '--config.data.synthetic_train_examples=64',
                '--config.model.num_layers=1', '--config.model.embed_dim=16',
                '--config.model.mlp_dim=32', '--config.model.num_heads=2',
-               '--config.model.dropout_rate=0', '--config.parallel.strategy=pjit',
+               '--config.model.dropout_rate=0',
+               # fsdp is pjit with the state split over 'batch' as well: one
+               # test of both across processes (gathers in float16).
+               '--config.parallel.strategy=fsdp',
                '--config.parallel.mesh_shape=(4,2)')
 
 

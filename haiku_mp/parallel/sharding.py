@@ -214,8 +214,9 @@ def state_shardings(state, params_spec, trained_spec,
       return replicated
     # Split where the param's split fits (a row's block scales take the
     # rows' split), whole along the rest.
-    return named(P(*(axes if _splits(P(axes), (dim,), mesh) else None
-                     for dim, axes in zip(leaf.shape, sharding.spec))))
+    kept = [axes if _splits(P(axes), (dim,), mesh) else None
+            for dim, axes in zip(leaf.shape, sharding.spec)]
+    return named(P(*kept)) if any(kept) else replicated
 
   opt_shardings = optax.tree_map_params(
       optimizer, like_its_param, state.opt_state,
