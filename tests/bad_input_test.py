@@ -286,7 +286,7 @@ class BadInputTest(parameterized.TestCase):
        'needs 16 devices; there are 8'),
       ('unknown_strategy', ['--config.parallel.strategy=dp'],
        "parallel.strategy: unknown value 'dp'; expected one of ('single', "
-       "'pmap', 'pjit')"),
+       "'pmap', 'pjit', 'fsdp')"),
       ('unknown_loss_scale', ['--config.loss_scale.kind=auto'],
        "loss_scale.kind: unknown value 'auto'"),
       ('non_positive_layer_norm_epsilon',
