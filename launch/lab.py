@@ -8,6 +8,8 @@ python -m launch.lab profile --config=configs/vit_bf16.py --steps=5
 python -m launch.lab matmul --out=lab [--rows=1024 --cols=65536 --repeats=5]
 python -m launch.lab dot_algorithms --out=lab [--size=2048]
 python -m launch.lab step_compile --out=lab [--repeats=3]
+python -m launch.lab communication --config=configs/vit_bf16.py \
+    [--layouts=pjit:8x1,fsdp:8x1] [--wires=float32/float32,compute/float32]
 python -m launch.lab fp8 --config=configs/vit_fp8.py [--nocompile]
 python -m launch.lab ladder --config=configs/vit_cpu_recipe.py --workdirs=runs/fp32,runs/bf16,...
 python -m launch.lab report --out=report [--parts=benchmark,...] [--quick] \
@@ -18,7 +20,11 @@ python -m launch.lab advise --config=configs/vit_fp16.py [--checkpoint=WORKDIR] 
 
 `fp8` lists every matmul of the train step (forward and backward) with its
 operands' formats and, compiled, whether it runs as an fp8 GEMM
-(haiku_mp/studies/fp8_gemms.py). `report` runs several parts on whatever backend JAX finds and writes their
+(haiku_mp/studies/fp8_gemms.py). `communication` compiles the train step per
+layout and GATHER/REDUCE dtypes and lists every collective's kind, count,
+dtype and bytes per device, per-device memory, and the bytes' time on paper
+for NVLink and InfiniBand links (haiku_mp/studies/communication.py,
+collectives.py). `report` runs several parts on whatever backend JAX finds and writes their
 JSON, plots and one report.md (haiku_mp/report/report.py). `advise` says which
 precision each module can run in and which float16 loss scale, and prints the
 flags to paste; it writes advise.json, advise.md and a plot
@@ -42,6 +48,7 @@ from haiku_mp import errors
 from haiku_mp.measure import run_inputs
 from haiku_mp.measure import variants
 from haiku_mp.report import report
+from haiku_mp.studies import communication
 from haiku_mp.studies import dot_algorithms
 from haiku_mp.studies import fp8_gemms
 from haiku_mp.studies import ladder
@@ -71,7 +78,12 @@ _BATCH_SIZES = flags.DEFINE_list('batch_sizes',
                                  'sweep, memory: global batch sizes.')
 _LAYOUTS = flags.DEFINE_list(
     'layouts', ['single:1x1'],
-    'sweep: STRATEGY:BATCHxMODEL layouts, e.g. pjit:8x1,pjit:4x2,pmap:8x1.')
+    'sweep, communication: STRATEGY:BATCHxMODEL layouts, e.g. '
+    'pjit:8x1,pjit:4x2,pmap:8x1 (communication: pjit:8x1,fsdp:8x1).')
+_WIRES = flags.DEFINE_list(
+    'wires', list(communication.WIRES),
+    "communication: GATHER/REDUCE dtypes ('float32', 'compute', 'fp8' / "
+    "'float32', 'compute').")
 _STEPS = flags.DEFINE_integer(
     'steps', 3, 'sweep, precision: timed train steps; profile: traced steps.')
 _WARMUP_STEPS = flags.DEFINE_integer(
@@ -208,6 +220,15 @@ def _dot_algorithms():
           dot_algorithms.plot)
 
 
+def _communication():
+  layouts = (_LAYOUTS.value if _LAYOUTS.present else
+             list(communication.LAYOUTS))
+  result = communication.run(_CONFIG.value, layouts, _WIRES.value, log=_log)
+  print(communication.table(result), flush=True)
+  print(communication.paper_table(result), flush=True)
+  return result, communication.plot
+
+
 def _step_compile():
   return (step_compile.run(repeats=_REPEATS.value, log=_log),
           step_compile.plot)
@@ -217,7 +238,8 @@ STUDIES = {'params': _params, 'sweep': _sweep, 'memory': _memory,
                'precision': _precision, 'matmul': _matmul, 'profile': _profile,
                'dot_algorithms': _dot_algorithms, 'fp8': _fp8,
                'rounding': _rounding, 'ladder': _ladder,
-               'step_compile': _step_compile}
+               'step_compile': _step_compile,
+               'communication': _communication}
 # Every command: the studies, the report that runs several of them, and
 # the advisor.
 COMMANDS = (*STUDIES, 'report', 'advise')

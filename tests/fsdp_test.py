@@ -88,9 +88,9 @@ class StateTest(parameterized.TestCase):
                 if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
     # 8 devices: 1/8 of the kernels, the small vectors whole on 'model'.
     self.assertLess(held / whole, 0.25)
-    line = next(x for x in exp.describe() if x.startswith('State:'))
-    self.assertRegex(line, r'^State: [\d.]+ [KM]iB per device of [\d.]+ '
-                           r'[KM]iB in all \(0\.\d+ of it\)$')
+    line = next(x for x in exp.describe() if x.startswith('Per device:'))
+    self.assertRegex(line, r"^Per device: [\d.]+ MB of the state's [\d.]+ "
+                           r'MB \(0\.\d+ of it\)$')
 
   def test_what_no_dimension_fits_stays_whole_and_is_counted(self):
     """With 8 devices on 'batch', the tiny model's 2-element and 10-class
@@ -100,7 +100,7 @@ class StateTest(parameterized.TestCase):
     head_bias = state.params['vit/head']['b']
     self.assertEqual(head_bias.sharding.spec, P())
     line = next(x for x in exp.describe() if x.startswith('FSDP:'))
-    self.assertRegex(line, r'^FSDP: \d+ parameters \([\d.]+ [KM]iB\) stay '
+    self.assertRegex(line, r'^FSDP: \d+ parameters \([\d.]+ MB\) stay '
                            r"whole on every device: no dimension of theirs "
                            r"divides by the 8 devices of 'batch'$")
 

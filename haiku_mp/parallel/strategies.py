@@ -68,6 +68,9 @@ class Strategy(abc.ABC):
   # Whether `train_step.lower(state, batch).compile()` makes a program that
   # calls with this process's (state, batch) accept.
   compiles_ahead: bool = True
+  # XLA options the train step is compiled with (_compiler_options), for a
+  # caller that compiles it with options of its own.
+  compiler_options: Optional[dict[str, str]] = None
 
   def __init__(self, mesh: Optional[Mesh], parts: StepParts,
                rules: Sequence[tuple[str, str]] = ()):
@@ -321,10 +324,11 @@ class Pjit(Strategy):
         parts.optimizer, mesh)
     self._batch = NamedSharding(mesh, P(sharding.BATCH))
     replicated = NamedSharding(mesh, P())
+    self.compiler_options = _compiler_options(parts.communication)
     self.train_step = jax.jit(
         self._train_step, in_shardings=(self.state_shardings, self._batch),
         out_shardings=(self.state_shardings, replicated), donate_argnums=0,
-        compiler_options=_compiler_options(parts.communication))
+        compiler_options=self.compiler_options)
     metrics = dict(loss=replicated, accuracy=replicated,
                    num_examples=replicated, logits=self._batch)
     self.eval_step = jax.jit(
@@ -356,7 +360,7 @@ class Pjit(Strategy):
   def describe(self):
     held, whole = sharding.bytes_per_device(self.abstract_state,
                                             self.state_shardings)
-    lines = [f'State: {_mib(held)} per device of {_mib(whole)} in all '
+    lines = [f'Per device: {_mb(held)} of the state\'s {_mb(whole)} '
              f'({held / whole:.3f} of it)']
     gathers = any(d is not None for d in jax.tree.leaves(
         self._dims, is_leaf=lambda x: x is None))
@@ -396,7 +400,7 @@ class Fsdp(Pjit):
     if left:
       size = sum(v.size * v.dtype.itemsize for v in left)
       lines.append(
-          f'FSDP: {len(left)} parameters ({_mib(size)}) stay whole on every '
+          f'FSDP: {len(left)} parameters ({_mb(size)}) stay whole on every '
           f'device: no dimension of theirs divides by the '
           f'{self.batch_devices} devices of \'batch\'')
     return lines
@@ -421,8 +425,9 @@ def _local_gradients(gradients, parallel, loss_scale, params, rng, batch):
   return gradients(loss_scale, params, rng, batch, parallel)
 
 
-def _mib(size: int) -> str:
-  return f'{size / 2**20:.2f} MiB'
+def _mb(size: int) -> str:
+  """As the state layout's line writes bytes (train/state_layout.py)."""
+  return f'{size / 1e6:.2f} MB'
 
 
 STRATEGIES = {cls.name: cls for cls in (Single, Pmap, Pjit, Fsdp)}
