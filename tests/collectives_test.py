@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from haiku_mp import errors
 from haiku_mp.studies import collectives
 from haiku_mp.studies import communication
 from tests import helpers
@@ -107,6 +108,17 @@ class StepTest(parameterized.TestCase):
 
 @helpers.long_running
 class CommunicationStudyTest(absltest.TestCase):
+
+  def test_a_bad_wire_is_one_line_before_anything_compiles(self):
+    for wire, message in (('bf16/float32', "--wires (gather): unknown value "
+                                           "'bf16'"),
+                          ('compute', "--wires: 'compute' is not "
+                                      'GATHER/REDUCE')):
+      with self.assertRaises(errors.ConfigError) as raised:
+        communication.run(helpers.tiny_config(), ['fsdp:8x1'], [wire],
+                          log=self.fail)
+      self.assertIn(message, str(raised.exception))
+      self.assertNotIn('\n', str(raised.exception))
 
   def test_fsdp_gathers_and_reduces_in_the_dtypes_asked(self):
     """The tiny ViT under fsdp on 8 devices: float32 gathers and

@@ -154,12 +154,12 @@ def paper_table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], out_dir: str) -> list[str]:
-  """Bytes each device sends per step, one bar per variant."""
+  """MB each device sends per step, one bar per variant."""
   path = f'{out_dir}/communication.png'
-  labels = [f"{v['layout']} {v['wire']}" for v in result['variants']]
+  labels = [f"{v['layout']}\n{v['wire']}" for v in result['variants']]
   charts.grouped_bar_chart(
-      path, labels, {'wire bytes': [v['wire_bytes'] for v in
-                                    result['variants']]},
-      'bytes sent per device per step', 'Bytes on the wire per train step',
+      path, labels, {'sent': [v['wire_bytes'] / 1e6 for v in
+                              result['variants']]},
+      'MB sent per device per step', 'Bytes on the wire per train step',
       xlabel='layout, gather / reduce dtype')
   return [path]
