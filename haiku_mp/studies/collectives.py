@@ -24,11 +24,10 @@ at a peak. It is planning on paper, under these assumptions:
 
 import glob
 import os
+import random
 import re
 import tempfile
 from typing import Any, Callable, NamedTuple, Sequence
-
-import jax
 
 KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
          'collective-permute')
@@ -157,22 +156,22 @@ def _partitioned_text(lowered, options: dict[str, Any]
   """(compiled, text, source): the program after SPMD partitioning, read
   from XLA's dump of that pass into a temporary directory, or the final
   program where no dump appears."""
-  # A program from the persistent compilation cache runs no passes, so
-  # dumps none: compiled here with the cache off, then as it was.
-  cached = jax.config.jax_enable_compilation_cache
-  jax.config.update('jax_enable_compilation_cache', False)
-  try:
-    with tempfile.TemporaryDirectory() as tmp:
+  with tempfile.TemporaryDirectory() as tmp:
+    dump = {'xla_dump_to': tmp, 'xla_dump_hlo_pass_re': 'spmd-partitioning'}
+    compiled = lowered.compile(compiler_options={**options, **dump})
+    dumps = glob.glob(os.path.join(tmp, '*after_spmd-partitioning*'))
+    if not dumps:
+      # Loaded from JAX's persistent compilation cache, which leaves dump
+      # options out of its key: no pass ran. Compiled again under a key no
+      # cached program has (the option only sizes a debug printout of
+      # XLA's; a value drawn at random, so that no earlier call's is met).
       compiled = lowered.compile(compiler_options={
-          **options, 'xla_dump_to': tmp,
-          'xla_dump_hlo_pass_re': 'spmd-partitioning'})
-      dumps = sorted(glob.glob(os.path.join(tmp,
-                                            '*after_spmd-partitioning*')))
-      if dumps:
-        with open(dumps[-1]) as f:
-          return compiled, f.read(), 'partitioned'
-  finally:
-    jax.config.update('jax_enable_compilation_cache', cached)
+          **options, **dump, 'xla_debug_buffer_assignment_show_max':
+              random.SystemRandom().randrange(2**20, 2**30)})
+      dumps = glob.glob(os.path.join(tmp, '*after_spmd-partitioning*'))
+    if dumps:
+      with open(sorted(dumps)[-1]) as f:
+        return compiled, f.read(), 'partitioned'
   return compiled, compiled.as_text(), 'compiled'
 
 
