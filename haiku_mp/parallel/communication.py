@@ -56,12 +56,12 @@ class Communication(NamedTuple):
     """One line for the run's start."""
     reduce = jnp.dtype(self.reduce()).name
     if not gathers:
-      return f'Communication: gradients reduced in {reduce}; no parameter ' \
-             'is gathered (each replica holds them whole)'
-    gather = {'float32': 'as stored',
-              'compute': jnp.dtype(self.compute_dtype).name,
-              data_parallel.FP8_WIRE: 'fp8 E4M3 for the fp8 Linears\' '
-                                      f'kernels, {jnp.dtype(self.compute_dtype).name} '
-                                      'for the rest'}[self.gather_dtype]
+      return (f'Communication: gradients reduced in {reduce}; no parameter '
+              'is gathered (each replica holds them whole)')
+    compute = jnp.dtype(self.compute_dtype).name
+    gather = {'float32': 'as stored', 'compute': compute,
+              data_parallel.FP8_WIRE: "fp8 E4M3 for the fp8 Linears' "
+                                      f'kernels, {compute} for the rest',
+              }[self.gather_dtype]
     return (f'Communication: matrices all-gathered {gather} (vectors as '
             f'stored), gradients reduce-scattered in {reduce}')
