@@ -140,6 +140,11 @@ class LearnsTest(parameterized.TestCase):
       self.assertGreater(float(jnp.max(leaf)), 0.0)  # amaxes recorded.
     self.assertIn('batch', _kernels(trained)['vit/encoder_block_0/mlp_block/fc1'
                                              ].sharding.spec)
+    # The eval step, a plain jit over the split params, names no axis.
+    batch = helpers.random_batch(config, config.batch_size)
+    metrics = exp.strategy.eval_step(state.params,
+                                     exp.strategy.place_batch(batch))
+    self.assertTrue(np.isfinite(float(metrics['loss'])))
 
 
 class CheckpointAcrossMeshesTest(absltest.TestCase):

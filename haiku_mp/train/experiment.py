@@ -288,7 +288,10 @@ def build(config: ml_collections.ConfigDict, *,
                                    total_steps=total_steps)
   strategy = strategies.make_strategy(
       settings.parallel.strategy, mesh, strategies.StepParts(
-          step_forward, optimizer, scaler, init_state,
+          # The eval step's: under pmap it names the axis too; pjit's and
+          # fsdp's is a plain jit, whose forward names none.
+          step_forward if settings.parallel.strategy == 'pmap' else forward,
+          optimizer, scaler, init_state,
           train_inputs=train_inputs,
           eval_inputs=functools.partial(augment.eval_inputs, settings.data),
           gradients=gradients, communication=communication),
