@@ -17,7 +17,6 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from configs import base
