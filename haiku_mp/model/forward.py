@@ -95,27 +95,30 @@ def trace_modules(model_config: ModelSettings,
 
 
 def checked_precision(config: Settings,
-                      precision: Optional[policies.Precision] = None
+                      precision: Optional[policies.Precision] = None,
+                      batch_devices: int = 1
                       ) -> tuple[policies.Precision,
                                  list[policies.ModuleCall]]:
   """`config`'s Precision (`precision`, where already built from it), every
   override checked against the module calls of one (abstract) forward
-  pass, and those calls."""
+  pass, and those calls. A 4-bit Linear's tokens are checked per device of
+  the `batch_devices` the batch is split over: each computes the weight
+  gradient of its own examples."""
   precision = precision or precision_from_config(config)
   calls, _ = trace_modules(config.model, precision)
   modules = {(c.class_name, c.path) for c in calls}
   precision.check_overrides(modules)
   precision.check_fp8(modules)
   if precision.fp4 is not None:
-    _check_fp4_tokens(precision, calls, config.batch_size)
+    _check_fp4_tokens(precision, calls, config.batch_size // batch_devices)
   return precision, calls
 
 
 def _check_fp4_tokens(precision: policies.Precision,
                       calls: list[policies.ModuleCall],
                       batch_size: int) -> None:
-  """Each 4-bit Linear's tokens per step (its input rows at batch 1, traced,
-  times the batch) a whole number of blocks."""
+  """Each 4-bit Linear's tokens per step on a device (its input rows at
+  batch 1, traced, times the device's batch) a whole number of blocks."""
   for c in calls:
     if c.method == '__call__' and precision.runs_fp4(c.class_name, c.path):
       x = c.args[0][0]

@@ -99,10 +99,12 @@ def check_dims(config: Fp4, path: str, tokens: Optional[int], inputs: int,
            ('output features (the input gradient\'s GEMM)', outputs,
             config.block)]
   if tokens is not None:
-    needs.append(('tokens of a step (the weight gradient\'s GEMM)',
+    needs.append(('tokens of a step on a device (the weight gradient\'s '
+                  'GEMM)',
                   tokens, config.block))
   if config.hadamard and tokens is not None:
-    needs.append(('tokens of a step (the Hadamard transform)', tokens,
+    needs.append(('tokens of a step on a device (the Hadamard transform)',
+                  tokens,
                   NVFP4_BLOCK))
   for what, size, block in needs:
     if size % block:

@@ -295,8 +295,10 @@ class Pjit(Strategy):
 
   def _gradients(self, parts, rules):
     self._param_specs, self._dims = self._specs(rules)
-    if parts.communication is None:
-      return parts.gradients  # Placed by the compiler (DP-SGD).
+    if parts.communication is None or self.batch_devices == 1:
+      # Placed by the compiler: DP-SGD's, or a mesh with one device on
+      # 'batch', where nothing is reduced.
+      return parts.gradients
     _, trained = step_lib.split_fp8(self.abstract_state.params)
     parallel = parts.communication.data_parallel(self._dims, trained)
     is_spec = lambda x: isinstance(x, P)

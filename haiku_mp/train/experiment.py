@@ -234,7 +234,8 @@ def build(config: ml_collections.ConfigDict, *,
                 settings.privacy.enabled or settings.data.source == 'synthetic')
   num_train_examples = (pipeline.check_available(settings.data)
                         if check_data or needs_size else None)
-  precision, calls = forward_lib.checked_precision(settings, checked.precision)
+  precision, calls = forward_lib.checked_precision(
+      settings, checked.precision, batch_devices)
   forward = forward_lib.make_forward(settings.model, precision,
                                      remat=settings.remat)
   if total_steps is None:
@@ -261,10 +262,12 @@ def build(config: ml_collections.ConfigDict, *,
   init_state = _init_state_fn(settings, forward, optimizer, scaler)
   private = settings.privacy.enabled
   # The steps' forward: where the step names the batch axis (pmap, and the
-  # shard_map of pjit and fsdp), fp8 scales from every replica's amaxes.
+  # shard_map of pjit and fsdp over more than one device), fp8 scales from
+  # every replica's amaxes.
   step_forward = forward
   names_axis = settings.parallel.strategy == 'pmap' or (
-      settings.parallel.strategy in ('pjit', 'fsdp') and not private)
+      settings.parallel.strategy in ('pjit', 'fsdp') and not private and
+      batch_devices > 1)
   if names_axis and precision.fp8 is not None:
     step_forward = forward_lib.make_forward(
         settings.model, precision.under_pmap(sharding.BATCH),
