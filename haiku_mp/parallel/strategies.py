@@ -359,13 +359,23 @@ class Pjit(Strategy):
     state = sharding.with_shardings(self.abstract_state, self.state_shardings)
     return state, _abstract(host_batch)
 
+  def _dim_leaves(self) -> list[Optional[int]]:
+    """The dimension split over `batch` of each trained parameter."""
+    return jax.tree.leaves(self._dims, is_leaf=lambda x: x is None)
+
+  def _whole_params(self) -> list[Any]:
+    """The trained parameters (abstract) that no device splits over
+    `batch`."""
+    _, abstract = step_lib.split_fp8(self.abstract_state.params)
+    return [v for v, d in zip(jax.tree.leaves(abstract), self._dim_leaves())
+            if d is None]
+
   def describe(self):
     held, whole = sharding.bytes_per_device(self.abstract_state,
                                             self.state_shardings)
     lines = [f'Per device: {_mb(held)} of the state\'s {_mb(whole)} '
              f'({held / whole:.3f} of it)']
-    gathers = any(d is not None for d in jax.tree.leaves(
-        self._dims, is_leaf=lambda x: x is None))
+    gathers = len(self._whole_params()) < len(self._dim_leaves())
     if self.communication is not None and self.batch_devices > 1:
       lines.append(self.communication.describe(gathers=gathers))
     return lines
@@ -396,11 +406,9 @@ class Fsdp(Pjit):
 
   def describe(self):
     lines = super().describe()
-    _, abstract = step_lib.split_fp8(self.abstract_state.params)
-    left = [v for v, d in zip(jax.tree.leaves(abstract), jax.tree.leaves(
-        self._dims, is_leaf=lambda x: x is None)) if d is None]
+    left = self._whole_params()
     if left:
-      size = sum(v.size * v.dtype.itemsize for v in left)
+      size = sum(sharding.nbytes(v) for v in left)
       lines.append(
           f'FSDP: {len(left)} parameters ({_mb(size)}) stay whole on every '
           f'device: no dimension of theirs divides by the '

@@ -260,25 +260,25 @@ def build(config: ml_collections.ConfigDict, *,
       moment_block_size=settings.precision.moment_block_size)
   scaler = checked.scaler
   init_state = _init_state_fn(settings, forward, optimizer, scaler)
-  private = settings.privacy.enabled
   # The steps' forward: where the step names the batch axis (pmap, and the
   # shard_map of pjit and fsdp over more than one device), fp8 scales from
   # every replica's amaxes.
   step_forward = forward
   names_axis = settings.parallel.strategy == 'pmap' or (
-      settings.parallel.strategy in ('pjit', 'fsdp') and not private and
-      batch_devices > 1)
+      settings.parallel.strategy in ('pjit', 'fsdp') and
+      not settings.privacy.enabled and batch_devices > 1)
   if names_axis and precision.fp8 is not None:
     step_forward = forward_lib.make_forward(
         settings.model, precision.under_pmap(sharding.BATCH),
         remat=settings.remat)
   loss_fn = step_lib.make_classification_loss(step_forward,
                                               settings.label_smoothing)
-  communication = None if private else communication_lib.Communication(
-      settings.parallel.gather_dtype, settings.parallel.reduce_dtype,
-      precision.policy.compute_dtype,
-      frozenset(c.path for c in calls
-                if precision.runs_fp8(c.class_name, c.path)))
+  communication = None if settings.privacy.enabled else (
+      communication_lib.Communication(
+          settings.parallel.gather_dtype, settings.parallel.reduce_dtype,
+          precision.policy.compute_dtype,
+          frozenset(c.path for c in calls
+                    if precision.runs_fp8(c.class_name, c.path))))
   private = dp_sgd.from_config(
       settings.privacy, settings.batch_size, num_train_examples, total_steps,
       batch_devices=batch_devices,
