@@ -152,6 +152,21 @@ ENTRY %main (p: f32[4]) -> f32[4] {
 '''
 
 
+# XLA numbers every fifth element of a long tuple: `/*index=5*/`, an '='
+# inside a shape. A combiner's all-reduce and a scan's carry both print so.
+_LONG_TUPLES = '''HloModule m, replica_count=1, num_partitions=8
+
+%body (carry: (s32[], f32[2], f32[2], f32[2], f32[2], f32[2])) -> (s32[], f32[2], f32[2], f32[2], f32[2], f32[2]) {
+  %g = bf16[32,16]{1,0} all-gather(%w), replica_groups=[1,8]<=[8], dimensions={0}
+}
+
+ENTRY %main () -> f32[] {
+  %loop = (s32[], f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, /*index=5*/f32[2]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  %combined = (f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, /*index=5*/bf16[4]{0}) all-reduce(%a, %b, %c, %d, %e, /*index=5*/%f), replica_groups=[1,8]<=[8], to_apply=%add
+}
+'''
+
+
 class AsyncAndLoopTest(absltest.TestCase):
 
   def test_async_results_from_the_done(self):
@@ -189,6 +204,14 @@ class AsyncAndLoopTest(absltest.TestCase):
     self.assertEqual(rows['reduce-scatter']['bytes'], 7 * 2 * 4 * 4)
     self.assertFalse(rows['all-to-all']['exact'])
     self.assertTrue(rows['all-gather']['exact'])
+
+
+  def test_long_tuples_are_read(self):
+    found = {c.name: c for c in collectives.parse_collectives(_LONG_TUPLES)}
+    self.assertEqual(found['g'].calls, 6)  # The loop's line was read.
+    combined = found['combined']
+    self.assertEqual((combined.dtype, combined.bytes, combined.group_size),
+                     ('float32', 5 * 4 * 4 + 4 * 2, 8))
 
 
 class StepTest(parameterized.TestCase):

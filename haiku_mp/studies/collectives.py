@@ -36,6 +36,8 @@ import re
 import tempfile
 from typing import Any, Callable, NamedTuple, Sequence
 
+from haiku_mp.studies import hlo_text
+
 KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
          'collective-permute')
 # HLO's element types: NumPy's name and bytes per element (sub-byte types
@@ -55,12 +57,6 @@ _HLO_DTYPES = {
     'f8e8m0fnu': ('float8_e8m0fnu', 1), 'f6e2m3fn': ('float6_e2m3fn', 0.75),
     'f6e3m2fn': ('float6_e3m2fn', 0.75), 'f4e2m1fn': ('float4_e2m1fn', 0.5),
 }
-# `%name = SHAPE opcode(`: one instruction per line of HLO text. A shape
-# holds no '=' (attributes do), so a match never runs into them.
-_INSTRUCTION = re.compile(
-    r'^\s*(?:ROOT\s+)?%?([\w.-]+)\s*=\s*([^=]+?)\s+([a-z][\w-]*)\(')
-# A computation's first line: its name, perhaps its signature, then '{'.
-_COMPUTATION = re.compile(r'^(ENTRY\s+)?%?([\w.-]+)\s*(?:\(.*)?\{\s*$')
 _ARRAY = re.compile(r'(\w+)\[([\d,]*)\]')
 _IOTA_GROUPS = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
 _LIST_GROUPS = re.compile(r'replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}')
@@ -156,17 +152,17 @@ def _group_size(line: str, devices: int) -> int:
   return devices
 
 
-def _devices(hlo_text: str) -> int:
+def _devices(text: str) -> int:
   """Devices of the module, from its header (1 where it names none)."""
   counts = {'replica_count': 1, 'num_partitions': 1}
-  for line in hlo_text.splitlines():
+  for line in text.splitlines():
     if line.startswith('HloModule'):
       counts.update((k, int(v)) for k, v in _HEADER_COUNT.findall(line))
       break
   return counts['replica_count'] * counts['num_partitions']
 
 
-def _calls_per_computation(hlo_text: str
+def _calls_per_computation(text: str
                            ) -> tuple[dict[str, int], dict[str, bool]]:
   """How many times one call of the module runs each computation, and
   whether that count is exact: a while body runs its loop's trip count,
@@ -177,18 +173,10 @@ def _calls_per_computation(hlo_text: str
   of a conditional, an async start) runs its computation once."""
   computations: dict[str, list[str]] = {}
   entry = None
-  current = None
-  for line in hlo_text.splitlines():
-    match = _COMPUTATION.match(line)
-    if match:
-      current = match.group(2)
-      computations[current] = []
-      if match.group(1):
-        entry = current
-    elif current is not None and line.strip() == '}':
-      current = None
-    elif current is not None:
-      computations[current].append(line)
+  for computation in hlo_text.computations(text):
+    computations[computation.name] = computation.lines
+    if computation.entry:
+      entry = computation.name
 
   def trip_count(line: str) -> int | None:
     match = _KNOWN_TRIP_COUNT.search(line)
@@ -207,10 +195,10 @@ def _calls_per_computation(hlo_text: str
   sites = []
   for caller, lines in computations.items():
     for line in lines:
-      match = _INSTRUCTION.match(line)
-      if not match or match.group(3) in ('async-done', 'async-update'):
+      op = hlo_text.instruction(line)
+      if not op or op.opcode in ('async-done', 'async-update'):
         continue  # An async pair calls its computation once, at its start.
-      if match.group(3) == 'while':
+      if op.opcode == 'while':
         body = _BODY.search(line)
         if body:
           n = trip_count(line)
@@ -245,47 +233,49 @@ def _calls_per_computation(hlo_text: str
   return calls, exact
 
 
-def parse_collectives(hlo_text: str) -> list[Collective]:
+def parse_collectives(text: str) -> list[Collective]:
   """Every collective of an HLO module's text, once each: an async pair by
   its `-start`, its bytes by its `-done` (the result; a start's shape may
   also hold its operands). A tuple-shaped one counts as one, of the dtype
   of its first array, its bytes summed. `calls` multiplies in the trip
   counts of the loops around it: the text lists a loop's body once."""
-  devices = _devices(hlo_text)
-  calls, exact = _calls_per_computation(hlo_text)
+  devices = _devices(text)
+  calls, exact = _calls_per_computation(text)
   done_shapes = {}
-  for line in hlo_text.splitlines():
-    match = _INSTRUCTION.match(line)
-    if match and match.group(3).endswith('-done'):
-      operand = _OPERAND.search(line, match.end(3))
+  for line in text.splitlines():
+    op = hlo_text.instruction(line)
+    if op and op.opcode.endswith('-done'):
+      operand = _OPERAND.search('(' + op.rest)
       if operand:
-        done_shapes[operand.group(1)] = match.group(2)
+        done_shapes[operand.group(1)] = op.shape
   found = []
-  current = None
-  for line in hlo_text.splitlines():
-    match = _COMPUTATION.match(line)
-    if match:
-      current = match.group(2)
-      continue
-    match = _INSTRUCTION.match(line)
-    if not match:
-      continue
-    name, shape, opcode = match.groups()
-    kind = opcode.removesuffix('-start')
-    if kind not in KINDS:
-      continue
-    if opcode != kind:
-      arrays = (_arrays(done_shapes[name]) if name in done_shapes
-                else _start_outputs(kind, _arrays(shape)))
-    else:
-      arrays = _arrays(shape)
-    if not arrays:
-      continue
-    found.append(Collective(
-        kind, arrays[0][0], sum(b for _, b in arrays),
-        _group_size(line, devices), name, calls.get(current, 1),
-        exact.get(current, True)))
+  for computation in hlo_text.computations(text):
+    for line in computation.lines:
+      op = hlo_text.instruction(line)
+      if op:
+        found.extend(_collective(op, line, devices, done_shapes,
+                                 calls.get(computation.name, 1),
+                                 exact.get(computation.name, True)))
   return found
+
+
+def _collective(op: hlo_text.Instruction, line: str, devices: int,
+                done_shapes: dict[str, str], calls: int, exact: bool
+                ) -> list[Collective]:
+  """The collective an instruction is, as a list of one, or none."""
+  name, shape, opcode = op.name, op.shape, op.opcode
+  kind = opcode.removesuffix('-start')
+  if kind not in KINDS:
+    return []
+  if opcode != kind:
+    arrays = (_arrays(done_shapes[name]) if name in done_shapes
+              else _start_outputs(kind, _arrays(shape)))
+  else:
+    arrays = _arrays(shape)
+  if not arrays:
+    return []
+  return [Collective(kind, arrays[0][0], sum(b for _, b in arrays),
+                     _group_size(line, devices), name, calls, exact)]
 
 
 def wire_bytes(c: Collective) -> float:

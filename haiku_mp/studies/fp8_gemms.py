@@ -22,7 +22,7 @@ fp8 Linear's three (`fp8.FPROP` ...), else ``forward`` or ``backward``.
 import collections
 import os
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 import ml_collections
@@ -30,6 +30,7 @@ import ml_collections
 from haiku_mp.measure import timing
 from haiku_mp.model import fp4
 from haiku_mp.model import fp8
+from haiku_mp.studies import hlo_text
 from haiku_mp.studies import memory
 from haiku_mp.train import experiment
 
@@ -45,63 +46,61 @@ TRITON_KINDS = (TRITON_GEMM, TRITON_NESTED_GEMM)
 _TRITON_KIND = re.compile(
     r'"kind":\s*"(' + '|'.join(re.escape(k) for k in TRITON_KINDS) + r')"')
 _PASSES = {fp8.FPROP: 'fprop', fp8.DGRAD: 'dgrad', fp8.WGRAD: 'wgrad'}
-_INSTRUCTION = re.compile(
-    r'^\s*(?:ROOT )?%?([\w.\-]+) = (\(?[\w\[\]{},: ]+?\)?) (\S+?)\((.*)$')
 _VALUE_TYPE = re.compile(r'^(\w+)\[')
 _OPERANDS = re.compile(r'%?([\w.\-]+)')
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_COMPUTATION = re.compile(r'^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$')
 _CALLS = re.compile(r'calls=%?([\w.\-]+)')
 
 
-def _op_fields(line: str) -> Optional[tuple[str, str, str, str]]:
-  """(name, type, opcode, rest) of an HLO instruction line."""
-  match = _INSTRUCTION.match(line)
-  return match and match.groups()
-
-
-def hlo_matmuls(hlo_text: str) -> list[dict[str, Any]]:
+def hlo_matmuls(text: str) -> list[dict[str, Any]]:
   """Every matmul of an HLO module's text: `dot` instructions and the
   matmul custom calls a backend rewrites them into (cuBLAS, cuBLASLt, oneDNN),
   with their operand element types, op name and (custom calls) target."""
   # A computation is printed before the fusion that calls it: first the
   # computations that Triton GEMM fusions call.
   triton_computations = {}
-  for line in hlo_text.splitlines():
-    fields = _op_fields(line)
-    if (fields and fields[2] == 'fusion'
-        and (kind := _TRITON_KIND.search(fields[3]))
-        and (calls := _CALLS.search(fields[3]))):
+  for line in text.splitlines():
+    op = hlo_text.instruction(line)
+    if (op and op.opcode == 'fusion'
+        and (kind := _TRITON_KIND.search(op.rest))
+        and (calls := _CALLS.search(op.rest))):
       triton_computations[calls.group(1)] = kind.group(1)
-  found, types, computation = [], {}, ''
-  for line in hlo_text.splitlines():
-    if line.rstrip().endswith('{'):  # A new computation: names of its own.
-      types = {}
-      header = _COMPUTATION.match(line)
-      computation = header.group(1) if header else ''
-    fields = _op_fields(line)
-    if not fields:
-      continue
-    name, value_type, opcode, rest = fields
-    if (match := _VALUE_TYPE.match(value_type)):
-      types[name] = match.group(1)
-    target = _TARGET.search(rest)
-    is_matmul = opcode == 'dot' or (
-        opcode == 'custom-call' and target and
-        re.search(r'cublas|matmul|gemm', target.group(1)))
-    if not is_matmul:
-      continue
-    if target:
-      target = target.group(1)
-    else:
-      target = triton_computations.get(computation, '')
-    args = rest.split(')', 1)[0]
-    operands = [types.get(o, '?') for o in _OPERANDS.findall(args)[:2]]
-    op_name = _OP_NAME.search(rest)
-    found.append(dict(opcode=opcode, target=target, operands=operands,
-                      op_name=op_name.group(1) if op_name else ''))
+  found = []
+  for computation in hlo_text.computations(text):
+    types = {}  # Each computation's names are its own.
+    for line in computation.lines:
+      op = hlo_text.instruction(line)
+      if op:
+        types.update(_value_type(op))
+        found.extend(_matmul(op, types, triton_computations.get(
+            computation.name, '')))
   return found
+
+
+def _value_type(op: hlo_text.Instruction) -> dict[str, str]:
+  """{name: element type} of an array-shaped instruction."""
+  match = _VALUE_TYPE.match(op.shape)
+  return {op.name: match.group(1)} if match else {}
+
+
+def _matmul(op: hlo_text.Instruction, types: dict[str, str],
+            triton_kind: str) -> list[dict[str, Any]]:
+  """The matmul an instruction is, as a list of one, or none."""
+  opcode, rest = op.opcode, op.rest
+  target = _TARGET.search(rest)
+  is_matmul = opcode == 'dot' or (
+      opcode == 'custom-call' and target and
+      re.search(r'cublas|matmul|gemm', target.group(1)))
+  if not is_matmul:
+    return []
+  args = rest.split(')', 1)[0]
+  op_name = _OP_NAME.search(rest)
+  return [dict(opcode=opcode,
+               target=target.group(1) if target else triton_kind,
+               operands=[types.get(o, '?')
+                         for o in _OPERANDS.findall(args)[:2]],
+               op_name=op_name.group(1) if op_name else '')]
 
 
 def is_fp8_gemm(matmul: dict[str, Any]) -> bool:
