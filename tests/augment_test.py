@@ -15,8 +15,8 @@ import numpy as np
 
 from configs import base
 from configs import vit_recipe
-from haiku_mp.data import augment
-from haiku_mp.train import experiment
+from haiku_mp.vit.data import augment
+from haiku_mp.vit.train import experiment
 from haiku_mp.update import keys as keys_lib
 from tests import helpers
 

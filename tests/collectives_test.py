@@ -8,8 +8,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from haiku_mp import errors
-from haiku_mp.studies import collectives
-from haiku_mp.studies import communication
+from haiku_mp.lab.studies import collectives
+from haiku_mp.lab.studies import communication
 from tests import helpers
 
 _LINES = '''

@@ -14,7 +14,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from haiku_mp import errors
-from haiku_mp.train import compilation_cache
+from haiku_mp.vit.train import compilation_cache
 
 HOME = {'HOME': '/home/u'}
 

@@ -15,7 +15,7 @@ from absl.testing import parameterized
 from configs import base
 from configs import vit_cpu
 from haiku_mp import errors
-from haiku_mp.model import forward as forward_lib
+from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.update import loss_scaling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

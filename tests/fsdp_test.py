@@ -18,9 +18,9 @@ import numpy as np
 import optax
 
 import haiku_mp
-from haiku_mp.parallel import sharding
-from haiku_mp.train import checkpoint
-from haiku_mp.train import experiment
+from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit.train import checkpoint
+from haiku_mp.vit.train import experiment
 from haiku_mp.update import data_parallel
 from tests import helpers
 

@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorflow_datasets as tfds
 
-from haiku_mp.train import loop
+from haiku_mp.vit.train import loop
 from haiku_mp.update import loss_scaling
 from tests import helpers
 

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import jmp
 
-from haiku_mp.model import forward as forward_lib
+from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.model import policies
-from haiku_mp.model import vit
+from haiku_mp.vit.model import vit
 from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'

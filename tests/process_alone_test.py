@@ -63,8 +63,8 @@ class ProcessAloneTest(absltest.TestCase):
     before['loggers'] = {**_process()['loggers'], **before['loggers']}
     self._assert_as(_process(), before)
 
-    from haiku_mp.train import checkpoint  # pylint: disable=g-import-not-at-top
-    from haiku_mp.measure import run_plots  # pylint: disable=g-import-not-at-top
+    from haiku_mp.vit.train import checkpoint  # pylint: disable=g-import-not-at-top
+    from haiku_mp.lab import run_plots  # pylint: disable=g-import-not-at-top
     from haiku_mp.update import loss_scaling  # pylint: disable=g-import-not-at-top
     from haiku_mp.update import step as step_lib  # pylint: disable=g-import-not-at-top
     workdir = tempfile.mkdtemp()
@@ -98,7 +98,7 @@ class ProcessAloneTest(absltest.TestCase):
     self.assertTrue(os.path.exists(os.path.join(workdir, 'runs.png')))
     # The report's and the loop benchmark's quiet trainer: the library's own
     # state, not absl's verbosity.
-    from haiku_mp.train import console_lines  # pylint: disable=g-import-not-at-top
+    from haiku_mp.vit.train import console_lines  # pylint: disable=g-import-not-at-top
     with console_lines.quietly():
       self._assert_as(_process(), before)
     self._assert_as(_process(), before)
