@@ -41,14 +41,14 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp.lab.benchmarks import loop_benchmark
-from haiku_mp.lab.benchmarks import pipeline_benchmark
-from haiku_mp.lab.benchmarks import step_benchmark
 from haiku_mp import errors
 from haiku_mp.lab import compare
 from haiku_mp.lab import machine
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
+from haiku_mp.lab.benchmarks import loop_benchmark
+from haiku_mp.lab.benchmarks import pipeline_benchmark
+from haiku_mp.lab.benchmarks import step_benchmark
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.train import in_flight
 from launch import cli

@@ -17,9 +17,9 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp.vit.data import npz_source
 from haiku_mp import errors
 from haiku_mp.vit import settings
+from haiku_mp.vit.data import npz_source
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file(

@@ -42,11 +42,11 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp.lab.advisor import advisor_files
-from haiku_mp.lab.advisor import driver as advisor
 from haiku_mp import errors
 from haiku_mp.lab import run_inputs
 from haiku_mp.lab import variants
+from haiku_mp.lab.advisor import advisor_files
+from haiku_mp.lab.advisor import driver as advisor
 from haiku_mp.lab.report import report
 from haiku_mp.lab.studies import communication
 from haiku_mp.lab.studies import dot_algorithms

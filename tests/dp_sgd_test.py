@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.vit.data import sampling
 from haiku_mp import errors
+from haiku_mp.vit.data import sampling
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit.train import experiment
 from tests import helpers

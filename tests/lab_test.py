@@ -24,7 +24,6 @@ from configs import vit_pure_bf16 as configs_pure_bf16
 from haiku_mp import errors
 from haiku_mp.lab import compare
 from haiku_mp.lab import variants
-from haiku_mp.model import meta_params
 from haiku_mp.lab.studies import ladder
 from haiku_mp.lab.studies import lost_updates
 from haiku_mp.lab.studies import matmul
@@ -34,6 +33,7 @@ from haiku_mp.lab.studies import precision as precision_lab
 from haiku_mp.lab.studies import profile
 from haiku_mp.lab.studies import state_layouts
 from haiku_mp.lab.studies import sweep
+from haiku_mp.model import meta_params
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import state_layout
 from launch import flag_checks

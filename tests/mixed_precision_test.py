@@ -16,8 +16,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.model import half_dot
+from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
 

@@ -12,9 +12,9 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
+from haiku_mp import errors
 from haiku_mp.vit.data import npz_source
 from haiku_mp.vit.data import tfds_source
-from haiku_mp import errors
 from tests import helpers
 
 

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import jmp
 
-from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.model import policies
+from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.model import vit
 from tests import helpers
 

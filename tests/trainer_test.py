@@ -21,9 +21,9 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from configs import vit_recipe
+from haiku_mp.model import half_dot
 from haiku_mp.vit.data import npz_source
 from haiku_mp.vit.data import pipeline
-from haiku_mp.model import half_dot
 from haiku_mp.vit.train import checkpoint as checkpoint_lib
 from haiku_mp.vit.train import loop
 from haiku_mp.vit.train import metrics as metrics_lib

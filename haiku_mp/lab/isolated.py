@@ -15,9 +15,9 @@ import jax
 import ml_collections
 
 from haiku_mp import errors
+from haiku_mp.lab import timing
 from haiku_mp.vit import settings
 from haiku_mp.vit.settings import fields as settings_fields
-from haiku_mp.lab import timing
 
 
 def measure_compiled(step: timing.CompiledStep, num_steps: int,

@@ -17,9 +17,9 @@ import jax
 import ml_collections
 import numpy as np
 
+from haiku_mp.vit.train import device_memory
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import in_flight
-from haiku_mp.vit.train import device_memory
 
 _MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes',
                   'temp_size_in_bytes', 'generated_code_size_in_bytes',

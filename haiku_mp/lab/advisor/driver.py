@@ -37,6 +37,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from haiku_mp import errors
 from haiku_mp.advisor import fp4_numerics
 from haiku_mp.advisor import fp8_numerics
 from haiku_mp.advisor import matmul_formats
@@ -45,16 +46,15 @@ from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
 from haiku_mp.advisor import settings as settings_lib
 from haiku_mp.advisor import verdicts
-from haiku_mp import errors
 from haiku_mp.lab import machine
 from haiku_mp.lab import run_inputs
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
-from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.model import fp4 as fp4_lib
-from haiku_mp.vit import settings as settings_schema
-from haiku_mp.vit.train import experiment
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit import settings as settings_schema
+from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit.train import experiment
 
 LEVELS = ('stats', 'knockout')
 HALF_DTYPES = ('float16', 'bfloat16')

@@ -23,12 +23,12 @@ from typing import Any, Callable, Sequence
 import ml_collections
 import numpy as np
 
-from haiku_mp.vit.data import pipeline
 from haiku_mp.lab import compare
 from haiku_mp.lab import machine
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
+from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.train import console_lines
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import loop

@@ -20,10 +20,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from haiku_mp.vit.data import pipeline
-from haiku_mp.vit.data import prefetch
 from haiku_mp.lab import machine
 from haiku_mp.lab import timing
+from haiku_mp.vit.data import pipeline
+from haiku_mp.vit.data import prefetch
 from haiku_mp.vit.train import experiment
 
 # Targets of the pipeline: images/s over the step's, and the fed step's

@@ -29,7 +29,6 @@ import jax
 import ml_collections
 import numpy as np
 
-from haiku_mp.lab.benchmarks import step_benchmark
 from haiku_mp import errors
 from haiku_mp.lab import charts
 from haiku_mp.lab import compare
@@ -37,6 +36,7 @@ from haiku_mp.lab import isolated
 from haiku_mp.lab import machine
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import variants
+from haiku_mp.lab.benchmarks import step_benchmark
 from haiku_mp.lab.report import report_markdown
 from haiku_mp.lab.studies import dot_algorithms
 from haiku_mp.lab.studies import matmul

@@ -28,10 +28,10 @@ import jax
 import ml_collections
 
 from haiku_mp.lab import timing
-from haiku_mp.model import fp4
-from haiku_mp.model import fp8
 from haiku_mp.lab.studies import hlo_text
 from haiku_mp.lab.studies import memory
+from haiku_mp.model import fp4
+from haiku_mp.model import fp8
 from haiku_mp.vit.train import experiment
 
 FP8_TYPES = ('f8e4m3fn', 'f8e5m2')

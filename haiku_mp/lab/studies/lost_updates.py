@@ -21,15 +21,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp.advisor import settings as advisor_settings
 from haiku_mp import errors
+from haiku_mp.advisor import settings as advisor_settings
 from haiku_mp.lab import charts
 from haiku_mp.lab import run_inputs
 from haiku_mp.lab import run_plots
-from haiku_mp.vit.parallel import sharding
-from haiku_mp.vit.train import experiment
 from haiku_mp.update import rounding as rounding_lib
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit.train import experiment
 
 # Params grouped the way a table reads them: (group, regex over the name).
 GROUPS = (

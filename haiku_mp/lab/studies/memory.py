@@ -31,8 +31,8 @@ from haiku_mp.lab import compare
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
-from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.lab.studies import state_layouts
+from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.train import experiment
 
 OUTSIDE_MODEL = '(loss, outside the model)'

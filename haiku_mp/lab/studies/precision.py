@@ -20,19 +20,19 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from haiku_mp.vit.data import pipeline
 from haiku_mp.lab import charts
 from haiku_mp.lab import compare
 from haiku_mp.lab import isolated
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
-from haiku_mp.vit.model import forward as forward_lib
-from haiku_mp.vit import settings
 from haiku_mp.lab.studies import memory
-from haiku_mp.vit.train import experiment
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit import settings
+from haiku_mp.vit.data import pipeline
+from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit.train import experiment
 
 MATMUL_PRECISIONS = ('', 'default', 'high', 'highest', 'bfloat16',
                      'tensorfloat32', 'float32')

@@ -33,9 +33,9 @@ import ml_collections
 from haiku_mp.lab import charts
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
-from haiku_mp.vit.model import forward as forward_lib
-from haiku_mp.vit import settings
 from haiku_mp.lab.studies import memory
+from haiku_mp.vit import settings
+from haiku_mp.vit.model import forward as forward_lib
 
 STEP_NAME = 'train'
 TOP_OPS = 20

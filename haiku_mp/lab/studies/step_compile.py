@@ -33,6 +33,7 @@ from haiku_mp.lab import machine
 from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit.train import compilation_cache
 
 MODELS = ('resnet18', 'lm')
 VARIANTS = ('plain', 'make_train_step', 'make_train_step_dynamic')
@@ -137,11 +138,8 @@ def compile_seconds(name: str, variant: str) -> dict[str, float]:
               compile_cpu_s=time.process_time() - traced)
 
 
-def run(models=MODELS, repeats: int = 3,
-        log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
-  """Every model's variants, alternated `repeats` times; the median of each
-  and its ratio to the plain step."""
-  jax.config.update('jax_enable_compilation_cache', False)
+def _rows(models, repeats: int, log) -> list[dict[str, Any]]:
+  """One row per model and variant."""
   rows = []
   for name in models:
     times = {v: [] for v in VARIANTS}
@@ -160,6 +158,15 @@ def run(models=MODELS, repeats: int = 3,
       if log:
         log(f'{name} {variant}: compile {compile_s:.1f} s of CPU, '
             f'{row["compile_vs_plain"]:.2f}x the plain step')
+  return rows
+
+
+def run(models=MODELS, repeats: int = 3,
+        log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+  """Every model's variants, alternated `repeats` times; the median of each
+  and its ratio to the plain step."""
+  with compilation_cache.disabled():  # Every compile a fresh one.
+    rows = _rows(models, repeats, log)
   return dict(machine=machine.describe(), jax=jax.__version__,
               policy=POLICY, batch_size=BATCH_SIZE, rows=rows)
 

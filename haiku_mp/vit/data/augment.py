@@ -19,10 +19,10 @@ import dm_pix as pix
 import jax
 import jax.numpy as jnp
 
-from haiku_mp.vit.data import auto_augment
-from haiku_mp.vit.data import mixing
 from haiku_mp import errors
 from haiku_mp.update import keys as keys_lib
+from haiku_mp.vit.data import auto_augment
+from haiku_mp.vit.data import mixing
 from haiku_mp.vit.settings import DataSettings
 
 CROPS = ('resized', 'pad', 'none')

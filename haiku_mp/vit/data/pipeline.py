@@ -22,10 +22,10 @@ from typing import Iterator, NamedTuple, Optional
 import jax
 import numpy as np
 
+from haiku_mp import errors
 from haiku_mp.vit.data import npz_source
 from haiku_mp.vit.data import sampling
 from haiku_mp.vit.data import tfds_source
-from haiku_mp import errors
 from haiku_mp.vit.settings import DataSettings
 from haiku_mp.vit.settings import ModelSettings
 

@@ -7,8 +7,8 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from haiku_mp.vit.parallel import sharding
 from haiku_mp.update import data_parallel
+from haiku_mp.vit.parallel import sharding
 
 GATHER_DTYPES = ('float32', 'compute', data_parallel.FP8_WIRE)
 REDUCE_DTYPES = ('float32', 'compute')

@@ -32,8 +32,8 @@ from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
 from haiku_mp import errors
-from haiku_mp.vit.train import console_lines
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit.train import console_lines
 
 TrainState = step_lib.TrainState
 # The suffix of a step directory that could not be restored and was set aside.

@@ -16,6 +16,7 @@ import os
 from typing import Iterator, Mapping, Optional
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as cache
 
 from haiku_mp import errors
 
@@ -55,14 +56,42 @@ def check(setting) -> None:
   errors.check_writable_directory(SETTING, os.path.expanduser(setting))
 
 
-def use(setting: str) -> Optional[str]:
-  """Points JAX's cache at `setting`'s directory (call before the first
-  compile; `check` has passed, as `config_checks` does for every command);
-  returns the directory JAX uses, if any."""
+@contextlib.contextmanager
+def used(setting: str) -> Iterator[Optional[str]]:
+  """JAX's cache at `setting`'s directory inside the block, the caller's
+  own again after it: a library changes no global of JAX's behind the
+  caller's back. Enter before the block's first compile (`check` has
+  passed, as `config_checks` does for every command); yields the
+  directory JAX uses, if any."""
   path = directory(setting, jax.default_backend())
-  if path is not None:
-    jax.config.update('jax_compilation_cache_dir', path)
-  return jax.config.jax_compilation_cache_dir or None
+  with _jax_setting('jax_compilation_cache_dir', path):
+    yield jax.config.jax_compilation_cache_dir or None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+  """No persistent cache inside the block: every compile a fresh one (what
+  a study of compile times measures)."""
+  with _jax_setting('jax_enable_compilation_cache', False):
+    yield
+
+
+@contextlib.contextmanager
+def _jax_setting(name: str, value) -> Iterator[None]:
+  """jax.config's `name` set to `value` (None: left as it is) inside the
+  block. JAX opens its cache once, at the first compile, and keeps it
+  open: `reset_cache` makes the next compile open it as now set."""
+  before = getattr(jax.config, name)
+  if value is None or value == before:
+    yield
+    return
+  jax.config.update(name, value)
+  cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update(name, before)
+    cache.reset_cache()
 
 
 @contextlib.contextmanager

@@ -19,21 +19,21 @@ import ml_collections
 import numpy as np
 import optax
 
+from haiku_mp import errors
+from haiku_mp.model import policies
+from haiku_mp.update import loss_scaling
+from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import step as step_lib
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.data import augment
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import sampling
-from haiku_mp import errors
-from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.model import forward as forward_lib
-from haiku_mp.model import policies
 from haiku_mp.vit.parallel import communication as communication_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import strategies
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit.train import config_checks
-from haiku_mp.update import loss_scaling
-from haiku_mp.update import optimizer as optimizer_lib
-from haiku_mp.update import step as step_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,11 +14,14 @@ from absl import logging
 import jax
 import ml_collections
 
+from haiku_mp.model import meta_params
+from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import step as step_lib
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import prefetch
-from haiku_mp.model import meta_params
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.train import checkpoint as checkpoint_lib
+from haiku_mp.vit.train import compilation_cache
 from haiku_mp.vit.train import compiled_steps
 from haiku_mp.vit.train import console_lines
 from haiku_mp.vit.train import device_memory
@@ -33,8 +36,6 @@ from haiku_mp.vit.train import resources
 from haiku_mp.vit.train import run_dir
 from haiku_mp.vit.train import run_files
 from haiku_mp.vit.train import startup_log
-from haiku_mp.update import optimizer as optimizer_lib
-from haiku_mp.update import step as step_lib
 
 def _call(step, state, batch):
   return step(state, batch)
@@ -344,11 +345,13 @@ def train(exp: experiment.Experiment, workdir: str,
   closes and restores them.
   """
   is_writer = jax.process_index() == 0
-  startup_log.use_compilation_cache(exp.settings.compilation_cache_dir)
-  splits = startup_log.load_data(exp)
-  if is_writer:
-    run_dir.prepare(workdir)
+  setting = exp.settings.compilation_cache_dir
   with contextlib.ExitStack() as stack:
+    startup_log.log_compilation_cache(
+        stack.enter_context(compilation_cache.used(setting)), setting)
+    splits = startup_log.load_data(exp)
+    if is_writer:
+      run_dir.prepare(workdir)
     run = _Run(stack, exp, splits, workdir, is_writer, hooks)
     startup_log.log_startup(exp, run.state, workdir, is_writer,
                             log_module_table)

@@ -3,12 +3,12 @@ devices, how its matmuls run, the model's modules and the state's layout."""
 
 import os
 import time
+from typing import Optional
 
 import jax
 
-from haiku_mp.vit.data import pipeline
 from haiku_mp.model import half_dot
-from haiku_mp.vit.train import compilation_cache
+from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.train import console_lines
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import module_table
@@ -30,8 +30,7 @@ def load_data(exp: experiment.Experiment) -> pipeline.Splits:
   return splits
 
 
-def use_compilation_cache(setting: str) -> None:
-  cache = compilation_cache.use(setting)
+def log_compilation_cache(cache: Optional[str], setting: str) -> None:
   console_lines.info(
       'Compilation cache: %s', cache or
       (f'off ({setting!r} on {jax.default_backend()}; set '
