@@ -413,7 +413,7 @@ def paper_time(rows: Sequence[dict[str, Any]], flops: float, link: str,
                peak: str) -> dict[str, Any]:
   """Seconds a step's collectives (`summarize` rows) take on `link`, and
   its `flops` per device at `peak`: which of the two bounds the step (no
-  overlap assumed). The rows' groups over the data axis are taken to span
+  overlap assumed), with the latencies and on bandwidth alone. The rows' groups over the data axis are taken to span
   the link's devices, each device keeping its batch (weak scaling): a
   ring's (g-1)/g share is recomputed for them; other groups are kept.
   `exact` is False where a row is a lower bound (a loop of unknown trip
@@ -428,9 +428,17 @@ def paper_time(rows: Sequence[dict[str, Any]], flops: float, link: str,
       share = ((devices - 1) / devices) / ((g - 1) / g)
     sent += row['wire_bytes'] * share
   count = sum(r['count'] for r in rows if r['group_size'] > 1)
-  comm = sent / spec['bandwidth'] + count * spec['latency']
+  bandwidth = sent / spec['bandwidth']
+  # One latency per collective as the program has them: an upper bound
+  # where a backend's combiners merge them later.
+  latency = count * spec['latency']
+  comm = bandwidth + latency
   compute = flops / compute_peak
-  return dict(comm_seconds=comm, compute_seconds=compute,
+  return dict(comm_seconds=comm, bandwidth_seconds=bandwidth,
+              latency_seconds=latency, collectives=count,
+              compute_seconds=compute,
               bound='communication' if comm > compute else 'compute',
+              bandwidth_bound=('communication' if bandwidth > compute
+                               else 'compute'),
               comm_over_compute=comm / compute if compute else None,
               exact=all(r.get('exact', True) for r in rows))

@@ -136,8 +136,9 @@ def table(result: dict[str, Any]) -> str:
 
 
 def paper_table(result: dict[str, Any]) -> str:
-  """A Markdown table: per variant and link, communication and compute
-  seconds per step on paper, and which bounds the step."""
+  """A Markdown table: per variant and link, the communication's
+  bandwidth and latency terms against the compute per step on paper, and
+  which bounds the step on bandwidth alone, then with the latencies."""
   links = list(result['links'])
   lines = ['| layout | gather / reduce | ' + ' | '.join(links) + ' |',
            '|---|---|' + '---|' * len(links)]
@@ -145,9 +146,11 @@ def paper_table(result: dict[str, Any]) -> str:
     cells = []
     for link in links:
       p = v['paper'][link]
-      cells.append(f"{p['comm_seconds'] * 1e3:.2f} ms comm / "
-                   f"{p['compute_seconds'] * 1e3:.2f} ms compute "
-                   f"({p['bound']})")
+      cells.append(f"{p['bandwidth_seconds'] * 1e3:.2f} + "
+                   f"{p['latency_seconds'] * 1e3:.2f} ms comm "
+                   f"({p['collectives']} collectives) / "
+                   f"{p['compute_seconds'] * 1e3:.2f} ms compute: "
+                   f"{p['bandwidth_bound']}; {p['bound']}")
     lines.append(f"| {v['layout']} | {v['wire']} | " + ' | '.join(cells) +
                  ' |')
   return '\n'.join(lines)
