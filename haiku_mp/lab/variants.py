@@ -74,15 +74,13 @@ def in_compute_dtype(config: ml_collections.ConfigDict, dtype: str
     dtype = fp8.COMPUTE_DTYPE
   elif dtype in FP4_VARIANTS:  # 4-bit blocks scale themselves.
     scaling, low_bit, dtype = 'current', dtype, fp8.COMPUTE_DTYPE
-  policy = policies.parse_policy(config.precision.policy)
-  name = lambda d: jnp.dtype(d).name
-  params = name(policy.param_dtype)
   pure_bf16 = dtype == PURE_BF16
   if pure_bf16:
-    dtype = params = 'bfloat16'
-  text = (f'params={params},compute={dtype},'
-          f'output={name(policy.output_dtype)}')
-  policies.parse_policy(text, setting=f'sweep dtype {dtype!r}')
+    dtype = 'bfloat16'
+  text = policies.with_dtypes(config.precision.policy,
+                              setting=f'sweep dtype {dtype!r}',
+                              params='bfloat16' if pure_bf16 else None,
+                              compute=dtype)
   config = copy.deepcopy(config)
   config.precision.policy = text
   if pure_bf16:

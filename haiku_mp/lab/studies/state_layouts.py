@@ -14,7 +14,6 @@ import os
 from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from haiku_mp.lab import charts
@@ -44,12 +43,9 @@ def layout_config(config: ml_collections.ConfigDict, name: str
                   ) -> ml_collections.ConfigDict:
   """`config` in the layout `name` (one of `LAYOUTS`)."""
   params, update, mu, nu = LAYOUTS[name]
-  policy = policies.parse_policy(config.precision.policy)
-  dtype = lambda d: jnp.dtype(d).name
   config = copy.deepcopy(config)
-  config.precision.policy = (f'params={params},compute='
-                             f'{dtype(policy.compute_dtype)},output='
-                             f'{dtype(policy.output_dtype)}')
+  config.precision.policy = policies.with_dtypes(config.precision.policy,
+                                                 params=params)
   config.precision.update(param_update=update, mu_dtype=mu, nu_dtype=nu)
   return config
 
