@@ -8,7 +8,7 @@ Step time (compile and warm-up excluded, synthetic data on the device):
         --dtypes=float32,bfloat16,float16 --steps=5 --json
 
 prints a line per dtype and, with `--json`, one JSON object as the last line:
-the figures of `haiku_mp.benchmarks.step_benchmark` (step time, images/s, FLOPs, the
+the figures of `haiku_mp.lab.benchmarks.step_benchmark` (step time, images/s, FLOPs, the
 same-run matmul ceiling, MFU, system CPU time, compiled memory, the CPU) and,
 with several dtypes, each one's ratios to the first.
 
@@ -41,16 +41,16 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp.benchmarks import loop_benchmark
-from haiku_mp.benchmarks import pipeline_benchmark
-from haiku_mp.benchmarks import step_benchmark
 from haiku_mp import errors
-from haiku_mp.measure import compare
-from haiku_mp.measure import machine
-from haiku_mp.measure import timing
-from haiku_mp.measure import variants
-from haiku_mp.parallel import sharding
-from haiku_mp.train import in_flight
+from haiku_mp.lab import compare
+from haiku_mp.lab import machine
+from haiku_mp.lab import timing
+from haiku_mp.lab import variants
+from haiku_mp.lab.benchmarks import loop_benchmark
+from haiku_mp.lab.benchmarks import pipeline_benchmark
+from haiku_mp.lab.benchmarks import step_benchmark
+from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit.train import in_flight
 from launch import cli
 from launch import flag_checks
 

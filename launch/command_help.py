@@ -1,6 +1,6 @@
 """`--help` of every entry point: the command's usage, its own flags, and each
 field of its config as `--config.FIELD=DEFAULT` with one line of its doc in
-the settings' schema (haiku_mp/settings/).
+the settings' schema (haiku_mp/vit/settings/).
 
 absl's own `--help` lists the main module's flags alone (not the config's
 fields) and exits 1; `--helpfull` stays absl's. This runs before the flags
@@ -20,12 +20,12 @@ from absl import flags
 import ml_collections
 from ml_collections.config_flags.config_flags import is_config_flag
 
-from haiku_mp import settings
-from haiku_mp.settings import fields as settings_fields
+from haiku_mp.vit import settings
+from haiku_mp.vit.settings import fields as settings_fields
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_CONFIG = os.path.join(_ROOT, 'configs', 'base.py')
-_SCHEMA = 'haiku_mp/settings/'
+_SCHEMA = 'haiku_mp/vit/settings/'
 
 # absl's help flags: `--help`, its alias `--helpshort` and its short `-?`.
 _HELP_NAMES = ('help', 'helpshort', '?')

@@ -4,11 +4,11 @@ python -m launch.data export --out=cifar10.npz [--config=configs/base.py] \
   [--config.data.data_dir=DIR]
 
 `export` writes the prepared TFDS CIFAR-10 (train and test, in the TFDS copy's
-order) as uint8 arrays in one `.npz` (haiku_mp/data/npz_source.py), which NumPy
+order) as uint8 arrays in one `.npz` (haiku_mp/vit/data/npz_source.py), which NumPy
 reads without TensorFlow. Where the data dir lacks it and `data.download`
 allows, TFDS downloads and prepares it first (its progress shown once the
 server answers); a download that fails is one `error:` line and leaves the data
-dir as it was (haiku_mp/data/tfds_source.py).
+dir as it was (haiku_mp/vit/data/tfds_source.py).
 """
 
 import os
@@ -17,9 +17,9 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp.data import npz_source
 from haiku_mp import errors
-from haiku_mp import settings
+from haiku_mp.vit import settings
+from haiku_mp.vit.data import npz_source
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file(

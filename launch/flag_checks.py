@@ -5,7 +5,7 @@ flag and what would be valid."""
 from typing import Iterable, Sequence
 
 from haiku_mp import errors
-from haiku_mp.measure import variants
+from haiku_mp.lab import variants
 from haiku_mp.model import fp8
 from haiku_mp.model import policies
 

@@ -20,15 +20,15 @@ python -m launch.lab advise --config=configs/vit_fp16.py [--checkpoint=WORKDIR] 
 
 `fp8` lists every matmul of the train step (forward and backward) with its
 operands' formats and, compiled, whether it runs as an fp8 GEMM
-(haiku_mp/studies/fp8_gemms.py). `communication` compiles the train step per
+(haiku_mp/lab/studies/fp8_gemms.py). `communication` compiles the train step per
 layout and GATHER/REDUCE dtypes and lists every collective's kind, count,
 dtype and bytes per device, per-device memory, and the bytes' time on paper
-for NVLink and InfiniBand links (haiku_mp/studies/communication.py,
+for NVLink and InfiniBand links (haiku_mp/lab/studies/communication.py,
 collectives.py). `report` runs several parts on whatever backend JAX finds and writes their
-JSON, plots and one report.md (haiku_mp/report/report.py). `advise` says which
+JSON, plots and one report.md (haiku_mp/lab/report/report.py). `advise` says which
 precision each module can run in and which float16 loss scale, and prints the
 flags to paste; it writes advise.json, advise.md and a plot
-(haiku_mp/advisor/driver.py, advisor_files.py).
+(haiku_mp/lab/advisor/driver.py, advisor_files.py).
 
 Each study prints its result as one JSON line and writes
 `<study>.json` and its plots into --out.
@@ -42,24 +42,24 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp.advisor import advisor_files
-from haiku_mp.advisor import driver as advisor
 from haiku_mp import errors
-from haiku_mp.measure import run_inputs
-from haiku_mp.measure import variants
-from haiku_mp.report import report
-from haiku_mp.studies import communication
-from haiku_mp.studies import dot_algorithms
-from haiku_mp.studies import fp8_gemms
-from haiku_mp.studies import ladder
-from haiku_mp.studies import lost_updates
-from haiku_mp.studies import matmul
-from haiku_mp.studies import memory
-from haiku_mp.studies import params
-from haiku_mp.studies import precision as precision_lab
-from haiku_mp.studies import profile
-from haiku_mp.studies import step_compile
-from haiku_mp.studies import sweep
+from haiku_mp.lab import run_inputs
+from haiku_mp.lab import variants
+from haiku_mp.lab.advisor import advisor_files
+from haiku_mp.lab.advisor import driver as advisor
+from haiku_mp.lab.report import report
+from haiku_mp.lab.studies import communication
+from haiku_mp.lab.studies import dot_algorithms
+from haiku_mp.lab.studies import fp8_gemms
+from haiku_mp.lab.studies import ladder
+from haiku_mp.lab.studies import lost_updates
+from haiku_mp.lab.studies import matmul
+from haiku_mp.lab.studies import memory
+from haiku_mp.lab.studies import params
+from haiku_mp.lab.studies import precision as precision_lab
+from haiku_mp.lab.studies import profile
+from haiku_mp.lab.studies import step_compile
+from haiku_mp.lab.studies import sweep
 from launch import cli
 from launch import flag_checks
 

@@ -4,7 +4,7 @@
 python -m launch.machine
 """
 
-from haiku_mp.measure import machine
+from haiku_mp.lab import machine
 
 if __name__ == '__main__':
   print(machine.host_line())

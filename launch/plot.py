@@ -9,7 +9,7 @@ from absl import app
 from absl import flags
 
 from haiku_mp import errors
-from haiku_mp.measure import run_plots
+from haiku_mp.lab import run_plots
 from launch import cli
 
 _WORKDIRS = flags.DEFINE_list('workdirs', None, 'Run directories to compare.')

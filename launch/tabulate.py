@@ -10,9 +10,9 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from haiku_mp.train import experiment
-from haiku_mp.train import module_table
-from haiku_mp.train import state_layout
+from haiku_mp.vit.train import experiment
+from haiku_mp.vit.train import module_table
+from haiku_mp.vit.train import state_layout
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',

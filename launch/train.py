@@ -17,10 +17,10 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from haiku_mp.measure import machine
-from haiku_mp.train import experiment
-from haiku_mp.train import in_flight
-from haiku_mp.train import loop
+from haiku_mp.lab import machine
+from haiku_mp.vit.train import experiment
+from haiku_mp.vit.train import in_flight
+from haiku_mp.vit.train import loop
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',

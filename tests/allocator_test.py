@@ -14,7 +14,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from haiku_mp.measure import machine
+from haiku_mp.lab import machine
 from launch import allocator
 from tests import helpers
 

@@ -15,9 +15,9 @@ import numpy as np
 
 from configs import base
 from configs import vit_recipe
-from haiku_mp.data import augment
-from haiku_mp.train import experiment
 from haiku_mp.update import keys as keys_lib
+from haiku_mp.vit.data import augment
+from haiku_mp.vit.train import experiment
 from tests import helpers
 
 DATA = base.get_config().data

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.data import auto_augment
-from haiku_mp.data import image_ops
+from haiku_mp.vit.data import auto_augment
+from haiku_mp.vit.data import image_ops
 from tests import image_ops_test
 
 OPS = auto_augment.OPS

@@ -25,7 +25,7 @@ from absl.testing import parameterized
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.train import run_dir
+from haiku_mp.vit.train import run_dir
 from launch import cli
 from tests import fake_cifar10
 from tests import helpers

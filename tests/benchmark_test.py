@@ -14,11 +14,11 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 
-from haiku_mp.benchmarks import loop_benchmark
-from haiku_mp.benchmarks import pipeline_benchmark
-from haiku_mp.benchmarks import step_benchmark
-from haiku_mp.measure import compare
-from haiku_mp.measure import machine
+from haiku_mp.lab import compare
+from haiku_mp.lab import machine
+from haiku_mp.lab.benchmarks import loop_benchmark
+from haiku_mp.lab.benchmarks import pipeline_benchmark
+from haiku_mp.lab.benchmarks import step_benchmark
 from haiku_mp.model import half_dot
 from tests import helpers
 from tests import signal_at_step

@@ -31,13 +31,13 @@ import optax
 import orbax.checkpoint as ocp
 
 from haiku_mp import errors
-from haiku_mp.train import checkpoint
-from haiku_mp.train import experiment
-from haiku_mp.train import log_window
-from haiku_mp.train import loop
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit.train import checkpoint
+from haiku_mp.vit.train import experiment
+from haiku_mp.vit.train import log_window
+from haiku_mp.vit.train import loop
 from launch import failed_saves
 from tests import disk_full_at_step
 from tests import helpers

@@ -8,8 +8,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from haiku_mp import errors
-from haiku_mp.studies import collectives
-from haiku_mp.studies import communication
+from haiku_mp.lab.studies import collectives
+from haiku_mp.lab.studies import communication
 from tests import helpers
 
 _LINES = '''
@@ -82,8 +82,15 @@ class ParseTest(absltest.TestCase):
     # 16 devices: a share of 15/16 where the compiled 8 sent 7/8.
     sent = 7e6 * (15 / 16) / (7 / 8)
     self.assertAlmostEqual(got['comm_seconds'], sent / 50e9 + 2 * 10e-6)
+    self.assertAlmostEqual(got['bandwidth_seconds'], sent / 50e9)
+    self.assertAlmostEqual(got['latency_seconds'], 2 * 10e-6)
     self.assertAlmostEqual(got['compute_seconds'], 1e-3)
     self.assertEqual(got['bound'], 'compute')
+    # Many small collectives: bandwidth alone hides, their latencies not.
+    many = [dict(rows[0], count=200, wire_bytes=7e3)]
+    got = collectives.paper_time(many, 989e9, 'ib_2node', 'h100_bf16')
+    self.assertEqual((got['bandwidth_bound'], got['bound']),
+                     ('compute', 'communication'))
 
 
 _ASYNC = '''

@@ -12,9 +12,10 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import jax
 
 from haiku_mp import errors
-from haiku_mp.train import compilation_cache
+from haiku_mp.vit.train import compilation_cache
 
 HOME = {'HOME': '/home/u'}
 
@@ -42,6 +43,24 @@ class DirectoryTest(parameterized.TestCase):
     with self.assertRaisesRegex(errors.ConfigError,
                                 '^compilation_cache_dir=3 must be'):
       compilation_cache.check(3)
+
+
+class ScopeTest(absltest.TestCase):
+
+  def test_used_and_disabled_hold_inside_their_block_only(self):
+    before = (jax.config.jax_compilation_cache_dir,
+              jax.config.jax_enable_compilation_cache)
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    path = tmp.name
+    with compilation_cache.used(path) as used:
+      self.assertEqual((used, jax.config.jax_compilation_cache_dir),
+                       (path, path))
+      with compilation_cache.disabled():
+        self.assertFalse(jax.config.jax_enable_compilation_cache)
+      self.assertEqual(jax.config.jax_enable_compilation_cache, before[1])
+    self.assertEqual((jax.config.jax_compilation_cache_dir,
+                      jax.config.jax_enable_compilation_cache), before)
 
 
 if __name__ == '__main__':

@@ -17,8 +17,8 @@ import jax
 
 from configs import base
 from haiku_mp import errors
-from haiku_mp.train import config_checks
-from haiku_mp.train import experiment
+from haiku_mp.vit.train import config_checks
+from haiku_mp.vit.train import experiment
 from tests import configs_test
 from tests import helpers
 

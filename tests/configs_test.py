@@ -15,8 +15,8 @@ from absl.testing import parameterized
 from configs import base
 from configs import vit_cpu
 from haiku_mp import errors
-from haiku_mp.model import forward as forward_lib
 from haiku_mp.update import loss_scaling
+from haiku_mp.vit.model import forward as forward_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_NAMES = sorted(os.path.basename(p)[:-3]

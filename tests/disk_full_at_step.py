@@ -27,7 +27,7 @@ from typing import Callable
 
 import orbax.checkpoint as ocp
 
-from haiku_mp.train import checkpoint
+from haiku_mp.vit.train import checkpoint
 
 ENV = 'DISK_FULL_AT_STEP'
 

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.data import sampling
 from haiku_mp import errors
-from haiku_mp.privacy import dp_sgd
-from haiku_mp.train import experiment
+from haiku_mp.vit.data import sampling
+from haiku_mp.vit.privacy import dp_sgd
+from haiku_mp.vit.train import experiment
 from tests import helpers
 
 F32 = 'float32'

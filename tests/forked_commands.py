@@ -36,9 +36,9 @@ import traceback
 # What every `launch` command imports, and matplotlib (through the plots),
 # most of what a lab, benchmark or plot command imports besides; none of it
 # defines a flag (the launch modules do, so each command imports its own).
-import haiku_mp.measure.run_plots  # pylint: disable=unused-import
-import haiku_mp.train.experiment  # pylint: disable=unused-import
-import haiku_mp.train.loop  # pylint: disable=unused-import
+import haiku_mp.lab.run_plots  # pylint: disable=unused-import
+import haiku_mp.vit.train.experiment  # pylint: disable=unused-import
+import haiku_mp.vit.train.loop  # pylint: disable=unused-import
 import launch.cli
 
 # The modules a request may run: the project's commands, and the test

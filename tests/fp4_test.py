@@ -24,11 +24,11 @@ from haiku_mp.model import blocks as blocks_lib
 from haiku_mp.model import fp4
 from haiku_mp.model import fp4_blocks
 from haiku_mp.model import fp8_scales
-from haiku_mp.parallel import sharding as sharding_lib
-from haiku_mp.train import checkpoint
-from haiku_mp.train import experiment
-from haiku_mp.train import module_table
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit.parallel import sharding as sharding_lib
+from haiku_mp.vit.train import checkpoint
+from haiku_mp.vit.train import experiment
+from haiku_mp.vit.train import module_table
 from tests import helpers
 
 # E2M1's values and their codes' parity (ties go to the even code).

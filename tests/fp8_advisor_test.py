@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import fp8_numerics
 from haiku_mp.advisor import matmul_formats
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import settings as advisor_settings
-from haiku_mp.measure import variants
+from haiku_mp.lab import variants
+from haiku_mp.lab.advisor import driver as advisor
 from haiku_mp.model import fp8
-from haiku_mp.train import experiment
+from haiku_mp.vit.train import experiment
 from tests import helpers
 
 PLANTED = 'vit/encoder_block_1/mlp_block/fc1'

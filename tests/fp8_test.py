@@ -22,13 +22,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from haiku_mp import errors
+from haiku_mp.lab.studies import fp8_gemms
 from haiku_mp.model import fp8
 from haiku_mp.model import fp8_scales
 from haiku_mp.model import meta_params
-from haiku_mp.studies import fp8_gemms
-from haiku_mp.train import experiment
-from haiku_mp.train import module_table
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit.train import experiment
+from haiku_mp.vit.train import module_table
 from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'

@@ -18,10 +18,10 @@ import numpy as np
 import optax
 
 import haiku_mp
-from haiku_mp.parallel import sharding
-from haiku_mp.train import checkpoint
-from haiku_mp.train import experiment
 from haiku_mp.update import data_parallel
+from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit.train import checkpoint
+from haiku_mp.vit.train import experiment
 from tests import helpers
 
 F32 = 'params=float32,compute=float32,output=float32'

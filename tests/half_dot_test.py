@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.measure import variants
+from haiku_mp.lab import variants
+from haiku_mp.lab.studies import precision as precision_lab
 from haiku_mp.model import cpu_features
 from haiku_mp.model import half_dot
 from haiku_mp.model import matmul_modules
-from haiku_mp.studies import precision as precision_lab
 from tests import helpers
 
 LOGITS = 'bqhd,bkhd->bhqk'

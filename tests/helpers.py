@@ -20,8 +20,8 @@ from tensorboard.util import tensor_util
 
 from configs import base
 from haiku_mp.advisor import numerics
-from haiku_mp.data import pipeline
-from haiku_mp.studies import fp8_gemms
+from haiku_mp.lab.studies import fp8_gemms
+from haiku_mp.vit.data import pipeline
 import tests
 from tests import forked_commands
 from tests import signal_at_step

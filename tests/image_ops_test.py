@@ -16,7 +16,7 @@ from PIL import Image
 from PIL import ImageEnhance
 from PIL import ImageOps
 
-from haiku_mp.data import image_ops
+from haiku_mp.vit.data import image_ops
 
 SIZE = 32
 _FILL = (int(image_ops.FILL),) * 3

@@ -16,7 +16,7 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 
-from haiku_mp.train import in_flight
+from haiku_mp.vit.train import in_flight
 import tests
 from tests import helpers
 
@@ -120,7 +120,7 @@ class InFlightTest(parameterized.TestCase):
   def test_the_stall_line_is_one_line_and_ends_the_process(self):
     proc = subprocess.run(
         [sys.executable, '-c',
-         'from haiku_mp.train import in_flight; '
+         'from haiku_mp.vit.train import in_flight; '
          "in_flight.exit_on_stall('Run it again.')('step 7', 301.4); "
          "print('still here')"],
         cwd=helpers.ROOT, capture_output=True, text=True, check=False)

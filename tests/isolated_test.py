@@ -9,7 +9,7 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
 
 from absl.testing import absltest
 
-from haiku_mp.measure import isolated
+from haiku_mp.lab import isolated
 from tests import helpers
 
 

@@ -22,20 +22,20 @@ import numpy as np
 from configs import base
 from configs import vit_pure_bf16 as configs_pure_bf16
 from haiku_mp import errors
-from haiku_mp.measure import compare
-from haiku_mp.measure import variants
+from haiku_mp.lab import compare
+from haiku_mp.lab import variants
+from haiku_mp.lab.studies import ladder
+from haiku_mp.lab.studies import lost_updates
+from haiku_mp.lab.studies import matmul
+from haiku_mp.lab.studies import memory
+from haiku_mp.lab.studies import params
+from haiku_mp.lab.studies import precision as precision_lab
+from haiku_mp.lab.studies import profile
+from haiku_mp.lab.studies import state_layouts
+from haiku_mp.lab.studies import sweep
 from haiku_mp.model import meta_params
-from haiku_mp.studies import ladder
-from haiku_mp.studies import lost_updates
-from haiku_mp.studies import matmul
-from haiku_mp.studies import memory
-from haiku_mp.studies import params
-from haiku_mp.studies import precision as precision_lab
-from haiku_mp.studies import profile
-from haiku_mp.studies import state_layouts
-from haiku_mp.studies import sweep
-from haiku_mp.train import experiment
-from haiku_mp.train import state_layout
+from haiku_mp.vit.train import experiment
+from haiku_mp.vit.train import state_layout
 from launch import flag_checks
 from tests import helpers
 

@@ -1,6 +1,7 @@
-"""The library's floors: each folder of `haiku_mp` imports only folders on
-floors below it, so no two folders import each other, read from the code's
-own import statements (nothing is imported)."""
+"""The package's wings and floors: the library imports neither the ViT
+application nor the lab, the application not the lab, and each part
+imports only parts on floors below it, so no two import each other; read
+from the code's own import statements (nothing is imported)."""
 
 import os
 import sys
@@ -15,24 +16,35 @@ import tempfile
 
 from absl.testing import absltest
 
-# Ground floor first; a folder may import its own floor's files and any
-# folder on a lower floor. `errors.py` is a file at the package's root.
-# Above the floors: the package's `__init__.py` (the public names, which
-# import from every floor), and above it the programs that use the library.
-FLOORS = (
+# Three wings, each on floors of its own, ground floor first: the library,
+# the ViT application above it, the lab above both. A part of the package
+# is a folder (`model`, `vit/train`, `lab/studies`), a file at the
+# package's root (`errors`), or a wing's own root files (`lab`: the lab's
+# kit). A part may import its own files and any part on a lower floor.
+# The package's `__init__.py` (the library's public names) tops the
+# library; above the lab, the programs that use all three.
+LIBRARY = (
     ('errors',),
-    ('settings',),
     ('model',),
     ('update',),
-    ('data', 'parallel', 'privacy'),
-    ('train',),
-    ('measure',),
-    ('advisor', 'benchmarks'),
-    ('studies',),
-    ('report',),
+    ('advisor',),
     ('__init__',),
-    ('configs', 'launch'),
 )
+APPLICATION = (
+    ('vit/settings',),
+    ('vit/model',),
+    ('vit/data', 'vit/parallel', 'vit/privacy'),
+    ('vit/train',),
+    ('vit',),
+)
+LAB = (
+    ('lab',),
+    ('lab/advisor', 'lab/benchmarks'),
+    ('lab/studies',),
+    ('lab/report',),
+)
+FLOORS = LIBRARY + APPLICATION + LAB + (('configs', 'launch'),)
+_WINGS = ('vit', 'lab')
 _PROGRAMS = ('configs', 'launch')
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'haiku_mp'
 
@@ -46,34 +58,53 @@ def _absolute(node: ast.ImportFrom, module_parts: tuple[str, ...]) -> str:
   return '.'.join(package + ((node.module,) if node.module else ()))
 
 
+def _part_of(relative: tuple[str, ...]) -> str:
+  """The part a file belongs to, from its path inside the package."""
+  if len(relative) == 1:
+    return relative[0].removesuffix('.py')
+  if relative[0] in _WINGS and len(relative) > 2:
+    return f'{relative[0]}/{relative[1]}'
+  return relative[0]
+
+
 def _parts_named(module: str, names: list[str], package: pathlib.Path
                  ) -> set[str]:
-  """The parts of the package (a folder, a root file, `__init__` for a name
-  only the package's `__init__.py` defines) or the programs (`configs`,
-  `launch`) that importing `names` from `module` (or `module` itself, for
-  no names) reaches."""
+  """The parts of the package (a folder, a root file, a wing's root,
+  `__init__` for a name only the package's `__init__.py` defines) or the
+  programs (`configs`, `launch`) that importing `names` from `module` (or
+  `module` itself, for no names) reaches."""
   top, _, rest = module.partition('.')
   if top in _PROGRAMS:
     return {top}
   if top != package.name:
     return set()
-  if rest:
-    return {rest.split('.')[0]}
+  path = tuple(rest.split('.')) if rest else ()
   parts = set()
   for name in names or ['']:
-    submodule = (package / name).is_dir() or (package / f'{name}.py').exists()
-    parts.add(name if name and submodule else '__init__')
+    full = path + ((name,) if name else ())
+    if not full:
+      parts.add('__init__')
+      continue
+    if len(full) == 1 and not ((package / full[0]).is_dir()
+                               or (package / f'{full[0]}.py').exists()):
+      parts.add('__init__')  # A name the package's `__init__.py` defines.
+      continue
+    if full[0] in _WINGS and len(full) > 1 and (
+        package / full[0] / full[1]).is_dir():
+      parts.add(f'{full[0]}/{full[1]}')
+    else:
+      parts.add(full[0])
   return parts
 
 
 def imports_by_folder(package: pathlib.Path) -> dict[str, set[str]]:
-  """folder -> the parts of the package (and the programs) its files import,
+  """part -> the parts of the package (and the programs) its files import,
   itself left out: every name of every `import` and `from ... import`
   statement, relative ones resolved, those inside functions included."""
   found = collections.defaultdict(set)
   for path in package.rglob('*.py'):
     relative = path.relative_to(package).parts
-    folder = relative[0] if len(relative) > 1 else path.stem
+    folder = _part_of(relative)
     module_parts = (package.name, *relative[:-1], path.stem)
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, ast.ImportFrom):
@@ -89,6 +120,12 @@ def imports_by_folder(package: pathlib.Path) -> dict[str, set[str]]:
   return dict(found)
 
 
+def _wing(part: str) -> str:
+  if part in _PROGRAMS:
+    return 'programs'
+  return part.split('/')[0] if part.split('/')[0] in _WINGS else 'library'
+
+
 class LayersTest(absltest.TestCase):
 
   def test_every_folder_has_a_floor(self):
@@ -97,6 +134,11 @@ class LayersTest(absltest.TestCase):
 
   def test_imports_point_down(self):
     self.assertEmpty(_upward(imports_by_folder(_PACKAGE)))
+
+  def test_the_wings_stay_apart(self):
+    """The library imports neither the application nor the lab; the
+    application does not import the lab."""
+    self.assertEmpty(_crossings(imports_by_folder(_PACKAGE)))
 
   def _planted(self, files: dict[str, str]) -> dict[str, set[str]]:
     """`imports_by_folder` of a planted package holding `files`."""
@@ -109,35 +151,56 @@ class LayersTest(absltest.TestCase):
     return imports_by_folder(root)
 
   def test_the_reader_sees_an_upward_import(self):
-    """The check can fail: a model file that imports the train folder is
+    """The check can fail: a library file that imports the trainer is
     found (a planted package, not the real one)."""
-    found = self._planted({'model/vit.py':
-                           'def f():\n  from haiku_mp.train import loop\n'})
-    self.assertEqual(found, {'model': {'train'}})
+    found = self._planted({
+        'model/policies.py': 'def f():\n  from haiku_mp.vit.train import loop\n',
+        'vit/train/loop.py': ''})
+    self.assertEqual(found, {'model': {'vit/train'}, 'vit/train': set()})
     self.assertEqual(_upward(found),
-                     ['model (floor 2) imports train (floor 5)'])
+                     ['model (floor 1) imports vit/train (floor 8)'])
+    self.assertEqual(_crossings(found), ['model imports vit/train'])
 
   def test_the_reader_sees_every_way_up(self):
     """Each form an upward import can take is found: the second name of a
-    `from haiku_mp import`, a relative import, a program's module, a name of
-    the package's `__init__.py`, and `__init__.py` importing a program."""
+    `from haiku_mp import`, a relative import, a program's module, a wing's
+    root file, and `__init__.py` importing the application and a program."""
     planted = {
         'errors.py': '',
         'model/__init__.py': '',
-        'model/vit.py': 'from haiku_mp import errors, train\n',
-        'update/step.py': 'from ..train import loop\nfrom . import adam\n',
-        'data/pipeline.py': 'import configs.base\n',
-        'parallel/mesh.py': 'from launch import train\n',
-        'privacy/dp.py': 'from haiku_mp import make_precision\n',
-        'train/loop.py': 'import haiku_mp\n',
-        '__init__.py': 'from haiku_mp.model import vit\nimport launch.lab\n',
+        'model/policies.py': 'from haiku_mp import errors, lab\n',
+        'update/step.py': 'from ..vit.train import loop\nfrom . import adam\n',
+        'vit/model/vit.py': '',
+        'vit/data/pipeline.py': 'import configs.base\n',
+        'vit/parallel/mesh.py': 'from launch import train\n',
+        'vit/train/loop.py': 'from haiku_mp.lab import timing\n',
+        'lab/timing.py': 'from haiku_mp.lab.studies import memory\n',
+        'lab/studies/memory.py': 'import haiku_mp\n',
+        '__init__.py': 'from haiku_mp.vit.model import vit\nimport launch.lab\n',
     }
-    self.assertEqual(self._planted(planted), {
-        'errors': set(), 'model': {'errors', 'train'}, 'update': {'train'},
-        'data': {'configs'}, 'parallel': {'launch'},
-        'privacy': {'__init__'}, 'train': {'__init__'},
-        '__init__': {'model', 'launch'}})
-    self.assertLen(_upward(self._planted(planted)), 7)
+    found = self._planted(planted)
+    self.assertEqual(found, {
+        'errors': set(), 'model': {'errors', 'lab'}, 'update': {'vit/train'},
+        'vit/model': set(), 'vit/data': {'configs'},
+        'vit/parallel': {'launch'}, 'vit/train': {'lab'},
+        'lab': {'lab/studies'}, 'lab/studies': {'__init__'},
+        '__init__': {'vit/model', 'launch'}})
+    self.assertLen(_upward(found), 8)
+    self.assertEqual(_crossings(found), [
+        '__init__ imports launch', '__init__ imports vit/model',
+        'model imports lab', 'update imports vit/train',
+        'vit/data imports configs', 'vit/parallel imports launch',
+        'vit/train imports lab'])
+
+
+def _crossings(found: dict[str, set[str]]) -> list[str]:
+  """One line per import from one wing into a wing it may not use."""
+  allowed = {'library': {'library'}, 'vit': {'library', 'vit'},
+             'lab': {'library', 'vit', 'lab'},
+             'programs': {'library', 'vit', 'lab', 'programs'}}
+  return sorted(f'{part} imports {used}'
+                for part, used_set in found.items() for used in used_set
+                if _wing(used) not in allowed[_wing(part)])
 
 
 def _upward(found: dict[str, set[str]]) -> list[str]:

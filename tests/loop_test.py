@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.data import pipeline
-from haiku_mp.parallel import sharding
-from haiku_mp.train import checkpoint as checkpoint_lib
-from haiku_mp.train import experiment
-from haiku_mp.train import loop
+from haiku_mp.vit.data import pipeline
+from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit.train import checkpoint as checkpoint_lib
+from haiku_mp.vit.train import experiment
+from haiku_mp.vit.train import loop
 from tests import helpers
 
 STEPS, LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY = 12, 4, 6, 6

@@ -14,9 +14,9 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from haiku_mp.train import console_lines
-from haiku_mp.train import metrics
-from haiku_mp.train import progress as progress_lib
+from haiku_mp.vit.train import console_lines
+from haiku_mp.vit.train import metrics
+from haiku_mp.vit.train import progress as progress_lib
 from tests import helpers
 
 

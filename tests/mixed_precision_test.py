@@ -16,9 +16,9 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import half_dot
-from haiku_mp.train import experiment
+from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit.train import experiment
 from tests import helpers
 
 POLICIES = dict(

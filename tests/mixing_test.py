@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.data import mixing
+from haiku_mp.vit.data import mixing
 
 BATCH = 64
 CLASSES = 10

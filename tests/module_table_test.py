@@ -14,8 +14,8 @@ from absl.testing import parameterized
 import numpy as np
 
 from configs import vit_fp16
-from haiku_mp.train import experiment
-from haiku_mp.train import module_table
+from haiku_mp.vit.train import experiment
+from haiku_mp.vit.train import module_table
 from tests import helpers
 
 FIELDS = {'path', 'class', 'policy', 'policy_source', 'params', 'param_dtypes',

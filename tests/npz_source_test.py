@@ -12,9 +12,9 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from haiku_mp.data import npz_source
-from haiku_mp.data import tfds_source
 from haiku_mp import errors
+from haiku_mp.vit.data import npz_source
+from haiku_mp.vit.data import tfds_source
 from tests import helpers
 
 
@@ -105,7 +105,7 @@ class CifarArraysTest(parameterized.TestCase):
     npz_source.save(path, _arrays())
     code = ('import sys\n'
             'sys.modules["tensorflow"] = None\n'  # Importing it now fails.
-            'from haiku_mp.data import npz_source\n'
+            'from haiku_mp.vit.data import npz_source\n'
             f'print(len(npz_source.load({path!r})["train_label"]))\n'
             'assert "tensorflow_datasets" not in sys.modules\n')
     result = subprocess.run([sys.executable, '-c', code], cwd=helpers.ROOT,

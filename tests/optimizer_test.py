@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies
-from haiku_mp.train import experiment
 from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit.train import experiment
 from tests import helpers
 
 LEARNING_RATE = 1e-4  # Below half of float16's spacing at 1.0 (2**-10).

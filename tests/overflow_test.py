@@ -17,8 +17,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorflow_datasets as tfds
 
-from haiku_mp.train import loop
 from haiku_mp.update import loss_scaling
+from haiku_mp.vit.train import loop
 from tests import helpers
 
 OVERFLOW, FINITE = jnp.asarray(False), jnp.asarray(True)

@@ -26,11 +26,11 @@ import numpy as np
 import optax
 
 from haiku_mp import errors
-from haiku_mp.parallel import sharding as sharding_lib
-from haiku_mp.train import experiment
-from haiku_mp.train import module_table
 from haiku_mp.update import rounding
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit.parallel import sharding as sharding_lib
+from haiku_mp.vit.train import experiment
+from haiku_mp.vit.train import module_table
 import tests
 from tests import helpers
 from tests import signal_at_step

@@ -16,12 +16,12 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from haiku_mp.data import npz_source
-from haiku_mp.data import pipeline
-from haiku_mp.data import prefetch
-from haiku_mp.data import sampling
-from haiku_mp.data import tfds_source
-from haiku_mp.privacy import dp_sgd
+from haiku_mp.vit.data import npz_source
+from haiku_mp.vit.data import pipeline
+from haiku_mp.vit.data import prefetch
+from haiku_mp.vit.data import sampling
+from haiku_mp.vit.data import tfds_source
+from haiku_mp.vit.privacy import dp_sgd
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -304,7 +304,7 @@ class ArraysSourceTest(parameterized.TestCase):
         'import sys',
         'sys.modules["tensorflow"] = None',
         'sys.modules["tensorflow_datasets"] = None',
-        'from haiku_mp.data import pipeline',
+        'from haiku_mp.vit.data import pipeline',
         'from tests import helpers',
         'c = helpers.tiny_config(); c.data.source = "arrays"',
         'c.batch_size = 4; c.model.image_size = 32',
@@ -366,7 +366,7 @@ class RealDataTest(parameterized.TestCase):
     self.assertEqual(pipeline.check_available(data), 45000)
 
   def test_real_images_normalize_to_zero_mean(self):
-    from haiku_mp.data import augment  # pylint: disable=g-import-not-at-top
+    from haiku_mp.vit.data import augment  # pylint: disable=g-import-not-at-top
     builder = tfds_source.builder(self.config.data)
     images, labels = tfds_source.read_split(builder, self.config.data.val_split)
     self.assertEqual(images.shape, (5000, 32, 32, 3))

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import jmp
 
-from haiku_mp.model import forward as forward_lib
 from haiku_mp.model import policies
-from haiku_mp.model import vit
+from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit.model import vit
 from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'
@@ -207,6 +207,27 @@ class ScopeTest(parameterized.TestCase):
       self.assertNotEmpty(eqns)
       self.assertEqual({helpers.operand_dtypes(e) for e in eqns},
                        {(dtype, dtype)})
+
+
+class WithDtypesTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ('params', dict(params='bfloat16'),
+       'params=bfloat16,compute=float16,output=float32'),
+      ('compute_and_output', dict(compute='bfloat16', output='bfloat16'),
+       'params=float32,compute=bfloat16,output=bfloat16'),
+      ('none_keeps', dict(compute=None), 'params=float32,compute=float16,'
+       'output=float32'))
+  def test_the_named_dtypes_change_the_rest_stay(self, dtypes, expected):
+    got = policies.with_dtypes('p=f32,c=f16,o=f32', **dtypes)
+    self.assertEqual(got, expected)
+    self.assertEqual(policies.parse_policy(got),
+                     policies.parse_policy(expected))
+
+  def test_a_bad_dtype_names_the_setting(self):
+    with self.assertRaisesRegex(Exception, '^sweep dtype'):
+      policies.with_dtypes('p=f32,c=f16,o=f32', setting='sweep dtype',
+                           compute='float13')
 
 
 if __name__ == '__main__':

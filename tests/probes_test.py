@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
-from haiku_mp.measure import variants
-from haiku_mp.train import experiment
+from haiku_mp.lab import variants
+from haiku_mp.lab.advisor import driver as advisor
+from haiku_mp.vit.train import experiment
 from tests import helpers
 
 SCALE = 2.0**12

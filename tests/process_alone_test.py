@@ -1,7 +1,8 @@
 """The library leaves the process alone: importing every module of
 `haiku_mp`, saving and restoring a checkpoint (a failed save included),
-drawing a plot or quieting the trainer change none of the process's hooks,
-warnings filters, loggers, absl's verbosity or matplotlib backend. A
+drawing a plot, quieting the trainer or training a run change none of the
+process's hooks, warnings filters, loggers, absl's verbosity, matplotlib
+backend, jax's config or environment variables. A
 program of one's own finds them as it left them; the commands own the
 console (`launch/cli.py`, `launch/failed_saves.py`)."""
 
@@ -31,6 +32,7 @@ import haiku_mp
 from haiku_mp import errors
 from launch import failed_saves
 from tests import disk_full_at_step
+from tests import helpers
 
 
 def _process() -> dict:
@@ -49,7 +51,9 @@ def _process() -> dict:
       # The backend as set, unresolved: resolving it would choose one.
       verbosity=absl_logging.get_verbosity(),
       backend=dict.__getitem__(matplotlib.rcParams, 'backend'),
-      pyplot='matplotlib.pyplot' in sys.modules)
+      pyplot='matplotlib.pyplot' in sys.modules,
+      jax_config=dict(jax.config.values),
+      environ=dict(os.environ))
 
 
 class ProcessAloneTest(absltest.TestCase):
@@ -63,8 +67,8 @@ class ProcessAloneTest(absltest.TestCase):
     before['loggers'] = {**_process()['loggers'], **before['loggers']}
     self._assert_as(_process(), before)
 
-    from haiku_mp.train import checkpoint  # pylint: disable=g-import-not-at-top
-    from haiku_mp.measure import run_plots  # pylint: disable=g-import-not-at-top
+    from haiku_mp.vit.train import checkpoint  # pylint: disable=g-import-not-at-top
+    from haiku_mp.lab import run_plots  # pylint: disable=g-import-not-at-top
     from haiku_mp.update import loss_scaling  # pylint: disable=g-import-not-at-top
     from haiku_mp.update import step as step_lib  # pylint: disable=g-import-not-at-top
     workdir = tempfile.mkdtemp()
@@ -98,9 +102,29 @@ class ProcessAloneTest(absltest.TestCase):
     self.assertTrue(os.path.exists(os.path.join(workdir, 'runs.png')))
     # The report's and the loop benchmark's quiet trainer: the library's own
     # state, not absl's verbosity.
-    from haiku_mp.train import console_lines  # pylint: disable=g-import-not-at-top
+    from haiku_mp.vit.train import console_lines  # pylint: disable=g-import-not-at-top
     with console_lines.quietly():
       self._assert_as(_process(), before)
+    self._assert_as(_process(), before)
+
+  def test_a_run_with_a_cache_of_its_own_leaves_jax_as_found(self):
+    """A run's `compilation_cache_dir` holds for the run only: the
+    caller's cache directory, and all of jax's config, are back after."""
+    from haiku_mp.vit.train import loop  # pylint: disable=g-import-not-at-top
+    config = helpers.tiny_config()
+    config.batch_size = 8
+    config.eval_batch_size = 8
+    config.num_train_steps = 1
+    config.data.source = 'synthetic'
+    config.data.synthetic_eval_examples = 8
+    config.data.synthetic_train_examples = 16
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    workdir = tmp.name
+    config.compilation_cache_dir = os.path.join(workdir, 'cache')
+    before = _process()
+    loop.train_and_evaluate(config, os.path.join(workdir, 'run'))
+    self.assertNotEmpty(os.listdir(config.compilation_cache_dir))
     self._assert_as(_process(), before)
 
   def _assert_as(self, after: dict, before: dict) -> None:

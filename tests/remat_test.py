@@ -15,11 +15,11 @@ import jax
 
 from configs import base
 from haiku_mp import errors
-from haiku_mp.measure import variants
-from haiku_mp.model import forward as forward_lib
+from haiku_mp.lab import variants
+from haiku_mp.lab.studies import memory
 from haiku_mp.model import remat
-from haiku_mp.studies import memory
-from haiku_mp.train import experiment
+from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit.train import experiment
 from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'

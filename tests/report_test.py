@@ -14,13 +14,13 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from haiku_mp.benchmarks import step_benchmark
-from haiku_mp.data import npz_source
 from haiku_mp import errors
-from haiku_mp.measure import isolated
-from haiku_mp.measure import variants
-from haiku_mp.report import report
-from haiku_mp.report import report_markdown
+from haiku_mp.lab import isolated
+from haiku_mp.lab import variants
+from haiku_mp.lab.benchmarks import step_benchmark
+from haiku_mp.lab.report import report
+from haiku_mp.lab.report import report_markdown
+from haiku_mp.vit.data import npz_source
 from tests import helpers
 
 

@@ -9,7 +9,7 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
 from absl.testing import absltest
 import numpy as np
 
-from haiku_mp.data import sampling
+from haiku_mp.vit.data import sampling
 
 N, BATCH = 103, 10  # 10 steps per epoch; 3 examples left out of each.
 

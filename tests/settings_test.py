@@ -21,8 +21,8 @@ import ml_collections
 from configs import base
 from configs import vit_cpu
 from haiku_mp import errors
-from haiku_mp import settings
-from haiku_mp.settings import fields
+from haiku_mp.vit import settings
+from haiku_mp.vit.settings import fields
 from tests import helpers
 
 # A run's config.json written before the schema existed, and before

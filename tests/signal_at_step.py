@@ -16,8 +16,8 @@ import runpy
 import signal
 import threading
 
-from haiku_mp.train import checkpoint
-from haiku_mp.train import metrics
+from haiku_mp.vit.train import checkpoint
+from haiku_mp.vit.train import metrics
 
 ENV = 'SIGNAL_AT_STEP'
 # The command to run (default launch.train): any that runs the trainer.

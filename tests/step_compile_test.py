@@ -15,7 +15,7 @@ from unittest import mock
 from absl.testing import absltest
 import jax
 
-from haiku_mp.studies import step_compile
+from haiku_mp.lab.studies import step_compile
 from haiku_mp.update import step as step_lib
 
 

@@ -16,11 +16,11 @@ import numpy as np
 import optax
 
 from haiku_mp.model import policies
-from haiku_mp.parallel import stop_request
-from haiku_mp.train import experiment
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit.parallel import stop_request
+from haiku_mp.vit.train import experiment
 from tests import helpers
 
 FP16 = 'params=float32,compute=float16,output=float32'

@@ -21,13 +21,13 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from configs import vit_recipe
-from haiku_mp.data import npz_source
-from haiku_mp.data import pipeline
 from haiku_mp.model import half_dot
-from haiku_mp.train import checkpoint as checkpoint_lib
-from haiku_mp.train import loop
-from haiku_mp.train import metrics as metrics_lib
-from haiku_mp.train import run_dir
+from haiku_mp.vit.data import npz_source
+from haiku_mp.vit.data import pipeline
+from haiku_mp.vit.train import checkpoint as checkpoint_lib
+from haiku_mp.vit.train import loop
+from haiku_mp.vit.train import metrics as metrics_lib
+from haiku_mp.vit.train import run_dir
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -19,11 +19,11 @@ import jax
 
 from configs import base
 from haiku_mp import errors as haiku_mp_errors
-from haiku_mp.advisor import driver as advisor
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import settings as advisor_settings
 from haiku_mp.advisor import verdicts
-from haiku_mp.train import experiment
+from haiku_mp.lab.advisor import driver as advisor
+from haiku_mp.vit.train import experiment
 from tests import helpers
 from tests import probes_test
 

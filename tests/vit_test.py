@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import base
-from haiku_mp.data import pipeline
-from haiku_mp.model import forward as forward_lib
-from haiku_mp.model import vit
+from haiku_mp.vit.data import pipeline
+from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit.model import vit
 from tests import helpers
 
 

@@ -1,7 +1,7 @@
 """The precision advisor for any Haiku model: measure what float16,
 bfloat16, fp8 and 4 bits (NVFP4, MXFP4) would lose in each module, judge it, and write the
 overrides. Statistics and verdicts only: the trainer's driver
-(`haiku_mp.advisor.driver`, `launch.lab advise`) is not imported here."""
+(`haiku_mp.lab.advisor`, `launch.lab advise`) lives in the lab."""
 
 from haiku_mp.advisor.fp4_numerics import Fp4Matmuls
 from haiku_mp.advisor.fp4_numerics import Fp4Thresholds

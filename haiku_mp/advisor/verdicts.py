@@ -250,9 +250,7 @@ def _close_window(verdicts: dict[str, Verdict]):
 
 def policy(main_policy: str, compute: str, output: str) -> str:
   """`main_policy`'s params with `compute` and `output` dtypes."""
-  params = policies.parse_policy(main_policy).param_dtype
-  return (f'params={np.dtype(params).name},compute={compute},'
-          f'output={output}')
+  return policies.with_dtypes(main_policy, compute=compute, output=output)
 
 
 def loss_scale(fmt: str, scale_window: tuple[Optional[int], Optional[int]]

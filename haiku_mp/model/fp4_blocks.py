@@ -40,10 +40,11 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp.model import blocks as blocks_lib
+from haiku_mp.model.fp8_scales import exponent_of
 from haiku_mp.model.fp8_scales import MX_MAX_EXPONENT  # E8M0's, as MXFP8's.
 from haiku_mp.model.fp8_scales import MX_MIN_EXPONENT
-from haiku_mp.model.fp8_scales import exponent_of
 from haiku_mp.model.fp8_scales import times_exp2
+from haiku_mp.model import random_bits
 
 E2M1 = jnp.float4_e2m1fn
 E2M1_MAX = 6.0  # The largest E2M1 value.
@@ -83,24 +84,6 @@ def _grid_below(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
   return low, jnp.minimum(low + step, E2M1_MAX)
 
 
-# Random bits per stochastically rounded value: 16, two values per 32-bit
-# word of JAX's threefry (`jax.random.bits`). The uniform draw of 32 bits
-# each was half of a 4-bit matmul's time on XLA:CPU; 16 bits leave a bias
-# of at most 2**-17 of the gap between two grid values.
-_RANDOM_BITS = 16
-
-
-def _uniform_halves(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """Uniform float32 in (0, 1) of `shape`, 16 random bits each, drawn as
-  half as many 32-bit words: the words' high halves fill the first half of
-  the last axis, their low halves the second."""
-  last = shape[-1] if shape else 1
-  words = jax.random.bits(key, (*shape[:-1], -(-last // 2)), jnp.uint32)
-  halves = jnp.concatenate([words >> _RANDOM_BITS, words & 0xFFFF], axis=-1)
-  halves = halves[..., :last].reshape(shape)
-  return (halves.astype(jnp.float32) + 0.5) * 2.0**-_RANDOM_BITS
-
-
 def stochastic_round_e2m1(x: jax.Array, key: jax.Array) -> jax.Array:
   """`x` (float32) rounded to one of the two E2M1 values around it, the
   upper one with probability (|x| - low) / (high - low) (to 16 bits):
@@ -110,7 +93,11 @@ def stochastic_round_e2m1(x: jax.Array, key: jax.Array) -> jax.Array:
   magnitude = jnp.minimum(jnp.abs(x), E2M1_MAX)
   low, high = _grid_below(magnitude)
   gap = jnp.where(high > low, high - low, 1.0)
-  up = _uniform_halves(key, x.shape) < (magnitude - low) / gap
+  # 16 random bits per value (`draws16`: four per threefry block): a draw
+  # of 32 bits each was half of a 4-bit matmul's time on XLA:CPU.
+  uniform = random_bits.to_uniform(random_bits.draws16(key, x.shape),
+                                   random_bits.BITS16)
+  up = uniform < (magnitude - low) / gap
   rounded = jnp.sign(x) * jnp.where(up, high, low)
   return jnp.where(jnp.isfinite(x), rounded, x)
 

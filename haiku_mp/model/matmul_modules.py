@@ -27,8 +27,8 @@ from haiku_mp.model import meta_params
 from haiku_mp.model import remat
 from haiku_mp.model import stock_attention
 from haiku_mp.model.half_dot import Dots
-from haiku_mp.model.half_dot import FP8_CLASS
 from haiku_mp.model.half_dot import form_for
+from haiku_mp.model.half_dot import FP8_CLASS
 
 
 def _agreed(dots: Optional[Dots], in_force: Dots, module: hk.Module) -> Dots:

@@ -528,6 +528,24 @@ def _check_first_pass(precision: Precision, modules: set[tuple[str, str]],
         f"precision.overrides (e.g. '{path}:p=f32,c=bf16,o=f32')")
 
 
+def with_dtypes(policy: PolicyLike, setting: str = 'precision.policy',
+                **dtypes: Optional[str]) -> str:
+  """`policy` as a string, with the dtypes named (`params`, `compute`,
+  `output`; None keeps one) changed: the one way to write a policy that
+  differs from another in a dtype. Checked as `setting`."""
+  unknown = set(dtypes) - {'params', 'compute', 'output'}
+  if unknown:
+    raise TypeError(f'with_dtypes: no dtype {sorted(unknown)}')
+  policy = _as_policy(policy, setting)
+  names = dict(params=policy.param_dtype, compute=policy.compute_dtype,
+               output=policy.output_dtype)
+  names = {part: jnp.dtype(dtype).name for part, dtype in names.items()}
+  names.update({part: d for part, d in dtypes.items() if d is not None})
+  text = ','.join(f'{part}={d}' for part, d in names.items())
+  parse_policy(text, setting)
+  return text
+
+
 def policy_str(policy: Optional[jmp.Policy]) -> str:
   """jmp's own description of a policy, e.g. ``p=f32,c=bf16,o=f32``, with
   float32 written as in policy strings (jmp writes it `full`)."""

@@ -39,9 +39,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from haiku_mp.model import blocks as blocks_lib
+from haiku_mp.model import random_bits
 
 FLOAT8_BLOCKS = 'float8_blocks'
 CODE_DTYPE = jnp.float8_e4m3fn
@@ -50,7 +50,8 @@ _CODE_MAX = float(jnp.finfo(CODE_DTYPE).max)  # 448
 _MANTISSA_BITS = 3
 _MIN_NORMAL_EXPONENT = -6
 _SMALLEST_CODE = float(jnp.finfo(CODE_DTYPE).smallest_subnormal)  # 2**-9
-_UNIFORM_BITS = 24
+# Bits of each uniform draw: the most whose middles float32 holds exactly.
+_UNIFORM_BITS = random_bits.MAX_UNIFORM_BITS
 
 
 class BlockQuantized(NamedTuple):
@@ -143,21 +144,16 @@ def load(moment: BlockQuantized, block_size: int, square: bool = False):
 def store(key: jax.Array, moment, block_size: int,
           square_root: bool = False) -> BlockQuantized:
   """A float32 moment tree quantized (`square_root`: its square root, never
-  coded as zero). One draw of random bits for the whole tree, each leaf
-  taking its slice, as `rounding.tree_stochastic_round` does and for the
-  same reason (a draw per leaf lengthens the program by thousands of
-  operations); the draw is the tree's, so every device and sharding rounds
-  an element the same way."""
+  coded as zero). One draw of random bits for the whole tree
+  (`random_bits.tree_bits`), so every device and sharding rounds an element
+  the same way."""
   leaves, treedef = jax.tree.flatten(moment)
-  bits = jax.random.bits(key, (sum(x.size for x in leaves),), jnp.uint32)
-  codes, scales, start = [], [], 0
-  for x in leaves:
-    uniform = ((bits[start:start + x.size] >> (32 - _UNIFORM_BITS))
-               .astype(jnp.float32) * np.float32(2.0**-_UNIFORM_BITS))
-    start += x.size
+  codes, scales = [], []
+  for x, bits in zip(leaves, random_bits.tree_bits(key, leaves)):
+    uniform = random_bits.to_uniform(bits >> (32 - _UNIFORM_BITS),
+                                     _UNIFORM_BITS)
     value = jnp.sqrt(x) if square_root else x
-    c, s = quantize(value, uniform.reshape(x.shape), block_size,
-                    nonzero=square_root)
+    c, s = quantize(value, uniform, block_size, nonzero=square_root)
     codes.append(c)
     scales.append(s)
   return BlockQuantized(treedef.unflatten(codes), treedef.unflatten(scales))

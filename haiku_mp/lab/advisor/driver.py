@@ -1,0 +1,338 @@
+"""The precision advisor (`launch.lab advise`): which precision each module
+can run in, and which float16 loss scale, measured on the config's model and
+a few real batches.
+
+1. Statistics: the config's model computing in float32 (its params' dtype,
+   optimizer and loss scale kept, so a run's checkpoint restores into it)
+   takes `batches` training steps from its params (a checkpoint, or init
+   after `advisor.init_steps` steps: a zero-initialized head passes almost
+   no gradient back at first, which says nothing about a run); before each,
+   one extra jitted forward and backward (`probes`) measures every module's
+   output, the gradient flowing into it and its params' gradients
+   (`numerics`), the float16 shares at the step's loss scale.
+2. Verdicts per module and format, the float16 loss-scale window, and the
+   config to paste (`advice`).
+2b. Low-bit matmuls (`matmul_advice`, once per format of
+   `matmul_formats_of`): at the measured params, one more pass per batch
+   measures each candidate Linear's input, weight and output gradient as
+   the format would hold them (`matmul_formats`): fp8 as E4M3 / E5M2 under
+   current, delayed and MX scaling, then 4 bits as NVFP4 and MXFP4 would
+   block them; a verdict per choice (4 bits fall back on fp8, fp8 on
+   bfloat16) and the `precision.fp8.modules` and `keep_fp8` to paste.
+3. `--level=knockout`: one module at a time in the half format (a path
+   override on the float32 model), its loss and logits against float32's
+   on the same batches, ranked.
+4. Cost: the statistics pass against the config's own train step, timed on
+   the same batch in this process.
+"""
+
+import copy
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import ml_collections
+import numpy as np
+
+from haiku_mp import errors
+from haiku_mp.advisor import fp4_numerics
+from haiku_mp.advisor import fp8_numerics
+from haiku_mp.advisor import matmul_formats
+from haiku_mp.advisor import measurement
+from haiku_mp.advisor import numerics
+from haiku_mp.advisor import probes
+from haiku_mp.advisor import settings as settings_lib
+from haiku_mp.advisor import verdicts
+from haiku_mp.lab import machine
+from haiku_mp.lab import run_inputs
+from haiku_mp.lab import timing
+from haiku_mp.lab import variants
+from haiku_mp.model import fp4 as fp4_lib
+from haiku_mp.update import step as step_lib
+from haiku_mp.vit import settings as settings_schema
+from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit.train import experiment
+
+LEVELS = ('stats', 'knockout')
+HALF_DTYPES = ('float16', 'bfloat16')
+
+
+def _check(num_batches: int, level: str, steps: int, checkpoint: str
+           ) -> None:
+  if checkpoint and not os.path.isdir(os.path.join(checkpoint, 'checkpoints')):
+    raise errors.ConfigError(
+        f'--checkpoint={checkpoint}: no checkpoints directory in it (a '
+        'workdir of launch.train holds one)')
+  if num_batches < 1:
+    raise errors.ConfigError(f'--batches={num_batches} must be at least 1')
+  errors.check_choice('--level', level, LEVELS)
+  if steps < 1:
+    raise errors.ConfigError(f'--steps={steps} must be at least 1')
+
+
+def module_classes(exp: experiment.Experiment) -> dict[str, str]:
+  """Each module path called (in call order) -> its class name."""
+  return {c.path: c.class_name for c in exp.module_calls
+          if c.method == '__call__'}
+
+
+def gather_statistics(exp: experiment.Experiment, state, inputs,
+                      log: Callable[[str], None],
+                      loss_fn: Optional[probes.LossFn] = None):
+  """Statistics over `inputs`, a train step between batches.
+
+  Returns (modules, loss scales seen, the statistics function, the state
+  after the steps; `state` itself is donated to them). `loss_fn`
+  (default: the experiment's) is what is differentiated; a test plants
+  faults through it.
+  """
+  classes = module_classes(exp)
+  stats = probes.statistics_fn(loss_fn or exp.loss_fn, classes)
+  # As the train steps leave it: every batch's statistics one program,
+  # whichever way `state` was made.
+  state = exp.strategy.place_state(state)
+  totals = measurement.Totals()
+  scales = []
+  key = jax.random.key(exp.settings.seed + 1)
+  for i, batch in enumerate(inputs):
+    start = time.perf_counter()
+    scales.append(float(state.loss_scale.scale))
+    totals.add(*stats.fn(state.params, jax.random.fold_in(key, i), batch,
+                         scales[-1]))
+    if i + 1 < len(inputs):
+      state, _ = exp.strategy.train_step(state, exp.strategy.place_batch(batch))
+    log(f'advise: batch {i + 1}/{len(inputs)} measured (loss scale '
+        f'{scales[-1]:g}, {time.perf_counter() - start:.1f} s)')
+  return totals.modules(classes, stats.aliases), scales, stats, state
+
+
+def _stats_json(stats: np.ndarray) -> dict[str, Any]:
+  named = numerics.as_dict(stats)
+  return {k: named[k] for k in (
+      'count', 'nonzero', 'zeros', 'nonfinite', 'amax', 'f16_flush_share',
+      'f16_subnormal_share', 'f16_overflow_share', 'f16_relative_error',
+      'bf16_relative_error', 'histogram')}
+
+
+def _scale_json(window) -> dict[str, Any]:
+  lo, hi = window
+  return dict(exponents=[lo, hi],
+              scales=[None if lo is None else 2.0**lo,
+                      None if hi is None else 2.0**hi])
+
+
+def inherits(exp: experiment.Experiment) -> dict[str, bool]:
+  """Whether each module call has no precision rule of its own (it inherits
+  its caller's policy) in the config."""
+  return {c.path: exp.precision.rule_for(c.class_name, c.path) is None
+          for c in exp.module_calls}
+
+
+def _suggestion(config, exp, modules, judged: verdicts.Advice, fmt: str
+                ) -> dict[str, Any]:
+  """The config for half format `fmt` that follows from the verdicts."""
+  half = verdicts.policy(config.precision.policy, fmt, fmt)
+  policy = verdicts.policy(config.precision.policy, fmt, 'float32')
+  overrides = verdicts.overrides(modules, judged, fmt, inherits(exp), half)
+  flags = [f'--config.precision.policy={policy}',
+           f"--config.precision.overrides='{overrides}'"]
+  loss_scale = verdicts.loss_scale(fmt, judged.scale_window)
+  flags += verdicts.loss_scale_flags(loss_scale)
+  kept = [p for p, v in judged.verdicts.items() if getattr(v, fmt) ==
+          verdicts.KEEP]
+  return dict(policy=policy, overrides=overrides, loss_scale=loss_scale,
+              keep_f32=kept, flags=flags)
+
+
+def fp8_candidates(config: ml_collections.ConfigDict,
+                   exp: experiment.Experiment) -> list[str]:
+  """The Linear layers the low-bit advice judges: those the config's fp8
+  modules select, or `fp8.DEFAULT_MODULES`'s when it runs none."""
+  return measurement.fp8_linears(module_classes(exp),
+                                 _candidates_setting(config))
+
+
+def _candidates_setting(config: ml_collections.ConfigDict) -> str:
+  return matmul_formats.candidates_setting(config.precision.fp8.modules)
+
+
+def matmul_formats_of(config: ml_collections.ConfigDict
+                      ) -> list[tuple[matmul_formats.MatmulFormat, str]]:
+  """The formats the low-bit advice judges, widest first, each with the
+  choice its flags select: fp8 at the config's scaling, then 4 bits at the
+  config's 4-bit format (NVFP4 when it runs fp8)."""
+  fp8_config = config.precision.fp8
+  fp4_format = (fp8_config.format if fp8_config.format in fp4_lib.FORMATS
+                else fp4_lib.FORMATS[0])
+  fp8_scaling = (fp8_config.scaling if fp8_config.format == 'fp8'
+                 else fp8_numerics.Fp8Matmuls.choices[0])
+  return [(fp8_numerics.Fp8Matmuls(fp8_config.history_length,
+                                   fp8_config.margin), fp8_scaling),
+          (fp4_numerics.Fp4Matmuls(fp8_config.hadamard), fp4_format)]
+
+
+def matmul_advice(config: ml_collections.ConfigDict,
+                  exp: experiment.Experiment, params, inputs,
+                  fmt: matmul_formats.MatmulFormat, choice: str, limits,
+                  fallback: Optional[dict[str, Any]],
+                  log: Callable[[str], None]) -> dict[str, Any]:
+  """The verdicts of the config's candidate Linears under `fmt` over
+  `inputs` at `params` (`measurement.measure_matmuls`,
+  `matmul_formats.judge`; `fallback`: the wider format's advice), and the
+  flags that run `choice` where it fits, the wider format or bfloat16
+  elsewhere."""
+  totals = measurement.measure_matmuls(
+      exp.loss_fn, params, inputs, fp8_candidates(config, exp), fmt, log)
+  judged = matmul_formats.judge(totals, fmt, choice, limits,
+                                _candidates_setting(config), fallback)
+  modules = judged['fp8_modules']
+  flags = [f"--config.precision.fp8.modules='{modules}'", *fmt.flags(choice)]
+  if judged['keep_fp8_setting']:
+    flags.append(f"--config.precision.fp8.keep_fp8='"
+                 f"{judged['keep_fp8_setting']}'")
+  if variants.compute_dtype(config) == 'float16':
+    flags.insert(0, '--config.precision.policy=' + verdicts.policy(
+        config.precision.policy, 'bfloat16', 'float32'))
+  return dict(judged, thresholds=dataclasses.asdict(limits),
+              suggestion=dict(modules=modules, flags=flags))
+
+
+def knockout(config: ml_collections.ConfigDict, params, inputs,
+             paths: list[str], dtypes: list[str], log: Callable[[str], None]
+             ) -> dict[str, list[dict[str, Any]]]:
+  """Per dtype, each module alone in it (a path override on the float32
+  model): its eval loss and logits against the float32 model's, over
+  `inputs`, most sensitive first."""
+
+  def logits_and_loss(variant):
+    variant = settings_schema.parse(variant)
+    precision = forward_lib.precision_from_config(variant)
+    step = jax.jit(step_lib.make_eval_step(
+        forward_lib.make_forward(variant.model, precision)))
+    outs = [step(params, batch) for batch in inputs]
+    return (np.concatenate([np.asarray(o['logits'], np.float64) for o in outs]),
+            float(np.mean([float(o['loss']) for o in outs])))
+
+  ref_logits, ref_loss = logits_and_loss(config)
+  norm = np.linalg.norm(ref_logits)
+  ranked = {}
+  for dtype in dtypes:
+    half = verdicts.policy(config.precision.policy, dtype, dtype)
+    rows = []
+    for i, path in enumerate(paths):
+      variant = copy.deepcopy(config)
+      variant.precision.overrides = f'{path}:{half}'
+      logits, loss = logits_and_loss(variant)
+      finite = bool(np.all(np.isfinite(logits)))
+      error = (float(np.linalg.norm(logits - ref_logits) / norm)
+               if finite and norm else math.inf)
+      rows.append(dict(path=path, loss=loss, loss_change=loss - ref_loss,
+                       logits_relative_error=error, finite=finite))
+      log(f'advise: knockout {dtype} {i + 1}/{len(paths)} {path}: logits '
+          f'error {error:.3g}')
+    ranked[dtype] = sorted(rows, key=lambda r: -r['logits_relative_error'])
+  return ranked
+
+
+def _time(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())  # Compiles, or warms up.
+  return timing.median_seconds(fn, (), repeats)
+
+
+def cost(config: ml_collections.ConfigDict, stats: probes.StatisticsFn,
+         state, batch, repeats: int) -> dict[str, Any]:
+  """The statistics pass against the config's own train step (its
+  precision, one device), on the same batch, in this process."""
+  config = variants.on_one_device(config)
+  step = timing.compile_experiment(
+      experiment.build_without_data(config))
+  step_state = step.experiment.strategy.init_state()
+  placed = step.experiment.strategy.place_batch(batch)
+
+  def train():
+    nonlocal step_state
+    step_state, metrics = step.compiled(step_state, placed)
+    return metrics['loss']
+
+  key = jax.random.key(0)
+  # The scale as `measure` passed it (a Python float): the same program, not
+  # a second compile for a strongly typed float32.
+  scale = float(state.loss_scale.scale)
+  stats_sec = _time(lambda: stats.fn(state.params, key, batch, scale), repeats)
+  train_sec = _time(train, repeats)
+  return dict(statistics_pass_sec=stats_sec, train_step_sec=train_sec,
+              ratio=stats_sec / train_sec, batch_size=config.batch_size,
+              train_step_policy=config.precision.policy)
+
+
+def run(config: ml_collections.ConfigDict, checkpoint: str = '',
+        checkpoint_step: int = -1, num_batches: int = 8,
+        level: str = 'stats', repeats: int = 3,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+  """The advisor's result as a JSON-ready dict (`advisor_files.write` makes
+  the files)."""
+  settings = settings_lib.parse(config.advisor)
+  _check(num_batches, level, repeats, checkpoint)
+  thresholds = settings.thresholds
+  target = variants.compute_dtype(config)
+  formats = [target] if target in HALF_DTYPES else list(HALF_DTYPES)
+  reference = variants.float32_reference(config)
+  exp = experiment.build(reference)
+  state, step, source = run_inputs.initial_state(exp, checkpoint,
+                                                 checkpoint_step)
+  init_steps = 0 if checkpoint else settings.init_steps
+  start = time.perf_counter()
+  batches = run_inputs.training_batches(reference, init_steps + num_batches,
+                                        step)
+  log(f'advise: {init_steps + num_batches} batches of {config.batch_size} '
+      f'from step {step} ({time.perf_counter() - start:.1f} s to load)')
+  if init_steps:
+    state = run_inputs.train_steps(exp, state, batches[:init_steps], log)
+    source += f' + {init_steps} float32 steps'
+  inputs = run_inputs.model_inputs(exp, batches[init_steps:], reference.seed)
+  modules, scales, stats, state = gather_statistics(exp, state, inputs, log)
+  judged = verdicts.judge(modules, thresholds)
+  rows = []
+  for m in modules:
+    verdict = judged.verdicts.get(m.path) or judged.verdicts[m.same_as]
+    rows.append(dict(
+        path=m.path, class_name=m.class_name, same_as=m.same_as,
+        verdicts=dict(bfloat16=verdict.bfloat16, float16=verdict.float16),
+        reasons=verdict.reasons if m.path in judged.verdicts else {},
+        window=_scale_json(verdict.window),
+        output=_stats_json(m.output), gradient=_stats_json(m.gradient),
+        param_gradients={n: _stats_json(s)
+                         for n, s in sorted(m.param_gradients.items())}))
+  result = dict(
+      config=dict(policy=config.precision.policy,
+                  overrides=config.precision.overrides,
+                  compute_dtype=target,
+                  loss_scale=dict(config.loss_scale),
+                  model=dict(config.model),
+                  batch_size=config.batch_size,
+                  data={k: config.data[k] for k in (
+                      'source', 'arrays_path', 'data_dir', 'train_split')}),
+      params_from=source, start_step=step, batches=num_batches,
+      loss_scales_seen=scales, thresholds=dict(config.advisor),
+      exponents=[int(e) for e in numerics.EXPONENTS],
+      float16_window=_scale_json(judged.scale_window),
+      suggestions={fmt: _suggestion(config, exp, modules, judged, fmt)
+                   for fmt in HALF_DTYPES},
+      target=target, modules=rows, **machine.describe())
+  limits = {'fp8': settings.fp8, 'fp4': settings.fp4}
+  fallback = None
+  for fmt, choice in matmul_formats_of(config):
+    fallback = result[fmt.name] = matmul_advice(
+        config, exp, state.params, inputs, fmt, choice, limits[fmt.name],
+        fallback, log)
+  if level == 'knockout':
+    paths = [m.path for m in modules if m.same_as is None]
+    result['knockout'] = knockout(reference, state.params, inputs, paths,
+                                  formats, log)
+  result['cost'] = cost(config, stats, state, inputs[0], repeats)
+  log(f'advise: statistics pass {result["cost"]["statistics_pass_sec"]:.3f} s '
+      f'= {result["cost"]["ratio"]:.2f}x the train step')
+  return result

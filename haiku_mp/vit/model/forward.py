@@ -1,0 +1,136 @@
+"""The model as pure functions: a ViT forward pass under a precision policy."""
+
+import math
+from typing import Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from haiku_mp import errors
+from haiku_mp.model import fp4 as fp4_lib
+from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import policies
+from haiku_mp.vit.model import vit
+from haiku_mp.vit.settings import Fp8Settings
+from haiku_mp.vit.settings import ModelSettings
+from haiku_mp.vit.settings import Settings
+
+# `precision.fp8.format`'s fp8 (E4M3 / E5M2); the others are `fp4.FORMATS`.
+FP8_FORMAT = 'fp8'
+MODEL_FIELDS = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
+                'mlp_dim', 'num_heads', 'num_layers', 'dropout_rate',
+                'drop_path_rate', 'layer_norm_epsilon', 'patch_init')
+
+
+def precision_from_config(config: Settings
+                          ) -> policies.Precision:
+  """The `Precision` that `config.precision` describes for the ViT."""
+  return policies.make_precision(
+      config.precision.policy, config.precision.overrides,
+      model_class=vit.MODEL_CLASS,
+      float32_layer_norm=config.precision.float32_layer_norm,
+      matmul_precision=config.precision.matmul_precision,
+      residual_stream=config.precision.residual_stream,
+      dot_form=config.precision.dot_form,
+      dot_platform=config.precision.dot_platform,
+      fp8_modules=config.precision.fp8.modules,
+      fp8=fp8_lib.Fp8(config.precision.fp8.scaling,
+                      config.precision.fp8.history_length,
+                      config.precision.fp8.margin),
+      fp4=make_fp4(config.precision.fp8),
+      keep_fp8=config.precision.fp8.keep_fp8)
+
+
+def make_fp4(fp8_config: Fp8Settings) -> Optional[fp4_lib.Fp4]:
+  """The 4-bit format `precision.fp8.format` names, with the recipe's
+  parts; None for fp8 itself."""
+  errors.check_choice('precision.fp8.format', fp8_config.format,
+                      (FP8_FORMAT,) + fp4_lib.FORMATS)
+  if fp8_config.format == FP8_FORMAT:
+    return None
+  return fp4_lib.Fp4(fp8_config.format, fp8_config.two_d_weights,
+                     fp8_config.hadamard, fp8_config.stochastic_gradients)
+
+
+def make_forward(model_config: ModelSettings,
+                 precision: policies.Precision,
+                 observer: Optional[policies.Observer] = None,
+                 remat: str = 'none') -> hk.Transformed:
+  """`forward(images, is_training) -> logits` transformed, with `precision`
+  applied and `remat` (`remat.CHOICES`, checked where each block is
+  wrapped) per encoder block."""
+  kwargs = {k: getattr(model_config, k) for k in MODEL_FIELDS}
+  kwargs['float32_residual'] = precision.float32_residual
+  kwargs['dots'] = precision.dots
+  kwargs['remat'] = remat
+
+  def forward(images: jax.Array, is_training: bool) -> jax.Array:
+    with policies.apply(precision, observer):
+      return vit.VisionTransformer(**kwargs)(images, is_training)
+
+  return hk.transform(forward)
+
+
+def dummy_images(model_config: ModelSettings,
+                 batch_size: int = 1) -> jax.Array:
+  size = model_config.image_size
+  return jnp.zeros((batch_size, size, size, 3), jnp.float32)
+
+
+def trace_modules(model_config: ModelSettings,
+                  precision: policies.Precision,
+                  batch_size: int = 1
+                  ) -> tuple[list[policies.ModuleCall], hk.Params]:
+  """Every module call of one forward pass and the params' shapes and dtypes.
+
+  Traced abstractly with `jax.eval_shape`: no FLOPs, no memory for params.
+  """
+  calls = []
+  forward = make_forward(model_config, precision, calls.append)
+  images = dummy_images(model_config, batch_size)
+  params = jax.eval_shape(
+      lambda: forward.init(jax.random.key(0), images, True))
+  return calls, params
+
+
+def checked_precision(config: Settings,
+                      precision: Optional[policies.Precision] = None,
+                      batch_devices: int = 1
+                      ) -> tuple[policies.Precision,
+                                 list[policies.ModuleCall]]:
+  """`config`'s Precision (`precision`, where already built from it), every
+  override checked against the module calls of one (abstract) forward
+  pass, and those calls. A 4-bit Linear's tokens are checked per device of
+  the `batch_devices` the batch is split over: each computes the weight
+  gradient of its own examples."""
+  precision = precision or precision_from_config(config)
+  calls, _ = trace_modules(config.model, precision)
+  modules = {(c.class_name, c.path) for c in calls}
+  precision.check_overrides(modules)
+  precision.check_fp8(modules)
+  if precision.fp4 is not None:
+    _check_fp4_tokens(precision, calls, config.batch_size // batch_devices)
+  return precision, calls
+
+
+def _check_fp4_tokens(precision: policies.Precision,
+                      calls: list[policies.ModuleCall],
+                      batch_size: int) -> None:
+  """Each 4-bit Linear's tokens per step on a device (its input rows at
+  batch 1, traced, times the device's batch) a whole number of blocks."""
+  for c in calls:
+    if c.method == '__call__' and precision.runs_fp4(c.class_name, c.path):
+      x = c.args[0][0]
+      rows = math.prod(x.shape[:-1]) * batch_size
+      w_out = c.output.shape[-1]
+      fp4_lib.check_dims(precision.fp4, c.path, rows, x.shape[-1], w_out)
+
+
+def checked_forward(config: Settings
+                    ) -> tuple[hk.Transformed, policies.Precision]:
+  """The forward function for `config` and its Precision, the overrides
+  checked (the model alone; a whole run is `experiment.build`)."""
+  precision, _ = checked_precision(config)
+  return (make_forward(config.model, precision, remat=config.remat),
+          precision)

@@ -1,0 +1,22 @@
+"""The settings' schema: every field of a run's config with its type, default
+and doc, one frozen dataclass per area, parsed once from the ConfigDict that
+config files and flags build. It imports no JAX of its own: `configs/` and
+`--help` read it, and every area below `build` takes its own group.
+"""
+
+from haiku_mp.vit.settings.advisor import AdvisorSettings
+from haiku_mp.vit.settings.data import DataSettings
+from haiku_mp.vit.settings.loss_scale import LossScaleSettings
+from haiku_mp.vit.settings.model import ModelSettings
+from haiku_mp.vit.settings.parallel import ParallelSettings
+from haiku_mp.vit.settings.precision import Fp8Settings
+from haiku_mp.vit.settings.precision import PrecisionSettings
+from haiku_mp.vit.settings.privacy import PrivacySettings
+from haiku_mp.vit.settings.run import default_config
+from haiku_mp.vit.settings.run import parse
+from haiku_mp.vit.settings.run import Settings
+
+__all__ = ['AdvisorSettings', 'DataSettings', 'Fp8Settings',
+           'LossScaleSettings', 'ModelSettings', 'ParallelSettings',
+           'PrecisionSettings', 'PrivacySettings', 'Settings',
+           'default_config', 'parse']

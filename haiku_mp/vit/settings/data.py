@@ -1,0 +1,99 @@
+"""The data: its source, splits and the on-device augmentation
+(haiku_mp/vit/data/)."""
+
+from haiku_mp.vit.settings import fields
+from haiku_mp.vit.settings.fields import setting
+
+
+@fields.frozen
+class DataSettings:
+  """Where the images come from and how train images are augmented."""
+
+  source: str = setting(
+      'tfds',
+      "'tfds' (TFDS, read once into memory), 'arrays' (a .npz from "
+      "`python -m launch.data export`; no TensorFlow) or 'synthetic' "
+      '(random pixels). Every split is held in memory and augmented on '
+      'the device.')
+  arrays_path: str = setting('', 'The .npz of the arrays source.')
+  name: str = setting(
+      'cifar10',
+      'The TFDS dataset (its images must fit the model).')
+  data_dir: str = setting('', 'empty: the TFDS default (or TFDS_DATA_DIR).')
+  download: bool = setting(True, 'Download if not prepared in data_dir.')
+  train_split: str = setting(
+      'train[:45000]',
+      'TFDS split strings (the arrays source reads the same syntax).')
+  val_split: str = setting('train[45000:]', 'Evaluated every eval_every_steps.')
+  test_split: str = setting('test', 'Evaluated once, at the end.')
+  augment: bool = setting(
+      True,
+      'The train augmentation, on the device (haiku_mp/vit/data/augment.py), '
+      'in this order; False: images only normalized.')
+  crop: str = setting(
+      'resized',
+      "'resized': a random crop of crop_area of the area with aspect "
+      "ratio in crop_aspect_ratio, resized back; 'pad': a random crop of "
+      "the image's size from the image padded with crop_padding black "
+      "pixels; 'none'.")
+  crop_area: tuple[float, ...] = setting(
+      (0.9, 1.0),
+      "'resized': the crop's share of the image's area, drawn in this "
+      '(low, high) range.',
+      takes='(min, max) fractions of the image area with 0 < min <= max <= 1')
+  crop_aspect_ratio: tuple[float, ...] = setting(
+      (0.9, 1.1),
+      "'resized': the crop's aspect ratio, drawn in this (low, high) "
+      'range.',
+      takes='(min, max) width/height ratios with 0 < min <= max')
+  crop_max_attempts: int = setting(
+      10,
+      "'resized': draws before the whole image.")
+  crop_padding: int = setting(4, "'pad': black pixels on each side.")
+  flip: bool = setting(True, 'A random horizontal flip.')
+  policy: str = setting(
+      'none',
+      "'none', 'randaugment' (randaugment_ops operations drawn per image, "
+      "each at randaugment_magnitude of 10) or 'autoaugment' "
+      "(AutoAugment's CIFAR-10 policy). haiku_mp/vit/data/auto_augment.py.")
+  randaugment_ops: int = setting(
+      2,
+      "'randaugment': operations per image (1-14).")
+  randaugment_magnitude: float = setting(9.0, "'randaugment': strength, 0-10.")
+  erasing_probability: float = setting(
+      0.0,
+      'Random erasing: a box of noise, on this share of the images.')
+  mixup_alpha: float = setting(
+      0.0,
+      'Mixup and CutMix of neighbouring examples with soft labels; the '
+      'ratio is Beta(alpha, alpha); 0 turns a method off; both on: even '
+      'odds per example.')
+  cutmix_alpha: float = setting(0.0, "CutMix's Beta(alpha, alpha); 0: off.")
+  mixing_probability: float = setting(
+      1.0,
+      'With mixup or CutMix on: the share of examples mixed, each drawn '
+      "on its own (timm's mix_prob); the others keep their image and "
+      'label.')
+  mixing_off_share: float = setting(
+      0.0,
+      'With mixup or CutMix on: the share of the run, at its end, trained '
+      "on whole examples (timm's mixup_off_epoch, as a share); 0: mix to "
+      'the end.')
+  mean: tuple[float, ...] = setting(
+      (0.4914, 0.4822, 0.4465),
+      "Per-channel normalization of pixels in [0, 1] (CIFAR-10's).",
+      takes='3 numbers, one per channel')
+  std: tuple[float, ...] = setting(
+      (0.2023, 0.1994, 0.201),
+      'Divides each channel, mean taken.',
+      takes='3 positive numbers, one per channel')
+  prefetch_batches: int = setting(2, 'Batches on their way to the devices.')
+  synthetic_train_examples: int = setting(
+      45000,
+      "'synthetic': train split size.")
+  synthetic_eval_examples: int = setting(
+      5000,
+      "'synthetic': val and test sizes.")
+
+
+__all__ = ['DataSettings']

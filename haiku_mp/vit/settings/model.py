@@ -1,0 +1,36 @@
+"""The reference ViT's shape and regularization (haiku_mp/vit/model/vit.py)."""
+
+from haiku_mp.vit.settings import fields
+from haiku_mp.vit.settings.fields import setting
+
+
+@fields.frozen
+class ModelSettings:
+  """The ViT: its shape, dropout, stochastic depth and patch init."""
+
+  image_size: int = setting(
+      32,
+      'Side of the square input images (CIFAR-10: 32).')
+  patch_size: int = setting(4, 'Side of the square patches that become tokens.')
+  num_classes: int = setting(10, 'Logits (CIFAR-10: 10).')
+  embed_dim: int = setting(384, 'Token width.')
+  mlp_dim: int = setting(1536, "Hidden width of each block's MLP.")
+  num_heads: int = setting(8, 'Attention heads (they divide embed_dim).')
+  num_layers: int = setting(6, 'Encoder blocks.')
+  dropout_rate: float = setting(0.1, "Dropout in each block's MLP.")
+  drop_path_rate: float = setting(
+      0.0,
+      "Stochastic depth: each block's two residual branches dropped for a "
+      'random subset of examples, at rates rising linearly from 0 in the '
+      'first block to drop_path_rate in the last.')
+  layer_norm_epsilon: float = setting(
+      1e-06,
+      "The seeds' (Haiku's default is 1e-5).")
+  patch_init: str = setting(
+      'lecun_normal',
+      "The patch embedding's kernel init: 'lecun_normal' (the original "
+      "ViT's and big_vision's) or 'xavier_uniform' (before 2026-11-26: 8x "
+      'too small for a convolution; kept to reproduce old runs).')
+
+
+__all__ = ['ModelSettings']

@@ -1,0 +1,38 @@
+"""How a run spreads over devices (haiku_mp/vit/parallel/)."""
+
+from haiku_mp.vit.settings import fields
+from haiku_mp.vit.settings.fields import setting
+
+
+@fields.frozen
+class ParallelSettings:
+  """The strategy, the ('batch', 'model') mesh, sharding rules and the
+  precision of communication."""
+
+  strategy: str = setting(
+      'single', "'single' | 'pmap' | 'pjit' | 'fsdp' (pjit with the "
+      "params and optimizer state split over 'batch' too)")
+  mesh_shape: tuple[int, ...] = setting(
+      (-1, 1),
+      '(batch, model); -1: the remaining devices.',
+      takes='two positive integers (batch, model) like (4,2); one may be -1 '
+      '(the remaining devices)')
+  sharding_rules: str = setting(
+      '',
+      "'REGEX=SPEC;...' over 'module/path/param', e.g. "
+      "'.*/head/w=None,model'; tried before the built-in rules "
+      '(haiku_mp/vit/parallel/sharding.py).')
+  gather_dtype: str = setting(
+      'compute',
+      "'float32' | 'compute' | 'fp8': the dtype parameters split over "
+      "'batch' (fsdp) are all-gathered in; 'float32' keeps their stored "
+      "dtype, 'fp8' is E4M3 for the fp8 Linears' kernels (compute for the "
+      'rest); vectors (biases, norms) travel as stored.')
+  reduce_dtype: str = setting(
+      'float32',
+      "'float32' | 'compute': the dtype gradients are reduced in over "
+      "'batch' (all-reduce, or reduce-scatter under fsdp); float16 goes "
+      'through the loss scale.')
+
+
+__all__ = ['ParallelSettings']

@@ -1,0 +1,116 @@
+"""The whole run's settings: the loop's own fields and every area's group.
+
+`configs/base.py` is `default_config()`: the ConfigDict users change with
+config files and `--config.FIELD=VALUE` flags is this schema's defaults, so
+the schema is the one definition of every field and of its doc.
+"""
+
+import ml_collections
+
+from haiku_mp.vit.settings import fields
+from haiku_mp.vit.settings.advisor import AdvisorSettings
+from haiku_mp.vit.settings.data import DataSettings
+from haiku_mp.vit.settings.fields import group
+from haiku_mp.vit.settings.fields import setting
+from haiku_mp.vit.settings.loss_scale import LossScaleSettings
+from haiku_mp.vit.settings.model import ModelSettings
+from haiku_mp.vit.settings.parallel import ParallelSettings
+from haiku_mp.vit.settings.precision import PrecisionSettings
+from haiku_mp.vit.settings.privacy import PrivacySettings
+
+
+@fields.frozen
+class Settings:
+  """A run: the seeds' reference ViT on CIFAR-10 in float32 by default."""
+
+  seed: int = setting(0, 'Params, dropout, data order and augmentation draws.')
+  batch_size: int = setting(128, 'Train images per step, over every device.')
+  eval_batch_size: int = setting(1000, 'Divides val (5,000) and test (10,000).')
+  num_epochs: int = setting(
+      10,
+      'Passes over the train split (num_train_steps=-1).')
+  num_train_steps: int = setting(-1, '-1: derived from num_epochs.')
+  learning_rate: float = setting(
+      0.001,
+      "Adam's peak rate, reached after warmup.")
+  weight_decay: float = setting(0.0, "AdamW's decoupled weight decay.")
+  warmup_steps: int = setting(0, 'Linear warm-up, then cosine decay to 0.')
+  grad_clip_norm: float = setting(0.0, '0: no clipping.')
+  label_smoothing: float = setting(
+      0.0,
+      "The train loss's targets: (1 - label_smoothing) on the label (or "
+      'the mixed labels) plus label_smoothing spread evenly over the '
+      'classes.')
+  ema_decay: float = setting(
+      0.0,
+      '> 0: a moving average of the params (this decay per step) is kept '
+      'and evaluated beside them (val_ema and test_ema events, ema_* in '
+      'the summary).')
+  ema_horizon: float = setting(
+      0.0,
+      "> 0: the moving average follows the run's length instead: its time "
+      "constant is this share of the run's train steps (ema_decay = 1 - 1 "
+      '/ (ema_horizon * steps)), so a shorter run gets a faster average.')
+  log_every_steps: int = setting(50, 'A progress line and a metrics event.')
+  eval_every_steps: int = setting(1000, 'On val; also at the end (and test).')
+  checkpoint_every_steps: int = setting(1000, 'Also at the end and on SIGTERM.')
+  keep_checkpoints: int = setting(3, 'The newest kept; older ones deleted.')
+  steps_in_flight: int = setting(
+      2,
+      'Train (and eval) steps the host dispatches ahead of the devices: a '
+      'few keep them fed; a stop or a checkpoint waits for as many. At '
+      'most 16: XLA:CPU stalls multi-device programs when a device queue '
+      '(32) fills.')
+  stall_timeout_sec: float = setting(
+      300.0,
+      'A step (or eval batch) not finished after this long, or after 4x '
+      'the slowest so far, ends the run with one line (a stalled device); '
+      '0: never.')
+  compilation_cache_dir: str = setting(
+      'auto',
+      "JAX's persistent compilation cache: 'auto' (~/.cache/haiku_mp/jax "
+      'on a GPU or TPU, none on the CPU), a directory (on every backend) '
+      "or '' (off). A restarted or resumed run then loads its compiled "
+      'steps.')
+  remat: str = setting(
+      'none',
+      "What each encoder block keeps for the backward pass: 'none' (every "
+      "residual), 'dots' (the weight matmuls' outputs; the rest "
+      "recomputed) or 'full' (the block's input; the block recomputed). "
+      'haiku_mp/model/remat.py.')
+  model: ModelSettings = group(ModelSettings, 'The ViT.')
+  precision: PrecisionSettings = group(
+      PrecisionSettings,
+      'Dtypes of params, activations, matmuls and optimizer state.')
+  loss_scale: LossScaleSettings = group(
+      LossScaleSettings, 'Loss scaling, on jmp\'s.')
+  parallel: ParallelSettings = group(
+      ParallelSettings,
+      "Devices: the strategy and the ('batch', 'model') mesh.")
+  privacy: PrivacySettings = group(
+      PrivacySettings,
+      'DP-SGD (haiku_mp/vit/privacy/dp_sgd.py, on JAX Privacy). On: batch_size '
+      'is the expected size of a Poisson-sampled batch; each example\'s '
+      'gradient is clipped to l2_clip_norm and Gaussian noise of std '
+      'noise_multiplier * l2_clip_norm is added to their float32 sum; '
+      'epsilon at delta is reported.')
+  advisor: AdvisorSettings = group(
+      AdvisorSettings,
+      'The precision advisor (`python -m launch.lab advise`): how much of a '
+      'tensor a format may lose before a module keeps a wider one.')
+  data: DataSettings = group(
+      DataSettings,
+      'The data, held in memory, and its augmentation on the device.')
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The schema's defaults as the locked ConfigDict config files change."""
+  return fields.to_config_dict(Settings())
+
+
+def parse(config) -> Settings:
+  """A config (ConfigDict or the dict of a run's config.json) as Settings."""
+  return fields.parse(Settings, config)
+
+
+__all__ = ['Settings', 'default_config', 'parse']

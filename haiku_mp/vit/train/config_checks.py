@@ -1,0 +1,312 @@
+"""Every setting of a config against its valid range: the one check.
+
+`experiment.build` runs `check` first, before a dataset is opened, anything
+is compiled or a file is written (a bad setting then costs a second, not a
+run), then `check_batches` once the mesh is known. Modules whose objects a
+library user builds directly (the loss scaler, DP-SGD's settings) validate
+their own arguments, and `check` asks them; what needs data or files (splits,
+a checkpoint) is checked where it is read.
+"""
+
+import math
+import numbers
+from typing import Any, NamedTuple
+
+import ml_collections
+import jax.numpy as jnp
+import numpy as np
+
+from haiku_mp import errors
+from haiku_mp.model import dropout
+from haiku_mp.model import policies
+from haiku_mp.model import remat
+from haiku_mp.update import loss_scaling
+from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.vit import settings as settings_lib
+from haiku_mp.vit.data import augment
+from haiku_mp.vit.data import auto_augment
+from haiku_mp.vit.data import pipeline
+from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit.model import vit
+from haiku_mp.vit.parallel import communication
+from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit.parallel import strategies
+from haiku_mp.vit.privacy import dp_sgd
+from haiku_mp.vit.settings import fields as settings_fields
+from haiku_mp.vit.train import compilation_cache
+from haiku_mp.vit.train import in_flight
+
+# Settings that count something (steps, examples, sizes): a positive integer.
+_POSITIVE = ('batch_size', 'eval_batch_size', 'log_every_steps',
+             'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints')
+_POSITIVE_MODEL = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
+                   'mlp_dim', 'num_heads', 'num_layers')
+_POSITIVE_DATA = ('crop_max_attempts', 'randaugment_ops',
+                  'synthetic_train_examples', 'synthetic_eval_examples')
+# What `np.random.default_rng` and `jax.random.key` both take.
+_MAX_SEED = np.iinfo(np.int64).max
+_CHANNELS = 3
+
+
+_shown = settings_fields.shown
+
+
+def _require(ok: bool, setting: str, value: Any, valid: str) -> None:
+  if not ok:
+    raise errors.ConfigError(f'{setting}={_shown(value)} must be {valid}')
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _numbers(value: Any, count: int) -> bool:
+  """Whether `value` is `count` finite numbers."""
+  return (isinstance(value, (tuple, list)) and len(value) == count and
+          all(_is_number(v) and math.isfinite(v) for v in value))
+
+
+def _positive(setting: str, value: Any) -> None:
+  _require(_is_int(value) and value > 0, setting, value, 'positive')
+
+
+def _check_training(config: settings_lib.Settings) -> None:
+  _require(_is_int(config.seed) and 0 <= config.seed <= _MAX_SEED, 'seed',
+           config.seed, 'a non-negative 64-bit integer')
+  for name in _POSITIVE:
+    _positive(name, getattr(config, name))
+  steps = config.num_train_steps
+  _require(_is_int(steps) and (steps > 0 or steps == -1), 'num_train_steps',
+           steps, 'positive, or -1 for num_epochs over the train split')
+  if steps == -1:
+    _require(config.num_epochs > 0, 'num_epochs', config.num_epochs,
+             'positive (or set num_train_steps)')
+  _require(0 <= config.learning_rate < math.inf, 'learning_rate',
+           config.learning_rate, 'a finite number >= 0')
+  _require(0 <= config.weight_decay < math.inf, 'weight_decay',
+           config.weight_decay, 'a finite number >= 0')
+  _require(_is_int(config.steps_in_flight) and
+           1 <= config.steps_in_flight <= in_flight.MAX_LIMIT,
+           'steps_in_flight', config.steps_in_flight,
+           f'an integer in [1, {in_flight.MAX_LIMIT}] (XLA:CPU stalls '
+           'multi-device programs when 32 wait on a device)')
+  _require(_is_number(config.stall_timeout_sec) and
+           0 <= config.stall_timeout_sec < math.inf, 'stall_timeout_sec',
+           config.stall_timeout_sec, 'a finite number of seconds >= 0 (0: '
+           'never)')
+  _require(_is_int(config.warmup_steps) and config.warmup_steps >= 0,
+           'warmup_steps', config.warmup_steps, '>= 0')
+  _require(config.grad_clip_norm >= 0, 'grad_clip_norm', config.grad_clip_norm,
+           '>= 0 (0: no clipping)')
+  _require(0 <= config.label_smoothing < 1, 'label_smoothing',
+           config.label_smoothing, 'in [0, 1)')
+  _require(0 <= config.ema_decay < 1, 'ema_decay', config.ema_decay,
+           'in [0, 1) (0: no moving average)')
+  _require(_is_number(config.ema_horizon) and 0 <= config.ema_horizon <= 1,
+           'ema_horizon', config.ema_horizon,
+           'in [0, 1] (a share of the run\'s steps; 0: ema_decay as set)')
+  if config.ema_decay > 0 and config.ema_horizon > 0:
+    raise errors.ConfigError(
+        f'ema_decay={config.ema_decay:g} and ema_horizon='
+        f'{config.ema_horizon:g} both set the moving average; set one, the '
+        'other 0')
+  if config.privacy.enabled and augment.mixes(config.data):
+    raise errors.ConfigError(
+        f'data.mixup_alpha={config.data.mixup_alpha:g} / data.cutmix_alpha='
+        f'{config.data.cutmix_alpha:g} with privacy.enabled: a mixed example '
+        'holds two, so DP-SGD\'s per-example clipping bounds neither; set '
+        'both to 0')
+
+
+def _check_model(config: settings_lib.Settings) -> policies.Precision:
+  model = config.model
+  for name in _POSITIVE_MODEL:
+    _positive(f'model.{name}', getattr(model, name))
+  if model.image_size % model.patch_size:
+    raise errors.ConfigError(
+        f'model.image_size={model.image_size} is not divisible by '
+        f'model.patch_size={model.patch_size}')
+  if model.embed_dim % model.num_heads:
+    raise errors.ConfigError(
+        f'model.embed_dim={model.embed_dim} is not divisible by '
+        f'model.num_heads={model.num_heads}')
+  dropout.check_rate(model.dropout_rate)
+  _require(0 <= model.drop_path_rate < 1, 'model.drop_path_rate',
+           model.drop_path_rate, 'in [0, 1)')
+  _require(model.layer_norm_epsilon > 0, 'model.layer_norm_epsilon',
+           model.layer_norm_epsilon, 'positive')
+  errors.check_choice('model.patch_init', model.patch_init,
+                      tuple(vit.PATCH_INITS))
+  remat.check(config.remat)
+  fp8 = config.precision.fp8
+  # fp8.Fp8 checks its own settings.
+  precision = forward_lib.precision_from_config(config)
+  _check_state_layout(config.precision, precision)
+  if config.privacy.enabled and fp8.modules.strip():
+    raise errors.ConfigError(
+        f'precision.fp8.modules={fp8.modules!r} with privacy.enabled: DP-SGD '
+        "clips per-example gradients that fp8's per-tensor scales do not "
+        "follow (untested); set precision.fp8.modules='' for a private run")
+  return precision
+
+
+def _check_state_layout(precision_config: settings_lib.PrecisionSettings,
+                        precision: policies.Precision) -> None:
+  """The layout of params and moments: names known, and rounding into
+  params only where they are bfloat16."""
+  update = precision_config.param_update
+  errors.check_choice('precision.param_update', update,
+                      optimizer_lib.PARAM_UPDATES)
+  for name in ('mu_dtype', 'nu_dtype'):
+    errors.check_choice(f'precision.{name}', getattr(precision_config, name),
+                        optimizer_lib.MOMENT_DTYPES)
+  _positive('precision.moment_block_size', precision_config.moment_block_size)
+  if update == optimizer_lib.MASTER:
+    return
+  half = sorted(d for d in precision.param_dtypes if d != 'float32')
+  if not half:
+    raise errors.ConfigError(
+        f'precision.param_update={update!r} rounds updates into half-'
+        'precision params, but precision.policy and overrides keep every '
+        "param in float32: set params=bfloat16 in precision.policy, or "
+        "param_update='master'")
+  if half != ['bfloat16']:
+    raise errors.ConfigError(
+        f'precision.param_update={update!r} keeps params without a float32 '
+        f'copy only in bfloat16; the policy stores {", ".join(half)} params '
+        "(float16's range loses small updates and weights): use "
+        "params=bfloat16, or param_update='master'")
+
+
+def _check_parallel(parallel_config: settings_lib.ParallelSettings) -> None:
+  name = parallel_config.strategy
+  errors.check_choice('parallel.strategy', name, strategies.STRATEGIES)
+  shape = parallel_config.mesh_shape
+  if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and
+          all(_is_int(d) and (d > 0 or d == -1) for d in shape) and
+          list(shape).count(-1) < 2):
+    raise errors.ConfigError(
+        f'parallel.mesh_shape={_shown(shape)}: expected '
+        f'{settings_fields.takes(settings_lib.ParallelSettings, "mesh_shape")}')
+  sharding.parse_rules(parallel_config.sharding_rules)
+
+
+def _check_communication(settings: settings_lib.Settings,
+                         precision: policies.Precision) -> None:
+  """`parallel.gather_dtype` and `reduce_dtype`, against the strategy, the
+  precision, loss scaling and DP-SGD."""
+  parallel = settings.parallel
+  errors.check_choice('parallel.gather_dtype', parallel.gather_dtype,
+                      communication.GATHER_DTYPES)
+  errors.check_choice('parallel.reduce_dtype', parallel.reduce_dtype,
+                      communication.REDUCE_DTYPES)
+  fp8_gathers = parallel.gather_dtype == 'fp8'
+  if fp8_gathers and parallel.strategy != 'fsdp':
+    raise errors.ConfigError(
+        f'parallel.gather_dtype=fp8: parallel.strategy={parallel.strategy} '
+        'gathers no parameters (every device holds them whole); only fsdp '
+        "splits them over 'batch'")
+  if fp8_gathers and precision.fp8 is None:
+    raise errors.ConfigError(
+        'parallel.gather_dtype=fp8 gathers the fp8 Linears\' kernels in fp8, '
+        'and no Linear runs in fp8 (precision.fp8.modules is empty): use '
+        "'compute', or configs/vit_fp8.py")
+  half_reduce = parallel.reduce_dtype == 'compute'
+  compute = jnp.dtype(precision.policy.compute_dtype)
+  if (half_reduce and compute == jnp.float16 and
+      settings.loss_scale.kind == 'none'):
+    raise errors.ConfigError(
+        'parallel.reduce_dtype=compute sums float16 gradients without a loss '
+        "scale (loss_scale.kind='none'): small ones flush to zero; set "
+        "loss_scale.kind='dynamic', or reduce in 'float32'")
+  if settings.privacy.enabled and parallel.strategy == 'fsdp':
+    raise errors.ConfigError(
+        'parallel.strategy=fsdp with privacy.enabled: DP-SGD computes its '
+        'gradients per example in its own step, which does not gather '
+        'parameters; use pjit or pmap')
+  if settings.privacy.enabled and half_reduce:
+    raise errors.ConfigError(
+        'parallel.reduce_dtype=compute with privacy.enabled: DP-SGD sums its '
+        "clipped gradients in float32; use 'float32'")
+
+
+def _check_range(setting: str, value: Any, low: float, high: float,
+                 valid: str) -> None:
+  """A (min, max) pair of numbers with low < min <= max <= high."""
+  _require(_numbers(value, 2) and low < value[0] <= value[1] <= high,
+           setting, value, valid)
+
+
+def _check_data(data: settings_lib.DataSettings, image_size: int) -> None:
+  pipeline.check_settings(data)
+  augment.check_settings(data)
+  for name in _POSITIVE_DATA:
+    _positive(f'data.{name}', getattr(data, name))
+  ops = len(auto_augment.RANDAUGMENT_OPS)
+  _require(data.randaugment_ops <= ops, 'data.randaugment_ops',
+           data.randaugment_ops, f'in [1, {ops}] (operations applied to each '
+           f'image, drawn among RandAugment\'s {ops})')
+  # A crop from beyond half the image's side would be mostly padding.
+  most = image_size // 2
+  _require(_is_int(data.crop_padding) and 0 <= data.crop_padding <= most,
+           'data.crop_padding', data.crop_padding,
+           f'an integer in [0, {most}] (half of model.image_size={image_size})')
+  _check_range('data.crop_area', data.crop_area, 0, 1,
+               '(min, max) fractions of the image area with 0 < min <= max '
+               '<= 1')
+  _check_range('data.crop_aspect_ratio', data.crop_aspect_ratio, 0, math.inf,
+               '(min, max) width/height ratios with 0 < min <= max')
+  _require(_numbers(data.mean, _CHANNELS), 'data.mean', data.mean,
+           f'{_CHANNELS} numbers, one per channel')
+  _require(_numbers(data.std, _CHANNELS) and min(data.std) > 0, 'data.std',
+           data.std, f'{_CHANNELS} positive numbers, one per channel')
+
+
+class Checked(NamedTuple):
+  """What the check built on its way, for `experiment.build` to use: the
+  config parsed into typed settings, and the objects they describe."""
+  settings: settings_lib.Settings
+  precision: policies.Precision
+  scaler: loss_scaling.LossScaler
+
+
+def check(config: ml_collections.ConfigDict) -> Checked:
+  """Raises `errors.ConfigError` naming the first setting of another type
+  (the parse) or out of its range, its value and what would be valid; else
+  returns the settings and the objects they describe that it built to check
+  them (each built once)."""
+  settings = settings_lib.parse(config)
+  _check_training(settings)
+  precision = _check_model(settings)
+  scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
+  _check_parallel(settings.parallel)
+  _check_communication(settings, precision)
+  _check_data(settings.data, settings.model.image_size)
+  dp_sgd.check_settings(settings.privacy)
+  compilation_cache.check(settings.compilation_cache_dir)
+  return Checked(settings, precision, scaler)
+
+
+def check_batches(config: settings_lib.Settings, batch_devices: int,
+                  process_count: int) -> None:
+  """The global batches split evenly over the processes and over the mesh's
+  `batch` axis (and, for mixup / CutMix, in pairs on each device)."""
+  for name in ('batch_size', 'eval_batch_size'):
+    size = getattr(config, name)
+    if size % process_count:
+      raise errors.ConfigError(
+          f'{name}={size} is not divisible by the number of processes '
+          f'({process_count})')
+    if size % batch_devices:
+      raise sharding.ShardingError(
+          f'{name}={size} is not divisible by the {batch_devices} devices '
+          "of the mesh's 'batch' axis")
+  if augment.mixes(config.data) and (config.batch_size // batch_devices) % 2:
+    raise errors.ConfigError(
+        f'batch_size={config.batch_size} gives each of the {batch_devices} '
+        'devices of the batch axis an odd batch, and mixup / CutMix mix its '
+        'examples in pairs: make it an even number per device')

@@ -1,0 +1,147 @@
+"""A per-module table of a model: policy in force, params, input/output dtypes."""
+
+import collections
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from haiku_mp.model import meta_params
+from haiku_mp.model import policies
+from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit.train import experiment
+
+_COLUMNS = (('path', 'path'), ('class', 'class'), ('policy', 'policy'),
+            ('rule', 'policy_source'), ('params', 'param_count'),
+            ('bytes', 'param_bytes'), ('param dtypes', 'param_dtypes'),
+            ('in', 'input_dtypes'), ('out', 'output_dtypes'),
+            ('matmul', 'matmul'))
+
+
+def _dtype_names(tree: Any) -> list[str]:
+  return [jnp.dtype(x.dtype).name for x in jax.tree.leaves(tree)
+          if hasattr(x, 'dtype')]
+
+
+def _source(rule: policies.Rule | None) -> str:
+  if rule is None:
+    return 'inherited'
+  return f'{rule.source} {rule.target}'
+
+
+def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
+  """One row per module, in call order, for the experiment's model.
+
+  Under the `pjit` strategy each parameter also shows how it is sharded
+  (PartitionSpec over the ('batch', 'model') mesh).
+  """
+  calls, params = exp.module_calls, exp.abstract_state.params
+  precision = exp.precision
+  shardings = exp.strategy.state_shardings
+  specs = shardings and shardings.params
+  rows = {}
+  for call in calls:
+    if call.method != '__call__' or call.path in rows:
+      continue
+    own = params.get(call.path, {})
+    # fp8 amax histories are listed with the params, not counted as ones.
+    trained = {n: p for n, p in own.items() if n not in meta_params.META_NAMES}
+    rows[call.path] = {
+        'path': call.path,
+        'class': call.class_name,
+        'policy': policies.policy_str(call.policy),
+        'policy_source': _source(call.rule),
+        'params': {name: dict(shape=list(p.shape), dtype=p.dtype.name,
+                              sharding=_spec(specs, call.path, name))
+                   for name, p in own.items()},
+        'param_dtypes': sorted({p.dtype.name for p in own.values()}),
+        'param_count': sum(math.prod(p.shape) for p in trained.values()),
+        'param_bytes': sum(math.prod(p.shape) * p.dtype.itemsize
+                           for p in trained.values()),
+        'input_dtypes': _dtype_names(call.args),
+        'output_dtypes': _dtype_names(call.output),
+        'matmul': (_low_bit(precision, call.class_name, call.path)
+                   if precision.runs_fp8(call.class_name, call.path) else '-'),
+    }
+  return sorted(rows.values(), key=lambda r: _preorder_key(r['path'], calls))
+
+
+def _low_bit(precision: policies.Precision, class_name: str,
+             path: str) -> str:
+  """A low-bit Linear's matmul as the table names it: 'fp8 current', ...,
+  or its 4-bit format."""
+  if precision.runs_fp4(class_name, path):
+    return precision.fp4.format
+  return f'fp8 {precision.fp8.scaling}'
+
+
+def _preorder_key(path: str, calls: list[policies.ModuleCall]):
+  """Sorts a module before its children: calls are recorded as they finish."""
+  first = min(i for i, c in enumerate(calls)
+              if c.path == path or c.path.startswith(path + '/'))
+  return first, path.count('/')
+
+
+def _spec(specs, path: str, name: str) -> str:
+  if specs is None:
+    return 'replicated'
+  return sharding.describe(specs[path][name])
+
+
+def _sharding_cell(row: dict[str, Any]) -> str:
+  sharded = [f'{n}:{p["sharding"]}' for n, p in sorted(row['params'].items())
+             if p['sharding'] != 'replicated']
+  return ' '.join(sharded) or '-'
+
+
+def _cell(value: Any) -> str:
+  if isinstance(value, list):
+    return ','.join(sorted(set(value))) if value else '-'
+  return str(value)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+  """A plain-text table with a total line."""
+  header = [title for title, _ in _COLUMNS] + ['sharded']
+  body = [[_cell(row[key]) for _, key in _COLUMNS] + [_sharding_cell(row)]
+          for row in rows]
+  total_count = sum(r['param_count'] for r in rows)
+  total_bytes = sum(r['param_bytes'] for r in rows)
+  body.append(['total', '', '', '', str(total_count), str(total_bytes),
+               '', '', '', '', ''])
+  widths = [max(len(line[i]) for line in [header] + body)
+            for i in range(len(header))]
+  fmt = lambda line: '  '.join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+  rule = '  '.join('-' * w for w in widths)
+  return '\n'.join([fmt(header), rule] + [fmt(l) for l in body[:-1]] +
+                   [rule, fmt(body[-1])])
+
+
+
+def summary_line(rows: list[dict[str, Any]], overrides: str,
+                 precision: policies.Precision | None = None) -> str:
+  """The model in one line: modules, parameters, the policies in force (how
+  many modules each), the overrides and the fp8 matmuls, for a console the
+  table would fill."""
+  count = sum(r['param_count'] for r in rows)
+  megabytes = sum(r['param_bytes'] for r in rows) / 1e6
+  counts = collections.Counter(r['policy'] for r in rows)
+  in_force = '; '.join(f'{policy} ({n})' for policy, n in
+                       counts.most_common())
+  line = (f'Model: {len(rows)} modules, {count:,} parameters '
+          f'({megabytes:.2f} MB); policies (modules): {in_force}; '
+          f'overrides: {overrides or "none"}')
+  fp8_rows = [r for r in rows if r['matmul'] != '-']
+  if precision is not None and precision.fp4 is not None:
+    kept = sum(1 for r in fp8_rows if r['matmul'].startswith('fp8'))
+    line += (f'; 4-bit matmuls: {len(fp8_rows) - kept} Linear'
+             + (f' ({kept} kept in fp8)' if kept else '') + ', '
+             f'{precision.fp4.describe()} (emulated: dequantized float32 '
+             'GEMMs)')
+  elif precision is not None and precision.fp8 is not None:
+    emulation = precision.fp8.emulation(jax.default_backend())
+    line += (f'; fp8 matmuls: {len(fp8_rows)} Linear, E4M3 forward, E5M2 '
+             f'gradients, {precision.fp8.describe()} scaling'
+             + (f' ({emulation})' if emulation else ''))
+  return line
