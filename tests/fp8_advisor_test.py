@@ -16,7 +16,6 @@ import numpy as np
 from haiku_mp.advisor import fp8_numerics
 from haiku_mp.advisor import matmul_formats
 from haiku_mp.advisor import numerics
-from haiku_mp.advisor import settings as advisor_settings
 from haiku_mp.lab import variants
 from haiku_mp.lab.advisor import driver as advisor
 from haiku_mp.model import fp8
@@ -78,7 +77,7 @@ class Fp8AdviceTest(absltest.TestCase):
     params = dict(params, **{PLANTED: dict(params[PLANTED],
                                            w=jnp.asarray(w))})
     inputs = [helpers.random_batch(config, 8, seed=i) for i in range(2)]
-    limits = advisor_settings.parse(config.advisor).fp8
+    limits = helpers.advisor_settings(config.advisor).fp8
     fmt, choice = advisor.matmul_formats_of(config)[0]
     self.assertEqual((fmt.name, choice), ('fp8', 'current'))
     result = advisor.matmul_advice(config, exp, params, inputs, fmt, choice,

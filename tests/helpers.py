@@ -21,7 +21,9 @@ from tensorboard.util import tensor_util
 from configs import base
 from haiku_mp.advisor import numerics
 from haiku_mp.lab.studies import fp8_gemms
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.data import pipeline
+from haiku_mp.vit.settings import fields
 import tests
 from tests import forked_commands
 from tests import signal_at_step
@@ -177,6 +179,11 @@ def run_modules_together(commands, timeout: float = 240
       results.append(subprocess.CompletedProcess(proc.args, proc.returncode,
                                                  out, err))
   return results
+
+
+def advisor_settings(advisor) -> settings_lib.AdvisorSettings:
+  """`config.advisor` parsed as every command parses it."""
+  return fields.parse(settings_lib.AdvisorSettings, advisor, 'advisor.')
 
 
 def tiny_config(policy: str = 'params=float32,compute=float32,output=float32',

@@ -93,6 +93,7 @@ def _core_import() -> dict:
           'import haiku_mp, haiku_mp.advisor\n'
           'print(json.dumps(dict(\n'
           '    tops=sorted({m.split(".")[0] for m in set(sys.modules) - before}),\n'
+          '    package=haiku_mp.__file__,\n'
           '    files=sorted(m.__file__ for n, m in sys.modules.items()\n'
           '                 if n.startswith("haiku_mp") and m.__file__))))\n')
   env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
@@ -128,8 +129,8 @@ class PackageTest(absltest.TestCase):
       self.assertNotIn(name, self.loaded['tops'])
     # Nor a file of the other two wings: the advisor for any model is not
     # its ViT driver (the lab's).
-    wings = [os.path.relpath(path, os.path.dirname(haiku_mp.__file__)
-                             ).split(os.sep)[0]
+    package = os.path.dirname(self.loaded['package'])
+    wings = [os.path.relpath(path, package).split(os.sep)[0]
              for path in self.loaded['files']]
     self.assertContainsSubset({'model', 'update', 'advisor'}, set(wings))
     self.assertNoCommonElements({'vit', 'lab'}, set(wings))

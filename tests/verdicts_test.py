@@ -20,7 +20,6 @@ import jax
 from configs import base
 from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.advisor import numerics
-from haiku_mp.advisor import settings as advisor_settings
 from haiku_mp.advisor import verdicts
 from haiku_mp.lab.advisor import driver as advisor
 from haiku_mp.vit.train import experiment
@@ -29,7 +28,7 @@ from tests import probes_test
 
 FP16 = 'params=float32,compute=float16,output=float32'
 FC1 = 'vit/encoder_block_0/mlp_block/fc1'
-THRESHOLDS = advisor_settings.parse(base.get_config().advisor).thresholds
+THRESHOLDS = helpers.advisor_settings(base.get_config().advisor).thresholds
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -80,7 +79,7 @@ class AdvisorSettingsTest(parameterized.TestCase):
     advisor = base.get_config().advisor
     advisor.update(max_relative_error=0.02, fp8_max_saturate_share=0.5,
                    fp4_max_flushed_share=1.0, init_steps=7)
-    settings = advisor_settings.parse(advisor)
+    settings = helpers.advisor_settings(advisor)
     self.assertEqual(settings.thresholds, verdicts.Thresholds(0.02, 0.0, 1.0))
     self.assertEqual(settings.fp8.max_saturate_share, 0.5)
     self.assertEqual(settings.fp4.max_flushed_share, 1.0)
@@ -99,7 +98,7 @@ class AdvisorSettingsTest(parameterized.TestCase):
     with self.assertRaisesRegex(
         haiku_mp_errors.ConfigError,
         rf'^advisor\.{name}=\S+ must be {re.escape(rule)}'):
-      advisor_settings.parse(advisor)
+      helpers.advisor_settings(advisor)
 
 
 class AdvisorTest(absltest.TestCase):

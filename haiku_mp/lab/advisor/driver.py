@@ -44,7 +44,6 @@ from haiku_mp.advisor import matmul_formats
 from haiku_mp.advisor import measurement
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
-from haiku_mp.advisor import settings as settings_lib
 from haiku_mp.advisor import verdicts
 from haiku_mp.lab import machine
 from haiku_mp.lab import run_inputs
@@ -274,7 +273,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
         log: Callable[[str], None] = print) -> dict[str, Any]:
   """The advisor's result as a JSON-ready dict (`advisor_files.write` makes
   the files)."""
-  settings = settings_lib.parse(config.advisor)
+  settings = settings_schema.parse(config).advisor
   _check(num_batches, level, repeats, checkpoint)
   thresholds = settings.thresholds
   target = variants.compute_dtype(config)

@@ -22,7 +22,6 @@ import ml_collections
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.advisor import settings as advisor_settings
 from haiku_mp.lab import charts
 from haiku_mp.lab import run_inputs
 from haiku_mp.lab import run_plots
@@ -94,8 +93,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
                                                  checkpoint_step)
   # From init, the run's own steps first (`advisor.init_steps`): a ViT's
   # zero head gives the rest no gradient at step 0.
-  init_steps = (0 if checkpoint else
-                advisor_settings.parse(config.advisor).init_steps)
+  init_steps = 0 if checkpoint else exp.settings.advisor.init_steps
   batches = run_inputs.training_batches(config, init_steps + num_batches,
                                         step)
   for batch in batches[:init_steps]:

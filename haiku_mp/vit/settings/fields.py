@@ -9,7 +9,7 @@ a one-line error naming the setting.
 
 import dataclasses
 import typing
-from typing import Any, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar
 
 import ml_collections
 
@@ -18,12 +18,28 @@ from haiku_mp import errors
 T = TypeVar('T')
 
 
-def setting(default: Any, doc: str, takes: str = '') -> Any:
+# A field's own check: None for a value it takes, else what the value must
+# be ('must be >= 0'), said after `name=value`.
+Check = Callable[[Any], Optional[str]]
+
+
+def setting(default: Any, doc: str, takes: str = '',
+            check: Optional[Check] = None) -> Any:
   """A field with its default and the one doc `--help` shows for it;
   `takes`, what a value of another type is told it should be (else its
-  type's name)."""
-  return dataclasses.field(default=default,
-                           metadata={'doc': doc, 'takes': takes})
+  type's name); `check`, the rule its values keep, declared with it and
+  run once, when a config is parsed."""
+  return dataclasses.field(default=default, metadata={
+      'doc': doc, 'takes': takes, 'check': check})
+
+
+def at_least(low: float) -> Check:
+  return lambda value: None if value >= low else f'must be >= {low:g}'
+
+
+def between(low: float, high: float) -> Check:
+  return lambda value: (None if low <= value <= high
+                        else f'must be in [{low:g}, {high:g}]')
 
 
 def group(kind: type, doc: str = '') -> Any:
@@ -93,6 +109,11 @@ def parse(kind: type[T], values: Mapping[str, Any] | None,
         raise errors.ConfigError(
             f'{path}{name}={shown(values[name])}: expected '
             f'{field.metadata["takes"]}') from None
+      check = field.metadata.get('check')
+      problem = check and check(given[name])
+      if problem:
+        raise errors.ConfigError(
+            f'{path}{name}={shown(given[name])} {problem}')
   return kind(**given)
 
 
