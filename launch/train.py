@@ -17,7 +17,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from haiku_mp.lab import machine
+from haiku_mp.lab import hardware
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import in_flight
 from haiku_mp.vit.train import loop
@@ -68,7 +68,7 @@ def main(argv):
     logging.info('Config: %s%s',
                  config_flags.get_config_filename(flags.FLAGS['config']),
                  ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
-    logging.info('%s', machine.host_line())
+    logging.info('%s', hardware.host_line())
     result = loop.train(exp, workdir, log_module_table=_MODULES_TABLE.value)
   if result.get('signal') == 'SIGINT':  # Saved, but stopped by Ctrl-C.
     sys.exit(cli.EXIT_INTERRUPTED)

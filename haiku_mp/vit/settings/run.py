@@ -9,7 +9,7 @@ import ml_collections
 
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.advisor import AdvisorSettings
-from haiku_mp.vit.settings.data import DataSettings
+from haiku_mp.vit.settings.dataset import DataSettings
 from haiku_mp.vit.settings.fields import group
 from haiku_mp.vit.settings.fields import setting
 from haiku_mp.vit.settings.loss_scale import LossScaleSettings

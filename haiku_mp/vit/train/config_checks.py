@@ -28,9 +28,9 @@ from haiku_mp.vit.data import auto_augment
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.model import vit
-from haiku_mp.vit.parallel import communication
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import strategies
+from haiku_mp.vit.parallel import wire_dtypes
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.train import compilation_cache
@@ -201,9 +201,9 @@ def _check_communication(settings: settings_lib.Settings,
   precision, loss scaling and DP-SGD."""
   parallel = settings.parallel
   errors.check_choice('parallel.gather_dtype', parallel.gather_dtype,
-                      communication.GATHER_DTYPES)
+                      wire_dtypes.GATHER_DTYPES)
   errors.check_choice('parallel.reduce_dtype', parallel.reduce_dtype,
-                      communication.REDUCE_DTYPES)
+                      wire_dtypes.REDUCE_DTYPES)
   fp8_gathers = parallel.gather_dtype == 'fp8'
   if fp8_gathers and parallel.strategy != 'fsdp':
     raise errors.ConfigError(

@@ -29,9 +29,9 @@ from haiku_mp.vit.data import augment
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import sampling
 from haiku_mp.vit.model import forward as forward_lib
-from haiku_mp.vit.parallel import communication as communication_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import strategies
+from haiku_mp.vit.parallel import wire_dtypes as communication_lib
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit.train import config_checks
 
