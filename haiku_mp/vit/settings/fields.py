@@ -33,6 +33,12 @@ def setting(default: Any, doc: str, takes: str = '',
       'doc': doc, 'takes': takes, 'check': check})
 
 
+def POSITIVE(value) -> Optional[str]:  # pylint: disable=invalid-name
+  """The check of a setting that counts something (steps, examples,
+  sizes)."""
+  return None if value > 0 else 'must be positive'
+
+
 def at_least(low: float) -> Check:
   return lambda value: None if value >= low else f'must be >= {low:g}'
 

@@ -36,13 +36,6 @@ from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.train import compilation_cache
 from haiku_mp.vit.train import in_flight
 
-# Settings that count something (steps, examples, sizes): a positive integer.
-_POSITIVE = ('batch_size', 'eval_batch_size', 'log_every_steps',
-             'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints')
-_POSITIVE_MODEL = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
-                   'mlp_dim', 'num_heads', 'num_layers')
-_POSITIVE_DATA = ('crop_max_attempts', 'randaugment_ops',
-                  'synthetic_train_examples', 'synthetic_eval_examples')
 # What `np.random.default_rng` and `jax.random.key` both take.
 _MAX_SEED = np.iinfo(np.int64).max
 _CHANNELS = 3
@@ -77,8 +70,6 @@ def _positive(setting: str, value: Any) -> None:
 def _check_training(config: settings_lib.Settings) -> None:
   _require(_is_int(config.seed) and 0 <= config.seed <= _MAX_SEED, 'seed',
            config.seed, 'a non-negative 64-bit integer')
-  for name in _POSITIVE:
-    _positive(name, getattr(config, name))
   steps = config.num_train_steps
   _require(_is_int(steps) and (steps > 0 or steps == -1), 'num_train_steps',
            steps, 'positive, or -1 for num_epochs over the train split')
@@ -124,8 +115,6 @@ def _check_training(config: settings_lib.Settings) -> None:
 
 def _check_model(config: settings_lib.Settings) -> policies.Precision:
   model = config.model
-  for name in _POSITIVE_MODEL:
-    _positive(f'model.{name}', getattr(model, name))
   if model.image_size % model.patch_size:
     raise errors.ConfigError(
         f'model.image_size={model.image_size} is not divisible by '
@@ -244,8 +233,6 @@ def _check_range(setting: str, value: Any, low: float, high: float,
 def _check_data(data: settings_lib.DataSettings, image_size: int) -> None:
   pipeline.check_settings(data)
   augment.check_settings(data)
-  for name in _POSITIVE_DATA:
-    _positive(f'data.{name}', getattr(data, name))
   ops = len(auto_augment.RANDAUGMENT_OPS)
   _require(data.randaugment_ops <= ops, 'data.randaugment_ops',
            data.randaugment_ops, f'in [1, {ops}] (operations applied to each '
