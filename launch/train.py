@@ -18,6 +18,7 @@ import jax
 from ml_collections import config_flags
 
 from haiku_mp.lab import hardware
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import in_flight
 from haiku_mp.vit.train import loop
@@ -55,9 +56,11 @@ def _initialize_distributed() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  # Read by XLA when JAX first makes a backend, below.
+  # Read by XLA when JAX first makes a backend, below; the settings are
+  # parsed (and each checked) first, without JAX.
   os.environ['XLA_FLAGS'] = in_flight.xla_flags(
-      os.environ.get('XLA_FLAGS', ''), _CONFIG.value.stall_timeout_sec)
+      os.environ.get('XLA_FLAGS', ''),
+      settings_lib.parse(_CONFIG.value).stall_timeout_sec)
   _initialize_distributed()
   config, workdir = _CONFIG.value, _WORKDIR.value
   result = loop.unfinished(config, workdir)

@@ -19,7 +19,7 @@ T = TypeVar('T')
 
 
 # A field's own check: None for a value it takes, else what the value must
-# be ('must be >= 0'), said after `name=value`.
+# be ('must be >= 0', or ': expected ...'), said after `name=value`.
 Check = Callable[[Any], Optional[str]]
 
 
@@ -117,9 +117,10 @@ def parse(kind: type[T], values: Mapping[str, Any] | None,
             f'{field.metadata["takes"]}') from None
       check = field.metadata.get('check')
       problem = check and check(given[name])
-      if problem:
+      if problem:  # 'must be ...' follows the value; ': expected ...' too.
+        separator = '' if problem.startswith(':') else ' '
         raise errors.ConfigError(
-            f'{path}{name}={shown(given[name])} {problem}')
+            f'{path}{name}={shown(given[name])}{separator}{problem}')
   return kind(**given)
 
 

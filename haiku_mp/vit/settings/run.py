@@ -5,6 +5,8 @@ config files and `--config.FIELD=VALUE` flags is this schema's defaults, so
 the schema is the one definition of every field and of its doc.
 """
 
+import math
+
 import ml_collections
 
 from haiku_mp.vit.settings import fields
@@ -77,7 +79,9 @@ class Settings:
       300.0,
       'A step (or eval batch) not finished after this long, or after 4x '
       'the slowest so far, ends the run with one line (a stalled device); '
-      '0: never.')
+      '0: never.',
+      check=lambda t: None if 0 <= t < math.inf else (
+          'must be a finite number of seconds >= 0 (0: never)'))
   compilation_cache_dir: str = setting(
       'auto',
       "JAX's persistent compilation cache: 'auto' (~/.cache/haiku_mp/jax "

@@ -85,10 +85,6 @@ def _check_training(config: settings_lib.Settings) -> None:
            'steps_in_flight', config.steps_in_flight,
            f'an integer in [1, {in_flight.MAX_LIMIT}] (XLA:CPU stalls '
            'multi-device programs when 32 wait on a device)')
-  _require(_is_number(config.stall_timeout_sec) and
-           0 <= config.stall_timeout_sec < math.inf, 'stall_timeout_sec',
-           config.stall_timeout_sec, 'a finite number of seconds >= 0 (0: '
-           'never)')
   _require(_is_int(config.warmup_steps) and config.warmup_steps >= 0,
            'warmup_steps', config.warmup_steps, '>= 0')
   _require(config.grad_clip_norm >= 0, 'grad_clip_norm', config.grad_clip_norm,
@@ -174,13 +170,6 @@ def _check_state_layout(precision_config: settings_lib.PrecisionSettings,
 def _check_parallel(parallel_config: settings_lib.ParallelSettings) -> None:
   name = parallel_config.strategy
   errors.check_choice('parallel.strategy', name, strategies.STRATEGIES)
-  shape = parallel_config.mesh_shape
-  if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and
-          all(_is_int(d) and (d > 0 or d == -1) for d in shape) and
-          list(shape).count(-1) < 2):
-    raise errors.ConfigError(
-        f'parallel.mesh_shape={_shown(shape)}: expected '
-        f'{settings_fields.takes(settings_lib.ParallelSettings, "mesh_shape")}')
   sharding.parse_rules(parallel_config.sharding_rules)
 
 
