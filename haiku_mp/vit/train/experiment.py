@@ -283,7 +283,7 @@ def build(config: ml_collections.ConfigDict, *,
       settings.privacy, settings.batch_size, num_train_examples, total_steps,
       batch_devices=batch_devices,
       num_processes=jax.process_count()) if settings.privacy.enabled else None
-  gradients = (step_lib.ordinary_gradients(loss_fn, scaler)
+  gradients = (step_lib.scaled_gradients(loss_fn, scaler)
                if private is None else
                dp_sgd.make_gradients(loss_fn, scaler, private))
   train_inputs = functools.partial(augment.train_inputs, settings.data,
