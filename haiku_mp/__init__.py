@@ -30,6 +30,7 @@ from haiku_mp.update import make_eval_step
 from haiku_mp.update import make_optimizer
 from haiku_mp.update import make_train_step
 from haiku_mp.update import ordinary_gradients
+from haiku_mp.update import scaled_gradients
 from haiku_mp.update import TrainState
 from haiku_mp.update import without_master
 
@@ -38,4 +39,4 @@ __all__ = ('Conv2D', 'DataParallel', 'Dots', 'Fp4', 'Fp8', 'Linear',
            'float32_master', 'init_train_state', 'learning_rate_schedule',
            'make_classification_loss', 'make_eval_step', 'make_optimizer',
            'make_precision', 'make_train_step', 'ordinary_gradients',
-           'parse_policy', 'without_master')
+           'parse_policy', 'scaled_gradients', 'without_master')

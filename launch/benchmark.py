@@ -43,7 +43,7 @@ from ml_collections import config_flags
 
 from haiku_mp import errors
 from haiku_mp.lab import compare
-from haiku_mp.lab import machine
+from haiku_mp.lab import hardware
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
 from haiku_mp.lab.benchmarks import loop_benchmark
@@ -208,7 +208,7 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   config = _CONFIG.value
   _check_flags(config)
-  print(machine.host_line(), flush=True)
+  print(hardware.host_line(), flush=True)
   if _LAYOUTS.value:
     _layouts(config)
     return

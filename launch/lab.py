@@ -54,9 +54,9 @@ from haiku_mp.lab.studies import fp8_gemms
 from haiku_mp.lab.studies import ladder
 from haiku_mp.lab.studies import lost_updates
 from haiku_mp.lab.studies import matmul
+from haiku_mp.lab.studies import matmul_precision as precision_lab
 from haiku_mp.lab.studies import memory
 from haiku_mp.lab.studies import params
-from haiku_mp.lab.studies import precision as precision_lab
 from haiku_mp.lab.studies import profile
 from haiku_mp.lab.studies import step_compile
 from haiku_mp.lab.studies import sweep

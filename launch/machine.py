@@ -4,7 +4,7 @@
 python -m launch.machine
 """
 
-from haiku_mp.lab import machine
+from haiku_mp.lab import hardware
 
 if __name__ == '__main__':
-  print(machine.host_line())
+  print(hardware.host_line())

@@ -17,7 +17,8 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from haiku_mp.lab import machine
+from haiku_mp.lab import hardware
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import in_flight
 from haiku_mp.vit.train import loop
@@ -55,9 +56,11 @@ def _initialize_distributed() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  # Read by XLA when JAX first makes a backend, below.
+  # Read by XLA when JAX first makes a backend, below; the settings are
+  # parsed (and each checked) first, without JAX.
   os.environ['XLA_FLAGS'] = in_flight.xla_flags(
-      os.environ.get('XLA_FLAGS', ''), _CONFIG.value.stall_timeout_sec)
+      os.environ.get('XLA_FLAGS', ''),
+      settings_lib.parse(_CONFIG.value).stall_timeout_sec)
   _initialize_distributed()
   config, workdir = _CONFIG.value, _WORKDIR.value
   result = loop.unfinished(config, workdir)
@@ -68,7 +71,7 @@ def main(argv):
     logging.info('Config: %s%s',
                  config_flags.get_config_filename(flags.FLAGS['config']),
                  ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
-    logging.info('%s', machine.host_line())
+    logging.info('%s', hardware.host_line())
     result = loop.train(exp, workdir, log_module_table=_MODULES_TABLE.value)
   if result.get('signal') == 'SIGINT':  # Saved, but stopped by Ctrl-C.
     sys.exit(cli.EXIT_INTERRUPTED)

@@ -14,7 +14,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from haiku_mp.lab import machine
+from haiku_mp.lab import hardware
 from launch import allocator
 from tests import helpers
 
@@ -64,7 +64,7 @@ class DescribeTest(parameterized.TestCase):
     with tempfile.NamedTemporaryFile('wb') as f:
       f.write(environ)
       f.flush()
-      self.assertRegex(machine.allocator(f.name), expected)
+      self.assertRegex(hardware.allocator(f.name), expected)
 
 
 class CommandTest(absltest.TestCase):

@@ -15,7 +15,7 @@ from absl.testing import parameterized
 import jax
 
 from haiku_mp.lab import compare
-from haiku_mp.lab import machine
+from haiku_mp.lab import hardware
 from haiku_mp.lab.benchmarks import loop_benchmark
 from haiku_mp.lab.benchmarks import pipeline_benchmark
 from haiku_mp.lab.benchmarks import step_benchmark
@@ -145,10 +145,10 @@ class StepBenchmarkTest(parameterized.TestCase):
       f.write('processor\t: 0\nmodel name\t: Some CPU 9000\n'
               'flags\t\t: fpu avx512f avx512_bf16 amx_tile\n'
               'processor\t: 1\nmodel name\t: Some CPU 9000\nflags\t\t: fpu\n')
-    self.assertEqual(machine.cpu_info(path),
+    self.assertEqual(hardware.cpu_info(path),
                      dict(model='Some CPU 9000', amx_bf16=False,
                           avx512_bf16=True, avx512_fp16=False))
-    self.assertEqual(machine.cpu_info('/nonexistent')['model'],
+    self.assertEqual(hardware.cpu_info('/nonexistent')['model'],
                      'unknown')
 
 

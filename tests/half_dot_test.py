@@ -18,7 +18,7 @@ import numpy as np
 
 from haiku_mp import errors
 from haiku_mp.lab import variants
-from haiku_mp.lab.studies import precision as precision_lab
+from haiku_mp.lab.studies import matmul_precision as precision_lab
 from haiku_mp.model import cpu_features
 from haiku_mp.model import half_dot
 from haiku_mp.model import matmul_modules

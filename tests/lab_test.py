@@ -27,9 +27,9 @@ from haiku_mp.lab import variants
 from haiku_mp.lab.studies import ladder
 from haiku_mp.lab.studies import lost_updates
 from haiku_mp.lab.studies import matmul
+from haiku_mp.lab.studies import matmul_precision as precision_lab
 from haiku_mp.lab.studies import memory
 from haiku_mp.lab.studies import params
-from haiku_mp.lab.studies import precision as precision_lab
 from haiku_mp.lab.studies import profile
 from haiku_mp.lab.studies import state_layouts
 from haiku_mp.lab.studies import sweep

@@ -135,6 +135,14 @@ class LayersTest(absltest.TestCase):
   def test_imports_point_down(self):
     self.assertEmpty(_upward(imports_by_folder(_PACKAGE)))
 
+  def test_no_two_modules_share_a_file_name(self):
+    """A name says which module it is: `precision.py` in a traceback or an
+    import is one file (the package's and the commands')."""
+    names = collections.Counter(
+        path.name for root in (_PACKAGE, _PACKAGE.parent / 'launch')
+        for path in root.rglob('*.py') if path.name != '__init__.py')
+    self.assertEqual([n for n, count in names.items() if count > 1], [])
+
   def test_the_wings_stay_apart(self):
     """The library imports neither the application nor the lab; the
     application does not import the lab."""

@@ -20,9 +20,9 @@ from haiku_mp.lab.report import report
 from haiku_mp.lab.studies import dot_algorithms
 from haiku_mp.lab.studies import lost_updates
 from haiku_mp.lab.studies import matmul
+from haiku_mp.lab.studies import matmul_precision
 from haiku_mp.lab.studies import memory
 from haiku_mp.lab.studies import params
-from haiku_mp.lab.studies import precision
 from haiku_mp.lab.studies import profile
 from haiku_mp.lab.studies import sweep
 from haiku_mp.vit.train import state_layout
@@ -95,7 +95,7 @@ LAB_PLOTS = (
                    lost_stochastic=-0.01))),
     ('sweep', sweep.plot, lambda tmp: _sweep_result()),
     ('memory', memory.plot, lambda tmp: _memory_result()),
-    ('precision', precision.plot, lambda tmp: dict(
+    ('precision', matmul_precision.plot, lambda tmp: dict(
         device='cpu', batch_size=8,
         matmul=[dict(dtype=d, matmul_precision=p, grads_relative_error=1e-3)
                 for d in DTYPES for p in ('default', 'highest')],

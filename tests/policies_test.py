@@ -172,7 +172,7 @@ class ScopeTest(parameterized.TestCase):
     config = _two_blocks(FP16)
     ours = forward_lib.make_forward(
         config.model, forward_lib.precision_from_config(config))
-    kwargs = {k: config.model[k] for k in forward_lib.MODEL_FIELDS}
+    kwargs = dict(config.model)
     main = policies.parse_policy(FP16)
     layer_norm = jmp.Policy(jnp.float32, jnp.float32, jnp.float16)
 

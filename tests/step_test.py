@@ -111,7 +111,7 @@ class MakeTrainStepTest(absltest.TestCase):
         state, batch)
     given, _ = step_lib.make_train_step(
         None, optimizer, scaler,
-        gradients_fn=step_lib.ordinary_gradients(loss_fn, scaler))(
+        gradients_fn=step_lib.scaled_gradients(loss_fn, scaler))(
             state, batch)
     chex.assert_trees_all_equal(direct, given)
     self.assertFalse(np.array_equal(direct.params['linear']['w'],

@@ -40,11 +40,11 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp.model import blocks as blocks_lib
+from haiku_mp.model import random_bits
 from haiku_mp.model.fp8_scales import exponent_of
 from haiku_mp.model.fp8_scales import MX_MAX_EXPONENT  # E8M0's, as MXFP8's.
 from haiku_mp.model.fp8_scales import MX_MIN_EXPONENT
 from haiku_mp.model.fp8_scales import times_exp2
-from haiku_mp.model import random_bits
 
 E2M1 = jnp.float4_e2m1fn
 E2M1_MAX = 6.0  # The largest E2M1 value.

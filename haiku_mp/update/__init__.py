@@ -13,9 +13,11 @@ from haiku_mp.update.step import make_classification_loss
 from haiku_mp.update.step import make_eval_step
 from haiku_mp.update.step import make_train_step
 from haiku_mp.update.step import ordinary_gradients
+from haiku_mp.update.step import scaled_gradients
 from haiku_mp.update.step import TrainState
 
 __all__ = ('DataParallel', 'LossScaler', 'LossWithState', 'TrainState', 'float32_master',
            'init_train_state', 'learning_rate_schedule',
            'make_classification_loss', 'make_eval_step', 'make_optimizer',
-           'make_train_step', 'ordinary_gradients', 'without_master')
+           'make_train_step', 'ordinary_gradients', 'scaled_gradients',
+           'without_master')

@@ -214,24 +214,28 @@ def gradients(loss_fn: LossFn, loss_scaler: loss_scaling.LossScaler,
 
 
 # gradients_fn(loss_scale, params, rng, batch, axis_name) -> (float32
-# gradients, loss, metrics over every replica): `ordinary_gradients`, or
+# gradients, loss, metrics over every replica): `scaled_gradients`, or
 # DP-SGD's (`dp_sgd.make_gradients`).
 GradientsFn = Callable[..., tuple[hk.Params, jax.Array, Metrics]]
 
 
-def ordinary_gradients(loss_fn: LossFn,
-                       loss_scaler: loss_scaling.LossScaler) -> GradientsFn:
+def scaled_gradients(loss_fn: LossFn,
+                     loss_scaler: loss_scaling.LossScaler) -> GradientsFn:
   """`gradients` of `loss_fn` under `loss_scaler`: the train step's, unless
   the run is private. For a caller that wraps or replaces them.
 
   Example:
-    gradients_fn = haiku_mp.ordinary_gradients(loss_fn, scaler)
+    gradients_fn = haiku_mp.scaled_gradients(loss_fn, scaler)
     step = haiku_mp.make_train_step(None, optimizer, scaler, gradients_fn=gradients_fn)
   """
   if isinstance(loss_fn, LossWithState):
-    raise TypeError('ordinary_gradients: loss_fn has Haiku state '
+    raise TypeError('scaled_gradients: loss_fn has Haiku state '
                     '(LossWithState); pass it to make_train_step itself')
   return functools.partial(gradients, loss_fn, loss_scaler)
+
+
+# 0.1's name, kept for its users: "ordinary" meant "not DP-SGD's".
+ordinary_gradients = scaled_gradients
 
 
 def _is_state_dict(value: Any) -> bool:
@@ -316,7 +320,7 @@ def make_train_step(loss_fn: Optional[AnyLoss],
   for a model with Haiku state; its gradients are those
   of the loss scaled by `loss_scaler` (default: none), unscaled in float32.
   A caller that brings its own gradients (DP-SGD) passes `gradients_fn`
-  (`ordinary_gradients`'s signature) instead, and None for `loss_fn`.
+  (`scaled_gradients`'s signature) instead, and None for `loss_fn`.
   `optimizer` is `optimizer.make_optimizer`'s (or any optax
   transformation; with half params, wrapped in `float32_master` or
   `without_master`): its update takes the step's rounding key as `key=`.

@@ -45,7 +45,7 @@ from haiku_mp.advisor import measurement
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
 from haiku_mp.advisor import verdicts
-from haiku_mp.lab import machine
+from haiku_mp.lab import hardware
 from haiku_mp.lab import run_inputs
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
@@ -320,7 +320,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
       float16_window=_scale_json(judged.scale_window),
       suggestions={fmt: _suggestion(config, exp, modules, judged, fmt)
                    for fmt in HALF_DTYPES},
-      target=target, modules=rows, **machine.describe())
+      target=target, modules=rows, **hardware.describe())
   limits = {'fp8': settings.fp8, 'fp4': settings.fp4}
   fallback = None
   for fmt, choice in matmul_formats_of(config):

@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 
 from haiku_mp.lab import compare
-from haiku_mp.lab import machine
+from haiku_mp.lab import hardware
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
@@ -116,7 +116,7 @@ def _row(config: ml_collections.ConfigDict, steps: int, loop_rounds: list,
   loop_images = float(np.median(loop_ips))
   step_images = float(np.median(step_rounds))
   return dict(
-      **machine.describe(),
+      **hardware.describe(),
       dtype=variants.variant_name(config),
       policy=config.precision.policy,
       source=config.data.source,

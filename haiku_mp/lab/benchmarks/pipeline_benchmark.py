@@ -20,7 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from haiku_mp.lab import machine
+from haiku_mp.lab import hardware
 from haiku_mp.lab import timing
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import prefetch
@@ -84,7 +84,7 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   slowdown = step_time['pipeline_fed'] / step_time['device_batch'] - 1
   augment_share = (local_batch / on_device) / step_time['device_batch']
   return dict(
-      **machine.describe(),
+      **hardware.describe(),
       source=config.data.source,
       policy=config.precision.policy,
       batch_size=config.batch_size,

@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 
 from haiku_mp.lab import compare
-from haiku_mp.lab import machine
+from haiku_mp.lab import hardware
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
 from haiku_mp.model import half_dot
@@ -102,7 +102,7 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
   stats = step.stats
   private = step.experiment.privacy
   return dict(
-      **machine.describe(),
+      **hardware.describe(),
       dtype=variants.variant_name(config),
       dot_form=form,
       policy=config.precision.policy,

@@ -32,16 +32,16 @@ import numpy as np
 from haiku_mp import errors
 from haiku_mp.lab import charts
 from haiku_mp.lab import compare
+from haiku_mp.lab import hardware
 from haiku_mp.lab import isolated
-from haiku_mp.lab import machine
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import variants
 from haiku_mp.lab.benchmarks import step_benchmark
 from haiku_mp.lab.report import report_markdown
 from haiku_mp.lab.studies import dot_algorithms
 from haiku_mp.lab.studies import matmul
+from haiku_mp.lab.studies import matmul_precision as precision_lab
 from haiku_mp.lab.studies import memory
-from haiku_mp.lab.studies import precision as precision_lab
 from haiku_mp.vit.train import console_lines
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import loop
@@ -249,7 +249,7 @@ def _memory_plot(result, out_dir) -> list[str]:
 
 
 def _header() -> dict[str, Any]:
-  return dict(**machine.describe(), backend=jax.default_backend(),
+  return dict(**hardware.describe(), backend=jax.default_backend(),
               devices=jax.device_count(),
               date=time.strftime('%Y-%m-%d %H:%M:%S %Z'))
 

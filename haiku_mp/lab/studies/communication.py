@@ -18,8 +18,8 @@ from haiku_mp import errors
 from haiku_mp.lab import charts
 from haiku_mp.lab import variants
 from haiku_mp.lab.studies import collectives
-from haiku_mp.vit.parallel import communication as communication_lib
 from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit.parallel import wire_dtypes as communication_lib
 from haiku_mp.vit.train import experiment
 
 LAYOUTS = ('pjit:8x1', 'fsdp:8x1')

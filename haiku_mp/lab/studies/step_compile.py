@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from haiku_mp.lab import charts
-from haiku_mp.lab import machine
+from haiku_mp.lab import hardware
 from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
@@ -167,7 +167,7 @@ def run(models=MODELS, repeats: int = 3,
   and its ratio to the plain step."""
   with compilation_cache.disabled():  # Every compile a fresh one.
     rows = _rows(models, repeats, log)
-  return dict(machine=machine.describe(), jax=jax.__version__,
+  return dict(machine=hardware.describe(), jax=jax.__version__,
               policy=POLICY, batch_size=BATCH_SIZE, rows=rows)
 
 

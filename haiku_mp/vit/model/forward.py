@@ -1,5 +1,6 @@
 """The model as pure functions: a ViT forward pass under a precision policy."""
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -18,9 +19,6 @@ from haiku_mp.vit.settings import Settings
 
 # `precision.fp8.format`'s fp8 (E4M3 / E5M2); the others are `fp4.FORMATS`.
 FP8_FORMAT = 'fp8'
-MODEL_FIELDS = ('image_size', 'patch_size', 'num_classes', 'embed_dim',
-                'mlp_dim', 'num_heads', 'num_layers', 'dropout_rate',
-                'drop_path_rate', 'layer_norm_epsilon', 'patch_init')
 
 
 def precision_from_config(config: Settings
@@ -60,7 +58,9 @@ def make_forward(model_config: ModelSettings,
   """`forward(images, is_training) -> logits` transformed, with `precision`
   applied and `remat` (`remat.CHOICES`, checked where each block is
   wrapped) per encoder block."""
-  kwargs = {k: getattr(model_config, k) for k in MODEL_FIELDS}
+  # The ViT takes every field of the model settings.
+  kwargs = {f.name: getattr(model_config, f.name)
+            for f in dataclasses.fields(ModelSettings)}
   kwargs['float32_residual'] = precision.float32_residual
   kwargs['dots'] = precision.dots
   kwargs['remat'] = remat

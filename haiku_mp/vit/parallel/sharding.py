@@ -42,14 +42,11 @@ class ShardingError(errors.ConfigError):
 
 def make_mesh(mesh_shape: Sequence[int],
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """A ('batch', 'model') mesh with Auto axes; -1 takes the remaining devices."""
+  """A ('batch', 'model') mesh with Auto axes; -1 takes the remaining
+  devices. `mesh_shape` is two sizes, at most one -1 (the setting's own
+  check); what the devices allow is checked here."""
   devices = list(jax.devices() if devices is None else devices)
   shape = [int(d) for d in mesh_shape]
-  if len(shape) != 2 or shape.count(-1) > 1 or any(
-      d == 0 or d < -1 for d in shape):
-    raise ShardingError(
-        f'parallel.mesh_shape={tuple(mesh_shape)}: expected (batch, model) '
-        'with positive sizes, one of them may be -1')
   if -1 in shape:
     known = -math.prod(shape)
     if len(devices) % known:

@@ -30,9 +30,9 @@ from haiku_mp import errors
 from haiku_mp.model import meta_params
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
-from haiku_mp.vit.parallel import communication as communication_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import stop_request
+from haiku_mp.vit.parallel import wire_dtypes as communication_lib
 
 TrainState = step_lib.TrainState
 

@@ -5,7 +5,7 @@ config files and flags build. It imports no JAX of its own: `configs/` and
 """
 
 from haiku_mp.vit.settings.advisor import AdvisorSettings
-from haiku_mp.vit.settings.data import DataSettings
+from haiku_mp.vit.settings.dataset import DataSettings
 from haiku_mp.vit.settings.loss_scale import LossScaleSettings
 from haiku_mp.vit.settings.model import ModelSettings
 from haiku_mp.vit.settings.parallel import ParallelSettings

@@ -19,7 +19,7 @@ T = TypeVar('T')
 
 
 # A field's own check: None for a value it takes, else what the value must
-# be ('must be >= 0'), said after `name=value`.
+# be ('must be >= 0', or ': expected ...'), said after `name=value`.
 Check = Callable[[Any], Optional[str]]
 
 
@@ -31,6 +31,12 @@ def setting(default: Any, doc: str, takes: str = '',
   run once, when a config is parsed."""
   return dataclasses.field(default=default, metadata={
       'doc': doc, 'takes': takes, 'check': check})
+
+
+def POSITIVE(value) -> Optional[str]:  # pylint: disable=invalid-name
+  """The check of a setting that counts something (steps, examples,
+  sizes)."""
+  return None if value > 0 else 'must be positive'
 
 
 def at_least(low: float) -> Check:
@@ -111,9 +117,10 @@ def parse(kind: type[T], values: Mapping[str, Any] | None,
             f'{field.metadata["takes"]}') from None
       check = field.metadata.get('check')
       problem = check and check(given[name])
-      if problem:
+      if problem:  # 'must be ...' follows the value; ': expected ...' too.
+        separator = '' if problem.startswith(':') else ' '
         raise errors.ConfigError(
-            f'{path}{name}={shown(given[name])} {problem}')
+            f'{path}{name}={shown(given[name])}{separator}{problem}')
   return kind(**given)
 
 

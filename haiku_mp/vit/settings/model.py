@@ -10,13 +10,21 @@ class ModelSettings:
 
   image_size: int = setting(
       32,
-      'Side of the square input images (CIFAR-10: 32).')
-  patch_size: int = setting(4, 'Side of the square patches that become tokens.')
-  num_classes: int = setting(10, 'Logits (CIFAR-10: 10).')
-  embed_dim: int = setting(384, 'Token width.')
-  mlp_dim: int = setting(1536, "Hidden width of each block's MLP.")
-  num_heads: int = setting(8, 'Attention heads (they divide embed_dim).')
-  num_layers: int = setting(6, 'Encoder blocks.')
+      'Side of the square input images (CIFAR-10: 32).', check=fields.POSITIVE)
+  patch_size: int = setting(
+      4, 'Side of the square patches that become tokens.',
+      check=fields.POSITIVE)
+  num_classes: int = setting(
+      10, 'Logits (CIFAR-10: 10).',
+      check=fields.POSITIVE)
+  embed_dim: int = setting(384, 'Token width.', check=fields.POSITIVE)
+  mlp_dim: int = setting(
+      1536, "Hidden width of each block's MLP.",
+      check=fields.POSITIVE)
+  num_heads: int = setting(
+      8, 'Attention heads (they divide embed_dim).',
+      check=fields.POSITIVE)
+  num_layers: int = setting(6, 'Encoder blocks.', check=fields.POSITIVE)
   dropout_rate: float = setting(0.1, "Dropout in each block's MLP.")
   drop_path_rate: float = setting(
       0.0,

@@ -4,6 +4,10 @@ from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import setting
 
 
+_MESH_SHAPE = ('two positive integers (batch, model) like (4,2); one may be '
+               '-1 (the remaining devices)')
+
+
 @fields.frozen
 class ParallelSettings:
   """The strategy, the ('batch', 'model') mesh, sharding rules and the
@@ -15,8 +19,10 @@ class ParallelSettings:
   mesh_shape: tuple[int, ...] = setting(
       (-1, 1),
       '(batch, model); -1: the remaining devices.',
-      takes='two positive integers (batch, model) like (4,2); one may be -1 '
-      '(the remaining devices)')
+      takes=_MESH_SHAPE,
+      check=lambda shape: None if (
+          len(shape) == 2 and all(d > 0 or d == -1 for d in shape)
+          and shape.count(-1) < 2) else f': expected {_MESH_SHAPE}')
   sharding_rules: str = setting(
       '',
       "'REGEX=SPEC;...' over 'module/path/param', e.g. "

@@ -5,11 +5,13 @@ config files and `--config.FIELD=VALUE` flags is this schema's defaults, so
 the schema is the one definition of every field and of its doc.
 """
 
+import math
+
 import ml_collections
 
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.advisor import AdvisorSettings
-from haiku_mp.vit.settings.data import DataSettings
+from haiku_mp.vit.settings.dataset import DataSettings
 from haiku_mp.vit.settings.fields import group
 from haiku_mp.vit.settings.fields import setting
 from haiku_mp.vit.settings.loss_scale import LossScaleSettings
@@ -24,8 +26,12 @@ class Settings:
   """A run: the seeds' reference ViT on CIFAR-10 in float32 by default."""
 
   seed: int = setting(0, 'Params, dropout, data order and augmentation draws.')
-  batch_size: int = setting(128, 'Train images per step, over every device.')
-  eval_batch_size: int = setting(1000, 'Divides val (5,000) and test (10,000).')
+  batch_size: int = setting(
+      128, 'Train images per step, over every device.',
+      check=fields.POSITIVE)
+  eval_batch_size: int = setting(
+      1000, 'Divides val (5,000) and test (10,000).',
+      check=fields.POSITIVE)
   num_epochs: int = setting(
       10,
       'Passes over the train split (num_train_steps=-1).')
@@ -51,10 +57,18 @@ class Settings:
       "> 0: the moving average follows the run's length instead: its time "
       "constant is this share of the run's train steps (ema_decay = 1 - 1 "
       '/ (ema_horizon * steps)), so a shorter run gets a faster average.')
-  log_every_steps: int = setting(50, 'A progress line and a metrics event.')
-  eval_every_steps: int = setting(1000, 'On val; also at the end (and test).')
-  checkpoint_every_steps: int = setting(1000, 'Also at the end and on SIGTERM.')
-  keep_checkpoints: int = setting(3, 'The newest kept; older ones deleted.')
+  log_every_steps: int = setting(
+      50, 'A progress line and a metrics event.',
+      check=fields.POSITIVE)
+  eval_every_steps: int = setting(
+      1000, 'On val; also at the end (and test).',
+      check=fields.POSITIVE)
+  checkpoint_every_steps: int = setting(
+      1000, 'Also at the end and on SIGTERM.',
+      check=fields.POSITIVE)
+  keep_checkpoints: int = setting(
+      3, 'The newest kept; older ones deleted.',
+      check=fields.POSITIVE)
   steps_in_flight: int = setting(
       2,
       'Train (and eval) steps the host dispatches ahead of the devices: a '
@@ -65,7 +79,9 @@ class Settings:
       300.0,
       'A step (or eval batch) not finished after this long, or after 4x '
       'the slowest so far, ends the run with one line (a stalled device); '
-      '0: never.')
+      '0: never.',
+      check=lambda t: None if 0 <= t < math.inf else (
+          'must be a finite number of seconds >= 0 (0: never)'))
   compilation_cache_dir: str = setting(
       'auto',
       "JAX's persistent compilation cache: 'auto' (~/.cache/haiku_mp/jax "

@@ -29,9 +29,9 @@ from haiku_mp.vit.data import augment
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import sampling
 from haiku_mp.vit.model import forward as forward_lib
-from haiku_mp.vit.parallel import communication as communication_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import strategies
+from haiku_mp.vit.parallel import wire_dtypes as communication_lib
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit.train import config_checks
 
@@ -283,7 +283,7 @@ def build(config: ml_collections.ConfigDict, *,
       settings.privacy, settings.batch_size, num_train_examples, total_steps,
       batch_devices=batch_devices,
       num_processes=jax.process_count()) if settings.privacy.enabled else None
-  gradients = (step_lib.ordinary_gradients(loss_fn, scaler)
+  gradients = (step_lib.scaled_gradients(loss_fn, scaler)
                if private is None else
                dp_sgd.make_gradients(loss_fn, scaler, private))
   train_inputs = functools.partial(augment.train_inputs, settings.data,

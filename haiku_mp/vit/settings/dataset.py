@@ -48,7 +48,7 @@ class DataSettings:
       takes='(min, max) width/height ratios with 0 < min <= max')
   crop_max_attempts: int = setting(
       10,
-      "'resized': draws before the whole image.")
+      "'resized': draws before the whole image.", check=fields.POSITIVE)
   crop_padding: int = setting(4, "'pad': black pixels on each side.")
   flip: bool = setting(True, 'A random horizontal flip.')
   policy: str = setting(
@@ -58,7 +58,7 @@ class DataSettings:
       "(AutoAugment's CIFAR-10 policy). haiku_mp/vit/data/auto_augment.py.")
   randaugment_ops: int = setting(
       2,
-      "'randaugment': operations per image (1-14).")
+      "'randaugment': operations per image (1-14).", check=fields.POSITIVE)
   randaugment_magnitude: float = setting(9.0, "'randaugment': strength, 0-10.")
   erasing_probability: float = setting(
       0.0,
@@ -90,10 +90,10 @@ class DataSettings:
   prefetch_batches: int = setting(2, 'Batches on their way to the devices.')
   synthetic_train_examples: int = setting(
       45000,
-      "'synthetic': train split size.")
+      "'synthetic': train split size.", check=fields.POSITIVE)
   synthetic_eval_examples: int = setting(
       5000,
-      "'synthetic': val and test sizes.")
+      "'synthetic': val and test sizes.", check=fields.POSITIVE)
 
 
 __all__ = ['DataSettings']
