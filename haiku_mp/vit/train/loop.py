@@ -363,17 +363,21 @@ def train(exp: experiment.Experiment, workdir: str,
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        log_module_table: bool = False,
-                       hooks: Hooks = Hooks()) -> dict[str, Any]:
+                       hooks: Hooks = Hooks(),
+                       on_built: Callable[[], None] = lambda: None
+                       ) -> dict[str, Any]:
   """`train` of the run `config` describes: everything that can be wrong
   with the workdir, the config or the data is checked (`unfinished`,
   `experiment.build`) before anything is written to `workdir`; a run this
   config has already finished there is left as it is (its summary
-  returned). `launch.train` takes these steps itself, to log the config
-  once it is checked."""
+  returned). `on_built` runs once the run is built, before it trains
+  (`launch.train` logs the config there: a bad setting's line stands
+  alone)."""
   finished = unfinished(config, workdir)
   if finished is not None:
     return finished
   exp = experiment.build(config, check_data=True)
+  on_built()
   return train(exp, workdir, log_module_table, hooks)
 
 
