@@ -19,7 +19,6 @@ from ml_collections import config_flags
 
 from haiku_mp.lab import hardware
 from haiku_mp.vit import settings as settings_lib
-from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import in_flight
 from haiku_mp.vit.train import loop
 from launch import cli
@@ -53,6 +52,14 @@ def _initialize_distributed() -> None:
                                _PROCESS_ID.value)
 
 
+def _log_config() -> None:
+  overrides = config_flags.get_override_values(flags.FLAGS['config'])
+  logging.info('Config: %s%s',
+               config_flags.get_config_filename(flags.FLAGS['config']),
+               ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
+  logging.info('%s', hardware.host_line())
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -62,17 +69,9 @@ def main(argv):
       os.environ.get('XLA_FLAGS', ''),
       settings_lib.parse(_CONFIG.value).stall_timeout_sec)
   _initialize_distributed()
-  config, workdir = _CONFIG.value, _WORKDIR.value
-  result = loop.unfinished(config, workdir)
-  if result is None:
-    exp = experiment.build(config, check_data=True)
-    # Logged once the config passed: a bad setting's line stands alone.
-    overrides = config_flags.get_override_values(flags.FLAGS['config'])
-    logging.info('Config: %s%s',
-                 config_flags.get_config_filename(flags.FLAGS['config']),
-                 ''.join(f' --config.{k}={v}' for k, v in overrides.items()))
-    logging.info('%s', hardware.host_line())
-    result = loop.train(exp, workdir, log_module_table=_MODULES_TABLE.value)
+  result = loop.train_and_evaluate(
+      _CONFIG.value, _WORKDIR.value, log_module_table=_MODULES_TABLE.value,
+      on_built=_log_config)
   if result.get('signal') == 'SIGINT':  # Saved, but stopped by Ctrl-C.
     sys.exit(cli.EXIT_INTERRUPTED)
 

@@ -36,8 +36,8 @@ from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
 from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import experiment
-from haiku_mp.vit.train import log_window
 from haiku_mp.vit.train import loop
+from haiku_mp.vit.train import metrics
 from launch import failed_saves
 from tests import disk_full_at_step
 from tests import helpers
@@ -520,16 +520,16 @@ class CheckpointerTest(parameterized.TestCase):
                    consecutive_skips=np.int32(0), skipped_steps=np.int32(1))]
     ckpt = checkpoint.Checkpointer(self.workdir, keep=1)
     ckpt.save(1, _tiny_state(4), dict(
-        train_sec=1.5, log_window=log_window.window_record(window)))
+        train_sec=1.5, log_window=metrics.window_record(window)))
     record = ckpt.run_record(1)  # Read back from its file.
-    restored = log_window.window_from_record(record['log_window'])
+    restored = metrics.window_from_record(record['log_window'])
     means = ('loss', 'accuracy', 'grad_norm', 'updates_lost')
-    np.testing.assert_equal(log_window.window_summary(restored, means),
-                            log_window.window_summary(window, means))
+    np.testing.assert_equal(metrics.window_summary(restored, means),
+                            metrics.window_summary(window, means))
     jax.tree.map(np.testing.assert_array_equal, restored, window)
     # Steps saved by a run without a metric this one has (DP-SGD turned on
     # at the resume, say): it is averaged over the steps that have it.
-    summary = log_window.window_summary(
+    summary = metrics.window_summary(
         [*restored, dict(window[1], clipped_fraction=np.float32(0.25))],
         (*means, 'clipped_fraction'))
     self.assertEqual(summary['clipped_fraction'], 0.25)

@@ -15,7 +15,7 @@ from absl.testing import parameterized
 import jax
 
 from haiku_mp import errors
-from haiku_mp.vit.train import compilation_cache
+from haiku_mp.vit.train import compilation
 
 HOME = {'HOME': '/home/u'}
 
@@ -32,17 +32,17 @@ class DirectoryTest(parameterized.TestCase):
       ('a_directory_on_the_cpu', '/d/cache', 'cpu', HOME, '/d/cache'),
       ('off', '', 'gpu', HOME, None))
   def test_directory(self, setting, backend, environ, expected):
-    self.assertEqual(compilation_cache.directory(setting, backend, environ),
+    self.assertEqual(compilation.directory(setting, backend, environ),
                      expected)
 
   def test_bad_settings_are_one_line_naming_the_setting(self):
     with tempfile.NamedTemporaryFile() as f:
       with self.assertRaisesRegex(errors.ConfigError,
                                   f'^compilation_cache_dir={f.name} is a file'):
-        compilation_cache.check(f.name)
+        compilation.check(f.name)
     with self.assertRaisesRegex(errors.ConfigError,
                                 '^compilation_cache_dir=3 must be'):
-      compilation_cache.check(3)
+      compilation.check(3)
 
 
 class ScopeTest(absltest.TestCase):
@@ -53,10 +53,10 @@ class ScopeTest(absltest.TestCase):
     tmp = tempfile.TemporaryDirectory()
     self.addCleanup(tmp.cleanup)
     path = tmp.name
-    with compilation_cache.used(path) as used:
+    with compilation.used(path) as used:
       self.assertEqual((used, jax.config.jax_compilation_cache_dir),
                        (path, path))
-      with compilation_cache.disabled():
+      with compilation.disabled():
         self.assertFalse(jax.config.jax_enable_compilation_cache)
       self.assertEqual(jax.config.jax_enable_compilation_cache, before[1])
     self.assertEqual((jax.config.jax_compilation_cache_dir,

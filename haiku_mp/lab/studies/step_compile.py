@@ -33,7 +33,7 @@ from haiku_mp.lab import hardware
 from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
-from haiku_mp.vit.train import compilation_cache
+from haiku_mp.vit.train import compilation
 
 MODELS = ('resnet18', 'lm')
 VARIANTS = ('plain', 'make_train_step', 'make_train_step_dynamic')
@@ -165,7 +165,7 @@ def run(models=MODELS, repeats: int = 3,
         log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
   """Every model's variants, alternated `repeats` times; the median of each
   and its ratio to the plain step."""
-  with compilation_cache.disabled():  # Every compile a fresh one.
+  with compilation.disabled():  # Every compile a fresh one.
     rows = _rows(models, repeats, log)
   return dict(machine=hardware.describe(), jax=jax.__version__,
               policy=POLICY, batch_size=BATCH_SIZE, rows=rows)

@@ -33,7 +33,7 @@ from haiku_mp.vit.parallel import strategies
 from haiku_mp.vit.parallel import wire_dtypes
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit.settings import fields as settings_fields
-from haiku_mp.vit.train import compilation_cache
+from haiku_mp.vit.train import compilation
 from haiku_mp.vit.train import in_flight
 
 # What `np.random.default_rng` and `jax.random.key` both take.
@@ -263,7 +263,7 @@ def check(config: ml_collections.ConfigDict) -> Checked:
   _check_communication(settings, precision)
   _check_data(settings.data, settings.model.image_size)
   dp_sgd.check_settings(settings.privacy)
-  compilation_cache.check(settings.compilation_cache_dir)
+  compilation.check(settings.compilation_cache_dir)
   return Checked(settings, precision, scaler)
 
 

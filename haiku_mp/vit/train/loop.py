@@ -8,7 +8,7 @@ import contextlib
 import itertools
 import os
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
 from absl import logging
 import jax
@@ -21,20 +21,15 @@ from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import prefetch
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.train import checkpoint as checkpoint_lib
-from haiku_mp.vit.train import compilation_cache
-from haiku_mp.vit.train import compiled_steps
+from haiku_mp.vit.train import compilation
 from haiku_mp.vit.train import console_lines
-from haiku_mp.vit.train import device_memory
 from haiku_mp.vit.train import evaluation
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import in_flight
 from haiku_mp.vit.train import interruption as interruption_lib
-from haiku_mp.vit.train import log_window as log_window_lib
 from haiku_mp.vit.train import metrics as metrics_lib
 from haiku_mp.vit.train import progress as progress_lib
-from haiku_mp.vit.train import resources
 from haiku_mp.vit.train import run_dir
-from haiku_mp.vit.train import run_files
 from haiku_mp.vit.train import startup_log
 
 def _call(step, state, batch):
@@ -104,7 +99,7 @@ def _log_window(exp, fetched, window, step, writer, progress,
   metrics are on the host already; `window`: the others): logs, writes, and
   stops the run (after writing) when the loss scale says it diverged."""
   host_window = _on_host(exp, fetched, window)
-  summary = log_window_lib.window_summary(host_window, exp.mean_metrics)
+  summary = metrics_lib.window_summary(host_window, exp.mean_metrics)
   console_lines.log_overflows(host_window, step - len(host_window) + 1,
                               exp.param_names)
   rates = progress.update(step)
@@ -146,7 +141,7 @@ class _Run:
     self.shard = pipeline.Shard.current()
     self.interruption = stack.enter_context(interruption_lib.Interruption())
     self.checkpointer = stack.enter_context(
-        resources.closed_on_exit(
+        closed_on_exit(
             checkpoint_lib.Checkpointer(workdir, settings.keep_checkpoints)))
     self.on_stall = in_flight.exit_on_stall(
         f'The newest checkpoint in {self.checkpointer.directory} is whole: '
@@ -161,7 +156,7 @@ class _Run:
     if is_writer:
       run_dir.record_config(exp.settings, workdir, self.start_step)
     self.writer = stack.enter_context(
-        resources.closed_on_exit(
+        closed_on_exit(
             metrics_lib.MetricsWriter(
                 workdir, enabled=is_writer, start_step=self.start_step)))
     self.progress = progress_lib.Progress(exp.total_steps, settings.batch_size,
@@ -172,7 +167,7 @@ class _Run:
     self.last_val_ema = record.get('last_val_ema', {})
     # The steps between the last log point and the checkpoint resumed from
     # (none in older checkpoints): the first log window starts with them.
-    self.log_window = log_window_lib.window_from_record(
+    self.log_window = metrics_lib.window_from_record(
         record.get('log_window', []))
 
   def evaluate_val(self, step: int) -> None:
@@ -198,7 +193,7 @@ class _Run:
             self.progress.record(),
             last_val=self.last_val,
             last_val_ema=self.last_val_ema,
-            log_window=log_window_lib.window_record(log_window)))
+            log_window=metrics_lib.window_record(log_window)))
     if wait:
       self.checkpointer.wait()
 
@@ -216,7 +211,7 @@ def _train_batches(run: _Run):
       exp.train_batches(run.splits.train, run.shard, run.start_step),
       strategy.place_batch, exp.settings.data.prefetch_batches))
   first = next(batches)
-  train_step = compiled_steps.CompiledSteps(strategy)
+  train_step = compilation.CompiledSteps(strategy)
   train_step.compile(run.state, tag(first))
   # The schedule (run at every log point) compiles now, not on the clock.
   run.learning_rate(run.start_step)
@@ -302,7 +297,7 @@ def _summary(run: _Run) -> dict[str, Any]:
       eval_time_sec=progress.eval_seconds,
       images_per_sec=progress.mean_images_per_sec,
       host_ms_per_step=progress.host_ms_per_step(),
-      peak_memory_bytes=device_memory.peak_memory_bytes(),
+      peak_memory_bytes=metrics_lib.peak_memory_bytes(),
       devices=[str(d) for d in jax.devices()],
       strategy=strategy.name,
       mesh_shape=exp.mesh and list(exp.mesh.devices.shape),
@@ -348,7 +343,7 @@ def train(exp: experiment.Experiment, workdir: str,
   setting = exp.settings.compilation_cache_dir
   with contextlib.ExitStack() as stack:
     startup_log.log_compilation_cache(
-        stack.enter_context(compilation_cache.used(setting)), setting)
+        stack.enter_context(compilation.used(setting)), setting)
     splits = startup_log.load_data(exp)
     if is_writer:
       run_dir.prepare(workdir)
@@ -361,22 +356,49 @@ def train(exp: experiment.Experiment, workdir: str,
     summary = _summary(run)
   path = os.path.join(workdir, run_dir.SUMMARY_FILE)
   if is_writer:
-    run_files.write_json(path, summary)
+    run_dir.write_json(path, summary)
   console_lines.info('%s', console_lines.summary_line(summary, path))
   return summary
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        log_module_table: bool = False,
-                       hooks: Hooks = Hooks()) -> dict[str, Any]:
+                       hooks: Hooks = Hooks(),
+                       on_built: Callable[[], None] = lambda: None
+                       ) -> dict[str, Any]:
   """`train` of the run `config` describes: everything that can be wrong
   with the workdir, the config or the data is checked (`unfinished`,
   `experiment.build`) before anything is written to `workdir`; a run this
   config has already finished there is left as it is (its summary
-  returned). `launch.train` takes these steps itself, to log the config
-  once it is checked."""
+  returned). `on_built` runs once the run is built, before it trains
+  (`launch.train` logs the config there: a bad setting's line stands
+  alone)."""
   finished = unfinished(config, workdir)
   if finished is not None:
     return finished
   exp = experiment.build(config, check_data=True)
+  on_built()
   return train(exp, workdir, log_module_table, hooks)
+
+
+# A run's resources closed on leaving its ExitStack, the first failure kept.
+
+_Resource = TypeVar('_Resource')
+
+
+@contextlib.contextmanager
+def closed_on_exit(resource: _Resource) -> Iterator[_Resource]:
+  """Closes `resource` on leaving the block. Leaving on an error, an error
+  of the closing itself is dropped: the first failure is the one reported
+  (a full disk that failed a save fails the checkpoints' and the metrics'
+  closing too, and would replace the save's error with theirs)."""
+  try:
+    yield resource
+  except BaseException:
+    try:
+      resource.close()
+    except Exception:  # pylint: disable=broad-except
+      logging.debug('Closing %s after an error failed too.', resource,
+                    exc_info=True)
+    raise
+  resource.close()

@@ -7,15 +7,15 @@ that only logs.
 import json
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional, Sequence
 
+import jax
 import numpy as np
 from tensorboardX import event_file_writer
 from tensorboardX.proto import event_pb2
 from tensorboardX.proto import summary_pb2
 
-from haiku_mp.vit.train import run_files
-
+from haiku_mp.vit.train import run_dir
 
 def truncate_after(workdir: str, step: int) -> int:
   """Drops metrics.jsonl events after `step` and every test event, test_ema
@@ -38,7 +38,7 @@ def truncate_after(workdir: str, step: int) -> int:
         kept.append(line.rstrip('\n') + '\n')
     except (ValueError, KeyError):
       pass  # A line cut short by a kill.
-  run_files.write_atomically(path, ''.join(kept))
+  run_dir.write_atomically(path, ''.join(kept))
   return len(lines) - len(kept)
 
 
@@ -85,7 +85,7 @@ class MetricsWriter:
     self._tensorboard.flush()
 
   def write(self, step: int, split: str, metrics: Mapping[str, Any]) -> None:
-    record = dict(step=int(step), split=split, **run_files.to_python(metrics))
+    record = dict(step=int(step), split=split, **run_dir.to_python(metrics))
     if self._jsonl is not None:
       try:
         self._jsonl.write(json.dumps(record) + '\n')
@@ -109,3 +109,58 @@ class MetricsWriter:
       self._jsonl.close()
     if self._tensorboard is not None:
       self._tensorboard.close()
+
+
+# The steps since the last log point: their host metrics summarized, and kept
+# in a checkpoint for the run that resumes from it.
+
+def _mean_of_kept(values) -> float:
+  """The mean of the values that are not NaN; NaN, without numpy's warning,
+  when a whole window of steps was skipped."""
+  values = np.asarray(values, np.float64)
+  kept = values[~np.isnan(values)]
+  return float(kept.mean()) if kept.size else float('nan')
+
+
+def window_summary(window: list[dict[str, Any]], means: Sequence[str]
+                   ) -> dict[str, float]:
+  """Host summary of the metrics of the steps since the last log point:
+  `means` averaged (each over the steps that have it: a resumed run's first
+  window starts with the steps its checkpoint kept, which a run of another
+  config may have saved, without DP-SGD's metrics, say), the loss scale and
+  skipped steps as they stand."""
+  summary = {k: _mean_of_kept([m[k] for m in window if k in m])
+             for k in means}
+  last = window[-1]
+  summary['loss_scale'] = float(last['loss_scale'])
+  summary['skipped_steps'] = int(last['skipped_steps'])
+  summary['window_skipped_steps'] = int(
+      sum(not bool(m['grads_finite']) for m in window))
+  return summary
+
+
+def window_record(window: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  """The host metrics of a log window's steps as JSON-ready values (arrays
+  as lists, NaN and inf kept as floats): what a checkpoint keeps of the
+  steps since the last log point, for the run that resumes from it."""
+  return [{k: np.asarray(v).tolist() for k, v in m.items()} for m in window]
+
+
+def window_from_record(record: Sequence[Mapping[str, Any]]
+                       ) -> list[dict[str, np.ndarray]]:
+  """`window_record`'s steps as host metrics again, every value as it was
+  (a float32 value comes back as the same number in float64, which is how
+  `window_summary` averages it)."""
+  return [{k: np.asarray(v) for k, v in m.items()} for m in record]
+
+
+# What the devices report of their memory.
+
+def peak_memory_bytes() -> Optional[int]:
+  """The largest peak bytes in use over local devices, where reported."""
+  peaks = []
+  for device in jax.local_devices():
+    stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+    if stats and 'peak_bytes_in_use' in stats:
+      peaks.append(int(stats['peak_bytes_in_use']))
+  return max(peaks) if peaks else None

@@ -7,17 +7,18 @@ checkpoint, and left as it is.
 """
 
 import json
+import math
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from absl import logging
 import ml_collections
+import numpy as np
 
 from haiku_mp import errors
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.settings import fields as settings_fields
-from haiku_mp.vit.train import compilation_cache
-from haiku_mp.vit.train import run_files
+from haiku_mp.vit.train import compilation
 
 CONFIG_FILE = 'config.json'
 SUMMARY_FILE = 'summary.json'
@@ -57,7 +58,7 @@ def config_text(tree: dict[str, Any]) -> str:
 
 # Settings that change how a run gets its programs, not what it computes: a
 # finished run is the same run whatever they say.
-_NOT_THE_RUN = (compilation_cache.SETTING, 'steps_in_flight',
+_NOT_THE_RUN = (compilation.SETTING, 'steps_in_flight',
                 'stall_timeout_sec')
 # Changed settings a warning names before it counts the rest.
 _CHANGES_NAMED = 4
@@ -82,7 +83,7 @@ def finished_summary(config: ml_collections.ConfigDict, workdir: str
 
 def write_config(workdir: str, settings: settings_lib.Settings) -> None:
   """config.json: what `finished_summary` compares a later start with."""
-  run_files.write_atomically(
+  write_atomically(
       os.path.join(workdir, CONFIG_FILE),
       config_text(settings_fields.to_dict(settings)))
 
@@ -145,3 +146,37 @@ def describe_changes(changes: list[tuple[str, Any, Any]], workdir: str,
   return (f'{os.path.join(workdir, CONFIG_FILE)} differs from this '
           f'command\'s config ({named}{more}): this command\'s settings '
           f'apply from step {start_step} on, and config.json now holds them.')
+
+
+# A run's files written so that a kill or a full disk never leaves one half
+# written: JSON-ready values, and atomic replaces.
+
+def to_python(value: Any) -> Any:
+  """A JSON-ready number or container (NaN and inf as strings JSON accepts)."""
+  if isinstance(value, Mapping):
+    return {k: to_python(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [to_python(v) for v in value]
+  value = np.asarray(value).item() if hasattr(value, 'dtype') else value
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)
+  return value
+
+
+def write_atomically(path: str, text: str) -> None:
+  """A temp file renamed over `path`: a kill leaves the old or the new file,
+  and so does a failed write (a full disk), whose OSError names `path`."""
+  tmp = f'{path}.tmp'
+  try:
+    with open(tmp, 'w') as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except OSError as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise OSError(e.errno, e.strerror, path) from None
+
+
+def write_json(path: str, data: Mapping[str, Any]) -> None:
+  """Writes `data` atomically."""
+  write_atomically(path, json.dumps(to_python(data), indent=1) + '\n')

@@ -12,7 +12,7 @@ from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.train import console_lines
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import module_table
-from haiku_mp.vit.train import run_files
+from haiku_mp.vit.train import run_dir
 from haiku_mp.vit.train import state_layout
 
 # The module table a run writes into its workdir.
@@ -56,7 +56,7 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
   table = module_table.format_table(rows)
   path = os.path.join(workdir, MODULES_FILE)
   if is_writer:
-    run_files.write_atomically(path, table + '\n')
+    run_dir.write_atomically(path, table + '\n')
   console_lines.info(
       '%s; every module: %s',
       module_table.summary_line(rows, exp.settings.precision.overrides,
