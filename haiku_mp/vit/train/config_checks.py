@@ -60,10 +60,6 @@ def _numbers(value: Any, count: int) -> bool:
           all(_is_number(v) and math.isfinite(v) for v in value))
 
 
-def _positive(setting: str, value: Any) -> None:
-  _require(_is_int(value) and value > 0, setting, value, 'positive')
-
-
 def _check_training(config: settings_lib.Settings) -> None:
   steps = config.num_train_steps
   if steps == -1:
@@ -123,7 +119,6 @@ def _check_state_layout(precision_config: settings_lib.PrecisionSettings,
   for name in ('mu_dtype', 'nu_dtype'):
     errors.check_choice(f'precision.{name}', getattr(precision_config, name),
                         optimizer_lib.MOMENT_DTYPES)
-  _positive('precision.moment_block_size', precision_config.moment_block_size)
   if update == optimizer_lib.MASTER:
     return
   half = sorted(d for d in precision.param_dtypes if d != 'float32')
