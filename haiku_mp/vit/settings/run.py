@@ -22,6 +22,9 @@ from haiku_mp.vit.settings.privacy import PrivacySettings
 
 # What `np.random.default_rng` and `jax.random.key` both take.
 _MAX_SEED = 2**63 - 1
+# The most programs a loop may keep in flight: half XLA:CPU's queue of 32 per
+# device, whose filling stalls multi-device programs.
+MAX_STEPS_IN_FLIGHT = 16
 _FINITE_NON_NEGATIVE = fields.rule(lambda x: 0 <= x < math.inf,
                                    'a finite number >= 0')
 
@@ -95,7 +98,11 @@ class Settings:
       'Train (and eval) steps the host dispatches ahead of the devices: a '
       'few keep them fed; a stop or a checkpoint waits for as many. At '
       'most 16: XLA:CPU stalls multi-device programs when a device queue '
-      '(32) fills.')
+      '(32) fills.',
+      check=fields.rule(
+          lambda n: 1 <= n <= MAX_STEPS_IN_FLIGHT,
+          f'an integer in [1, {MAX_STEPS_IN_FLIGHT}] (XLA:CPU stalls '
+          'multi-device programs when 32 wait on a device)'))
   stall_timeout_sec: float = setting(
       300.0,
       'A step (or eval batch) not finished after this long, or after 4x '

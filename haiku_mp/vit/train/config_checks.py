@@ -33,7 +33,6 @@ from haiku_mp.vit.parallel import wire_dtypes
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.train import compilation
-from haiku_mp.vit.train import in_flight
 
 _CHANNELS = 3
 
@@ -65,11 +64,6 @@ def _check_training(config: settings_lib.Settings) -> None:
   if steps == -1:
     _require(config.num_epochs > 0, 'num_epochs', config.num_epochs,
              'positive (or set num_train_steps)')
-  _require(_is_int(config.steps_in_flight) and
-           1 <= config.steps_in_flight <= in_flight.MAX_LIMIT,
-           'steps_in_flight', config.steps_in_flight,
-           f'an integer in [1, {in_flight.MAX_LIMIT}] (XLA:CPU stalls '
-           'multi-device programs when 32 wait on a device)')
   if config.ema_decay > 0 and config.ema_horizon > 0:
     raise errors.ConfigError(
         f'ema_decay={config.ema_decay:g} and ema_horizon='
