@@ -15,6 +15,7 @@ import ml_collections
 from haiku_mp.model import fp4
 from haiku_mp.model import fp8
 from haiku_mp.model import policies
+from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.vit.parallel import sharding
 
 # The compute dtypes and batch sizes an experiment compares by default.
@@ -28,12 +29,15 @@ BATCH_SIZES = (128, 1024, 4096)
 # state in bfloat16 (configs/vit_pure_bf16.py's layout: no float32 master,
 # stochastic rounding, bfloat16 moments).
 PURE_BF16 = 'pure_bf16'
-_PURE_BF16_STATE = dict(param_update='stochastic', mu_dtype='bfloat16',
-                        nu_dtype='bfloat16')
 # Its params with 8-bit moments (configs/vit_pure_bf16_8bit.py).
 PURE_BF16_8BIT = 'pure_bf16_8bit'
-_PURE_BF16_8BIT_STATE = dict(param_update='stochastic',
-                             mu_dtype='float8_blocks', nu_dtype='float8_blocks')
+
+
+def _state(layout: optimizer_lib.StateLayout) -> dict[str, str]:
+  """The `precision` settings of a layout's state (its params are the
+  policy's)."""
+  return dict(param_update=layout.param_update, mu_dtype=layout.mu_dtype,
+              nu_dtype=layout.nu_dtype)
 
 
 def compute_dtype(config: ml_collections.ConfigDict) -> str:
@@ -51,9 +55,9 @@ def variant_name(config: ml_collections.ConfigDict) -> str:
     return fp8.VARIANT_PREFIX + config.precision.fp8.scaling
   policy = policies.parse_policy(config.precision.policy)
   if jnp.dtype(policy.param_dtype) == jnp.bfloat16:
-    for name, state in ((PURE_BF16, _PURE_BF16_STATE),
-                        (PURE_BF16_8BIT, _PURE_BF16_8BIT_STATE)):
-      if all(config.precision[k] == v for k, v in state.items()):
+    for name, layout in ((PURE_BF16, optimizer_lib.PURE_BF16),
+                         (PURE_BF16_8BIT, optimizer_lib.PURE_BF16_8BIT)):
+      if all(config.precision[k] == v for k, v in _state(layout).items()):
         return name
   return compute_dtype(config)
 
@@ -84,7 +88,7 @@ def in_compute_dtype(config: ml_collections.ConfigDict, dtype: str
   config = copy.deepcopy(config)
   config.precision.policy = text
   if pure_bf16:
-    config.precision.update(_PURE_BF16_STATE)
+    config.precision.update(_state(optimizer_lib.PURE_BF16))
   if scaling is None:
     config.precision.fp8.modules = ''
   else:

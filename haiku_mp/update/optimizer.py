@@ -32,6 +32,39 @@ from haiku_mp.update import rounding
 # How params take an update: see the module docstring.
 MASTER = 'master'
 PARAM_UPDATES = (MASTER, 'nearest', 'stochastic', 'kahan')
+
+
+class StateLayout(NamedTuple):
+  """How a training state is kept: the params' dtype, how updates reach
+  them (`PARAM_UPDATES`), and Adam's moments' dtypes (`make_optimizer`'s
+  `param_update`, `mu_dtype`, `nu_dtype`)."""
+  params: str
+  param_update: str
+  mu_dtype: str
+  nu_dtype: str
+
+
+# The layouts the docs and the lab name, from the default (float32 params)
+# to the least memory: the one table of them.
+STATE_LAYOUTS = {
+    'float32': StateLayout('float32', MASTER, 'float32', 'float32'),
+    'bf16+master': StateLayout('bfloat16', MASTER, 'float32', 'float32'),
+    'bf16 nearest': StateLayout('bfloat16', 'nearest', 'float32', 'float32'),
+    'bf16 stochastic': StateLayout('bfloat16', 'stochastic', 'float32',
+                                   'float32'),
+    'bf16 kahan': StateLayout('bfloat16', 'kahan', 'float32', 'float32'),
+    'bf16 kahan, bf16 moments': StateLayout('bfloat16', 'kahan', 'bfloat16',
+                                            'bfloat16'),
+    # configs/vit_pure_bf16.py's.
+    'bf16 stochastic, bf16 moments': StateLayout('bfloat16', 'stochastic',
+                                                 'bfloat16', 'bfloat16'),
+    # configs/vit_pure_bf16_8bit.py's.
+    'bf16 stochastic, 8-bit moments': StateLayout(
+        'bfloat16', 'stochastic', block_moments.FLOAT8_BLOCKS,
+        block_moments.FLOAT8_BLOCKS),
+}
+PURE_BF16 = STATE_LAYOUTS['bf16 stochastic, bf16 moments']
+PURE_BF16_8BIT = STATE_LAYOUTS['bf16 stochastic, 8-bit moments']
 # What Adam's first and second moments may be kept in.
 MOMENT_DTYPES = ('float32', 'bfloat16', block_moments.FLOAT8_BLOCKS)
 # Elements per block of an 8-bit moment: torchao's (block_moments.py).

@@ -29,7 +29,7 @@ from haiku_mp.lab import variants
 from haiku_mp.lab.studies import memory
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
-from haiku_mp.vit import settings
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.train import experiment
@@ -41,9 +41,10 @@ RESIDUAL_STREAMS = ('compute', 'float32')
 _REFERENCE_POLICY = 'params=float64,compute=float64,output=float64'
 
 
-def _batch(config, batch_size: int, dtype) -> dict[str, jax.Array]:
-  batch = pipeline.random_batch(config.model, batch_size, config.seed,
-                                      np.float64)
+def _batch(settings: settings_lib.Settings, batch_size: int, dtype
+           ) -> dict[str, jax.Array]:
+  batch = pipeline.random_batch(settings.model, batch_size, settings.seed,
+                                np.float64)
   return dict(image=jnp.asarray(batch['image'], dtype),
               label=jnp.asarray(batch['label']))
 
@@ -68,14 +69,14 @@ def _initial_params(exp: experiment.Experiment) -> Any:
   """The initial float32 params, with the zero-initialized ones (head, cls
   token, biases) drawn small and random so that every path carries a signal.
   One jitted program: run op by op, Haiku's init compiles each op."""
-  config = exp.config
+  settings = exp.settings
 
   @jax.jit
   def init():
-    params = exp.forward.init(jax.random.key(config.seed),
-                              forward_lib.dummy_images(config.model), True)
+    params = exp.forward.init(jax.random.key(settings.seed),
+                              forward_lib.dummy_images(settings.model), True)
     leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(config.seed + 1), len(leaves))
+    keys = jax.random.split(jax.random.key(settings.seed + 1), len(leaves))
     leaves = [jnp.where(p == 0, 0.02 * jax.random.normal(k, p.shape, p.dtype),
                         p) for p, k in zip(leaves, keys)]
     return jax.tree.unflatten(treedef, leaves)
@@ -104,9 +105,9 @@ def reference(config: ml_collections.ConfigDict, batch_size: int
   config.loss_scale.kind = 'none'
   with jax.enable_x64(True):
     params64 = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), params)
+    exp = experiment.build_without_data(config)
     return Reference(params, *_logits_and_grads(
-        experiment.build_without_data(config), params64,
-        _batch(config, batch_size, jnp.float64)))
+        exp, params64, _batch(exp.settings, batch_size, jnp.float64)))
 
 
 def _relative(a, b) -> float:
@@ -120,7 +121,7 @@ def error_vs(config: ml_collections.ConfigDict, ref, batch_size: int
   params = jax.tree.map(lambda p, a: jnp.asarray(p, a.dtype), ref.params,
                         exp.abstract_state.params)  # As the policy stores them.
   logits, loss, grads = _logits_and_grads(
-      exp, params, _batch(exp.config, batch_size, jnp.float32))
+      exp, params, _batch(exp.settings, batch_size, jnp.float32))
   _, ref_logits, ref_loss, ref_grads = ref
   flat = lambda tree: np.concatenate(
       [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
@@ -163,7 +164,7 @@ def run(config: ml_collections.ConfigDict,
   """Both sets of variants at `config.batch_size`, against one reference."""
   for dtype in dtypes:  # Every setting is checked before anything runs.
     for name in matmul_precisions:
-      forward_lib.precision_from_config(settings.parse(
+      forward_lib.precision_from_config(settings_lib.parse(
           variants.matmul_variant(config, dtype, config.batch_size, name)))
   ref = reference(config, numerics_batch_size)
   matmul_rows = []

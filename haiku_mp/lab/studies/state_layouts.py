@@ -20,23 +20,11 @@ from haiku_mp.lab import charts
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.model import policies
+from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import state_layout
 
-# name -> (param dtype, param_update, mu_dtype, nu_dtype), from the default
-# (float32 params) to the least memory.
-LAYOUTS = {
-    'float32': ('float32', 'master', 'float32', 'float32'),
-    'bf16+master': ('bfloat16', 'master', 'float32', 'float32'),
-    'bf16 nearest': ('bfloat16', 'nearest', 'float32', 'float32'),
-    'bf16 stochastic': ('bfloat16', 'stochastic', 'float32', 'float32'),
-    'bf16 kahan': ('bfloat16', 'kahan', 'float32', 'float32'),
-    'bf16 kahan, bf16 moments': ('bfloat16', 'kahan', 'bfloat16', 'bfloat16'),
-    'bf16 stochastic, bf16 moments': ('bfloat16', 'stochastic', 'bfloat16',
-                                      'bfloat16'),
-    'bf16 stochastic, 8-bit moments': ('bfloat16', 'stochastic',
-                                       'float8_blocks', 'float8_blocks'),
-}
+LAYOUTS = optimizer_lib.STATE_LAYOUTS
 
 
 def layout_config(config: ml_collections.ConfigDict, name: str

@@ -39,6 +39,11 @@ def POSITIVE(value) -> Optional[str]:  # pylint: disable=invalid-name
   return None if value > 0 else 'must be positive'
 
 
+def rule(ok: Callable[[Any], bool], valid: str) -> Check:
+  """The check `value must be {valid}` where `ok(value)` is false."""
+  return lambda value: None if ok(value) else f'must be {valid}'
+
+
 def at_least(low: float) -> Check:
   return lambda value: None if value >= low else f'must be >= {low:g}'
 

@@ -30,10 +30,12 @@ class ModelSettings:
       0.0,
       "Stochastic depth: each block's two residual branches dropped for a "
       'random subset of examples, at rates rising linearly from 0 in the '
-      'first block to drop_path_rate in the last.')
+      'first block to drop_path_rate in the last.',
+      check=fields.rule(lambda r: 0 <= r < 1, 'in [0, 1)'))
   layer_norm_epsilon: float = setting(
       1e-06,
-      "The seeds' (Haiku's default is 1e-5).")
+      "The seeds' (Haiku's default is 1e-5).",
+      check=fields.rule(lambda e: e > 0, 'positive'))
   patch_init: str = setting(
       'lecun_normal',
       "The patch embedding's kernel init: 'lecun_normal' (the original "

@@ -99,7 +99,8 @@ class PrecisionSettings:
   moment_block_size: int = setting(
       256,
       "'float8_blocks' moments: values per scale, along each param's last "
-      "axis (torchao's 256: 0.016 bytes of scale per value).")
+      "axis (torchao's 256: 0.016 bytes of scale per value).",
+      check=fields.POSITIVE)
   fp8: Fp8Settings = group(
       Fp8Settings,
       'fp8 matmuls (haiku_mp/model/fp8.py, docs/fp8.md): E4M3 forward, E5M2 '

@@ -20,12 +20,23 @@ from haiku_mp.vit.settings.parallel import ParallelSettings
 from haiku_mp.vit.settings.precision import PrecisionSettings
 from haiku_mp.vit.settings.privacy import PrivacySettings
 
+# What `np.random.default_rng` and `jax.random.key` both take.
+_MAX_SEED = 2**63 - 1
+# The most programs a loop may keep in flight: half XLA:CPU's queue of 32 per
+# device, whose filling stalls multi-device programs.
+MAX_STEPS_IN_FLIGHT = 16
+_FINITE_NON_NEGATIVE = fields.rule(lambda x: 0 <= x < math.inf,
+                                   'a finite number >= 0')
+
 
 @fields.frozen
 class Settings:
   """A run: the seeds' reference ViT on CIFAR-10 in float32 by default."""
 
-  seed: int = setting(0, 'Params, dropout, data order and augmentation draws.')
+  seed: int = setting(
+      0, 'Params, dropout, data order and augmentation draws.',
+      check=fields.rule(lambda s: 0 <= s <= _MAX_SEED,
+                        'a non-negative 64-bit integer'))
   batch_size: int = setting(
       128, 'Train images per step, over every device.',
       check=fields.POSITIVE)
@@ -35,28 +46,41 @@ class Settings:
   num_epochs: int = setting(
       10,
       'Passes over the train split (num_train_steps=-1).')
-  num_train_steps: int = setting(-1, '-1: derived from num_epochs.')
+  num_train_steps: int = setting(-1, '-1: derived from num_epochs.',
+      check=fields.rule(
+          lambda s: s > 0 or s == -1,
+          'positive, or -1 for num_epochs over the train split'))
   learning_rate: float = setting(
       0.001,
-      "Adam's peak rate, reached after warmup.")
-  weight_decay: float = setting(0.0, "AdamW's decoupled weight decay.")
-  warmup_steps: int = setting(0, 'Linear warm-up, then cosine decay to 0.')
-  grad_clip_norm: float = setting(0.0, '0: no clipping.')
+      "Adam's peak rate, reached after warmup.",
+      check=_FINITE_NON_NEGATIVE)
+  weight_decay: float = setting(0.0, "AdamW's decoupled weight decay.",
+      check=_FINITE_NON_NEGATIVE)
+  warmup_steps: int = setting(0, 'Linear warm-up, then cosine decay to 0.',
+      check=fields.rule(lambda s: s >= 0, '>= 0'))
+  grad_clip_norm: float = setting(0.0, '0: no clipping.',
+      check=fields.rule(lambda n: n >= 0, '>= 0 (0: no clipping)'))
   label_smoothing: float = setting(
       0.0,
       "The train loss's targets: (1 - label_smoothing) on the label (or "
       'the mixed labels) plus label_smoothing spread evenly over the '
-      'classes.')
+      'classes.',
+      check=fields.rule(lambda x: 0 <= x < 1, 'in [0, 1)'))
   ema_decay: float = setting(
       0.0,
       '> 0: a moving average of the params (this decay per step) is kept '
       'and evaluated beside them (val_ema and test_ema events, ema_* in '
-      'the summary).')
+      'the summary).',
+      check=fields.rule(lambda d: 0 <= d < 1,
+                        'in [0, 1) (0: no moving average)'))
   ema_horizon: float = setting(
       0.0,
       "> 0: the moving average follows the run's length instead: its time "
       "constant is this share of the run's train steps (ema_decay = 1 - 1 "
-      '/ (ema_horizon * steps)), so a shorter run gets a faster average.')
+      '/ (ema_horizon * steps)), so a shorter run gets a faster average.',
+      check=fields.rule(
+          lambda h: 0 <= h <= 1,
+          "in [0, 1] (a share of the run's steps; 0: ema_decay as set)"))
   log_every_steps: int = setting(
       50, 'A progress line and a metrics event.',
       check=fields.POSITIVE)
@@ -74,7 +98,11 @@ class Settings:
       'Train (and eval) steps the host dispatches ahead of the devices: a '
       'few keep them fed; a stop or a checkpoint waits for as many. At '
       'most 16: XLA:CPU stalls multi-device programs when a device queue '
-      '(32) fills.')
+      '(32) fills.',
+      check=fields.rule(
+          lambda n: 1 <= n <= MAX_STEPS_IN_FLIGHT,
+          f'an integer in [1, {MAX_STEPS_IN_FLIGHT}] (XLA:CPU stalls '
+          'multi-device programs when 32 wait on a device)'))
   stall_timeout_sec: float = setting(
       300.0,
       'A step (or eval batch) not finished after this long, or after 4x '

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 import ml_collections
 import jax.numpy as jnp
-import numpy as np
 
 from haiku_mp import errors
 from haiku_mp.model import dropout
@@ -34,10 +33,7 @@ from haiku_mp.vit.parallel import wire_dtypes
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.train import compilation
-from haiku_mp.vit.train import in_flight
 
-# What `np.random.default_rng` and `jax.random.key` both take.
-_MAX_SEED = np.iinfo(np.int64).max
 _CHANNELS = 3
 
 
@@ -63,39 +59,11 @@ def _numbers(value: Any, count: int) -> bool:
           all(_is_number(v) and math.isfinite(v) for v in value))
 
 
-def _positive(setting: str, value: Any) -> None:
-  _require(_is_int(value) and value > 0, setting, value, 'positive')
-
-
 def _check_training(config: settings_lib.Settings) -> None:
-  _require(_is_int(config.seed) and 0 <= config.seed <= _MAX_SEED, 'seed',
-           config.seed, 'a non-negative 64-bit integer')
   steps = config.num_train_steps
-  _require(_is_int(steps) and (steps > 0 or steps == -1), 'num_train_steps',
-           steps, 'positive, or -1 for num_epochs over the train split')
   if steps == -1:
     _require(config.num_epochs > 0, 'num_epochs', config.num_epochs,
              'positive (or set num_train_steps)')
-  _require(0 <= config.learning_rate < math.inf, 'learning_rate',
-           config.learning_rate, 'a finite number >= 0')
-  _require(0 <= config.weight_decay < math.inf, 'weight_decay',
-           config.weight_decay, 'a finite number >= 0')
-  _require(_is_int(config.steps_in_flight) and
-           1 <= config.steps_in_flight <= in_flight.MAX_LIMIT,
-           'steps_in_flight', config.steps_in_flight,
-           f'an integer in [1, {in_flight.MAX_LIMIT}] (XLA:CPU stalls '
-           'multi-device programs when 32 wait on a device)')
-  _require(_is_int(config.warmup_steps) and config.warmup_steps >= 0,
-           'warmup_steps', config.warmup_steps, '>= 0')
-  _require(config.grad_clip_norm >= 0, 'grad_clip_norm', config.grad_clip_norm,
-           '>= 0 (0: no clipping)')
-  _require(0 <= config.label_smoothing < 1, 'label_smoothing',
-           config.label_smoothing, 'in [0, 1)')
-  _require(0 <= config.ema_decay < 1, 'ema_decay', config.ema_decay,
-           'in [0, 1) (0: no moving average)')
-  _require(_is_number(config.ema_horizon) and 0 <= config.ema_horizon <= 1,
-           'ema_horizon', config.ema_horizon,
-           'in [0, 1] (a share of the run\'s steps; 0: ema_decay as set)')
   if config.ema_decay > 0 and config.ema_horizon > 0:
     raise errors.ConfigError(
         f'ema_decay={config.ema_decay:g} and ema_horizon='
@@ -120,10 +88,6 @@ def _check_model(config: settings_lib.Settings) -> policies.Precision:
         f'model.embed_dim={model.embed_dim} is not divisible by '
         f'model.num_heads={model.num_heads}')
   dropout.check_rate(model.dropout_rate)
-  _require(0 <= model.drop_path_rate < 1, 'model.drop_path_rate',
-           model.drop_path_rate, 'in [0, 1)')
-  _require(model.layer_norm_epsilon > 0, 'model.layer_norm_epsilon',
-           model.layer_norm_epsilon, 'positive')
   errors.check_choice('model.patch_init', model.patch_init,
                       tuple(vit.PATCH_INITS))
   remat.check(config.remat)
@@ -149,7 +113,6 @@ def _check_state_layout(precision_config: settings_lib.PrecisionSettings,
   for name in ('mu_dtype', 'nu_dtype'):
     errors.check_choice(f'precision.{name}', getattr(precision_config, name),
                         optimizer_lib.MOMENT_DTYPES)
-  _positive('precision.moment_block_size', precision_config.moment_block_size)
   if update == optimizer_lib.MASTER:
     return
   half = sorted(d for d in precision.param_dtypes if d != 'float32')

@@ -25,9 +25,10 @@ from typing import Any, Callable, Hashable, Optional
 
 import jax
 
-# The most programs a loop may keep in flight: half XLA:CPU's queue of 32 per
-# device, whose filling stalls multi-device programs (above).
-MAX_LIMIT = 16
+from haiku_mp.vit.settings import run as run_settings
+
+# The most programs a loop may keep in flight (the setting's own bound).
+MAX_LIMIT = run_settings.MAX_STEPS_IN_FLIGHT
 # A wait may take this many times the longest one seen before it counts as a
 # stall, so that a run of slow steps (a large batch on a CPU) is not one.
 SLOWEST_WAIT_FACTOR = 4.0
