@@ -186,6 +186,24 @@ def advisor_settings(advisor) -> settings_lib.AdvisorSettings:
   return fields.parse(settings_lib.AdvisorSettings, advisor, 'advisor.')
 
 
+def tiny_run_config(policy: str = 'params=float32,compute=float32,output=float32',
+                    loss_scale: str = 'none', steps: int = 6,
+                    eval_batch_size: int = 16, train_examples: int = 64,
+                    eval_examples: int = 20):
+  """`tiny_config` as a whole run on synthetic data: a few steps of 8
+  images, logged every 2 and evaluated every 3."""
+  config = tiny_config(policy, loss_scale=loss_scale)
+  config.batch_size = 8
+  config.eval_batch_size = eval_batch_size
+  config.num_train_steps = steps
+  config.log_every_steps = 2
+  config.eval_every_steps = 3
+  config.data.source = 'synthetic'
+  config.data.synthetic_eval_examples = eval_examples
+  config.data.synthetic_train_examples = train_examples
+  return config
+
+
 def tiny_config(policy: str = 'params=float32,compute=float32,output=float32',
                 overrides: str = '', loss_scale: str = 'none', **model):
   """The base config with a ViT small enough for a test on two CPU cores."""

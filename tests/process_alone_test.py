@@ -111,13 +111,8 @@ class ProcessAloneTest(absltest.TestCase):
     """A run's `compilation_cache_dir` holds for the run only: the
     caller's cache directory, and all of jax's config, are back after."""
     from haiku_mp.vit.train import loop  # pylint: disable=g-import-not-at-top
-    config = helpers.tiny_config()
-    config.batch_size = 8
-    config.eval_batch_size = 8
-    config.num_train_steps = 1
-    config.data.source = 'synthetic'
-    config.data.synthetic_eval_examples = 8
-    config.data.synthetic_train_examples = 16
+    config = helpers.tiny_run_config(steps=1, eval_batch_size=8,
+                                     train_examples=16, eval_examples=8)
     tmp = tempfile.TemporaryDirectory()
     self.addCleanup(tmp.cleanup)
     workdir = tmp.name

@@ -41,16 +41,7 @@ SUMMARY_KEYS = {'test_accuracy', 'test_loss', 'val_accuracy', 'val_loss',
 
 def _tiny_run_config(policy='params=float32,compute=float16,output=float32',
                      loss_scale='dynamic'):
-  config = helpers.tiny_config(policy, loss_scale=loss_scale)
-  config.batch_size = 8
-  config.eval_batch_size = 16
-  config.num_train_steps = 6
-  config.log_every_steps = 2
-  config.eval_every_steps = 3
-  config.data.source = 'synthetic'
-  config.data.synthetic_eval_examples = 20
-  config.data.synthetic_train_examples = 64
-  return config
+  return helpers.tiny_run_config(policy, loss_scale)
 
 
 CLI_TINY = ('--config.num_train_steps=4', '--config.log_every_steps=1',
