@@ -34,7 +34,6 @@ Compiled cost per layout (compile time, memory analysis per device):
         launch.benchmark --config=configs/vit_fp32.py --layouts=pjit:8x1,pjit:4x2
 """
 
-import copy
 import json
 
 from absl import app
@@ -49,6 +48,7 @@ from haiku_mp.lab import variants
 from haiku_mp.lab.benchmarks import loop_benchmark
 from haiku_mp.lab.benchmarks import pipeline_benchmark
 from haiku_mp.lab.benchmarks import step_benchmark
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.train import in_flight
 from launch import cli
@@ -98,11 +98,8 @@ _LAYOUT_RATIO_FIELDS = ('temp_size_in_bytes', 'argument_size_in_bytes',
 def _layouts(config):
   results = []
   for layout in _LAYOUTS.value:
-    strategy, shape = sharding.parse_layout(layout)
-    variant = copy.deepcopy(config)
-    variant.parallel.strategy = strategy
-    variant.parallel.mesh_shape = shape
-    result = dict(layout=layout, **timing.compiled_step_stats(variant))
+    result = dict(layout=layout, **timing.compiled_step_stats(
+        variants.with_layout(config, layout)))
     results.append(result)
     print(json.dumps(result), flush=True)
   compare.add_ratios(results, 'ratios', _LAYOUT_RATIO_FIELDS,
@@ -138,10 +135,7 @@ def _check_flags(config) -> None:
         'timed over its windows after the first; use at least '
         f'{2 * config.log_every_steps} steps')
   for layout in _LAYOUTS.value:
-    variant = copy.deepcopy(config)
-    variant.parallel.strategy, variant.parallel.mesh_shape = (
-        sharding.parse_layout(layout))
-    sharding.mesh_for(variant.parallel)
+    sharding.mesh_for(variants.with_layout(config, layout).parallel)
 
 
 def _pipeline(config):
@@ -206,7 +200,7 @@ def _line(row) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  config = _CONFIG.value
+  config = settings_lib.parse(_CONFIG.value)
   _check_flags(config)
   print(hardware.host_line(), flush=True)
   if _LAYOUTS.value:

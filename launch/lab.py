@@ -43,11 +43,10 @@ from absl import flags
 from ml_collections import config_flags
 
 from haiku_mp import errors
-from haiku_mp.lab import run_inputs
-from haiku_mp.lab import variants
 from haiku_mp.lab.advisor import advisor_files
 from haiku_mp.lab.advisor import driver as advisor
 from haiku_mp.lab.report import report
+from haiku_mp.lab import run_inputs
 from haiku_mp.lab.studies import communication
 from haiku_mp.lab.studies import dot_algorithms
 from haiku_mp.lab.studies import fp8_gemms
@@ -60,6 +59,8 @@ from haiku_mp.lab.studies import params
 from haiku_mp.lab.studies import profile
 from haiku_mp.lab.studies import step_compile
 from haiku_mp.lab.studies import sweep
+from haiku_mp.lab import variants
+from haiku_mp.vit import settings as settings_lib
 from launch import cli
 from launch import flag_checks
 
@@ -144,92 +145,93 @@ def _log(line: str) -> None:
   print(line, flush=True)
 
 
-def _params():
-  return params.run(_CONFIG.value, log=_log), params.plot
+def _params(settings):
+  return params.run(settings, log=_log), params.plot
 
 
-def _sweep():
+def _sweep(settings):
   result = sweep.run(
-      _CONFIG.value, _DTYPES.value,
+      settings, _DTYPES.value,
       flag_checks.positive_ints('batch_sizes', _BATCH_SIZES.value),
       _LAYOUTS.value, _STEPS.value, _WARMUP_STEPS.value, _ISOLATE.value,
       log=_log)
   return result, sweep.plot
 
 
-def _memory():
+def _memory(settings):
   result = memory.run(
-      _CONFIG.value, _DTYPES.value,
+      settings, _DTYPES.value,
       flag_checks.positive_ints('batch_sizes', _BATCH_SIZES.value),
       _COMPILE.value, log=_log)
   return result, memory.plot
 
 
-def _precision():
+def _precision(settings):
   dtypes = _DTYPES.value if _DTYPES.present else list(precision_lab.DTYPES)
   result = precision_lab.run(
-      _CONFIG.value, dtypes, _MATMUL_PRECISIONS.value, _STEPS.value,
+      settings, dtypes, _MATMUL_PRECISIONS.value, _STEPS.value,
       _NUMERICS_BATCH_SIZE.value, _ISOLATE.value, log=_log)
   return result, precision_lab.plot
 
 
-def _profile():
-  config = _CONFIG.value
-  result = profile.run(config, _OUT.value, _STEPS.value, _WARMUP_STEPS.value)
+def _profile(settings):
+  result = profile.run(settings, _OUT.value, _STEPS.value, _WARMUP_STEPS.value)
   for line in result['open_with']:
     print(f'open the trace: {line}', flush=True)
   return result, profile.plot
 
 
-def _matmul():
+def _matmul(settings):
+  del settings  # It measures a bare matmul, not the configured run.
   return (matmul.run(_ROWS.value, _COLS.value, _REPEATS.value, log=_log),
           matmul.plot)
 
 
-def _fp8():
-  result = fp8_gemms.run(_CONFIG.value, _COMPILE.value, log=_log)
+def _fp8(settings):
+  result = fp8_gemms.run(settings, _COMPILE.value, log=_log)
   print(fp8_gemms.table(result), flush=True)
   print(fp8_gemms.summary(result), flush=True)
   return result, fp8_gemms.write_table
 
 
-def _rounding():
+def _rounding(settings):
   """At a run's checkpoint (its own config), which params' updates bfloat16
   rounding drops."""
-  config = _CONFIG.value
   if _CHECKPOINT.value:
     given = config_flags.get_override_values(flags.FLAGS['config'])
-    config = run_inputs.with_run_config(config, _CHECKPOINT.value, given,
-                                        log=_log, command='rounding')
-  result = lost_updates.run(config, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
+    settings = run_inputs.with_run_config(settings, _CHECKPOINT.value, given,
+                                          log=_log, command='rounding')
+  result = lost_updates.run(settings, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
                         _BATCHES.value, log=_log)
   print(lost_updates.table(result), flush=True)
   return result, lost_updates.plot
 
 
-def _ladder():
+def _ladder(settings):
   if not _WORKDIRS.value:
     raise errors.ConfigError('--workdirs: the ladder takes finished '
                              'launch.train workdirs, e.g. '
                              '--workdirs=runs/fp32,runs/bf16')
-  return ladder.run(_CONFIG.value, _WORKDIRS.value, log=_log), ladder.plot
+  return ladder.run(settings, _WORKDIRS.value, log=_log), ladder.plot
 
 
-def _dot_algorithms():
+def _dot_algorithms(settings):
+  del settings  # It measures bare dots, not the configured run.
   return (dot_algorithms.run(_SIZE.value, _REPEATS.value, log=_log),
           dot_algorithms.plot)
 
 
-def _communication():
+def _communication(settings):
   layouts = (_LAYOUTS.value if _LAYOUTS.present else
              list(communication.LAYOUTS))
-  result = communication.run(_CONFIG.value, layouts, _WIRES.value, log=_log)
+  result = communication.run(settings, layouts, _WIRES.value, log=_log)
   print(communication.table(result), flush=True)
   print(communication.paper_table(result), flush=True)
   return result, communication.plot
 
 
-def _step_compile():
+def _step_compile(settings):
+  del settings  # It measures its own tiny step, not the configured run.
   return (step_compile.run(repeats=_REPEATS.value, log=_log),
           step_compile.plot)
 
@@ -245,30 +247,29 @@ STUDIES = {'params': _params, 'sweep': _sweep, 'memory': _memory,
 COMMANDS = (*STUDIES, 'report', 'advise')
 
 
-def _report():
+def _report(settings):
   """The report writes its own files (one JSON per part, report.md)."""
   seeds = [int(s) for s in _SEEDS.value if s.lstrip('-').isdigit()]
   if not seeds or len(seeds) != len(_SEEDS.value):
     raise errors.ConfigError(f'--seeds: expected integers, got '
                              f'{",".join(_SEEDS.value)!r}')
-  index = report.run(_CONFIG.value, _OUT.value, _PARTS.value, _QUICK.value,
+  index = report.run(settings, _OUT.value, _PARTS.value, _QUICK.value,
                      seeds, command=shlex.join(['python', '-m', 'launch.lab',
                                                 *sys.argv[1:]]),
                      log=_log)
   print(json.dumps(index))
 
 
-def _advise():
+def _advise(settings):
   """The advisor writes its own files and prints the flags to paste. With
   --checkpoint, the run's own config.json is the config (its model, data,
   precision, loss scale: nothing to repeat); --config.* flags on the command
   line still win."""
-  config = _CONFIG.value
   if _CHECKPOINT.value:
     given = config_flags.get_override_values(flags.FLAGS['config'])
-    config = run_inputs.with_run_config(config, _CHECKPOINT.value, given,
-                                        log=_log)
-  result = advisor.run(config, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
+    settings = run_inputs.with_run_config(settings, _CHECKPOINT.value, given,
+                                          log=_log)
+  result = advisor.run(settings, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
                       _BATCHES.value, _LEVEL.value, _STEPS.value, log=_log)
   for path in advisor_files.write(result, _OUT.value):
     print(f'wrote {path}', flush=True)
@@ -287,10 +288,11 @@ def main(argv):
                              f'got {argv[1:]}')
   command = argv[1]
   _check_flags()
+  settings = settings_lib.parse(_CONFIG.value)  # Parsed once, each checked.
   if command in ('report', 'advise'):
-    {'report': _report, 'advise': _advise}[command]()
+    {'report': _report, 'advise': _advise}[command](settings)
     return
-  result, plot = STUDIES[command]()
+  result, plot = STUDIES[command](settings)
   os.makedirs(_OUT.value, exist_ok=True)  # Only once there is a result.
   result['plots'] = [os.path.basename(p) for p in plot(result, _OUT.value)]
   with open(os.path.join(_OUT.value, f'{command}.json'), 'w') as f:

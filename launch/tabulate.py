@@ -10,6 +10,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import module_table
 from haiku_mp.vit.train import state_layout
@@ -23,8 +24,7 @@ _JSON = flags.DEFINE_bool('json', False, 'Print one JSON list of objects.')
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  config = experiment.on_synthetic_data(_CONFIG.value)
-  exp = experiment.build(config)
+  exp = experiment.build_without_data(settings_lib.parse(_CONFIG.value))
   rows = module_table.module_rows(exp)
   if _JSON.value:
     print(json.dumps(rows, indent=1))

@@ -63,14 +63,14 @@ def _log_config() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  # Read by XLA when JAX first makes a backend, below; the settings are
-  # parsed (and each checked) first, without JAX.
+  # Parsed once (each field checked), without JAX: XLA_FLAGS are read by
+  # XLA when JAX first makes a backend, below.
+  settings = settings_lib.parse(_CONFIG.value)
   os.environ['XLA_FLAGS'] = in_flight.xla_flags(
-      os.environ.get('XLA_FLAGS', ''),
-      settings_lib.parse(_CONFIG.value).stall_timeout_sec)
+      os.environ.get('XLA_FLAGS', ''), settings.stall_timeout_sec)
   _initialize_distributed()
   result = loop.train_and_evaluate(
-      _CONFIG.value, _WORKDIR.value, log_module_table=_MODULES_TABLE.value,
+      settings, _WORKDIR.value, log_module_table=_MODULES_TABLE.value,
       on_built=_log_config)
   if result.get('signal') == 'SIGINT':  # Saved, but stopped by Ctrl-C.
     sys.exit(cli.EXIT_INTERRUPTED)

@@ -17,6 +17,7 @@ from configs import base
 from configs import vit_recipe
 from haiku_mp.update import keys as keys_lib
 from haiku_mp.vit.data import augment
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
 
@@ -339,7 +340,7 @@ class ModelInputsTest(parameterized.TestCase):
     config = helpers.tiny_config()
     config.num_train_steps = 400
     config.data.update(mixup_alpha=0.8, mixing_off_share=0.25)
-    exp = experiment.build_without_data(config)
+    exp = experiment.build_without_data(settings_lib.parse(config))
     self.assertIn('Mixing: off from step 300 of 400', '\n'.join(exp.describe()))
     batch = dict(image=_images(8), label=jnp.arange(8) % 10)
     inputs = jax.jit(exp.train_inputs)

@@ -34,6 +34,7 @@ from haiku_mp import errors
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import loop
@@ -601,11 +602,11 @@ class ResumedLogTest(absltest.TestCase):
 
     with mock.patch.object(checkpoint.Checkpointer, 'save', no_room_at_12), \
         self.assertRaisesRegex(errors.RunError, 'step 12'):
-      loop.train_and_evaluate(config, workdir)
+      loop.train_and_evaluate(settings_lib.parse(config), workdir)
     uninterrupted = _train_events(workdir)
     self.assertEqual([e['step'] for e in uninterrupted], [4, 8, 12])
     with self.assertLogs(level='INFO') as logs:
-      loop.train_and_evaluate(config, workdir)
+      loop.train_and_evaluate(settings_lib.parse(config), workdir)
     self.assertIn(f'{workdir}/checkpoints at step 6.', '\n'.join(logs.output))
     resumed = _train_events(workdir)
     for event in (*uninterrupted, *resumed):
@@ -649,7 +650,7 @@ class StateLayoutCheckpointTest(parameterized.TestCase):
     """Saved after 2 steps, restored, 2 more: the state 4 straight steps
     make, the stochastic rounding's draws and the compensation included."""
     config = _layout_config(update, mu, nu)
-    exp = experiment.build(config)
+    exp = experiment.build(settings_lib.parse(config))
     straight = _steps(exp, config, exp.strategy.init_state(), 0, 4)
     with contextlib.closing(checkpoint.Checkpointer(self.workdir, 1)) as ckpt:
       ckpt.save(2, _steps(exp, config, exp.strategy.init_state(), 0, 2))
@@ -667,7 +668,7 @@ class StateLayoutCheckpointTest(parameterized.TestCase):
     shutil.copytree(os.path.join(helpers.ROOT, 'tests', 'data',
                                  'checkpoint_before_layouts'),
                     self.workdir, dirs_exist_ok=True)
-    exp = experiment.build(config)
+    exp = experiment.build(settings_lib.parse(config))
     with contextlib.closing(checkpoint.Checkpointer(self.workdir, 1)) as ckpt:
       step, restored = ckpt.restore_latest(exp.abstract_state)
     self.assertEqual(step, 2)

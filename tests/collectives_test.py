@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from haiku_mp import errors
 from haiku_mp.lab.studies import collectives
 from haiku_mp.lab.studies import communication
+from haiku_mp.vit import settings as settings_lib
 from tests import helpers
 
 _LINES = '''
@@ -296,7 +297,7 @@ class CommunicationStudyTest(absltest.TestCase):
                           ('compute', "--wires: 'compute' is not "
                                       'GATHER/REDUCE')):
       with self.assertRaises(errors.ConfigError) as raised:
-        communication.run(helpers.tiny_config(), ['fsdp:8x1'], [wire],
+        communication.run(settings_lib.parse(helpers.tiny_config()), ['fsdp:8x1'], [wire],
                           log=self.fail)
       self.assertIn(message, str(raised.exception))
       self.assertNotIn('\n', str(raised.exception))
@@ -308,7 +309,7 @@ class CommunicationStudyTest(absltest.TestCase):
     config = helpers.tiny_config(
         'params=float32,compute=bfloat16,output=float32', dropout_rate=0.0)
     config.batch_size = config.eval_batch_size = 16
-    result = communication.run(config, ['fsdp:8x1'], communication.WIRES,
+    result = communication.run(settings_lib.parse(config), ['fsdp:8x1'], communication.WIRES,
                                log=lambda _: None)
     by_wire = {v['wire']: v for v in result['variants']}
 

@@ -17,6 +17,7 @@ import jax
 
 from configs import base
 from haiku_mp import errors
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import config_checks
 from haiku_mp.vit.train import experiment
 from tests import configs_test
@@ -356,9 +357,9 @@ class CheckTest(parameterized.TestCase):
     """The scaler and the precision the settings describe, built once by
     the check for `experiment.build`; a static scale may sit below the
     floor, which bounds a dynamic one only."""
-    checked = config_checks.check(_config(**{
+    checked = config_checks.check(settings_lib.parse(_config(**{
         'loss_scale.kind': 'static', 'loss_scale.initial': 0.25,
-        'precision.policy': 'params=float32,compute=bfloat16,output=float32'}))
+        'precision.policy': 'params=float32,compute=bfloat16,output=float32'})))
     self.assertEqual((checked.scaler.kind, checked.scaler.initial),
                      ('static', 0.25))
     self.assertEqual(checked.precision.policy.compute_dtype, jax.numpy.bfloat16)
@@ -366,7 +367,7 @@ class CheckTest(parameterized.TestCase):
   @parameterized.parameters(*configs_test.CONFIG_NAMES)
   def test_every_config_file_passes(self, name):
     config_checks.check(
-        importlib.import_module(f'configs.{name}').get_config())
+        settings_lib.parse(importlib.import_module(f'configs.{name}').get_config()))
 
   @parameterized.named_parameters(
       ('num_train_steps_from_epochs', {'num_train_steps': -1}),
@@ -394,12 +395,12 @@ class CheckTest(parameterized.TestCase):
        {'data.augment': False, 'data.mixup_alpha': 0.8,
         'privacy.enabled': True}))
   def test_valid(self, settings):
-    config_checks.check(_config(**settings))
+    config_checks.check(settings_lib.parse(_config(**settings)))
 
   @parameterized.named_parameters(*_OUT_OF_RANGE)
   def test_out_of_range(self, settings, message):
     with self.assertRaises(errors.ConfigError) as raised:
-      config_checks.check(_config(**settings))
+      config_checks.check(settings_lib.parse(_config(**settings)))
     self.assertIn(message, str(raised.exception))
     self.assertNotIn('\n', str(raised.exception))
 
@@ -411,7 +412,7 @@ class BuildTest(absltest.TestCase):
     config.data.mixup_alpha = 0.8
     config.data.source = 'synthetic'
     config.batch_size = 6
-    experiment.build(config)  # One device: 6 is even.
+    experiment.build(settings_lib.parse(config))  # One device: 6 is even.
     if jax.device_count() < 2:
       self.skipTest('needs several devices (run under the suite\'s XLA_FLAGS)')
     config.parallel.strategy = 'pmap'
@@ -420,25 +421,25 @@ class BuildTest(absltest.TestCase):
         errors.ConfigError,
         r'^batch_size=6 gives each of the 2 devices of the batch axis an odd '
         r'batch, and mixup / CutMix mix its examples in pairs'):
-      experiment.build(config, devices=jax.devices()[:2])
+      experiment.build(settings_lib.parse(config), devices=jax.devices()[:2])
 
   def test_build_checks_first(self):
     config = helpers.tiny_config()
     config.eval_batch_size = -5
     with self.assertRaisesRegex(errors.ConfigError,
                                 'eval_batch_size=-5 must be positive'):
-      experiment.build(config)
+      experiment.build(settings_lib.parse(config))
 
   def test_warmup_as_long_as_the_run_is_a_warning(self):
     config = helpers.tiny_config()
     config.warmup_steps = 10
     with self.assertLogs(logging.get_absl_logger(), 'WARNING') as logs:
-      experiment.build(config, total_steps=10)
+      experiment.build(settings_lib.parse(config), total_steps=10)
     self.assertIn("warmup_steps=10 is not shorter than the run's 10 steps: "
                   'the learning rate rises for the whole run and never decays',
                   logs.output[0])
     with self.assertNoLogs(logging.get_absl_logger(), 'WARNING'):
-      experiment.build(config, total_steps=11)
+      experiment.build(settings_lib.parse(config), total_steps=11)
 
 
 if __name__ == '__main__':

@@ -15,6 +15,7 @@ import numpy as np
 from haiku_mp import errors
 from haiku_mp.vit.data import sampling
 from haiku_mp.vit.privacy import dp_sgd
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
 
@@ -72,9 +73,9 @@ class PrecisionRulesTest(parameterized.TestCase):
                      microbatch_size=microbatch_size)
     # Traced for a GPU: XLA:CPU upcasts float16 matmuls.
     config.precision.dot_platform = 'gpu'
-    exp = experiment.build_without_data(config)
+    exp = experiment.build_without_data(settings_lib.parse(config))
     state = exp.strategy.init_state()
-    batch = _batch(exp.config, exp.train_batch_size, BATCH)
+    batch = _batch(exp.settings, exp.train_batch_size, BATCH)
     grads = dp_sgd.make_gradients(exp.loss_fn, exp.scaler, exp.privacy)
     closed, out = jax.make_jaxpr(
         lambda p: grads(state.loss_scale, p, jax.random.key(0), batch)[0],
@@ -120,12 +121,12 @@ class ClippingTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.exp = experiment.build_without_data(_config(
+    cls.exp = experiment.build_without_data(settings_lib.parse(_config(
         BF16, loss_scale='static', l2_clip_norm=cls.CLIP,
-        noise_multiplier=0.0))
+        noise_multiplier=0.0)))
     cls.state = cls.exp.strategy.init_state()
     cls.gradients = staticmethod(_private_gradients(cls.exp))
-    cls.batch = _batch(cls.exp.config, cls.exp.train_batch_size, BATCH)
+    cls.batch = _batch(cls.exp.settings, cls.exp.train_batch_size, BATCH)
 
   def _grads(self, batch, scale):
     loss_scale = self.state.loss_scale._replace(
@@ -177,14 +178,14 @@ class PrivateStepTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.exp = experiment.build_without_data(_config(
-        l2_clip_norm=float('inf'), noise_multiplier=0.0))
-    cls.batch = _batch(cls.exp.config, cls.exp.train_batch_size, BATCH)
+    cls.exp = experiment.build_without_data(settings_lib.parse(_config(
+        l2_clip_norm=float('inf'), noise_multiplier=0.0)))
+    cls.batch = _batch(cls.exp.settings, cls.exp.train_batch_size, BATCH)
 
   def test_no_noise_and_no_clipping_is_the_ordinary_step(self):
     ordinary_config = _config()
     ordinary_config.privacy.enabled = False
-    ordinary = experiment.build_without_data(ordinary_config)
+    ordinary = experiment.build_without_data(settings_lib.parse(ordinary_config))
     real = {k: v[:BATCH] for k, v in self.batch.items() if k != 'mask'}
     strategy = self.exp.strategy
     p_state, p_metrics = strategy.train_step(strategy.init_state(),
@@ -227,8 +228,8 @@ class StateLayoutTest(absltest.TestCase):
     config.precision.update(param_update='stochastic', mu_dtype='bfloat16',
                             nu_dtype='bfloat16')
     config.learning_rate = 1e-2
-    exp = experiment.build_without_data(config)
-    batch = _batch(exp.config, exp.train_batch_size, BATCH)
+    exp = experiment.build_without_data(settings_lib.parse(config))
+    batch = _batch(exp.settings, exp.train_batch_size, BATCH)
     state = exp.strategy.init_state()
     losses = []
     for _ in range(8):
@@ -273,7 +274,7 @@ class StrategiesTest(parameterized.TestCase):
       config.batch_size = 8
       config.parallel.strategy = name
       config.parallel.mesh_shape = layout
-      exp = experiment.build(config)
+      exp = experiment.build(settings_lib.parse(config))
       # One batch for all (24 rows: 8 devices, microbatches of 1 per device).
       sampled = _batch(config, 24, 8)
       noise_only = dict(sampled, mask=jnp.zeros(24))

@@ -26,6 +26,7 @@ from haiku_mp.model import fp4_blocks
 from haiku_mp.model import fp8_scales
 from haiku_mp.update import step as step_lib
 from haiku_mp.vit.parallel import sharding as sharding_lib
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import module_table
@@ -415,7 +416,7 @@ class ModelTest(absltest.TestCase):
 
   def test_the_step_runs_every_gemm_of_the_chosen_linears_in_4_bits(self):
     config = self._config()
-    exp = experiment.build_without_data(config)
+    exp = experiment.build_without_data(settings_lib.parse(config))
     train_step = step_lib.make_train_step(exp.loss_fn, exp.optimizer,
                                           exp.scaler)
     state = exp.strategy.init_state()
@@ -453,7 +454,7 @@ class ModelTest(absltest.TestCase):
     """`keep_fp8` (the advisor's override): fc1 and fc2 take E4M3 / E5M2
     operands, the attention's four Linears 4-bit ones."""
     config = self._config(keep_fp8='*/mlp_block')
-    exp = experiment.build_without_data(config)
+    exp = experiment.build_without_data(settings_lib.parse(config))
     state = exp.strategy.init_state()
     batch = helpers.random_batch(config, 16)
     eqns = list(helpers.iter_eqns(jax.make_jaxpr(exp.strategy.train_step)(
@@ -483,7 +484,7 @@ class ModelTest(absltest.TestCase):
     config = self._config()
     config.model.dropout_rate = 0.0
     config.data.source = 'synthetic'
-    exp = experiment.build(config)
+    exp = experiment.build(settings_lib.parse(config))
     batches = [helpers.random_batch(config, 16, seed=s) for s in range(4)]
 
     def steps(state, first, last, strategy=exp.strategy):
@@ -506,7 +507,7 @@ class ModelTest(absltest.TestCase):
     # The batch on one replica: a 4-bit Linear's token blocks are each
     # device's (16 examples of 5 tokens), the kernels split 8 ways.
     config.parallel.update(strategy='pjit', mesh_shape=(1, 8))
-    pjit = experiment.build(config).strategy
+    pjit = experiment.build(settings_lib.parse(config)).strategy
     _, pjit_losses = steps(pjit.init_state(), 0, 4, pjit)
     np.testing.assert_allclose(pjit_losses, losses, rtol=1e-4)
 
@@ -543,7 +544,7 @@ class ModelTest(absltest.TestCase):
         (dict(format='fp8', keep_fp8='*/fc1'), 'precision.fp8.keep_fp8: keeps '
          'fp8 among 4-bit Linears')):
       with self.assertRaisesRegex(haiku_mp_errors.ConfigError, message):
-        experiment.build_without_data(self._config(**fp8))
+        experiment.build_without_data(settings_lib.parse(self._config(**fp8)))
 
 
 class HadamardTest(absltest.TestCase):

@@ -16,9 +16,10 @@ import numpy as np
 from haiku_mp.advisor import fp8_numerics
 from haiku_mp.advisor import matmul_formats
 from haiku_mp.advisor import numerics
-from haiku_mp.lab import variants
 from haiku_mp.lab.advisor import driver as advisor
+from haiku_mp.lab import variants
 from haiku_mp.model import fp8
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
 
@@ -67,7 +68,7 @@ class Fp8AdviceTest(absltest.TestCase):
         'params=float32,compute=bfloat16,output=float32', dropout_rate=0.0,
         num_layers=2)
     config.batch_size = 8
-    exp = experiment.build_without_data(variants.float32_reference(config))
+    exp = experiment.build_without_data(variants.float32_reference(settings_lib.parse(config)))
     params = exp.strategy.init_state().params
     # All of this kernel but one output's column 1e-4 of that column's
     # values: under one scale per tensor it underflows; MX's blocks (along
@@ -78,9 +79,9 @@ class Fp8AdviceTest(absltest.TestCase):
                                            w=jnp.asarray(w))})
     inputs = [helpers.random_batch(config, 8, seed=i) for i in range(2)]
     limits = helpers.advisor_settings(config.advisor).fp8
-    fmt, choice = advisor.matmul_formats_of(config)[0]
+    fmt, choice = advisor.matmul_formats_of(settings_lib.parse(config))[0]
     self.assertEqual((fmt.name, choice), ('fp8', 'current'))
-    result = advisor.matmul_advice(config, exp, params, inputs, fmt, choice,
+    result = advisor.matmul_advice(settings_lib.parse(config), exp, params, inputs, fmt, choice,
                                    limits, None, log=lambda _: None)
     rows = {r['path']: r for r in result['modules']}
     self.assertLen(rows, 12)  # Six Linears in each of the two blocks.
@@ -100,7 +101,7 @@ class Fp8AdviceTest(absltest.TestCase):
                      '--config.precision.fp8.scaling=current')
     # The value pasted is a valid setting that runs fp8 in every other one.
     config.precision.fp8.modules = result['suggestion']['modules']
-    precision = experiment.build_without_data(config).precision
+    precision = experiment.build_without_data(settings_lib.parse(config)).precision
     self.assertEqual(sorted(p for p in rows if precision.runs_fp8('Linear', p)),
                      sorted(p for p in rows if p != PLANTED))
 

@@ -27,6 +27,7 @@ from haiku_mp.model import fp8
 from haiku_mp.model import fp8_scales
 from haiku_mp.model import meta_params
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import module_table
 from tests import helpers
@@ -536,7 +537,7 @@ class ModelTest(parameterized.TestCase):
        + ['vit/head']))
   def test_the_lowered_step_takes_fp8_exactly_in_the_configured_modules(
       self, modules, expected):
-    result = fp8_gemms.run(_config(modules), compile_step=False,
+    result = fp8_gemms.run(settings_lib.parse(_config(modules)), compile_step=False,
                            log=lambda _: None)
     fp8_rows = [r for r in result['matmuls'] if r['fp8_operands']]
     self.assertEqual(sorted({r['module'] for r in fp8_rows}), sorted(expected))
@@ -558,7 +559,7 @@ class ModelTest(parameterized.TestCase):
   def test_the_listing_names_the_4_bit_matmuls(self):
     config = _config(**{'precision.fp8.format': 'nvfp4'})
     config.batch_size = 16  # Whole blocks of tokens.
-    result = fp8_gemms.run(config, compile_step=True, log=lambda _: None)
+    result = fp8_gemms.run(settings_lib.parse(config), compile_step=True, log=lambda _: None)
     low = [r for r in result['matmuls'] if r['format'] == 'nvfp4']
     expected = [f'vit/encoder_block_{i}/{m}' for i in (0, 1)
                 for m in BLOCK_LINEARS]
@@ -574,7 +575,7 @@ class ModelTest(parameterized.TestCase):
 
   def test_delayed_histories_are_params_no_optimizer_sees_and_they_roll(self):
     config = _config(scaling='delayed', learning_rate=1e-3)
-    exp = experiment.build_without_data(config)
+    exp = experiment.build_without_data(settings_lib.parse(config))
     strategy = exp.strategy
     state = strategy.init_state()
     histories, trained = step_lib.split_fp8(state.params)
@@ -610,7 +611,7 @@ class ModelTest(parameterized.TestCase):
     def losses(modules, scaling):
       config = _config(modules, scaling=scaling, learning_rate=3e-3,
                        **{'model.num_layers': 1})
-      strategy = experiment.build_without_data(config).strategy
+      strategy = experiment.build_without_data(settings_lib.parse(config)).strategy
       state = strategy.init_state()
       batch = strategy.place_batch(helpers.random_batch(config, 8, seed=0))
       out = []
@@ -643,7 +644,7 @@ class ModelLineTest(absltest.TestCase):
         'mx': 'mx (a power-of-two scale per 32 values) scaling (emulated: '
               'blocks quantized and dequantized, float32 dots)'}
     for scaling in fp8.SCALINGS:
-      exp = experiment.build_without_data(_config(scaling=scaling))
+      exp = experiment.build_without_data(settings_lib.parse(_config(scaling=scaling)))
       line = module_table.summary_line(module_table.module_rows(exp), '',
                                        exp.precision)
       self.assertTrue(line.endswith(
@@ -837,7 +838,7 @@ class BadTargetsTest(parameterized.TestCase):
        '(Conv2D)'))
   def test_one_line_before_anything_compiles(self, modules, message):
     with self.assertRaises(errors.ConfigError) as raised:
-      experiment.build_without_data(_config(modules))
+      experiment.build_without_data(settings_lib.parse(_config(modules)))
     self.assertIn(message, str(raised.exception))
     self.assertNotIn('\n', str(raised.exception))
 

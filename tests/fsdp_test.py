@@ -20,6 +20,7 @@ import optax
 import haiku_mp
 from haiku_mp.update import data_parallel
 from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import experiment
 from tests import helpers
@@ -68,7 +69,7 @@ class StateTest(parameterized.TestCase):
     config = _config('fsdp', (4, 2), policy)
     config.precision.update(param_update=update, mu_dtype=moments,
                             nu_dtype=moments)
-    exp = experiment.build(config)
+    exp = experiment.build(settings_lib.parse(config))
     state = exp.strategy.init_state()
     for name, kernel in _kernels(state.params).items():
       spec = kernel.sharding.spec
@@ -95,7 +96,7 @@ class StateTest(parameterized.TestCase):
   def test_what_no_dimension_fits_stays_whole_and_is_counted(self):
     """With 8 devices on 'batch', the tiny model's 2-element and 10-class
     vectors fit no split: whole on every device, and counted."""
-    exp = experiment.build(_config('fsdp', (8, 1)))
+    exp = experiment.build(settings_lib.parse(_config('fsdp', (8, 1))))
     state = exp.strategy.init_state()
     head_bias = state.params['vit/head']['b']
     self.assertEqual(head_bias.sharding.spec, P())
@@ -120,7 +121,7 @@ class LearnsTest(parameterized.TestCase):
     self.assertLess(losses[-1], losses[0])
 
   def _run(self, config):
-    exp = experiment.build(config)
+    exp = experiment.build(settings_lib.parse(config))
     return exp, config, exp.strategy.init_state()
 
   def test_delayed_fp8_histories_travel_with_the_split_state(self):
@@ -129,7 +130,7 @@ class LearnsTest(parameterized.TestCase):
     config = _config('fsdp', (8, 1), BF16, gather_dtype='fp8')
     config.precision.fp8.update(modules='Linear', scaling='delayed',
                                 history_length=4)
-    exp = experiment.build(config)
+    exp = experiment.build(settings_lib.parse(config))
     state = exp.strategy.init_state()
     state, losses = _steps(exp, config, state, 0, 2)
     self.assertTrue(np.all(np.isfinite(losses)))
@@ -154,7 +155,7 @@ class CheckpointAcrossMeshesTest(absltest.TestCase):
     bit for bit the straight run; restored on one device and on a pjit 4x2
     mesh it holds the same values and trains on."""
     config = _config('fsdp', (8, 1))
-    exp = experiment.build(config)
+    exp = experiment.build(settings_lib.parse(config))
     straight, _ = _steps(exp, config, exp.strategy.init_state(), 0, 4)
     saved, _ = _steps(exp, config, exp.strategy.init_state(), 0, 2)
     saved_host = jax.device_get(saved)
@@ -165,7 +166,7 @@ class CheckpointAcrossMeshesTest(absltest.TestCase):
                                  ('pjit', (4, 2))):
       with self.subTest(strategy):
         other = _config(strategy, mesh_shape)
-        other_exp = experiment.build(other)
+        other_exp = experiment.build(settings_lib.parse(other))
         abstract = sharding.with_shardings(
             other_exp.abstract_state, other_exp.strategy.checkpoint_shardings)
         with contextlib.closing(checkpoint.Checkpointer(workdir, 1)) as ckpt:

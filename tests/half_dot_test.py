@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.lab import variants
 from haiku_mp.lab.studies import matmul_precision as precision_lab
+from haiku_mp.lab import variants
 from haiku_mp.model import cpu_features
 from haiku_mp.model import half_dot
 from haiku_mp.model import matmul_modules
+from haiku_mp.vit import settings as settings_lib
 from tests import helpers
 
 LOGITS = 'bqhd,bkhd->bhqk'
@@ -270,11 +271,13 @@ class ModelTest(parameterized.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.config = helpers.tiny_config(num_layers=1)
-    cls.reference = precision_lab.reference(cls.config, 8)
+    cls.reference = precision_lab.reference(settings_lib.parse(cls.config), 8)
 
   def _errors(self, dtype, form):
-    variant = variants.variant_config(self.config, dtype, 8, 'single:1x1')
-    variant.precision.dot_form = form
+    variant = settings_lib.replace(
+        variants.variant_settings(settings_lib.parse(self.config), dtype, 8,
+                                  'single:1x1'),
+        precision=dict(dot_form=form))
     return precision_lab.error_vs(variant, self.reference, 8)
 
   # Within a few units of each dtype's rounding (bf16: 2**-8, fp16: 2**-11).

@@ -10,6 +10,7 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
 from absl.testing import absltest
 
 from haiku_mp.lab import isolated
+from haiku_mp.vit import settings as settings_lib
 from tests import helpers
 
 
@@ -21,8 +22,8 @@ class IsolatedTest(absltest.TestCase):
     # Tuples, which JSON carries as lists: the train step's crop reads one.
     config.parallel.mesh_shape = (1, 1)
     config.data.crop_area = (0.8, 1.0)
-    here = isolated.time_step(config, 1, 0, isolate=False)
-    there = isolated.time_step(config, 1, 0, isolate=True)
+    here = isolated.time_step(settings_lib.parse(config), 1, 0, isolate=False)
+    there = isolated.time_step(settings_lib.parse(config), 1, 0, isolate=True)
     self.assertEqual(there['program_sha256'], here['program_sha256'])
     self.assertEqual(there['policy'], config.precision.policy)
     self.assertEqual(there['batch_size'], config.batch_size)

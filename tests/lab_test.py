@@ -23,7 +23,6 @@ from configs import base
 from configs import vit_pure_bf16 as configs_pure_bf16
 from haiku_mp import errors
 from haiku_mp.lab import compare
-from haiku_mp.lab import variants
 from haiku_mp.lab.studies import ladder
 from haiku_mp.lab.studies import lost_updates
 from haiku_mp.lab.studies import matmul
@@ -33,7 +32,9 @@ from haiku_mp.lab.studies import params
 from haiku_mp.lab.studies import profile
 from haiku_mp.lab.studies import state_layouts
 from haiku_mp.lab.studies import sweep
+from haiku_mp.lab import variants
 from haiku_mp.model import meta_params
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import state_layout
 from launch import flag_checks
@@ -46,7 +47,7 @@ TINY_FLAGS = ('--config.model.num_layers=1', '--config.model.embed_dim=16',
 class ParamsMatmulRatiosTest(parameterized.TestCase):
 
   def test_params_of_the_reference_model(self):
-    result = params.run(base.get_config(), log=lambda _: None)
+    result = params.run(settings_lib.parse(base.get_config()), log=lambda _: None)
     totals = result['totals']
     self.assertEqual(totals['float32']['count'], 10_695_562)
     self.assertEqual(totals['float32']['bytes'], 4 * 10_695_562)
@@ -60,7 +61,7 @@ class ParamsMatmulRatiosTest(parameterized.TestCase):
                      'params are 42.78 MB (40.80 MiB).')
 
   def test_params_note_is_the_measured_models(self):
-    result = params.run(helpers.tiny_config(), log=lambda _: None)
+    result = params.run(settings_lib.parse(helpers.tiny_config()), log=lambda _: None)
     count = result['totals']['float32']['count']
     self.assertLess(count, 10**5)
     self.assertEqual(result['note'], f'MB = 1e6 bytes: {count:,} float32 params'
@@ -122,24 +123,24 @@ class FlagChecksTest(parameterized.TestCase):
   def test_pure_bf16_is_a_variant_beside_the_dtypes(self):
     self.assertEqual(flag_checks.compute_dtypes('dtypes', ['float32', 'pure_bf16']),
                      ['float32', 'pure_bf16'])
-    config = variants.in_compute_dtype(base.get_config(), variants.PURE_BF16)
+    config = variants.in_compute_dtype(settings_lib.parse(base.get_config()), variants.PURE_BF16)
     self.assertEqual(config.precision.policy,
                      'params=bfloat16,compute=bfloat16,output=float32')
     self.assertEqual((config.precision.param_update,
                       config.precision.mu_dtype, config.precision.nu_dtype),
                      ('stochastic', 'bfloat16', 'bfloat16'))
     self.assertEqual(variants.variant_name(config), variants.PURE_BF16)
-    self.assertEqual(variants.variant_name(configs_pure_bf16.get_config()),
+    self.assertEqual(variants.variant_name(settings_lib.parse(configs_pure_bf16.get_config())),
                      variants.PURE_BF16)
     self.assertEqual(variants.variant_name(
-        variants.in_compute_dtype(base.get_config(), 'bfloat16')), 'bfloat16')
+        variants.in_compute_dtype(settings_lib.parse(base.get_config()), 'bfloat16')), 'bfloat16')
 
   def test_4_bit_formats_are_variants_beside_the_dtypes(self):
     self.assertEqual(flag_checks.compute_dtypes('dtypes', ['bfloat16',
                                                            'nvfp4', 'mxfp4']),
                      ['bfloat16', 'nvfp4', 'mxfp4'])
     for fmt in variants.FP4_VARIANTS:
-      config = variants.in_compute_dtype(base.get_config(), fmt)
+      config = variants.in_compute_dtype(settings_lib.parse(base.get_config()), fmt)
       fp8_config = config.precision.fp8
       self.assertEqual((fp8_config.format, fp8_config.scaling,
                         fp8_config.modules),
@@ -176,7 +177,7 @@ class SweepTest(parameterized.TestCase):
 
   def test_sweep_fields_and_arithmetic(self):
     config = helpers.tiny_config(num_layers=1)
-    result = sweep.run(config, ('float32', 'bfloat16'), (8, 16), ['pjit:8x1'],
+    result = sweep.run(settings_lib.parse(config), ('float32', 'bfloat16'), (8, 16), ['pjit:8x1'],
                        num_steps=2, isolate=False, log=lambda _: None)
     rows = result['results']
     self.assertEqual([(r['dtype'], r['batch_size']) for r in rows],
@@ -229,7 +230,7 @@ def _printed_residuals(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
 class MemoryTest(parameterized.TestCase):
 
   def test_residuals_match_jax_and_are_attributed_to_modules(self):
-    config = variants.variant_config(helpers.tiny_config(), 'bfloat16', 8,
+    config = variants.variant_settings(settings_lib.parse(helpers.tiny_config()), 'bfloat16', 8,
                                   'single:1x1')
     exp = experiment.build(config)
     summary = memory.residual_summary(exp, 8)
@@ -273,11 +274,11 @@ class MemoryTest(parameterized.TestCase):
 
   def test_memory_breakdown_arithmetic(self):
     config = helpers.tiny_config(num_layers=2)
-    result = memory.run(config, ('float32', 'bfloat16'), (4, 8, 16),
+    result = memory.run(settings_lib.parse(config), ('float32', 'bfloat16'), (4, 8, 16),
                         compile_step=False, log=lambda _: None)
     rows = {(r['dtype'], r['batch_size']): r['breakdown']
             for r in result['results']}
-    count = params.run(config, log=lambda _: None)['totals']['float32']['count']
+    count = params.run(settings_lib.parse(config), log=lambda _: None)['totals']['float32']['count']
     for (dtype, batch_size), row in rows.items():
       self.assertEqual(row['params_bytes'], 4 * count)
       self.assertEqual(row['float32_gradient_bytes'], 4 * count)
@@ -297,7 +298,7 @@ class MemoryTest(parameterized.TestCase):
                        {'kept_activation_bytes': 1.0})
 
   def test_a_compiled_breakdown_holds_the_state_it_reads(self):
-    config = variants.variant_config(helpers.tiny_config(), 'bfloat16', 4,
+    config = variants.variant_settings(settings_lib.parse(helpers.tiny_config()), 'bfloat16', 4,
                                      'single:1x1')
     row = memory.breakdown(config, compile_step=True)['breakdown']
     # The state is an argument of the step, donated: its bytes are an
@@ -318,7 +319,7 @@ def _moment_bytes(config, kind: str, count: int) -> int:
   byte per value and 4 per block of each param's rows."""
   if kind != 'float8_blocks':
     return count * np.dtype(kind).itemsize
-  exp = experiment.build_without_data(config)
+  exp = experiment.build_without_data(settings_lib.parse(config))
   _, trained = meta_params.split_meta(exp.abstract_state.params)
   block = config.precision.moment_block_size
   scales = sum(math.prod(p.shape[:-1]) * -(-p.shape[-1] // block) if p.shape
@@ -394,7 +395,7 @@ class LadderTest(absltest.TestCase):
           json.dump(dict(test_accuracy=accuracy, ema_test_accuracy=accuracy),
                     f)
         workdirs.append(workdir)
-      result = ladder.run(base, workdirs, log=lambda _: None)
+      result = ladder.run(settings_lib.parse(base), workdirs, log=lambda _: None)
       paths = ladder.plot(result, root)
       self.assertTrue(os.path.getsize(paths[0]))
     # A run off the 4-bit recipe is a variant of its own, not a seed.
@@ -425,7 +426,7 @@ class LadderTest(absltest.TestCase):
     self.assertLess(means['pure_bf16_8bit']['state_bytes'], 6.0)
     with self.assertRaisesRegex(errors.ConfigError,
                                 'summary.json cannot be read'):
-      ladder.run(base, ['/nonexistent'], log=lambda _: None)
+      ladder.run(settings_lib.parse(base), ['/nonexistent'], log=lambda _: None)
     # Without its config.json a run is never counted as --config's variant.
     with tempfile.TemporaryDirectory() as workdir:
       os.makedirs(os.path.join(workdir, 'checkpoints'))
@@ -434,12 +435,12 @@ class LadderTest(absltest.TestCase):
       with self.assertRaisesRegex(
           errors.ConfigError, r'^--workdirs: no .*config\.json; the ladder '
           r"reads each run's precision from it$"):
-        ladder.run(base, [workdir], log=lambda _: None)
+        ladder.run(settings_lib.parse(base), [workdir], log=lambda _: None)
       with open(os.path.join(workdir, 'config.json'), 'w') as f:
         f.write('{')
       with self.assertRaisesRegex(
           errors.ConfigError, r'^--workdirs: .*config\.json cannot be read '):
-        ladder.run(base, [workdir], log=lambda _: None)
+        ladder.run(settings_lib.parse(base), [workdir], log=lambda _: None)
 
 
 @helpers.long_running
@@ -454,13 +455,13 @@ class StateLayoutsTest(parameterized.TestCase):
     config.precision.fp8.update(modules='*/encoder_block_*', scaling='delayed')
     lines = []
     rows = {r['layout']: r for r in state_layouts.rows(
-        config, compile_step=False, log=lines.append)}
+        settings_lib.parse(config), compile_step=False, log=lines.append)}
     self.assertEqual(list(rows), list(state_layouts.LAYOUTS))
     self.assertLen(lines, len(rows))
     # Compiled: the layouts whose states differ most in kind.
     for name in ('bf16+master', 'bf16 kahan, bf16 moments',
                  'bf16 stochastic, 8-bit moments'):
-      compiled = state_layouts.row(config, name, compile_step=True)
+      compiled = state_layouts.row(settings_lib.parse(config), name, compile_step=True)
       self.assertEqual(compiled['compiled_state_bytes'],
                        rows[name]['state_bytes'], name)
     for name, row in rows.items():
@@ -490,7 +491,7 @@ class StateLayoutsTest(parameterized.TestCase):
                     0.55)
 
   def test_the_params_experiment_draws_the_state_per_layout(self):
-    result = params.run(helpers.tiny_config(), log=lambda _: None)
+    result = params.run(settings_lib.parse(helpers.tiny_config()), log=lambda _: None)
     self.assertEqual([r['layout'] for r in result['state_layouts']],
                      list(state_layouts.LAYOUTS))
     with tempfile.TemporaryDirectory() as out:
@@ -517,10 +518,10 @@ class RoundingTest(absltest.TestCase):
     config.precision.param_update = 'nearest'
     config.advisor.init_steps = 3
     lines = []
-    result = lost_updates.run(config, num_batches=2, log=lines.append)
+    result = lost_updates.run(settings_lib.parse(config), num_batches=2, log=lines.append)
     groups = {r['name']: r for r in result['groups']}
     count = state_layout.param_count(
-        experiment.build_without_data(config).abstract_state)
+        experiment.build_without_data(settings_lib.parse(config)).abstract_state)
     self.assertEqual(sum(r['elements'] for r in result['groups']), 2 * count)
     self.assertEqual(result['total']['elements'], 2 * count)
     for name in ('attention weights', 'MLP weights'):
@@ -539,7 +540,7 @@ class PrecisionExperimentTest(parameterized.TestCase):
   def test_precision_aliases_errors_and_residual_stream(self):
     config = helpers.tiny_config(num_layers=1)
     config.batch_size = 8
-    result = precision_lab.run(config, ('float32', 'bfloat16'),
+    result = precision_lab.run(settings_lib.parse(config), ('float32', 'bfloat16'),
                           ('', 'highest', 'float32', 'bfloat16'),
                           num_steps=1, numerics_batch_size=8, isolate=False,
                           log=lambda _: None)
@@ -583,11 +584,13 @@ class PrecisionExperimentTest(parameterized.TestCase):
 
   def test_float16_gradients_are_computed_under_the_loss_scale(self):
     config = helpers.tiny_config(num_layers=1)
-    ref = precision_lab.reference(config, 8)
+    ref = precision_lab.reference(settings_lib.parse(config), 8)
     errors = {}
     for kind, initial in (('none', 1), ('dynamic', 2**15), ('static', 2**24)):
-      variant = variants.variant_config(config, 'float16', 8, 'single:1x1')
-      variant.loss_scale.update(kind=kind, initial=initial)
+      variant = settings_lib.replace(
+          variants.variant_settings(settings_lib.parse(config), 'float16', 8,
+                                    'single:1x1'),
+          loss_scale=dict(kind=kind, initial=initial))
       errors[kind] = precision_lab.error_vs(variant, ref, 8)['grads_relative_error']
     self.assertLess(errors['none'], 1e-2)
     self.assertLess(errors['dynamic'], 1e-2)
@@ -604,7 +607,7 @@ class ProfileTest(parameterized.TestCase):
     config = helpers.tiny_config()
     config.batch_size = 8
     num_steps = 3
-    result = profile.run(config, out, num_steps=num_steps)
+    result = profile.run(settings_lib.parse(config), out, num_steps=num_steps)
     self.assertEqual(result['traced_steps'], num_steps)
     self.assertLen(result['step_ms'], num_steps)
     self.assertTrue(any(f.endswith('.xplane.pb') for f in result['files']))

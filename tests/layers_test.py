@@ -47,6 +47,8 @@ FLOORS = LIBRARY + APPLICATION + LAB + (('configs', 'launch'),)
 _WINGS = ('vit', 'lab')
 _PROGRAMS = ('configs', 'launch')
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'haiku_mp'
+# The one part that reads ml_collections' ConfigDicts (into Settings).
+_SETTINGS_PARSER = 'vit/settings/'
 
 
 def _absolute(node: ast.ImportFrom, module_parts: tuple[str, ...]) -> str:
@@ -120,6 +122,24 @@ def imports_by_folder(package: pathlib.Path) -> dict[str, set[str]]:
   return dict(found)
 
 
+def files_importing(package: pathlib.Path, module: str) -> list[str]:
+  """The package's files (relative paths) that import `module` or a module
+  inside it, at the top or inside a function."""
+  found = []
+  for path in sorted(package.rglob('*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and not node.level:
+        names = [node.module or '']
+      else:
+        continue
+      if any(n == module or n.startswith(module + '.') for n in names):
+        found.append(path.relative_to(package).as_posix())
+        break
+  return found
+
+
 def _wing(part: str) -> str:
   if part in _PROGRAMS:
     return 'programs'
@@ -147,6 +167,29 @@ class LayersTest(absltest.TestCase):
     """The library imports neither the application nor the lab; the
     application does not import the lab."""
     self.assertEmpty(_crossings(imports_by_folder(_PACKAGE)))
+
+  def test_only_the_settings_read_configs(self):
+    """Below the launchers a run is its typed settings: the ConfigDicts of
+    config files and flags are parsed in `vit/settings` and nowhere else."""
+    self.assertEqual(
+        [f for f in files_importing(_PACKAGE, 'ml_collections')
+         if not f.startswith(_SETTINGS_PARSER)], [])
+
+  def test_the_config_reader_sees_every_form(self):
+    """The check can fail: `import`, `from ... import` and an import inside
+    a function are each found (a planted package)."""
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    root = pathlib.Path(tmp.name) / 'haiku_mp'
+    files = {'a.py': 'import ml_collections\n',
+             'b/c.py': 'from ml_collections import config_dict\n',
+             'd.py': 'def f():\n  import ml_collections.config_dict\n',
+             'e.py': 'import ml_collections_other\n'}
+    for name, text in files.items():
+      (root / name).parent.mkdir(parents=True, exist_ok=True)
+      (root / name).write_text(text)
+    self.assertEqual(files_importing(root, 'ml_collections'),
+                     ['a.py', 'b/c.py', 'd.py'])
 
   def _planted(self, files: dict[str, str]) -> dict[str, set[str]]:
     """`imports_by_folder` of a planted package holding `files`."""

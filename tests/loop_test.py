@@ -20,6 +20,7 @@ import numpy as np
 
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checkpoint as checkpoint_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import loop
@@ -48,7 +49,7 @@ def _plain_loop(config):
   """(final state, each step's host metrics): the strategy's own jitted step
   on the same batches, one after the other, nothing ahead, nothing
   overlapped: the loop the trainer's must equal."""
-  exp = experiment.build(config)
+  exp = experiment.build(settings_lib.parse(config))
   strategy = exp.strategy
   splits = exp.load_splits()
   batches = exp.train_batches(splits.train, pipeline.Shard(), 0)
@@ -137,7 +138,7 @@ class LoopTest(parameterized.TestCase):
   # is below.
   def test_states_and_metrics_are_a_plain_loops_bit_for_bit(self):
     config = _config()
-    loop.train_and_evaluate(config, self.workdir)
+    loop.train_and_evaluate(settings_lib.parse(config), self.workdir)
     exp, expected_state, expected = _plain_loop(config)
 
     abstract = sharding.with_shardings(exp.abstract_state,
@@ -166,7 +167,7 @@ class LoopTest(parameterized.TestCase):
 
   def test_pmap_metrics_reach_the_host_as_their_first_replica(self):
     config = _config('pmap')
-    strategy = experiment.build(config).strategy
+    strategy = experiment.build(settings_lib.parse(config)).strategy
     step = jax.pmap(lambda x: dict(loss=x.mean(), finite=jnp.isfinite(x)),
                     axis_name='batch')
     window = [step(jnp.full((8, 3), float(i))) for i in range(2)]
@@ -208,7 +209,7 @@ class LoopTest(parameterized.TestCase):
       return tree
 
     threads = set(threading.enumerate())
-    loop.train_and_evaluate(config, self.workdir,
+    loop.train_and_evaluate(settings_lib.parse(config), self.workdir,
                             hooks=loop.Hooks(dispatch=dispatch, wait=wait))
     self.assertEmpty(_batch_threads(threads))  # Joined at the end.
 
@@ -251,7 +252,7 @@ class LoopTest(parameterized.TestCase):
       return step(state, batch)
 
     with self.assertRaisesRegex(RuntimeError, 'a failing step'):
-      loop.train_and_evaluate(_config(), self.workdir,
+      loop.train_and_evaluate(settings_lib.parse(_config()), self.workdir,
                               hooks=loop.Hooks(dispatch=dispatch))
     self.assertEmpty(_batch_threads(threads))
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from haiku_mp.model import half_dot
 from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
 
@@ -33,7 +34,7 @@ FLOAT32_ISLAND_PRIMITIVES = ('reduce_max', 'reduce_sum', 'exp', 'log', 'rsqrt')
 def _setup(policy, overrides='', **precision):
   config = helpers.tiny_config(policy, overrides, num_layers=2)
   config.precision.update(precision)
-  exp = experiment.build_without_data(config)
+  exp = experiment.build_without_data(settings_lib.parse(config))
   batch = helpers.random_batch(config)
   rng = jax.random.key(1)
   loss = lambda p: exp.loss_fn(p, rng, batch)[0]

@@ -17,6 +17,7 @@ import optax
 from haiku_mp.model import policies
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
 
@@ -150,13 +151,13 @@ class EmaHorizonTest(absltest.TestCase):
   def test_the_experiment_keeps_that_average_and_says_so(self):
     config = helpers.tiny_config()
     config.num_train_steps, config.ema_horizon = 400, 0.05
-    exp = experiment.build_without_data(config)
+    exp = experiment.build_without_data(settings_lib.parse(config))
     self.assertAlmostEqual(exp.ema_decay, 0.95)
     self.assertIsNotNone(optimizer_lib.ema_params(exp.abstract_state.opt_state))
     self.assertIn('Moving average: decay 0.95 per step, a time constant of 20 '
                   "steps (5% of the run's 400)", '\n'.join(exp.describe()))
     config.ema_horizon = 0.0
-    exp = experiment.build_without_data(config)
+    exp = experiment.build_without_data(settings_lib.parse(config))
     self.assertEqual((exp.ema_decay, exp.describe()), (0.0, []))
     self.assertIsNone(optimizer_lib.ema_params(exp.abstract_state.opt_state))
 

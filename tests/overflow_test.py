@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 import tensorflow_datasets as tfds
 
 from haiku_mp.update import loss_scaling
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import loop
 from tests import helpers
 
@@ -118,7 +119,7 @@ class OverflowStormTest(parameterized.TestCase):
     # 16 fixed examples (a no-op download under mock_data): learnable.
     with self.assertLogs(level='WARNING') as logs, \
         tfds.testing.mock_data(num_examples=16):
-      summary = loop.train_and_evaluate(config, workdir)
+      summary = loop.train_and_evaluate(settings_lib.parse(config), workdir)
     events = _events(workdir)
     skipped = [e['step'] for e in events if e['window_skipped_steps']]
     self.assertNotEmpty(skipped)

@@ -29,6 +29,7 @@ from haiku_mp import errors
 from haiku_mp.update import rounding
 from haiku_mp.update import step as step_lib
 from haiku_mp.vit.parallel import sharding as sharding_lib
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import module_table
 import tests
@@ -53,7 +54,7 @@ def _config(strategy, mesh_shape, policy=FP16, loss_scale='dynamic'):
 
 
 def _setup(config):
-  return experiment.build_without_data(config).strategy
+  return experiment.build_without_data(settings_lib.parse(config)).strategy
 
 
 def _float_batch(config, step):
@@ -342,7 +343,7 @@ class ShardingRulesTest(parameterized.TestCase):
   def test_tabulate_shows_shardings(self):
     config = _config('pjit', (4, 2))
     rows = {r['path']: r for r in module_table.module_rows(
-        experiment.build_without_data(config))}
+        experiment.build_without_data(settings_lib.parse(config)))}
     fc2 = rows['vit/encoder_block_0/mlp_block/fc2']['params']
     self.assertEqual((fc2['w']['sharding'], fc2['b']['sharding']),
                      ('model,None', 'replicated'))

@@ -15,8 +15,9 @@ import numpy as np
 
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
-from haiku_mp.lab import variants
 from haiku_mp.lab.advisor import driver as advisor
+from haiku_mp.lab import variants
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
 
@@ -28,7 +29,7 @@ def tiny_reference(config=None):
   params with a random (not zero) head, so that gradients reach every
   module."""
   exp = experiment.build_without_data(variants.float32_reference(
-      config or helpers.tiny_config()))
+      settings_lib.parse(config or helpers.tiny_config())))
   params = exp.strategy.init_state().params
   head = params['vit/head']
   params['vit/head'] = dict(
@@ -68,7 +69,7 @@ class StatisticsTest(absltest.TestCase):
 
   def test_module_statistics_equal_a_direct_computation(self):
     exp, params = tiny_reference()
-    batch = helpers.random_batch(exp.config, 8)
+    batch = helpers.random_batch(exp.settings, 8)
     rng = jax.random.key(3)
     paths = list(advisor.module_classes(exp))
     stats = probes.statistics_fn(exp.loss_fn, paths)

@@ -30,6 +30,7 @@ import optax
 
 import haiku_mp
 from haiku_mp import errors
+from haiku_mp.vit import settings as settings_lib
 from launch import failed_saves
 from tests import disk_full_at_step
 from tests import helpers
@@ -118,7 +119,7 @@ class ProcessAloneTest(absltest.TestCase):
     workdir = tmp.name
     config.compilation_cache_dir = os.path.join(workdir, 'cache')
     before = _process()
-    loop.train_and_evaluate(config, os.path.join(workdir, 'run'))
+    loop.train_and_evaluate(settings_lib.parse(config), os.path.join(workdir, 'run'))
     self.assertNotEmpty(os.listdir(config.compilation_cache_dir))
     self._assert_as(_process(), before)
 

@@ -15,10 +15,11 @@ import jax
 
 from configs import base
 from haiku_mp import errors
-from haiku_mp.lab import variants
 from haiku_mp.lab.studies import memory
+from haiku_mp.lab import variants
 from haiku_mp.model import remat
 from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
 
@@ -41,8 +42,8 @@ def _reference_kept_bytes(setting, dtype, batch_size):
   (no FLOPs, no memory): the reference model itself."""
   config = base.get_config()
   config.remat = setting
-  exp = experiment.build_without_data(variants.variant_config(
-      config, dtype, batch_size, 'single:1x1'))
+  exp = experiment.build_without_data(variants.variant_settings(
+      settings_lib.parse(config), dtype, batch_size, 'single:1x1'))
   return memory.residual_summary(exp, batch_size)['kept_bytes']
 
 
@@ -51,7 +52,7 @@ class RematTest(parameterized.TestCase):
 
   def test_unknown_setting_is_a_config_error(self):
     with self.assertRaisesRegex(errors.ConfigError, "remat: unknown value 'some'"):
-      experiment.build_without_data(_config('some'))
+      experiment.build_without_data(settings_lib.parse(_config('some')))
     # A library call, without `build`'s check: where the blocks are wrapped.
     config = _config('some')
     forward = forward_lib.make_forward(
@@ -63,7 +64,7 @@ class RematTest(parameterized.TestCase):
 
   @parameterized.parameters('dots', 'full')
   def test_keeps_only_what_the_setting_names(self, setting):
-    exp = experiment.build_without_data(_config(setting, BF16))
+    exp = experiment.build_without_data(settings_lib.parse(_config(setting, BF16)))
     classes = {c.path: c.class_name for c in exp.module_calls}
     kept = {classes[r['module']] for r in memory.saved_residuals(exp, 8)
             if r['source'] == 'activation' and 'encoder_block' in r['module']
@@ -86,7 +87,7 @@ class RematTest(parameterized.TestCase):
     rng = jax.random.key(1)
     results = {}
     for setting in remat.CHOICES:
-      exp = experiment.build_without_data(_config(setting))
+      exp = experiment.build_without_data(settings_lib.parse(_config(setting)))
       params = exp.forward.init(jax.random.key(0), batch['image'], True)
       loss = lambda p: exp.loss_fn(p, rng, batch)[0]
       results[setting] = jax.jit(jax.value_and_grad(loss))(params)

@@ -15,12 +15,13 @@ from absl.testing import parameterized
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.lab import isolated
-from haiku_mp.lab import variants
 from haiku_mp.lab.benchmarks import step_benchmark
+from haiku_mp.lab import isolated
 from haiku_mp.lab.report import report
 from haiku_mp.lab.report import report_markdown
+from haiku_mp.lab import variants
 from haiku_mp.vit.data import npz_source
+from haiku_mp.vit import settings as settings_lib
 from tests import helpers
 
 
@@ -168,7 +169,7 @@ class QuickReportTest(parameterized.TestCase):
 class WhatDoesNotFitTest(absltest.TestCase):
 
   def test_a_variant_out_of_memory_is_a_row_not_the_end(self):
-    config = report.quick_config(helpers.tiny_config())
+    config = report.quick_config(settings_lib.parse(helpers.tiny_config()))
     real = step_benchmark.run
 
     def run(variant, *args, **kwargs):
@@ -185,7 +186,7 @@ class WhatDoesNotFitTest(absltest.TestCase):
     self.assertIsNone(rows[-1]['vs_float32'])
 
   def test_a_variant_that_fails_in_its_process_is_a_row(self):
-    config = report.quick_config(helpers.tiny_config())
+    config = report.quick_config(settings_lib.parse(helpers.tiny_config()))
     sizes = report.Sizes(batch_sizes=(8,), steps=1)
     failure = errors.ConfigError('variant failed: RESOURCE_EXHAUSTED')
     with mock.patch.object(isolated, 'time_step', side_effect=failure):
@@ -194,7 +195,7 @@ class WhatDoesNotFitTest(absltest.TestCase):
     self.assertGreater(rows[0]['kept_activation_bytes'], 0)
 
   def test_out_of_memory_in_this_process_is_a_row_too(self):
-    config = report.quick_config(helpers.tiny_config())
+    config = report.quick_config(settings_lib.parse(helpers.tiny_config()))
     sizes = report.Sizes(batch_sizes=(8,), steps=1, isolate_memory=False)
     failure = RuntimeError('RESOURCE_EXHAUSTED: Out of memory')
     with mock.patch.object(isolated, 'time_step', side_effect=failure):
@@ -202,7 +203,7 @@ class WhatDoesNotFitTest(absltest.TestCase):
     self.assertEqual([r['fits'] for r in rows], [False] * 3)
 
   def test_other_errors_are_not_taken_for_memory(self):
-    config = report.quick_config(helpers.tiny_config())
+    config = report.quick_config(settings_lib.parse(helpers.tiny_config()))
     sizes = report.Sizes(batch_sizes=(8,), steps=1)
     with mock.patch.object(step_benchmark, 'run',
                            side_effect=ValueError('a bug')):

@@ -20,6 +20,7 @@ from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
 from haiku_mp.vit.parallel import stop_request
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
 
@@ -68,7 +69,7 @@ def _one_step(policy, scaler, optimizer, batch, loss_fn_and_forward=None):
 def _vit_setup(policy, loss_scale_kind, **loss_scale):
   config = helpers.tiny_config(policy, loss_scale=loss_scale_kind)
   config.loss_scale.update(loss_scale)
-  exp = experiment.build_without_data(config)
+  exp = experiment.build_without_data(settings_lib.parse(config))
   step = step_lib.make_train_step(exp.loss_fn, exp.optimizer, exp.scaler)
   return exp.forward, helpers.random_batch(config), exp.strategy.init_state(), step
 
@@ -151,7 +152,7 @@ class StateLayoutStepTest(parameterized.TestCase):
                             nu_dtype=nu_dtype)
     config.ema_decay = 0.5
     config.learning_rate = 1e-2
-    exp = experiment.build_without_data(config)
+    exp = experiment.build_without_data(settings_lib.parse(config))
     step = _jitted_step(exp)
     batch = helpers.random_batch(config)
     state = exp.strategy.init_state()
@@ -195,7 +196,7 @@ class StateLayoutStepTest(parameterized.TestCase):
       config = helpers.tiny_config(policy)
       config.precision.param_update = update
       config.learning_rate = 1e-4
-      exp = experiment.build_without_data(config)
+      exp = experiment.build_without_data(settings_lib.parse(config))
       step = _jitted_step(exp)
       state = exp.strategy.init_state()
       for _ in range(3):
@@ -212,7 +213,7 @@ class StateLayoutStepTest(parameterized.TestCase):
     config = helpers.tiny_config(BF16_PARAMS, dropout_rate=0.0)
     config.precision.param_update = 'stochastic'
     config.data.augment = False
-    exp = experiment.build_without_data(config)
+    exp = experiment.build_without_data(settings_lib.parse(config))
     step = _jitted_step(exp)
     batch = helpers.random_batch(config)
     state = exp.strategy.init_state()

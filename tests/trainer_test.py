@@ -24,6 +24,7 @@ from configs import vit_recipe
 from haiku_mp.model import half_dot
 from haiku_mp.vit.data import npz_source
 from haiku_mp.vit.data import pipeline
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checkpoint as checkpoint_lib
 from haiku_mp.vit.train import loop
 from haiku_mp.vit.train import metrics as metrics_lib
@@ -71,7 +72,7 @@ class TrainerTest(parameterized.TestCase):
     self.workdir = self.enter_context(tempfile.TemporaryDirectory())
 
   def test_synthetic_run_writes_metrics_tensorboard_and_summary(self):
-    summary = loop.train_and_evaluate(_tiny_run_config(), self.workdir)
+    summary = loop.train_and_evaluate(settings_lib.parse(_tiny_run_config()), self.workdir)
     events = _read_jsonl(self.workdir)
     train = [e for e in events if e['split'] == 'train']
     self.assertEqual([e['step'] for e in train], [2, 4, 6])
@@ -94,21 +95,21 @@ class TrainerTest(parameterized.TestCase):
 
   def test_a_finished_run_is_recognized_by_its_config(self):
     config = _tiny_run_config()
-    self.assertIsNone(run_dir.finished_summary(config, self.workdir))
-    summary = loop.train_and_evaluate(config, self.workdir)
-    on_disk = run_dir.finished_summary(config, self.workdir)
+    self.assertIsNone(run_dir.finished_summary(settings_lib.parse(config), self.workdir))
+    summary = loop.train_and_evaluate(settings_lib.parse(config), self.workdir)
+    on_disk = run_dir.finished_summary(settings_lib.parse(config), self.workdir)
     self.assertEqual(on_disk['test_accuracy'], summary['test_accuracy'])
     self.assertEqual(on_disk['steps'], 6)
     with mock.patch.object(pipeline, 'load') as load:
-      self.assertEqual(loop.train_and_evaluate(config, self.workdir),
+      self.assertEqual(loop.train_and_evaluate(settings_lib.parse(config), self.workdir),
                        on_disk)
     load.assert_not_called()
     longer = _tiny_run_config()
     longer.num_train_steps = 7  # Another run: it goes on from step 6.
-    self.assertIsNone(run_dir.finished_summary(longer, self.workdir))
+    self.assertIsNone(run_dir.finished_summary(settings_lib.parse(longer), self.workdir))
     cached = _tiny_run_config()  # The same run, its programs kept elsewhere.
     cached.compilation_cache_dir = os.path.join(self.workdir, 'cache')
-    self.assertEqual(run_dir.finished_summary(cached, self.workdir), on_disk)
+    self.assertEqual(run_dir.finished_summary(settings_lib.parse(cached), self.workdir), on_disk)
 
   def test_any_exit_closes_writer_and_checkpointer_and_restores_sigterm(self):
     """A KeyboardInterrupt after three steps (not even an Exception) still
@@ -133,7 +134,7 @@ class TrainerTest(parameterized.TestCase):
         mock.patch.object(checkpoint_lib.Checkpointer, 'close', lambda c: (
             closed.append('checkpointer'), close_checkpointer(c))):
       with self.assertRaisesRegex(error, 'the data went away'):
-        loop.train_and_evaluate(_tiny_run_config(), self.workdir)
+        loop.train_and_evaluate(settings_lib.parse(_tiny_run_config()), self.workdir)
     self.assertCountEqual(closed, ['writer', 'checkpointer'])
     self.assertEqual((signal.getsignal(signal.SIGTERM),
                       signal.getsignal(signal.SIGINT)), before)
@@ -153,7 +154,7 @@ class TrainerTest(parameterized.TestCase):
     config.data.augment = False
     config.learning_rate = 3e-3
     with tfds.testing.mock_data(num_examples=8):
-      loop.train_and_evaluate(config, self.workdir)
+      loop.train_and_evaluate(settings_lib.parse(config), self.workdir)
     losses = [e['loss'] for e in _read_jsonl(self.workdir)
               if e['split'] == 'train']
     # 8 examples memorized: the last window's loss is 0.68 of the first's
@@ -181,7 +182,7 @@ class TrainerTest(parameterized.TestCase):
     config.learning_rate = 3e-3
     config.ema_horizon = 0.25  # A decay of 0.9 over 40 steps.
     with tfds.testing.mock_data(num_examples=8):
-      loop.train_and_evaluate(config, self.workdir)
+      loop.train_and_evaluate(settings_lib.parse(config), self.workdir)
     events = _read_jsonl(self.workdir)
     train = [e for e in events if e['split'] == 'train']
     # 0.78 here; 0.9 asks for half that fall (the same steps on another CPU
@@ -213,7 +214,7 @@ class TrainerTest(parameterized.TestCase):
     config.eval_batch_size = 1000
     config.num_train_steps = 10
     config.eval_every_steps = 10
-    summary = loop.train_and_evaluate(config, self.workdir)
+    summary = loop.train_and_evaluate(settings_lib.parse(config), self.workdir)
     events = _read_jsonl(self.workdir)
     self.assertEqual([(e['split'], e['num_examples']) for e in events
                       if e['split'] in ('val', 'test')],
@@ -242,7 +243,7 @@ class PrivateRunTest(absltest.TestCase):
     config.privacy.microbatch_size = 4
     workdir = self.enter_context(tempfile.TemporaryDirectory())
     with self.assertLogs('absl', 'INFO') as logs:
-      summary = loop.train_and_evaluate(config, workdir)
+      summary = loop.train_and_evaluate(settings_lib.parse(config), workdir)
     taken = summary['private_steps']
     # Skipped as in ordinary training: the dynamic scale backed off.
     self.assertGreater(summary['skipped_steps'], 0)

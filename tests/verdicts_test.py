@@ -18,10 +18,11 @@ import haiku as hk
 import jax
 
 from configs import base
-from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import verdicts
+from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.lab.advisor import driver as advisor
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
 from tests import probes_test
@@ -150,9 +151,9 @@ class AdvisorTest(absltest.TestCase):
     # The config it suggests builds: its override names a real module.
     config = copy.deepcopy(self.config)
     config.precision.overrides = overrides
-    experiment.build_without_data(config)
+    experiment.build_without_data(settings_lib.parse(config))
     # Knockout: the head alone in float16 is what breaks the logits.
-    rows = advisor.knockout(self.exp.config, params, self.inputs[:1],
+    rows = advisor.knockout(self.exp.settings, params, self.inputs[:1],
                            ['vit/head', FC1], ['float16'],
                            lambda line: None)['float16']
     self.assertEqual(rows[0]['path'], 'vit/head')

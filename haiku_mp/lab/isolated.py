@@ -1,6 +1,6 @@
 """Compiles and times one variant's train step, in a fresh process or here.
 
-In a fresh process (`python -m haiku_mp.lab.isolated`, config on stdin,
+In a fresh process (`python -m haiku_mp.lab.isolated`, settings on stdin,
 result as the last line of stdout) a device's peak bytes are that variant's
 own, and no compile cache or allocator state carries over from the variant
 measured before. Every timed lab experiment measures through `measure`.
@@ -12,11 +12,10 @@ import sys
 from typing import Any
 
 import jax
-import ml_collections
 
 from haiku_mp import errors
 from haiku_mp.lab import timing
-from haiku_mp.vit import settings
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.settings import fields as settings_fields
 
 
@@ -30,15 +29,15 @@ def measure_compiled(step: timing.CompiledStep, num_steps: int,
               device=str(jax.devices()[0].device_kind))
 
 
-def time_step(config: ml_collections.ConfigDict, num_steps: int,
+def time_step(settings: settings_lib.Settings, num_steps: int,
               warmup_steps: int, isolate: bool = True) -> dict[str, Any]:
-  """`measure_compiled` of `config`'s train step, in a fresh process if
+  """`measure_compiled` of `settings`' train step, in a fresh process if
   `isolate`. A variant that fails there is one ConfigError naming it."""
   if not isolate:
-    return measure_compiled(timing.compile_train_step(config),
+    return measure_compiled(timing.compile_train_step(settings),
                             num_steps, warmup_steps)
-  request = dict(config=config.to_json(), num_steps=num_steps,
-                 warmup_steps=warmup_steps)
+  request = dict(settings=settings_fields.to_dict(settings),
+                 num_steps=num_steps, warmup_steps=warmup_steps)
   proc = subprocess.run([sys.executable, '-m', __name__],
                         input=json.dumps(request), capture_output=True,
                         text=True, check=False)
@@ -46,7 +45,8 @@ def time_step(config: ml_collections.ConfigDict, num_steps: int,
     lines = proc.stderr.strip().splitlines() or ['(no output)']
     reason = lines[-1] if proc.returncode == 2 else '\n'.join(lines[-30:])
     raise errors.ConfigError(
-        f'variant {config.precision.policy} batch_size={config.batch_size} '
+        f'variant {settings.precision.policy} batch_size='
+        f'{settings.batch_size} '
         f'failed: {reason}')
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -54,10 +54,9 @@ def time_step(config: ml_collections.ConfigDict, num_steps: int,
 def main() -> None:
   request = json.loads(sys.stdin.read())
   # Parsed: the JSON's lists become the tuples the settings hold.
-  config = settings_fields.to_config_dict(
-      settings.parse(json.loads(request['config'])))
+  settings = settings_lib.parse(request['settings'])
   try:
-    result = time_step(config, request['num_steps'], request['warmup_steps'],
+    result = time_step(settings, request['num_steps'], request['warmup_steps'],
                        isolate=False)
   except errors.ConfigError as e:
     print(f'{type(e).__name__}: {e}', file=sys.stderr)

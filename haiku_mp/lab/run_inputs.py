@@ -1,4 +1,4 @@
-"""What the lab measures on: a run's config and checkpoint, or init, and the
+"""What the lab measures on: a run's settings and checkpoint, or init, and the
 train batches a run draws, augmented as its train step does. The advisor
 (`advisor.driver`) and the studies that start from a run (`lost_updates`,
 `ladder`) read them here; nothing here writes a run's directory."""
@@ -10,7 +10,6 @@ import time
 from typing import Callable, Collection
 
 import jax
-import ml_collections
 import numpy as np
 
 from haiku_mp import errors
@@ -22,30 +21,30 @@ from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import run_dir
 
 
-def with_run_config(config: ml_collections.ConfigDict, workdir: str,
+def with_run_config(settings: settings_schema.Settings, workdir: str,
                     given: Collection[str] = (),
                     log: Callable[[str], None] = print,
-                    command: str = 'advise') -> ml_collections.ConfigDict:
-  """`config` with every field of the run in `workdir` (its config.json, as
+                    command: str = 'advise') -> settings_schema.Settings:
+  """`settings` with every field of the run in `workdir` (its config.json, as
   launch.train wrote it: model, data, batch size, precision, loss scale,
   optimizer; what restores its checkpoint and draws its batches), except the
   dotted fields in `given` (set on the command line, they win). A workdir
-  without config.json leaves `config` as it is, and says so."""
+  without config.json leaves `settings` as they are, and says so."""
   path = os.path.join(workdir, run_dir.CONFIG_FILE)
   if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
-    return config  # Not a run: `run` says so before anything is done.
+    return settings  # Not a run: `run` says so before anything is done.
   if not os.path.exists(path):
     log(f'{command}: no {path}; the config is --config\'s')
-    return config
-  return merged_config(config, path, f'--checkpoint={workdir}', given, log,
+    return settings
+  return merged_config(settings, path, f'--checkpoint={workdir}', given, log,
                        command)
 
 
-def merged_config(config: ml_collections.ConfigDict, path: str, flag: str,
+def merged_config(settings: settings_schema.Settings, path: str, flag: str,
                   given: Collection[str] = (),
                   log: Callable[[str], None] = print,
-                  command: str = 'advise') -> ml_collections.ConfigDict:
-  """`config` with every field of the config.json at `path` except those in
+                  command: str = 'advise') -> settings_schema.Settings:
+  """`settings` with every field of the config.json at `path` except those in
   `given`; `flag`, the setting that named the run, heads the one-line error
   when the file cannot be read."""
   try:
@@ -53,7 +52,7 @@ def merged_config(config: ml_collections.ConfigDict, path: str, flag: str,
       saved = run_dir.flat_settings(json.load(f))
   except (OSError, ValueError) as e:
     raise errors.ConfigError(f'{flag}: {path} cannot be read ({e})') from None
-  tree = config.to_dict()
+  tree = settings_fields.to_dict(settings)
   for key, value in saved.items():
     *parents, name = key.split('.')
     holder = tree
@@ -63,10 +62,10 @@ def merged_config(config: ml_collections.ConfigDict, path: str, flag: str,
       continue  # Set on the command line, or a field no longer in configs.
     holder[name] = value
   # Parsed: config.json's lists become the settings' tuples again.
-  config = settings_fields.to_config_dict(settings_schema.parse(tree))
+  merged = settings_schema.parse(tree)
   log(f'{command}: the config of {path}; from the command line: '
       + (', '.join(f'--config.{k}' for k in sorted(given)) or 'nothing'))
-  return config
+  return merged
 
 
 def initial_state(exp: experiment.Experiment, checkpoint: str,
@@ -89,12 +88,12 @@ def initial_state(exp: experiment.Experiment, checkpoint: str,
   return state, step, f'checkpoint {checkpoint} step {step}'
 
 
-def training_batches(config: ml_collections.ConfigDict, count: int,
+def training_batches(settings: settings_schema.Settings, count: int,
                      start_step: int) -> list[dict[str, np.ndarray]]:
   """The uint8 train batches of steps `start_step` on, as the run draws them."""
-  splits = pipeline.load(config.data, config.model, config.seed,
-                         config.batch_size)
-  batches = pipeline.train_batches(config.seed, config.batch_size,
+  splits = pipeline.load(settings.data, settings.model, settings.seed,
+                         settings.batch_size)
+  batches = pipeline.train_batches(settings.seed, settings.batch_size,
                                    splits.train, pipeline.Shard(), start_step)
   return [next(batches) for _ in range(count)]
 

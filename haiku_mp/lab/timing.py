@@ -14,9 +14,9 @@ import time
 from typing import Any, Optional
 
 import jax
-import ml_collections
 import numpy as np
 
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import in_flight
 from haiku_mp.vit.train import metrics
@@ -45,7 +45,7 @@ def fingerprint(text: Optional[str]) -> Optional[str]:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-  """The reference train step compiled for one config and layout."""
+  """The reference train step compiled for one run's settings and layout."""
   experiment: experiment.Experiment
   compiled: Any  # Called as compiled(state, batch), donating the state.
   stats: dict[str, Any]  # compile_sec, memory analysis, per-device bytes.
@@ -56,9 +56,9 @@ def lower_train_step(exp: experiment.Experiment):
   return exp.strategy.train_step.lower(*exp.abstract_inputs())
 
 
-def compile_train_step(config: ml_collections.ConfigDict) -> CompiledStep:
+def compile_train_step(settings: settings_lib.Settings) -> CompiledStep:
   """Compiles the train step on abstract inputs and reads its memory analysis."""
-  return compile_experiment(experiment.build_without_data(config))
+  return compile_experiment(experiment.build_without_data(settings))
 
 
 def compile_experiment(exp: experiment.Experiment,
@@ -93,9 +93,9 @@ def compile_experiment(exp: experiment.Experiment,
   return CompiledStep(exp, compiled, stats)
 
 
-def compiled_step_stats(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def compiled_step_stats(settings: settings_lib.Settings) -> dict[str, Any]:
   """Compile time and per-device memory analysis of the train step."""
-  return compile_train_step(config).stats
+  return compile_train_step(settings).stats
 
 
 def random_inputs(exp: experiment.Experiment):
@@ -127,7 +127,7 @@ def time_steps(step: CompiledStep, num_steps: int, warmup_steps: int = 1
   Each step is waited for (its loss read back), so a time is one whole step;
   the first `warmup_steps` are not counted.
   """
-  config = step.experiment.config
+  batch_size = step.experiment.settings.batch_size
   state, batch = random_inputs(step.experiment)
 
   def one_step():
@@ -141,7 +141,7 @@ def time_steps(step: CompiledStep, num_steps: int, warmup_steps: int = 1
   system = resource.getrusage(resource.RUSAGE_SELF).ru_stime - system_start
   median = float(np.median(times))
   return dict(step_times_sec=times, median_step_sec=median,
-              images_per_sec=config.batch_size / median,
+              images_per_sec=batch_size / median,
               # The kernel's share (all threads): mapping memory, waking
               # threads; on XLA:CPU a large part of a big step.
               sys_cpu_sec_per_step=system / num_steps,

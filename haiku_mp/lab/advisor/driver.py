@@ -26,7 +26,6 @@ a few real batches.
    the same batch in this process.
 """
 
-import copy
 import dataclasses
 import math
 import os
@@ -34,10 +33,8 @@ import time
 from typing import Any, Callable, Optional
 
 import jax
-import ml_collections
 import numpy as np
 
-from haiku_mp import errors
 from haiku_mp.advisor import fp4_numerics
 from haiku_mp.advisor import fp8_numerics
 from haiku_mp.advisor import matmul_formats
@@ -45,14 +42,16 @@ from haiku_mp.advisor import measurement
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
 from haiku_mp.advisor import verdicts
+from haiku_mp import errors
 from haiku_mp.lab import hardware
 from haiku_mp.lab import run_inputs
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.update import step as step_lib
-from haiku_mp.vit import settings as settings_schema
 from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit import settings as settings_schema
+from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.train import experiment
 
 LEVELS = ('stats', 'knockout')
@@ -130,11 +129,11 @@ def inherits(exp: experiment.Experiment) -> dict[str, bool]:
           for c in exp.module_calls}
 
 
-def _suggestion(config, exp, modules, judged: verdicts.Advice, fmt: str
+def _suggestion(settings, exp, modules, judged: verdicts.Advice, fmt: str
                 ) -> dict[str, Any]:
   """The config for half format `fmt` that follows from the verdicts."""
-  half = verdicts.policy(config.precision.policy, fmt, fmt)
-  policy = verdicts.policy(config.precision.policy, fmt, 'float32')
+  half = verdicts.policy(settings.precision.policy, fmt, fmt)
+  policy = verdicts.policy(settings.precision.policy, fmt, 'float32')
   overrides = verdicts.overrides(modules, judged, fmt, inherits(exp), half)
   flags = [f'--config.precision.policy={policy}',
            f"--config.precision.overrides='{overrides}'"]
@@ -146,24 +145,24 @@ def _suggestion(config, exp, modules, judged: verdicts.Advice, fmt: str
               keep_f32=kept, flags=flags)
 
 
-def fp8_candidates(config: ml_collections.ConfigDict,
+def fp8_candidates(settings: settings_schema.Settings,
                    exp: experiment.Experiment) -> list[str]:
   """The Linear layers the low-bit advice judges: those the config's fp8
   modules select, or `fp8.DEFAULT_MODULES`'s when it runs none."""
   return measurement.fp8_linears(module_classes(exp),
-                                 _candidates_setting(config))
+                                 _candidates_setting(settings))
 
 
-def _candidates_setting(config: ml_collections.ConfigDict) -> str:
-  return matmul_formats.candidates_setting(config.precision.fp8.modules)
+def _candidates_setting(settings: settings_schema.Settings) -> str:
+  return matmul_formats.candidates_setting(settings.precision.fp8.modules)
 
 
-def matmul_formats_of(config: ml_collections.ConfigDict
+def matmul_formats_of(settings: settings_schema.Settings
                       ) -> list[tuple[matmul_formats.MatmulFormat, str]]:
   """The formats the low-bit advice judges, widest first, each with the
   choice its flags select: fp8 at the config's scaling, then 4 bits at the
   config's 4-bit format (NVFP4 when it runs fp8)."""
-  fp8_config = config.precision.fp8
+  fp8_config = settings.precision.fp8
   fp4_format = (fp8_config.format if fp8_config.format in fp4_lib.FORMATS
                 else fp4_lib.FORMATS[0])
   fp8_scaling = (fp8_config.scaling if fp8_config.format == 'fp8'
@@ -173,7 +172,7 @@ def matmul_formats_of(config: ml_collections.ConfigDict
           (fp4_numerics.Fp4Matmuls(fp8_config.hadamard), fp4_format)]
 
 
-def matmul_advice(config: ml_collections.ConfigDict,
+def matmul_advice(settings: settings_schema.Settings,
                   exp: experiment.Experiment, params, inputs,
                   fmt: matmul_formats.MatmulFormat, choice: str, limits,
                   fallback: Optional[dict[str, Any]],
@@ -184,22 +183,22 @@ def matmul_advice(config: ml_collections.ConfigDict,
   flags that run `choice` where it fits, the wider format or bfloat16
   elsewhere."""
   totals = measurement.measure_matmuls(
-      exp.loss_fn, params, inputs, fp8_candidates(config, exp), fmt, log)
+      exp.loss_fn, params, inputs, fp8_candidates(settings, exp), fmt, log)
   judged = matmul_formats.judge(totals, fmt, choice, limits,
-                                _candidates_setting(config), fallback)
+                                _candidates_setting(settings), fallback)
   modules = judged['fp8_modules']
   flags = [f"--config.precision.fp8.modules='{modules}'", *fmt.flags(choice)]
   if judged['keep_fp8_setting']:
     flags.append(f"--config.precision.fp8.keep_fp8='"
                  f"{judged['keep_fp8_setting']}'")
-  if variants.compute_dtype(config) == 'float16':
+  if variants.compute_dtype(settings) == 'float16':
     flags.insert(0, '--config.precision.policy=' + verdicts.policy(
-        config.precision.policy, 'bfloat16', 'float32'))
+        settings.precision.policy, 'bfloat16', 'float32'))
   return dict(judged, thresholds=dataclasses.asdict(limits),
               suggestion=dict(modules=modules, flags=flags))
 
 
-def knockout(config: ml_collections.ConfigDict, params, inputs,
+def knockout(settings: settings_schema.Settings, params, inputs,
              paths: list[str], dtypes: list[str], log: Callable[[str], None]
              ) -> dict[str, list[dict[str, Any]]]:
   """Per dtype, each module alone in it (a path override on the float32
@@ -207,7 +206,6 @@ def knockout(config: ml_collections.ConfigDict, params, inputs,
   `inputs`, most sensitive first."""
 
   def logits_and_loss(variant):
-    variant = settings_schema.parse(variant)
     precision = forward_lib.precision_from_config(variant)
     step = jax.jit(step_lib.make_eval_step(
         forward_lib.make_forward(variant.model, precision)))
@@ -215,15 +213,15 @@ def knockout(config: ml_collections.ConfigDict, params, inputs,
     return (np.concatenate([np.asarray(o['logits'], np.float64) for o in outs]),
             float(np.mean([float(o['loss']) for o in outs])))
 
-  ref_logits, ref_loss = logits_and_loss(config)
+  ref_logits, ref_loss = logits_and_loss(settings)
   norm = np.linalg.norm(ref_logits)
   ranked = {}
   for dtype in dtypes:
-    half = verdicts.policy(config.precision.policy, dtype, dtype)
+    half = verdicts.policy(settings.precision.policy, dtype, dtype)
     rows = []
     for i, path in enumerate(paths):
-      variant = copy.deepcopy(config)
-      variant.precision.overrides = f'{path}:{half}'
+      variant = settings_schema.replace(
+          settings, precision=dict(overrides=f'{path}:{half}'))
       logits, loss = logits_and_loss(variant)
       finite = bool(np.all(np.isfinite(logits)))
       error = (float(np.linalg.norm(logits - ref_logits) / norm)
@@ -241,13 +239,13 @@ def _time(fn, repeats: int) -> float:
   return timing.median_seconds(fn, (), repeats)
 
 
-def cost(config: ml_collections.ConfigDict, stats: probes.StatisticsFn,
+def cost(settings: settings_schema.Settings, stats: probes.StatisticsFn,
          state, batch, repeats: int) -> dict[str, Any]:
   """The statistics pass against the config's own train step (its
   precision, one device), on the same batch, in this process."""
-  config = variants.on_one_device(config)
+  settings = variants.on_one_device(settings)
   step = timing.compile_experiment(
-      experiment.build_without_data(config))
+      experiment.build_without_data(settings))
   step_state = step.experiment.strategy.init_state()
   placed = step.experiment.strategy.place_batch(batch)
 
@@ -263,30 +261,30 @@ def cost(config: ml_collections.ConfigDict, stats: probes.StatisticsFn,
   stats_sec = _time(lambda: stats.fn(state.params, key, batch, scale), repeats)
   train_sec = _time(train, repeats)
   return dict(statistics_pass_sec=stats_sec, train_step_sec=train_sec,
-              ratio=stats_sec / train_sec, batch_size=config.batch_size,
-              train_step_policy=config.precision.policy)
+              ratio=stats_sec / train_sec, batch_size=settings.batch_size,
+              train_step_policy=settings.precision.policy)
 
 
-def run(config: ml_collections.ConfigDict, checkpoint: str = '',
+def run(settings: settings_schema.Settings, checkpoint: str = '',
         checkpoint_step: int = -1, num_batches: int = 8,
         level: str = 'stats', repeats: int = 3,
         log: Callable[[str], None] = print) -> dict[str, Any]:
   """The advisor's result as a JSON-ready dict (`advisor_files.write` makes
   the files)."""
-  settings = settings_schema.parse(config).advisor
+  advisor_settings = settings.advisor
   _check(num_batches, level, repeats, checkpoint)
-  thresholds = settings.thresholds
-  target = variants.compute_dtype(config)
+  thresholds = advisor_settings.thresholds
+  target = variants.compute_dtype(settings)
   formats = [target] if target in HALF_DTYPES else list(HALF_DTYPES)
-  reference = variants.float32_reference(config)
+  reference = variants.float32_reference(settings)
   exp = experiment.build(reference)
   state, step, source = run_inputs.initial_state(exp, checkpoint,
                                                  checkpoint_step)
-  init_steps = 0 if checkpoint else settings.init_steps
+  init_steps = 0 if checkpoint else advisor_settings.init_steps
   start = time.perf_counter()
   batches = run_inputs.training_batches(reference, init_steps + num_batches,
                                         step)
-  log(f'advise: {init_steps + num_batches} batches of {config.batch_size} '
+  log(f'advise: {init_steps + num_batches} batches of {settings.batch_size} '
       f'from step {step} ({time.perf_counter() - start:.1f} s to load)')
   if init_steps:
     state = run_inputs.train_steps(exp, state, batches[:init_steps], log)
@@ -306,32 +304,33 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
         param_gradients={n: _stats_json(s)
                          for n, s in sorted(m.param_gradients.items())}))
   result = dict(
-      config=dict(policy=config.precision.policy,
-                  overrides=config.precision.overrides,
+      config=dict(policy=settings.precision.policy,
+                  overrides=settings.precision.overrides,
                   compute_dtype=target,
-                  loss_scale=dict(config.loss_scale),
-                  model=dict(config.model),
-                  batch_size=config.batch_size,
-                  data={k: config.data[k] for k in (
+                  loss_scale=settings_fields.to_dict(settings.loss_scale),
+                  model=settings_fields.to_dict(settings.model),
+                  batch_size=settings.batch_size,
+                  data={k: getattr(settings.data, k) for k in (
                       'source', 'arrays_path', 'data_dir', 'train_split')}),
       params_from=source, start_step=step, batches=num_batches,
-      loss_scales_seen=scales, thresholds=dict(config.advisor),
+      loss_scales_seen=scales,
+      thresholds=settings_fields.to_dict(settings.advisor),
       exponents=[int(e) for e in numerics.EXPONENTS],
       float16_window=_scale_json(judged.scale_window),
-      suggestions={fmt: _suggestion(config, exp, modules, judged, fmt)
+      suggestions={fmt: _suggestion(settings, exp, modules, judged, fmt)
                    for fmt in HALF_DTYPES},
       target=target, modules=rows, **hardware.describe())
-  limits = {'fp8': settings.fp8, 'fp4': settings.fp4}
+  limits = {'fp8': advisor_settings.fp8, 'fp4': advisor_settings.fp4}
   fallback = None
-  for fmt, choice in matmul_formats_of(config):
+  for fmt, choice in matmul_formats_of(settings):
     fallback = result[fmt.name] = matmul_advice(
-        config, exp, state.params, inputs, fmt, choice, limits[fmt.name],
+        settings, exp, state.params, inputs, fmt, choice, limits[fmt.name],
         fallback, log)
   if level == 'knockout':
     paths = [m.path for m in modules if m.same_as is None]
     result['knockout'] = knockout(reference, state.params, inputs, paths,
                                   formats, log)
-  result['cost'] = cost(config, stats, state, inputs[0], repeats)
+  result['cost'] = cost(settings, stats, state, inputs[0], repeats)
   log(f'advise: statistics pass {result["cost"]["statistics_pass_sec"]:.3f} s '
       f'= {result["cost"]["ratio"]:.2f}x the train step')
   return result

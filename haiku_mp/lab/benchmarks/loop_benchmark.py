@@ -16,11 +16,9 @@ For each compute dtype, in one process and in alternating rounds:
 the step call) when it falls short.
 """
 
-import copy
 import tempfile
 from typing import Any, Callable, Sequence
 
-import ml_collections
 import numpy as np
 
 from haiku_mp.lab import compare
@@ -28,6 +26,7 @@ from haiku_mp.lab import hardware
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.train import console_lines
 from haiku_mp.vit.train import experiment
@@ -38,17 +37,16 @@ TARGET_LOOP_OVER_STEP = 0.90
 RATIO_FIELDS = ('loop_images_per_sec', 'step_images_per_sec')
 
 
-def loop_config(config: ml_collections.ConfigDict, steps: int
-                ) -> ml_collections.ConfigDict:
+def loop_config(settings: settings_lib.Settings, steps: int
+                ) -> settings_lib.Settings:
   """`config` as one loop round runs it: `steps` steps, evaluated and saved
   only at the end (neither is in a run's images/s), logged as configured.
   Its warm-up is cut to half the round (the schedule's shape costs nothing;
   a warm-up as long as the run is only warned about)."""
-  config = copy.deepcopy(config)
-  config.num_train_steps = steps
-  config.eval_every_steps = config.checkpoint_every_steps = steps
-  config.warmup_steps = min(config.warmup_steps, steps // 2)
-  return config
+  return settings_lib.replace(
+      settings, num_train_steps=steps, eval_every_steps=steps,
+      checkpoint_every_steps=steps,
+      warmup_steps=min(settings.warmup_steps, steps // 2))
 
 
 def steady_images_per_sec(events: Sequence[dict[str, Any]], batch_size: int
@@ -66,9 +64,9 @@ def steady_images_per_sec(events: Sequence[dict[str, Any]], batch_size: int
   return steps * batch_size / seconds
 
 
-def _loop_round(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def _loop_round(settings: settings_lib.Settings) -> dict[str, Any]:
   with tempfile.TemporaryDirectory() as workdir, console_lines.quietly():
-    summary = loop.train_and_evaluate(config, workdir)
+    summary = loop.train_and_evaluate(settings, workdir)
     events = run_plots.read_metrics(workdir)
   if 'preempted_at_step' in summary:
     # SIGTERM or Ctrl-C stopped the trainer: the benchmark stops with it,
@@ -77,7 +75,7 @@ def _loop_round(config: ml_collections.ConfigDict) -> dict[str, Any]:
         f'{summary["signal"]} in a --loop round (step '
         f'{summary["preempted_at_step"]}): the benchmark stopped before its '
         'figures')
-  return dict(images_per_sec=steady_images_per_sec(events, config.batch_size),
+  return dict(images_per_sec=steady_images_per_sec(events, settings.batch_size),
               whole_round_images_per_sec=summary['images_per_sec'],
               host_ms_per_step=summary['host_ms_per_step'])
 
@@ -86,8 +84,8 @@ class _StepRounds:
   """The trainer's train step compiled for the config's first batch, run on
   that batch already on the device."""
 
-  def __init__(self, config: ml_collections.ConfigDict):
-    exp = experiment.build(config)
+  def __init__(self, settings: settings_lib.Settings):
+    exp = experiment.build(settings)
     splits = exp.load_splits()
     host_batch = next(exp.train_batches(splits.train,
                                         pipeline.Shard.current(), 0))
@@ -95,8 +93,8 @@ class _StepRounds:
     self._state = exp.strategy.init_state()
     self._step = exp.strategy.train_step.lower(self._state,
                                                self._batch).compile()
-    self._batch_size = config.batch_size
-    self._steps_in_flight = config.steps_in_flight
+    self._batch_size = settings.batch_size
+    self._steps_in_flight = settings.steps_in_flight
     self.round(1)  # Warm-up: the first call pays for allocations.
 
   def round(self, steps: int) -> float:
@@ -108,7 +106,7 @@ class _StepRounds:
     return self._batch_size / seconds
 
 
-def _row(config: ml_collections.ConfigDict, steps: int, loop_rounds: list,
+def _row(settings: settings_lib.Settings, steps: int, loop_rounds: list,
          step_rounds: list) -> dict[str, Any]:
   """The figures above from one config's rounds."""
   loop_ips = [r['images_per_sec'] for r in loop_rounds]
@@ -117,13 +115,13 @@ def _row(config: ml_collections.ConfigDict, steps: int, loop_rounds: list,
   step_images = float(np.median(step_rounds))
   return dict(
       **hardware.describe(),
-      dtype=variants.variant_name(config),
-      policy=config.precision.policy,
-      source=config.data.source,
-      strategy=config.parallel.strategy,
-      batch_size=config.batch_size,
-      steps_in_flight=config.steps_in_flight,
-      log_every_steps=config.log_every_steps,
+      dtype=variants.variant_name(settings),
+      policy=settings.precision.policy,
+      source=settings.data.source,
+      strategy=settings.parallel.strategy,
+      batch_size=settings.batch_size,
+      steps_in_flight=settings.steps_in_flight,
+      log_every_steps=settings.log_every_steps,
       steps_per_round=steps,
       rounds=len(loop_rounds),
       loop_images_per_sec=loop_images,
@@ -135,12 +133,12 @@ def _row(config: ml_collections.ConfigDict, steps: int, loop_rounds: list,
       step_rounds_images_per_sec=step_rounds,
       # The median loop round's.
       host_ms_per_step=loop_rounds[median]['host_ms_per_step'],
-      step_ms=1e3 * config.batch_size / step_images,
+      step_ms=1e3 * settings.batch_size / step_images,
       target=TARGET_LOOP_OVER_STEP,
       target_met=loop_images / step_images >= TARGET_LOOP_OVER_STEP)
 
 
-def run_configs(configs: Sequence[ml_collections.ConfigDict],
+def run_configs(configs: Sequence[settings_lib.Settings],
                 names: Sequence[str], steps: int, rounds: int = 3,
                 log: Callable[[str], None] = lambda line: None) -> list[dict]:
   """The figures above for each of `configs`, their rounds alternating (each
@@ -151,8 +149,8 @@ def run_configs(configs: Sequence[ml_collections.ConfigDict],
   loop_rounds = [[] for _ in configs]
   step_rounds = [[] for _ in configs]
   for i in range(rounds):
-    for j, config in enumerate(looped):
-      loop_rounds[j].append(_loop_round(config))
+    for j, settings in enumerate(looped):
+      loop_rounds[j].append(_loop_round(settings))
       step_rounds[j].append(step[j].round(steps))
       name = f'{names[j]} ' if names[j] else ''
       log(f'{name}round {i + 1}/{rounds}: loop '
@@ -162,13 +160,13 @@ def run_configs(configs: Sequence[ml_collections.ConfigDict],
           for j, c in enumerate(configs)]
 
 
-def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
+def run(settings: settings_lib.Settings, steps: int, rounds: int = 3,
         log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
   """The figures above for `config` (its dtype, data source and strategy)."""
-  return run_configs([config], [''], steps, rounds, log)[0]
+  return run_configs([settings], [''], steps, rounds, log)[0]
 
 
-def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
+def run_dtypes(settings: settings_lib.Settings, dtypes: Sequence[str],
                steps: int, rounds: int = 3,
                log: Callable[[str], None] = lambda line: None,
                steps_in_flight: Sequence[int] = ()) -> list[dict]:
@@ -178,9 +176,9 @@ def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
   step's, or what the host's bound on steps ahead of the device costs."""
   configs, names = [], []
   for dtype in dtypes:
-    for limit in steps_in_flight or [config.steps_in_flight]:
-      variant = variants.in_compute_dtype(config, dtype)
-      variant.steps_in_flight = limit
+    for limit in steps_in_flight or [settings.steps_in_flight]:
+      variant = settings_lib.replace(
+          variants.in_compute_dtype(settings, dtype), steps_in_flight=limit)
       configs.append(variant)
       names.append(f'{dtype} steps_in_flight={limit}' if steps_in_flight
                    else dtype)

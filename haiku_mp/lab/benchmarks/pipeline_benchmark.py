@@ -17,11 +17,11 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
 from haiku_mp.lab import hardware
 from haiku_mp.lab import timing
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import prefetch
 from haiku_mp.vit.train import experiment
@@ -40,21 +40,21 @@ def _images_per_sec(fn, batch_size: int, repeats: int) -> float:
   return batch_size * repeats / sum(timing.seconds(fn, (), repeats))
 
 
-def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
+def run(settings: settings_lib.Settings, steps: int, rounds: int = 3,
         repeats: int = 20) -> dict[str, Any]:
   """The figures above for `config` (its data source, batch and strategy)."""
-  exp = experiment.build(config)
+  exp = experiment.build(settings)
   strategy = exp.strategy
   load_start = time.perf_counter()
   splits = exp.load_splits()
   load_seconds = time.perf_counter() - load_start
   shard = pipeline.Shard.current()
   batches = exp.train_batches(splits.train, shard, 0)
-  local_batch = pipeline.local_batch_size(config.batch_size, shard)
+  local_batch = pipeline.local_batch_size(settings.batch_size, shard)
 
   host = _images_per_sec(lambda: next(batches), local_batch, repeats)
   augment_fn = jax.jit(exp.train_inputs)
-  key = jax.random.key(config.seed)
+  key = jax.random.key(settings.seed)
   device_batch = jax.device_put(next(batches))
   on_device = _images_per_sec(
       lambda: jax.block_until_ready(augment_fn(key, device_batch)),
@@ -68,28 +68,28 @@ def run(config: ml_collections.ConfigDict, steps: int, rounds: int = 3,
   fixed = strategy.place_batch(next(batches))
   step = strategy.train_step.lower(state, fixed).compile()
   with prefetch.DevicePrefetch(batches, strategy.place_batch,
-                               config.data.prefetch_batches) as fed:
+                               settings.data.prefetch_batches) as fed:
     feeds = dict(device_batch=iter(lambda: fixed, None), pipeline_fed=fed)
     # Warm-up.
     state, _ = timing.dispatch_round(step, state, feeds['device_batch'], 1,
-                                     config.steps_in_flight)
+                                     settings.steps_in_flight)
     seconds = {name: [] for name in feeds}
     for _ in range(rounds):
       for name, feed in feeds.items():
         state, per_step = timing.dispatch_round(
-            step, state, feed, steps, config.steps_in_flight)
+            step, state, feed, steps, settings.steps_in_flight)
         seconds[name].append(per_step)
   step_time = {name: float(np.median(s)) for name, s in seconds.items()}
-  step_images = config.batch_size / step_time['device_batch']
+  step_images = settings.batch_size / step_time['device_batch']
   slowdown = step_time['pipeline_fed'] / step_time['device_batch'] - 1
   augment_share = (local_batch / on_device) / step_time['device_batch']
   return dict(
       **hardware.describe(),
-      source=config.data.source,
-      policy=config.precision.policy,
-      batch_size=config.batch_size,
-      augment=config.data.augment,
-      augment_policy=config.data.policy if config.data.augment else None,
+      source=settings.data.source,
+      policy=settings.precision.policy,
+      batch_size=settings.batch_size,
+      augment=settings.data.augment,
+      augment_policy=settings.data.policy if settings.data.augment else None,
       strategy=strategy.name,
       train_examples=len(splits.train.labels),
       load_sec=load_seconds,

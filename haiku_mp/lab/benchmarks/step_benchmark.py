@@ -23,7 +23,6 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from haiku_mp.lab import compare
@@ -31,6 +30,7 @@ from haiku_mp.lab import hardware
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
 from haiku_mp.model import half_dot
+from haiku_mp.vit import settings as settings_lib
 
 # Compared as ratios to the first dtype of a run.
 RATIO_FIELDS = ('step_time_s', 'images_per_sec', 'mfu', 'sys_cpu_s_per_step',
@@ -86,10 +86,10 @@ def _flops(compiled) -> Optional[float]:
   return float(flops) if flops and flops > 0 else None
 
 
-def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
+def run(settings: settings_lib.Settings, steps: int, warmup_steps: int = 1,
         ceiling_size: int = 2048, ceiling_repeats: int = 5) -> dict[str, Any]:
   """Times `config`'s train step; one dict of the figures above."""
-  step = timing.compile_train_step(config)
+  step = timing.compile_train_step(settings)
   precision = step.experiment.precision
   dtype = jnp.dtype(precision.policy.compute_dtype)
   form = half_dot.form_for(precision.dot_form, dtype, jax.default_backend())
@@ -103,13 +103,13 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
   private = step.experiment.privacy
   return dict(
       **hardware.describe(),
-      dtype=variants.variant_name(config),
+      dtype=variants.variant_name(settings),
       dot_form=form,
-      policy=config.precision.policy,
+      policy=settings.precision.policy,
       # DP-SGD: its batch is padded to train_batch_size rows, batch_size of
       # them sampled (the expected Poisson batch; images/s counts those).
       privacy=private is not None,
-      batch_size=config.batch_size,
+      batch_size=settings.batch_size,
       train_batch_size=step.experiment.train_batch_size,
       dp_microbatch_size=private and private.microbatch_size,
       steps=steps,
@@ -131,7 +131,7 @@ def run(config: ml_collections.ConfigDict, steps: int, warmup_steps: int = 1,
       device_peak_bytes=times['device_peak_bytes'])
 
 
-def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
+def run_dtypes(settings: settings_lib.Settings, dtypes: Sequence[str],
                steps: int, log=lambda row: None, dp_vs_ordinary: bool = False,
                **kwargs) -> list[dict]:
   """`run` per compute dtype (float16 with dynamic loss scaling, as the
@@ -140,12 +140,13 @@ def run_dtypes(config: ml_collections.ConfigDict, dtypes: Sequence[str],
   settings) steps, the DP-SGD row with its ratios to the ordinary one
   (`vs_ordinary`)."""
   privacy_variants = (False, True) if dp_vs_ordinary else (
-      config.privacy.enabled,)
+      settings.privacy.enabled,)
   rows = []
   for dtype in dtypes:
     for private in privacy_variants:
-      variant = variants.variant_config(config, dtype, config.batch_size)
-      variant.privacy.enabled = private
+      variant = settings_lib.replace(
+          variants.variant_settings(settings, dtype, settings.batch_size),
+          privacy=dict(enabled=private))
       rows.append(run(variant, steps, **kwargs))
       log(rows[-1])
   compare.add_ratios(rows, 'vs_first', RATIO_FIELDS,

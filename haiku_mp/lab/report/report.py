@@ -18,7 +18,6 @@ rewrites `report.md` from all the parts' JSON found there):
   resumes from its checkpoints when run again.
 """
 
-import copy
 import dataclasses
 import json
 import os
@@ -26,7 +25,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 
 from haiku_mp import errors
@@ -42,6 +40,7 @@ from haiku_mp.lab.studies import dot_algorithms
 from haiku_mp.lab.studies import matmul
 from haiku_mp.lab.studies import matmul_precision as precision_lab
 from haiku_mp.lab.studies import memory
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import console_lines
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import loop
@@ -82,9 +81,9 @@ QUICK_TRAIN_STEPS = 4
 QUICK_SYNTHETIC_EXAMPLES = 64  # Per split, when the data is synthetic.
 
 
-def quick_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def quick_config(settings: settings_lib.Settings) -> settings_lib.Settings:
   """`config` shrunk for --quick: a tiny model and a few training steps."""
-  return variants.shrunk(config, QUICK_MODEL, QUICK_TRAIN_STEPS,
+  return variants.shrunk(settings, QUICK_MODEL, QUICK_TRAIN_STEPS,
                          QUICK.batch_sizes[0], QUICK_SYNTHETIC_EXAMPLES)
 
 
@@ -99,11 +98,11 @@ def _out_of_memory(e: BaseException) -> bool:
 # -------------------------------------------------------------------- parts --
 
 
-def benchmark(config, sizes: Sizes, log) -> dict[str, Any]:
+def benchmark(settings, sizes: Sizes, log) -> dict[str, Any]:
   rows = []
   for batch_size in sizes.batch_sizes:
     for dtype in variants.DTYPES:
-      variant = variants.variant_config(config, dtype, batch_size)
+      variant = variants.variant_settings(settings, dtype, batch_size)
       try:
         row = step_benchmark.run(variant, sizes.steps,
                                  ceiling_size=sizes.ceiling_size,
@@ -125,12 +124,12 @@ def benchmark(config, sizes: Sizes, log) -> dict[str, Any]:
   return dict(results=rows)
 
 
-def memory_part(config, sizes: Sizes, log) -> dict[str, Any]:
+def memory_part(settings, sizes: Sizes, log) -> dict[str, Any]:
   """Each variant in a fresh process: its own peak, no allocator history."""
   rows = []
   for batch_size in sizes.batch_sizes:
     for dtype in variants.DTYPES:
-      variant = variants.variant_config(config, dtype, batch_size, 'single:1x1')
+      variant = variants.variant_settings(settings, dtype, batch_size, 'single:1x1')
       kept = memory.residual_summary(experiment.build_without_data(variant),
                                      batch_size)['kept_bytes']
       row = dict(dtype=dtype, batch_size=batch_size,
@@ -160,22 +159,22 @@ def memory_part(config, sizes: Sizes, log) -> dict[str, Any]:
   return dict(results=rows, isolated=sizes.isolate_memory)
 
 
-def precision_part(config, sizes: Sizes, log) -> dict[str, Any]:
-  variant = copy.deepcopy(config)
-  variant.batch_size = variant.eval_batch_size = sizes.batch_sizes[0]
+def precision_part(settings, sizes: Sizes, log) -> dict[str, Any]:
+  variant = settings_lib.replace(settings, batch_size=sizes.batch_sizes[0],
+                                 eval_batch_size=sizes.batch_sizes[0])
   return precision_lab.run(variant, sizes.precision_dtypes,
                            sizes.matmul_precisions,
                            sizes.steps, sizes.numerics_batch_size,
                            sizes.isolate_precision, log=log)
 
 
-def accuracy(config, out_dir: str, seeds: Sequence[int], log
+def accuracy(settings, out_dir: str, seeds: Sequence[int], log
              ) -> dict[str, Any]:
   runs = []
   for seed in seeds:
     for dtype in variants.DTYPES:
       workdir = os.path.join(out_dir, 'accuracy', f'{dtype}_seed{seed}')
-      variant = variants.for_accuracy(config, dtype, seed)
+      variant = variants.for_accuracy(settings, dtype, seed)
       start = time.perf_counter()
       with console_lines.quietly():
         summary = loop.train_and_evaluate(variant, workdir)
@@ -197,9 +196,9 @@ def accuracy(config, out_dir: str, seeds: Sequence[int], log
   # not read as 0.30000000000000027.
   gaps = {d: round(100 * (mean(d) - mean('float32')), 6)
           for d in variants.DTYPES[1:]}
-  return dict(seeds=list(seeds), epochs=config.num_epochs,
-              num_train_steps=config.num_train_steps,
-              data_source=config.data.source, runs=runs,
+  return dict(seeds=list(seeds), epochs=settings.num_epochs,
+              num_train_steps=settings.num_train_steps,
+              data_source=settings.data.source, runs=runs,
               mean_test_accuracy={d: mean(d) for d in variants.DTYPES},
               gap_points_vs_float32=gaps, target_points=PARITY_POINTS,
               target_met={d: abs(g) <= PARITY_POINTS for d, g in gaps.items()})
@@ -254,7 +253,7 @@ def _header() -> dict[str, Any]:
               date=time.strftime('%Y-%m-%d %H:%M:%S %Z'))
 
 
-def run(config: ml_collections.ConfigDict, out_dir: str,
+def run(settings: settings_lib.Settings, out_dir: str,
         parts: Sequence[str] = PARTS, quick: bool = False,
         seeds: Sequence[int] = (0,), command: str = '',
         log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -265,19 +264,19 @@ def run(config: ml_collections.ConfigDict, out_dir: str,
                              f'some of {PARTS}')
   sizes = QUICK if quick else Sizes()
   if quick:
-    config = quick_config(config)
+    settings = quick_config(settings)
   os.makedirs(out_dir, exist_ok=True)
   steps = {
-      'benchmark': (lambda: benchmark(config, sizes, log), _benchmark_plot),
-      'memory': (lambda: memory_part(config, sizes, log), _memory_plot),
-      'precision': (lambda: precision_part(config, sizes, log),
+      'benchmark': (lambda: benchmark(settings, sizes, log), _benchmark_plot),
+      'memory': (lambda: memory_part(settings, sizes, log), _memory_plot),
+      'precision': (lambda: precision_part(settings, sizes, log),
                     precision_lab.plot),
       'matmul': (lambda: matmul.run(*sizes.matmul_shape, sizes.repeats,
                                     log=log), matmul.plot),
       'dot_algorithms': (lambda: dot_algorithms.run(sizes.dot_size,
                                                     sizes.repeats, log=log),
                          dot_algorithms.plot),
-      'accuracy': (lambda: accuracy(config, out_dir, seeds, log),
+      'accuracy': (lambda: accuracy(settings, out_dir, seeds, log),
                    _accuracy_plot),
   }
   for part in parts:

@@ -8,16 +8,15 @@ wire, `GATHER/REDUCE` (`parallel.gather_dtype` / `parallel.reduce_dtype`);
 gathers nothing, so it takes each reduce dtype once.
 """
 
-import copy
 from typing import Any, Sequence
 
 import jax
-import ml_collections
 
 from haiku_mp import errors
 from haiku_mp.lab import charts
 from haiku_mp.lab import variants
 from haiku_mp.lab.studies import collectives
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import wire_dtypes as communication_lib
 from haiku_mp.vit.train import experiment
@@ -40,23 +39,21 @@ def parse_wire(text: str) -> tuple[str, str]:
   return gather, reduce
 
 
-def variant(config: ml_collections.ConfigDict, layout: str, wire: str
-            ) -> ml_collections.ConfigDict:
-  """`config` on `layout` with `wire`'s dtypes, on synthetic data."""
+def variant(settings: settings_lib.Settings, layout: str, wire: str
+            ) -> settings_lib.Settings:
+  """`settings` on `layout` with `wire`'s dtypes, on synthetic data."""
   gather, reduce = parse_wire(wire)
-  config = copy.deepcopy(config)
-  if gather == 'fp8' and not config.precision.fp8.modules:
-    config = variants.in_compute_dtype(config, 'fp8_current')
-  strategy, mesh_shape = sharding.parse_layout(layout)
-  config.parallel.update(strategy=strategy, mesh_shape=mesh_shape,
-                         gather_dtype=gather, reduce_dtype=reduce)
-  config.data.source = 'synthetic'
-  return config
+  if gather == 'fp8' and not settings.precision.fp8.modules:
+    settings = variants.in_compute_dtype(settings, 'fp8_current')
+  return settings_lib.replace(
+      variants.with_layout(settings, layout),
+      parallel=dict(gather_dtype=gather, reduce_dtype=reduce),
+      data=dict(source='synthetic'))
 
 
-def _measured(config: ml_collections.ConfigDict, layout: str,
+def _measured(settings: settings_lib.Settings, layout: str,
               wire: str) -> dict[str, Any]:
-  exp = experiment.build(variant(config, layout, wire))
+  exp = experiment.build(variant(settings, layout, wire))
   state, batch = exp.abstract_inputs()
   result = collectives.step_collectives(
       exp.strategy.train_step, state, batch,
@@ -80,7 +77,7 @@ def _measured(config: ml_collections.ConfigDict, layout: str,
       memory=result['memory'], flops=result['flops'])
 
 
-def run(config: ml_collections.ConfigDict,
+def run(settings: settings_lib.Settings,
         layouts: Sequence[str] = LAYOUTS, wires: Sequence[str] = WIRES,
         log=print) -> dict[str, Any]:
   """Every (layout, wire) variant's collectives, memory and paper times,
@@ -99,7 +96,7 @@ def run(config: ml_collections.ConfigDict,
         done.add(reduce)
         wire = f'float32/{reduce}'
       log(f'communication: {layout} {wire}')
-      results.append(_measured(config, layout, wire))
+      results.append(_measured(settings, layout, wire))
   for row in results:
     base = next((r for r in results if r['layout'] == row['layout'] and
                  r['wire'] == 'float32/float32'), None)

@@ -25,13 +25,13 @@ import re
 from typing import Any, Callable
 
 import jax
-import ml_collections
 
 from haiku_mp.lab import timing
 from haiku_mp.lab.studies import hlo_text
 from haiku_mp.lab.studies import memory
 from haiku_mp.model import fp4
 from haiku_mp.model import fp8
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 
 FP8_TYPES = ('f8e4m3fn', 'f8e5m2')
@@ -169,12 +169,12 @@ def verdict(row: dict[str, Any], compiled: list[dict[str, Any]],
           _kernel_operands(compiled))
 
 
-def run(config: ml_collections.ConfigDict, compile_step: bool = True,
+def run(settings: settings_lib.Settings, compile_step: bool = True,
         log: Callable[[str], None] = print) -> dict[str, Any]:
   """The train step's matmuls for `config` (its batch size and strategy):
   one row per matmul with its module, pass and operand formats, and with
   `compile_step`, the kernel the backend compiled it to."""
-  exp = experiment.build_without_data(config)
+  exp = experiment.build_without_data(settings)
   lowered = timing.lower_train_step(exp)
   lowered_text = lowered.compiler_ir('hlo').get_hlo_module().to_string()
   paths = sorted({c.path for c in exp.module_calls})
@@ -210,9 +210,9 @@ def run(config: ml_collections.ConfigDict, compile_step: bool = True,
   result = dict(
       experiment='fp8', backend=backend, jax_version=jax.__version__,
       device=str(jax.devices()[0].device_kind),
-      batch_size=config.batch_size,
+      batch_size=settings.batch_size,
       scaling=exp.precision.fp8.describe() if exp.precision.fp8 else 'off',
-      fp8_modules=config.precision.fp8.modules,
+      fp8_modules=settings.precision.fp8.modules,
       matmuls=rows, fp8_matmuls=len(fp8_rows),
       fp8_linears=sum(1 for p, c in classes.items()
                       if exp.precision.runs_fp8(c, p)),

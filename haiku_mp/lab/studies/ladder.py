@@ -28,13 +28,13 @@ import os
 from typing import Any, Callable
 
 from matplotlib import colormaps
-import ml_collections
 import numpy as np
 
 from haiku_mp import errors
 from haiku_mp.lab import run_inputs
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import variants
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import module_table
 from haiku_mp.vit.train import run_dir
@@ -52,7 +52,7 @@ MATMUL_BYTES = {
 }
 
 
-def run_row(config: ml_collections.ConfigDict, workdir: str,
+def run_row(settings: settings_lib.Settings, workdir: str,
             log: Callable[[str], None] = print) -> dict[str, Any]:
   """One finished run: its variant, seed, test accuracies and bytes."""
   path = os.path.join(workdir, run_dir.SUMMARY_FILE)
@@ -67,13 +67,13 @@ def run_row(config: ml_collections.ConfigDict, workdir: str,
   if not os.path.exists(path):
     raise errors.ConfigError(f'--workdirs: no {path}; the ladder reads each '
                              'run\'s precision from it')
-  config = run_inputs.merged_config(config, path, '--workdirs', log=log,
+  settings = run_inputs.merged_config(settings, path, '--workdirs', log=log,
                                     command='ladder')
-  base = variants.variant_name(config)
+  base = variants.variant_name(settings)
   if base not in MATMUL_BYTES:
     raise errors.ConfigError(f'--workdirs: {workdir} is a {base} run; the '
                              f'ladder knows {tuple(MATMUL_BYTES)}')
-  exp = experiment.build_without_data(config)
+  exp = experiment.build_without_data(settings)
   low_bit = [r for r in module_table.module_rows(exp) if r['matmul'] != '-']
   fp8_kept = ([r['path'] for r in low_bit if r['matmul'] != base]
               if base in variants.FP4_VARIANTS else [])
@@ -81,9 +81,9 @@ def run_row(config: ml_collections.ConfigDict, workdir: str,
   per = state_layout.per_parameter(state_layout.bytes_by_part(state),
                                    state_layout.param_count(state))
   return dict(workdir=os.path.basename(os.path.normpath(workdir)),
-              variant=base + _departures(config.precision.fp8, base,
+              variant=base + _departures(settings.precision.fp8, base,
                                          len(fp8_kept), len(low_bit)),
-              fp8_kept=fp8_kept, seed=config.seed,
+              fp8_kept=fp8_kept, seed=settings.seed,
               test_accuracy=summary['test_accuracy'],
               ema_test_accuracy=summary.get('ema_test_accuracy'),
               matmul_bytes=_matmul_bytes(base, low_bit),
@@ -106,22 +106,22 @@ _FP4_PARTS = (('two_d_weights', '1-D weight blocks'),
               ('stochastic_gradients', 'nearest gradients'))
 
 
-def _departures(fp8: ml_collections.ConfigDict, base: str, kept: int,
+def _departures(fp8: settings_lib.Fp8Settings, base: str, kept: int,
                 low_bit: int) -> str:
   """' (no Hadamard, ...)': where a 4-bit run leaves NVIDIA's recipe; a
   run keeping `kept` of its `low_bit` Linears in fp8 is one of them."""
   if base not in variants.FP4_VARIANTS:
     return ''
-  parts = [label for field, label in _FP4_PARTS if not fp8[field]]
+  parts = [label for field, label in _FP4_PARTS if not getattr(fp8, field)]
   if kept:
     parts.append(f'{kept} of {low_bit} Linears in fp8')
   return f' ({", ".join(parts)})' if parts else ''
 
 
-def run(config: ml_collections.ConfigDict, workdirs: list[str],
+def run(settings: settings_lib.Settings, workdirs: list[str],
         log: Callable[[str], None] = print) -> dict[str, Any]:
   """Every run's row and, per variant, the seeds' mean."""
-  rows = [run_row(config, w, log) for w in workdirs]
+  rows = [run_row(settings, w, log) for w in workdirs]
   by_variant = collections.defaultdict(list)
   for r in rows:
     by_variant[r['variant'], tuple(r['fp8_kept'])].append(r)

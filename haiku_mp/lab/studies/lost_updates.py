@@ -18,7 +18,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from haiku_mp import errors
@@ -27,6 +26,7 @@ from haiku_mp.lab import run_inputs
 from haiku_mp.lab import run_plots
 from haiku_mp.update import rounding as rounding_lib
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.train import experiment
 
@@ -81,26 +81,26 @@ def _sums(key, params, updates):
   return rows
 
 
-def run(config: ml_collections.ConfigDict, checkpoint: str = '',
+def run(settings: settings_lib.Settings, checkpoint: str = '',
         checkpoint_step: int = -1, num_batches: int = 4,
         log: Callable[[str], None] = print) -> dict[str, Any]:
   """Per param and per group: the share of the update each rounding loses,
   over `num_batches` of the run's next batches (the state is not moved)."""
   if num_batches < 1:
     raise errors.ConfigError(f'--batches={num_batches} must be at least 1')
-  exp = experiment.build(config)
+  exp = experiment.build(settings)
   state, step, source = run_inputs.initial_state(exp, checkpoint,
                                                  checkpoint_step)
   # From init, the run's own steps first (`advisor.init_steps`): a ViT's
   # zero head gives the rest no gradient at step 0.
   init_steps = 0 if checkpoint else exp.settings.advisor.init_steps
-  batches = run_inputs.training_batches(config, init_steps + num_batches,
+  batches = run_inputs.training_batches(settings, init_steps + num_batches,
                                         step)
   for batch in batches[:init_steps]:
     state, _ = exp.strategy.train_step(state, exp.strategy.place_batch(batch))
   if init_steps:
     source += f' + {init_steps} steps'
-  inputs = run_inputs.model_inputs(exp, batches[init_steps:], config.seed)
+  inputs = run_inputs.model_inputs(exp, batches[init_steps:], settings.seed)
   _, trained = step_lib.split_fp8(state.params)
 
   @jax.jit
@@ -121,7 +121,7 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   totals = None
   for i, batch in enumerate(inputs):
     rows = jax.device_get(sums(state, batch, jax.random.fold_in(
-        jax.random.key(config.seed), 1000 + i)))
+        jax.random.key(settings.seed), 1000 + i)))
     totals = rows if totals is None else [
         {k: a[k] + b[k] for k in a} for a, b in zip(totals, rows)]
   names = [sharding.param_name(path) for path, _ in
@@ -140,10 +140,10 @@ def run(config: ml_collections.ConfigDict, checkpoint: str = '',
   result = dict(
       experiment='rounding', params_from=source, step=at_step,
       batches=num_batches, learning_rate=float(exp.schedule(at_step)),
-      layout=dict(policy=config.precision.policy,
-                  param_update=config.precision.param_update,
-                  mu_dtype=config.precision.mu_dtype,
-                  nu_dtype=config.precision.nu_dtype),
+      layout=dict(policy=settings.precision.policy,
+                  param_update=settings.precision.param_update,
+                  mu_dtype=settings.precision.mu_dtype,
+                  nu_dtype=settings.precision.nu_dtype),
       total=_row('all params', int(everything['elements']), everything,
                  'all'),
       groups=groups, params=params)

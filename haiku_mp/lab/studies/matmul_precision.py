@@ -17,7 +17,6 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from haiku_mp.lab import charts
@@ -94,18 +93,20 @@ class Reference(NamedTuple):
   grads: Any
 
 
-def reference(config: ml_collections.ConfigDict, batch_size: int
+def reference(settings: settings_lib.Settings, batch_size: int
               ) -> Reference:
   """Logits, loss and gradients with every dtype float64."""
-  config = variants.without_dropout(config)
-  config.precision.update(policy='float32', overrides='')
-  params = _initial_params(experiment.build_without_data(config))
-  config.precision.update(policy=_REFERENCE_POLICY, float32_layer_norm=False,
-                          matmul_precision='highest')
-  config.loss_scale.kind = 'none'
+  settings = settings_lib.replace(variants.without_dropout(settings),
+                                  precision=dict(policy='float32',
+                                                 overrides=''))
+  params = _initial_params(experiment.build_without_data(settings))
+  settings = settings_lib.replace(
+      settings, loss_scale=dict(kind='none'),
+      precision=dict(policy=_REFERENCE_POLICY, float32_layer_norm=False,
+                     matmul_precision='highest'))
   with jax.enable_x64(True):
     params64 = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), params)
-    exp = experiment.build_without_data(config)
+    exp = experiment.build_without_data(settings)
     return Reference(params, *_logits_and_grads(
         exp, params64, _batch(exp.settings, batch_size, jnp.float64)))
 
@@ -114,10 +115,10 @@ def _relative(a, b) -> float:
   return float(np.linalg.norm((a - b).ravel()) / np.linalg.norm(b.ravel()))
 
 
-def error_vs(config: ml_collections.ConfigDict, ref, batch_size: int
+def error_vs(settings: settings_lib.Settings, ref, batch_size: int
              ) -> dict[str, float]:
   """How far the config's logits, loss and gradients are from `ref`."""
-  exp = experiment.build_without_data(variants.without_dropout(config))
+  exp = experiment.build_without_data(variants.without_dropout(settings))
   params = jax.tree.map(lambda p, a: jnp.asarray(p, a.dtype), ref.params,
                         exp.abstract_state.params)  # As the policy stores them.
   logits, loss, grads = _logits_and_grads(
@@ -145,7 +146,7 @@ def _measure(exp, lowered, ref, num_steps, numerics_batch_size, isolate
   """Time and memory (in a fresh process if `isolate`, else from the program
   already lowered here), and the error against `ref`."""
   if isolate:
-    measured = isolated.time_step(exp.config, num_steps, 1)
+    measured = isolated.time_step(exp.settings, num_steps, 1)
   else:
     measured = isolated.measure_compiled(
         timing.compile_experiment(exp, lowered), num_steps, 1)
@@ -153,10 +154,10 @@ def _measure(exp, lowered, ref, num_steps, numerics_batch_size, isolate
           'program_sha256', 'median_step_sec', 'images_per_sec',
           'device_peak_bytes')
   return dict({k: measured[k] for k in keep},
-              **error_vs(exp.config, ref, numerics_batch_size))
+              **error_vs(exp.settings, ref, numerics_batch_size))
 
 
-def run(config: ml_collections.ConfigDict,
+def run(settings: settings_lib.Settings,
         dtypes: Sequence[str] = DTYPES,
         matmul_precisions: Sequence[str] = MATMUL_PRECISIONS,
         num_steps: int = 3, numerics_batch_size: int = 32,
@@ -164,14 +165,14 @@ def run(config: ml_collections.ConfigDict,
   """Both sets of variants at `config.batch_size`, against one reference."""
   for dtype in dtypes:  # Every setting is checked before anything runs.
     for name in matmul_precisions:
-      forward_lib.precision_from_config(settings_lib.parse(
-          variants.matmul_variant(config, dtype, config.batch_size, name)))
-  ref = reference(config, numerics_batch_size)
+      forward_lib.precision_from_config(
+          variants.matmul_variant(settings, dtype, settings.batch_size, name))
+  ref = reference(settings, numerics_batch_size)
   matmul_rows = []
   for dtype in dtypes:
     for name in matmul_precisions:
       exp, lowered, fingerprint = _lowered(
-          variants.matmul_variant(config, dtype, config.batch_size, name))
+          variants.matmul_variant(settings, dtype, settings.batch_size, name))
       row = dict(dtype=dtype, matmul_precision=name or '(jax default)')
       # Lowering is cheap; an identical program is not measured twice.
       same = _same_program(fingerprint, dtype, matmul_rows)
@@ -192,10 +193,10 @@ def run(config: ml_collections.ConfigDict,
   for dtype in dtypes:
     streams = RESIDUAL_STREAMS if dtype != 'float32' else ('compute',)
     for stream in streams:
-      variant = variants.matmul_variant(config, dtype, config.batch_size,
+      variant = variants.matmul_variant(settings, dtype, settings.batch_size,
                          residual_stream=stream)
       exp, lowered, fingerprint = _lowered(variant)
-      residuals = memory.residual_summary(exp, config.batch_size)
+      residuals = memory.residual_summary(exp, settings.batch_size)
       row = dict(dtype=dtype, residual_stream=stream,
                  kept_activation_bytes=residuals['kept_bytes'])
       same = _same_program(fingerprint, dtype, matmul_rows)
@@ -216,8 +217,9 @@ def run(config: ml_collections.ConfigDict,
   loss_scale_rows = []
   if 'float16' in dtypes:
     for kind in ('none', 'dynamic'):
-      variant = variants.matmul_variant(config, 'float16', config.batch_size)
-      variant.loss_scale.kind = kind
+      variant = settings_lib.replace(
+          variants.matmul_variant(settings, 'float16', settings.batch_size),
+          loss_scale=dict(kind=kind))
       row = dict(dtype='float16', loss_scale=kind,
                  initial_scale=loss_scaling.LossScaler.from_config(
                      variant.loss_scale).init().scale.item(),
@@ -226,7 +228,7 @@ def run(config: ml_collections.ConfigDict,
           f'{row["grads_relative_error"]:.2e} vs float64')
       loss_scale_rows.append(row)
   return dict(experiment='precision', device=str(jax.devices()[0].device_kind),
-              batch_size=config.batch_size,
+              batch_size=settings.batch_size,
               numerics_batch_size=numerics_batch_size,
               reference=_REFERENCE_POLICY + ', LayerNorm float64',
               matmul=matmul_rows, residual=residual_rows,

@@ -23,7 +23,6 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
-import ml_collections
 import numpy as np
 
 from haiku_mp.lab import charts
@@ -32,6 +31,7 @@ from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
 from haiku_mp.lab.studies import state_layouts
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.train import experiment
 
@@ -138,11 +138,11 @@ def _tree_bytes(tree) -> int:
   return sum(_nbytes(x) for x in jax.tree.leaves(tree))
 
 
-def breakdown(config: ml_collections.ConfigDict, compile_step: bool
+def breakdown(settings: settings_lib.Settings, compile_step: bool
               ) -> dict[str, Any]:
   """Params, gradients, optimizer state, kept activations, compiled temp."""
-  exp = experiment.build_without_data(config)
-  residuals = residual_summary(exp, config.batch_size)
+  exp = experiment.build_without_data(settings)
+  residuals = residual_summary(exp, settings.batch_size)
   step = timing.compile_experiment(exp) if compile_step else None
   state = exp.abstract_state
   row = dict(
@@ -180,7 +180,7 @@ def progress_line(result: dict[str, Any]) -> str:
           f'MiB{compile_sec}')
 
 
-def run(config: ml_collections.ConfigDict,
+def run(settings: settings_lib.Settings,
         dtypes: Sequence[str] = variants.DTYPES,
         batch_sizes: Sequence[int] = variants.BATCH_SIZES,
         compile_step: bool = True, log=print) -> dict[str, Any]:
@@ -188,7 +188,7 @@ def run(config: ml_collections.ConfigDict,
   results = []
   for batch_size in batch_sizes:
     for dtype in dtypes:
-      variant = variants.variant_config(config, dtype, batch_size, 'single:1x1')
+      variant = variants.variant_settings(settings, dtype, batch_size, 'single:1x1')
       result = dict(dtype=dtype, batch_size=batch_size,
                     policy=variant.precision.policy,
                     **breakdown(variant, compile_step))
@@ -202,7 +202,7 @@ def run(config: ml_collections.ConfigDict,
       values=lambda r: r['breakdown'])
   return dict(experiment='memory', device=str(jax.devices()[0].device_kind),
               results=results,
-              state_layouts=state_layouts.rows(config, compile_step, log=log))
+              state_layouts=state_layouts.rows(settings, compile_step, log=log))
 
 
 def plot(result: dict[str, Any], out_dir: str) -> list[str]:

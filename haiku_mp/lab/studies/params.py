@@ -12,23 +12,23 @@ state halves. `state_layouts` measures every layout.
 import os
 from typing import Any, Callable
 
-import ml_collections
 import numpy as np
 
 from haiku_mp.lab import charts
 from haiku_mp.lab import run_plots
 from haiku_mp.lab.studies import state_layouts
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import module_table
 
 DTYPES = ('float32', 'float16', 'bfloat16')
 
 
-def run(config: ml_collections.ConfigDict,
+def run(settings: settings_lib.Settings,
         log: Callable[[str], None] = print) -> dict[str, Any]:
   """{'modules': [...], 'totals': {dtype: {count, bytes, megabytes}},
   'state_layouts': [the state's parts per layout]}."""
-  rows = module_table.module_rows(experiment.build_without_data(config))
+  rows = module_table.module_rows(experiment.build_without_data(settings))
   modules = [dict(path=r['path'], param_count=r['param_count'],
                   **{f'bytes_{d}': r['param_count'] * np.dtype(d).itemsize
                      for d in DTYPES})
@@ -39,7 +39,7 @@ def run(config: ml_collections.ConfigDict,
             for d in DTYPES}
   float32 = totals['float32']['bytes']
   return dict(experiment='params', modules=modules, totals=totals,
-              state_layouts=state_layouts.rows(config, compile_step=False,
+              state_layouts=state_layouts.rows(settings, compile_step=False,
                                                log=log),
               note=(f'MB = 1e6 bytes: {count:,} float32 params are '
                     f'{float32 / 1e6:.2f} MB ({float32 / 2**20:.2f} MiB).'))

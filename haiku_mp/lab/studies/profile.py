@@ -28,13 +28,12 @@ import statistics
 from typing import Any
 
 import jax
-import ml_collections
 
 from haiku_mp.lab import charts
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.lab.studies import memory
-from haiku_mp.vit import settings
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.model import forward as forward_lib
 
 STEP_NAME = 'train'
@@ -49,10 +48,10 @@ _HLO_OP = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = (.*)$', re.MULTILINE)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def run(config: ml_collections.ConfigDict, out_dir: str, num_steps: int,
+def run(settings: settings_lib.Settings, out_dir: str, num_steps: int,
         warmup_steps: int = 1) -> dict[str, Any]:
   """Compiles, warms up, then traces `num_steps` steps into `out_dir/profile`."""
-  step = timing.compile_train_step(config)
+  step = timing.compile_train_step(settings)
   state, batch = timing.random_inputs(step.experiment)
   for _ in range(warmup_steps):
     state, metrics = step.compiled(state, batch)
@@ -74,11 +73,11 @@ def run(config: ml_collections.ConfigDict, out_dir: str, num_steps: int,
                  key=lambda e: e['ts'])
   op_names = hlo_op_names(step.compiled.as_text())
   ops = op_events(events, op_names)
-  by_op = ops_by_self_time(ops, op_names, _module_paths(config))
+  by_op = ops_by_self_time(ops, op_names, _module_paths(settings))
   return dict(
       experiment='profile', device=str(jax.devices()[0].device_kind),
       num_steps=num_steps, warmup_steps=warmup_steps,
-      batch_size=config.batch_size, policy=config.precision.policy,
+      batch_size=settings.batch_size, policy=settings.precision.policy,
       log_dir=log_dir, files=[os.path.relpath(f, out_dir) for f in files],
       traced_steps=len(steps),
       step_ms=[e['dur'] / 1e3 for e in steps],
@@ -207,10 +206,9 @@ def ops_by_self_time(ops, op_names, modules: set[str]
   return rows
 
 
-def _module_paths(config) -> set[str]:
-  parsed = settings.parse(config)
+def _module_paths(settings: settings_lib.Settings) -> set[str]:
   calls, _ = forward_lib.trace_modules(
-      parsed.model, forward_lib.precision_from_config(parsed))
+      settings.model, forward_lib.precision_from_config(settings))
   return {c.path for c in calls}
 
 

@@ -9,33 +9,30 @@ the config with only `precision.policy`'s param dtype, `param_update`,
 less the batch's are the state XLA holds, which the parts must add up to.
 """
 
-import copy
 import os
 from typing import Any, Callable, Optional
 
 import jax
-import ml_collections
 
 from haiku_mp.lab import charts
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.model import policies
 from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import state_layout
 
 LAYOUTS = optimizer_lib.STATE_LAYOUTS
 
 
-def layout_config(config: ml_collections.ConfigDict, name: str
-                  ) -> ml_collections.ConfigDict:
+def layout_config(settings: settings_lib.Settings, name: str
+                  ) -> settings_lib.Settings:
   """`config` in the layout `name` (one of `LAYOUTS`)."""
   params, update, mu, nu = LAYOUTS[name]
-  config = copy.deepcopy(config)
-  config.precision.policy = policies.with_dtypes(config.precision.policy,
-                                                 params=params)
-  config.precision.update(param_update=update, mu_dtype=mu, nu_dtype=nu)
-  return config
+  return settings_lib.replace(settings, precision=dict(
+      policy=policies.with_dtypes(settings.precision.policy, params=params),
+      param_update=update, mu_dtype=mu, nu_dtype=nu))
 
 
 def _batch_bytes(exp: experiment.Experiment) -> int:
@@ -43,11 +40,11 @@ def _batch_bytes(exp: experiment.Experiment) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch))
 
 
-def row(config: ml_collections.ConfigDict, name: str,
+def row(settings: settings_lib.Settings, name: str,
         compile_step: bool) -> dict[str, Any]:
   """One layout's parts (bytes, and bytes per parameter) and, compiled, the
   state's bytes as XLA counts them."""
-  exp = experiment.build_without_data(layout_config(config, name))
+  exp = experiment.build_without_data(layout_config(settings, name))
   state = exp.abstract_state
   sizes = state_layout.bytes_by_part(state)
   count = state_layout.param_count(state)
@@ -85,13 +82,13 @@ def line(result: dict[str, Any]) -> str:
           f'({parts}){compiled}')
 
 
-def rows(config: ml_collections.ConfigDict, compile_step: bool,
+def rows(settings: settings_lib.Settings, compile_step: bool,
          names: Optional[list[str]] = None,
          log: Callable[[str], None] = print) -> list[dict[str, Any]]:
   """`row` for every layout in `names` (all of `LAYOUTS` by default)."""
   results = []
   for name in names or LAYOUTS:
-    results.append(row(config, name, compile_step))
+    results.append(row(settings, name, compile_step))
     log(line(results[-1]))
   return results
 

@@ -14,13 +14,13 @@ import os
 from typing import Any, Sequence
 
 import jax
-import ml_collections
 
 from haiku_mp.lab import charts
 from haiku_mp.lab import compare
 from haiku_mp.lab import isolated
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import variants
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.parallel import sharding
 
 # Compared as ratios to float32 at the same batch size and layout.
@@ -28,7 +28,7 @@ RATIO_FIELDS = ('median_step_sec', 'temp_size_in_bytes',
                 'argument_size_in_bytes', 'device_peak_bytes')
 
 
-def run(config: ml_collections.ConfigDict,
+def run(settings: settings_lib.Settings,
         dtypes: Sequence[str] = variants.DTYPES,
         batch_sizes: Sequence[int] = variants.BATCH_SIZES,
         layouts: Sequence[str] = ('single:1x1',),
@@ -36,7 +36,7 @@ def run(config: ml_collections.ConfigDict,
         isolate: bool = True, log=print) -> dict[str, Any]:
   """Every variant's result, and ratios to float32 within this one run."""
   chosen = [(d, b, l) for l in layouts for b in batch_sizes for d in dtypes]
-  configs = [variants.variant_config(config, *v) for v in chosen]
+  configs = [variants.variant_settings(settings, *v) for v in chosen]
   for variant in configs:  # Every layout must fit the devices before any runs.
     sharding.mesh_for(variant.parallel)
   results = []

@@ -6,6 +6,7 @@ config files and flags build. It imports no JAX of its own: `configs/` and
 
 from haiku_mp.vit.settings.advisor import AdvisorSettings
 from haiku_mp.vit.settings.dataset import DataSettings
+from haiku_mp.vit.settings.fields import replace
 from haiku_mp.vit.settings.loss_scale import LossScaleSettings
 from haiku_mp.vit.settings.model import ModelSettings
 from haiku_mp.vit.settings.parallel import ParallelSettings
@@ -19,4 +20,4 @@ from haiku_mp.vit.settings.run import Settings
 __all__ = ['AdvisorSettings', 'DataSettings', 'Fp8Settings',
            'LossScaleSettings', 'ModelSettings', 'ParallelSettings',
            'PrecisionSettings', 'PrivacySettings', 'Settings',
-           'default_config', 'parse']
+           'default_config', 'parse', 'replace']

@@ -104,29 +104,55 @@ def parse(kind: type[T], values: Mapping[str, Any] | None,
     raise errors.ConfigError(
         f'{path}{unknown[0]}: no such setting (the settings of '
         f'{path.rstrip(".") or "the config"}: {", ".join(sorted(fields))})')
-  given = {}
-  for name, field in fields.items():
-    if name not in values:
-      continue
-    hint = hints[name]
-    if dataclasses.is_dataclass(hint):
-      given[name] = parse(hint, values[name], f'{path}{name}.')
-    else:
-      try:
-        given[name] = _typed(values[name], hint, f'{path}{name}')
-      except errors.ConfigError:
-        if not field.metadata.get('takes'):
-          raise
-        raise errors.ConfigError(
-            f'{path}{name}={shown(values[name])}: expected '
-            f'{field.metadata["takes"]}') from None
-      check = field.metadata.get('check')
-      problem = check and check(given[name])
-      if problem:  # 'must be ...' follows the value; ': expected ...' too.
-        separator = '' if problem.startswith(':') else ' '
-        raise errors.ConfigError(
-            f'{path}{name}={shown(given[name])}{separator}{problem}')
+  given = {name: _value(field, hints[name], values[name], path, parse)
+           for name, field in fields.items() if name in values}
   return kind(**given)
+
+
+def replace(settings: T, path: str = '', **changes: Any) -> T:
+  """`dataclasses.replace` of settings, checked as `parse` checks: each
+  changed value converted to its field's type and its field's rule kept,
+  or a ConfigError naming the setting. A group changes with a dict of its
+  fields: `replace(s, batch_size=8, data=dict(source='synthetic'))`."""
+  kind = type(settings)
+  fields = {f.name: f for f in dataclasses.fields(kind)}
+  unknown = sorted(set(changes) - set(fields))
+  if unknown:
+    raise errors.ConfigError(f'{path}{unknown[0]}: no such setting')
+  hints = _hints(kind)
+
+  def group(hint, values, inner_path):
+    del hint  # The group's own kind is that of the settings it replaces.
+    name = inner_path[len(path):-1]
+    return replace(getattr(settings, name), inner_path, **values)
+
+  return dataclasses.replace(settings, **{
+      name: _value(fields[name], hints[name], value, path, group)
+      for name, value in changes.items()})
+
+
+def _value(field: dataclasses.Field, hint: Any, value: Any, path: str,
+           group: Callable[[Any, Any, str], Any]) -> Any:
+  """A field's `value` converted to its type and checked (a group's by
+  `group(kind, values, path)`), or a ConfigError naming the setting."""
+  name = field.name
+  if dataclasses.is_dataclass(hint):
+    return group(hint, value, f'{path}{name}.')
+  try:
+    typed = _typed(value, hint, f'{path}{name}')
+  except errors.ConfigError:
+    if not field.metadata.get('takes'):
+      raise
+    raise errors.ConfigError(
+        f'{path}{name}={shown(value)}: expected '
+        f'{field.metadata["takes"]}') from None
+  check = field.metadata.get('check')
+  problem = check and check(typed)
+  if problem:  # 'must be ...' follows the value; ': expected ...' too.
+    separator = '' if problem.startswith(':') else ' '
+    raise errors.ConfigError(
+        f'{path}{name}={shown(typed)}{separator}{problem}')
+  return typed
 
 
 def _typed(value: Any, hint: Any, name: str) -> Any:
@@ -193,5 +219,5 @@ def frozen(kind: type[T]) -> type[T]:
   return dataclasses.dataclass(frozen=True, kw_only=True)(kind)
 
 
-__all__ = ['setting', 'group', 'parse', 'to_dict', 'to_config_dict',
+__all__ = ['setting', 'group', 'parse', 'replace', 'to_dict', 'to_config_dict',
            'documented', 'frozen', 'takes', 'shown']

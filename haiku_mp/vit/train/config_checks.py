@@ -1,6 +1,8 @@
-"""Every setting of a config against its valid range: the one check.
+"""The rules between settings, and those a field's own check cannot say.
 
-`experiment.build` runs `check` first, before a dataset is opened, anything
+Each field's own rule (a positive count, a rate in [0, 1)) is declared with
+it in `settings/` and runs when the settings are parsed. `experiment.build`
+runs `check` first, before a dataset is opened, anything
 is compiled or a file is written (a bad setting then costs a second, not a
 run), then `check_batches` once the mesh is known. Modules whose objects a
 library user builds directly (the loss scaler, DP-SGD's settings) validate
@@ -12,7 +14,6 @@ import math
 import numbers
 from typing import Any, NamedTuple
 
-import ml_collections
 import jax.numpy as jnp
 
 from haiku_mp import errors
@@ -207,18 +208,16 @@ def _check_data(data: settings_lib.DataSettings, image_size: int) -> None:
 
 class Checked(NamedTuple):
   """What the check built on its way, for `experiment.build` to use: the
-  config parsed into typed settings, and the objects they describe."""
-  settings: settings_lib.Settings
+  objects the settings describe."""
   precision: policies.Precision
   scaler: loss_scaling.LossScaler
 
 
-def check(config: ml_collections.ConfigDict) -> Checked:
-  """Raises `errors.ConfigError` naming the first setting of another type
-  (the parse) or out of its range, its value and what would be valid; else
-  returns the settings and the objects they describe that it built to check
-  them (each built once)."""
-  settings = settings_lib.parse(config)
+def check(settings: settings_lib.Settings) -> Checked:
+  """Raises `errors.ConfigError` naming the first setting out of its range
+  (each field's own rule ran when the settings were parsed), its value and
+  what would be valid; else returns the objects the settings describe that
+  it built to check them (each built once)."""
   _check_training(settings)
   precision = _check_model(settings)
   scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
@@ -227,7 +226,7 @@ def check(config: ml_collections.ConfigDict) -> Checked:
   _check_data(settings.data, settings.model.image_size)
   dp_sgd.check_settings(settings.privacy)
   compilation.check(settings.compilation_cache_dir)
-  return Checked(settings, precision, scaler)
+  return Checked(precision, scaler)
 
 
 def check_batches(config: settings_lib.Settings, batch_devices: int,

@@ -1,12 +1,11 @@
-"""The one place that turns a config into a run's parts.
+"""The one place that turns a run's settings into its parts.
 
 The trainer, the benchmark, tabulate, every lab experiment and the tests ask
-`build`; nothing else checks a config, makes the device mesh, or puts
+`build`; nothing else checks settings against each other, makes the device mesh, or puts
 precision, forward, loss, optimizer, loss scaling, initial state and strategy
 together, so what is measured is what is trained.
 """
 
-import copy
 import dataclasses
 import functools
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -15,7 +14,6 @@ from absl import logging
 import haiku as hk
 import jax
 from jax.sharding import Mesh
-import ml_collections
 import numpy as np
 import optax
 
@@ -38,10 +36,10 @@ from haiku_mp.vit.train import config_checks
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
-  """Everything a run of one config needs."""
-  config: ml_collections.ConfigDict
-  settings: settings_lib.Settings  # `config`, parsed.
-  # The ('batch', 'model') mesh `config.parallel` asks for; None for 'single'.
+  """Everything a run of one set of settings needs."""
+  settings: settings_lib.Settings
+  # The ('batch', 'model') mesh `settings.parallel` asks for; None for
+  # 'single'.
   mesh: Optional[Mesh]
   precision: policies.Precision
   # Every module call of one forward pass (path, class, policy, dtypes).
@@ -168,33 +166,32 @@ class Experiment:
     return lines + self.strategy.describe()
 
 
-def total_train_steps(config: settings_lib.Settings,
+def total_train_steps(settings: settings_lib.Settings,
                       num_train_examples: int) -> int:
   """`num_train_steps`, or `num_epochs` over the train split."""
-  if config.num_train_steps > 0:
-    return int(config.num_train_steps)
-  steps = int(config.num_epochs * (num_train_examples // config.batch_size))
+  if settings.num_train_steps > 0:
+    return int(settings.num_train_steps)
+  steps = int(settings.num_epochs *
+              (num_train_examples // settings.batch_size))
   if steps <= 0:
     raise errors.ConfigError(
-        f'num_epochs={config.num_epochs} with batch_size={config.batch_size} '
-        'gives no training step')
+        f'num_epochs={settings.num_epochs} with batch_size='
+        f'{settings.batch_size} gives no training step')
   return steps
 
 
-def on_synthetic_data(config: ml_collections.ConfigDict
-                      ) -> ml_collections.ConfigDict:
-  """`config` on synthetic data, for what reads no dataset (the lab, the
+def on_synthetic_data(settings: settings_lib.Settings
+                      ) -> settings_lib.Settings:
+  """`settings` on synthetic data, for what reads no dataset (the lab, the
   benchmark, tabulate): no TensorFlow, no data dir; the schedule's length is
   then that of the synthetic train set, which changes no shape and no cost."""
-  config = copy.deepcopy(config)
-  config.data.source = 'synthetic'
-  return config
+  return settings_lib.replace(settings, data=dict(source='synthetic'))
 
 
-def build_without_data(config: ml_collections.ConfigDict) -> Experiment:
+def build_without_data(settings: settings_lib.Settings) -> Experiment:
   """`build` for what measures and reads no dataset (the lab, the benchmark,
   tabulate): on synthetic data."""
-  return build(on_synthetic_data(config))
+  return build(on_synthetic_data(settings))
 
 
 def _init_state_fn(settings, forward, optimizer, scaler):
@@ -211,22 +208,21 @@ def _init_state_fn(settings, forward, optimizer, scaler):
   return init_state
 
 
-def build(config: ml_collections.ConfigDict, *,
+def build(settings: settings_lib.Settings, *,
           devices: Optional[Sequence[jax.Device]] = None,
           total_steps: Optional[int] = None,
           check_data: bool = False) -> Experiment:
-  """The run `config` describes, on `devices` (all of them by default).
+  """The run `settings` describe, on `devices` (all of them by default).
 
-  Checks every setting first (`config_checks`: the one check, run here and
-  nowhere else), then that the batches split over the mesh's devices and
-  the processes. With `check_data` (the trainer's), or where the schedule or
+  `settings_lib.parse` checked each field on its own. Checks the rules
+  between settings first (`config_checks`: run here and nowhere else), then
+  that the batches split over the mesh's devices and the processes. With `check_data` (the trainer's), or where the schedule or
   DP-SGD needs the train split's size, it then checks that the data is there
   (a DataError names what is missing; a TFDS download runs here where
   `data.download` allows one). `total_steps` (the learning-rate schedule's
-  length) defaults to the config's. Compiles nothing and writes nothing.
+  length) defaults to the settings'. Compiles nothing and writes nothing.
   """
-  checked = config_checks.check(config)
-  settings = checked.settings  # Below here, the typed settings alone.
+  checked = config_checks.check(settings)
   mesh = sharding.mesh_for(settings.parallel, devices)
   batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
   config_checks.check_batches(settings, batch_devices, jax.process_count())
@@ -300,7 +296,7 @@ def build(config: ml_collections.ConfigDict, *,
           gradients=gradients, communication=communication),
       rules=sharding.rules(settings.parallel))
   return Experiment(
-      config=config, settings=settings, mesh=mesh,
+      settings=settings, mesh=mesh,
       precision=precision, module_calls=calls,
       forward=forward, loss_fn=loss_fn, train_inputs=train_inputs,
       num_train_examples=num_train_examples, total_steps=total_steps,

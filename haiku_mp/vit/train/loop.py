@@ -1,4 +1,4 @@
-"""`train_and_evaluate(config, workdir)`: the training loop.
+"""`train_and_evaluate(settings, workdir)`: the training loop.
 
 Host and device meet only at log and eval points: between them the loop only
 dispatches steps, and the metrics of each step stay on the device.
@@ -12,11 +12,11 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
 from absl import logging
 import jax
-import ml_collections
 
 from haiku_mp.model import meta_params
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import prefetch
 from haiku_mp.vit.parallel import sharding
@@ -307,14 +307,14 @@ def _summary(run: _Run) -> dict[str, Any]:
       **exp.summary_fields(total_steps, skipped_steps))
 
 
-def unfinished(config: ml_collections.ConfigDict, workdir: str
+def unfinished(settings: settings_lib.Settings, workdir: str
                ) -> Optional[dict[str, Any]]:
   """What to check of `workdir` before a run is built: given on every
   process, writable by the writing one (before the data is looked for: a
-  download, perhaps). Returns the summary of a run this config has already
+  download, perhaps). Returns the summary of a run of these settings already
   finished there (logged, and left as it is), else None."""
   run_dir.check_given(workdir)  # On every process: no run without one.
-  finished = run_dir.finished_summary(config, workdir)
+  finished = run_dir.finished_summary(settings, workdir)
   if finished is not None:
     console_lines.info(
         'This run is complete (step %d of %d): nothing to '
@@ -361,22 +361,22 @@ def train(exp: experiment.Experiment, workdir: str,
   return summary
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+def train_and_evaluate(settings: settings_lib.Settings, workdir: str,
                        log_module_table: bool = False,
                        hooks: Hooks = Hooks(),
                        on_built: Callable[[], None] = lambda: None
                        ) -> dict[str, Any]:
-  """`train` of the run `config` describes: everything that can be wrong
-  with the workdir, the config or the data is checked (`unfinished`,
-  `experiment.build`) before anything is written to `workdir`; a run this
-  config has already finished there is left as it is (its summary
+  """`train` of the run `settings` describe: everything that can be wrong
+  with the workdir, the settings or the data is checked (`unfinished`,
+  `experiment.build`) before anything is written to `workdir`; a run of
+  these settings already finished there is left as it is (its summary
   returned). `on_built` runs once the run is built, before it trains
   (`launch.train` logs the config there: a bad setting's line stands
   alone)."""
-  finished = unfinished(config, workdir)
+  finished = unfinished(settings, workdir)
   if finished is not None:
     return finished
-  exp = experiment.build(config, check_data=True)
+  exp = experiment.build(settings, check_data=True)
   on_built()
   return train(exp, workdir, log_module_table, hooks)
 

@@ -12,7 +12,6 @@ import os
 from typing import Any, Mapping, Optional
 
 from absl import logging
-import ml_collections
 import numpy as np
 
 from haiku_mp import errors
@@ -51,8 +50,7 @@ def prepare(workdir: str) -> None:
 
 
 def config_text(tree: dict[str, Any]) -> str:
-  """config.json's text of a config's tree (`ConfigDict.to_dict()`, or
-  `settings.fields.to_dict` of the parsed settings: the same tree)."""
+  """config.json's text of the settings' tree (`settings.fields.to_dict`)."""
   return json.dumps(tree, indent=1, sort_keys=True) + '\n'
 
 
@@ -64,9 +62,9 @@ _NOT_THE_RUN = (compilation.SETTING, 'steps_in_flight',
 _CHANGES_NAMED = 4
 
 
-def finished_summary(config: ml_collections.ConfigDict, workdir: str
+def finished_summary(settings: settings_lib.Settings, workdir: str
                      ) -> Optional[dict[str, Any]]:
-  """The summary of the run `config` already finished in `workdir`, if it
+  """The summary of the run `settings` already finished in `workdir`, if it
   did: its summary.json, the same config.json, and the final checkpoint."""
   saved = _saved_config(workdir)
   try:
@@ -74,7 +72,7 @@ def finished_summary(config: ml_collections.ConfigDict, workdir: str
       summary = json.load(f)
   except (OSError, ValueError):
     return None
-  same_config = saved is not None and not _changes(saved, config.to_dict())
+  same_config = saved is not None and not _changes(saved, settings_fields.to_dict(settings))
   final = os.path.join(workdir, 'checkpoints', str(summary.get('steps')))
   if same_config and isinstance(summary, dict) and os.path.isdir(final):
     return summary
