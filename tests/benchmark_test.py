@@ -43,8 +43,11 @@ class StepBenchmarkTest(parameterized.TestCase):
     # An 8^3 ceiling matmul is the call's fixed cost, not the device's speed:
     # the ceiling that gave `report --quick` an MFU above 1 (a 64^3 one against
     # a step of 9x its FLOPs), here far smaller still.
-    rows = step_benchmark.run_dtypes(settings_lib.parse(config), ('float32', 'bfloat16'), steps=2,
-                                     ceiling_size=8, ceiling_repeats=2)
+    rows = step_benchmark.run_dtypes(settings_lib.parse(config),
+                                     ('float32', 'bfloat16'),
+                                     steps=2,
+                                     ceiling_size=8,
+                                     ceiling_repeats=2)
     self.assertEqual([r['dtype'] for r in rows], ['float32', 'bfloat16'])
     # `auto`'s form for bf16 on this backend (on a CPU: per its features).
     self.assertEqual([r['dot_form'] for r in rows], ['plain', half_dot.form_for(
@@ -86,8 +89,10 @@ class StepBenchmarkTest(parameterized.TestCase):
     config = helpers.tiny_config()
     config.batch_size = 8
     config.privacy.microbatch_size = 4
-    rows = step_benchmark.run_dtypes(settings_lib.parse(config), ('float32',), steps=2,
-                                     ceiling_size=64, ceiling_repeats=2,
+    rows = step_benchmark.run_dtypes(settings_lib.parse(config), ('float32',),
+                                     steps=2,
+                                     ceiling_size=64,
+                                     ceiling_repeats=2,
                                      dp_vs_ordinary=True)
     self.assertEqual([(r['dtype'], r['privacy']) for r in rows],
                      [('float32', False), ('float32', True)])
@@ -162,7 +167,10 @@ class PipelineBenchmarkTest(parameterized.TestCase):
     config.batch_size = 8
     config.data.source = 'synthetic'
     config.data.synthetic_train_examples = 64
-    result = pipeline_benchmark.run(settings_lib.parse(config), steps=2, rounds=2, repeats=3)
+    result = pipeline_benchmark.run(settings_lib.parse(config),
+                                    steps=2,
+                                    rounds=2,
+                                    repeats=3)
     self.assertEqual(result['train_examples'], 64)
     for field in ('host_images_per_sec', 'augment_images_per_sec',
                   'pipeline_images_per_sec', 'step_images_per_sec'):

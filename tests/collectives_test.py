@@ -297,7 +297,8 @@ class CommunicationStudyTest(absltest.TestCase):
                           ('compute', "--wires: 'compute' is not "
                                       'GATHER/REDUCE')):
       with self.assertRaises(errors.ConfigError) as raised:
-        communication.run(settings_lib.parse(helpers.tiny_config()), ['fsdp:8x1'], [wire],
+        communication.run(settings_lib.parse(helpers.tiny_config()),
+                          ['fsdp:8x1'], [wire],
                           log=self.fail)
       self.assertIn(message, str(raised.exception))
       self.assertNotIn('\n', str(raised.exception))
@@ -309,7 +310,8 @@ class CommunicationStudyTest(absltest.TestCase):
     config = helpers.tiny_config(
         'params=float32,compute=bfloat16,output=float32', dropout_rate=0.0)
     config.batch_size = config.eval_batch_size = 16
-    result = communication.run(settings_lib.parse(config), ['fsdp:8x1'], communication.WIRES,
+    result = communication.run(settings_lib.parse(config), ['fsdp:8x1'],
+                               communication.WIRES,
                                log=lambda _: None)
     by_wire = {v['wire']: v for v in result['variants']}
 

@@ -367,7 +367,8 @@ class CheckTest(parameterized.TestCase):
   @parameterized.parameters(*configs_test.CONFIG_NAMES)
   def test_every_config_file_passes(self, name):
     config_checks.check(
-        settings_lib.parse(importlib.import_module(f'configs.{name}').get_config()))
+        settings_lib.parse(
+            importlib.import_module(f'configs.{name}').get_config()))
 
   @parameterized.named_parameters(
       ('num_train_steps_from_epochs', {'num_train_steps': -1}),

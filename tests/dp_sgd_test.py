@@ -185,7 +185,8 @@ class PrivateStepTest(absltest.TestCase):
   def test_no_noise_and_no_clipping_is_the_ordinary_step(self):
     ordinary_config = _config()
     ordinary_config.privacy.enabled = False
-    ordinary = experiment.build_without_data(settings_lib.parse(ordinary_config))
+    ordinary = experiment.build_without_data(
+        settings_lib.parse(ordinary_config))
     real = {k: v[:BATCH] for k, v in self.batch.items() if k != 'mask'}
     strategy = self.exp.strategy
     p_state, p_metrics = strategy.train_step(strategy.init_state(),

@@ -68,7 +68,8 @@ class Fp8AdviceTest(absltest.TestCase):
         'params=float32,compute=bfloat16,output=float32', dropout_rate=0.0,
         num_layers=2)
     config.batch_size = 8
-    exp = experiment.build_without_data(variants.float32_reference(settings_lib.parse(config)))
+    exp = experiment.build_without_data(
+        variants.float32_reference(settings_lib.parse(config)))
     params = exp.strategy.init_state().params
     # All of this kernel but one output's column 1e-4 of that column's
     # values: under one scale per tensor it underflows; MX's blocks (along
@@ -81,8 +82,15 @@ class Fp8AdviceTest(absltest.TestCase):
     limits = helpers.advisor_settings(config.advisor).fp8
     fmt, choice = advisor.matmul_formats_of(settings_lib.parse(config))[0]
     self.assertEqual((fmt.name, choice), ('fp8', 'current'))
-    result = advisor.matmul_advice(settings_lib.parse(config), exp, params, inputs, fmt, choice,
-                                   limits, None, log=lambda _: None)
+    result = advisor.matmul_advice(settings_lib.parse(config),
+                                   exp,
+                                   params,
+                                   inputs,
+                                   fmt,
+                                   choice,
+                                   limits,
+                                   None,
+                                   log=lambda _: None)
     rows = {r['path']: r for r in result['modules']}
     self.assertLen(rows, 12)  # Six Linears in each of the two blocks.
     for path, row in rows.items():
@@ -101,7 +109,8 @@ class Fp8AdviceTest(absltest.TestCase):
                      '--config.precision.fp8.scaling=current')
     # The value pasted is a valid setting that runs fp8 in every other one.
     config.precision.fp8.modules = result['suggestion']['modules']
-    precision = experiment.build_without_data(settings_lib.parse(config)).precision
+    precision = experiment.build_without_data(
+        settings_lib.parse(config)).precision
     self.assertEqual(sorted(p for p in rows if precision.runs_fp8('Linear', p)),
                      sorted(p for p in rows if p != PLANTED))
 

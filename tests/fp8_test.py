@@ -537,7 +537,8 @@ class ModelTest(parameterized.TestCase):
        + ['vit/head']))
   def test_the_lowered_step_takes_fp8_exactly_in_the_configured_modules(
       self, modules, expected):
-    result = fp8_gemms.run(settings_lib.parse(_config(modules)), compile_step=False,
+    result = fp8_gemms.run(settings_lib.parse(_config(modules)),
+                           compile_step=False,
                            log=lambda _: None)
     fp8_rows = [r for r in result['matmuls'] if r['fp8_operands']]
     self.assertEqual(sorted({r['module'] for r in fp8_rows}), sorted(expected))
@@ -559,7 +560,9 @@ class ModelTest(parameterized.TestCase):
   def test_the_listing_names_the_4_bit_matmuls(self):
     config = _config(**{'precision.fp8.format': 'nvfp4'})
     config.batch_size = 16  # Whole blocks of tokens.
-    result = fp8_gemms.run(settings_lib.parse(config), compile_step=True, log=lambda _: None)
+    result = fp8_gemms.run(settings_lib.parse(config),
+                           compile_step=True,
+                           log=lambda _: None)
     low = [r for r in result['matmuls'] if r['format'] == 'nvfp4']
     expected = [f'vit/encoder_block_{i}/{m}' for i in (0, 1)
                 for m in BLOCK_LINEARS]
@@ -611,7 +614,8 @@ class ModelTest(parameterized.TestCase):
     def losses(modules, scaling):
       config = _config(modules, scaling=scaling, learning_rate=3e-3,
                        **{'model.num_layers': 1})
-      strategy = experiment.build_without_data(settings_lib.parse(config)).strategy
+      strategy = experiment.build_without_data(
+          settings_lib.parse(config)).strategy
       state = strategy.init_state()
       batch = strategy.place_batch(helpers.random_batch(config, 8, seed=0))
       out = []
@@ -644,7 +648,8 @@ class ModelLineTest(absltest.TestCase):
         'mx': 'mx (a power-of-two scale per 32 values) scaling (emulated: '
               'blocks quantized and dequantized, float32 dots)'}
     for scaling in fp8.SCALINGS:
-      exp = experiment.build_without_data(settings_lib.parse(_config(scaling=scaling)))
+      exp = experiment.build_without_data(
+          settings_lib.parse(_config(scaling=scaling)))
       line = module_table.summary_line(module_table.module_rows(exp), '',
                                        exp.precision)
       self.assertTrue(line.endswith(

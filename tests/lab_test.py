@@ -47,7 +47,8 @@ TINY_FLAGS = ('--config.model.num_layers=1', '--config.model.embed_dim=16',
 class ParamsMatmulRatiosTest(parameterized.TestCase):
 
   def test_params_of_the_reference_model(self):
-    result = params.run(settings_lib.parse(base.get_config()), log=lambda _: None)
+    result = params.run(settings_lib.parse(base.get_config()),
+                        log=lambda _: None)
     totals = result['totals']
     self.assertEqual(totals['float32']['count'], 10_695_562)
     self.assertEqual(totals['float32']['bytes'], 4 * 10_695_562)
@@ -61,7 +62,8 @@ class ParamsMatmulRatiosTest(parameterized.TestCase):
                      'params are 42.78 MB (40.80 MiB).')
 
   def test_params_note_is_the_measured_models(self):
-    result = params.run(settings_lib.parse(helpers.tiny_config()), log=lambda _: None)
+    result = params.run(settings_lib.parse(helpers.tiny_config()),
+                        log=lambda _: None)
     count = result['totals']['float32']['count']
     self.assertLess(count, 10**5)
     self.assertEqual(result['note'], f'MB = 1e6 bytes: {count:,} float32 params'
@@ -123,24 +125,29 @@ class FlagChecksTest(parameterized.TestCase):
   def test_pure_bf16_is_a_variant_beside_the_dtypes(self):
     self.assertEqual(flag_checks.compute_dtypes('dtypes', ['float32', 'pure_bf16']),
                      ['float32', 'pure_bf16'])
-    config = variants.in_compute_dtype(settings_lib.parse(base.get_config()), variants.PURE_BF16)
+    config = variants.in_compute_dtype(settings_lib.parse(base.get_config()),
+                                       variants.PURE_BF16)
     self.assertEqual(config.precision.policy,
                      'params=bfloat16,compute=bfloat16,output=float32')
     self.assertEqual((config.precision.param_update,
                       config.precision.mu_dtype, config.precision.nu_dtype),
                      ('stochastic', 'bfloat16', 'bfloat16'))
     self.assertEqual(variants.variant_name(config), variants.PURE_BF16)
-    self.assertEqual(variants.variant_name(settings_lib.parse(configs_pure_bf16.get_config())),
-                     variants.PURE_BF16)
-    self.assertEqual(variants.variant_name(
-        variants.in_compute_dtype(settings_lib.parse(base.get_config()), 'bfloat16')), 'bfloat16')
+    self.assertEqual(
+        variants.variant_name(settings_lib.parse(
+            configs_pure_bf16.get_config())), variants.PURE_BF16)
+    self.assertEqual(
+        variants.variant_name(
+            variants.in_compute_dtype(settings_lib.parse(base.get_config()),
+                                      'bfloat16')), 'bfloat16')
 
   def test_4_bit_formats_are_variants_beside_the_dtypes(self):
     self.assertEqual(flag_checks.compute_dtypes('dtypes', ['bfloat16',
                                                            'nvfp4', 'mxfp4']),
                      ['bfloat16', 'nvfp4', 'mxfp4'])
     for fmt in variants.FP4_VARIANTS:
-      config = variants.in_compute_dtype(settings_lib.parse(base.get_config()), fmt)
+      config = variants.in_compute_dtype(settings_lib.parse(base.get_config()),
+                                         fmt)
       fp8_config = config.precision.fp8
       self.assertEqual((fp8_config.format, fp8_config.scaling,
                         fp8_config.modules),
@@ -177,8 +184,11 @@ class SweepTest(parameterized.TestCase):
 
   def test_sweep_fields_and_arithmetic(self):
     config = helpers.tiny_config(num_layers=1)
-    result = sweep.run(settings_lib.parse(config), ('float32', 'bfloat16'), (8, 16), ['pjit:8x1'],
-                       num_steps=2, isolate=False, log=lambda _: None)
+    result = sweep.run(settings_lib.parse(config), ('float32', 'bfloat16'),
+                       (8, 16), ['pjit:8x1'],
+                       num_steps=2,
+                       isolate=False,
+                       log=lambda _: None)
     rows = result['results']
     self.assertEqual([(r['dtype'], r['batch_size']) for r in rows],
                      [('float32', 8), ('bfloat16', 8), ('float32', 16),
@@ -230,8 +240,8 @@ def _printed_residuals(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
 class MemoryTest(parameterized.TestCase):
 
   def test_residuals_match_jax_and_are_attributed_to_modules(self):
-    config = variants.variant_settings(settings_lib.parse(helpers.tiny_config()), 'bfloat16', 8,
-                                  'single:1x1')
+    config = variants.variant_settings(
+        settings_lib.parse(helpers.tiny_config()), 'bfloat16', 8, 'single:1x1')
     exp = experiment.build(config)
     summary = memory.residual_summary(exp, 8)
     forward, loss_fn = exp.forward, exp.loss_fn
@@ -274,11 +284,14 @@ class MemoryTest(parameterized.TestCase):
 
   def test_memory_breakdown_arithmetic(self):
     config = helpers.tiny_config(num_layers=2)
-    result = memory.run(settings_lib.parse(config), ('float32', 'bfloat16'), (4, 8, 16),
-                        compile_step=False, log=lambda _: None)
+    result = memory.run(settings_lib.parse(config), ('float32', 'bfloat16'),
+                        (4, 8, 16),
+                        compile_step=False,
+                        log=lambda _: None)
     rows = {(r['dtype'], r['batch_size']): r['breakdown']
             for r in result['results']}
-    count = params.run(settings_lib.parse(config), log=lambda _: None)['totals']['float32']['count']
+    count = params.run(settings_lib.parse(config),
+                       log=lambda _: None)['totals']['float32']['count']
     for (dtype, batch_size), row in rows.items():
       self.assertEqual(row['params_bytes'], 4 * count)
       self.assertEqual(row['float32_gradient_bytes'], 4 * count)
@@ -298,8 +311,8 @@ class MemoryTest(parameterized.TestCase):
                        {'kept_activation_bytes': 1.0})
 
   def test_a_compiled_breakdown_holds_the_state_it_reads(self):
-    config = variants.variant_settings(settings_lib.parse(helpers.tiny_config()), 'bfloat16', 4,
-                                     'single:1x1')
+    config = variants.variant_settings(
+        settings_lib.parse(helpers.tiny_config()), 'bfloat16', 4, 'single:1x1')
     row = memory.breakdown(config, compile_step=True)['breakdown']
     # The state is an argument of the step, donated: its bytes are an
     # output's too, aliased; what it needs at once adds the temp.
@@ -395,7 +408,9 @@ class LadderTest(absltest.TestCase):
           json.dump(dict(test_accuracy=accuracy, ema_test_accuracy=accuracy),
                     f)
         workdirs.append(workdir)
-      result = ladder.run(settings_lib.parse(base), workdirs, log=lambda _: None)
+      result = ladder.run(settings_lib.parse(base),
+                          workdirs,
+                          log=lambda _: None)
       paths = ladder.plot(result, root)
       self.assertTrue(os.path.getsize(paths[0]))
     # A run off the 4-bit recipe is a variant of its own, not a seed.
@@ -461,7 +476,9 @@ class StateLayoutsTest(parameterized.TestCase):
     # Compiled: the layouts whose states differ most in kind.
     for name in ('bf16+master', 'bf16 kahan, bf16 moments',
                  'bf16 stochastic, 8-bit moments'):
-      compiled = state_layouts.row(settings_lib.parse(config), name, compile_step=True)
+      compiled = state_layouts.row(settings_lib.parse(config),
+                                   name,
+                                   compile_step=True)
       self.assertEqual(compiled['compiled_state_bytes'],
                        rows[name]['state_bytes'], name)
     for name, row in rows.items():
@@ -491,7 +508,8 @@ class StateLayoutsTest(parameterized.TestCase):
                     0.55)
 
   def test_the_params_experiment_draws_the_state_per_layout(self):
-    result = params.run(settings_lib.parse(helpers.tiny_config()), log=lambda _: None)
+    result = params.run(settings_lib.parse(helpers.tiny_config()),
+                        log=lambda _: None)
     self.assertEqual([r['layout'] for r in result['state_layouts']],
                      list(state_layouts.LAYOUTS))
     with tempfile.TemporaryDirectory() as out:
@@ -518,10 +536,13 @@ class RoundingTest(absltest.TestCase):
     config.precision.param_update = 'nearest'
     config.advisor.init_steps = 3
     lines = []
-    result = lost_updates.run(settings_lib.parse(config), num_batches=2, log=lines.append)
+    result = lost_updates.run(settings_lib.parse(config),
+                              num_batches=2,
+                              log=lines.append)
     groups = {r['name']: r for r in result['groups']}
     count = state_layout.param_count(
-        experiment.build_without_data(settings_lib.parse(config)).abstract_state)
+        experiment.build_without_data(
+            settings_lib.parse(config)).abstract_state)
     self.assertEqual(sum(r['elements'] for r in result['groups']), 2 * count)
     self.assertEqual(result['total']['elements'], 2 * count)
     for name in ('attention weights', 'MLP weights'):
@@ -540,10 +561,13 @@ class PrecisionExperimentTest(parameterized.TestCase):
   def test_precision_aliases_errors_and_residual_stream(self):
     config = helpers.tiny_config(num_layers=1)
     config.batch_size = 8
-    result = precision_lab.run(settings_lib.parse(config), ('float32', 'bfloat16'),
-                          ('', 'highest', 'float32', 'bfloat16'),
-                          num_steps=1, numerics_batch_size=8, isolate=False,
-                          log=lambda _: None)
+    result = precision_lab.run(settings_lib.parse(config),
+                               ('float32', 'bfloat16'),
+                               ('', 'highest', 'float32', 'bfloat16'),
+                               num_steps=1,
+                               numerics_batch_size=8,
+                               isolate=False,
+                               log=lambda _: None)
     rows = {(r['dtype'], r['matmul_precision']): r for r in result['matmul']}
     self.assertLen(rows, 8)
     for dtype in ('float32', 'bfloat16'):

@@ -28,7 +28,8 @@ class TabulateTest(parameterized.TestCase):
 
   def test_rows_for_the_reference_fp16_model(self):
     rows = module_table.module_rows(
-        experiment.build_without_data(settings_lib.parse(vit_fp16.get_config())))
+        experiment.build_without_data(settings_lib.parse(
+            vit_fp16.get_config())))
     by_path = {r['path']: r for r in rows}
     self.assertEqual(rows[0]['path'], 'vit')
     self.assertEqual(sum(r['param_count'] for r in rows), 10_695_562)
@@ -52,7 +53,8 @@ class TabulateTest(parameterized.TestCase):
 
   def test_text_table_has_every_module_and_the_total(self):
     rows = module_table.module_rows(
-        experiment.build_without_data(settings_lib.parse(helpers.tiny_config())))
+        experiment.build_without_data(settings_lib.parse(
+            helpers.tiny_config())))
     text = module_table.format_table(rows)
     for row in rows:
       self.assertIn(row['path'], text)
@@ -63,7 +65,8 @@ class TabulateTest(parameterized.TestCase):
     config = helpers.tiny_config(
         'params=float32,compute=float16,output=float32',
         overrides='*/head:float32')
-    rows = module_table.module_rows(experiment.build_without_data(settings_lib.parse(config)))
+    rows = module_table.module_rows(
+        experiment.build_without_data(settings_lib.parse(config)))
     total = sum(r['param_count'] for r in rows)
     policies = collections.Counter(r['policy'] for r in rows)
     self.assertLen(policies, 3)  # Half, LayerNorm's float32, the head's.

@@ -119,7 +119,8 @@ class ProcessAloneTest(absltest.TestCase):
     workdir = tmp.name
     config.compilation_cache_dir = os.path.join(workdir, 'cache')
     before = _process()
-    loop.train_and_evaluate(settings_lib.parse(config), os.path.join(workdir, 'run'))
+    loop.train_and_evaluate(settings_lib.parse(config),
+                            os.path.join(workdir, 'run'))
     self.assertNotEmpty(os.listdir(config.compilation_cache_dir))
     self._assert_as(_process(), before)
 

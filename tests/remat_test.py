@@ -64,7 +64,8 @@ class RematTest(parameterized.TestCase):
 
   @parameterized.parameters('dots', 'full')
   def test_keeps_only_what_the_setting_names(self, setting):
-    exp = experiment.build_without_data(settings_lib.parse(_config(setting, BF16)))
+    exp = experiment.build_without_data(
+        settings_lib.parse(_config(setting, BF16)))
     classes = {c.path: c.class_name for c in exp.module_calls}
     kept = {classes[r['module']] for r in memory.saved_residuals(exp, 8)
             if r['source'] == 'activation' and 'encoder_block' in r['module']

@@ -72,7 +72,8 @@ class TrainerTest(parameterized.TestCase):
     self.workdir = self.enter_context(tempfile.TemporaryDirectory())
 
   def test_synthetic_run_writes_metrics_tensorboard_and_summary(self):
-    summary = loop.train_and_evaluate(settings_lib.parse(_tiny_run_config()), self.workdir)
+    summary = loop.train_and_evaluate(settings_lib.parse(_tiny_run_config()),
+                                      self.workdir)
     events = _read_jsonl(self.workdir)
     train = [e for e in events if e['split'] == 'train']
     self.assertEqual([e['step'] for e in train], [2, 4, 6])
@@ -95,21 +96,26 @@ class TrainerTest(parameterized.TestCase):
 
   def test_a_finished_run_is_recognized_by_its_config(self):
     config = _tiny_run_config()
-    self.assertIsNone(run_dir.finished_summary(settings_lib.parse(config), self.workdir))
+    self.assertIsNone(
+        run_dir.finished_summary(settings_lib.parse(config), self.workdir))
     summary = loop.train_and_evaluate(settings_lib.parse(config), self.workdir)
     on_disk = run_dir.finished_summary(settings_lib.parse(config), self.workdir)
     self.assertEqual(on_disk['test_accuracy'], summary['test_accuracy'])
     self.assertEqual(on_disk['steps'], 6)
     with mock.patch.object(pipeline, 'load') as load:
-      self.assertEqual(loop.train_and_evaluate(settings_lib.parse(config), self.workdir),
-                       on_disk)
+      self.assertEqual(
+          loop.train_and_evaluate(settings_lib.parse(config), self.workdir),
+          on_disk)
     load.assert_not_called()
     longer = _tiny_run_config()
     longer.num_train_steps = 7  # Another run: it goes on from step 6.
-    self.assertIsNone(run_dir.finished_summary(settings_lib.parse(longer), self.workdir))
+    self.assertIsNone(
+        run_dir.finished_summary(settings_lib.parse(longer), self.workdir))
     cached = _tiny_run_config()  # The same run, its programs kept elsewhere.
     cached.compilation_cache_dir = os.path.join(self.workdir, 'cache')
-    self.assertEqual(run_dir.finished_summary(settings_lib.parse(cached), self.workdir), on_disk)
+    self.assertEqual(
+        run_dir.finished_summary(settings_lib.parse(cached), self.workdir),
+        on_disk)
 
   def test_any_exit_closes_writer_and_checkpointer_and_restores_sigterm(self):
     """A KeyboardInterrupt after three steps (not even an Exception) still
@@ -134,7 +140,8 @@ class TrainerTest(parameterized.TestCase):
         mock.patch.object(checkpoint_lib.Checkpointer, 'close', lambda c: (
             closed.append('checkpointer'), close_checkpointer(c))):
       with self.assertRaisesRegex(error, 'the data went away'):
-        loop.train_and_evaluate(settings_lib.parse(_tiny_run_config()), self.workdir)
+        loop.train_and_evaluate(settings_lib.parse(_tiny_run_config()),
+                                self.workdir)
     self.assertCountEqual(closed, ['writer', 'checkpointer'])
     self.assertEqual((signal.getsignal(signal.SIGTERM),
                       signal.getsignal(signal.SIGINT)), before)

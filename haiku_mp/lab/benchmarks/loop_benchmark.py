@@ -39,7 +39,7 @@ RATIO_FIELDS = ('loop_images_per_sec', 'step_images_per_sec')
 
 def loop_config(settings: settings_lib.Settings, steps: int
                 ) -> settings_lib.Settings:
-  """`config` as one loop round runs it: `steps` steps, evaluated and saved
+  """`settings` as one loop round runs it: `steps` steps, evaluated and saved
   only at the end (neither is in a run's images/s), logged as configured.
   Its warm-up is cut to half the round (the schedule's shape costs nothing;
   a warm-up as long as the run is only warned about)."""
@@ -162,7 +162,8 @@ def run_configs(configs: Sequence[settings_lib.Settings],
 
 def run(settings: settings_lib.Settings, steps: int, rounds: int = 3,
         log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-  """The figures above for `config` (its dtype, data source and strategy)."""
+  """The figures above for `settings` (their dtype, data source and
+  strategy)."""
   return run_configs([settings], [''], steps, rounds, log)[0]
 
 
@@ -170,10 +171,11 @@ def run_dtypes(settings: settings_lib.Settings, dtypes: Sequence[str],
                steps: int, rounds: int = 3,
                log: Callable[[str], None] = lambda line: None,
                steps_in_flight: Sequence[int] = ()) -> list[dict]:
-  """The figures per compute dtype (and per `steps_in_flight` value, the config's
-  if none), each with its loop's and its step's images/s as ratios to the
-  first row's (`vs_first`): a run's speed-up from half precision next to its
-  step's, or what the host's bound on steps ahead of the device costs."""
+  """The figures per compute dtype (and per `steps_in_flight` value, the
+  settings' own if none), each with its loop's and its step's images/s as
+  ratios to the first row's (`vs_first`): a run's speed-up from half
+  precision next to its step's, or what the host's bound on steps ahead of
+  the device costs."""
   configs, names = [], []
   for dtype in dtypes:
     for limit in steps_in_flight or [settings.steps_in_flight]:

@@ -42,7 +42,8 @@ def _images_per_sec(fn, batch_size: int, repeats: int) -> float:
 
 def run(settings: settings_lib.Settings, steps: int, rounds: int = 3,
         repeats: int = 20) -> dict[str, Any]:
-  """The figures above for `config` (its data source, batch and strategy)."""
+  """The figures above for `settings` (their data source, batch and
+  strategy)."""
   exp = experiment.build(settings)
   strategy = exp.strategy
   load_start = time.perf_counter()

@@ -88,7 +88,7 @@ def _flops(compiled) -> Optional[float]:
 
 def run(settings: settings_lib.Settings, steps: int, warmup_steps: int = 1,
         ceiling_size: int = 2048, ceiling_repeats: int = 5) -> dict[str, Any]:
-  """Times `config`'s train step; one dict of the figures above."""
+  """Times the train step of `settings`; one dict of the figures above."""
   step = timing.compile_train_step(settings)
   precision = step.experiment.precision
   dtype = jnp.dtype(precision.policy.compute_dtype)
@@ -136,7 +136,7 @@ def run_dtypes(settings: settings_lib.Settings, dtypes: Sequence[str],
                **kwargs) -> list[dict]:
   """`run` per compute dtype (float16 with dynamic loss scaling, as the
   sweep's variants), each with its ratios to the first. With
-  `dp_vs_ordinary`, each dtype runs ordinary and DP-SGD (`config.privacy`'s
+  `dp_vs_ordinary`, each dtype runs ordinary and DP-SGD (`settings.privacy`'s
   settings) steps, the DP-SGD row with its ratios to the ordinary one
   (`vs_ordinary`)."""
   privacy_variants = (False, True) if dp_vs_ordinary else (

@@ -82,7 +82,7 @@ QUICK_SYNTHETIC_EXAMPLES = 64  # Per split, when the data is synthetic.
 
 
 def quick_config(settings: settings_lib.Settings) -> settings_lib.Settings:
-  """`config` shrunk for --quick: a tiny model and a few training steps."""
+  """`settings` shrunk for --quick: a tiny model and a few training steps."""
   return variants.shrunk(settings, QUICK_MODEL, QUICK_TRAIN_STEPS,
                          QUICK.batch_sizes[0], QUICK_SYNTHETIC_EXAMPLES)
 

@@ -171,7 +171,7 @@ def verdict(row: dict[str, Any], compiled: list[dict[str, Any]],
 
 def run(settings: settings_lib.Settings, compile_step: bool = True,
         log: Callable[[str], None] = print) -> dict[str, Any]:
-  """The train step's matmuls for `config` (its batch size and strategy):
+  """The train step's matmuls for `settings` (their batch size and strategy):
   one row per matmul with its module, pass and operand formats, and with
   `compile_step`, the kernel the backend compiled it to."""
   exp = experiment.build_without_data(settings)

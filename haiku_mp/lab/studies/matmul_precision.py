@@ -162,7 +162,7 @@ def run(settings: settings_lib.Settings,
         matmul_precisions: Sequence[str] = MATMUL_PRECISIONS,
         num_steps: int = 3, numerics_batch_size: int = 32,
         isolate: bool = True, log=print) -> dict[str, Any]:
-  """Both sets of variants at `config.batch_size`, against one reference."""
+  """Both sets of variants at `settings.batch_size`, against one reference."""
   for dtype in dtypes:  # Every setting is checked before anything runs.
     for name in matmul_precisions:
       forward_lib.precision_from_config(

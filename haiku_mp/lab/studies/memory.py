@@ -188,7 +188,8 @@ def run(settings: settings_lib.Settings,
   results = []
   for batch_size in batch_sizes:
     for dtype in dtypes:
-      variant = variants.variant_settings(settings, dtype, batch_size, 'single:1x1')
+      variant = variants.variant_settings(settings, dtype, batch_size,
+                                          'single:1x1')
       result = dict(dtype=dtype, batch_size=batch_size,
                     policy=variant.precision.policy,
                     **breakdown(variant, compile_step))

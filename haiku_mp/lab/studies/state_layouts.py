@@ -28,7 +28,7 @@ LAYOUTS = optimizer_lib.STATE_LAYOUTS
 
 def layout_config(settings: settings_lib.Settings, name: str
                   ) -> settings_lib.Settings:
-  """`config` in the layout `name` (one of `LAYOUTS`)."""
+  """`settings` in the layout `name` (one of `LAYOUTS`)."""
   params, update, mu, nu = LAYOUTS[name]
   return settings_lib.replace(settings, precision=dict(
       policy=policies.with_dtypes(settings.precision.policy, params=params),

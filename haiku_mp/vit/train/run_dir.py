@@ -72,7 +72,8 @@ def finished_summary(settings: settings_lib.Settings, workdir: str
       summary = json.load(f)
   except (OSError, ValueError):
     return None
-  same_config = saved is not None and not _changes(saved, settings_fields.to_dict(settings))
+  same_config = saved is not None and not _changes(
+      saved, settings_fields.to_dict(settings))
   final = os.path.join(workdir, 'checkpoints', str(summary.get('steps')))
   if same_config and isinstance(summary, dict) and os.path.isdir(final):
     return summary
