@@ -34,7 +34,6 @@ from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.lab.studies import memory
 from haiku_mp.vit import settings as settings_lib
-from haiku_mp.vit.model import forward as forward_lib
 
 STEP_NAME = 'train'
 TOP_OPS = 20
@@ -73,7 +72,8 @@ def run(settings: settings_lib.Settings, out_dir: str, num_steps: int,
                  key=lambda e: e['ts'])
   op_names = hlo_op_names(step.compiled.as_text())
   ops = op_events(events, op_names)
-  by_op = ops_by_self_time(ops, op_names, _module_paths(settings))
+  by_op = ops_by_self_time(ops, op_names,
+                           {c.path for c in step.experiment.module_calls})
   return dict(
       experiment='profile', device=str(jax.devices()[0].device_kind),
       num_steps=num_steps, warmup_steps=warmup_steps,
@@ -204,12 +204,6 @@ def ops_by_self_time(ops, op_names, modules: set[str]
     rows.append(dict(hlo_op=op, self_ms=us / 1e3, calls=calls[op],
                      op_name=op_name, inside=inside[op], module=module))
   return rows
-
-
-def _module_paths(settings: settings_lib.Settings) -> set[str]:
-  calls, _ = forward_lib.trace_modules(
-      settings.model, forward_lib.precision_from_config(settings))
-  return {c.path for c in calls}
 
 
 def _module_of(op_name: str, modules: set[str]) -> str:
