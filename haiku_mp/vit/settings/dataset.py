@@ -1,8 +1,23 @@
 """The data: its source, splits and the on-device augmentation
 (haiku_mp/vit/data/)."""
 
+import math
+
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import setting
+
+# The images' channels (RGB): one mean and one std each.
+CHANNELS = 3
+
+
+def _finite(values: tuple[float, ...], count: int) -> bool:
+  return len(values) == count and all(math.isfinite(v) for v in values)
+
+
+def _range(low: float, high: float, valid: str) -> fields.Check:
+  """The check of a (min, max) pair with low < min <= max <= high."""
+  return fields.rule(
+      lambda v: _finite(v, 2) and low < v[0] <= v[1] <= high, valid)
 
 
 @fields.frozen
@@ -40,12 +55,16 @@ class DataSettings:
       (0.9, 1.0),
       "'resized': the crop's share of the image's area, drawn in this "
       '(low, high) range.',
-      takes='(min, max) fractions of the image area with 0 < min <= max <= 1')
+      takes='(min, max) fractions of the image area with 0 < min <= max <= 1',
+      check=_range(0, 1, '(min, max) fractions of the image area with 0 < '
+                   'min <= max <= 1'))
   crop_aspect_ratio: tuple[float, ...] = setting(
       (0.9, 1.1),
       "'resized': the crop's aspect ratio, drawn in this (low, high) "
       'range.',
-      takes='(min, max) width/height ratios with 0 < min <= max')
+      takes='(min, max) width/height ratios with 0 < min <= max',
+      check=_range(0, math.inf, '(min, max) width/height ratios with 0 < '
+                   'min <= max'))
   crop_max_attempts: int = setting(
       10,
       "'resized': draws before the whole image.", check=fields.POSITIVE)
@@ -82,11 +101,15 @@ class DataSettings:
   mean: tuple[float, ...] = setting(
       (0.4914, 0.4822, 0.4465),
       "Per-channel normalization of pixels in [0, 1] (CIFAR-10's).",
-      takes='3 numbers, one per channel')
+      takes=f'{CHANNELS} numbers, one per channel',
+      check=fields.rule(lambda m: _finite(m, CHANNELS),
+                        f'{CHANNELS} numbers, one per channel'))
   std: tuple[float, ...] = setting(
       (0.2023, 0.1994, 0.201),
       'Divides each channel, mean taken.',
-      takes='3 positive numbers, one per channel')
+      takes=f'{CHANNELS} positive numbers, one per channel',
+      check=fields.rule(lambda s: _finite(s, CHANNELS) and min(s) > 0,
+                        f'{CHANNELS} positive numbers, one per channel'))
   prefetch_batches: int = setting(2, 'Batches on their way to the devices.')
   synthetic_train_examples: int = setting(
       45000,

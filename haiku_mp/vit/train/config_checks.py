@@ -10,7 +10,6 @@ their own arguments, and `check` asks them; what needs data or files (splits,
 a checkpoint) is checked where it is read.
 """
 
-import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -35,9 +34,6 @@ from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.train import compilation
 
-_CHANNELS = 3
-
-
 _shown = settings_fields.shown
 
 
@@ -48,16 +44,6 @@ def _require(ok: bool, setting: str, value: Any, valid: str) -> None:
 
 def _is_int(value: Any) -> bool:
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _numbers(value: Any, count: int) -> bool:
-  """Whether `value` is `count` finite numbers."""
-  return (isinstance(value, (tuple, list)) and len(value) == count and
-          all(_is_number(v) and math.isfinite(v) for v in value))
 
 
 def _check_training(config: settings_lib.Settings) -> None:
@@ -176,13 +162,6 @@ def _check_communication(settings: settings_lib.Settings,
         "clipped gradients in float32; use 'float32'")
 
 
-def _check_range(setting: str, value: Any, low: float, high: float,
-                 valid: str) -> None:
-  """A (min, max) pair of numbers with low < min <= max <= high."""
-  _require(_numbers(value, 2) and low < value[0] <= value[1] <= high,
-           setting, value, valid)
-
-
 def _check_data(data: settings_lib.DataSettings, image_size: int) -> None:
   pipeline.check_settings(data)
   augment.check_settings(data)
@@ -195,15 +174,6 @@ def _check_data(data: settings_lib.DataSettings, image_size: int) -> None:
   _require(_is_int(data.crop_padding) and 0 <= data.crop_padding <= most,
            'data.crop_padding', data.crop_padding,
            f'an integer in [0, {most}] (half of model.image_size={image_size})')
-  _check_range('data.crop_area', data.crop_area, 0, 1,
-               '(min, max) fractions of the image area with 0 < min <= max '
-               '<= 1')
-  _check_range('data.crop_aspect_ratio', data.crop_aspect_ratio, 0, math.inf,
-               '(min, max) width/height ratios with 0 < min <= max')
-  _require(_numbers(data.mean, _CHANNELS), 'data.mean', data.mean,
-           f'{_CHANNELS} numbers, one per channel')
-  _require(_numbers(data.std, _CHANNELS) and min(data.std) > 0, 'data.std',
-           data.std, f'{_CHANNELS} positive numbers, one per channel')
 
 
 class Checked(NamedTuple):
