@@ -293,12 +293,6 @@ class ArraysSourceTest(parameterized.TestCase):
                                 'batch_size=41 is larger than the 40'):
       _load(self.config)
 
-  def test_prefetch_must_be_positive(self):
-    self.config.data.prefetch_batches = 0
-    with self.assertRaisesRegex(pipeline.DataError,
-                                'data.prefetch_batches=0'):
-      pipeline.check_settings(self.config.data)
-
   def test_arrays_and_synthetic_need_no_tensorflow(self):
     code = '\n'.join([
         'import sys',

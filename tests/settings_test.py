@@ -151,6 +151,30 @@ class ParseTest(parameterized.TestCase):
   def test_an_integral_float_is_an_integer(self):
     self.assertEqual(settings.parse({'batch_size': 256.0}).batch_size, 256)
 
+  @parameterized.named_parameters(
+      ('parse', lambda: settings.parse({'parallel': {'strategy': 'dp'}})),
+      ('replace', lambda: settings.replace(settings.Settings(),
+                                           parallel=dict(strategy='dp'))),
+  )
+  def test_a_choice_is_checked_by_its_field(self, make):
+    with self.assertRaises(errors.ConfigError) as raised:
+      make()
+    self.assertEqual(
+        str(raised.exception),
+        "parallel.strategy: unknown value 'dp'; expected one of ('single', "
+        "'pmap', 'pjit', 'fsdp')")
+
+  def test_the_choices_a_field_declares_are_those_the_code_makes(self):
+    """The names a field accepts are the ones the module above it builds
+    (declared in the settings, which import no application module)."""
+    # Imported here: the module under test is the settings, which stand
+    # below these.
+    from haiku_mp.vit.model import vit  # pylint: disable=g-import-not-at-top
+    from haiku_mp.vit.parallel import strategies  # pylint: disable=g-import-not-at-top
+    self.assertEqual(settings.model.PATCH_INITS, tuple(vit.PATCH_INITS))
+    self.assertEqual(settings.parallel.STRATEGIES,
+                     tuple(strategies.STRATEGIES))
+
 
 class ConfigFilesTest(parameterized.TestCase):
 

@@ -12,7 +12,6 @@ inside the jitted program: only uint8 images cross from the host. Evaluation
 images are only normalized.
 """
 
-import math
 from typing import Mapping, NamedTuple, Optional
 
 import dm_pix as pix
@@ -24,9 +23,10 @@ from haiku_mp.update import keys as keys_lib
 from haiku_mp.vit.data import auto_augment
 from haiku_mp.vit.data import mixing
 from haiku_mp.vit.settings import DataSettings
+from haiku_mp.vit.settings import dataset as data_settings
 
-CROPS = ('resized', 'pad', 'none')
-POLICIES = ('none', 'randaugment', 'autoaugment')
+CROPS = data_settings.CROPS
+POLICIES = data_settings.POLICIES
 # Random erasing's box (Zhong et al., 2017): a share of the image's area and
 # an aspect ratio, drawn as the crop's windows are.
 _ERASE_AREA = (0.02, 1.0 / 3.0)
@@ -137,36 +137,6 @@ def _erase(key: jax.Array, image: jax.Array, probability: float
            (box.height * box.width < height * width))
   noise = jax.random.normal(k_noise, image.shape[-1:], image.dtype)
   return jnp.where(erase & inside[..., None], noise, image)
-
-
-def check_settings(data_config: DataSettings) -> None:
-  """The augmentation's names and ranges (`config_checks` runs this)."""
-  errors.check_choice('data.crop', data_config.crop, CROPS)
-  errors.check_choice('data.policy', data_config.policy, POLICIES)
-  magnitude = data_config.randaugment_magnitude
-  if not 0 <= magnitude <= auto_augment.MAX_LEVEL:
-    raise errors.ConfigError(
-        f'data.randaugment_magnitude={magnitude:g} must be in '
-        f'[0, {auto_augment.MAX_LEVEL:g}]')
-  if not 0 <= data_config.erasing_probability <= 1:
-    raise errors.ConfigError(
-        f'data.erasing_probability={data_config.erasing_probability:g} must '
-        'be in [0, 1]')
-  for name in ('mixup_alpha', 'cutmix_alpha'):
-    alpha = getattr(data_config, name)
-    if not (0 <= alpha < math.inf):
-      raise errors.ConfigError(f'data.{name}={alpha:g} must be a finite '
-                               'number >= 0 (0: off)')
-  off_share = data_config.mixing_off_share
-  if not 0 <= off_share < 1:
-    raise errors.ConfigError(
-        f'data.mixing_off_share={off_share:g} must be in [0, 1) (the share of '
-        'the run, at its end, trained without mixing)')
-  probability = data_config.mixing_probability
-  if not 0 < probability <= 1:
-    raise errors.ConfigError(
-        f'data.mixing_probability={probability:g} must be in (0, 1] (to mix '
-        'nothing, set data.mixup_alpha and data.cutmix_alpha to 0)')
 
 
 def mixes(data_config: DataSettings) -> bool:

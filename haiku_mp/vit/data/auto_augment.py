@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp.vit.data import image_ops
+from haiku_mp.vit.settings import dataset as data_settings
 
-MAX_LEVEL = 10.0
+MAX_LEVEL = data_settings.MAX_MAGNITUDE
 # Parameters at MAX_LEVEL: rotation degrees, shear, translation as a share of
 # the image's side (10 pixels of 32: AutoAugment's CIFAR-10 range),
 # enhancement factor away from 1, and bits posterize takes away.

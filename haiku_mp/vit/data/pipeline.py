@@ -209,9 +209,6 @@ def load(data_config: DataSettings,
 def check_settings(data_config: DataSettings) -> None:
   """The data settings this module reads that need no data to check."""
   _source(data_config)
-  if data_config.prefetch_batches < 1:
-    raise DataError(f'data.prefetch_batches={data_config.prefetch_batches} '
-                    'must be at least 1')
 
 
 def check_available(data_config: DataSettings) -> Optional[int]:

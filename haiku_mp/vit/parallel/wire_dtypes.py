@@ -9,9 +9,10 @@ import jax.numpy as jnp
 
 from haiku_mp.update import data_parallel
 from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit.settings import parallel as parallel_settings
 
-GATHER_DTYPES = ('float32', 'compute', data_parallel.FP8_WIRE)
-REDUCE_DTYPES = ('float32', 'compute')
+GATHER_DTYPES = parallel_settings.GATHER_DTYPES
+REDUCE_DTYPES = parallel_settings.REDUCE_DTYPES
 
 
 class Communication(NamedTuple):

@@ -1,7 +1,9 @@
 """The settings' schema: every field of a run's config with its type, default
 and doc, one frozen dataclass per area, parsed once from the ConfigDict that
-config files and flags build. It imports no JAX of its own: `configs/` and
-`--help` read it, and every area below `build` takes its own group.
+config files and flags build. Each field checks its own values when parsed
+(the choices a library module makes are read from it); the rules between
+fields are `vit/train/config_checks.py`'s. Every area below `build` takes
+its own group.
 """
 
 from haiku_mp.vit.settings.advisor import AdvisorSettings

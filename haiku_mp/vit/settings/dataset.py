@@ -8,10 +8,20 @@ from haiku_mp.vit.settings.fields import setting
 
 # The images' channels (RGB): one mean and one std each.
 CHANNELS = 3
+# The train crops and augmentation policies (haiku_mp/vit/data/augment.py).
+CROPS = ('resized', 'pad', 'none')
+POLICIES = ('none', 'randaugment', 'autoaugment')
+# RandAugment's strongest magnitude (haiku_mp/vit/data/auto_augment.py).
+MAX_MAGNITUDE = 10.0
 
 
 def _finite(values: tuple[float, ...], count: int) -> bool:
   return len(values) == count and all(math.isfinite(v) for v in values)
+
+
+# Mixup's and CutMix's Beta(alpha, alpha).
+_ALPHA = fields.rule(lambda a: 0 <= a < math.inf,
+                     'a finite number >= 0 (0: off)')
 
 
 def _range(low: float, high: float, valid: str) -> fields.Check:
@@ -50,7 +60,7 @@ class DataSettings:
       "'resized': a random crop of crop_area of the area with aspect "
       "ratio in crop_aspect_ratio, resized back; 'pad': a random crop of "
       "the image's size from the image padded with crop_padding black "
-      "pixels; 'none'.")
+      "pixels; 'none'.", check=fields.one_of(CROPS))
   crop_area: tuple[float, ...] = setting(
       (0.9, 1.0),
       "'resized': the crop's share of the image's area, drawn in this "
@@ -74,30 +84,39 @@ class DataSettings:
       'none',
       "'none', 'randaugment' (randaugment_ops operations drawn per image, "
       "each at randaugment_magnitude of 10) or 'autoaugment' "
-      "(AutoAugment's CIFAR-10 policy). haiku_mp/vit/data/auto_augment.py.")
+      "(AutoAugment's CIFAR-10 policy). haiku_mp/vit/data/auto_augment.py.",
+      check=fields.one_of(POLICIES))
   randaugment_ops: int = setting(
       2,
       "'randaugment': operations per image (1-14).", check=fields.POSITIVE)
-  randaugment_magnitude: float = setting(9.0, "'randaugment': strength, 0-10.")
+  randaugment_magnitude: float = setting(
+      9.0, "'randaugment': strength, 0-10.",
+      check=fields.between(0, MAX_MAGNITUDE))
   erasing_probability: float = setting(
       0.0,
-      'Random erasing: a box of noise, on this share of the images.')
+      'Random erasing: a box of noise, on this share of the images.',
+      check=fields.between(0, 1))
   mixup_alpha: float = setting(
       0.0,
       'Mixup and CutMix of neighbouring examples with soft labels; the '
       'ratio is Beta(alpha, alpha); 0 turns a method off; both on: even '
-      'odds per example.')
-  cutmix_alpha: float = setting(0.0, "CutMix's Beta(alpha, alpha); 0: off.")
+      'odds per example.', check=_ALPHA)
+  cutmix_alpha: float = setting(0.0, "CutMix's Beta(alpha, alpha); 0: off.",
+                                check=_ALPHA)
   mixing_probability: float = setting(
       1.0,
       'With mixup or CutMix on: the share of examples mixed, each drawn '
       "on its own (timm's mix_prob); the others keep their image and "
-      'label.')
+      'label.',
+      check=fields.rule(lambda p: 0 < p <= 1, 'in (0, 1] (to mix nothing, set '
+                        'data.mixup_alpha and data.cutmix_alpha to 0)'))
   mixing_off_share: float = setting(
       0.0,
       'With mixup or CutMix on: the share of the run, at its end, trained '
       "on whole examples (timm's mixup_off_epoch, as a share); 0: mix to "
-      'the end.')
+      'the end.',
+      check=fields.rule(lambda s: 0 <= s < 1, 'in [0, 1) (the share of the '
+                        'run, at its end, trained without mixing)'))
   mean: tuple[float, ...] = setting(
       (0.4914, 0.4822, 0.4465),
       "Per-channel normalization of pixels in [0, 1] (CIFAR-10's).",
@@ -110,7 +129,9 @@ class DataSettings:
       takes=f'{CHANNELS} positive numbers, one per channel',
       check=fields.rule(lambda s: _finite(s, CHANNELS) and min(s) > 0,
                         f'{CHANNELS} positive numbers, one per channel'))
-  prefetch_batches: int = setting(2, 'Batches on their way to the devices.')
+  prefetch_batches: int = setting(
+      2, 'Batches on their way to the devices.',
+      check=fields.rule(lambda n: n >= 1, 'at least 1'))
   synthetic_train_examples: int = setting(
       45000,
       "'synthetic': train split size.", check=fields.POSITIVE)
@@ -119,4 +140,4 @@ class DataSettings:
       "'synthetic': val and test sizes.", check=fields.POSITIVE)
 
 
-__all__ = ['DataSettings']
+__all__ = ['DataSettings', 'CROPS', 'POLICIES', 'MAX_MAGNITUDE']

@@ -23,6 +23,12 @@ T = TypeVar('T')
 Check = Callable[[Any], Optional[str]]
 
 
+class _AfterName(str):
+  """A problem said after the setting's name alone (`name: unknown value
+  ...`): the message `errors.check_choice` gives, which names the value
+  itself."""
+
+
 def setting(default: Any, doc: str, takes: str = '',
             check: Optional[Check] = None) -> Any:
   """A field with its default and the one doc `--help` shows for it;
@@ -51,6 +57,13 @@ def at_least(low: float) -> Check:
 def between(low: float, high: float) -> Check:
   return lambda value: (None if low <= value <= high
                         else f'must be in [{low:g}, {high:g}]')
+
+
+def one_of(choices: tuple[str, ...]) -> Check:
+  """The check of a setting that names one of `choices`, worded as
+  `errors.check_choice` words it."""
+  return lambda value: None if value in choices else _AfterName(
+      f': unknown value {value!r}; expected one of {tuple(choices)}')
 
 
 def group(kind: type, doc: str = '') -> Any:
@@ -148,6 +161,8 @@ def _value(field: dataclasses.Field, hint: Any, value: Any, path: str,
         f'{field.metadata["takes"]}') from None
   check = field.metadata.get('check')
   problem = check and check(typed)
+  if isinstance(problem, _AfterName):
+    raise errors.ConfigError(f'{path}{name}{problem}')
   if problem:  # 'must be ...' follows the value; ': expected ...' too.
     separator = '' if problem.startswith(':') else ' '
     raise errors.ConfigError(

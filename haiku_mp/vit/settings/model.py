@@ -3,6 +3,10 @@
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import setting
 
+# The patch embedding's kernel inits (haiku_mp/vit/model/vit.py's
+# `PATCH_INITS` makes them).
+PATCH_INITS = ('lecun_normal', 'xavier_uniform')
+
 
 @fields.frozen
 class ModelSettings:
@@ -25,7 +29,9 @@ class ModelSettings:
       8, 'Attention heads (they divide embed_dim).',
       check=fields.POSITIVE)
   num_layers: int = setting(6, 'Encoder blocks.', check=fields.POSITIVE)
-  dropout_rate: float = setting(0.1, "Dropout in each block's MLP.")
+  dropout_rate: float = setting(
+      0.1, "Dropout in each block's MLP.",
+      check=fields.rule(lambda r: 0 <= r < 1, 'in [0, 1)'))
   drop_path_rate: float = setting(
       0.0,
       "Stochastic depth: each block's two residual branches dropped for a "
@@ -40,7 +46,8 @@ class ModelSettings:
       'lecun_normal',
       "The patch embedding's kernel init: 'lecun_normal' (the original "
       "ViT's and big_vision's) or 'xavier_uniform' (before 2026-11-26: 8x "
-      'too small for a convolution; kept to reproduce old runs).')
+      'too small for a convolution; kept to reproduce old runs).',
+      check=fields.one_of(PATCH_INITS))
 
 
-__all__ = ['ModelSettings']
+__all__ = ['ModelSettings', 'PATCH_INITS']

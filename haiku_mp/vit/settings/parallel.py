@@ -1,7 +1,16 @@
 """How a run spreads over devices (haiku_mp/vit/parallel/)."""
 
+from haiku_mp.update import data_parallel
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import setting
+
+# The strategies' names (haiku_mp/vit/parallel/strategies.py's classes
+# carry them).
+STRATEGIES = ('single', 'pmap', 'pjit', 'fsdp')
+# What parameters are all-gathered in and gradients reduced in
+# (haiku_mp/vit/parallel/wire_dtypes.py).
+GATHER_DTYPES = ('float32', 'compute', data_parallel.FP8_WIRE)
+REDUCE_DTYPES = ('float32', 'compute')
 
 
 _MESH_SHAPE = ('two positive integers (batch, model) like (4,2); one may be '
@@ -15,7 +24,8 @@ class ParallelSettings:
 
   strategy: str = setting(
       'single', "'single' | 'pmap' | 'pjit' | 'fsdp' (pjit with the "
-      "params and optimizer state split over 'batch' too)")
+      "params and optimizer state split over 'batch' too)",
+      check=fields.one_of(STRATEGIES))
   mesh_shape: tuple[int, ...] = setting(
       (-1, 1),
       '(batch, model); -1: the remaining devices.',
@@ -33,12 +43,13 @@ class ParallelSettings:
       "'float32' | 'compute' | 'fp8': the dtype parameters split over "
       "'batch' (fsdp) are all-gathered in; 'float32' keeps their stored "
       "dtype, 'fp8' is E4M3 for the fp8 Linears' kernels (compute for the "
-      'rest); vectors (biases, norms) travel as stored.')
+      'rest); vectors (biases, norms) travel as stored.',
+      check=fields.one_of(GATHER_DTYPES))
   reduce_dtype: str = setting(
       'float32',
       "'float32' | 'compute': the dtype gradients are reduced in over "
       "'batch' (all-reduce, or reduce-scatter under fsdp); float16 goes "
-      'through the loss scale.')
+      'through the loss scale.', check=fields.one_of(REDUCE_DTYPES))
 
 
-__all__ = ['ParallelSettings']
+__all__ = ['ParallelSettings', 'STRATEGIES', 'GATHER_DTYPES', 'REDUCE_DTYPES']

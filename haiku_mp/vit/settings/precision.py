@@ -1,6 +1,7 @@
 """Precision: jmp policies, matmul forms, the training state's layout and
 the low-bit matmuls (haiku_mp/model/policies.py, fp8.py, fp4.py)."""
 
+from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import group
 from haiku_mp.vit.settings.fields import setting
@@ -88,14 +89,16 @@ class PrecisionSettings:
       "(bfloat16 params), each step's float32 result rounded into them: "
       "'nearest', 'stochastic' (unbiased, drawn from the run's key) or "
       "'kahan' (to nearest, plus a bfloat16 buffer of what rounding "
-      'dropped).')
+      'dropped).', check=fields.one_of(optimizer_lib.PARAM_UPDATES))
   mu_dtype: str = setting(
       'float32',
       "Adam's first moment: 'float32', 'bfloat16' (rounded "
       "stochastically) or 'float8_blocks' (8-bit E4M3 codes and a float32 "
       'scale per block, rounded stochastically; '
-      'haiku_mp/update/block_moments.py).')
-  nu_dtype: str = setting('float32', "Adam's second moment: the same choices.")
+      'haiku_mp/update/block_moments.py).',
+      check=fields.one_of(optimizer_lib.MOMENT_DTYPES))
+  nu_dtype: str = setting('float32', "Adam's second moment: the same choices.",
+                          check=fields.one_of(optimizer_lib.MOMENT_DTYPES))
   moment_block_size: int = setting(
       256,
       "'float8_blocks' moments: values per scale, along each param's last "

@@ -9,6 +9,7 @@ import math
 
 import ml_collections
 
+from haiku_mp.model import remat as remat_lib
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.advisor import AdvisorSettings
 from haiku_mp.vit.settings.dataset import DataSettings
@@ -121,7 +122,7 @@ class Settings:
       "What each encoder block keeps for the backward pass: 'none' (every "
       "residual), 'dots' (the weight matmuls' outputs; the rest "
       "recomputed) or 'full' (the block's input; the block recomputed). "
-      'haiku_mp/model/remat.py.')
+      'haiku_mp/model/remat.py.', check=fields.one_of(remat_lib.CHOICES))
   model: ModelSettings = group(ModelSettings, 'The ViT.')
   precision: PrecisionSettings = group(
       PrecisionSettings,

@@ -16,9 +16,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from haiku_mp import errors
-from haiku_mp.model import dropout
 from haiku_mp.model import policies
-from haiku_mp.model import remat
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.vit import settings as settings_lib
@@ -26,10 +24,7 @@ from haiku_mp.vit.data import augment
 from haiku_mp.vit.data import auto_augment
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.model import forward as forward_lib
-from haiku_mp.vit.model import vit
 from haiku_mp.vit.parallel import sharding
-from haiku_mp.vit.parallel import strategies
-from haiku_mp.vit.parallel import wire_dtypes
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.train import compilation
@@ -74,10 +69,6 @@ def _check_model(config: settings_lib.Settings) -> policies.Precision:
     raise errors.ConfigError(
         f'model.embed_dim={model.embed_dim} is not divisible by '
         f'model.num_heads={model.num_heads}')
-  dropout.check_rate(model.dropout_rate)
-  errors.check_choice('model.patch_init', model.patch_init,
-                      tuple(vit.PATCH_INITS))
-  remat.check(config.remat)
   fp8 = config.precision.fp8
   # fp8.Fp8 checks its own settings.
   precision = forward_lib.precision_from_config(config)
@@ -92,14 +83,8 @@ def _check_model(config: settings_lib.Settings) -> policies.Precision:
 
 def _check_state_layout(precision_config: settings_lib.PrecisionSettings,
                         precision: policies.Precision) -> None:
-  """The layout of params and moments: names known, and rounding into
-  params only where they are bfloat16."""
+  """Rounding into params only where they are bfloat16."""
   update = precision_config.param_update
-  errors.check_choice('precision.param_update', update,
-                      optimizer_lib.PARAM_UPDATES)
-  for name in ('mu_dtype', 'nu_dtype'):
-    errors.check_choice(f'precision.{name}', getattr(precision_config, name),
-                        optimizer_lib.MOMENT_DTYPES)
   if update == optimizer_lib.MASTER:
     return
   half = sorted(d for d in precision.param_dtypes if d != 'float32')
@@ -118,8 +103,6 @@ def _check_state_layout(precision_config: settings_lib.PrecisionSettings,
 
 
 def _check_parallel(parallel_config: settings_lib.ParallelSettings) -> None:
-  name = parallel_config.strategy
-  errors.check_choice('parallel.strategy', name, strategies.STRATEGIES)
   sharding.parse_rules(parallel_config.sharding_rules)
 
 
@@ -128,10 +111,6 @@ def _check_communication(settings: settings_lib.Settings,
   """`parallel.gather_dtype` and `reduce_dtype`, against the strategy, the
   precision, loss scaling and DP-SGD."""
   parallel = settings.parallel
-  errors.check_choice('parallel.gather_dtype', parallel.gather_dtype,
-                      wire_dtypes.GATHER_DTYPES)
-  errors.check_choice('parallel.reduce_dtype', parallel.reduce_dtype,
-                      wire_dtypes.REDUCE_DTYPES)
   fp8_gathers = parallel.gather_dtype == 'fp8'
   if fp8_gathers and parallel.strategy != 'fsdp':
     raise errors.ConfigError(
@@ -164,7 +143,6 @@ def _check_communication(settings: settings_lib.Settings,
 
 def _check_data(data: settings_lib.DataSettings, image_size: int) -> None:
   pipeline.check_settings(data)
-  augment.check_settings(data)
   ops = len(auto_augment.RANDAUGMENT_OPS)
   _require(data.randaugment_ops <= ops, 'data.randaugment_ops',
            data.randaugment_ops, f'in [1, {ops}] (operations applied to each '
