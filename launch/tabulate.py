@@ -12,8 +12,7 @@ from ml_collections import config_flags
 
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
-from haiku_mp.vit.train import module_table
-from haiku_mp.vit.train import state_layout
+from haiku_mp.vit.train import overview
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
@@ -25,12 +24,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   exp = experiment.build_without_data(settings_lib.parse(_CONFIG.value))
-  rows = module_table.module_rows(exp)
+  rows = overview.module_rows(exp)
   if _JSON.value:
     print(json.dumps(rows, indent=1))
   else:
-    print(module_table.format_table(rows))
-    print(state_layout.describe(exp.settings.precision, exp.abstract_state))
+    print(overview.format_table(rows))
+    print(overview.state_line(exp))
 
 
 if __name__ == '__main__':

@@ -38,7 +38,7 @@ from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import loop
-from haiku_mp.vit.train import metrics
+from haiku_mp.vit.train import run_dir
 from launch import failed_saves
 from tests import disk_full_at_step
 from tests import helpers
@@ -521,16 +521,16 @@ class CheckpointerTest(parameterized.TestCase):
                    consecutive_skips=np.int32(0), skipped_steps=np.int32(1))]
     ckpt = checkpoint.Checkpointer(self.workdir, keep=1)
     ckpt.save(1, _tiny_state(4), dict(
-        train_sec=1.5, log_window=metrics.window_record(window)))
+        train_sec=1.5, log_window=run_dir.window_record(window)))
     record = ckpt.run_record(1)  # Read back from its file.
-    restored = metrics.window_from_record(record['log_window'])
+    restored = run_dir.window_from_record(record['log_window'])
     means = ('loss', 'accuracy', 'grad_norm', 'updates_lost')
-    np.testing.assert_equal(metrics.window_summary(restored, means),
-                            metrics.window_summary(window, means))
+    np.testing.assert_equal(run_dir.window_summary(restored, means),
+                            run_dir.window_summary(window, means))
     jax.tree.map(np.testing.assert_array_equal, restored, window)
     # Steps saved by a run without a metric this one has (DP-SGD turned on
     # at the resume, say): it is averaged over the steps that have it.
-    summary = metrics.window_summary(
+    summary = run_dir.window_summary(
         [*restored, dict(window[1], clipped_fraction=np.float32(0.25))],
         (*means, 'clipped_fraction'))
     self.assertEqual(summary['clipped_fraction'], 0.25)

@@ -1,4 +1,4 @@
-"""Every setting's range: `config_checks.check` accepts every config file and
+"""Every setting's range: `checks.check` accepts every config file and
 names each setting out of range, its value and what is valid."""
 
 import os
@@ -18,7 +18,7 @@ import jax
 from configs import base
 from haiku_mp import errors
 from haiku_mp.vit import settings as settings_lib
-from haiku_mp.vit.train import config_checks
+from haiku_mp.vit.train import checks
 from haiku_mp.vit.train import experiment
 from tests import configs_test
 from tests import helpers
@@ -357,7 +357,7 @@ class CheckTest(parameterized.TestCase):
     """The scaler and the precision the settings describe, built once by
     the check for `experiment.build`; a static scale may sit below the
     floor, which bounds a dynamic one only."""
-    checked = config_checks.check(settings_lib.parse(_config(**{
+    checked = checks.check(settings_lib.parse(_config(**{
         'loss_scale.kind': 'static', 'loss_scale.initial': 0.25,
         'precision.policy': 'params=float32,compute=bfloat16,output=float32'})))
     self.assertEqual((checked.scaler.kind, checked.scaler.initial),
@@ -366,7 +366,7 @@ class CheckTest(parameterized.TestCase):
 
   @parameterized.parameters(*configs_test.CONFIG_NAMES)
   def test_every_config_file_passes(self, name):
-    config_checks.check(
+    checks.check(
         settings_lib.parse(
             importlib.import_module(f'configs.{name}').get_config()))
 
@@ -396,12 +396,12 @@ class CheckTest(parameterized.TestCase):
        {'data.augment': False, 'data.mixup_alpha': 0.8,
         'privacy.enabled': True}))
   def test_valid(self, settings):
-    config_checks.check(settings_lib.parse(_config(**settings)))
+    checks.check(settings_lib.parse(_config(**settings)))
 
   @parameterized.named_parameters(*_OUT_OF_RANGE)
   def test_out_of_range(self, settings, message):
     with self.assertRaises(errors.ConfigError) as raised:
-      config_checks.check(settings_lib.parse(_config(**settings)))
+      checks.check(settings_lib.parse(_config(**settings)))
     self.assertIn(message, str(raised.exception))
     self.assertNotIn('\n', str(raised.exception))
 

@@ -29,7 +29,7 @@ from haiku_mp.vit.parallel import sharding as sharding_lib
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import experiment
-from haiku_mp.vit.train import module_table
+from haiku_mp.vit.train import overview
 from tests import helpers
 
 # E2M1's values and their codes' parity (ties go to the even code).
@@ -432,7 +432,7 @@ class ModelTest(absltest.TestCase):
     # x and w forward, x along the tokens backward (the gradients are
     # rounded stochastically, on the grid).
     self.assertLen(casts, 3 * linears)
-    line = module_table.summary_line(module_table.module_rows(exp), '',
+    line = overview.summary_line(overview.module_rows(exp), '',
                                      exp.precision)
     self.assertTrue(line.endswith(
         '; 4-bit matmuls: 6 Linear, nvfp4 (blocks of 16), 16x16 weight tiles, '
@@ -469,7 +469,7 @@ class ModelTest(absltest.TestCase):
     signs = {k for k, v in state.params.items() if fp4.SIGNS_NAME in v}
     self.assertEqual(signs, {f'vit/encoder_block_0/attention/{n}'
                              for n in ('query', 'key', 'value', 'out')})
-    line = module_table.summary_line(module_table.module_rows(exp), '',
+    line = overview.summary_line(overview.module_rows(exp), '',
                                      exp.precision)
     self.assertIn('; 4-bit matmuls: 4 Linear (2 kept in fp8), nvfp4', line)
 

@@ -29,7 +29,7 @@ from haiku_mp.model import meta_params
 from haiku_mp.update import step as step_lib
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
-from haiku_mp.vit.train import module_table
+from haiku_mp.vit.train import overview
 from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'
@@ -650,7 +650,7 @@ class ModelLineTest(absltest.TestCase):
     for scaling in fp8.SCALINGS:
       exp = experiment.build_without_data(
           settings_lib.parse(_config(scaling=scaling)))
-      line = module_table.summary_line(module_table.module_rows(exp), '',
+      line = overview.summary_line(overview.module_rows(exp), '',
                                        exp.precision)
       self.assertTrue(line.endswith(
           '; fp8 matmuls: 12 Linear, E4M3 forward, E5M2 gradients, '

@@ -34,9 +34,9 @@ from haiku_mp.lab.studies import state_layouts
 from haiku_mp.lab.studies import sweep
 from haiku_mp.lab import variants
 from haiku_mp.model import meta_params
+from haiku_mp.update import state_layout
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
-from haiku_mp.vit.train import state_layout
 from launch import flag_checks
 from tests import helpers
 

@@ -21,7 +21,7 @@ import numpy as np
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit import settings as settings_lib
-from haiku_mp.vit.train import checkpoint as checkpoint_lib
+from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import loop
 from tests import helpers
@@ -143,7 +143,7 @@ class LoopTest(parameterized.TestCase):
 
     abstract = sharding.with_shardings(exp.abstract_state,
                                        exp.strategy.checkpoint_shardings)
-    with contextlib.closing(checkpoint_lib.Checkpointer(
+    with contextlib.closing(checkpoint.Checkpointer(
         self.workdir, 3)) as checkpointer:
       step, state = checkpointer.restore_latest(abstract)
     self.assertEqual(step, STEPS)

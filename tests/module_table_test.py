@@ -16,7 +16,7 @@ import numpy as np
 from configs import vit_fp16
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
-from haiku_mp.vit.train import module_table
+from haiku_mp.vit.train import overview
 from tests import helpers
 
 FIELDS = {'path', 'class', 'policy', 'policy_source', 'params', 'param_dtypes',
@@ -27,7 +27,7 @@ FIELDS = {'path', 'class', 'policy', 'policy_source', 'params', 'param_dtypes',
 class TabulateTest(parameterized.TestCase):
 
   def test_rows_for_the_reference_fp16_model(self):
-    rows = module_table.module_rows(
+    rows = overview.module_rows(
         experiment.build_without_data(settings_lib.parse(
             vit_fp16.get_config())))
     by_path = {r['path']: r for r in rows}
@@ -52,10 +52,10 @@ class TabulateTest(parameterized.TestCase):
                     list(by_path).index('vit/encoder_block_0/attention'))
 
   def test_text_table_has_every_module_and_the_total(self):
-    rows = module_table.module_rows(
+    rows = overview.module_rows(
         experiment.build_without_data(settings_lib.parse(
             helpers.tiny_config())))
-    text = module_table.format_table(rows)
+    text = overview.format_table(rows)
     for row in rows:
       self.assertIn(row['path'], text)
     total = sum(r['param_count'] for r in rows)
@@ -65,13 +65,13 @@ class TabulateTest(parameterized.TestCase):
     config = helpers.tiny_config(
         'params=float32,compute=float16,output=float32',
         overrides='*/head:float32')
-    rows = module_table.module_rows(
+    rows = overview.module_rows(
         experiment.build_without_data(settings_lib.parse(config)))
     total = sum(r['param_count'] for r in rows)
     policies = collections.Counter(r['policy'] for r in rows)
     self.assertLen(policies, 3)  # Half, LayerNorm's float32, the head's.
     self.assertEqual(
-        module_table.summary_line(rows, '*/head:float32'),
+        overview.summary_line(rows, '*/head:float32'),
         f'Model: {len(rows)} modules, {total:,} parameters '
         f'({4 * total / 1e6:.2f} MB); policies (modules): '
         + '; '.join(f'{p} ({n})' for p, n in policies.most_common())

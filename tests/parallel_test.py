@@ -31,7 +31,7 @@ from haiku_mp.update import step as step_lib
 from haiku_mp.vit.parallel import sharding as sharding_lib
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
-from haiku_mp.vit.train import module_table
+from haiku_mp.vit.train import overview
 import tests
 from tests import helpers
 from tests import signal_at_step
@@ -342,12 +342,12 @@ class ShardingRulesTest(parameterized.TestCase):
 
   def test_tabulate_shows_shardings(self):
     config = _config('pjit', (4, 2))
-    rows = {r['path']: r for r in module_table.module_rows(
+    rows = {r['path']: r for r in overview.module_rows(
         experiment.build_without_data(settings_lib.parse(config)))}
     fc2 = rows['vit/encoder_block_0/mlp_block/fc2']['params']
     self.assertEqual((fc2['w']['sharding'], fc2['b']['sharding']),
                      ('model,None', 'replicated'))
-    text = module_table.format_table(list(rows.values()))
+    text = overview.format_table(list(rows.values()))
     self.assertIn('w:None,model', text)
 
 

@@ -15,8 +15,8 @@ from absl.testing import parameterized
 from matplotlib import figure as mpl_figure
 
 from haiku_mp.lab import charts
-from haiku_mp.lab import run_plots
 from haiku_mp.lab.report import report
+from haiku_mp.lab import run_plots
 from haiku_mp.lab.studies import dot_algorithms
 from haiku_mp.lab.studies import lost_updates
 from haiku_mp.lab.studies import matmul
@@ -25,7 +25,7 @@ from haiku_mp.lab.studies import memory
 from haiku_mp.lab.studies import params
 from haiku_mp.lab.studies import profile
 from haiku_mp.lab.studies import sweep
-from haiku_mp.vit.train import state_layout
+from haiku_mp.update import state_layout
 from tests import helpers
 
 DTYPES = ('float32', 'bfloat16', 'float16')

@@ -103,8 +103,8 @@ class ProcessAloneTest(absltest.TestCase):
     self.assertTrue(os.path.exists(os.path.join(workdir, 'runs.png')))
     # The report's and the loop benchmark's quiet trainer: the library's own
     # state, not absl's verbosity.
-    from haiku_mp.vit.train import console_lines  # pylint: disable=g-import-not-at-top
-    with console_lines.quietly():
+    from haiku_mp.vit.train import console  # pylint: disable=g-import-not-at-top
+    with console.quietly():
       self._assert_as(_process(), before)
     self._assert_as(_process(), before)
 

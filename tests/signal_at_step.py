@@ -17,7 +17,7 @@ import signal
 import threading
 
 from haiku_mp.vit.train import checkpoint
-from haiku_mp.vit.train import metrics
+from haiku_mp.vit.train import run_dir
 
 ENV = 'SIGNAL_AT_STEP'
 # The command to run (default launch.train): any that runs the trainer.
@@ -31,7 +31,7 @@ def _signal_main_thread(signum: int) -> None:
 
 
 def _signal_after_train_write(signum: int, at_step: int, flush: bool) -> None:
-  write = metrics.MetricsWriter.write
+  write = run_dir.MetricsWriter.write
   save = checkpoint.Checkpointer.save
   checkpointers = []
 
@@ -53,7 +53,7 @@ def _signal_after_train_write(signum: int, at_step: int, flush: bool) -> None:
       checkpointers.append(self)
     return save(self, *args, **kwargs)
 
-  metrics.MetricsWriter.write = write_then_signal
+  run_dir.MetricsWriter.write = write_then_signal
   checkpoint.Checkpointer.save = remember_then_save
 
 

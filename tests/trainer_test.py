@@ -25,9 +25,8 @@ from haiku_mp.model import half_dot
 from haiku_mp.vit.data import npz_source
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit import settings as settings_lib
-from haiku_mp.vit.train import checkpoint as checkpoint_lib
+from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import loop
-from haiku_mp.vit.train import metrics as metrics_lib
 from haiku_mp.vit.train import run_dir
 from tests import helpers
 
@@ -131,13 +130,13 @@ class TrainerTest(parameterized.TestCase):
       raise error('the data went away')
 
     closed = []
-    close_writer = metrics_lib.MetricsWriter.close
-    close_checkpointer = checkpoint_lib.Checkpointer.close
+    close_writer = run_dir.MetricsWriter.close
+    close_checkpointer = checkpoint.Checkpointer.close
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with mock.patch.object(pipeline, 'train_batches', failing_batches), \
-        mock.patch.object(metrics_lib.MetricsWriter, 'close', lambda w: (
+        mock.patch.object(run_dir.MetricsWriter, 'close', lambda w: (
             closed.append('writer'), close_writer(w))), \
-        mock.patch.object(checkpoint_lib.Checkpointer, 'close', lambda c: (
+        mock.patch.object(checkpoint.Checkpointer, 'close', lambda c: (
             closed.append('checkpointer'), close_checkpointer(c))):
       with self.assertRaisesRegex(error, 'the data went away'):
         loop.train_and_evaluate(settings_lib.parse(_tiny_run_config()),

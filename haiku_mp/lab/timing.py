@@ -19,7 +19,7 @@ import numpy as np
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import in_flight
-from haiku_mp.vit.train import metrics
+from haiku_mp.vit.train import run_dir
 
 _MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes',
                   'temp_size_in_bytes', 'generated_code_size_in_bytes',
@@ -145,7 +145,7 @@ def time_steps(step: CompiledStep, num_steps: int, warmup_steps: int = 1
               # The kernel's share (all threads): mapping memory, waking
               # threads; on XLA:CPU a large part of a big step.
               sys_cpu_sec_per_step=system / num_steps,
-              device_peak_bytes=metrics.peak_memory_bytes())
+              device_peak_bytes=run_dir.peak_memory_bytes())
 
 
 def dispatch_round(step, state, feed, steps: int, steps_in_flight: int):

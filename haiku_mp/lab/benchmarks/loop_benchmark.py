@@ -26,9 +26,9 @@ from haiku_mp.lab import hardware
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
-from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.data import pipeline
-from haiku_mp.vit.train import console_lines
+from haiku_mp.vit import settings as settings_lib
+from haiku_mp.vit.train import console
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import loop
 
@@ -65,7 +65,7 @@ def steady_images_per_sec(events: Sequence[dict[str, Any]], batch_size: int
 
 
 def _loop_round(settings: settings_lib.Settings) -> dict[str, Any]:
-  with tempfile.TemporaryDirectory() as workdir, console_lines.quietly():
+  with tempfile.TemporaryDirectory() as workdir, console.quietly():
     summary = loop.train_and_evaluate(settings, workdir)
     events = run_plots.read_metrics(workdir)
   if 'preempted_at_step' in summary:

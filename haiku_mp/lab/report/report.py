@@ -28,20 +28,20 @@ import jax
 import numpy as np
 
 from haiku_mp import errors
+from haiku_mp.lab.benchmarks import step_benchmark
 from haiku_mp.lab import charts
 from haiku_mp.lab import compare
 from haiku_mp.lab import hardware
 from haiku_mp.lab import isolated
-from haiku_mp.lab import run_plots
-from haiku_mp.lab import variants
-from haiku_mp.lab.benchmarks import step_benchmark
 from haiku_mp.lab.report import report_markdown
+from haiku_mp.lab import run_plots
 from haiku_mp.lab.studies import dot_algorithms
 from haiku_mp.lab.studies import matmul
 from haiku_mp.lab.studies import matmul_precision as precision_lab
 from haiku_mp.lab.studies import memory
+from haiku_mp.lab import variants
 from haiku_mp.vit import settings as settings_lib
-from haiku_mp.vit.train import console_lines
+from haiku_mp.vit.train import console
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import loop
 
@@ -176,7 +176,7 @@ def accuracy(settings, out_dir: str, seeds: Sequence[int], log
       workdir = os.path.join(out_dir, 'accuracy', f'{dtype}_seed{seed}')
       variant = variants.for_accuracy(settings, dtype, seed)
       start = time.perf_counter()
-      with console_lines.quietly():
+      with console.quietly():
         summary = loop.train_and_evaluate(variant, workdir)
       if 'preempted_at_step' in summary:
         raise errors.ConfigError(

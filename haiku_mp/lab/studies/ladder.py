@@ -34,11 +34,11 @@ from haiku_mp import errors
 from haiku_mp.lab import run_inputs
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import variants
+from haiku_mp.update import state_layout
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
-from haiku_mp.vit.train import module_table
+from haiku_mp.vit.train import overview
 from haiku_mp.vit.train import run_dir
-from haiku_mp.vit.train import state_layout
 
 # The parts of `state_layout.PARTS` the ladder counts as the state.
 _STATE_PARTS = ('params', 'master', 'mu', 'nu', 'compensation')
@@ -74,7 +74,7 @@ def run_row(settings: settings_lib.Settings, workdir: str,
     raise errors.ConfigError(f'--workdirs: {workdir} is a {base} run; the '
                              f'ladder knows {tuple(MATMUL_BYTES)}')
   exp = experiment.build_without_data(settings)
-  low_bit = [r for r in module_table.module_rows(exp) if r['matmul'] != '-']
+  low_bit = [r for r in overview.module_rows(exp) if r['matmul'] != '-']
   fp8_kept = ([r['path'] for r in low_bit if r['matmul'] != base]
               if base in variants.FP4_VARIANTS else [])
   state = exp.abstract_state

@@ -19,7 +19,7 @@ from haiku_mp.lab import run_plots
 from haiku_mp.lab.studies import state_layouts
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
-from haiku_mp.vit.train import module_table
+from haiku_mp.vit.train import overview
 
 DTYPES = ('float32', 'float16', 'bfloat16')
 
@@ -28,7 +28,7 @@ def run(settings: settings_lib.Settings,
         log: Callable[[str], None] = print) -> dict[str, Any]:
   """{'modules': [...], 'totals': {dtype: {count, bytes, megabytes}},
   'state_layouts': [the state's parts per layout]}."""
-  rows = module_table.module_rows(experiment.build_without_data(settings))
+  rows = overview.module_rows(experiment.build_without_data(settings))
   modules = [dict(path=r['path'], param_count=r['param_count'],
                   **{f'bytes_{d}': r['param_count'] * np.dtype(d).itemsize
                      for d in DTYPES})

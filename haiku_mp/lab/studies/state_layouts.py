@@ -19,9 +19,9 @@ from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.model import policies
 from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import state_layout
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
-from haiku_mp.vit.train import state_layout
 
 LAYOUTS = optimizer_lib.STATE_LAYOUTS
 

@@ -1,5 +1,5 @@
 """A batch field by which a run's processes agree to stop, without a host
-sync of their own (`train.interruption`): the trainer's, not the library
+sync of their own (`train.checkpoint.Interruption`): the trainer's, not the library
 step's."""
 
 import functools

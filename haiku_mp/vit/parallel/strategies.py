@@ -436,7 +436,7 @@ def _local_gradients(gradients, parallel, loss_scale, params, rng, batch):
 
 
 def _mb(size: int) -> str:
-  """As the state layout's line writes bytes (train/state_layout.py)."""
+  """As the state layout's line writes bytes (haiku_mp/update/state_layout.py)."""
   return f'{size / 1e6:.2f} MB'
 
 

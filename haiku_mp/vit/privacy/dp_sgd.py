@@ -100,7 +100,7 @@ MEAN_METRICS = ('num_examples', 'example_grad_norm', 'clipped_fraction')
 
 
 def check_settings(privacy: PrivacySettings) -> None:
-  """DP-SGD's ranges, whether or not it is on (`config_checks` runs this)."""
+  """DP-SGD's ranges, whether or not it is on (`checks` runs this)."""
   if not privacy.l2_clip_norm > 0:
     raise errors.ConfigError(
         f'privacy.l2_clip_norm={privacy.l2_clip_norm} must be positive')

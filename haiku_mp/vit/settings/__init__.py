@@ -2,7 +2,7 @@
 and doc, one frozen dataclass per area, parsed once from the ConfigDict that
 config files and flags build. Each field checks its own values when parsed
 (the choices a library module makes are read from it); the rules between
-fields are `vit/train/config_checks.py`'s. Every area below `build` takes
+fields are `vit/train/checks.py`'s. Every area below `build` takes
 its own group.
 """
 

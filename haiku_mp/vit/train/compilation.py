@@ -21,7 +21,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache as cache
 
 from haiku_mp import errors
-from haiku_mp.vit.train import console_lines
+from haiku_mp.vit.train import console
 
 AUTO = 'auto'
 SETTING = 'compilation_cache_dir'
@@ -64,7 +64,7 @@ def used(setting: str) -> Iterator[Optional[str]]:
   """JAX's cache at `setting`'s directory inside the block, the caller's
   own again after it: a library changes no global of JAX's behind the
   caller's back. Enter before the block's first compile (`check` has
-  passed, as `config_checks` does for every command); yields the
+  passed, as `checks` does for every command); yields the
   directory JAX uses, if any."""
   path = directory(setting, jax.default_backend())
   with _jax_setting('jax_compilation_cache_dir', path):
@@ -131,7 +131,7 @@ class CompiledSteps:
   def compile(self, state, batch):
     shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))
     if shapes not in self._compiled and not self._strategy.compiles_ahead:
-      console_lines.info(
+      console.info(
           'The train step compiles in its first call (%s over %d '
           'processes cannot be compiled ahead): the first log '
           "window's rate includes it.", self._strategy.name,
@@ -146,7 +146,7 @@ class CompiledSteps:
       end = time.perf_counter()
       # Tracing and lowering run every time; XLA's compile is what the
       # persistent compilation cache saves.
-      console_lines.info(
+      console.info(
           'Compiled the train step for a batch of %d in %.1fs '
           '(tracing and lowering %.1fs, XLA %.1fs%s).', batch['label'].size,
           end - start, lowered_at - start, end - lowered_at,

@@ -22,7 +22,6 @@ from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
-from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.data import augment
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import sampling
@@ -31,7 +30,8 @@ from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import strategies
 from haiku_mp.vit.parallel import wire_dtypes as communication_lib
 from haiku_mp.vit.privacy import dp_sgd
-from haiku_mp.vit.train import config_checks
+from haiku_mp.vit import settings as settings_lib
+from haiku_mp.vit.train import checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,17 +215,17 @@ def build(settings: settings_lib.Settings, *,
   """The run `settings` describe, on `devices` (all of them by default).
 
   `settings_lib.parse` checked each field on its own. Checks the rules
-  between settings first (`config_checks`: run here and nowhere else), then
+  between settings first (`checks`: run here and nowhere else), then
   that the batches split over the mesh's devices and the processes. With `check_data` (the trainer's), or where the schedule or
   DP-SGD needs the train split's size, it then checks that the data is there
   (a DataError names what is missing; a TFDS download runs here where
   `data.download` allows one). `total_steps` (the learning-rate schedule's
   length) defaults to the settings'. Compiles nothing and writes nothing.
   """
-  checked = config_checks.check(settings)
+  checked = checks.check(settings)
   mesh = sharding.mesh_for(settings.parallel, devices)
   batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
-  config_checks.check_batches(settings, batch_devices, jax.process_count())
+  checks.check_batches(settings, batch_devices, jax.process_count())
   needs_size = ((total_steps is None and settings.num_train_steps <= 0) or
                 settings.privacy.enabled or settings.data.source == 'synthetic')
   num_train_examples = (pipeline.check_available(settings.data)

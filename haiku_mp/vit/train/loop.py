@@ -16,21 +16,17 @@ import jax
 from haiku_mp.model import meta_params
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
-from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import prefetch
 from haiku_mp.vit.parallel import sharding
-from haiku_mp.vit.train import checkpoint as checkpoint_lib
+from haiku_mp.vit import settings as settings_lib
+from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import compilation
-from haiku_mp.vit.train import console_lines
-from haiku_mp.vit.train import evaluation
+from haiku_mp.vit.train import console
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import in_flight
-from haiku_mp.vit.train import interruption as interruption_lib
-from haiku_mp.vit.train import metrics as metrics_lib
-from haiku_mp.vit.train import progress as progress_lib
+from haiku_mp.vit.train import overview
 from haiku_mp.vit.train import run_dir
-from haiku_mp.vit.train import startup_log
 
 def _call(step, state, batch):
   return step(state, batch)
@@ -62,10 +58,10 @@ def _restore_or_init(exp, checkpointer, workdir: str, is_writer: bool):
   if restored is None:
     return 0, strategy.init_state(), {}
   start_step, state = restored
-  console_lines.info('Resuming from %s at step %d.', checkpointer.directory,
+  console.info('Resuming from %s at step %d.', checkpointer.directory,
                      start_step)
   if is_writer:
-    metrics_lib.truncate_after(workdir, start_step)
+    run_dir.truncate_after(workdir, start_step)
   return (start_step, strategy.place_state(state),
           checkpointer.run_record(start_step))
 
@@ -99,8 +95,8 @@ def _log_window(exp, fetched, window, step, writer, progress,
   metrics are on the host already; `window`: the others): logs, writes, and
   stops the run (after writing) when the loss scale says it diverged."""
   host_window = _on_host(exp, fetched, window)
-  summary = metrics_lib.window_summary(host_window, exp.mean_metrics)
-  console_lines.log_overflows(host_window, step - len(host_window) + 1,
+  summary = run_dir.window_summary(host_window, exp.mean_metrics)
+  console.log_overflows(host_window, step - len(host_window) + 1,
                               exp.param_names)
   rates = progress.update(step)
   summary.update(images_per_sec=rates['images_per_sec'],
@@ -112,12 +108,12 @@ def _log_window(exp, fetched, window, step, writer, progress,
                      summary['window_skipped_steps'])
   finally:
     writer.write(step, 'train', summary)
-  console_lines.info(
-      console_lines.log_line(step, exp.total_steps, summary, rates))
+  console.info(
+      console.log_line(step, exp.total_steps, summary, rates))
 
 
 @contextlib.contextmanager
-def _clock_stopped(progress: progress_lib.Progress, step: int):
+def _clock_stopped(progress: console.Progress, step: int):
   """Work inside the block (evaluation, a save) is left out of the rates."""
   progress.stop(step)
   yield
@@ -139,10 +135,10 @@ class _Run:
     # schedule's ops run eagerly were seven, each compiled in every process.
     self.learning_rate = jax.jit(exp.schedule)
     self.shard = pipeline.Shard.current()
-    self.interruption = stack.enter_context(interruption_lib.Interruption())
+    self.interruption = stack.enter_context(checkpoint.Interruption())
     self.checkpointer = stack.enter_context(
         closed_on_exit(
-            checkpoint_lib.Checkpointer(workdir, settings.keep_checkpoints)))
+            checkpoint.Checkpointer(workdir, settings.keep_checkpoints)))
     self.on_stall = in_flight.exit_on_stall(
         f'The newest checkpoint in {self.checkpointer.directory} is whole: '
         'run the same command to resume (--config.stall_timeout_sec='
@@ -157,17 +153,17 @@ class _Run:
       run_dir.record_config(exp.settings, workdir, self.start_step)
     self.writer = stack.enter_context(
         closed_on_exit(
-            metrics_lib.MetricsWriter(
+            run_dir.MetricsWriter(
                 workdir, enabled=is_writer, start_step=self.start_step)))
-    self.progress = progress_lib.Progress(exp.total_steps, settings.batch_size,
+    self.progress = console.Progress(exp.total_steps, settings.batch_size,
                                           self.start_step, record)
-    self.evaluator = evaluation.Evaluator(exp, splits, self.shard, self.writer,
+    self.evaluator = in_flight.Evaluator(exp, splits, self.shard, self.writer,
                                           self.progress, self.on_stall)
     self.last_val = record.get('last_val', {})
     self.last_val_ema = record.get('last_val_ema', {})
     # The steps between the last log point and the checkpoint resumed from
     # (none in older checkpoints): the first log window starts with them.
-    self.log_window = metrics_lib.window_from_record(
+    self.log_window = run_dir.window_from_record(
         record.get('log_window', []))
 
   def evaluate_val(self, step: int) -> None:
@@ -193,7 +189,7 @@ class _Run:
             self.progress.record(),
             last_val=self.last_val,
             last_val_ema=self.last_val_ema,
-            log_window=metrics_lib.window_record(log_window)))
+            log_window=run_dir.window_record(log_window)))
     if wait:
       self.checkpointer.wait()
 
@@ -265,7 +261,7 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
         run.save(step, fetched, wait=stop)  # The files written before a stop.
     if stop:
       received = run.interruption.received or 'SIGTERM'  # Or another process's.
-      logging.warning('%s', interruption_lib.stop_line(received, step))
+      logging.warning('%s', checkpoint.stop_line(received, step))
       return dict(preempted_at_step=step, signal=received)
   return None
 
@@ -297,7 +293,7 @@ def _summary(run: _Run) -> dict[str, Any]:
       eval_time_sec=progress.eval_seconds,
       images_per_sec=progress.mean_images_per_sec,
       host_ms_per_step=progress.host_ms_per_step(),
-      peak_memory_bytes=metrics_lib.peak_memory_bytes(),
+      peak_memory_bytes=run_dir.peak_memory_bytes(),
       devices=[str(d) for d in jax.devices()],
       strategy=strategy.name,
       mesh_shape=exp.mesh and list(exp.mesh.devices.shape),
@@ -316,7 +312,7 @@ def unfinished(settings: settings_lib.Settings, workdir: str
   run_dir.check_given(workdir)  # On every process: no run without one.
   finished = run_dir.finished_summary(settings, workdir)
   if finished is not None:
-    console_lines.info(
+    console.info(
         'This run is complete (step %d of %d): nothing to '
         'do. Its summary: %s', finished['steps'], finished['steps'],
         os.path.join(workdir, run_dir.SUMMARY_FILE))
@@ -342,13 +338,13 @@ def train(exp: experiment.Experiment, workdir: str,
   is_writer = jax.process_index() == 0
   setting = exp.settings.compilation_cache_dir
   with contextlib.ExitStack() as stack:
-    startup_log.log_compilation_cache(
+    overview.log_compilation_cache(
         stack.enter_context(compilation.used(setting)), setting)
-    splits = startup_log.load_data(exp)
+    splits = overview.load_data(exp)
     if is_writer:
       run_dir.prepare(workdir)
     run = _Run(stack, exp, splits, workdir, is_writer, hooks)
-    startup_log.log_startup(exp, run.state, workdir, is_writer,
+    overview.log_startup(exp, run.state, workdir, is_writer,
                             log_module_table)
     stopped = _train(run)
     if stopped is not None:
@@ -357,7 +353,7 @@ def train(exp: experiment.Experiment, workdir: str,
   path = os.path.join(workdir, run_dir.SUMMARY_FILE)
   if is_writer:
     run_dir.write_json(path, summary)
-  console_lines.info('%s', console_lines.summary_line(summary, path))
+  console.info('%s', console.summary_line(summary, path))
   return summary
 
 

@@ -1,16 +1,28 @@
-"""A per-module table of a model: policy in force, params, input/output dtypes."""
+"""What a run shows of itself: the per-module table (policy in force,
+params, input/output dtypes, how each matmul runs) that `launch.tabulate`
+prints and the lab reads, and the lines a run logs as it starts (the
+compilation cache, the data, the devices, the matmuls, the state's
+layout)."""
 
 import collections
 import math
-from typing import Any
+import os
+import time
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
+from haiku_mp.model import half_dot
 from haiku_mp.model import meta_params
 from haiku_mp.model import policies
+from haiku_mp.update import state_layout
+from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.parallel import sharding
+from haiku_mp.vit.train import console
 from haiku_mp.vit.train import experiment
+from haiku_mp.vit.train import run_dir
+
 
 _COLUMNS = (('path', 'path'), ('class', 'class'), ('policy', 'policy'),
             ('rule', 'policy_source'), ('params', 'param_count'),
@@ -145,3 +157,72 @@ def summary_line(rows: list[dict[str, Any]], overrides: str,
              f'gradients, {precision.fp8.describe()} scaling'
              + (f' ({emulation})' if emulation else ''))
   return line
+
+
+# The module table a run writes into its workdir.
+MODULES_FILE = 'modules.txt'
+
+
+def load_data(exp: experiment.Experiment) -> pipeline.Splits:
+  start = time.perf_counter()
+  splits = exp.load_splits()
+  console.info(
+      'Data (%s): %s in memory in %.1fs.', exp.settings.data.source,
+      ', '.join(f'{name} {len(split.labels)}'
+                for name, split in zip(splits._fields, splits)),
+      time.perf_counter() - start)
+  return splits
+
+
+def log_compilation_cache(cache: Optional[str], setting: str) -> None:
+  console.info(
+      'Compilation cache: %s', cache or
+      (f'off ({setting!r} on {jax.default_backend()}; set '
+       '--config.compilation_cache_dir=DIR for one)'))
+
+
+def state_line(exp: experiment.Experiment) -> str:
+  """The `State:` line of the run's layout (`state_layout.describe`)."""
+  precision = exp.settings.precision
+  return state_layout.describe(exp.abstract_state, precision.param_update,
+                               precision.mu_dtype, precision.nu_dtype)
+
+
+def log_startup(exp: experiment.Experiment, state, workdir: str,
+                is_writer: bool, log_module_table: bool = False) -> None:
+  """The devices, how the matmuls run (`half_dot.matmuls_line`), one line
+  about the model (the whole module table in `workdir/modules.txt`, and
+  logged with `log_module_table`) and, when sharded, one kernel's layout."""
+  strategy = exp.strategy
+  console.info('Devices: %s (process %d of %d), strategy %s, mesh %s',
+                     jax.devices(), jax.process_index(), jax.process_count(),
+                     strategy.name, exp.mesh and dict(exp.mesh.shape))
+  precision = exp.precision
+  console.info('%s', half_dot.matmuls_line(
+      precision.dot_form,
+      [precision.policy.compute_dtype,
+       *(rule.policy.compute_dtype for rule in precision.overrides)],
+      precision.dots.backend))
+  rows = module_rows(exp)
+  table = format_table(rows)
+  path = os.path.join(workdir, MODULES_FILE)
+  if is_writer:
+    run_dir.write_atomically(path, table + '\n')
+  console.info(
+      '%s; every module: %s',
+      summary_line(rows, exp.settings.precision.overrides,
+                                exp.precision), path)
+  console.info(
+      '%s', state_line(exp))
+  if log_module_table:
+    console.info('Modules:\n%s', table)
+  for line in exp.describe():
+    console.info('%s', line)
+  if strategy.state_shardings is None:
+    return
+  name = next((k for k in state.params if k.endswith('mlp_block/fc1')), None)
+  if name is not None:
+    kernel = state.params[name]['w']
+    console.info('%s/w %s sharded as %s:', name, kernel.shape,
+                       kernel.sharding.spec)
+    jax.debug.visualize_array_sharding(kernel)

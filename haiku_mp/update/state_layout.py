@@ -13,7 +13,6 @@ from typing import Any, Mapping
 import jax
 
 from haiku_mp.model import meta_params
-from haiku_mp.vit.settings import PrecisionSettings
 
 # The parts, in the order a table shows them; `other` is the step, counts,
 # loss scale and key: a few bytes.
@@ -65,23 +64,23 @@ def dtype_names(tree) -> str:
   return '/'.join(sorted(sizes, key=lambda d: -sizes[d])) or '-'
 
 
-def describe(precision_config: PrecisionSettings, state) -> str:
-  """The `State:` line of a run: the layout, and bytes per parameter in all
-  and per part."""
+def describe(state, param_update: str, mu_dtype: str, nu_dtype: str) -> str:
+  """The `State:` line of a run: the layout (`param_update` and the
+  moments' dtypes, as `optimizer.make_optimizer` takes them), and bytes per
+  parameter in all and per part."""
   sizes = bytes_by_part(state)
   per = per_parameter(sizes, param_count(state))
-  update = precision_config.param_update
   params = dtype_names(meta_params.split_meta(state.params)[1])
   if sizes['master']:
     how = 'rounded from a float32 master copy'
-  elif update == 'master':
+  elif param_update == 'master':
     how = 'updated in place'
   else:
-    how = f'no master, updates rounded {_ROUNDING_WORDS[update]}'
+    how = f'no master, updates rounded {_ROUNDING_WORDS[param_update]}'
   parts = ', '.join(f'{name} {per[name]:.2f}' for name in PARTS
                     if sizes[name] and name != 'other')
   return (f'State: params {params} ({how}), Adam moments '
-          f'{precision_config.mu_dtype}/{precision_config.nu_dtype}: '
+          f'{mu_dtype}/{nu_dtype}: '
           f'{per["total"]:.2f} bytes per parameter ({parts}), '
           f'{sum(sizes.values()) / 1e6:.2f} MB')
 

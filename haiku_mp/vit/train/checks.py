@@ -19,13 +19,13 @@ from haiku_mp import errors
 from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
-from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.data import augment
 from haiku_mp.vit.data import auto_augment
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.privacy import dp_sgd
+from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.train import compilation
 
