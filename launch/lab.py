@@ -181,8 +181,8 @@ def _profile(settings):
   return result, profile.plot
 
 
-def _matmul(settings):
-  del settings  # It measures a bare matmul, not the configured run.
+def _matmul():
+  """A bare matmul, not the configured run."""
   return (matmul.run(_ROWS.value, _COLS.value, _REPEATS.value, log=_log),
           matmul.plot)
 
@@ -215,8 +215,8 @@ def _ladder(settings):
   return ladder.run(settings, _WORKDIRS.value, log=_log), ladder.plot
 
 
-def _dot_algorithms(settings):
-  del settings  # It measures bare dots, not the configured run.
+def _dot_algorithms():
+  """Bare dots, not the configured run."""
   return (dot_algorithms.run(_SIZE.value, _REPEATS.value, log=_log),
           dot_algorithms.plot)
 
@@ -230,21 +230,23 @@ def _communication(settings):
   return result, communication.plot
 
 
-def _step_compile(settings):
-  del settings  # It measures its own tiny step, not the configured run.
+def _step_compile():
+  """Its own tiny step, not the configured run."""
   return (step_compile.run(repeats=_REPEATS.value, log=_log),
           step_compile.plot)
 
 
+# The studies of the configured run (they take its settings), and those of
+# programs of their own.
 STUDIES = {'params': _params, 'sweep': _sweep, 'memory': _memory,
-               'precision': _precision, 'matmul': _matmul, 'profile': _profile,
-               'dot_algorithms': _dot_algorithms, 'fp8': _fp8,
-               'rounding': _rounding, 'ladder': _ladder,
-               'step_compile': _step_compile,
-               'communication': _communication}
+           'precision': _precision, 'profile': _profile, 'fp8': _fp8,
+           'rounding': _rounding, 'ladder': _ladder,
+           'communication': _communication}
+BARE_STUDIES = {'matmul': _matmul, 'dot_algorithms': _dot_algorithms,
+                'step_compile': _step_compile}
 # Every command: the studies, the report that runs several of them, and
 # the advisor.
-COMMANDS = (*STUDIES, 'report', 'advise')
+COMMANDS = (*STUDIES, *BARE_STUDIES, 'report', 'advise')
 
 
 def _report(settings):
@@ -292,7 +294,10 @@ def main(argv):
   if command in ('report', 'advise'):
     {'report': _report, 'advise': _advise}[command](settings)
     return
-  result, plot = STUDIES[command](settings)
+  if command in BARE_STUDIES:
+    result, plot = BARE_STUDIES[command]()
+  else:
+    result, plot = STUDIES[command](settings)
   os.makedirs(_OUT.value, exist_ok=True)  # Only once there is a result.
   result['plots'] = [os.path.basename(p) for p in plot(result, _OUT.value)]
   with open(os.path.join(_OUT.value, f'{command}.json'), 'w') as f:

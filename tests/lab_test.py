@@ -853,9 +853,9 @@ class CommandLineTest(parameterized.TestCase):
 
   @parameterized.parameters(
       (['sweepp'], "expected one command of ('params', 'sweep', 'memory', "
-                   "'precision', 'matmul', 'profile', 'dot_algorithms', "
-                   "'fp8', 'rounding', 'ladder', 'step_compile', "
-                   "'communication', 'report', 'advise')"),
+                   "'precision', 'profile', 'fp8', 'rounding', 'ladder', "
+                   "'communication', 'matmul', 'dot_algorithms', "
+                   "'step_compile', 'report', 'advise')"),
       (['advise', '--batches=0'], '--batches=0 must be at least 1'),
       (['advise', '--level=deep'],
        "--level: unknown value 'deep'; expected one of"),

@@ -100,7 +100,7 @@ def _hints(kind: type) -> dict[str, Any]:
 
 
 def parse(kind: type[T], values: Mapping[str, Any] | None,
-          path: str = '') -> T:
+          path: str = '', /) -> T:
   """`values` (a ConfigDict, a dict from config.json, ...) as a `kind`.
 
   Each field takes its value converted to the field's type: an int where a
@@ -117,12 +117,17 @@ def parse(kind: type[T], values: Mapping[str, Any] | None,
     raise errors.ConfigError(
         f'{path}{unknown[0]}: no such setting (the settings of '
         f'{path.rstrip(".") or "the config"}: {", ".join(sorted(fields))})')
-  given = {name: _value(field, hints[name], values[name], path, parse)
+
+  def group(group_kind, group_values, inner_path, name):
+    del name  # Its path names it.
+    return parse(group_kind, group_values, inner_path)
+
+  given = {name: _value(field, hints[name], values[name], path, group)
            for name, field in fields.items() if name in values}
   return kind(**given)
 
 
-def replace(settings: T, path: str = '', **changes: Any) -> T:
+def replace(settings: T, path: str = '', /, **changes: Any) -> T:
   """`dataclasses.replace` of settings, checked as `parse` checks: each
   changed value converted to its field's type and its field's rule kept,
   or a ConfigError naming the setting. A group changes with a dict of its
@@ -134,9 +139,8 @@ def replace(settings: T, path: str = '', **changes: Any) -> T:
     raise errors.ConfigError(f'{path}{unknown[0]}: no such setting')
   hints = _hints(kind)
 
-  def group(hint, values, inner_path):
-    del hint  # The group's own kind is that of the settings it replaces.
-    name = inner_path[len(path):-1]
+  def group(kind, values, inner_path, name):
+    del kind  # The group's own kind is that of the settings it replaces.
     return replace(getattr(settings, name), inner_path, **values)
 
   return dataclasses.replace(settings, **{
@@ -145,12 +149,13 @@ def replace(settings: T, path: str = '', **changes: Any) -> T:
 
 
 def _value(field: dataclasses.Field, hint: Any, value: Any, path: str,
-           group: Callable[[Any, Any, str], Any]) -> Any:
+           group: Callable[[Any, Any, str, str], Any]) -> Any:
   """A field's `value` converted to its type and checked (a group's by
-  `group(kind, values, path)`), or a ConfigError naming the setting."""
+  `group(kind, values, path, name)`), or a ConfigError naming the
+  setting."""
   name = field.name
   if dataclasses.is_dataclass(hint):
-    return group(hint, value, f'{path}{name}.')
+    return group(hint, value, f'{path}{name}.', name)
   try:
     typed = _typed(value, hint, f'{path}{name}')
   except errors.ConfigError:
