@@ -5,7 +5,7 @@ two) run E4M3 x E4M3 forward and E5M2 gradients backward with float32 sums,
 each tensor scaled by its own amax (current scaling, docs/fp8.md); the patch
 embedding, attention's two batched dots and the head stay in bfloat16, as
 Transformer Engine and torchao leave them. One setting away:
---config.precision.fp8.scaling=delayed (or mx).
+--config.precision.low_bit.scaling=delayed (or mx).
 
 python -m launch.train --config=configs/vit_fp8.py --workdir=runs/fp8
 """
@@ -16,6 +16,6 @@ from haiku_mp.model import fp8
 
 def get_config():
   config = vit_bf16.get_config()
-  config.precision.fp8.modules = fp8.DEFAULT_MODULES
-  config.precision.fp8.scaling = 'current'
+  config.precision.low_bit.modules = fp8.DEFAULT_MODULES
+  config.precision.low_bit.scaling = 'current'
   return config

@@ -9,5 +9,5 @@ from configs import vit_nvfp4
 
 def get_config():
   config = vit_nvfp4.get_config()
-  config.precision.fp8.format = 'mxfp4'
+  config.precision.low_bit.format = 'mxfp4'
   return config

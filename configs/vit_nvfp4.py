@@ -12,5 +12,5 @@ from configs import vit_fp8
 
 def get_config():
   config = vit_fp8.get_config()
-  config.precision.fp8.format = 'nvfp4'
+  config.precision.low_bit.format = 'nvfp4'
   return config

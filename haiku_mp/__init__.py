@@ -16,7 +16,9 @@ from haiku_mp.model import Dots
 from haiku_mp.model import Fp4
 from haiku_mp.model import Fp8
 from haiku_mp.model import Linear
+from haiku_mp.model import LowBit
 from haiku_mp.model import make_precision
+from haiku_mp.model import Matmuls
 from haiku_mp.model import parse_policy
 from haiku_mp.model import Precision
 from haiku_mp.update import DataParallel
@@ -35,7 +37,8 @@ from haiku_mp.update import TrainState
 from haiku_mp.update import without_master
 
 __all__ = ('Conv2D', 'DataParallel', 'Dots', 'Fp4', 'Fp8', 'Linear',
-           'LossScaler', 'LossWithState', 'Precision', 'TrainState', 'apply_precision',
+           'LossScaler', 'LossWithState', 'LowBit', 'Matmuls', 'Precision',
+           'TrainState', 'apply_precision',
            'float32_master', 'init_train_state', 'learning_rate_schedule',
            'make_classification_loss', 'make_eval_step', 'make_optimizer',
            'make_precision', 'make_train_step', 'ordinary_gradients',

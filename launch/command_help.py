@@ -157,12 +157,13 @@ def _config_value(value: Any) -> str:
 
 
 def _fields_of(config: ml_collections.ConfigDict, order: dict, path=()):
-  """(path, value) of every field, its settings before its groups (each
-  group, a ConfigDict, then its own), in the schema's order (fields it
-  lacks after, by name)."""
-  keys = sorted(config.keys(), key=lambda k: (
-      isinstance(config[k], ml_collections.ConfigDict),
-      order.get(path + (k,), len(order)), k))
+  """(path, value) of every field of the schema, its settings before its
+  groups (each group, a ConfigDict, then its own), in the schema's order;
+  the old names of renamed groups, which a config holds beside the new
+  ones, are left out."""
+  keys = sorted((k for k in config.keys() if path + (k,) in order),
+                key=lambda k: (isinstance(config[k], ml_collections.ConfigDict),
+                               order[path + (k,)]))
   for key in keys:
     value = config[key]
     yield path + (key,), value

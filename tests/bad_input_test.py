@@ -207,49 +207,55 @@ class BadInputTest(parameterized.TestCase):
        "precision.dot_form: unknown value 'fast'"),
       ('unknown_dot_platform', ['--config.precision.dot_platform=cuda'],
        "precision.dot_platform: unknown value 'cuda'"),
-      ('unknown_fp8_scaling', ['--config.precision.fp8.scaling=rowwise'],
-       "precision.fp8.scaling: unknown value 'rowwise'; expected one of "
+      ('old_and_new_name_disagree',
+       ['--config.precision.fp8.scaling=delayed',
+        '--config.precision.low_bit.scaling=mx'],
+       "precision.fp8.scaling='delayed' and precision.low_bit.scaling='mx': "
+       'precision.fp8 is the old name of precision.low_bit; set '
+       'precision.low_bit.scaling only'),
+      ('unknown_fp8_scaling', ['--config.precision.low_bit.scaling=rowwise'],
+       "precision.low_bit.scaling: unknown value 'rowwise'; expected one of "
        "('current', 'delayed', 'mx')"),
-      ('fp8_history_below_one', ['--config.precision.fp8.history_length=0'],
-       'precision.fp8.history_length=0 must be an integer >= 1'),
-      ('fp8_negative_margin', ['--config.precision.fp8.margin=-2'],
-       'precision.fp8.margin=-2 must be a finite number >= 0'),
+      ('fp8_history_below_one', ['--config.precision.low_bit.history_length=0'],
+       'precision.low_bit.history_length=0 must be an integer >= 1'),
+      ('fp8_negative_margin', ['--config.precision.low_bit.margin=-2'],
+       'precision.low_bit.margin=-2 must be a finite number >= 0'),
       ('fp8_target_matching_nothing',
-       ['--config.precision.fp8.modules=*/decoder', _BF16],
-       "precision.fp8.modules: target '*/decoder' matches no module class or "
+       ['--config.precision.low_bit.modules=*/decoder', _BF16],
+       "precision.low_bit.modules: target '*/decoder' matches no module class or "
        'module path'),
       ('fp8_on_a_module_without_fp8_matmuls',
-       ['--config.precision.fp8.modules=LayerNorm', _BF16],
-       "precision.fp8.modules: target 'LayerNorm' selects no Linear "
+       ['--config.precision.low_bit.modules=LayerNorm', _BF16],
+       "precision.low_bit.modules: target 'LayerNorm' selects no Linear "
        '(LayerNorm): only Linear layers run fp8 matmuls'),
       ('fp8_under_float16',
-       ['--config.precision.fp8.modules=*/encoder_block_*',
+       ['--config.precision.low_bit.modules=*/encoder_block_*',
         '--config.precision.policy=p=f32,c=f16,o=f32'],
-       'precision.fp8.modules: fp8 matmuls need a bfloat16 or float32 '
+       'precision.low_bit.modules: fp8 matmuls need a bfloat16 or float32 '
        'compute dtype, not float16'),
-      ('unknown_low_bit_format', ['--config.precision.fp8.format=fp4'],
-       "precision.fp8.format: unknown value 'fp4'; expected one of "
+      ('unknown_low_bit_format', ['--config.precision.low_bit.format=fp4'],
+       "precision.low_bit.format: unknown value 'fp4'; expected one of "
        "('fp8', 'nvfp4', 'mxfp4')"),
       ('four_bits_with_delayed_scaling',
-       ['--config.precision.fp8.modules=*/encoder_block_*', _BF16,
-        '--config.precision.fp8.format=nvfp4',
-        '--config.precision.fp8.scaling=delayed'],
-       'precision.fp8.scaling=delayed with precision.fp8.format=nvfp4: '
+       ['--config.precision.low_bit.modules=*/encoder_block_*', _BF16,
+        '--config.precision.low_bit.format=nvfp4',
+        '--config.precision.low_bit.scaling=delayed'],
+       'precision.low_bit.scaling=delayed with precision.low_bit.format=nvfp4: '
        '4-bit formats scale per block themselves'),
       ('four_bit_blocks_that_do_not_divide',
-       ['--config.precision.fp8.modules=*/encoder_block_*', _BF16,
-        '--config.precision.fp8.format=mxfp4'],
-       'precision.fp8.format=mxfp4: vit/encoder_block_0/attention/query: '
+       ['--config.precision.low_bit.modules=*/encoder_block_*', _BF16,
+        '--config.precision.low_bit.format=mxfp4'],
+       'precision.low_bit.format=mxfp4: vit/encoder_block_0/attention/query: '
        'input features: 16, not a multiple of 32'),
-      ('fp8_kept_without_4_bits', ['--config.precision.fp8.keep_fp8=*/fc1'],
-       'precision.fp8.keep_fp8: keeps fp8 among 4-bit Linears; set '
-       "precision.fp8.format to 'nvfp4' or 'mxfp4' and precision.fp8.modules"),
+      ('fp8_kept_without_4_bits', ['--config.precision.low_bit.keep_fp8=*/fc1'],
+       'precision.low_bit.keep_fp8: keeps fp8 among 4-bit Linears; set '
+       "precision.low_bit.format to 'nvfp4' or 'mxfp4' and precision.low_bit.modules"),
       ('fp8_kept_outside_the_4_bit_linears',
-       ['--config.precision.fp8.modules=*/encoder_block_*', _BF16,
-        '--config.precision.fp8.format=nvfp4',
-        '--config.precision.fp8.keep_fp8=*/head'],
-       "precision.fp8.keep_fp8: target '*/head' selects no Linear that "
-       'precision.fp8.modules runs in 4 bits'),
+       ['--config.precision.low_bit.modules=*/encoder_block_*', _BF16,
+        '--config.precision.low_bit.format=nvfp4',
+        '--config.precision.low_bit.keep_fp8=*/head'],
+       "precision.low_bit.keep_fp8: target '*/head' selects no Linear that "
+       'precision.low_bit.modules runs in 4 bits'),
       ('unknown_param_update', ['--config.precision.param_update=floor'],
        "precision.param_update: unknown value 'floor'; expected one of "
        "('master', 'nearest', 'stochastic', 'kahan')"),
@@ -296,8 +302,8 @@ class BadInputTest(parameterized.TestCase):
                                       '--config.privacy.delta=2'],
        'privacy.delta=2.0 must be in (0, 1)'),
       ('fp8_with_privacy', ['--config.privacy.enabled=true', _BF16,
-                            '--config.precision.fp8.modules=*/encoder_block_*'],
-       "precision.fp8.modules='*/encoder_block_*' with privacy.enabled: "
+                            '--config.precision.low_bit.modules=*/encoder_block_*'],
+       "precision.low_bit.modules='*/encoder_block_*' with privacy.enabled: "
        'DP-SGD clips per-example gradients'),
       ('unknown_augmentation_policy', ['--config.data.policy=trivialaugment'],
        "data.policy: unknown value 'trivialaugment'; expected one of ('none', "

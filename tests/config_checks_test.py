@@ -18,6 +18,7 @@ import jax
 from configs import base
 from haiku_mp import errors
 from haiku_mp.vit import settings as settings_lib
+from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.train import checks
 from haiku_mp.vit.train import experiment
 from tests import configs_test
@@ -133,7 +134,7 @@ _OUT_OF_RANGE = (
      'and no Linear runs in fp8'),
     ('fp8_gathers_under_pmap', {
         'parallel.strategy': 'pmap', 'parallel.gather_dtype': 'fp8',
-        'precision.fp8.modules': 'Linear'},
+        'precision.low_bit.modules': 'Linear'},
      'parallel.gather_dtype=fp8: parallel.strategy=pmap gathers no '
      'parameters'),
     ('float16_reduction_without_loss_scale', {
@@ -284,22 +285,22 @@ _OUT_OF_RANGE = (
      'privacy.microbatch_size=-1 must be >= 0'),
     ('privacy_padding_stddevs', {'privacy.padding_stddevs': -1.0},
      'privacy.padding_stddevs=-1.0 must be >= 0'),
-    ('fp8_scaling', {'precision.fp8.scaling': 'tensorwise'},
-     "precision.fp8.scaling: unknown value 'tensorwise'"),
-    ('low_bit_format', {'precision.fp8.format': 'fp5'},
-     "precision.fp8.format: unknown value 'fp5'"),
-    ('fp8_history_length', {'precision.fp8.history_length': 0},
-     'precision.fp8.history_length=0 must be an integer >= 1'),
-    ('fp8_margin', {'precision.fp8.margin': -1.0},
-     'precision.fp8.margin=-1 must be a finite number >= 0'),
+    ('fp8_scaling', {'precision.low_bit.scaling': 'tensorwise'},
+     "precision.low_bit.scaling: unknown value 'tensorwise'"),
+    ('low_bit_format', {'precision.low_bit.format': 'fp5'},
+     "precision.low_bit.format: unknown value 'fp5'"),
+    ('fp8_history_length', {'precision.low_bit.history_length': 0},
+     'precision.low_bit.history_length=0 must be an integer >= 1'),
+    ('fp8_margin', {'precision.low_bit.margin': -1.0},
+     'precision.low_bit.margin=-1 must be a finite number >= 0'),
     ('fp8_modules_under_float16',
-     {'precision.fp8.modules': '*/encoder_block_*',
+     {'precision.low_bit.modules': '*/encoder_block_*',
       'precision.policy': 'params=float32,compute=float16,output=float32'},
-     'precision.fp8.modules: fp8 matmuls need a bfloat16 or float32 compute '
+     'precision.low_bit.modules: fp8 matmuls need a bfloat16 or float32 compute '
      'dtype, not float16'),
     ('fp8_modules_with_privacy',
-     {'precision.fp8.modules': '*/encoder_block_*', 'privacy.enabled': True},
-     "precision.fp8.modules='*/encoder_block_*' with privacy.enabled"),
+     {'precision.low_bit.modules': '*/encoder_block_*', 'privacy.enabled': True},
+     "precision.low_bit.modules='*/encoder_block_*' with privacy.enabled"),
 )
 
 
@@ -309,8 +310,8 @@ _CHECKED_ELSEWHERE = {
                                     'true or false',
     'data.augment': 'a bool', 'data.flip': 'a bool', 'data.download': 'a bool',
     'privacy.enabled': 'a bool',
-    'precision.fp8.two_d_weights': 'a bool', 'precision.fp8.hadamard': 'a bool',
-    'precision.fp8.stochastic_gradients': 'a bool',
+    'precision.low_bit.two_d_weights': 'a bool', 'precision.low_bit.hadamard': 'a bool',
+    'precision.low_bit.stochastic_gradients': 'a bool',
     'data.name': 'against the data: its images and labels '
                  '(tests/bad_input_test.py)',
     'data.data_dir': 'where the data is looked for (tests/bad_input_test.py)',
@@ -328,10 +329,10 @@ _CHECKED_ELSEWHERE = {
     'advisor.fp4_max_relative_error': 'by launch.lab advise',
     'advisor.fp4_max_flushed_share': 'by launch.lab advise '
                                      '(tests/lab_test.py)',
-    'precision.fp8.keep_fp8': "against the model's 4-bit Linears, as the "
+    'precision.low_bit.keep_fp8': "against the model's 4-bit Linears, as the "
                               'run is built (tests/fp4_test.py, '
                               'bad_input_test.py)',
-    'precision.fp8.modules': "against the model's modules, as the run is "
+    'precision.low_bit.modules': "against the model's modules, as the run is "
                              'built (tests/fp8_test.py, bad_input_test.py)',
 }
 
@@ -348,7 +349,9 @@ class CheckTest(parameterized.TestCase):
 
   def test_every_setting_has_a_range_here_or_is_checked_elsewhere(self):
     tried = {key for _, settings, _ in _OUT_OF_RANGE for key in settings}
-    unchecked = set(_leaves(base.get_config())) - tried - set(
+    # The schema's fields (the config's old names are these again).
+    schema = settings_lib.Settings()
+    unchecked = set(_leaves(settings_fields.to_dict(schema))) - tried - set(
         _CHECKED_ELSEWHERE)
     self.assertEmpty(sorted(unchecked), 'settings with no out-of-range case')
 

@@ -65,8 +65,8 @@ class ConfigsTest(parameterized.TestCase):
                               'precision.nu_dtype': 'float8_blocks'}),
       *((f'vit_{fmt}', {'precision.policy':
                         'params=float32,compute=bfloat16,output=float32',
-                        'precision.fp8.modules': '*/encoder_block_*',
-                        'precision.fp8.format': fmt})
+                        'precision.low_bit.modules': '*/encoder_block_*',
+                        'precision.low_bit.format': fmt})
         for fmt in ('nvfp4', 'mxfp4')))
   def test_variants_differ_only_in_precision(self, name, expected):
     reference = _flat(base.get_config())

@@ -87,8 +87,8 @@ class PrecisionRulesTest(parameterized.TestCase):
     params = jax.tree.leaves(state.params)
     shapes = {tuple(p.shape) for p in params}
     # Per-example gradients: the model's matmuls in the compute dtype.
-    dots = [e for e in eqns if e.primitive.name in helpers.MATMUL_PRIMITIVES]
-    self.assertTrue(any(half in helpers.operand_dtypes(e) for e in dots))
+    matmuls = [e for e in eqns if e.primitive.name in helpers.MATMUL_PRIMITIVES]
+    self.assertTrue(any(half in helpers.operand_dtypes(e) for e in matmuls))
     # The sums of clipped per-example gradients: one reduction over the
     # examples per parameter, float32 in and out.
     sums = [e for e in eqns if e.primitive.name == 'reduce_sum' and

@@ -140,7 +140,7 @@ class Fp4AdviceTest(absltest.TestCase):
                         judged['keep_fp8_setting'])
     self.assertEqual({p: precision.runs_fp4('Linear', p) for p in paths},
                      {'mlp/~/linear_0': True, 'mlp/~/linear_1': False})
-    self.assertTrue(precision.runs_fp8('Linear', 'mlp/~/linear_1'))
+    self.assertTrue(precision.runs_low_bit('Linear', 'mlp/~/linear_1'))
 
 
 if __name__ == '__main__':

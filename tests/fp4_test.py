@@ -397,7 +397,7 @@ class MatmulTest(parameterized.TestCase):
   def test_sizes_that_blocks_do_not_divide_name_the_setting(
       self, config, tokens, inputs, outputs, message):
     with self.assertRaisesRegex(haiku_mp_errors.ConfigError,
-                                'precision.fp8.format=.*' + message):
+                                'precision.low_bit.format=.*' + message):
       fp4.check_dims(config, 'vit/fc1', tokens, inputs, outputs)
     fp4.check_dims(config, 'vit/fc1', 64, 64, 64)  # Whole blocks: fine.
 
@@ -410,7 +410,7 @@ class ModelTest(absltest.TestCase):
   def _config(self, **fp8):
     config = helpers.tiny_config(
         'params=float32,compute=bfloat16,output=float32')
-    config.precision.fp8.update(dict(dict(modules='*/encoder_block_*',
+    config.precision.low_bit.update(dict(dict(modules='*/encoder_block_*',
                                           format='nvfp4'), **fp8))
     return config
 
@@ -534,14 +534,14 @@ class ModelTest(absltest.TestCase):
 
   def test_settings_that_cannot_work_name_themselves(self):
     for fp8, message in (
-        (dict(format='fp5'), "precision.fp8.format: unknown value 'fp5'"),
-        (dict(scaling='delayed'), 'precision.fp8.scaling=delayed with '
-         'precision.fp8.format=nvfp4'),
+        (dict(format='fp5'), "precision.low_bit.format: unknown value 'fp5'"),
+        (dict(scaling='delayed'), 'precision.low_bit.scaling=delayed with '
+         'precision.low_bit.format=nvfp4'),
         (dict(format='mxfp4'), 'vit/encoder_block_0/attention/query: input '
          'features: 16, not a multiple of 32'),
-        (dict(keep_fp8='*/head'), "precision.fp8.keep_fp8: target '\\*/head' "
-         'selects no Linear that precision.fp8.modules runs in 4 bits'),
-        (dict(format='fp8', keep_fp8='*/fc1'), 'precision.fp8.keep_fp8: keeps '
+        (dict(keep_fp8='*/head'), "precision.low_bit.keep_fp8: target '\\*/head' "
+         'selects no Linear that precision.low_bit.modules runs in 4 bits'),
+        (dict(format='fp8', keep_fp8='*/fc1'), 'precision.low_bit.keep_fp8: keeps '
          'fp8 among 4-bit Linears')):
       with self.assertRaisesRegex(haiku_mp_errors.ConfigError, message):
         experiment.build_without_data(settings_lib.parse(self._config(**fp8)))

@@ -106,12 +106,12 @@ class Fp8AdviceTest(absltest.TestCase):
     self.assertEqual(result['suggestion']['modules'].split(';'),
                      [p for p in rows if p != PLANTED])
     self.assertEqual(result['suggestion']['flags'][-1],
-                     '--config.precision.fp8.scaling=current')
+                     '--config.precision.low_bit.scaling=current')
     # The value pasted is a valid setting that runs fp8 in every other one.
-    config.precision.fp8.modules = result['suggestion']['modules']
+    config.precision.low_bit.modules = result['suggestion']['modules']
     precision = experiment.build_without_data(
         settings_lib.parse(config)).precision
-    self.assertEqual(sorted(p for p in rows if precision.runs_fp8('Linear', p)),
+    self.assertEqual(sorted(p for p in rows if precision.runs_low_bit('Linear', p)),
                      sorted(p for p in rows if p != PLANTED))
 
   def test_every_layer_fine_keeps_the_configured_setting(self):

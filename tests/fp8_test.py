@@ -51,9 +51,9 @@ def _values(limit, seed=0):
 
 def _config(modules='*/encoder_block_*', scaling='current', **settings):
   config = helpers.tiny_config(BF16, dropout_rate=0.0, num_layers=2)
-  config.precision.fp8.modules = modules
-  config.precision.fp8.scaling = scaling
-  config.precision.fp8.history_length = 4
+  config.precision.low_bit.modules = modules
+  config.precision.low_bit.scaling = scaling
+  config.precision.low_bit.history_length = 4
   config.batch_size = config.eval_batch_size = 8
   return helpers.with_settings(config, settings)
 
@@ -558,7 +558,7 @@ class ModelTest(parameterized.TestCase):
       self.assertIn(r['lhs'], ('bf16', 'f32'), r)
 
   def test_the_listing_names_the_4_bit_matmuls(self):
-    config = _config(**{'precision.fp8.format': 'nvfp4'})
+    config = _config(**{'precision.low_bit.format': 'nvfp4'})
     config.batch_size = 16  # Whole blocks of tokens.
     result = fp8_gemms.run(settings_lib.parse(config),
                            compile_step=True,
@@ -830,16 +830,16 @@ class BadTargetsTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ('matches_nothing', '*/decoder_*',
-       "precision.fp8.modules: target '*/decoder_*' matches no module class "
+       "precision.low_bit.modules: target '*/decoder_*' matches no module class "
        'or module path'),
       ('bare_name', 'fc1',
-       "precision.fp8.modules: target 'fc1' matches no module class or "
+       "precision.low_bit.modules: target 'fc1' matches no module class or "
        "module path (for a module path ending in it, write '*/fc1')"),
       ('no_linear', 'LayerNorm',
-       "precision.fp8.modules: target 'LayerNorm' selects no Linear "
+       "precision.low_bit.modules: target 'LayerNorm' selects no Linear "
        '(LayerNorm): only Linear layers run fp8 matmuls'),
       ('patch_embedding', '*/patch_embed/conv',
-       "precision.fp8.modules: target '*/patch_embed/conv' selects no Linear "
+       "precision.low_bit.modules: target '*/patch_embed/conv' selects no Linear "
        '(Conv2D)'))
   def test_one_line_before_anything_compiles(self, modules, message):
     with self.assertRaises(errors.ConfigError) as raised:
@@ -854,8 +854,8 @@ class ResumeTest(absltest.TestCase):
   def test_a_killed_delayed_scaling_run_resumes_bit_exactly(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
     flags = ['--config=configs/vit_fp8.py', '--config.data.source=synthetic',
-             '--config.precision.fp8.scaling=delayed',
-             '--config.precision.fp8.history_length=4',
+             '--config.precision.low_bit.scaling=delayed',
+             '--config.precision.low_bit.history_length=4',
              '--config.num_train_steps=8', '--config.log_every_steps=1',
              '--config.eval_every_steps=8', '--config.checkpoint_every_steps=4',
              '--config.batch_size=8', '--config.eval_batch_size=8',

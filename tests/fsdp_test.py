@@ -128,7 +128,7 @@ class LearnsTest(parameterized.TestCase):
     """fp8 with delayed scaling under fsdp, its weights gathered in fp8: the
     amax histories stay whole (every replica scales alike) and roll on."""
     config = _config('fsdp', (8, 1), BF16, gather_dtype='fp8')
-    config.precision.fp8.update(modules='Linear', scaling='delayed',
+    config.precision.low_bit.update(modules='Linear', scaling='delayed',
                                 history_length=4)
     exp = experiment.build(settings_lib.parse(config))
     state = exp.strategy.init_state()

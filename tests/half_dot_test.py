@@ -64,8 +64,8 @@ class EinsumTest(parameterized.TestCase):
     expected = jax.grad(_loss(lambda a, b: jnp.einsum(spec, a, b)),
                         argnums=(0, 1))(a, b)
     out_dtype = jnp.float32 if spec == LOGITS else None
-    dots = half_dot.Dots(form)
-    half = lambda a, b: dots.einsum(spec, a, b, out_dtype=out_dtype)
+    matmuls = half_dot.Matmuls(form)
+    half = lambda a, b: matmuls.einsum(spec, a, b, out_dtype=out_dtype)
     a16, b16 = a.astype(dtype), b.astype(dtype)
     chex.assert_type(half(a16, b16), out_dtype or dtype)
     got = jax.grad(_loss(half), argnums=(0, 1))(a16, b16)
@@ -75,9 +75,9 @@ class EinsumTest(parameterized.TestCase):
   @parameterized.parameters('bfloat16', 'float16')
   def test_native_dots_are_half_by_half_into_float32(self, dtype):
     a, b = _operands(DENSE, dtype)
-    dots = half_dot.Dots('native')
+    matmuls = half_dot.Matmuls('native')
     eqns = helpers.eqns_of(jax.value_and_grad(
-        _loss(lambda a, b: dots.einsum(DENSE, a, b)), argnums=(0, 1)), a, b)
+        _loss(lambda a, b: matmuls.einsum(DENSE, a, b)), argnums=(0, 1)), a, b)
     self.assertLen(eqns, 3)  # Forward, and one per operand's cotangent.
     for eqn in eqns:
       self.assertEqual(helpers.operand_dtypes(eqn), (dtype, dtype), str(eqn))
@@ -94,8 +94,8 @@ class EinsumTest(parameterized.TestCase):
       self.skipTest('auto is upcast on a CPU without bf16 instructions')
     a, b = (x.astype(jnp.bfloat16) for x in
             _operands(DENSE, jnp.float32, ((64, 16), (16, 32))))
-    dots = half_dot.Dots(form)
-    grads = jax.jit(jax.grad(_loss(lambda a, b: dots.einsum(DENSE, a, b)),
+    matmuls = half_dot.Matmuls(form)
+    grads = jax.jit(jax.grad(_loss(lambda a, b: matmuls.einsum(DENSE, a, b)),
                              argnums=(0, 1)))
     self.assertEqual(helpers.compiled_dot_operand_dtypes(
         grads.lower(a, b).compile().as_text()), [('bf16', 'bf16')] * 3)
@@ -109,8 +109,8 @@ class EinsumTest(parameterized.TestCase):
 
   def test_upcast_dots_take_half_operands_converted_to_float32(self):
     a, b = _operands(DENSE, jnp.float16)
-    dots = half_dot.Dots('upcast')
-    fn = jax.value_and_grad(_loss(lambda a, b: dots.einsum(DENSE, a, b)),
+    matmuls = half_dot.Matmuls('upcast')
+    fn = jax.value_and_grad(_loss(lambda a, b: matmuls.einsum(DENSE, a, b)),
                             argnums=(0, 1))
     for eqn in helpers.eqns_of(fn, a, b):
       self.assertEqual(helpers.operand_dtypes(eqn), ('float32', 'float32'))
@@ -119,7 +119,7 @@ class EinsumTest(parameterized.TestCase):
   def test_float32_and_plain_are_jax_own_einsum(self):
     for dtype, form in (('float32', 'native'), ('bfloat16', 'plain')):
       a, b = _operands(DENSE, dtype)
-      got = jax.make_jaxpr(lambda a, b: half_dot.Dots(form).einsum(DENSE, a, b))
+      got = jax.make_jaxpr(lambda a, b: half_dot.Matmuls(form).einsum(DENSE, a, b))
       want = jax.make_jaxpr(lambda a, b: jnp.einsum(DENSE, a, b))
       self.assertEqual(str(got(a, b)), str(want(a, b)), (dtype, form))
 
@@ -214,7 +214,7 @@ class LayersTest(parameterized.TestCase):
     x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
     theirs = hk.without_apply_rng(hk.transform(lambda x: haiku_module()(x)))
     native = hk.without_apply_rng(hk.transform(
-        lambda x: ours(half_dot.Dots('native'))(x)))
+        lambda x: ours(half_dot.Matmuls('native'))(x)))
     for dtype in (jnp.float32, jnp.bfloat16):
       params = theirs.init(jax.random.key(0), x.astype(dtype))
       # The same names, shapes, dtypes and initial values as Haiku's.
@@ -239,7 +239,7 @@ class LayersTest(parameterized.TestCase):
     params = {'linear': {'w': jnp.asarray([[16.0], [1.0]], jnp.bfloat16),
                          'b': jnp.asarray([0.5], jnp.bfloat16)}}
     linear = hk.without_apply_rng(hk.transform(
-        lambda x: matmul_modules.Linear(1, half_dot.Dots(form))(x)))
+        lambda x: matmul_modules.Linear(1, half_dot.Matmuls(form))(x)))
     chex.assert_trees_all_equal_shapes_and_dtypes(
         linear.init(jax.random.key(0), x), params)
     np.testing.assert_array_equal(np.float32(linear.apply(params, x)), 258.0)
@@ -257,7 +257,7 @@ class LayersTest(parameterized.TestCase):
                                                    primitive):
     x = jnp.zeros((2, 4, 4, 3), jnp.bfloat16)
     conv = hk.without_apply_rng(hk.transform(lambda x: matmul_modules.Conv2D(
-        5, half_dot.Dots('native'), kernel_shape=2, stride=stride,
+        5, half_dot.Matmuls('native'), kernel_shape=2, stride=stride,
         padding=padding)(x)))
     params = conv.init(jax.random.key(0), x)
     eqns = helpers.eqns_of(conv.apply, params, x)

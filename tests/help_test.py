@@ -18,6 +18,8 @@ from absl.testing import parameterized
 import ml_collections
 
 from configs import base
+from haiku_mp.vit import settings
+from haiku_mp.vit.settings import fields as settings_fields
 from launch import command_help
 from tests import helpers
 
@@ -42,8 +44,13 @@ def _field_lines(stdout):
   return fields
 
 
+def _schema_config():
+  """configs/base.py's fields less the old names kept beside the new."""
+  return settings_fields.to_config_dict(settings.parse(base.get_config()))
+
+
 def _base_fields(config=None, prefix=''):
-  config = base.get_config() if config is None else config
+  config = _schema_config() if config is None else config
   for key, value in config.items():
     if isinstance(value, ml_collections.ConfigDict):
       yield from _base_fields(value, f'{prefix}{key}.')
@@ -52,7 +59,7 @@ def _base_fields(config=None, prefix=''):
 
 
 def _base_fields_paths(config=None, prefix=()):
-  config = base.get_config() if config is None else config
+  config = _schema_config() if config is None else config
   for key, value in config.items():
     yield prefix + (key,), value
     if isinstance(value, ml_collections.ConfigDict):
@@ -184,8 +191,8 @@ class HelpTextTest(absltest.TestCase):
     # Groups are documented too, and listed before their own fields.
     self.assertIn('DP-SGD', docs[('privacy',)])
     order = list(docs)
-    self.assertLess(order.index(('precision', 'fp8')),
-                    order.index(('precision', 'fp8', 'modules')))
+    self.assertLess(order.index(('precision', 'low_bit')),
+                    order.index(('precision', 'low_bit', 'modules')))
 
   def test_one_line(self):
     text = 'First sentence here. Then a second, longer sentence that goes on.'

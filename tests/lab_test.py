@@ -148,14 +148,14 @@ class FlagChecksTest(parameterized.TestCase):
     for fmt in variants.FP4_VARIANTS:
       config = variants.in_compute_dtype(settings_lib.parse(base.get_config()),
                                          fmt)
-      fp8_config = config.precision.fp8
+      fp8_config = config.precision.low_bit
       self.assertEqual((fp8_config.format, fp8_config.scaling,
                         fp8_config.modules),
                        (fmt, 'current', '*/encoder_block_*'))
       self.assertEqual(variants.variant_name(config), fmt)
       # Back to fp8 or none in the other variants of the same config.
       other = variants.in_compute_dtype(config, 'fp8_delayed')
-      self.assertEqual(other.precision.fp8.format, 'fp8')
+      self.assertEqual(other.precision.low_bit.format, 'fp8')
       self.assertEqual(variants.variant_name(other), 'fp8_delayed')
       self.assertEqual(variants.variant_name(
           variants.in_compute_dtype(config, 'bfloat16')), 'bfloat16')
@@ -373,17 +373,17 @@ class LadderTest(absltest.TestCase):
     base = helpers.tiny_config('params=float32,compute=bfloat16,'
                                'output=float32')
     runs = (('bf16_s0', 0, {}, 0.60), ('bf16_s1', 1, {}, 0.62),
-            ('nvfp4', 0, {'precision.fp8.modules': '*/encoder_block_*',
-                          'precision.fp8.format': 'nvfp4'}, 0.58),
+            ('nvfp4', 0, {'precision.low_bit.modules': '*/encoder_block_*',
+                          'precision.low_bit.format': 'nvfp4'}, 0.58),
             ('nvfp4_ablation', 0,
-             {'precision.fp8.modules': '*/encoder_block_*',
-              'precision.fp8.format': 'nvfp4', 'precision.fp8.hadamard': False,
-              'precision.fp8.keep_fp8': '*/mlp_block/*'}, 0.57),
+             {'precision.low_bit.modules': '*/encoder_block_*',
+              'precision.low_bit.format': 'nvfp4', 'precision.low_bit.hadamard': False,
+              'precision.low_bit.keep_fp8': '*/mlp_block/*'}, 0.57),
             # As many Linears kept in fp8, other ones: not the same variant.
             ('nvfp4_other_kept', 0,
-             {'precision.fp8.modules': '*/encoder_block_*',
-              'precision.fp8.format': 'nvfp4', 'precision.fp8.hadamard': False,
-              'precision.fp8.keep_fp8': '*/query;*/key'}, 0.56),
+             {'precision.low_bit.modules': '*/encoder_block_*',
+              'precision.low_bit.format': 'nvfp4', 'precision.low_bit.hadamard': False,
+              'precision.low_bit.keep_fp8': '*/query;*/key'}, 0.56),
             ('state8', 0, {'precision.policy': 'p=bf16,c=bf16,o=f32',
                            'precision.param_update': 'stochastic',
                            'precision.mu_dtype': 'float8_blocks',
@@ -467,7 +467,7 @@ class StateLayoutsTest(parameterized.TestCase):
     parameter; the least is half of float32's."""
     config = helpers.tiny_config('params=float32,compute=bfloat16,'
                                  'output=float32')
-    config.precision.fp8.update(modules='*/encoder_block_*', scaling='delayed')
+    config.precision.low_bit.update(modules='*/encoder_block_*', scaling='delayed')
     lines = []
     rows = {r['layout']: r for r in state_layouts.rows(
         settings_lib.parse(config), compile_step=False, log=lines.append)}

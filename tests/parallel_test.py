@@ -187,7 +187,7 @@ class StrategiesAgreeTest(parameterized.TestCase):
                                  ('pjit', (4, 2))):
       config = _config(strategy, mesh_shape, BF16, 'none')
       config.model.num_layers = 1
-      config.precision.fp8.update(modules='*/encoder_block_*',
+      config.precision.low_bit.update(modules='*/encoder_block_*',
                                   scaling='delayed', history_length=4)
       metrics, par, state = _steps(config, _float_batch_without_inf, 3)
       histories, _ = step_lib.split_fp8(

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import jmp
 
+import haiku_mp
+from haiku_mp import errors
 from haiku_mp.model import policies
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.model import vit
@@ -148,22 +150,59 @@ class JmpAndHaikuTest(absltest.TestCase):
     from_strings = policies.make_precision(
         'params=float32,compute=bfloat16,output=float32',
         '*/linear_1:float32;LayerNorm:p=f32,c=f32,o=f32', model_class='MLP',
-        fp8_modules='Linear')
+        low_bit=haiku_mp.LowBit('Linear'))
     from_objects = policies.make_precision(
         jmp.get_policy('p=f32,c=bf16,o=f32'),
         {'*/linear_1': jmp.get_policy('float32'),
          hk.LayerNorm: 'p=f32,c=f32,o=f32'},
-        model_class=hk.nets.MLP, fp8_modules=[hk.Linear])
+        model_class=hk.nets.MLP, low_bit=haiku_mp.LowBit([hk.Linear]))
     self.assertEqual(from_objects, from_strings)
+
+  def test_the_old_low_bit_arguments_are_the_low_bit_they_describe(self):
+    """0.1's four arguments, kept for its users, and 0.1's names of
+    `Matmuls` and `runs_low_bit`."""
+    nvfp4 = haiku_mp.Fp4('nvfp4', hadamard=False)
+    new = policies.make_precision(
+        'p=f32,c=bf16,o=f32', model_class='MLP',
+        low_bit=haiku_mp.LowBit('Linear', nvfp4, keep_fp8='*/linear_1'))
+    old = policies.make_precision(
+        'p=f32,c=bf16,o=f32', model_class='MLP', fp8_modules='Linear',
+        fp8=haiku_mp.Fp8(), fp4=nvfp4, keep_fp8='*/linear_1')
+    self.assertEqual(old, new)
+    self.assertEqual(new.fp4, nvfp4)
+    self.assertEqual((new.fp8_targets, new.fp8_kept),
+                     (('Linear',), ('*/linear_1',)))
+    self.assertTrue(new.runs_fp8('Linear', 'mlp/~/linear_0'))
+    self.assertEqual(new.runs_fp8('Linear', 'mlp/~/linear_0'),
+                     new.runs_low_bit('Linear', 'mlp/~/linear_0'))
+    self.assertIs(haiku_mp.Dots, haiku_mp.Matmuls)
+    self.assertEqual(new.dots, new.matmuls)
+    with self.assertRaisesRegex(TypeError, 'low_bit= and 0.1'):
+      policies.make_precision('float32', model_class='MLP',
+                              low_bit=haiku_mp.LowBit('Linear'),
+                              fp8_modules='Linear')
+    with self.assertRaisesRegex(TypeError, "argument 'fp8_module'"):
+      policies.make_precision('float32', model_class='MLP',
+                              fp8_module='Linear')
+
+  def test_delayed_scaling_with_a_4_bit_format_names_both_settings(self):
+    with self.assertRaisesRegex(
+        errors.ConfigError,
+        'precision.low_bit.scaling=delayed with precision.low_bit.format='
+        'nvfp4: 4-bit formats scale per block themselves'):
+      policies.make_precision('p=f32,c=bf16,o=f32', model_class='MLP',
+                              fp8_modules='Linear',
+                              fp8=haiku_mp.Fp8('delayed'),
+                              fp4=haiku_mp.Fp4('nvfp4'))
 
   def test_a_target_that_is_neither_class_nor_string_names_the_setting(self):
     with self.assertRaisesRegex(policies.PrecisionError,
                                 'precision.overrides: a target must be'):
       policies.make_precision('float32', {3: 'float32'}, model_class='MLP')
     with self.assertRaisesRegex(policies.PrecisionError,
-                                'precision.fp8.modules: a target must be'):
+                                'precision.low_bit.modules: a target must be'):
       policies.make_precision('p=f32,c=bf16,o=f32', model_class='MLP',
-                              fp8_modules=[None])
+                              low_bit=haiku_mp.LowBit([None]))
 
 
 class ScopeTest(parameterized.TestCase):

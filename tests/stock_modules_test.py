@@ -129,9 +129,9 @@ def _lowered_dots(forward, images) -> collections.Counter:
   return collections.Counter(m.groups() for m in _DOT.finditer(text))
 
 
-def _pairs(dots) -> collections.Counter:
+def _pairs(matmuls) -> collections.Counter:
   pairs = collections.Counter()
-  for (lhs, rhs, _), count in dots.items():
+  for (lhs, rhs, _), count in matmuls.items():
     pairs[lhs, rhs] += count
   return pairs
 
@@ -148,13 +148,13 @@ class StockModulesTest(parameterized.TestCase):
                             ('block', 1 * 2 + (4 + 2 + 1) * 3, 2 * 3))
   def test_every_matmul_takes_bf16_operands_forward_and_backward(
       self, name, ours, attention):
-    dots = _lowered_dots(_transformed(name, _precision(name)),
+    matmuls = _lowered_dots(_transformed(name, _precision(name)),
                          _images(16 if name == 'resnet' else 8))
     # Every matmul sums in float32.
     expected = {(BF, BF, F32): ours}
     if attention:
       expected[(F32, F32, F32)] = attention
-    self.assertEqual(dots, expected)
+    self.assertEqual(matmuls, expected)
 
   def test_resnet_convolutions_stay_haikus_in_bf16(self):
     # Not a patch embedding: XLA's convolution, in the operands' dtype.
@@ -178,9 +178,9 @@ class StockModulesTest(parameterized.TestCase):
   def test_fp8_targets_run_fp8_forward_and_backward(self, name, targets,
                                                     fp8_layers, first,
                                                     bf16_dots, attention):
-    dots = _lowered_dots(_transformed(name, _precision(name, targets)),
+    matmuls = _lowered_dots(_transformed(name, _precision(name, targets)),
                          _images(16 if name == 'resnet' else 8))
-    for (lhs, rhs, out), count in dots.items():
+    for (lhs, rhs, out), count in matmuls.items():
       if lhs.startswith('f8'):
         self.assertEqual(out, F32)
     expected = {(E4M3, E4M3): fp8_layers, (E5M2, E4M3): fp8_layers - first,
@@ -190,7 +190,7 @@ class StockModulesTest(parameterized.TestCase):
       expected[(BF, BF)] = bf16_dots
     if attention:
       expected[(F32, F32)] = attention
-    self.assertEqual(_pairs(dots), expected)
+    self.assertEqual(_pairs(matmuls), expected)
 
   @parameterized.parameters('mlp', 'resnet', 'block')
   def test_params_are_haikus_own(self, name):
@@ -239,10 +239,10 @@ class StockModulesTest(parameterized.TestCase):
 
 class DotsInForceTest(absltest.TestCase):
 
-  def _call(self, dots, precision):
+  def _call(self, matmuls, precision):
     def forward(x):
       with haiku_mp.apply_precision(precision):
-        return haiku_mp.Linear(4, dots=dots)(x)
+        return haiku_mp.Linear(4, matmuls=matmuls)(x)
     return hk.transform(forward).init(jax.random.key(0), jnp.ones((2, 3)))
 
   def test_a_linear_without_dots_takes_the_precisions(self):
@@ -259,9 +259,9 @@ class DotsInForceTest(absltest.TestCase):
     precision = haiku_mp.make_precision(BF16, model_class='Linear',
                                         fp8_modules='Linear')
     with self.assertRaisesRegex(haiku_mp.errors.ConfigError,
-                                'linear: dots=.* contradicts the precision'):
-      self._call(haiku_mp.Dots(), precision)
-    self._call(precision.dots, precision)  # Agreeing dots are fine.
+                                'linear: matmuls=.* contradicts the precision'):
+      self._call(haiku_mp.Matmuls(), precision)
+    self._call(precision.matmuls, precision)  # Agreeing dots are fine.
 
 
 def _in(precision, fn):
@@ -301,13 +301,13 @@ class TargetsCheckedTest(parameterized.TestCase):
        "precision.overrides: target 'Lienar' matches no module class or "
        'module path. Nearest: Linear.'),
       ('fp8_on_a_class_not_there', dict(fp8_modules='LayerNorm'),
-       "precision.fp8.modules: target 'LayerNorm' matches no module class "
+       "precision.low_bit.modules: target 'LayerNorm' matches no module class "
        'or module path.'),
       ('fp8_of_nothing', dict(fp8_modules='*/nothing'),
-       "precision.fp8.modules: target '*/nothing' matches no module class or "
+       "precision.low_bit.modules: target '*/nothing' matches no module class or "
        'module path.'),
       ('fp8_bare_name', dict(fp8_modules='linear_1'),
-       "precision.fp8.modules: target 'linear_1' matches no module class or "
+       "precision.low_bit.modules: target 'linear_1' matches no module class or "
        "module path (for a module path ending in it, write '*/linear_1')"))
   def test_a_target_that_matches_nothing(self, settings, message):
     settings = dict(dict(model_class=hk.nets.MLP), **settings)
@@ -417,12 +417,12 @@ class HalfPrecisionAttentionTest(parameterized.TestCase):
     exps = helpers.eqns_of(apply, params, primitives=('exp',))
     self.assertEqual({helpers.operand_dtypes(e) for e in exps},
                      {('float32',)})
-    dots = [helpers.operand_dtypes(e)
+    matmuls = [helpers.operand_dtypes(e)
             for e in helpers.eqns_of(apply, params, primitives=('dot_general',))]
     # Four projections and the head; the logits' and the values' batched
     # dots take float16 operands too, into float32 sums.
-    self.assertEqual(dots.count(('float16', 'float16')), 7)
-    self.assertLen(dots, 7)
+    self.assertEqual(matmuls.count(('float16', 'float16')), 7)
+    self.assertLen(matmuls, 7)
 
   def test_a_float32_policy_runs_haikus_own_attention(self):
     params = _masked_attention(F32).init(jax.random.key(0), _TOKENS)

@@ -139,7 +139,7 @@ class Fp4Matmuls(matmul_formats.MatmulFormat):
   """4 bits in the advisor's matmul pipeline: a choice per format
   (`fp4.FORMATS`), each operand blocked as the train step blocks it
   (`CASES`), the weight gradient's inputs through the random Hadamard
-  transform when `hadamard` (the config's `precision.fp8.hadamard`), with
+  transform when `hadamard` (the config's `precision.low_bit.hadamard`), with
   the layer's own signs. A Linear that fails keeps fp8 where fp8's verdict
   at current scaling, the one a 4-bit config's fp8 Linears run, passes.
 
@@ -201,8 +201,8 @@ class Fp4Matmuls(matmul_formats.MatmulFormat):
     return reasons
 
   def flags(self, choice: str) -> list[str]:
-    return [f'--config.precision.fp8.format={choice}',
-            f'--config.precision.fp8.scaling={self.fallback_choice}']
+    return [f'--config.precision.low_bit.format={choice}',
+            f'--config.precision.low_bit.scaling={self.fallback_choice}']
 
   def cells(self, row: Mapping[str, Any], choice: str) -> list[str]:
     cell = lambda name, case: (

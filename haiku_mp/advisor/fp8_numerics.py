@@ -178,8 +178,8 @@ class Fp8Matmuls(matmul_formats.MatmulFormat):
     return reasons
 
   def flags(self, choice: str) -> list[str]:
-    return ['--config.precision.fp8.format=fp8',
-            f'--config.precision.fp8.scaling={choice}']
+    return ['--config.precision.low_bit.format=fp8',
+            f'--config.precision.low_bit.scaling={choice}']
 
   def cells(self, row: Mapping[str, Any], choice: str) -> list[str]:
     cell = lambda name: (f'{row[name][choice]["relative_error"]:.3g} / '

@@ -15,7 +15,7 @@ format is one more. Everything else is shared: the probes
 A Linear runs a format well at a choice when `check` finds nothing: it gets
 `<name>-ok`. Otherwise it keeps the wider format judged before it (4 bits
 fall back on fp8 at current scaling: `keep-fp8`) where that one passes, and
-bfloat16 (`keep-bf16`, left out of `precision.fp8.modules`) elsewhere.
+bfloat16 (`keep-bf16`, left out of `precision.low_bit.modules`) elsewhere.
 """
 
 import abc
@@ -91,7 +91,7 @@ class MatmulFormat(abc.ABC):
 
   @abc.abstractmethod
   def flags(self, choice: str) -> list[str]:
-    """The flags beside `precision.fp8.modules` that select `choice`."""
+    """The flags beside `precision.low_bit.modules` that select `choice`."""
 
   @abc.abstractmethod
   def cells(self, row: Mapping[str, Any], choice: str) -> list[str]:
@@ -118,7 +118,7 @@ class MatmulFormat(abc.ABC):
 
 def modules_setting(candidates: Sequence[str], kept: Sequence[str],
                     configured: str) -> str:
-  """The `precision.fp8.modules` value that runs low-bit matmuls in
+  """The `precision.low_bit.modules` value that runs low-bit matmuls in
   `candidates` but `kept`: the configured one when nothing is kept, else
   the paths left."""
   if not kept:
@@ -128,7 +128,7 @@ def modules_setting(candidates: Sequence[str], kept: Sequence[str],
 
 def candidates_setting(modules: str) -> str:
   """The modules the advice considers: the config's low-bit modules
-  (`precision.fp8.modules`), or `fp8.DEFAULT_MODULES` when it runs none."""
+  (`precision.low_bit.modules`), or `fp8.DEFAULT_MODULES` when it runs none."""
   return modules.strip() or fp8.DEFAULT_MODULES
 
 
@@ -140,7 +140,7 @@ def judge(totals: Mapping[str, Sequence[np.ndarray]], fmt: MatmulFormat,
   that keep bfloat16 and those that keep `fallback`'s format (an earlier
   `judge`'s result: a Linear keeps it where its verdict at
   `fmt.fallback_choice` passes), and
-  the `precision.fp8.modules` (from `targets`, the candidates' setting) and
+  the `precision.low_bit.modules` (from `targets`, the candidates' setting) and
   `keep_fp8` values that run exactly that.
 
   Example:

@@ -49,11 +49,11 @@ def compute_dtype(settings: settings_lib.Settings) -> str:
 def variant_name(settings: settings_lib.Settings) -> str:
   """The settings' variant as `in_compute_dtype` names it: its compute
   dtype, or `fp8_<scaling>` when it runs fp8 matmuls."""
-  fp8_settings = settings.precision.fp8
-  if fp8_settings.modules.strip():
-    if fp8_settings.format in FP4_VARIANTS:
-      return fp8_settings.format
-    return fp8.VARIANT_PREFIX + fp8_settings.scaling
+  low_bit = settings.precision.low_bit
+  if low_bit.modules.strip():
+    if low_bit.format in FP4_VARIANTS:
+      return low_bit.format
+    return fp8.VARIANT_PREFIX + low_bit.scaling
   policy = policies.parse_policy(settings.precision.policy)
   if jnp.dtype(policy.param_dtype) == jnp.bfloat16:
     for name, layout in ((PURE_BF16, optimizer_lib.PURE_BF16),
@@ -89,11 +89,11 @@ def in_compute_dtype(settings: settings_lib.Settings, dtype: str
   if pure_bf16:
     precision.update(_state(optimizer_lib.PURE_BF16))
   if scaling is None:
-    precision['fp8'] = dict(modules='')
+    precision['low_bit'] = dict(modules='')
   else:
-    precision['fp8'] = dict(
+    precision['low_bit'] = dict(
         scaling=scaling, format=low_bit,
-        modules=settings.precision.fp8.modules.strip() or fp8.DEFAULT_MODULES)
+        modules=settings.precision.low_bit.modules.strip() or fp8.DEFAULT_MODULES)
   changes = dict(precision=precision)
   if dtype == 'float16' and settings.loss_scale.kind == 'none':
     changes['loss_scale'] = dict(kind='dynamic')

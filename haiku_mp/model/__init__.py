@@ -4,6 +4,8 @@ run in it: the names a user's own model imports."""
 from haiku_mp.model.fp4 import Fp4
 from haiku_mp.model.fp8 import Fp8
 from haiku_mp.model.half_dot import Dots
+from haiku_mp.model.half_dot import Matmuls
+from haiku_mp.model.low_bit import LowBit
 from haiku_mp.model.matmul_modules import Conv2D
 from haiku_mp.model.matmul_modules import Linear
 from haiku_mp.model.policies import apply as apply_precision
@@ -11,5 +13,5 @@ from haiku_mp.model.policies import make_precision
 from haiku_mp.model.policies import parse_policy
 from haiku_mp.model.policies import Precision
 
-__all__ = ('Conv2D', 'Dots', 'Fp4', 'Fp8', 'Linear', 'Precision', 'apply_precision',
-           'make_precision', 'parse_policy')
+__all__ = ('Conv2D', 'Dots', 'Fp4', 'Fp8', 'Linear', 'LowBit', 'Matmuls',
+           'Precision', 'apply_precision', 'make_precision', 'parse_policy')

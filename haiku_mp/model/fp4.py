@@ -48,9 +48,10 @@ class Fp4:
   2509.25149) as settings, each at the paper's default.
 
   Example:
-    precision = haiku_mp.make_precision(BF16, model_class=hk.nets.MLP,
-        fp8_modules='Linear', fp4=haiku_mp.Fp4('nvfp4'),
-        keep_fp8='*/linear_1')  # linear_1 keeps fp8, the others 4 bits.
+    precision = haiku_mp.make_precision(
+        BF16, model_class=hk.nets.MLP, low_bit=haiku_mp.LowBit(
+            'Linear', haiku_mp.Fp4('nvfp4'),
+            keep_fp8='*/linear_1'))  # linear_1 keeps fp8, the others 4 bits.
   """
   format: str = 'nvfp4'
   # Weights in 2-D tiles (16 x 16 for NVFP4, 32 x 32 for MXFP4): the forward
@@ -65,7 +66,7 @@ class Fp4:
   stochastic_gradients: bool = True
 
   def __post_init__(self):
-    errors.check_choice('precision.fp8.format', self.format, FORMATS)
+    errors.check_choice('precision.low_bit.format', self.format, FORMATS)
 
   @property
   def block(self) -> int:
@@ -109,9 +110,9 @@ def check_dims(config: Fp4, path: str, tokens: Optional[int], inputs: int,
   for what, size, block in needs:
     if size % block:
       raise errors.ConfigError(
-          f'precision.fp8.format={config.format}: {path}: {what}: {size}, '
+          f'precision.low_bit.format={config.format}: {path}: {what}: {size}, '
           f'not a multiple of {block}; leave it out of '
-          'precision.fp8.modules or pick sizes that blocks divide')
+          'precision.low_bit.modules or pick sizes that blocks divide')
 
 
 def _dot(a, b, dims):

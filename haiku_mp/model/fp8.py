@@ -1,6 +1,6 @@
 """fp8 matmuls: E4M3 operands forward, E5M2 gradients backward, float32 sums.
 
-A `Linear` that `precision.fp8` selects computes `x @ w` as
+A `Linear` that `precision.low_bit` selects computes `x @ w` as
 `dot_general(q(x), q(w), preferred_element_type=float32) * s_x * s_w`,
 rounded once to the compute dtype, where `q(t)` is `t / s_t` saturated to the
 format's largest finite value and rounded to nearest even. Its backward pass
@@ -75,28 +75,28 @@ FPROP, DGRAD, WGRAD = 'fp8_fprop', 'fp8_dgrad', 'fp8_wgrad'
 
 @dataclasses.dataclass(frozen=True)
 class Fp8:
-  """How fp8 matmuls scale their operands (`precision.fp8` less its modules).
+  """How fp8 matmuls scale their operands: a `LowBit`'s format.
 
   Example:
     precision = haiku_mp.make_precision(
-        BF16, model_class=hk.nets.MLP, fp8_modules=[hk.Linear],
-        fp8=haiku_mp.Fp8('delayed', history_length=16))
+        BF16, model_class=hk.nets.MLP, low_bit=haiku_mp.LowBit(
+            [hk.Linear], haiku_mp.Fp8('delayed', history_length=16)))
   """
   scaling: str = 'current'
   history_length: int = 16  # delayed: amaxes kept per tensor.
   margin: float = 0.0  # Headroom: the scale leaves amax * 2**margin in range.
 
   def __post_init__(self):
-    errors.check_choice('precision.fp8.scaling', self.scaling, SCALINGS)
+    errors.check_choice('precision.low_bit.scaling', self.scaling, SCALINGS)
     length = self.history_length
     if not (isinstance(length, int) and not isinstance(length, bool)
             and length >= 1):
       raise errors.ConfigError(
-          f'precision.fp8.history_length={length} must be an integer >= 1 '
+          f'precision.low_bit.history_length={length} must be an integer >= 1 '
           '(amaxes kept per tensor)')
     if not 0 <= self.margin < math.inf:
       raise errors.ConfigError(
-          f'precision.fp8.margin={self.margin:g} must be a finite number '
+          f'precision.low_bit.margin={self.margin:g} must be a finite number '
           '>= 0 (a power of two of headroom)')
 
   def describe(self) -> str:

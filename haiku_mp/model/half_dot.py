@@ -9,7 +9,7 @@ instructions, a GPU's tensor cores) and accumulates in float32, rounded once to
 the result dtype: the standard mixed-precision numerics on every backend.
 
 `einsum` is that dot with a custom VJP whose two backward dots take the
-cotangent in the operands' dtype and are written the same way. `Dots` says
+cotangent in the operands' dtype and are written the same way. `Matmuls` says
 which form each dtype gets and which Linears run fp8 or 4 bits; the modules
 that run it are in `matmul_modules`.
 
@@ -27,7 +27,7 @@ float32 dot without them (it emulates bf16), and XLA:CPU has no float16
 kernel at all, so bfloat16 is ``native`` only on a CPU with bf16 instructions
 and float16 is always ``upcast``. The features are this host's
 (`cpu_features`), also when a program is traced for 'cpu' on a host whose
-backend is another (`Dots.platform`): the one CPU that can be read, and the
+backend is another (`Matmuls.platform`): the one CPU that can be read, and the
 one that runs the program unless it is exported; a program meant for another
 CPU names its form.
 """
@@ -48,7 +48,7 @@ from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 
 FORMS = ('auto', 'native', 'upcast', 'plain')
-# Backends a program may be traced for (`Dots.platform`); '' is JAX's own.
+# Backends a program may be traced for (`Matmuls.platform`); '' is JAX's own.
 PLATFORMS = ('', 'cpu', 'gpu', 'tpu')
 # `auto` on a GPU or TPU: half operands on its matrix units, float32 sums.
 _ACCELERATOR_AUTO = 'native'
@@ -159,16 +159,18 @@ def selects(targets: tuple[str, ...], class_name: str, path: str) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Dots:
+class Matmuls:
   """How a model's matmuls run: the form for half operands and the
   `jax.default_matmul_precision` name in force (None: JAX's default), which
   the backward pass, traced later and outside it, must use as well; and which
-  `Linear` layers run fp8 matmuls (`fp8_targets`) with what scaling.
-  A `Precision` makes them (`precision.dots`) for every Linear it applies to.
+  `Linear` layers run low-bit matmuls (`fp8_targets`): fp8 with what scaling,
+  or 4 bits (`fp4`).
+  A `Precision` makes them (`precision.matmuls`) for every Linear it applies to.
 
   Example:
-    dots = haiku_mp.Dots('native')  # Half operands, float32 sums.
-    y = dots.einsum('ni,io->no', x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    matmuls = haiku_mp.Matmuls('native')  # Half operands, float32 sums.
+    y = matmuls.einsum('ni,io->no', x.astype(jnp.bfloat16),
+                       w.astype(jnp.bfloat16))
   """
   form: str = 'auto'
   matmul_precision: Optional[str] = None
@@ -187,15 +189,18 @@ class Dots:
   def backend(self) -> str:
     return self.platform or jax.default_backend()
 
-  def runs_fp8(self, class_name: str, path: str) -> bool:
+  def runs_low_bit(self, class_name: str, path: str) -> bool:
     """Whether the Linear runs low-bit matmuls: fp8, or 4 bits where
     `runs_fp4` says so."""
     return (self.fp8 is not None and class_name == FP8_CLASS
             and selects(self.fp8_targets, class_name, path))
 
+  # 0.1's name, kept for its users: it is true for 4-bit Linears too.
+  runs_fp8 = runs_low_bit
+
   def runs_fp4(self, class_name: str, path: str) -> bool:
     """Whether the Linear's low-bit matmuls are 4-bit ones."""
-    return (self.fp4 is not None and self.runs_fp8(class_name, path)
+    return (self.fp4 is not None and self.runs_low_bit(class_name, path)
             and not selects(self.fp8_kept, class_name, path))
 
   def einsum(self, spec: str, a: jax.Array, b: jax.Array,
@@ -212,6 +217,10 @@ class Dots:
       form = 'native'
     return _einsum(spec, form, self.matmul_precision,
                    jnp.dtype(out_dtype or dtype), self.backend, a, b)
+
+
+# 0.1's name of `Matmuls`, kept for its users.
+Dots = Matmuls
 
 
 def _dot(spec, form, out_dtype, a, b):

@@ -1,8 +1,8 @@
-"""Haiku's `Linear` and `Conv2D` with haiku_mp's matmuls (`half_dot.Dots`).
+"""Haiku's `Linear` and `Conv2D` with haiku_mp's matmuls (`half_dot.Matmuls`).
 
 `Linear` and `Conv2D` are Haiku's modules (same class names, param names,
 shapes and initializers, so checkpoints, sharding rules and overrides keep
-working) whose matmul is `Dots.einsum` (half operands, float32 sums), fp8
+working) whose matmul is `Matmuls.einsum` (half operands, float32 sums), fp8
 (`fp8.matmul`) or 4 bits (`fp4.linear_sums`) where the precision selects
 them, with the bias added to the float32 sums before the one rounding, and
 whose output is tagged for `remat`'s ``dots``; `Conv2D` does so for the
@@ -26,30 +26,41 @@ from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import meta_params
 from haiku_mp.model import remat
 from haiku_mp.model import stock_attention
-from haiku_mp.model.half_dot import Dots
+from haiku_mp.model.half_dot import Matmuls
 from haiku_mp.model.half_dot import form_for
 from haiku_mp.model.half_dot import FP8_CLASS
 
 
-def _agreed(dots: Optional[Dots], in_force: Dots, module: hk.Module) -> Dots:
-  """The dots a haiku_mp module runs: the precision's in force, which its own
-  `dots=`, where given, must equal (a silently ignored setting is a bug)."""
-  if dots is not None and dots != in_force:
+def _either(matmuls: Optional[Matmuls], dots: Optional[Matmuls]
+            ) -> Optional[Matmuls]:
+  """`matmuls`, or 0.1's `dots=` for it; not both."""
+  if matmuls is not None and dots is not None:
+    raise TypeError('matmuls= and dots= (its 0.1 name) both given; pass '
+                    'matmuls= only')
+  return dots if matmuls is None else matmuls
+
+
+def _agreed(matmuls: Optional[Matmuls], in_force: Matmuls,
+            module: hk.Module) -> Matmuls:
+  """The matmuls a haiku_mp module runs: the precision's in force, which its
+  own `matmuls=`, where given, must equal (a silently ignored setting is a
+  bug)."""
+  if matmuls is not None and matmuls != in_force:
     raise errors.ConfigError(
-        f'{module.module_name}: dots={dots} contradicts the precision in force '
-        f'({in_force}); leave dots= out to take the precision\'s')
+        f'{module.module_name}: matmuls={matmuls} contradicts the precision in '
+        f'force ({in_force}); leave matmuls= out to take the precision\'s')
   return in_force
 
 
-def linear(module: hk.Linear, dots: Dots, plain: Callable[..., jax.Array],
+def linear(module: hk.Linear, matmuls: Matmuls, plain: Callable[..., jax.Array],
            inputs: jax.Array, *, precision=None) -> jax.Array:
   """`module`'s call with its matmul as `dots` says: fp8 where its targets
   select it, half operands with float32 sums otherwise, and `plain` (Haiku's
   own call) for float32 operands or the ``plain`` form. Runs in the module's
   own scope: any `hk.Linear`, stock or not, keeps its params' names, shapes,
   dtypes and initializers."""
-  fp8 = dots.runs_fp8(FP8_CLASS, module.module_name)
-  if not fp8 and form_for(dots.form, inputs.dtype, dots.backend) == 'plain':
+  fp8 = matmuls.runs_low_bit(FP8_CLASS, module.module_name)
+  if not fp8 and form_for(matmuls.form, inputs.dtype, matmuls.backend) == 'plain':
     return remat.tag_matmul_output(plain(inputs, precision=precision))
   if not inputs.shape:
     raise ValueError('Input must not be scalar.')  # hk.Linear's own check.
@@ -60,12 +71,12 @@ def linear(module: hk.Linear, dots: Dots, plain: Callable[..., jax.Array],
   w = hk.get_parameter('w', [input_size, module.output_size], inputs.dtype,
                        init=w_init)
   x = inputs.reshape(-1, input_size)
-  if fp8 and dots.runs_fp4(FP8_CLASS, module.module_name):
-    sums = fp4_lib.linear_sums(dots.fp4, module.module_name, x, w)
+  if fp8 and matmuls.runs_fp4(FP8_CLASS, module.module_name):
+    sums = fp4_lib.linear_sums(matmuls.fp4, module.module_name, x, w)
   elif fp8:
-    sums = _fp8_sums(dots, x, w)
+    sums = _fp8_sums(matmuls, x, w)
   else:
-    sums = dots.einsum('ni,io->no', x, w, out_dtype=jnp.float32)
+    sums = matmuls.einsum('ni,io->no', x, w, out_dtype=jnp.float32)
   b = (hk.get_parameter('b', [module.output_size], inputs.dtype,
                         init=module.b_init) if module.with_bias else None)
   out = _biased_and_rounded(sums, b, inputs.dtype)
@@ -73,25 +84,25 @@ def linear(module: hk.Linear, dots: Dots, plain: Callable[..., jax.Array],
   return remat.tag_matmul_output(out)
 
 
-def _fp8_sums(dots: Dots, x: jax.Array, w: jax.Array) -> jax.Array:
+def _fp8_sums(matmuls: Matmuls, x: jax.Array, w: jax.Array) -> jax.Array:
   """`x @ w` in float32 from fp8 operands (`fp8.matmul`); delayed scaling
   keeps its amax histories as the calling module's params
   (`meta_params.META_NAMES`)."""
-  config = dots.fp8
+  config = matmuls.fp8
   histories = None
   if config.scaling == 'delayed':
     histories = tuple(
         hk.get_parameter(name, [config.history_length], jnp.float32,
                          init=jnp.zeros)
         for name in meta_params.HISTORY_NAMES)
-  return fp8_lib.matmul(config, x, w, jnp.float32, histories, dots.fp8_axis)
+  return fp8_lib.matmul(config, x, w, jnp.float32, histories, matmuls.fp8_axis)
 
 
 class Linear(hk.Linear):
-  """`hk.Linear` whose matmul is `Dots.einsum` (half operands, float32 sums).
+  """`hk.Linear` whose matmul is `Matmuls.einsum` (half operands, float32 sums).
 
   Inside `apply_precision` it takes the precision's dots (as a stock
-  `hk.Linear` does there); `dots=` is for a call outside one, and inside one
+  `hk.Linear` does there); `matmuls=` is for a call outside one, and inside one
   must agree with the precision's.
 
   Example:
@@ -99,13 +110,14 @@ class Linear(hk.Linear):
     logits = layer(features)     # bf16 x bf16 -> f32 sums, rounded once.
   """
 
-  def __init__(self, output_size: int, dots: Optional[Dots] = None,
-               **kwargs):
+  def __init__(self, output_size: int, matmuls: Optional[Matmuls] = None,
+               *, dots: Optional[Matmuls] = None, **kwargs):
+    """`dots`: 0.1's name of `matmuls`, kept for its users."""
     super().__init__(output_size, **kwargs)
-    self.dots = dots
+    self.matmuls = _either(matmuls, dots)
 
   def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
-    return linear(self, Dots() if self.dots is None else self.dots,
+    return linear(self, Matmuls() if self.matmuls is None else self.matmuls,
                   super().__call__, inputs, precision=precision)
 
 
@@ -129,12 +141,12 @@ def _is_patch_embedding(module: hk.Conv2D) -> bool:
           and tuple(module.kernel_dilation) == (1, 1) and module.mask is None)
 
 
-def conv2d(module: hk.Conv2D, dots: Dots, plain: Callable[..., jax.Array],
+def conv2d(module: hk.Conv2D, matmuls: Matmuls, plain: Callable[..., jax.Array],
            inputs: jax.Array, *, precision=None) -> jax.Array:
   """`module`'s call; as a patch embedding (`_is_patch_embedding`) with half
-  operands, a `Dots.einsum` over the image's patches. Any other convolution
+  operands, a `Matmuls.einsum` over the image's patches. Any other convolution
   is `plain`'s (Haiku's own): XLA's convolution takes the operands' dtype."""
-  form = form_for(dots.form, inputs.dtype, dots.backend)
+  form = form_for(matmuls.form, inputs.dtype, matmuls.backend)
   ph, pw = module.kernel_shape
   if (form == 'plain' or not _is_patch_embedding(module) or inputs.ndim != 4
       or inputs.shape[1] % ph or inputs.shape[2] % pw):
@@ -148,7 +160,7 @@ def conv2d(module: hk.Conv2D, dots: Dots, plain: Callable[..., jax.Array],
   rows, cols = height // ph, width // pw
   patches = inputs.reshape(batch, rows, ph, cols, pw, channels)
   patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(-1, ph * pw * channels)
-  sums = dots.einsum('np,pd->nd', patches,
+  sums = matmuls.einsum('np,pd->nd', patches,
                      w.reshape(ph * pw * channels, -1), out_dtype=jnp.float32)
   b = (hk.get_parameter('b', (module.output_channels,), inputs.dtype,
                         init=module.b_init) if module.with_bias else None)
@@ -159,7 +171,7 @@ def conv2d(module: hk.Conv2D, dots: Dots, plain: Callable[..., jax.Array],
 
 class Conv2D(hk.Conv2D):
   """`hk.Conv2D`; as a patch embedding (stride = kernel, VALID, NHWC) its
-  convolution is a `Dots.einsum` over the image's patches. Takes its dots as
+  convolution is a `Matmuls.einsum` over the image's patches. Takes its matmuls as
   `Linear` does.
 
   Example:
@@ -167,17 +179,18 @@ class Conv2D(hk.Conv2D):
     tokens = embed(images)  # [b, h/4, w/4, 64]: one matmul over patches.
   """
 
-  def __init__(self, output_channels: int, dots: Optional[Dots] = None,
-               **kwargs):
+  def __init__(self, output_channels: int, matmuls: Optional[Matmuls] = None,
+               *, dots: Optional[Matmuls] = None, **kwargs):
+    """`dots`: 0.1's name of `matmuls`, kept for its users."""
     super().__init__(output_channels, **kwargs)
-    self.dots = dots
+    self.matmuls = _either(matmuls, dots)
 
   def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
-    return conv2d(self, Dots() if self.dots is None else self.dots,
+    return conv2d(self, Matmuls() if self.matmuls is None else self.matmuls,
                   super().__call__, inputs, precision=precision)
 
 
-def intercepted(dots: Dots, next_f: Callable[..., Any], args, kwargs,
+def intercepted(matmuls: Matmuls, next_f: Callable[..., Any], args, kwargs,
                 context: hk.MethodContext) -> Any:
   """A module method call inside `apply_precision`, its matmul as `dots`
   says: Haiku's own `hk.Linear` and `hk.Conv2D` calls (a stock module's, a
@@ -192,15 +205,15 @@ def intercepted(dots: Dots, next_f: Callable[..., Any], args, kwargs,
     haiku_call = (hk.Linear if defined_by is Linear else hk.Conv2D).__call__
     # Haiku's call, intercepted in turn as the plain form below.
     plain = functools.partial(haiku_call, module)
-    return run(module, _agreed(module.dots, dots, module), plain, *args,
+    return run(module, _agreed(module.matmuls, matmuls, module), plain, *args,
                **kwargs)
   if isinstance(module, (Linear, Conv2D)):
     return next_f(*args, **kwargs)  # The plain form of the branch above.
   if defined_by is hk.Linear:
-    return linear(module, dots, next_f, *args, **kwargs)
+    return linear(module, matmuls, next_f, *args, **kwargs)
   if defined_by is hk.ConvND and isinstance(module, hk.Conv2D):
-    return conv2d(module, dots, next_f, *args, **kwargs)
+    return conv2d(module, matmuls, next_f, *args, **kwargs)
   if defined_by is hk.MultiHeadAttention:
-    return stock_attention.multi_head_attention(module, dots, next_f, *args,
+    return stock_attention.multi_head_attention(module, matmuls, next_f, *args,
                                                 **kwargs)
   return next_f(*args, **kwargs)

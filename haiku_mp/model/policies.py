@@ -56,6 +56,7 @@ from haiku_mp import errors
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
+from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import matmul_modules
 from haiku_mp.model import meta_params
 
@@ -182,10 +183,15 @@ class Precision:
       default_factory=list, init=False, compare=False, repr=False)
 
   @property
-  def dots(self) -> half_dot.Dots:
-    return half_dot.Dots(self.dot_form, self.matmul_precision, self.fp8,
+  def matmuls(self) -> half_dot.Matmuls:
+    return half_dot.Matmuls(self.dot_form, self.matmul_precision, self.fp8,
                          self.fp8_targets, self.fp8_axis, self.dot_platform,
                          self.fp4, self.fp8_kept)
+
+  @property
+  def dots(self) -> half_dot.Matmuls:
+    """0.1's name of `matmuls`, kept for its users."""
+    return self.matmuls
 
   def under_pmap(self, axis_name: str) -> 'Precision':
     """This precision for a forward pass traced inside `pmap` over
@@ -196,11 +202,14 @@ class Precision:
       return self
     return dataclasses.replace(self, fp8_axis=axis_name)
 
-  def runs_fp8(self, class_name: str, path: str) -> bool:
-    return self.dots.runs_fp8(class_name, path)
+  def runs_low_bit(self, class_name: str, path: str) -> bool:
+    return self.matmuls.runs_low_bit(class_name, path)
+
+  # 0.1's name, kept for its users: it is true for 4-bit Linears too.
+  runs_fp8 = runs_low_bit
 
   def runs_fp4(self, class_name: str, path: str) -> bool:
-    return self.dots.runs_fp4(class_name, path)
+    return self.matmuls.runs_fp4(class_name, path)
 
   def check_fp8(self, modules: set[tuple[str, str]]) -> None:
     """Raises unless every fp8 target selects at least one Linear among the
@@ -210,19 +219,19 @@ class Precision:
     for t in self.fp8_targets:
       selected = [(c, p) for c, p in modules if half_dot.selects((t,), c, p)]
       if not selected:
-        raise unmatched('precision.fp8.modules', t, modules)
+        raise unmatched('precision.low_bit.modules', t, modules)
       if not any(c == half_dot.FP8_CLASS for c, _ in selected):
         raise PrecisionError(
-            f'precision.fp8.modules: target {t!r} selects no '
+            f'precision.low_bit.modules: target {t!r} selects no '
             f'{half_dot.FP8_CLASS} ({", ".join(sorted({c for c, _ in selected}))}'
             f'): only {half_dot.FP8_CLASS} layers run fp8 matmuls (the patch '
             "embedding's convolution and attention's batched dots cannot)")
     for t in self.fp8_kept:
-      if not any(half_dot.selects((t,), c, p) and self.runs_fp8(c, p)
+      if not any(half_dot.selects((t,), c, p) and self.runs_low_bit(c, p)
                  for c, p in modules):
         raise PrecisionError(
-            f'precision.fp8.keep_fp8: target {t!r} selects no '
-            f'{half_dot.FP8_CLASS} that precision.fp8.modules runs in 4 bits')
+            f'precision.low_bit.keep_fp8: target {t!r} selects no '
+            f'{half_dot.FP8_CLASS} that precision.low_bit.modules runs in 4 bits')
 
   def rule_for(self, class_name: str, path: str) -> Optional[Rule]:
     """The module's own rule, or None when it inherits its caller's policy."""
@@ -304,11 +313,11 @@ RESIDUAL_STREAMS = ('compute', 'float32')
 
 
 def parse_targets(targets: Union[str, Sequence[Target]]) -> tuple[str, ...]:
-  """``'TARGET;...'`` (`precision.fp8.modules`), or a sequence of classes and
+  """``'TARGET;...'`` (`precision.low_bit.modules`), or a sequence of classes and
   strings, as the rules' targets."""
   if isinstance(targets, str) or targets is None:
     return tuple(t.strip() for t in (targets or '').split(';') if t.strip())
-  return tuple(_target_name(t, 'precision.fp8.modules') for t in targets)
+  return tuple(_target_name(t, 'precision.low_bit.modules') for t in targets)
 
 
 def _check_matmul_precision(name: str) -> Optional[str]:
@@ -332,12 +341,9 @@ def make_precision(policy: PolicyLike,
                    float32_layer_norm: bool = True,
                    float32_batch_norm: bool = True, matmul_precision: str = '',
                    residual_stream: str = 'compute',
-                   dot_form: str = 'auto',
-                   fp8_modules: Union[str, Sequence[Target]] = '',
-                   fp8: Optional[fp8_lib.Fp8] = None,
-                   dot_platform: str = '',
-                   fp4: Optional[fp4_lib.Fp4] = None,
-                   keep_fp8: Union[str, Sequence[Any]] = '') -> Precision:
+                   dot_form: str = 'auto', dot_platform: str = '',
+                   low_bit: Optional[low_bit_lib.LowBit] = None,
+                   **old_low_bit: Any) -> Precision:
   """Builds a `Precision` from jmp policies and module classes, or from the
   configs' strings.
 
@@ -359,14 +365,17 @@ def make_precision(policy: PolicyLike,
     dot_form: how matmuls with half operands run (`half_dot.FORMS`).
     dot_platform: the backend whose forms they take (`half_dot.PLATFORMS`;
       '' the one JAX runs on).
-    fp8_modules: ``'TARGET;...'``, or a sequence of targets (module classes,
-      class names or path globs), whose Linear layers run fp8 matmuls scaled
-      as `fp8` says; '' for none.
-    fp4: those Linear layers' matmuls in 4 bits instead (`fp4.Fp4`: NVFP4
-      or MXFP4, emulated); None for fp8.
-    keep_fp8: with `fp4`, targets (as `fp8_modules`) among those Linears
-      that keep fp8 matmuls at current scaling.
+    low_bit: the Linear layers on low-bit matmuls, and their format
+      (`LowBit`: fp8, or 4 bits); None for none.
+    **old_low_bit: 0.1's `fp8_modules`, `fp8`, `fp4` and `keep_fp8`, read
+      as the `low_bit` they describe (`low_bit.from_old_arguments`).
   """
+  if old_low_bit:
+    if low_bit is not None:
+      raise TypeError('make_precision: low_bit= and 0.1\'s '
+                      f'{", ".join(sorted(old_low_bit))}= both given; pass '
+                      'low_bit= only')
+    low_bit = low_bit_lib.from_old_arguments(old_low_bit)
   main = _as_policy(policy, 'precision.policy')
   model_class = _target_name(model_class, 'model_class')
   errors.check_choice('precision.residual_stream', residual_stream,
@@ -381,29 +390,25 @@ def make_precision(policy: PolicyLike,
                            (float32_batch_norm, BATCH_NORM_CLASS)):
     if keep:
       defaults[class_name] = Rule(class_name, normalized, 'default')
-  targets = parse_targets(fp8_modules)
+  targets = parse_targets(low_bit.modules if low_bit else '')
+  fp4 = low_bit.fp4 if targets else None
   if targets and jnp.dtype(main.compute_dtype) == jnp.float16:
     raise PrecisionError(
-        'precision.fp8.modules: fp8 matmuls need a bfloat16 or float32 '
+        'precision.low_bit.modules: fp8 matmuls need a bfloat16 or float32 '
         'compute dtype, not float16 (the float16 loss scale on top of fp8 '
         "scales is not supported); use a 'compute=bfloat16' policy")
-  if (targets and fp4 is not None and fp8 is not None
-      and fp8.scaling != 'current'):
+  kept = parse_targets(low_bit.keep_fp8 if low_bit else '')
+  if kept and fp4 is None:
     raise PrecisionError(
-        f'precision.fp8.scaling={fp8.scaling} with precision.fp8.format='
-        f'{fp4.format}: 4-bit formats scale per block themselves; leave '
-        "precision.fp8.scaling at 'current'")
-  kept = parse_targets(keep_fp8)
-  if kept and (fp4 is None or not targets):
-    raise PrecisionError(
-        'precision.fp8.keep_fp8: keeps fp8 among 4-bit Linears; set '
-        "precision.fp8.format to 'nvfp4' or 'mxfp4' and precision.fp8.modules")
+        'precision.low_bit.keep_fp8: keeps fp8 among 4-bit Linears; set '
+        "precision.low_bit.format to 'nvfp4' or 'mxfp4' and "
+        'precision.low_bit.modules')
   return Precision(main, defaults, parse_overrides(overrides),
                    _check_matmul_precision(matmul_precision),
                    residual_stream == 'float32', half_dot.check_form(dot_form),
                    half_dot.check_platform(dot_platform),
-                   (fp8 or fp8_lib.Fp8()) if targets else None, targets,
-                   fp4=fp4 if targets else None, fp8_kept=kept,
+                   low_bit.fp8 if targets else None, targets, fp4=fp4,
+                   fp8_kept=kept,
                    model_class=model_class)
 
 
@@ -429,14 +434,14 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
   Use inside a function passed to `hk.transform`. `observer`, if given, is
   called once per module method call with the cast inputs and outputs.
   Every `hk.Linear` and `hk.Conv2D` called inside, stock or haiku_mp's, runs
-  its matmul as `precision.dots` says (`matmul_modules.intercepted`).
+  its matmul as `precision.matmuls` says (`matmul_modules.intercepted`).
 
   Example:
     with haiku_mp.apply_precision(precision):
       logits = hk.nets.MLP([64, 10])(images.reshape(len(images), -1))
   """
   stack: list[jmp.Policy] = []
-  dots = precision.dots
+  matmuls = precision.matmuls
   # What the first forward pass called, for `Precision.check`: (class,
   # path) of every module, and the calls that ran under no policy.
   modules: set[tuple[str, str]] = set()
@@ -486,7 +491,7 @@ def apply(precision: Precision, observer: Optional[Observer] = None):
         stack.append(rule.policy)
         ctx.callback(stack.pop)
         args, kwargs = rule.policy.cast_to_compute((args, kwargs))
-      out = matmul_modules.intercepted(dots, next_f, args, kwargs, context)
+      out = matmul_modules.intercepted(matmuls, next_f, args, kwargs, context)
       if rule is not None:
         out = rule.policy.cast_to_output(out)
       if observer is not None:

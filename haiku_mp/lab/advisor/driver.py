@@ -18,7 +18,7 @@ a few real batches.
    the format would hold them (`matmul_formats`): fp8 as E4M3 / E5M2 under
    current, delayed and MX scaling, then 4 bits as NVFP4 and MXFP4 would
    block them; a verdict per choice (4 bits fall back on fp8, fp8 on
-   bfloat16) and the `precision.fp8.modules` and `keep_fp8` to paste.
+   bfloat16) and the `precision.low_bit.modules` and `keep_fp8` to paste.
 3. `--level=knockout`: one module at a time in the half format (a path
    override on the float32 model), its loss and logits against float32's
    on the same batches, ranked.
@@ -154,7 +154,7 @@ def fp8_candidates(settings: settings_schema.Settings,
 
 
 def _candidates_setting(settings: settings_schema.Settings) -> str:
-  return matmul_formats.candidates_setting(settings.precision.fp8.modules)
+  return matmul_formats.candidates_setting(settings.precision.low_bit.modules)
 
 
 def matmul_formats_of(settings: settings_schema.Settings
@@ -162,14 +162,14 @@ def matmul_formats_of(settings: settings_schema.Settings
   """The formats the low-bit advice judges, widest first, each with the
   choice its flags select: fp8 at the config's scaling, then 4 bits at the
   config's 4-bit format (NVFP4 when it runs fp8)."""
-  fp8_config = settings.precision.fp8
-  fp4_format = (fp8_config.format if fp8_config.format in fp4_lib.FORMATS
+  low_bit = settings.precision.low_bit
+  fp4_format = (low_bit.format if low_bit.format in fp4_lib.FORMATS
                 else fp4_lib.FORMATS[0])
-  fp8_scaling = (fp8_config.scaling if fp8_config.format == 'fp8'
+  fp8_scaling = (low_bit.scaling if low_bit.format == 'fp8'
                  else fp8_numerics.Fp8Matmuls.choices[0])
-  return [(fp8_numerics.Fp8Matmuls(fp8_config.history_length,
-                                   fp8_config.margin), fp8_scaling),
-          (fp4_numerics.Fp4Matmuls(fp8_config.hadamard), fp4_format)]
+  return [(fp8_numerics.Fp8Matmuls(low_bit.history_length,
+                                   low_bit.margin), fp8_scaling),
+          (fp4_numerics.Fp4Matmuls(low_bit.hadamard), fp4_format)]
 
 
 def matmul_advice(settings: settings_schema.Settings,
@@ -187,9 +187,9 @@ def matmul_advice(settings: settings_schema.Settings,
   judged = matmul_formats.judge(totals, fmt, choice, limits,
                                 _candidates_setting(settings), fallback)
   modules = judged['fp8_modules']
-  flags = [f"--config.precision.fp8.modules='{modules}'", *fmt.flags(choice)]
+  flags = [f"--config.precision.low_bit.modules='{modules}'", *fmt.flags(choice)]
   if judged['keep_fp8_setting']:
-    flags.append(f"--config.precision.fp8.keep_fp8='"
+    flags.append(f"--config.precision.low_bit.keep_fp8='"
                  f"{judged['keep_fp8_setting']}'")
   if variants.compute_dtype(settings) == 'float16':
     flags.insert(0, '--config.precision.policy=' + verdicts.policy(

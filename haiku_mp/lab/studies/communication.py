@@ -43,7 +43,7 @@ def variant(settings: settings_lib.Settings, layout: str, wire: str
             ) -> settings_lib.Settings:
   """`settings` on `layout` with `wire`'s dtypes, on synthetic data."""
   gather, reduce = parse_wire(wire)
-  if gather == 'fp8' and not settings.precision.fp8.modules:
+  if gather == 'fp8' and not settings.precision.low_bit.modules:
     settings = variants.in_compute_dtype(settings, 'fp8_current')
   return settings_lib.replace(
       variants.with_layout(settings, layout),
@@ -68,7 +68,7 @@ def _measured(settings: settings_lib.Settings, layout: str,
   return dict(
       layout=layout, wire=wire, strategy=exp.settings.parallel.strategy,
       policy=exp.settings.precision.policy,
-      fp8=bool(exp.settings.precision.fp8.modules),
+      fp8=bool(exp.settings.precision.low_bit.modules),
       batch_size=exp.settings.batch_size, source=result['source'],
       collectives=rows, compiled_collectives=result['compiled_collectives'],
       bytes=sum(r['bytes'] for r in rows),

@@ -190,11 +190,11 @@ def run(settings: settings_lib.Settings, compile_step: bool = True,
   rows = []
   for m in hlo_matmuls(lowered_text):
     module, pass_ = locate(m['op_name'], paths)
-    runs_fp8 = exp.precision.runs_fp8(classes.get(module, ''), module)
+    runs_low_bit = exp.precision.runs_low_bit(classes.get(module, ''), module)
     fp8_operands = any(t in FP8_TYPES for t in m['operands'])
     row = dict(module=module, pass_=pass_, lhs=m['operands'][0],
                rhs=m['operands'][1], fp8_operands=fp8_operands,
-               runs_fp8=runs_fp8,
+               runs_low_bit=runs_low_bit,
                format=_format(exp.precision,
                               exp.precision.runs_fp4(classes.get(module, ''),
                                                      module),
@@ -212,10 +212,10 @@ def run(settings: settings_lib.Settings, compile_step: bool = True,
       device=str(jax.devices()[0].device_kind),
       batch_size=settings.batch_size,
       scaling=exp.precision.fp8.describe() if exp.precision.fp8 else 'off',
-      fp8_modules=settings.precision.fp8.modules,
+      fp8_modules=settings.precision.low_bit.modules,
       matmuls=rows, fp8_matmuls=len(fp8_rows),
       fp8_linears=sum(1 for p, c in classes.items()
-                      if exp.precision.runs_fp8(c, p)),
+                      if exp.precision.runs_low_bit(c, p)),
       low_bit_format=fp4_config.format if fp4_config else 'fp8',
       fp4_matmuls=sum(1 for r in rows if r['format'] in fp4.FORMATS))
   if fp4_config is not None:

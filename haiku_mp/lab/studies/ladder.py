@@ -81,7 +81,7 @@ def run_row(settings: settings_lib.Settings, workdir: str,
   per = state_layout.per_parameter(state_layout.bytes_by_part(state),
                                    state_layout.param_count(state))
   return dict(workdir=os.path.basename(os.path.normpath(workdir)),
-              variant=base + _departures(settings.precision.fp8, base,
+              variant=base + _departures(settings.precision.low_bit, base,
                                          len(fp8_kept), len(low_bit)),
               fp8_kept=fp8_kept, seed=settings.seed,
               test_accuracy=summary['test_accuracy'],
@@ -106,13 +106,13 @@ _FP4_PARTS = (('two_d_weights', '1-D weight blocks'),
               ('stochastic_gradients', 'nearest gradients'))
 
 
-def _departures(fp8: settings_lib.Fp8Settings, base: str, kept: int,
+def _departures(recipe: settings_lib.LowBitSettings, base: str, kept: int,
                 low_bit: int) -> str:
   """' (no Hadamard, ...)': where a 4-bit run leaves NVIDIA's recipe; a
   run keeping `kept` of its `low_bit` Linears in fp8 is one of them."""
   if base not in variants.FP4_VARIANTS:
     return ''
-  parts = [label for field, label in _FP4_PARTS if not getattr(fp8, field)]
+  parts = [label for field, label in _FP4_PARTS if not getattr(recipe, field)]
   if kept:
     parts.append(f'{kept} of {low_bit} Linears in fp8')
   return f' ({", ".join(parts)})' if parts else ''

@@ -8,22 +8,21 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from haiku_mp import errors
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import policies
 from haiku_mp.vit.model import vit
-from haiku_mp.vit.settings import Fp8Settings
+from haiku_mp.vit.settings import LowBitSettings
 from haiku_mp.vit.settings import ModelSettings
+from haiku_mp.vit.settings import precision as precision_settings
 from haiku_mp.vit.settings import Settings
-
-# `precision.fp8.format`'s fp8 (E4M3 / E5M2); the others are `fp4.FORMATS`.
-FP8_FORMAT = 'fp8'
 
 
 def precision_from_config(config: Settings
                           ) -> policies.Precision:
   """The `Precision` that `config.precision` describes for the ViT."""
+  low_bit = config.precision.low_bit
   return policies.make_precision(
       config.precision.policy, config.precision.overrides,
       model_class=vit.MODEL_CLASS,
@@ -32,23 +31,20 @@ def precision_from_config(config: Settings
       residual_stream=config.precision.residual_stream,
       dot_form=config.precision.dot_form,
       dot_platform=config.precision.dot_platform,
-      fp8_modules=config.precision.fp8.modules,
-      fp8=fp8_lib.Fp8(config.precision.fp8.scaling,
-                      config.precision.fp8.history_length,
-                      config.precision.fp8.margin),
-      fp4=make_fp4(config.precision.fp8),
-      keep_fp8=config.precision.fp8.keep_fp8)
+      # fp8's scaling is built (and checked) whether or not a Linear runs it.
+      low_bit=low_bit_lib.from_parts(
+          low_bit.modules,
+          fp8_lib.Fp8(low_bit.scaling, low_bit.history_length, low_bit.margin),
+          make_fp4(low_bit), low_bit.keep_fp8))
 
 
-def make_fp4(fp8_config: Fp8Settings) -> Optional[fp4_lib.Fp4]:
-  """The 4-bit format `precision.fp8.format` names, with the recipe's
+def make_fp4(low_bit: LowBitSettings) -> Optional[fp4_lib.Fp4]:
+  """The 4-bit format `precision.low_bit.format` names, with the recipe's
   parts; None for fp8 itself."""
-  errors.check_choice('precision.fp8.format', fp8_config.format,
-                      (FP8_FORMAT,) + fp4_lib.FORMATS)
-  if fp8_config.format == FP8_FORMAT:
+  if low_bit.format == precision_settings.FP8_FORMAT:
     return None
-  return fp4_lib.Fp4(fp8_config.format, fp8_config.two_d_weights,
-                     fp8_config.hadamard, fp8_config.stochastic_gradients)
+  return fp4_lib.Fp4(low_bit.format, low_bit.two_d_weights, low_bit.hadamard,
+                     low_bit.stochastic_gradients)
 
 
 def make_forward(model_config: ModelSettings,
@@ -62,7 +58,7 @@ def make_forward(model_config: ModelSettings,
   kwargs = {f.name: getattr(model_config, f.name)
             for f in dataclasses.fields(ModelSettings)}
   kwargs['float32_residual'] = precision.float32_residual
-  kwargs['dots'] = precision.dots
+  kwargs['matmuls'] = precision.matmuls
   kwargs['remat'] = remat
 
   def forward(images: jax.Array, is_training: bool) -> jax.Array:

@@ -47,17 +47,17 @@ class PatchEmbed(hk.Module):
   """Cuts images into non-overlapping patches and projects each to a vector."""
 
   def __init__(self, patch_size: int, embed_dim: int,
-               dots: half_dot.Dots = half_dot.Dots(),
+               matmuls: half_dot.Matmuls = half_dot.Matmuls(),
                init: str = 'lecun_normal', name: Optional[str] = None):
     super().__init__(name=name)
     errors.check_choice('model.patch_init', init, tuple(PATCH_INITS))
     self.patch_size = patch_size
     self.embed_dim = embed_dim
-    self.dots = dots
+    self.matmuls = matmuls
     self.init = init
 
   def __call__(self, images: jax.Array) -> jax.Array:
-    x = matmul_modules.Conv2D(self.embed_dim, dots=self.dots,
+    x = matmul_modules.Conv2D(self.embed_dim, matmuls=self.matmuls,
                               kernel_shape=self.patch_size,
                               stride=self.patch_size, padding='VALID',
                               w_init=PATCH_INITS[self.init](),
@@ -69,11 +69,11 @@ class PatchEmbed(hk.Module):
 class Attention(hk.Module):
   """Multi-head self-attention with float32 logits and softmax."""
 
-  def __init__(self, num_heads: int, dots: half_dot.Dots = half_dot.Dots(),
+  def __init__(self, num_heads: int, matmuls: half_dot.Matmuls = half_dot.Matmuls(),
                name: Optional[str] = None):
     super().__init__(name=name)
     self.num_heads = num_heads
-    self.dots = dots
+    self.matmuls = matmuls
 
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, tokens, dim = x.shape
@@ -83,18 +83,18 @@ class Attention(hk.Module):
     head_dim = dim // self.num_heads
 
     def project(name):
-      y = matmul_modules.Linear(dim, self.dots, w_init=_linear_init(),
+      y = matmul_modules.Linear(dim, self.matmuls, w_init=_linear_init(),
                                 name=name)(x)
       return y.reshape(batch, tokens, self.num_heads, head_dim)
 
     q, k, v = project('query'), project('key'), project('value')
-    logits = self.dots.einsum(
+    logits = self.matmuls.einsum(
         'bqhd,bkhd->bhqk', q, k,
         out_dtype=jnp.promote_types(q.dtype, jnp.float32)) / math.sqrt(head_dim)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = self.dots.einsum('bhqk,bkhd->bqhd', weights, v)
+    out = self.matmuls.einsum('bhqk,bkhd->bqhd', weights, v)
     out = out.reshape(batch, tokens, dim)
-    return matmul_modules.Linear(dim, self.dots, w_init=_linear_init(),
+    return matmul_modules.Linear(dim, self.matmuls, w_init=_linear_init(),
                                  name='out')(out)
 
 
@@ -102,19 +102,19 @@ class MlpBlock(hk.Module):
   """Linear -> GELU -> Dropout -> Linear -> Dropout."""
 
   def __init__(self, mlp_dim: int, dropout_rate: float,
-               dots: half_dot.Dots = half_dot.Dots(),
+               matmuls: half_dot.Matmuls = half_dot.Matmuls(),
                name: Optional[str] = None):
     super().__init__(name=name)
     self.mlp_dim = mlp_dim
     self.dropout_rate = dropout_rate
-    self.dots = dots
+    self.matmuls = matmuls
 
   def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
     dim = x.shape[-1]
-    y = matmul_modules.Linear(self.mlp_dim, self.dots,
+    y = matmul_modules.Linear(self.mlp_dim, self.matmuls,
                               w_init=_linear_init(), name='fc1')(x)
     y = _dropout(jax.nn.gelu(y), self.dropout_rate, is_training)
-    y = matmul_modules.Linear(dim, self.dots, w_init=_linear_init(),
+    y = matmul_modules.Linear(dim, self.matmuls, w_init=_linear_init(),
                               name='fc2')(y)
     return _dropout(y, self.dropout_rate, is_training)
 
@@ -151,13 +151,13 @@ class EncoderBlock(hk.Module):
 
   def __init__(self, num_heads: int, mlp_dim: int, dropout_rate: float,
                layer_norm_epsilon: float,
-               dots: half_dot.Dots = half_dot.Dots(),
+               matmuls: half_dot.Matmuls = half_dot.Matmuls(),
                drop_path_rate: float = 0.0,
                name: Optional[str] = None):
     super().__init__(name=name)
     self.num_heads = num_heads
     self.drop_path_rate = drop_path_rate
-    self.dots = dots
+    self.matmuls = matmuls
     self.mlp_dim = mlp_dim
     self.dropout_rate = dropout_rate
     self.layer_norm_epsilon = layer_norm_epsilon
@@ -171,10 +171,10 @@ class EncoderBlock(hk.Module):
 
     # Branch outputs are cast to the residual stream's dtype, so an override on
     # a sub-module (say output=float32) cannot silently promote the stream.
-    y = Attention(self.num_heads, self.dots)(
+    y = Attention(self.num_heads, self.matmuls)(
         _layer_norm('ln_attention', self.layer_norm_epsilon)(x))
     x = x + drop_path('drop_path_attention', y).astype(x.dtype)
-    y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dots)(
+    y = MlpBlock(self.mlp_dim, self.dropout_rate, self.matmuls)(
         _layer_norm('ln_mlp', self.layer_norm_epsilon)(x), is_training)
     return x + drop_path('drop_path_mlp', y).astype(x.dtype)
 
@@ -187,7 +187,7 @@ class VisionTransformer(hk.Module):
                dropout_rate: float, layer_norm_epsilon: float,
                drop_path_rate: float = 0.0,
                float32_residual: bool = False,
-               dots: half_dot.Dots = half_dot.Dots(),
+               matmuls: half_dot.Matmuls = half_dot.Matmuls(),
                remat: str = 'none', patch_init: str = 'lecun_normal',
                name: Optional[str] = 'vit'):
     """`float32_residual` keeps the residual stream (the sum the blocks add
@@ -216,13 +216,13 @@ class VisionTransformer(hk.Module):
     self.layer_norm_epsilon = layer_norm_epsilon
     self.drop_path_rate = drop_path_rate
     self.float32_residual = float32_residual
-    self.dots = dots
+    self.matmuls = matmuls
     self.remat = remat
     self.patch_init = patch_init
 
   def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
     """Maps images [B, H, W, C] to logits [B, num_classes]."""
-    x = PatchEmbed(self.patch_size, self.embed_dim, self.dots,
+    x = PatchEmbed(self.patch_size, self.embed_dim, self.matmuls,
                    self.patch_init)(images)
     batch, num_patches, dim = x.shape
     cls_token = hk.get_parameter('cls_token', [1, 1, dim], init=jnp.zeros)
@@ -237,12 +237,12 @@ class VisionTransformer(hk.Module):
       # Stochastic depth's rate rises linearly with depth (Huang et al.).
       rate = self.drop_path_rate * i / max(self.num_layers - 1, 1)
       block = EncoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate,
-                           self.layer_norm_epsilon, self.dots,
+                           self.layer_norm_epsilon, self.matmuls,
                            drop_path_rate=rate, name=f'encoder_block_{i}')
       x = remat_lib.wrap(block, self.remat, static_argnums=(1,))(
           x, is_training)
     x = _layer_norm('ln_final', self.layer_norm_epsilon)(x[:, 0])
-    return matmul_modules.Linear(self.num_classes, self.dots,
+    return matmul_modules.Linear(self.num_classes, self.matmuls,
                                  w_init=jnp.zeros, name='head')(x)
 
 

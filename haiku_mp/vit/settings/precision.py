@@ -1,15 +1,21 @@
 """Precision: jmp policies, matmul forms, the training state's layout and
 the low-bit matmuls (haiku_mp/model/policies.py, fp8.py, fp4.py)."""
 
+from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import group
 from haiku_mp.vit.settings.fields import setting
 
+# The low-bit formats: fp8, or one of the 4-bit ones.
+FP8_FORMAT = 'fp8'
+FORMATS = (FP8_FORMAT,) + fp4_lib.FORMATS
+
 
 @fields.frozen
-class Fp8Settings:
-  """Low-bit matmuls: which Linears, their format and scaling."""
+class LowBitSettings:
+  """Low-bit matmuls: which Linears, their format (fp8, or 4 bits) and
+  scaling."""
 
   modules: str = setting(
       '',
@@ -23,9 +29,10 @@ class Fp8Settings:
   margin: float = setting(0.0, 'Scales leave amax * 2**margin in range (>= 0).')
   format: str = setting(
       'fp8',
-      "'fp8', or 4 bits, emulated (haiku_mp/model/fp4.py): 'nvfp4' (E2M1 "
-      "in blocks of 16 with E4M3 scales) or 'mxfp4' (blocks of 32, E8M0 "
-      "scales); 4 bits take scaling 'current'.")
+      "'fp8' (E4M3 forward, E5M2 gradients; haiku_mp/model/fp8.py), or 4 "
+      "bits, emulated (haiku_mp/model/fp4.py): 'nvfp4' (E2M1 in blocks of "
+      "16 with E4M3 scales) or 'mxfp4' (blocks of 32, E8M0 scales); 4 bits "
+      "take scaling 'current'.", check=fields.one_of(FORMATS))
   two_d_weights: bool = setting(
       True,
       '4 bits: weights in 2-D tiles (16x16 / 32x32) shared by the forward '
@@ -104,11 +111,14 @@ class PrecisionSettings:
       "'float8_blocks' moments: values per scale, along each param's last "
       "axis (torchao's 256: 0.016 bytes of scale per value).",
       check=fields.POSITIVE)
-  fp8: Fp8Settings = group(
-      Fp8Settings,
-      'fp8 matmuls (haiku_mp/model/fp8.py, docs/fp8.md): E4M3 forward, E5M2 '
-      'gradients, float32 sums, in the Linear layers of these modules; '
-      'or 4 bits, emulated.')
+  low_bit: LowBitSettings = group(
+      LowBitSettings,
+      'Low-bit matmuls (docs/fp8.md) in the Linear layers of these modules: '
+      'fp8 with float32 sums, or 4 bits, emulated. Was precision.fp8 (that '
+      'name still works).')
 
 
-__all__ = ['Fp8Settings', 'PrecisionSettings']
+# 0.1's name of `LowBitSettings`, kept for its users.
+Fp8Settings = LowBitSettings
+
+__all__ = ['Fp8Settings', 'LowBitSettings', 'PrecisionSettings']

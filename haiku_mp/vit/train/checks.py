@@ -69,15 +69,16 @@ def _check_model(config: settings_lib.Settings) -> policies.Precision:
     raise errors.ConfigError(
         f'model.embed_dim={model.embed_dim} is not divisible by '
         f'model.num_heads={model.num_heads}')
-  fp8 = config.precision.fp8
+  low_bit = config.precision.low_bit
   # fp8.Fp8 checks its own settings.
   precision = forward_lib.precision_from_config(config)
   _check_state_layout(config.precision, precision)
-  if config.privacy.enabled and fp8.modules.strip():
+  if config.privacy.enabled and low_bit.modules.strip():
     raise errors.ConfigError(
-        f'precision.fp8.modules={fp8.modules!r} with privacy.enabled: DP-SGD '
-        "clips per-example gradients that fp8's per-tensor scales do not "
-        "follow (untested); set precision.fp8.modules='' for a private run")
+        f'precision.low_bit.modules={low_bit.modules!r} with privacy.enabled: '
+        "DP-SGD clips per-example gradients that fp8's per-tensor scales do "
+        "not follow (untested); set precision.low_bit.modules='' for a "
+        'private run')
   return precision
 
 
@@ -120,7 +121,7 @@ def _check_communication(settings: settings_lib.Settings,
   if fp8_gathers and precision.fp8 is None:
     raise errors.ConfigError(
         'parallel.gather_dtype=fp8 gathers the fp8 Linears\' kernels in fp8, '
-        'and no Linear runs in fp8 (precision.fp8.modules is empty): use '
+        'and no Linear runs in fp8 (precision.low_bit.modules is empty): use '
         "'compute', or configs/vit_fp8.py")
   half_reduce = parallel.reduce_dtype == 'compute'
   compute = jnp.dtype(precision.policy.compute_dtype)

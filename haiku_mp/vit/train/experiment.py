@@ -274,7 +274,7 @@ def build(settings: settings_lib.Settings, *,
           settings.parallel.gather_dtype, settings.parallel.reduce_dtype,
           precision.policy.compute_dtype,
           frozenset(c.path for c in calls
-                    if precision.runs_fp8(c.class_name, c.path))))
+                    if precision.runs_low_bit(c.class_name, c.path))))
   private = dp_sgd.from_config(
       settings.privacy, settings.batch_size, num_train_examples, total_steps,
       batch_devices=batch_devices,

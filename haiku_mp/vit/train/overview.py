@@ -74,7 +74,7 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
         'input_dtypes': _dtype_names(call.args),
         'output_dtypes': _dtype_names(call.output),
         'matmul': (_low_bit(precision, call.class_name, call.path)
-                   if precision.runs_fp8(call.class_name, call.path) else '-'),
+                   if precision.runs_low_bit(call.class_name, call.path) else '-'),
     }
   return sorted(rows.values(), key=lambda r: _preorder_key(r['path'], calls))
 
@@ -202,7 +202,7 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
       precision.dot_form,
       [precision.policy.compute_dtype,
        *(rule.policy.compute_dtype for rule in precision.overrides)],
-      precision.dots.backend))
+      precision.matmuls.backend))
   rows = module_rows(exp)
   table = format_table(rows)
   path = os.path.join(workdir, MODULES_FILE)

@@ -1,0 +1,80 @@
+"""Which Linear layers run low-bit matmuls, and in what format: the one value
+`make_precision` takes for them (`low_bit=`), fp8 at a scaling or a 4-bit
+format, where 0.1 took four arguments (`fp8_modules`, `fp8`, `fp4`,
+`keep_fp8`; still read, `from_old_arguments`)."""
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from haiku_mp import errors
+from haiku_mp.model import fp4 as fp4_lib
+from haiku_mp.model import fp8 as fp8_lib
+
+# A module target: a class name or path glob, or the class itself.
+Targets = Union[str, Sequence[Any]]
+# 0.1's arguments of `make_precision` that `LowBit` replaces.
+OLD_ARGUMENTS = ('fp8_modules', 'fp8', 'fp4', 'keep_fp8')
+
+
+@dataclasses.dataclass(frozen=True)
+class LowBit:
+  """The Linear layers of `modules` (``'TARGET;...'`` or a sequence of
+  classes, class names and path globs) on low-bit matmuls in `format`: fp8
+  scaled as an `Fp8` says, or 4 bits, emulated (an `Fp4`), with those that
+  `keep_fp8` selects among them in fp8 at current scaling.
+
+  Example:
+    precision = haiku_mp.make_precision(
+        BF16, model_class=hk.nets.MLP,
+        low_bit=haiku_mp.LowBit('Linear', haiku_mp.Fp4('nvfp4')))
+  """
+  modules: Targets
+  format: Union[fp8_lib.Fp8, fp4_lib.Fp4] = fp8_lib.Fp8()
+  keep_fp8: Targets = ''
+
+  @property
+  def fp8(self) -> fp8_lib.Fp8:
+    """The fp8 matmuls' scaling: the format's, or current scaling for the
+    Linears a 4-bit format keeps in fp8."""
+    return self.format if isinstance(self.format, fp8_lib.Fp8) else (
+        fp8_lib.Fp8())
+
+  @property
+  def fp4(self) -> Optional[fp4_lib.Fp4]:
+    return self.format if isinstance(self.format, fp4_lib.Fp4) else None
+
+
+def from_parts(modules: Targets = '', fp8: Optional[fp8_lib.Fp8] = None,
+               fp4: Optional[fp4_lib.Fp4] = None,
+               keep_fp8: Targets = '') -> Optional[LowBit]:
+  """A `LowBit` from its parts as 0.1's `make_precision` and the configs
+  give them: the modules, fp8's scaling, a 4-bit format (None: fp8) and the
+  modules kept in fp8; None where neither modules nor kept ones are given.
+  A 4-bit format with fp8's delayed or MX scaling is a ConfigError."""
+  if not _given(modules) and not _given(keep_fp8):
+    return None
+  if (_given(modules) and fp4 is not None and fp8 is not None
+      and fp8.scaling != 'current'):
+    raise errors.ConfigError(
+        f'precision.low_bit.scaling={fp8.scaling} with '
+        f'precision.low_bit.format={fp4.format}: 4-bit formats scale per '
+        "block themselves; leave precision.low_bit.scaling at 'current'")
+  return LowBit(modules, fp4 or fp8 or fp8_lib.Fp8(), keep_fp8)
+
+
+def from_old_arguments(arguments: Mapping[str, Any]) -> Optional[LowBit]:
+  """0.1's `fp8_modules`, `fp8`, `fp4` and `keep_fp8` of `make_precision`
+  as a `LowBit`; a name not among them is a TypeError, as for any unknown
+  argument."""
+  unknown = sorted(set(arguments) - set(OLD_ARGUMENTS))
+  if unknown:
+    raise TypeError(
+        f'make_precision() got an unexpected keyword argument {unknown[0]!r}')
+  return from_parts(arguments.get('fp8_modules', ''), arguments.get('fp8'),
+                    arguments.get('fp4'), arguments.get('keep_fp8', ''))
+
+
+def _given(targets: Targets) -> bool:
+  if isinstance(targets, str):
+    return bool(targets.strip())
+  return bool(targets)
