@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from haiku_mp.model import interception
 from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
@@ -36,7 +37,7 @@ def _linear_regression(policy: str):
   plan = policies.make_precision(policy, model_class='Linear')
 
   def predict(x):
-    with policies.apply(plan):
+    with interception.apply(plan):
       return hk.Linear(1, name='linear')(x)
 
   forward = hk.transform(predict)
@@ -515,7 +516,7 @@ class StateCheckTest(parameterized.TestCase):
 
     def forward(images, is_training):
       del is_training
-      with policies.apply(policy):
+      with interception.apply(policy):
         return hk.Linear(3)(images)
 
     forward = hk.without_apply_rng(hk.transform(forward))

@@ -19,14 +19,15 @@ cast to its compute dtype when read. `hk.mixed_precision` keys policies on the
 exact class, keeps one thread-local policy stack, and its parameter getter runs
 outermost, so a per-instance policy cannot be layered on top of it (dm-haiku
 issue #680). haiku_mp therefore applies class and path rules in one method
-interceptor of its own, entered with `apply()` inside the transformed function:
-nothing leaks into other models or threads once the function returns.
+interceptor of its own (`interception.apply`), entered inside the transformed
+function: nothing leaks into other models or threads once the function
+returns.
 `policies_test.py` checks that, for class-only rules, the traced program is the
 one `hk.mixed_precision` produces.
 
 Every place a dtype is decided in a step:
 
-- this module's interceptor: params, module inputs and outputs (the policies);
+- `interception.apply`: params, module inputs and outputs (the policies);
 - `half_dot`: every matmul takes compute-dtype operands and sums in float32,
   forward and backward, rounded once to the compute dtype (`precision.dot_form`
   picks the form per backend);
@@ -41,13 +42,11 @@ Every place a dtype is decided in a step:
 - `loss_scaling`: the scale itself is always float32 (jmp #47).
 """
 
-import contextlib
 import dataclasses
 import difflib
 import fnmatch
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
-import haiku as hk
 import jax
 import jax.numpy as jnp
 import jmp
@@ -57,12 +56,9 @@ from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
 from haiku_mp.model import low_bit as low_bit_lib
-from haiku_mp.model import matmul_modules
-from haiku_mp.model import meta_params
 
 LAYER_NORM_CLASS = 'LayerNorm'
 BATCH_NORM_CLASS = 'BatchNorm'
-_META = frozenset(meta_params.META_NAMES)
 _GLOB_CHARS = frozenset('*?[')
 # How alike a class or path end must be to a target to be offered for it
 # (difflib's ratio).
@@ -410,127 +406,6 @@ def make_precision(policy: PolicyLike,
                    low_bit.fp8 if targets else None, targets, fp4=fp4,
                    fp8_kept=kept,
                    model_class=model_class)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleCall:
-  """What `apply` saw of one module method call (for tables and tests)."""
-  path: str
-  class_name: str
-  method: str
-  rule: Optional[Rule]
-  policy: Optional[jmp.Policy]  # the policy in force: own rule or inherited.
-  args: Any
-  output: Any
-
-
-Observer = Callable[[ModuleCall], None]
-
-
-@contextlib.contextmanager
-def apply(precision: Precision, observer: Optional[Observer] = None):
-  """Applies `precision` to the Haiku modules called inside the context.
-
-  Use inside a function passed to `hk.transform`. `observer`, if given, is
-  called once per module method call with the cast inputs and outputs.
-  Every `hk.Linear` and `hk.Conv2D` called inside, stock or haiku_mp's, runs
-  its matmul as `precision.matmuls` says (`matmul_modules.intercepted`).
-
-  Example:
-    with haiku_mp.apply_precision(precision):
-      logits = hk.nets.MLP([64, 10])(images.reshape(len(images), -1))
-  """
-  stack: list[jmp.Policy] = []
-  matmuls = precision.matmuls
-  # What the first forward pass called, for `Precision.check`: (class,
-  # path) of every module, and the calls that ran under no policy.
-  modules: set[tuple[str, str]] = set()
-  outside: list[tuple[str, str]] = []
-
-  def creator(next_creator, shape, dtype, init, context):
-    # Params and Haiku state alike, in the policy's param dtype; fp8 amax
-    # histories stay float32 whatever the policy (`meta_params.META_NAMES`).
-    if jnp.issubdtype(dtype, jnp.floating) and context.name not in _META:
-      dtype = stack[-1].param_dtype
-    return next_creator(shape, dtype, init)
-
-  def setter(next_setter, value, context):
-    # State keeps the dtype it was created in (`creator`): a module that
-    # computes in half precision sets it from half values.
-    del context
-    if jnp.issubdtype(jnp.result_type(value), jnp.floating):
-      value = jnp.asarray(value).astype(stack[-1].param_dtype)
-    return next_setter(value)
-
-  def getter(next_getter, value, context):
-    if context.name in _META:
-      return next_getter(value)
-    return next_getter(stack[-1].cast_to_compute(value))
-
-  def interceptor(next_f, args, kwargs, context: hk.MethodContext):
-    if context.method_name == '__init__':  # The module has no path yet.
-      return next_f(*args, **kwargs)
-    module = context.module
-    class_name = type(module).__name__
-    rule = precision.rule_for(class_name, module.module_name)
-    modules.add((class_name, module.module_name))
-    if rule is None and not stack:
-      outside.append((class_name, module.module_name))
-    if rule is None and stack and isinstance(module, _MATMUL_MODULES):
-      # The input a module with a rule of its own would take: one made
-      # inside the model after its policy cast it (integer images divided
-      # by 255; the float32 output of a module kept in float32) would else
-      # fail a convolution on mixed dtypes, or run a dot in float32.
-      args, kwargs = stack[-1].cast_to_compute((args, kwargs))
-    with contextlib.ExitStack() as ctx:
-      if rule is not None:
-        if not stack:
-          ctx.enter_context(hk.custom_creator(creator, state=True))
-          ctx.enter_context(hk.custom_getter(getter, state=True))
-          ctx.enter_context(hk.custom_setter(setter))
-        stack.append(rule.policy)
-        ctx.callback(stack.pop)
-        args, kwargs = rule.policy.cast_to_compute((args, kwargs))
-      out = matmul_modules.intercepted(matmuls, next_f, args, kwargs, context)
-      if rule is not None:
-        out = rule.policy.cast_to_output(out)
-      if observer is not None:
-        observer(ModuleCall(module.module_name, class_name,
-                            context.method_name, rule,
-                            stack[-1] if stack else None, (args, kwargs), out))
-      return out
-
-  with contextlib.ExitStack() as ctx:
-    if precision.matmul_precision is not None:
-      ctx.enter_context(jax.default_matmul_precision(precision.matmul_precision))
-    ctx.enter_context(hk.intercept_methods(interceptor))
-    yield
-  if not precision._checked:  # pylint: disable=protected-access
-    _check_first_pass(precision, modules, outside)
-    precision._checked.append(True)  # pylint: disable=protected-access
-
-
-# Modules whose Haiku call takes its input in its params' dtype: a
-# convolution refuses a mix of dtypes, a dot promotes it to float32.
-_MATMUL_MODULES = (hk.Linear, hk.ConvND, hk.ConvNDTranspose,
-                   hk.DepthwiseConv1D, hk.DepthwiseConv2D,
-                   hk.DepthwiseConv3D)
-
-
-def _check_first_pass(precision: Precision, modules: set[tuple[str, str]],
-                      outside: list[tuple[str, str]]) -> None:
-  """`precision.check` of what one forward pass called, and no module
-  called outside `model_class` (it would run under no policy)."""
-  if not modules:
-    return  # Nothing called under `apply`: nothing to check against.
-  precision.check(modules)
-  if outside and precision.model_class:
-    class_name, path = outside[0]
-    raise PrecisionError(
-        f'model_class: module {path!r} ({class_name}) is called outside '
-        f'{precision.model_class!r} and would run under no policy; make '
-        'model_class the outermost module, or give it its own rule in '
-        f"precision.overrides (e.g. '{path}:p=f32,c=bf16,o=f32')")
 
 
 def with_dtypes(policy: PolicyLike, setting: str = 'precision.policy',

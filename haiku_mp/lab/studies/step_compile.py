@@ -30,6 +30,7 @@ import optax
 
 from haiku_mp.lab import charts
 from haiku_mp.lab import hardware
+from haiku_mp.model import interception
 from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
@@ -77,7 +78,7 @@ def _model(name: str) -> tuple[hk.TransformedWithState, dict[str, Any]]:
   precision = policies.make_precision(POLICY, model_class=model_class)
 
   def forward(inputs, is_training):
-    with policies.apply(precision):
+    with interception.apply(precision):
       return fn(inputs, is_training)
 
   if name == 'resnet18':

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import interception
 from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import policies
 from haiku_mp.vit.model import vit
@@ -49,7 +50,7 @@ def make_fp4(low_bit: LowBitSettings) -> Optional[fp4_lib.Fp4]:
 
 def make_forward(model_config: ModelSettings,
                  precision: policies.Precision,
-                 observer: Optional[policies.Observer] = None,
+                 observer: Optional[interception.Observer] = None,
                  remat: str = 'none') -> hk.Transformed:
   """`forward(images, is_training) -> logits` transformed, with `precision`
   applied and `remat` (`remat.CHOICES`, checked where each block is
@@ -62,7 +63,7 @@ def make_forward(model_config: ModelSettings,
   kwargs['remat'] = remat
 
   def forward(images: jax.Array, is_training: bool) -> jax.Array:
-    with policies.apply(precision, observer):
+    with interception.apply(precision, observer):
       return vit.VisionTransformer(**kwargs)(images, is_training)
 
   return hk.transform(forward)
@@ -77,7 +78,7 @@ def dummy_images(model_config: ModelSettings,
 def trace_modules(model_config: ModelSettings,
                   precision: policies.Precision,
                   batch_size: int = 1
-                  ) -> tuple[list[policies.ModuleCall], hk.Params]:
+                  ) -> tuple[list[interception.ModuleCall], hk.Params]:
   """Every module call of one forward pass and the params' shapes and dtypes.
 
   Traced abstractly with `jax.eval_shape`: no FLOPs, no memory for params.
@@ -94,7 +95,7 @@ def checked_precision(config: Settings,
                       precision: Optional[policies.Precision] = None,
                       batch_devices: int = 1
                       ) -> tuple[policies.Precision,
-                                 list[policies.ModuleCall]]:
+                                 list[interception.ModuleCall]]:
   """`config`'s Precision (`precision`, where already built from it), every
   override checked against the module calls of one (abstract) forward
   pass, and those calls. A 4-bit Linear's tokens are checked per device of
@@ -111,7 +112,7 @@ def checked_precision(config: Settings,
 
 
 def _check_fp4_tokens(precision: policies.Precision,
-                      calls: list[policies.ModuleCall],
+                      calls: list[interception.ModuleCall],
                       batch_size: int) -> None:
   """Each 4-bit Linear's tokens per step on a device (its input rows at
   batch 1, traced, times the device's batch) a whole number of blocks."""

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from haiku_mp import errors
+from haiku_mp.model import interception
 from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
@@ -43,7 +44,7 @@ class Experiment:
   mesh: Optional[Mesh]
   precision: policies.Precision
   # Every module call of one forward pass (path, class, policy, dtypes).
-  module_calls: list[policies.ModuleCall]
+  module_calls: list[interception.ModuleCall]
   forward: hk.Transformed
   loss_fn: step_lib.LossFn
   # (key, uint8 batch[, axis_name]) -> the batch the model trains on: the

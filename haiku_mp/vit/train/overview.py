@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp.model import half_dot
+from haiku_mp.model import interception
 from haiku_mp.model import meta_params
 from haiku_mp.model import policies
 from haiku_mp.update import state_layout
@@ -88,7 +89,7 @@ def _low_bit(precision: policies.Precision, class_name: str,
   return f'fp8 {precision.fp8.scaling}'
 
 
-def _preorder_key(path: str, calls: list[policies.ModuleCall]):
+def _preorder_key(path: str, calls: list[interception.ModuleCall]):
   """Sorts a module before its children: calls are recorded as they finish."""
   first = min(i for i, c in enumerate(calls)
               if c.path == path or c.path.startswith(path + '/'))
