@@ -17,6 +17,7 @@ import re
 import shlex
 
 from absl.testing import absltest
+import jax.numpy as jnp
 
 from haiku_mp.vit import settings
 from haiku_mp.vit.settings import fields
@@ -182,6 +183,20 @@ class DocsTest(absltest.TestCase):
   def test_the_readme_keeps_to_its_line_budget(self):
     lines = len((_ROOT / 'README.md').read_text().splitlines())
     self.assertLessEqual(lines, README_LINES)
+
+  def test_the_readme_example_runs(self):
+    """The library example: Haiku's MLP in bfloat16 with fp8 in its first
+    layer, as it says."""
+    [example] = [b for b in code_blocks((_ROOT / 'README.md').read_text())
+                 if 'import haiku_mp' in b]
+    scope = {}
+    exec(example, scope)  # pylint: disable=exec-used
+    self.assertEqual(scope['logits'].dtype, 'float32')
+    self.assertEqual(scope['logits'].shape, (8, 10))
+    precision = scope['precision']
+    self.assertEqual(jnp.dtype(precision.policy.compute_dtype), jnp.bfloat16)
+    self.assertTrue(precision.runs_low_bit('Linear', 'mlp/~/linear_0'))
+    self.assertFalse(precision.runs_low_bit('Linear', 'mlp/~/linear_1'))
 
   def test_the_checks_catch_what_they_are_for(self):
     """A planted broken link, anchor and command are each found."""
