@@ -1,8 +1,9 @@
 """The docs as a reader meets them: every relative link and image of
 README.md, BENCHMARKS.md and docs/ resolves (a page's #anchor to one of its
 headings), every command in a README code block still parses (its --config
-file exists, its flags are the command's or settings), and the README keeps
-to its line budget."""
+file exists, its flags are the command's or settings), the README's example
+runs, each headline result links to the section with its command, and the
+README keeps to its line budget."""
 
 import os
 import sys
@@ -90,6 +91,23 @@ def broken_links(path: pathlib.Path) -> list[str]:
             and anchor[1:] not in anchors(resolved)):
         broken.append(where)
   return broken
+
+
+def section(path: pathlib.Path, anchor: str) -> str:
+  """The text of the section of `path` under the heading whose anchor is
+  `anchor`, to the next heading of its level or above ('' if none)."""
+  lines = path.read_text().splitlines()
+  prose = dict(_prose(path.read_text()))
+  start = level = None
+  for number, line in prose.items():
+    match = _HEADING.match(line)
+    if not match:
+      continue
+    if start is None and slug(match.group(2)) == anchor:
+      start, level = number, len(match.group(1))
+    elif start is not None and len(match.group(1)) <= level:
+      return '\n'.join(lines[start - 1:number - 1])
+  return '' if start is None else '\n'.join(lines[start - 1:])
 
 
 def code_blocks(text: str) -> list[str]:
@@ -180,6 +198,19 @@ class DocsTest(absltest.TestCase):
     problems = {' '.join(words): command_problems(words) for words in found}
     self.assertEqual({c: p for c, p in problems.items() if p}, {})
 
+  def test_each_headline_result_is_two_clicks_from_its_command(self):
+    """The README's results table links each figure to the section that
+    holds it, and that section shows the command that made it."""
+    readme = (_ROOT / 'README.md').read_text()
+    results = readme[readme.index('## Results'):]
+    results = results[:results.index('\n## ', 1)]
+    links = re.findall(r'\]\(([^)#]+\.md)#([^)]+)\)', results)
+    self.assertGreaterEqual(len(links), 8)
+    without = [f'{page}#{anchor}' for page, anchor in links
+               if not re.search(r'^\s*(\S+ )?python (-m launch\.|\S+\.py)',
+                                section(_ROOT / page, anchor), re.M)]
+    self.assertEqual(without, [])
+
   def test_the_readme_keeps_to_its_line_budget(self):
     lines = len((_ROOT / 'README.md').read_text().splitlines())
     self.assertLessEqual(lines, README_LINES)
@@ -210,6 +241,8 @@ class DocsTest(absltest.TestCase):
         '--config=configs/none.py: no such file',
         '--config.batch_sise: no such setting',
         '--workdirr: launch.train has no such flag'])
+    self.assertIn('python -m launch.train', section(page, 'a-heading'))
+    self.assertEqual(section(page, 'no-such-heading'), '')
     self.assertEqual(slug('The `lab`: a [study](x.md), 2x faster!'),
                      'the-lab-a-study-2x-faster')
 
