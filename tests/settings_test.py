@@ -168,6 +168,12 @@ class ParseTest(parameterized.TestCase):
                      'delayed')
     self.assertNotIn('fp8', fields.to_dict(settings.parse(config).precision))
 
+  def test_a_misspelt_field_under_the_old_name_is_only_the_error(self):
+    with self.assertNoLogs('absl', 'WARNING'):
+      with self.assertRaisesRegex(errors.ConfigError,
+                                  'precision.low_bit.scalling: no such'):
+        settings.parse({'precision': {'fp8': {'scalling': 'mx'}}})
+
   def test_an_old_and_a_new_name_that_disagree_are_an_error(self):
     with self.assertRaises(errors.ConfigError) as raised:
       settings.parse({'precision': {'fp8': {'scaling': 'delayed'},

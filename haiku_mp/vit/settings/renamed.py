@@ -57,7 +57,8 @@ def to_new_names(values: Mapping[str, Any], defaults: Mapping[str, Any],
             f'{old}.{field}={value!r} and {new}.{field}={target[field]!r}: '
             f'{old} is the old name of {new}; set {new}.{field} only')
       target[field] = value
-      note(f'{old}.{field} is now {new}.{field} (the old name still works)')
+      if field in default:  # A name the group never had fails the parse.
+        note(f'{old}.{field} is now {new}.{field} (the old name still works)')
   return tree
 
 
