@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from haiku_mp.vit import settings
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings import renamed
+from tests import your_model_test
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The README is a first screen: what haiku_mp is, install, a first run, the
@@ -218,8 +219,7 @@ class DocsTest(absltest.TestCase):
   def test_the_readme_example_runs(self):
     """The library example: Haiku's MLP in bfloat16 with fp8 in its first
     layer, as it says."""
-    [example] = [b for b in code_blocks((_ROOT / 'README.md').read_text())
-                 if 'import haiku_mp' in b]
+    example = your_model_test.page_code(str(_ROOT / 'README.md'))
     scope = {}
     exec(example, scope)  # pylint: disable=exec-used
     self.assertEqual(scope['logits'].dtype, 'float32')

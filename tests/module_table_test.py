@@ -24,6 +24,15 @@ FIELDS = {'path', 'class', 'policy', 'policy_source', 'params', 'param_dtypes',
           'matmul'}
 
 
+
+def _tabulate_json(config: str, *flags: str):
+  """`launch.tabulate --json` of a one-block `config`: its rows by module
+  path, and the finished process."""
+  result = helpers.run_module(
+      'launch.tabulate', f'--config={config}', '--json',
+      '--config.model.num_layers=1', *flags, check=True)
+  return {r['path']: r for r in json.loads(result.stdout)}, result
+
 class TabulateTest(parameterized.TestCase):
 
   def test_rows_for_the_reference_fp16_model(self):
@@ -78,22 +87,16 @@ class TabulateTest(parameterized.TestCase):
         + '; overrides: */head:float32')
 
   def test_command_line_json_with_override(self):
-    result = helpers.run_module(
-        'launch.tabulate', '--config=configs/vit_fp16.py', '--json',
-        '--config.model.num_layers=1',
-        '--config.precision.overrides=*/head:float32', check=True)
-    rows = {r['path']: r for r in json.loads(result.stdout)}
+    rows, _ = _tabulate_json('configs/vit_fp16.py',
+                             '--config.precision.overrides=*/head:float32')
     self.assertEqual(rows['vit/head']['input_dtypes'], ['float32'])
     self.assertEqual(rows['vit/head']['policy_source'], 'override */head')
     self.assertEqual(rows['vit/encoder_block_0/mlp_block/fc1']['policy'],
                      'p=f32,c=f16,o=f32')
 
   def test_the_old_name_of_the_low_bit_group_still_works_with_a_note(self):
-    result = helpers.run_module(
-        'launch.tabulate', '--config=configs/vit_bf16.py', '--json',
-        '--config.model.num_layers=1',
-        '--config.precision.fp8.modules=*/mlp_block', check=True)
-    rows = {r['path']: r for r in json.loads(result.stdout)}
+    rows, result = _tabulate_json('configs/vit_bf16.py',
+                                  '--config.precision.fp8.modules=*/mlp_block')
     self.assertEqual(rows['vit/encoder_block_0/mlp_block/fc1']['matmul'],
                      'fp8 current')
     self.assertEqual(rows['vit/encoder_block_0/attention/query']['matmul'],
