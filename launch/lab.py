@@ -11,6 +11,9 @@ python -m launch.lab step_compile --out=lab [--repeats=3]
 python -m launch.lab communication --config=configs/vit_bf16.py \
     [--layouts=pjit:8x1,fsdp:8x1] [--wires=float32/float32,compute/float32]
 python -m launch.lab fp8 --config=configs/vit_fp8.py [--nocompile]
+python -m launch.lab speed --config=configs/vit_bf16.py --gpu=h100 [--batch=N] \
+    [--json] [--shape=M,K,N] [--communication=COMMUNICATION_JSON]
+python -m launch.lab gemm --config=configs/vit_bf16.py [--gpu=h100] [--repeats=5]
 python -m launch.lab ladder --config=configs/vit_cpu_recipe.py --workdirs=runs/fp32,runs/bf16,...
 python -m launch.lab report --out=report [--parts=benchmark,...] [--quick] \
     [--config.data.source=arrays --config.data.arrays_path=cifar10.npz]
@@ -18,7 +21,12 @@ python -m launch.lab rounding --checkpoint=WORKDIR [--checkpoint_step=N] [--batc
 python -m launch.lab advise --config=configs/vit_fp16.py [--checkpoint=WORKDIR] \
     [--batches=8] [--level=knockout] --out=advice
 
-`fp8` lists every matmul of the train step (forward and backward) with its
+`speed` predicts the train step's time on a named GPU per matmul format
+(bf16, fp8 current and delayed, MXFP8 and NVFP4 where the GPU has them), per
+matmul and for the whole step, and which Linears fp8 pays in, on paper
+(haiku_mp/lab/studies/speed.py, docs/speed.md); `gemm` times each Linear
+shape's three GEMMs in bf16, fp8 alone and fp8 with its casts beside that
+prediction (haiku_mp/lab/studies/gemm.py). `fp8` lists every matmul of the train step (forward and backward) with its
 operands' formats and, compiled, whether it runs as an fp8 GEMM
 (haiku_mp/lab/studies/fp8_gemms.py). `communication` compiles the train step per
 layout and GATHER/REDUCE dtypes and lists every collective's kind, count,
@@ -40,9 +48,11 @@ import shlex
 import sys
 
 from absl import flags
+import jax
 from ml_collections import config_flags
 
 from haiku_mp import errors
+from haiku_mp.advisor import gpus
 from haiku_mp.lab.advisor import advisor_files
 from haiku_mp.lab.advisor import driver as advisor
 from haiku_mp.lab.report import report
@@ -50,6 +60,7 @@ from haiku_mp.lab import run_inputs
 from haiku_mp.lab.studies import communication
 from haiku_mp.lab.studies import dot_algorithms
 from haiku_mp.lab.studies import fp8_gemms
+from haiku_mp.lab.studies import gemm
 from haiku_mp.lab.studies import ladder
 from haiku_mp.lab.studies import lost_updates
 from haiku_mp.lab.studies import matmul
@@ -57,6 +68,7 @@ from haiku_mp.lab.studies import matmul_precision as precision_lab
 from haiku_mp.lab.studies import memory
 from haiku_mp.lab.studies import params
 from haiku_mp.lab.studies import profile
+from haiku_mp.lab.studies import speed
 from haiku_mp.lab.studies import step_compile
 from haiku_mp.lab.studies import sweep
 from haiku_mp.lab import variants
@@ -121,24 +133,51 @@ _LEVEL = flags.DEFINE_string(
 _WORKDIRS = flags.DEFINE_list(
     'workdirs', [], 'ladder: finished launch.train workdirs (runs of one '
     'variant are its seeds).')
+_GPU = flags.DEFINE_string(
+    'gpu', '', f'speed, gemm: the GPU predicted for, one of {gpus.NAMES} '
+    '(gemm on a GPU: the one it runs on by default).')
+_BATCH = flags.DEFINE_integer(
+    'batch', 0, "speed: the step's batch (0: the config's batch_size).")
+_SHAPE = flags.DEFINE_string(
+    'shape', '', 'speed: M,K,N: one Linear of M tokens, K inputs and N '
+    'outputs alone, instead of the configured step.')
+_JSON = flags.DEFINE_bool(
+    'json', False, 'speed, gemm: print the result as one JSON object '
+    'instead of its table.')
+_COMMUNICATION = flags.DEFINE_string(
+    'communication', '', 'speed: a `launch.lab communication` JSON of the '
+    "same model and per-device batch, whose wire times join the step's.")
 _COMPILE = flags.DEFINE_bool(
     'compile', True, "memory: also compile each variant's train step; fp8: "
     'compile the step to see which kernel runs each matmul.')
 
 
 # Each integer flag's least meaningful value (--checkpoint_step: -1 is the
-# newest checkpoint).
+# newest checkpoint; --batch: 0 is the config's).
 _LEAST = ((_ROWS, 1), (_COLS, 1), (_REPEATS, 1), (_STEPS, 1),
           (_WARMUP_STEPS, 0), (_NUMERICS_BATCH_SIZE, 1), (_SIZE, 1),
-          (_BATCHES, 1), (_CHECKPOINT_STEP, -1))
+          (_BATCHES, 1), (_CHECKPOINT_STEP, -1), (_BATCH, 0))
 
 
-def _check_flags() -> None:
+def _check_flags(command: str) -> None:
   """Every flag's range, before any study compiles or writes."""
   flag_checks.at_least((f.name, f.value, least) for f, least in _LEAST)
   flag_checks.positive_ints('batch_sizes', _BATCH_SIZES.value)
   flag_checks.compute_dtypes('dtypes', _DTYPES.value)
   flag_checks.out_dir('out', _OUT.value)
+  if _GPU.value:
+    errors.check_choice('--gpu', _GPU.value, gpus.NAMES)
+  if _SHAPE.value:
+    speed.parse_shape(_SHAPE.value)
+  if command == 'speed' and not _GPU.value:
+    raise errors.ConfigError(f'--gpu: speed predicts for a named GPU; give '
+                             f'one of {gpus.NAMES}, e.g. --gpu=h100')
+  if command == 'gemm' and not _GPU.value and not gpus.detect(
+      str(jax.devices()[0].device_kind)):
+    raise errors.ConfigError(
+        f'--gpu: gemm runs on {jax.devices()[0].device_kind}, which the '
+        f'speed model does not know; name the GPU its predictions are for, '
+        f'one of {gpus.NAMES}, e.g. --gpu=h100')
 
 
 def _log(line: str) -> None:
@@ -194,6 +233,21 @@ def _fp8(settings):
   return result, fp8_gemms.write_table
 
 
+def _speed(settings):
+  """The step (or with --shape, one Linear) on paper for --gpu."""
+  if _SHAPE.value:
+    result = speed.one_gemm(speed.parse_shape(_SHAPE.value), _GPU.value)
+  else:
+    result = speed.run(settings, _GPU.value, _BATCH.value or None, log=_log)
+    if _COMMUNICATION.value:
+      result['with_wire'] = speed.with_wire(result, _COMMUNICATION.value)
+  return result, speed.plot
+
+
+def _gemm(settings):
+  return gemm.run(settings, _GPU.value, _REPEATS.value, log=_log), gemm.plot
+
+
 def _rounding(settings):
   """At a run's checkpoint (its own config), which params' updates bfloat16
   rounding drops."""
@@ -241,7 +295,9 @@ def _step_compile():
 STUDIES = {'params': _params, 'sweep': _sweep, 'memory': _memory,
            'precision': _precision, 'profile': _profile, 'fp8': _fp8,
            'rounding': _rounding, 'ladder': _ladder,
-           'communication': _communication}
+           'communication': _communication, 'speed': _speed, 'gemm': _gemm}
+# The studies whose result is a table unless --json asks for the JSON.
+TABLES = {'speed': speed.table, 'gemm': gemm.table}
 BARE_STUDIES = {'matmul': _matmul, 'dot_algorithms': _dot_algorithms,
                 'step_compile': _step_compile}
 # Every command: the studies, the report that runs several of them, and
@@ -289,7 +345,7 @@ def main(argv):
     raise errors.ConfigError(f'expected one command of {COMMANDS}, '
                              f'got {argv[1:]}')
   command = argv[1]
-  _check_flags()
+  _check_flags(command)
   settings = settings_lib.parse(_CONFIG.value)  # Parsed once, each checked.
   if command in ('report', 'advise'):
     {'report': _report, 'advise': _advise}[command](settings)
@@ -300,8 +356,14 @@ def main(argv):
     result, plot = STUDIES[command](settings)
   os.makedirs(_OUT.value, exist_ok=True)  # Only once there is a result.
   result['plots'] = [os.path.basename(p) for p in plot(result, _OUT.value)]
-  with open(os.path.join(_OUT.value, f'{command}.json'), 'w') as f:
+  path = os.path.join(_OUT.value, f'{command}.json')
+  with open(path, 'w') as f:
     json.dump(result, f, indent=1)
+  if command in TABLES and not _JSON.value:
+    print(TABLES[command](result), flush=True)
+    for written in [path, *result['plots']]:
+      print(f'wrote {os.path.join(_OUT.value, os.path.basename(written))}')
+    return
   print(json.dumps(result))
 
 

@@ -118,7 +118,7 @@ class Fp8:
     return ''
 
 
-def _scaled_dot(qa, qb, dims, a_scale, b_scale, scope):
+def scaled_dot(qa, qb, dims, a_scale, b_scale, scope):
   """The fp8 GEMM pattern: f8 operands into the dot, float32 result times the
   two scalar (power-of-two) scales' product, `times_exp2`'s one factor where
   it is a normal number, two where it is not (never flushed to zero). The
@@ -136,6 +136,9 @@ def _scaled_dot(qa, qb, dims, a_scale, b_scale, scope):
 _FWD = (((1,), (0,)), ((), ()))  # x @ w
 _DGRAD = (((1,), (1,)), ((), ()))  # g [n, o] @ w.T
 _WGRAD = (((0,), (0,)), ((), ()))  # x.T @ g [n, o]
+# The three by the passes' names (fprop: x, w; dgrad: g, w; wgrad: x, g),
+# for `launch.lab gemm`, which times each as the Linear runs it.
+DIMENSIONS = {'fprop': _FWD, 'dgrad': _DGRAD, 'wgrad': _WGRAD}
 
 
 # ---- current and delayed scaling: one scale per tensor ----------------------
@@ -154,7 +157,7 @@ def _current_matmul(margin: float, out_dtype, axis_name, x, w, x_scale,
 def _current_fwd(margin, out_dtype, axis_name, x, w, x_scale, w_scale):
   del margin, axis_name
   qx, qw = quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale)
-  out = _scaled_dot(qx, qw, _FWD, x_scale, w_scale, FPROP).astype(out_dtype)
+  out = scaled_dot(qx, qw, _FWD, x_scale, w_scale, FPROP).astype(out_dtype)
   # The backward keeps the fp8 operands: half the bytes of bfloat16 ones.
   return out, (qx, qw, x_scale, w_scale, _dtype_of(x), _dtype_of(w))
 
@@ -169,8 +172,8 @@ def _current_bwd(margin, out_dtype, axis_name, residuals, g):
   qx, qw, x_scale, w_scale, x_dtype, w_dtype = residuals
   g_scale = scale_from_amax(amax(g, axis_name), E5M2, margin)
   qg = quantize(g, E5M2, g_scale)
-  dx = _scaled_dot(qg, qw, _DGRAD, g_scale, w_scale, DGRAD)
-  dw = _scaled_dot(qx, qg, _WGRAD, x_scale, g_scale, WGRAD)
+  dx = scaled_dot(qg, qw, _DGRAD, g_scale, w_scale, DGRAD)
+  dw = scaled_dot(qx, qg, _WGRAD, x_scale, g_scale, WGRAD)
   # The scales are constants of the step: no gradient flows into them.
   return (dx.astype(x_dtype.dtype), dw.astype(w_dtype.dtype),
           jnp.zeros_like(x_scale), jnp.zeros_like(w_scale))
@@ -212,7 +215,7 @@ def _delayed_fwd(margin, out_dtype, axis_name, x, w, x_history, w_history,
   x_scale = _history_scale(x_history, E4M3, margin)
   w_scale = _history_scale(w_history, E4M3, margin)
   qx, qw = quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale)
-  out = _scaled_dot(qx, qw, _FWD, x_scale, w_scale, FPROP).astype(out_dtype)
+  out = scaled_dot(qx, qw, _FWD, x_scale, w_scale, FPROP).astype(out_dtype)
   new_x = roll_history(x_history, amax(x, axis_name))
   new_w = roll_history(w_history, amax(w))
   return out, (qx, qw, x_scale, w_scale, new_x, new_w, g_history,
@@ -240,8 +243,8 @@ def _delayed_bwd(margin, out_dtype, axis_name, residuals, g):
   g_scale = _history_scale(g_history, E5M2, margin)
   qg = quantize(g.astype(jnp.float32) / replicas if axis_name else g, E5M2,
                 g_scale)
-  dx = _scaled_dot(qg, qw, _DGRAD, g_scale, w_scale, DGRAD)
-  dw = _scaled_dot(qx, qg, _WGRAD, x_scale, g_scale, WGRAD)
+  dx = scaled_dot(qg, qw, _DGRAD, g_scale, w_scale, DGRAD)
+  dw = scaled_dot(qx, qg, _WGRAD, x_scale, g_scale, WGRAD)
   if axis_name:
     dx, dw = dx * replicas, dw * replicas
   dx, dw = dx.astype(x_dtype), dw.astype(w_dtype)

@@ -40,24 +40,6 @@ from haiku_mp.lab.studies import hlo_text
 
 KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
          'collective-permute')
-# HLO's element types: NumPy's name and bytes per element (sub-byte types
-# as their bits over 8).
-_HLO_DTYPES = {
-    'pred': ('bool', 1), 's2': ('int2', 0.25), 'u2': ('uint2', 0.25),
-    's4': ('int4', 0.5), 'u4': ('uint4', 0.5), 's8': ('int8', 1),
-    'u8': ('uint8', 1), 's16': ('int16', 2), 'u16': ('uint16', 2),
-    's32': ('int32', 4), 'u32': ('uint32', 4), 's64': ('int64', 8),
-    'u64': ('uint64', 8), 'f16': ('float16', 2), 'bf16': ('bfloat16', 2),
-    'f32': ('float32', 4), 'f64': ('float64', 8), 'c64': ('complex64', 8),
-    'c128': ('complex128', 16), 'f8e4m3fn': ('float8_e4m3fn', 1),
-    'f8e5m2': ('float8_e5m2', 1), 'f8e4m3': ('float8_e4m3', 1),
-    'f8e3m4': ('float8_e3m4', 1), 'f8e4m3fnuz': ('float8_e4m3fnuz', 1),
-    'f8e5m2fnuz': ('float8_e5m2fnuz', 1),
-    'f8e4m3b11fnuz': ('float8_e4m3b11fnuz', 1),
-    'f8e8m0fnu': ('float8_e8m0fnu', 1), 'f6e2m3fn': ('float6_e2m3fn', 0.75),
-    'f6e3m2fn': ('float6_e3m2fn', 0.75), 'f4e2m1fn': ('float4_e2m1fn', 0.5),
-}
-_ARRAY = re.compile(r'(\w+)\[([\d,]*)\]')
 _IOTA_GROUPS = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
 _LIST_GROUPS = re.compile(r'replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}')
 # `replica_groups=mesh['a'=4,'b'=2] {'b'}`: groups along the named axes (a
@@ -101,20 +83,6 @@ class Collective(NamedTuple):
     if self.kind == 'reduce-scatter':
       return self.bytes * self.group_size
     return self.bytes
-
-
-def _arrays(shape_text: str) -> list[tuple[str, float]]:
-  """(dtype, bytes) of each array in an HLO shape (a tuple's members)."""
-  arrays = []
-  for dtype, dims in _ARRAY.findall(shape_text):
-    if dtype not in _HLO_DTYPES:
-      continue
-    name, size = _HLO_DTYPES[dtype]
-    count = 1
-    for d in filter(None, dims.split(',')):
-      count *= int(d)
-    arrays.append((name, count * size))
-  return arrays
 
 
 def _start_outputs(kind: str, arrays: list[tuple[str, float]]
@@ -268,10 +236,10 @@ def _collective(op: hlo_text.Instruction, line: str, devices: int,
   if kind not in KINDS:
     return []
   if opcode != kind:
-    arrays = (_arrays(done_shapes[name]) if name in done_shapes
-              else _start_outputs(kind, _arrays(shape)))
+    arrays = (hlo_text.arrays(done_shapes[name]) if name in done_shapes
+              else _start_outputs(kind, hlo_text.arrays(shape)))
   else:
-    arrays = _arrays(shape)
+    arrays = hlo_text.arrays(shape)
   if not arrays:
     return []
   return [Collective(kind, arrays[0][0], sum(b for _, b in arrays),

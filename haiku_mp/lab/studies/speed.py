@@ -1,0 +1,441 @@
+"""Study `speed`: will fp8 make this model faster? The train step's time on a
+named GPU, on paper, per matmul format, from the step's own program.
+
+The step is lowered for CUDA as the config's compute-dtype program (no
+low-bit matmuls, `step_program`), so stock Haiku modules count as the ViT's
+do. Each of its matmuls is timed by the speed model in its own dtypes
+(`haiku_mp.advisor.speed`), the baseline; each Linear that low-bit matmuls
+would reach (the config's `precision.low_bit.modules`, or fp8's default
+encoder blocks where it names none) is timed again per low-bit format, its
+casts, amaxes, transposes and scales included. The rest of the step (its
+elementwise work, reductions, optimizer, augmentation) is its bytes at the
+memory bandwidth plus a cost per kernel, the same in every format. The sum
+per format is the step; its ratio to the baseline, the speedup.
+
+Everything here is a prediction: `assumptions` in the result holds every
+peak, share and cost it used, and docs/speed.md what each was checked
+against.
+"""
+
+import collections
+import json
+import math
+from typing import Any, Callable, Optional
+
+import jax
+
+from haiku_mp import errors
+from haiku_mp.advisor import gpus
+from haiku_mp.advisor import speed as speed_lib
+from haiku_mp.lab import charts
+from haiku_mp.lab.studies import collectives
+from haiku_mp.lab.studies import hlo_text
+from haiku_mp.lab.studies import memory
+from haiku_mp.lab.studies import step_program
+from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import half_dot
+from haiku_mp.vit import settings as settings_lib
+from haiku_mp.vit.train import experiment
+
+# The baseline's name by the dtype the Linears' GEMMs take.
+_BASELINES = {'bf16': 'bf16', 'f16': 'fp16', 'f32': 'tf32'}
+_LOW_BIT_FORMATS = tuple(speed_lib.LOW_BIT_FORMATS)
+# Joined with `launch.lab communication`'s paper times for these links.
+WIRE_LINKS = ('nvlink_8gpu', 'ib_16node')
+
+
+def lower_for_gpu(exp: experiment.Experiment) -> str:
+  """The train step's HLO as JAX lowers it for CUDA, on any machine."""
+  lowered = exp.strategy.train_step.trace(*exp.abstract_inputs()).lower(
+      lowering_platforms=('cuda',))
+  return lowered.compiler_ir('hlo').get_hlo_module().to_string()
+
+
+def gpu_settings(settings: settings_lib.Settings,
+                 batch: Optional[int] = None) -> settings_lib.Settings:
+  """`settings` as the compute-dtype program a GPU runs: no low-bit matmuls
+  (the model adds them), the matmul forms a GPU's (`dot_platform`), one
+  device, synthetic data, at `batch` if given."""
+  changes = dict(
+      precision=dict(low_bit=dict(modules='', keep_fp8=''),
+                     dot_platform=settings.precision.dot_platform or 'gpu'),
+      parallel=dict(strategy='single'), data=dict(source='synthetic'))
+  if batch is not None:
+    changes['batch_size'] = batch
+    changes['eval_batch_size'] = batch
+  return settings_lib.replace(settings, **changes)
+
+
+def low_bit_targets(settings: settings_lib.Settings) -> tuple[str, ...]:
+  """The targets whose Linears low-bit matmuls would reach: the config's,
+  every Linear for 'auto', fp8's default encoder blocks where it names
+  none."""
+  modules = settings.precision.low_bit.modules.strip()
+  if modules == 'auto':
+    return (half_dot.FP8_CLASS,)
+  if not modules:
+    modules = fp8_lib.DEFAULT_MODULES
+  return tuple(t.strip() for t in modules.split(';') if t.strip())
+
+
+def _bytes(element_type: str) -> float:
+  return hlo_text.ELEMENT_TYPES.get(element_type, ('', 4))[1]
+
+
+def _tensor_cores(matmul: step_program.Matmul) -> str:
+  """The tensor cores a program's matmul runs on (`gpus.MATMUL_FORMATS`)."""
+  if matmul.lhs == 'f32' or matmul.rhs == 'f32':
+    return 'float32' if matmul.highest else 'tf32'
+  if matmul.lhs.startswith('f8'):
+    return 'fp8'
+  return 'bf16'
+
+
+def _passes(rows: list[dict[str, Any]]) -> None:
+  """Each row's pass: 'fprop' in the forward; in the backward 'dgrad' (the
+  gradient of a forward matmul's first operand, the input's for a Linear)
+  or 'wgrad' (of its second, the weight's), by the shape it writes."""
+  forward = collections.defaultdict(list)
+  for row in rows:
+    if row['direction'] == 'forward':
+      forward[row['name']].append(row)
+  for row in rows:
+    if row['direction'] == 'forward':
+      row['pass'] = 'fprop'
+      continue
+    out = sorted(row['_out_shape'])
+    row['pass'] = 'dgrad'
+    for f in forward[row['name']]:
+      if out == sorted(f['_rhs_shape']) and out != sorted(f['_lhs_shape']):
+        row['pass'] = 'wgrad'
+        break
+
+
+def _linear_shapes(rows: list[dict[str, Any]]) -> dict[str, tuple]:
+  """(M tokens, K in, N out, compute dtype) of each Linear, from its forward
+  GEMM."""
+  return {r['name']: (r['m'], r['k'], r['n'], r['lhs']) for r in rows
+          if r['pass'] == 'fprop' and r['linear'] and r['batch'] == 1}
+
+
+def run(settings: settings_lib.Settings, gpu_name: str,
+        batch: Optional[int] = None,
+        assumptions: gpus.Assumptions = gpus.Assumptions(),
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+  """The step of `settings` (at `batch` if given) on GPU `gpu_name`, per
+  matmul and per format (module docstring)."""
+  gpu = gpus.gpu(gpu_name)
+  program_settings = gpu_settings(settings, batch)
+  exp = experiment.build_without_data(program_settings)
+  log(f'speed: lowering the train step for CUDA (batch '
+      f'{program_settings.batch_size}) ...')
+  program = step_program.read(lower_for_gpu(exp))
+  paths = sorted({c.path for c in exp.module_calls})
+  linears = {c.path for c in exp.module_calls
+             if c.class_name == half_dot.FP8_CLASS and c.method == '__call__'}
+  targets = low_bit_targets(settings)
+  candidates = {p for p in linears
+                if half_dot.selects(targets, half_dot.FP8_CLASS, p)}
+  formats = [f for f in speed_lib.formats_on(gpu) if f != speed_lib.BASELINE]
+  rows = []
+  for m in program.matmuls:
+    module, direction = step_program.module_of(m, paths)
+    baseline = speed_lib.gemm(m.m, m.k, m.n, _tensor_cores(m), gpu,
+                              assumptions, _bytes(m.lhs), _bytes(m.out),
+                              m.batch)
+    rows.append(dict(
+        name=module, direction='backward' if direction == 'backward' else
+        'forward', m=m.m, k=m.k, n=m.n, batch=m.batch, lhs=m.lhs, rhs=m.rhs,
+        out=m.out, flops=baseline.flops, bytes=baseline.bytes,
+        bound=baseline.bound, linear=module in linears,
+        low_bit=module in candidates, _gemm=baseline,
+        _lhs_shape=m.lhs_shape, _rhs_shape=m.rhs_shape,
+        _out_shape=m.out_shape))
+  _passes(rows)
+  shapes = _linear_shapes(rows)
+  base_name = _baseline_name(rows)
+  for row in rows:
+    row['seconds'] = {base_name: row['_gemm'].seconds}
+    for fmt in formats:
+      row['seconds'][fmt] = row['_gemm'].seconds
+      if row['low_bit'] and row['name'] in shapes:
+        m, k, n, compute = shapes[row['name']]
+        row['seconds'][fmt] = speed_lib.linear_pass_seconds(
+            row['pass'], m, k, n, fmt, gpu, assumptions, _bytes(compute))
+  rest = speed_lib.streamed(program.traffic.bytes, program.traffic.kernels,
+                            gpu, assumptions)
+  result = dict(
+      experiment='speed', prediction=True, gpu=gpu.name, gpu_about=gpu.about,
+      assumptions=describe_assumptions(gpu, assumptions),
+      batch_size=program_settings.batch_size,
+      policy=settings.precision.policy, baseline=base_name,
+      formats=[base_name, *formats],
+      low_bit_targets=list(targets), low_bit_linears=sorted(candidates),
+      matmuls=[{k: v for k, v in r.items() if not k.startswith('_')
+                and k != 'direction'} for r in rows],
+      rest=dict(bytes=program.traffic.bytes, kernels=program.traffic.kernels,
+                seconds=rest, by_kind=program.traffic.by_kind,
+                exact=program.traffic.exact),
+      jax_version=jax.__version__)
+  result['step'] = step(result)
+  result['linears'] = linear_gains(result, gpu, assumptions, shapes)
+  result['where_it_pays'] = where_it_pays(result)
+  return result
+
+
+def _baseline_name(rows: list[dict[str, Any]]) -> str:
+  """The baseline's format: the dtype of the Linears' forward GEMMs."""
+  lhs = [r['lhs'] for r in rows if r['linear'] and r['pass'] == 'fprop']
+  common = collections.Counter(lhs).most_common(1)
+  return _BASELINES.get(common[0][0] if common else 'bf16', 'bf16')
+
+
+def describe_assumptions(gpu: gpus.Gpu,
+                         assumptions: gpus.Assumptions) -> dict[str, Any]:
+  """Every figure the prediction rests on, for the JSON."""
+  return dict(peaks_flops=dict(gpu.peaks),
+              memory_bandwidth=gpu.memory_bandwidth, sms=gpu.sms,
+              gemm_efficiency=assumptions.gemm_efficiency,
+              memory_efficiency=assumptions.memory_efficiency,
+              kernel_seconds=assumptions.kernel_seconds,
+              tile=assumptions.tile,
+              split_k='K split over idle SMs where the output tiles fill '
+                      'under a quarter of them',
+              fusion='haiku_mp/lab/studies/step_program.py (module '
+                     'docstring)')
+
+
+def step(result: dict[str, Any], selected: Optional[set[str]] = None
+         ) -> dict[str, Any]:
+  """The step per format: every matmul (the low-bit ones' Linears in the
+  format where `selected` holds them, all candidates by default) and the
+  rest; its speedup over the baseline and its images/s."""
+  base = result['baseline']
+  seconds, parts = {}, {}
+  for fmt in result['formats']:
+    gemms = low = 0.0
+    for row in result['matmuls']:
+      in_fmt = row['low_bit'] and (selected is None or row['name'] in selected)
+      value = row['seconds'][fmt if in_fmt else base]
+      if value is None:
+        value = row['seconds'][base]
+      if in_fmt and fmt != base:
+        low += value
+      else:
+        gemms += value
+    total = gemms + low + result['rest']['seconds']
+    seconds[fmt] = total
+    parts[fmt] = dict(matmuls=gemms, low_bit_linears=low,
+                      rest=result['rest']['seconds'])
+  return dict(seconds=seconds,
+              speedup={f: seconds[base] / s for f, s in seconds.items()},
+              images_per_second={f: result['batch_size'] / s
+                                 for f, s in seconds.items()},
+              parts=parts)
+
+
+def linear_gains(result: dict[str, Any], gpu: gpus.Gpu,
+                 assumptions: gpus.Assumptions,
+                 shapes: dict[str, tuple]) -> list[dict[str, Any]]:
+  """Each candidate Linear's shape and its three GEMMs' gain per format."""
+  by_linear = collections.defaultdict(lambda: collections.defaultdict(float))
+  for row in result['matmuls']:
+    if row['low_bit']:
+      for fmt, s in row['seconds'].items():
+        by_linear[row['name']][fmt] += s
+  base = result['baseline']
+  gains = []
+  for name in sorted(by_linear):
+    total = by_linear[name]
+    m, k, n, _ = shapes.get(name, (0, 0, 0, ''))
+    gains.append(dict(name=name, m=m, k=k, n=n,
+                      seconds=dict(total),
+                      gain={f: total[base] / total[f] for f in total
+                            if f != base}))
+  return gains
+
+
+def where_it_pays(result: dict[str, Any]) -> dict[str, Any]:
+  """Per low-bit format, the Linears predicted to gain in it (the rest stay
+  in the baseline), and the step with only those in the format."""
+  placed = {}
+  for fmt in result['formats'][1:]:
+    paying = {g['name'] for g in result['linears']
+              if g['gain'].get(fmt, 0) > 1}
+    timed = step(result, paying)
+    placed[fmt] = dict(linears=sorted(paying),
+                       seconds=timed['seconds'][fmt],
+                       speedup=timed['speedup'][fmt])
+  return placed
+
+
+def one_gemm(shape: tuple[int, int, int], gpu_name: str,
+             assumptions: gpus.Assumptions = gpus.Assumptions(),
+             compute_dtype: str = 'bf16') -> dict[str, Any]:
+  """`--shape=M,K,N`: one Linear of M tokens, K in and N out. `matmuls`
+  holds its forward GEMM's row; `linear`, its three GEMMs per format."""
+  gpu = gpus.gpu(gpu_name)
+  m, k, n = shape
+  c = _bytes(compute_dtype)
+  formats = list(speed_lib.formats_on(gpu))
+  seconds = speed_lib.linear_seconds(m, k, n, gpu, assumptions, c)
+  fprop = speed_lib.gemm(m, k, n, 'bf16', gpu, assumptions, c, c)
+  row = dict(name=f'{m}x{k}x{n}', m=m, k=k, n=n, batch=1, lhs=compute_dtype,
+             rhs=compute_dtype, out=compute_dtype, flops=fprop.flops,
+             bytes=fprop.bytes, bound=fprop.bound, linear=True, low_bit=True,
+             seconds={f: seconds['fprop'][f] for f in formats},
+             pass_='fprop')
+  row['pass'] = row.pop('pass_')
+  total = {f: sum(seconds[p][f] for p in speed_lib.PASSES) for f in formats}
+  return dict(experiment='speed', prediction=True, gpu=gpu.name,
+              gpu_about=gpu.about,
+              assumptions=describe_assumptions(gpu, assumptions),
+              shape=list(shape), baseline=speed_lib.BASELINE, formats=formats,
+              matmuls=[row],
+              linear=dict(seconds=total,
+                          passes={p: {f: seconds[p][f] for f in formats}
+                                  for p in speed_lib.PASSES},
+                          speedup={f: total[speed_lib.BASELINE] / s
+                                   for f, s in total.items()}))
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+  """'M,K,N' -> (M, K, N), each a positive integer."""
+  parts = text.split(',')
+  if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0
+                                for p in parts):
+    raise errors.ConfigError(
+        f'--shape={text}: expected M,K,N, three positive integers (tokens, '
+        'inputs, outputs of a Linear), e.g. --shape=8320,384,1536')
+  return tuple(int(p) for p in parts)
+
+
+def with_wire(result: dict[str, Any], path: str) -> dict[str, Any]:
+  """`result`'s step per format joined with `launch.lab communication`'s
+  paper times from its JSON at `path` (the same model and per-device batch):
+  per variant and link, the wire's seconds, and the step as the longer of
+  the two (full overlap) and as their sum (none)."""
+  try:
+    with open(path) as f:
+      communication = json.load(f)
+  except (OSError, ValueError) as e:
+    raise errors.ConfigError(f'--communication={path}: cannot read a '
+                             f'`launch.lab communication` JSON ({e})')
+  variants = communication.get('variants')
+  if not isinstance(variants, list) or not variants:
+    raise errors.ConfigError(f'--communication={path}: holds no variants of '
+                             '`launch.lab communication`')
+  joined = []
+  for v in variants:
+    per_device = v['batch_size'] // (math.prod(
+        int(d) for d in v['layout'].split(':')[1].split('x')))
+    for link in WIRE_LINKS:
+      paper = v['paper'].get(link)
+      if paper is None:
+        continue
+      wire = paper['comm_seconds']
+      joined.append(dict(
+          layout=v['layout'], wire=v['wire'], link=link,
+          devices=collectives.LINKS[link]['devices'],
+          batch_per_device=per_device, wire_seconds=wire,
+          overlapped={f: max(s, wire)
+                      for f, s in result['step']['seconds'].items()},
+          serial={f: s + wire for f, s in result['step']['seconds'].items()}))
+  return joined
+
+
+def table(result: dict[str, Any]) -> str:
+  """The matmuls (merged over blocks), the rest, the step per format."""
+  formats = result['formats']
+  lines = []
+  if 'linear' in result:
+    m, k, n = result['shape']
+    lines.append(f'One Linear, {m} tokens x {k} in -> {n} out, on paper for '
+                 f'an {result["gpu"]}:')
+    lines.append('| GEMM | ' + ' | '.join(formats) + ' |')
+    lines.append('|---|' + '---|' * len(formats))
+    for p, per in result['linear']['passes'].items():
+      lines.append(f'| {p} | ' + ' | '.join(_us(per[f]) for f in formats) +
+                   ' |')
+    lines.append('| all three | ' + ' | '.join(
+        _us(result['linear']['seconds'][f]) for f in formats) + ' |')
+    lines.append('| speedup | ' + ' | '.join(
+        f'{result["linear"]["speedup"][f]:.2f}x' for f in formats) + ' |')
+    return '\n'.join(lines)
+  merged = collections.OrderedDict()
+  for row in result['matmuls']:
+    key = (_merge_blocks(row['name']), row['pass'],
+           (row['batch'], row['m'], row['k'], row['n']))
+    entry = merged.setdefault(key, dict(count=0, seconds=collections.Counter(),
+                                        low_bit=row['low_bit']))
+    entry['count'] += 1
+    for f in formats:
+      entry['seconds'][f] += row['seconds'][f] or 0.0
+  lines.append(f'The train step at batch {result["batch_size"]} on paper for '
+               f'an {result["gpu"]} (a prediction; docs/speed.md):')
+  lines.append('| matmul | pass | batch x M x K x N | count | ' +
+               ' | '.join(formats) + ' |')
+  lines.append('|---|---|---|---|' + '---|' * len(formats))
+  for (name, pass_, (b, m, k, n)), entry in merged.items():
+    shape = f'{m}x{k}x{n}' if b == 1 else f'{b}x{m}x{k}x{n}'
+    mark = '' if entry['low_bit'] else ' (stays)'
+    lines.append(f'| {name}{mark} | {pass_} | {shape} | {entry["count"]} | ' +
+                 ' | '.join(_us(entry['seconds'][f]) for f in formats) + ' |')
+  rest = result['rest']
+  lines.append(f'| the rest: {rest["bytes"] / 1e9:,.2f} GB, {rest["kernels"]:,} '
+               'kernels | | | | ' + ' | '.join(
+                   _us(rest['seconds']) for _ in formats) + ' |')
+  s = result['step']
+  lines.append('| **step** | | | | ' + ' | '.join(
+      f'**{_us(s["seconds"][f])}**' for f in formats) + ' |')
+  lines.append('| speedup | | | | ' + ' | '.join(
+      f'{s["speedup"][f]:.2f}x' for f in formats) + ' |')
+  lines.append('| images/s | | | | ' + ' | '.join(
+      f'{s["images_per_second"][f]:,.0f}' for f in formats) + ' |')
+  for fmt, placed in result['where_it_pays'].items():
+    lines.append(f'{fmt} where it pays: {len(placed["linears"])} of '
+                 f'{len(result["linears"])} Linears, step '
+                 f'{_us(placed["seconds"])} ({placed["speedup"]:.2f}x)')
+  return '\n'.join(lines)
+
+
+def _merge_blocks(path: str) -> str:
+  return memory.merge_block_indices(path)
+
+
+def _us(seconds: Optional[float]) -> str:
+  if seconds is None:
+    return '-'
+  if seconds >= 1e-3:
+    return f'{seconds * 1e3:,.2f} ms'
+  return f'{seconds * 1e6:,.1f} us'
+
+
+def plot(result: dict[str, Any], out_dir: str) -> list[str]:
+  """Where the step's time goes per format: the matmuls that stay, the
+  low-bit Linears (their casts included), the rest's bytes, its kernels."""
+  path = f'{out_dir}/speed.png'
+  formats = result['formats']
+  if 'linear' in result:
+    passes = result['linear']['passes']
+    charts.stacked_bar_chart(
+        path, formats, {p: [passes[p][f] * 1e6 for f in formats]
+                        for p in passes},
+        'microseconds (predicted)',
+        f'One Linear {"x".join(map(str, result["shape"]))} on an '
+        f'{result["gpu"]}, on paper', total_format='{:,.1f}')
+    return [path]
+  parts = result['step']['parts']
+  rest = result['rest']
+  kernels = rest['kernels'] * result['assumptions']['kernel_seconds']
+  charts.stacked_bar_chart(
+      path, formats,
+      {'matmuls in the baseline': [parts[f]['matmuls'] * 1e3 for f in formats],
+       'low-bit Linears (casts included)': [
+           parts[f]['low_bit_linears'] * 1e3 for f in formats],
+       'the rest: bytes': [(rest['seconds'] - kernels) * 1e3] * len(formats),
+       'the rest: kernel costs': [kernels * 1e3] * len(formats)},
+      'ms per step (predicted)',
+      f'The train step on an {result["gpu"]}, batch {result["batch_size"]}, '
+      'on paper', total_format='{:,.2f}')
+  return [path]
