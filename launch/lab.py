@@ -19,12 +19,12 @@ python -m launch.lab report --out=report [--parts=benchmark,...] [--quick] \
     [--config.data.source=arrays --config.data.arrays_path=cifar10.npz]
 python -m launch.lab rounding --checkpoint=WORKDIR [--checkpoint_step=N] [--batches=4]
 python -m launch.lab advise --config=configs/vit_fp16.py [--checkpoint=WORKDIR] \
-    [--batches=8] [--level=knockout] --out=advice
+    [--batches=8] [--level=knockout] [--gpu=h100] --out=advice
 
 `speed` predicts the train step's time on a named GPU per matmul format
 (bf16, fp8 current and delayed, MXFP8 and NVFP4 where the GPU has them), per
 matmul and for the whole step, and which Linears fp8 pays in, on paper
-(haiku_mp/lab/studies/speed.py, docs/speed.md); `gemm` times each Linear
+(haiku_mp/lab/studies/step_time.py, docs/speed.md); `gemm` times each Linear
 shape's three GEMMs in bf16, fp8 alone and fp8 with its casts beside that
 prediction (haiku_mp/lab/studies/gemm.py). `fp8` lists every matmul of the train step (forward and backward) with its
 operands' formats and, compiled, whether it runs as an fp8 GEMM
@@ -68,8 +68,8 @@ from haiku_mp.lab.studies import matmul_precision as precision_lab
 from haiku_mp.lab.studies import memory
 from haiku_mp.lab.studies import params
 from haiku_mp.lab.studies import profile
-from haiku_mp.lab.studies import speed
 from haiku_mp.lab.studies import step_compile
+from haiku_mp.lab.studies import step_time
 from haiku_mp.lab.studies import sweep
 from haiku_mp.lab import variants
 from haiku_mp.vit import settings as settings_lib
@@ -134,8 +134,10 @@ _WORKDIRS = flags.DEFINE_list(
     'workdirs', [], 'ladder: finished launch.train workdirs (runs of one '
     'variant are its seeds).')
 _GPU = flags.DEFINE_string(
-    'gpu', '', f'speed, gemm: the GPU predicted for, one of {gpus.NAMES} '
-    '(gemm on a GPU: the one it runs on by default).')
+    'gpu', '', f'speed, gemm, advise: the GPU predicted for, one of '
+    f'{gpus.NAMES} (gemm on a GPU: the one it runs on by default; advise: '
+    "the config's precision.low_bit.gpu by default, fp8's verdicts then "
+    'weighing its predicted time).')
 _BATCH = flags.DEFINE_integer(
     'batch', 0, "speed: the step's batch (0: the config's batch_size).")
 _SHAPE = flags.DEFINE_string(
@@ -168,7 +170,7 @@ def _check_flags(command: str) -> None:
   if _GPU.value:
     errors.check_choice('--gpu', _GPU.value, gpus.NAMES)
   if _SHAPE.value:
-    speed.parse_shape(_SHAPE.value)
+    step_time.parse_shape(_SHAPE.value)
   if command == 'speed' and not _GPU.value:
     raise errors.ConfigError(f'--gpu: speed predicts for a named GPU; give '
                              f'one of {gpus.NAMES}, e.g. --gpu=h100')
@@ -236,12 +238,12 @@ def _fp8(settings):
 def _speed(settings):
   """The step (or with --shape, one Linear) on paper for --gpu."""
   if _SHAPE.value:
-    result = speed.one_gemm(speed.parse_shape(_SHAPE.value), _GPU.value)
+    result = step_time.one_gemm(step_time.parse_shape(_SHAPE.value), _GPU.value)
   else:
-    result = speed.run(settings, _GPU.value, _BATCH.value or None, log=_log)
+    result = step_time.run(settings, _GPU.value, _BATCH.value or None, log=_log)
     if _COMMUNICATION.value:
-      result['with_wire'] = speed.with_wire(result, _COMMUNICATION.value)
-  return result, speed.plot
+      result['with_wire'] = step_time.with_wire(result, _COMMUNICATION.value)
+  return result, step_time.plot
 
 
 def _gemm(settings):
@@ -297,7 +299,7 @@ STUDIES = {'params': _params, 'sweep': _sweep, 'memory': _memory,
            'rounding': _rounding, 'ladder': _ladder,
            'communication': _communication, 'speed': _speed, 'gemm': _gemm}
 # The studies whose result is a table unless --json asks for the JSON.
-TABLES = {'speed': speed.table, 'gemm': gemm.table}
+TABLES = {'speed': step_time.table, 'gemm': gemm.table}
 BARE_STUDIES = {'matmul': _matmul, 'dot_algorithms': _dot_algorithms,
                 'step_compile': _step_compile}
 # Every command: the studies, the report that runs several of them, and
@@ -328,7 +330,8 @@ def _advise(settings):
     settings = run_inputs.with_run_config(settings, _CHECKPOINT.value, given,
                                           log=_log)
   result = advisor.run(settings, _CHECKPOINT.value, _CHECKPOINT_STEP.value,
-                      _BATCHES.value, _LEVEL.value, _STEPS.value, log=_log)
+                      _BATCHES.value, _LEVEL.value, _STEPS.value, log=_log,
+                      gpu=_GPU.value or settings.precision.low_bit.gpu)
   for path in advisor_files.write(result, _OUT.value):
     print(f'wrote {path}', flush=True)
   for fmt, suggestion in result['suggestions'].items():

@@ -1,5 +1,6 @@
-"""Prints every module of the configured model: policy, params, dtypes, and
-the training state's layout and bytes per parameter.
+"""Prints every module of the configured model: policy, params, dtypes, the
+training state's layout and bytes per parameter, and with
+`precision.low_bit.modules=auto` each Linear's choice and why.
 
 python -m launch.tabulate --config=configs/vit_fp16.py [--json]
 """
@@ -30,6 +31,8 @@ def main(argv):
   else:
     print(overview.format_table(rows))
     print(overview.state_line(exp))
+    for line in exp.low_bit_lines():
+      print(line)
 
 
 if __name__ == '__main__':

@@ -128,8 +128,10 @@ def modules_setting(candidates: Sequence[str], kept: Sequence[str],
 
 def candidates_setting(modules: str) -> str:
   """The modules the advice considers: the config's low-bit modules
-  (`precision.low_bit.modules`), or `fp8.DEFAULT_MODULES` when it runs none."""
-  return modules.strip() or fp8.DEFAULT_MODULES
+  (`precision.low_bit.modules`), or `fp8.DEFAULT_MODULES` when it runs none
+  or lets the speed model choose ('auto')."""
+  modules = modules.strip()
+  return fp8.DEFAULT_MODULES if modules in ('', 'auto') else modules
 
 
 def judge(totals: Mapping[str, Sequence[np.ndarray]], fmt: MatmulFormat,

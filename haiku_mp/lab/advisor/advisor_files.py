@@ -83,15 +83,26 @@ def matmul_markdown(judged: dict[str, Any]) -> list[str]:
   choice = judged['choice']
   kept = (f'{len(judged["keep_fp8"])} Linear layer(s) in '
           f'{judged["fallback"]}, ' if judged['fallback'] else '')
+  timed = 'speed_gpu' in judged
   columns = (*fmt.choices, *fmt.columns, f'why not {fmt.title}')
+  if timed:
+    columns += (f'{judged["speed_format"]} on the {judged["speed_gpu"]} '
+                '(predicted)',)
+  slower = (f' ({len(judged["slower"])} of them safe in {fmt.title} but '
+            f'predicted slower on the {judged["speed_gpu"]})' if timed else '')
+  bf16 = len(judged['keep_bf16']) + len(judged.get('slower', []))
   lines = ['', f'## {fmt.title} ({choice}): keep {kept}'
-           f'{len(judged["keep_bf16"])} Linear layer(s) in bfloat16', '',
+           f'{bf16} Linear layer(s) in bfloat16{slower}', '',
            '```', ' \\\n  '.join(judged['suggestion']['flags']), '```', '',
            '| Linear | ' + ' | '.join(columns) + ' |',
            '|---' * (len(columns) + 1) + '|']
   for row in judged['modules']:
     cells = (row['path'], *(row['verdicts'][c] for c in fmt.choices),
              *fmt.cells(row, choice), '; '.join(row['reasons'].get(choice, [])))
+    if timed:
+      gain = row['speed']['gain']
+      cells += ('no tensor cores' if gain is None else
+                f'{gain:.2f}x {"faster" if row["speed"]["faster"] else "slower"}',)
     lines.append('| ' + ' | '.join(cells) + ' |')
   return lines
 

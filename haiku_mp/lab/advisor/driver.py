@@ -40,6 +40,7 @@ from haiku_mp.advisor import fp8_numerics
 from haiku_mp.advisor import matmul_formats
 from haiku_mp.advisor import measurement
 from haiku_mp.advisor import numerics
+from haiku_mp.advisor import placement
 from haiku_mp.advisor import probes
 from haiku_mp.advisor import verdicts
 from haiku_mp import errors
@@ -176,16 +177,20 @@ def matmul_advice(settings: settings_schema.Settings,
                   exp: experiment.Experiment, params, inputs,
                   fmt: matmul_formats.MatmulFormat, choice: str, limits,
                   fallback: Optional[dict[str, Any]],
-                  log: Callable[[str], None]) -> dict[str, Any]:
+                  log: Callable[[str], None], gpu: str = '') -> dict[str, Any]:
   """The verdicts of the config's candidate Linears under `fmt` over
   `inputs` at `params` (`measurement.measure_matmuls`,
   `matmul_formats.judge`; `fallback`: the wider format's advice), and the
   flags that run `choice` where it fits, the wider format or bfloat16
-  elsewhere."""
+  elsewhere. With a `gpu` named, fp8's verdicts gain the speed model's
+  predicted time, and the flags keep fp8 only where it is safe and
+  faster."""
   totals = measurement.measure_matmuls(
       exp.loss_fn, params, inputs, fp8_candidates(settings, exp), fmt, log)
   judged = matmul_formats.judge(totals, fmt, choice, limits,
                                 _candidates_setting(settings), fallback)
+  if gpu and fmt.name == fp8_numerics.Fp8Matmuls.name:
+    judged = with_predicted_time(judged, settings, exp, gpu)
   modules = judged['fp8_modules']
   flags = [f"--config.precision.low_bit.modules='{modules}'", *fmt.flags(choice)]
   if judged['keep_fp8_setting']:
@@ -196,6 +201,37 @@ def matmul_advice(settings: settings_schema.Settings,
         settings.precision.policy, 'bfloat16', 'float32'))
   return dict(judged, thresholds=dataclasses.asdict(limits),
               suggestion=dict(modules=modules, flags=flags))
+
+
+def with_predicted_time(judged: dict[str, Any],
+                        settings: settings_schema.Settings,
+                        exp: experiment.Experiment, gpu: str
+                        ) -> dict[str, Any]:
+  """fp8's verdicts (`matmul_formats.judge`) with each Linear's predicted
+  gain on `gpu` at the config's batch and compute dtype
+  (`placement.choose`): a Linear safe in fp8 but slower keeps bfloat16
+  (`slower`), and `fp8_modules` runs fp8 where it is both."""
+  fmt = placement.low_bit_format(judged['choice'])
+  compute = np.dtype(variants.compute_dtype(settings)).itemsize
+  linears = {l.path: dataclasses.replace(l, compute_bytes=compute)
+             for l in forward_lib.linears(exp.module_calls,
+                                          settings.batch_size)}
+  paths = [r['path'] for r in judged['modules']]
+  choices = {c.linear.path: c for c in placement.choose(
+      [linears[p] for p in paths], fmt, gpu)}
+  rows = []
+  for row in judged['modules']:
+    c = choices[row['path']]
+    rows.append(dict(row, speed=dict(gpu=gpu, format=fmt, gain=c.gain,
+                                     faster=c.low_bit, why=c.why(fmt))))
+  passed = matmul_formats.ok(judged['format'])
+  safe = [r['path'] for r in judged['modules']
+          if r['verdicts'][judged['choice']] == passed]
+  slower = [p for p in safe if not choices[p].low_bit]
+  return dict(judged, modules=rows, speed_gpu=gpu, speed_format=fmt,
+              slower=slower, fp8_modules=matmul_formats.modules_setting(
+                  paths, judged['keep_bf16'] + slower,
+                  _candidates_setting(settings)))
 
 
 def knockout(settings: settings_schema.Settings, params, inputs,
@@ -268,9 +304,10 @@ def cost(settings: settings_schema.Settings, stats: probes.StatisticsFn,
 def run(settings: settings_schema.Settings, checkpoint: str = '',
         checkpoint_step: int = -1, num_batches: int = 8,
         level: str = 'stats', repeats: int = 3,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        log: Callable[[str], None] = print, gpu: str = '') -> dict[str, Any]:
   """The advisor's result as a JSON-ready dict (`advisor_files.write` makes
-  the files)."""
+  the files); with a `gpu` named (`gpus.NAMES`), fp8's verdicts weigh its
+  predicted time too (`with_predicted_time`)."""
   advisor_settings = settings.advisor
   _check(num_batches, level, repeats, checkpoint)
   thresholds = advisor_settings.thresholds
@@ -325,7 +362,7 @@ def run(settings: settings_schema.Settings, checkpoint: str = '',
   for fmt, choice in matmul_formats_of(settings):
     fallback = result[fmt.name] = matmul_advice(
         settings, exp, state.params, inputs, fmt, choice, limits[fmt.name],
-        fallback, log)
+        fallback, log, gpu)
   if level == 'knockout':
     paths = [m.path for m in modules if m.same_as is None]
     result['knockout'] = knockout(reference, state.params, inputs, paths,

@@ -8,8 +8,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from haiku_mp.advisor import placement
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import half_dot
 from haiku_mp.model import interception
 from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import policies
@@ -20,10 +22,18 @@ from haiku_mp.vit.settings import precision as precision_settings
 from haiku_mp.vit.settings import Settings
 
 
-def precision_from_config(config: Settings
+def precision_from_config(config: Settings,
+                          low_bit_modules: Optional[str] = None
                           ) -> policies.Precision:
-  """The `Precision` that `config.precision` describes for the ViT."""
+  """The `Precision` that `config.precision` describes for the ViT, its
+  low-bit Linears `low_bit_modules` where given (`modules='auto'` without
+  them: none; `checked_precision` chooses them)."""
   low_bit = config.precision.low_bit
+  modules = low_bit.modules
+  if low_bit_modules is not None:
+    modules = low_bit_modules
+  elif modules.strip() == precision_settings.AUTO:
+    modules = ''
   return policies.make_precision(
       config.precision.policy, config.precision.overrides,
       model_class=vit.MODEL_CLASS,
@@ -34,7 +44,7 @@ def precision_from_config(config: Settings
       dot_platform=config.precision.dot_platform,
       # fp8's scaling is built (and checked) whether or not a Linear runs it.
       low_bit=low_bit_lib.from_parts(
-          low_bit.modules,
+          modules,
           fp8_lib.Fp8(low_bit.scaling, low_bit.history_length, low_bit.margin),
           make_fp4(low_bit), low_bit.keep_fp8))
 
@@ -95,20 +105,54 @@ def checked_precision(config: Settings,
                       precision: Optional[policies.Precision] = None,
                       batch_devices: int = 1
                       ) -> tuple[policies.Precision,
-                                 list[interception.ModuleCall]]:
+                                 list[interception.ModuleCall],
+                                 list[placement.Choice]]:
   """`config`'s Precision (`precision`, where already built from it), every
   override checked against the module calls of one (abstract) forward
-  pass, and those calls. A 4-bit Linear's tokens are checked per device of
-  the `batch_devices` the batch is split over: each computes the weight
-  gradient of its own examples."""
+  pass, those calls, and with `precision.low_bit.modules='auto'` each
+  Linear's choice (`low_bit_choices`; else none). A Linear's tokens are
+  those of one device of the `batch_devices` the batch is split over: each
+  runs the GEMMs of its own examples."""
   precision = precision or precision_from_config(config)
   calls, _ = trace_modules(config.model, precision)
+  choices = []
+  if config.precision.low_bit.modules.strip() == precision_settings.AUTO:
+    choices = low_bit_choices(config, calls, config.batch_size // batch_devices)
+    precision = precision_from_config(config, ';'.join(
+        c.linear.path for c in choices if c.low_bit))
+    calls, _ = trace_modules(config.model, precision)
   modules = {(c.class_name, c.path) for c in calls}
   precision.check_overrides(modules)
   precision.check_fp8(modules)
   if precision.fp4 is not None:
     _check_fp4_tokens(precision, calls, config.batch_size // batch_devices)
-  return precision, calls
+  return precision, calls, choices
+
+
+def linears(calls: list[interception.ModuleCall],
+            batch_size: int) -> list[placement.Linear]:
+  """Every Linear of a forward pass traced at batch 1, as its GEMMs see it
+  at `batch_size`."""
+  found = []
+  for c in calls:
+    if c.class_name == half_dot.FP8_CLASS and c.method == '__call__':
+      x = c.args[0][0]
+      found.append(placement.Linear(
+          c.path, math.prod(x.shape[:-1]) * batch_size, x.shape[-1],
+          c.output.shape[-1], jnp.dtype(x.dtype).itemsize))
+  return found
+
+
+def low_bit_choices(config: Settings, calls: list[interception.ModuleCall],
+                    batch_size: int) -> list[placement.Choice]:
+  """Which Linears `precision.low_bit.modules='auto'` runs in its format:
+  those predicted faster in it on `precision.low_bit.gpu`, at the
+  `batch_size` one device runs (docs/speed.md)."""
+  low_bit = config.precision.low_bit
+  fmt = placement.low_bit_format(
+      low_bit.scaling, '' if low_bit.format == precision_settings.FP8_FORMAT
+      else low_bit.format)
+  return placement.choose(linears(calls, batch_size), fmt, low_bit.gpu)
 
 
 def _check_fp4_tokens(precision: policies.Precision,
@@ -128,6 +172,6 @@ def checked_forward(config: Settings
                     ) -> tuple[hk.Transformed, policies.Precision]:
   """The forward function for `config` and its Precision, the overrides
   checked (the model alone; a whole run is `experiment.build`)."""
-  precision, _ = checked_precision(config)
+  precision, _, _ = checked_precision(config)
   return (make_forward(config.model, precision, remat=config.remat),
           precision)

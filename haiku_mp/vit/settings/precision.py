@@ -1,6 +1,7 @@
 """Precision: jmp policies, matmul forms, the training state's layout and
 the low-bit matmuls (haiku_mp/model/policies.py, fp8.py, fp4.py)."""
 
+from haiku_mp.advisor import gpus
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.vit.settings import fields
@@ -10,6 +11,8 @@ from haiku_mp.vit.settings.fields import setting
 # The low-bit formats: fp8, or one of the 4-bit ones.
 FP8_FORMAT = 'fp8'
 FORMATS = (FP8_FORMAT,) + fp4_lib.FORMATS
+# `modules`' value that lets the speed model choose the Linears.
+AUTO = 'auto'
 
 
 @fields.frozen
@@ -20,7 +23,14 @@ class LowBitSettings:
   modules: str = setting(
       '',
       "'TARGET;...': class names or path globs (a glob selects the "
-      "Linears inside a module too, e.g. '*/encoder_block_*'); '': off.")
+      "Linears inside a module too, e.g. '*/encoder_block_*'); 'auto': "
+      'the Linears predicted to gain on `gpu` (docs/speed.md); \'\': off.')
+  gpu: str = setting(
+      '',
+      "With modules='auto': the GPU whose predicted times choose the "
+      f"Linears, one of {gpus.NAMES}; '': torchao's shape rule (for a GPU "
+      'the speed model does not know).',
+      check=fields.one_of(('',) + gpus.NAMES))
   scaling: str = setting(
       'current',
       "'current' (each tensor's amax this step), 'delayed' (the max of "

@@ -73,6 +73,11 @@ def _check_model(config: settings_lib.Settings) -> policies.Precision:
   # fp8.Fp8 checks its own settings.
   precision = forward_lib.precision_from_config(config)
   _check_state_layout(config.precision, precision)
+  if low_bit.gpu and low_bit.modules.strip() != 'auto':
+    raise errors.ConfigError(
+        f'precision.low_bit.gpu={low_bit.gpu} chooses the low-bit Linears '
+        "only with precision.low_bit.modules='auto' (now "
+        f'{low_bit.modules!r}); set modules=auto, or gpu=\'\'')
   if config.privacy.enabled and low_bit.modules.strip():
     raise errors.ConfigError(
         f'precision.low_bit.modules={low_bit.modules!r} with privacy.enabled: '

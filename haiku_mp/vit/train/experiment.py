@@ -8,6 +8,7 @@ together, so what is measured is what is trained.
 
 import dataclasses
 import functools
+import re
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from absl import logging
@@ -18,6 +19,7 @@ import numpy as np
 import optax
 
 from haiku_mp import errors
+from haiku_mp.advisor import placement
 from haiku_mp.model import interception
 from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
@@ -67,6 +69,8 @@ class Experiment:
   init_state: Callable[[], step_lib.TrainState]
   abstract_state: step_lib.TrainState  # jax.ShapeDtypeStruct leaves.
   strategy: strategies.Strategy
+  # With precision.low_bit.modules='auto', each Linear's choice and why.
+  low_bit_choices: tuple[placement.Choice, ...] = ()
 
   @property
   def param_names(self) -> list[str]:
@@ -164,7 +168,41 @@ class Experiment:
                    'trains on whole examples)')
     if self.privacy is not None:
       lines.append(self.privacy.describe(self.total_steps))
-    return lines + self.strategy.describe()
+    return lines + self.low_bit_lines() + self.strategy.describe()
+
+  def low_bit_lines(self) -> list[str]:
+    """modules='auto': the choice for each Linear and why, Linears of one
+    shape and choice in encoder blocks merged into one line."""
+    if not self.low_bit_choices:
+      return []
+    low_bit = self.settings.precision.low_bit
+    fmt = placement.low_bit_format(
+        low_bit.scaling, '' if low_bit.format == 'fp8' else low_bit.format)
+    chosen = sum(c.low_bit for c in self.low_bit_choices)
+    where = (f'predicted on an {low_bit.gpu}' if low_bit.gpu else
+             f'{placement.TORCHAO_RULE}, no precision.low_bit.gpu named')
+    lines = [f'Low-bit matmuls where they pay (precision.low_bit.modules='
+             f"auto, {fmt}, {where}): {chosen} of "
+             f'{len(self.low_bit_choices)} Linears']
+    merged: dict[tuple, list[placement.Choice]] = {}
+    for c in self.low_bit_choices:
+      key = (_merged_path(c.linear.path), c.linear.m, c.linear.k,
+             c.linear.n, c.low_bit)
+      merged.setdefault(key, []).append(c)
+    compute = np.dtype(self.precision.policy.compute_dtype).name
+    for (path, *_, low), group in merged.items():
+      count = f' (x{len(group)})' if len(group) > 1 else ''
+      runs = fmt if low else f'stays {compute}'
+      lines.append(f'  {path}{count}: {runs}; {group[0].why(fmt)}')
+    if not chosen:
+      lines.append(f'  No Linear pays: the run has no low-bit matmul '
+                   f'(everything in {compute})')
+    return lines
+
+
+def _merged_path(path: str) -> str:
+  """'vit/encoder_block_3/mlp_block/fc1' -> 'vit/encoder_block_*/mlp_block/fc1'."""
+  return re.sub(r'_\d+(?=/|$)', '_*', path)
 
 
 def total_train_steps(settings: settings_lib.Settings,
@@ -231,7 +269,7 @@ def build(settings: settings_lib.Settings, *,
                 settings.privacy.enabled or settings.data.source == 'synthetic')
   num_train_examples = (pipeline.check_available(settings.data)
                         if check_data or needs_size else None)
-  precision, calls = forward_lib.checked_precision(
+  precision, calls, choices = forward_lib.checked_precision(
       settings, checked.precision, batch_devices)
   forward = forward_lib.make_forward(settings.model, precision,
                                      remat=settings.remat)
@@ -303,4 +341,5 @@ def build(settings: settings_lib.Settings, *,
       num_train_examples=num_train_examples, total_steps=total_steps,
       schedule=schedule, ema_decay=ema_decay, optimizer=optimizer,
       scaler=scaler, privacy=private, init_state=init_state,
-      abstract_state=strategy.abstract_state, strategy=strategy)
+      abstract_state=strategy.abstract_state, strategy=strategy,
+      low_bit_choices=tuple(choices))

@@ -1,4 +1,4 @@
-"""Study `speed`: will fp8 make this model faster? The train step's time on a
+"""Study `speed` (`launch.lab speed`): will fp8 make this model faster? The train step's time on a
 named GPU, on paper, per matmul format, from the step's own program.
 
 The step is lowered for CUDA as the config's compute-dtype program (no
@@ -26,6 +26,7 @@ import jax
 
 from haiku_mp import errors
 from haiku_mp.advisor import gpus
+from haiku_mp.advisor import placement
 from haiku_mp.advisor import speed as speed_lib
 from haiku_mp.lab import charts
 from haiku_mp.lab.studies import collectives
@@ -237,22 +238,24 @@ def step(result: dict[str, Any], selected: Optional[set[str]] = None
 def linear_gains(result: dict[str, Any], gpu: gpus.Gpu,
                  assumptions: gpus.Assumptions,
                  shapes: dict[str, tuple]) -> list[dict[str, Any]]:
-  """Each candidate Linear's shape and its three GEMMs' gain per format."""
+  """Each candidate Linear's shape, its three GEMMs' seconds per format in
+  the step, and per low-bit format the gain `placement.choose` predicts
+  (the one a run with `modules='auto'` chooses by)."""
   by_linear = collections.defaultdict(lambda: collections.defaultdict(float))
   for row in result['matmuls']:
     if row['low_bit']:
       for fmt, s in row['seconds'].items():
-        by_linear[row['name']][fmt] += s
-  base = result['baseline']
-  gains = []
-  for name in sorted(by_linear):
-    total = by_linear[name]
-    m, k, n, _ = shapes.get(name, (0, 0, 0, ''))
-    gains.append(dict(name=name, m=m, k=k, n=n,
-                      seconds=dict(total),
-                      gain={f: total[base] / total[f] for f in total
-                            if f != base}))
-  return gains
+        by_linear[row['name']][fmt] += s or 0.0
+  layers = [placement.Linear(name, *shapes[name][:3],
+                             _bytes(shapes[name][3]))
+            for name in sorted(by_linear) if name in shapes]
+  gains = {l.path: {} for l in layers}
+  for fmt in result['formats'][1:]:
+    for choice in placement.choose(layers, fmt, gpu.name, assumptions):
+      gains[choice.linear.path][fmt] = choice.gain
+  return [dict(name=l.path, m=l.m, k=l.k, n=l.n,
+               seconds=dict(by_linear[l.path]), gain=gains[l.path])
+          for l in layers]
 
 
 def where_it_pays(result: dict[str, Any]) -> dict[str, Any]:
@@ -261,7 +264,7 @@ def where_it_pays(result: dict[str, Any]) -> dict[str, Any]:
   placed = {}
   for fmt in result['formats'][1:]:
     paying = {g['name'] for g in result['linears']
-              if g['gain'].get(fmt, 0) > 1}
+              if (g['gain'].get(fmt) or 0) > 1}
     timed = step(result, paying)
     placed[fmt] = dict(linears=sorted(paying),
                        seconds=timed['seconds'][fmt],
