@@ -17,6 +17,7 @@ import ml_collections
 from ml_collections.config_flags.config_flags import is_config_flag
 
 from configs import vit_cpu
+from configs import vit_fp8
 from haiku_mp import errors
 from launch import command_help
 
@@ -83,24 +84,35 @@ def _unknown_field(key_error: KeyError, argv: list[str]) -> str:
   return f'the config has no setting {key!r}'
 
 
-def _takes_a_variant(path: str) -> bool:
-  """Whether the config file at `path` has a `get_config(variant)`."""
+# What the argument after a config file's colon names, by its
+# `get_config` parameter: the precision variant, or fp8's placement.
+_ARGUMENTS = {'precision': ('VARIANT', vit_cpu.VARIANTS),
+              'placement': ('PLACEMENT', vit_fp8.PLACEMENTS)}
+
+
+def _argument_of(path: str) -> Optional[str]:
+  """The name of the config file at `path`'s `get_config` argument, if it
+  takes one."""
   spec = importlib.util.spec_from_file_location('_config_for_help', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return bool(inspect.signature(module.get_config).parameters)
+  return next(iter(inspect.signature(module.get_config).parameters), None)
 
 
 def _variant_error(name: str, value: str) -> Optional[str]:
   """A variant (`:bf16`) given to a config file that takes none."""
   path, colon, variant = value.partition(':')
-  if not colon or not os.path.exists(path) or _takes_a_variant(path):
+  if not colon or not os.path.exists(path) or _argument_of(path):
     return None
-  with_variants = [c for c in _config_names().split(', ')
-                   if _takes_a_variant(os.path.join(_ROOT, c))]
+  by_argument = {}
+  for config in _config_names().split(', '):
+    argument = _argument_of(os.path.join(_ROOT, config))
+    if argument:
+      by_argument.setdefault(argument, []).append(config)
+  takers = [f'{", ".join(configs)} (:{_ARGUMENTS[a][0]}, one of '
+            f'{_ARGUMENTS[a][1]})' for a, configs in by_argument.items()]
   return (f'--{name}={value}: {path} takes no variant (:{variant}); the '
-          f'configs that do are {", ".join(with_variants)} (:VARIANT, one of '
-          f'{vit_cpu.VARIANTS})')
+          f'configs that do are {" and ".join(takers)}')
 
 
 def _bad_value(name: str, value: str, reason: str, e: BaseException) -> str:

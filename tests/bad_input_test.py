@@ -130,7 +130,12 @@ class BadInputTest(parameterized.TestCase):
        'no variant (:bf16); the configs that do are configs/vit_cpu.py, '
        'configs/vit_cpu_recipe.py, configs/vit_recipe.py (:VARIANT, one of '
        "('fp32', 'bf16', 'fp16', 'fp8', 'nvfp4', 'mxfp4', 'pure_bf16', "
-       "'pure_bf16_8bit'))"),
+       "'pure_bf16_8bit')) and configs/vit_fp8.py (:PLACEMENT, one of "
+       "('auto', 'blocks'))"),
+      ('fp8_placement_unknown', ['--config=configs/vit_fp8.py:all',
+                                 'WORKDIR'],
+       "error: --config=configs/vit_fp8.py:all: configs/vit_fp8.py:PLACEMENT: "
+       "unknown value 'all'; expected one of ('auto', 'blocks')"),
       # A 56-line traceback ending in a SyntaxError.
       # A file of its own: README.md's first syntax error moves as it grows.
       ('config_file_not_python',

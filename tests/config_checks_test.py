@@ -289,6 +289,14 @@ _OUT_OF_RANGE = (
      "precision.low_bit.scaling: unknown value 'tensorwise'"),
     ('low_bit_format', {'precision.low_bit.format': 'fp5'},
      "precision.low_bit.format: unknown value 'fp5'"),
+    ('low_bit_gpu', {'precision.low_bit.gpu': 'h300'},
+     "precision.low_bit.gpu: unknown value 'h300'; expected one of ('', "
+     "'a100', 'h100', 'h200', 'b200')"),
+    ('low_bit_gpu_without_auto', {'precision.low_bit.gpu': 'h100',
+                                  'precision.low_bit.modules':
+                                      '*/encoder_block_*'},
+     "precision.low_bit.gpu=h100 chooses the low-bit Linears only with "
+     "precision.low_bit.modules='auto' (now '*/encoder_block_*')"),
     ('fp8_history_length', {'precision.low_bit.history_length': 0},
      'precision.low_bit.history_length=0 must be an integer >= 1'),
     ('fp8_margin', {'precision.low_bit.margin': -1.0},

@@ -853,7 +853,8 @@ class ResumeTest(absltest.TestCase):
 
   def test_a_killed_delayed_scaling_run_resumes_bit_exactly(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
-    flags = ['--config=configs/vit_fp8.py', '--config.data.source=synthetic',
+    flags = ['--config=configs/vit_fp8.py:blocks',
+             '--config.data.source=synthetic',
              '--config.precision.low_bit.scaling=delayed',
              '--config.precision.low_bit.history_length=4',
              '--config.num_train_steps=8', '--config.log_every_steps=1',

@@ -41,7 +41,7 @@ class Choice:
     if self.gain is None:
       verdict = 'passes' if self.low_bit else 'is too small for'
       return f'{shape}: {verdict} {TORCHAO_RULE} (no GPU named)'
-    return (f'{shape}: {self.gain:.2f}x predicted in {fmt} on an '
+    return (f'{shape}: {self.gain:.2f}x predicted in {fmt} on the '
             f'{self.rule}')
 
 

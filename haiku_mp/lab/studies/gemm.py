@@ -179,7 +179,7 @@ def table(result: dict[str, Any]) -> str:
   if result['note']:
     lines.append(result['note'] + '.')
   lines.append(f'Measured on {result["device"]} ({result["backend"]}, jax '
-               f'{result["jax_version"]}); predicted for an '
+               f'{result["jax_version"]}); predicted for the '
                f'{result["predicted_for"]}, in us:')
   lines.append('| Linear M x K x N | GEMM | ' + ' | '.join(
       f'{v} measured / predicted' for v in VARIANTS) + ' | fp8 GEMM |')
@@ -207,5 +207,5 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
                                 for r in result['rows']]
   charts.grouped_bar_chart(path, labels, series, 'microseconds',
                            f'GEMMs on {result["device"]}: measured and '
-                           f'predicted for an {result["predicted_for"]}')
+                           f'predicted for the {result["predicted_for"]}')
   return [path]

@@ -354,7 +354,7 @@ def table(result: dict[str, Any]) -> str:
   if 'linear' in result:
     m, k, n = result['shape']
     lines.append(f'One Linear, {m} tokens x {k} in -> {n} out, on paper for '
-                 f'an {result["gpu"]}:')
+                 f'the {result["gpu"]}:')
     lines.append('| GEMM | ' + ' | '.join(formats) + ' |')
     lines.append('|---|' + '---|' * len(formats))
     for p, per in result['linear']['passes'].items():
@@ -375,7 +375,7 @@ def table(result: dict[str, Any]) -> str:
     for f in formats:
       entry['seconds'][f] += row['seconds'][f] or 0.0
   lines.append(f'The train step at batch {result["batch_size"]} on paper for '
-               f'an {result["gpu"]} (a prediction; docs/speed.md):')
+               f'the {result["gpu"]} (a prediction; docs/speed.md):')
   lines.append('| matmul | pass | batch x M x K x N | count | ' +
                ' | '.join(formats) + ' |')
   lines.append('|---|---|---|---|' + '---|' * len(formats))
@@ -425,7 +425,7 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
         path, formats, {p: [passes[p][f] * 1e6 for f in formats]
                         for p in passes},
         'microseconds (predicted)',
-        f'One Linear {"x".join(map(str, result["shape"]))} on an '
+        f'One Linear {"x".join(map(str, result["shape"]))} on the '
         f'{result["gpu"]}, on paper', total_format='{:,.1f}')
     return [path]
   parts = result['step']['parts']
@@ -439,6 +439,6 @@ def plot(result: dict[str, Any], out_dir: str) -> list[str]:
        'the rest: bytes': [(rest['seconds'] - kernels) * 1e3] * len(formats),
        'the rest: kernel costs': [kernels * 1e3] * len(formats)},
       'ms per step (predicted)',
-      f'The train step on an {result["gpu"]}, batch {result["batch_size"]}, '
+      f'The train step on the {result["gpu"]}, batch {result["batch_size"]}, '
       'on paper', total_format='{:,.2f}')
   return [path]

@@ -179,7 +179,7 @@ class Experiment:
     fmt = placement.low_bit_format(
         low_bit.scaling, '' if low_bit.format == 'fp8' else low_bit.format)
     chosen = sum(c.low_bit for c in self.low_bit_choices)
-    where = (f'predicted on an {low_bit.gpu}' if low_bit.gpu else
+    where = (f'predicted on the {low_bit.gpu}' if low_bit.gpu else
              f'{placement.TORCHAO_RULE}, no precision.low_bit.gpu named')
     lines = [f'Low-bit matmuls where they pay (precision.low_bit.modules='
              f"auto, {fmt}, {where}): {chosen} of "
@@ -191,9 +191,12 @@ class Experiment:
       merged.setdefault(key, []).append(c)
     compute = np.dtype(self.precision.policy.compute_dtype).name
     for (path, *_, low), group in merged.items():
-      count = f' (x{len(group)})' if len(group) > 1 else ''
+      if len(group) > 1:
+        path = f'{path} (x{len(group)})'
+      else:
+        path = group[0].linear.path
       runs = fmt if low else f'stays {compute}'
-      lines.append(f'  {path}{count}: {runs}; {group[0].why(fmt)}')
+      lines.append(f'  {path}: {runs}; {group[0].why(fmt)}')
     if not chosen:
       lines.append(f'  No Linear pays: the run has no low-bit matmul '
                    f'(everything in {compute})')
