@@ -853,9 +853,9 @@ class CommandLineTest(parameterized.TestCase):
 
   @parameterized.parameters(
       (['sweepp'], "expected one command of ('params', 'sweep', 'memory', "
-                   "'precision', 'profile', 'fp8', 'rounding', 'ladder', "
-                   "'communication', 'matmul', 'dot_algorithms', "
-                   "'step_compile', 'report', 'advise')"),
+       "'precision', 'profile', 'fp8', 'rounding', 'ladder', 'communication', "
+       "'speed', 'gemm', 'matmul', 'dot_algorithms', 'step_compile', 'report', "
+       "'advise')"),
       (['advise', '--batches=0'], '--batches=0 must be at least 1'),
       (['advise', '--level=deep'],
        "--level: unknown value 'deep'; expected one of"),
@@ -873,7 +873,8 @@ class CommandLineTest(parameterized.TestCase):
        'advisor.loss_scale_headroom=0.5 must be >= 1'),
       (['advise', '--config.advisor.init_steps=-1'],
        'advisor.init_steps=-1 must be >= 0'),
-      (['report', '--parts=matmul,speed'], "--parts: unknown part 'speed'"),
+      (['report', '--parts=matmul,fastest'],
+         "--parts: unknown part 'fastest'"),
       (['report', '--seeds=0,one'], "--seeds: expected integers, got '0,one'"),
       (['dot_algorithms', '--size=0'], '--size=0 must be at least 1'),
       (['matmul', '--repeats=0'], '--repeats=0 must be at least 1'),

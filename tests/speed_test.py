@@ -166,8 +166,8 @@ class PlacementTest(absltest.TestCase):
     self.assertFalse(placement.torchao_pays(2056, 9000))  # Not % 16.
 
   def test_the_model_chooses_each_linear_by_its_predicted_gain(self):
-    layers = [placement.Linear('big', 16384, 8192, 16384),
-              placement.Linear('small', 8320, 384, 384)]
+    layers = [placement.LinearShape('big', 16384, 8192, 16384),
+              placement.LinearShape('small', 8320, 384, 384)]
     big, small = placement.choose(layers, 'fp8_current', 'h100')
     self.assertTrue(big.low_bit)
     self.assertFalse(small.low_bit)
@@ -287,7 +287,7 @@ class SpeedStudyTest(parameterized.TestCase):
       self.assertEqual(placed['linears'], sorted(paying))
       if not paying:
         self.assertEqual(placed['seconds'], result['step']['seconds']['bf16'])
-    layers = [placement.Linear(g['name'], g['m'], g['k'], g['n'])
+    layers = [placement.LinearShape(g['name'], g['m'], g['k'], g['n'])
               for g in result['linears']]
     for choice, g in zip(placement.choose(layers, 'fp8_current', 'h100'),
                          result['linears']):
@@ -407,6 +407,87 @@ class AutoPlacementTest(absltest.TestCase):
     self.assertEqual(set(timed['fp8_modules'].split(';')),
                      faster - {unsafe})
     self.assertEqual(set(timed['slower']), set(paths) - faster - {unsafe})
+
+
+_TINY_FLAGS = ('--config=configs/vit_bf16.py', *helpers.TINY_MODEL_FLAGS,
+               '--config.batch_size=8', '--config.eval_batch_size=8')
+
+
+@helpers.long_running
+class CommandLineTest(parameterized.TestCase):
+
+  def test_speed_prints_its_json_or_its_table_and_writes_both(self):
+    out = self.enter_context(tempfile.TemporaryDirectory())
+    done = helpers.run_module('launch.lab', 'speed', *_TINY_FLAGS,
+                              '--gpu=h100', '--json', f'--out={out}',
+                              check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ('gpu', 'assumptions', 'matmuls', 'step'):
+      self.assertIn(key, result)
+    self.assertEqual(result['gpu'], 'h100')
+    self.assertEqual(set(result['step']['seconds']),
+                     {'bf16', 'fp8_current', 'fp8_delayed'})
+    self.assertEqual(result['assumptions']['gemm_efficiency'],
+                     A.gemm_efficiency)
+    with open(os.path.join(out, 'speed.json')) as f:
+      self.assertEqual(json.load(f)['step'], result['step'])
+    self.assertGreater(os.path.getsize(os.path.join(out, 'speed.png')), 1000)
+    shape = helpers.run_module('launch.lab', 'speed', '--shape=4096,8192,16384',
+                               '--gpu=b200', f'--out={out}', check=True)
+    self.assertIn('One Linear, 4096 tokens x 8192 in -> 16384 out, on paper '
+                  'for the b200:', shape.stdout)
+    self.assertIn('| speedup | 1.00x |', shape.stdout)
+    self.assertIn(f'wrote {out}/speed.png', shape.stdout)
+
+  @parameterized.named_parameters(
+      ('no_gpu', ['speed'], 'error: --gpu: speed predicts for a named GPU; '
+       "give one of ('a100', 'h100', 'h200', 'b200'), e.g. --gpu=h100"),
+      ('unknown_gpu', ['speed', '--gpu=h300'],
+       "error: --gpu: unknown value 'h300'; expected one of ('a100', 'h100', "
+       "'h200', 'b200')"),
+      ('bad_shape', ['speed', '--gpu=h100', '--shape=1,2'],
+       'error: --shape=1,2: expected M,K,N, three positive integers'),
+      ('negative_batch', ['speed', '--gpu=h100', '--batch=-1'],
+       'error: --batch=-1 must be at least 0'),
+      ('gemm_on_a_cpu_without_a_gpu', ['gemm'],
+       'error: --gpu: gemm runs on cpu, which the speed model does not know; '
+       'name the GPU its predictions are for'),
+      ('unreadable_communication', ['speed', '--gpu=h100',
+                                    '--communication=/no/such.json'],
+       'error: --communication=/no/such.json: cannot read a `launch.lab '
+       'communication` JSON'))
+  def test_bad_flags_are_one_line(self, args, message):
+    out = self.enter_context(tempfile.TemporaryDirectory())
+    done = helpers.run_module('launch.lab', *args, *_TINY_FLAGS,
+                              f'--out={out}/lab')
+    self.assertEqual(done.returncode, 2, done.stderr[-2000:])
+    lines = done.stderr.strip().splitlines()
+    self.assertIn(message, lines[-1])
+    self.assertNotIn('Traceback', done.stderr)
+    if args[0] == 'speed' and 'communication' not in args[-1]:
+      self.assertFalse(os.path.exists(f'{out}/lab'))
+
+  def test_gemm_times_each_linear_shape_and_says_a_cpu_emulates(self):
+    out = self.enter_context(tempfile.TemporaryDirectory())
+    done = helpers.run_module('launch.lab', 'gemm', *_TINY_FLAGS,
+                              '--gpu=h100', '--repeats=1', '--json',
+                              f'--out={out}', check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    self.assertEqual(result['note'], gemm_study.CPU_NOTE)
+    shapes = {tuple(r['shape']) for r in result['rows']}
+    # The tiny ViT's Linears: 16 -> 16 (q, k, v, out, fc1, fc2: mlp_dim 16),
+    # 16 -> 10 (the head), at 8 images of 65 tokens (the head: 8 rows).
+    self.assertEqual(shapes, {(520, 16, 16), (8, 16, 10)})
+    self.assertLen(result['rows'], 3 * len(shapes))
+    for row in result['rows']:
+      self.assertEqual(set(row['measured']), set(gemm_study.VARIANTS))
+      self.assertEqual(row['fp8_gemm'], {
+          'fp8_prequantized': 'emulated (XLA:CPU)',
+          'fp8_with_casts': 'emulated (XLA:CPU)'})
+      self.assertIsNone(row['measured_over_predicted'])
+      self.assertEqual(row['predicted']['bf16'], speed.gemm(
+          *row['gemm'], 'bf16', H100, A, 2, 2).seconds)
+    self.assertEqual(result['plots'], [])
 
 
 @helpers.long_running

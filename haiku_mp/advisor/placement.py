@@ -18,7 +18,7 @@ TORCHAO_RULE = "torchao's shape rule"
 
 
 @dataclasses.dataclass(frozen=True)
-class Linear:
+class LinearShape:
   """A Linear layer as its GEMMs see it: M tokens (per device and step), K
   inputs, N outputs, and the bytes of a value in its compute dtype."""
   path: str
@@ -31,7 +31,7 @@ class Linear:
 @dataclasses.dataclass(frozen=True)
 class Choice:
   """Whether one Linear runs the low-bit format, and why."""
-  linear: Linear
+  linear: LinearShape
   low_bit: bool
   gain: Optional[float]  # bf16's time over the format's; None: the rule.
   rule: str  # The GPU predicted for, or `TORCHAO_RULE`.
@@ -66,7 +66,7 @@ def low_bit_format(scaling: str, four_bit: str = '') -> str:
           'mx': 'mxfp8'}[scaling]
 
 
-def choose(linears: Sequence[Linear], fmt: str, gpu_name: str = '',
+def choose(linears: Sequence[LinearShape], fmt: str, gpu_name: str = '',
            assumptions: gpus.Assumptions = gpus.Assumptions()
            ) -> list[Choice]:
   """Each Linear's choice for low-bit format `fmt` on GPU `gpu_name` (''

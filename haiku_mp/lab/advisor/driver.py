@@ -214,7 +214,7 @@ def with_predicted_time(judged: dict[str, Any],
   fmt = placement.low_bit_format(judged['choice'])
   compute = np.dtype(variants.compute_dtype(settings)).itemsize
   linears = {l.path: dataclasses.replace(l, compute_bytes=compute)
-             for l in forward_lib.linears(exp.module_calls,
+             for l in forward_lib.linear_shapes(exp.module_calls,
                                           settings.batch_size)}
   paths = [r['path'] for r in judged['modules']]
   choices = {c.linear.path: c for c in placement.choose(

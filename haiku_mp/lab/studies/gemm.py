@@ -16,7 +16,6 @@ whether XLA made an fp8 GEMM of it; on a CPU every time is of an emulation
 says so.
 """
 
-import math
 from typing import Any, Callable
 
 import jax
@@ -29,13 +28,13 @@ from haiku_mp.lab import charts
 from haiku_mp.lab import timing
 from haiku_mp.lab.studies import fp8_gemms
 from haiku_mp.model import fp8 as fp8_lib
-from haiku_mp.model import half_dot
 from haiku_mp.model.fp8_scales import amax
 from haiku_mp.model.fp8_scales import E4M3
 from haiku_mp.model.fp8_scales import E5M2
 from haiku_mp.model.fp8_scales import quantize
 from haiku_mp.model.fp8_scales import scale_from_amax
 from haiku_mp.vit import settings as settings_lib
+from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.train import experiment
 
 VARIANTS = ('bf16', 'fp8_prequantized', 'fp8_with_casts')
@@ -50,13 +49,8 @@ def linear_shapes(settings: settings_lib.Settings
   config's batch, with the Linears of that shape."""
   exp = experiment.build_without_data(settings)
   shapes: dict[tuple[int, int, int], list[str]] = {}
-  for call in exp.module_calls:
-    if call.class_name != half_dot.FP8_CLASS or call.method != '__call__':
-      continue
-    x = call.args[0][0]
-    shape = (math.prod(x.shape[:-1]) * settings.batch_size, x.shape[-1],
-             call.output.shape[-1])
-    shapes.setdefault(shape, []).append(call.path)
+  for l in forward_lib.linear_shapes(exp.module_calls, settings.batch_size):
+    shapes.setdefault((l.m, l.k, l.n), []).append(l.path)
   return sorted(shapes.items())
 
 

@@ -246,7 +246,7 @@ def linear_gains(result: dict[str, Any], gpu: gpus.Gpu,
     if row['low_bit']:
       for fmt, s in row['seconds'].items():
         by_linear[row['name']][fmt] += s or 0.0
-  layers = [placement.Linear(name, *shapes[name][:3],
+  layers = [placement.LinearShape(name, *shapes[name][:3],
                              _bytes(shapes[name][3]))
             for name in sorted(by_linear) if name in shapes]
   gains = {l.path: {} for l in layers}

@@ -129,15 +129,15 @@ def checked_precision(config: Settings,
   return precision, calls, choices
 
 
-def linears(calls: list[interception.ModuleCall],
-            batch_size: int) -> list[placement.Linear]:
+def linear_shapes(calls: list[interception.ModuleCall],
+            batch_size: int) -> list[placement.LinearShape]:
   """Every Linear of a forward pass traced at batch 1, as its GEMMs see it
   at `batch_size`."""
   found = []
   for c in calls:
     if c.class_name == half_dot.FP8_CLASS and c.method == '__call__':
       x = c.args[0][0]
-      found.append(placement.Linear(
+      found.append(placement.LinearShape(
           c.path, math.prod(x.shape[:-1]) * batch_size, x.shape[-1],
           c.output.shape[-1], jnp.dtype(x.dtype).itemsize))
   return found
@@ -152,7 +152,7 @@ def low_bit_choices(config: Settings, calls: list[interception.ModuleCall],
   fmt = placement.low_bit_format(
       low_bit.scaling, '' if low_bit.format == precision_settings.FP8_FORMAT
       else low_bit.format)
-  return placement.choose(linears(calls, batch_size), fmt, low_bit.gpu)
+  return placement.choose(linear_shapes(calls, batch_size), fmt, low_bit.gpu)
 
 
 def _check_fp4_tokens(precision: policies.Precision,
