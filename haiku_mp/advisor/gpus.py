@@ -44,6 +44,10 @@ class Assumptions:
   Each value's source is beside it; `launch.lab speed --json` prints them
   with every prediction, and docs/speed.md holds the model to every GPU
   figure measured with them unchanged.
+
+  Example:
+    slower_kernels = advisor.Assumptions(kernel_seconds=4e-6)
+    advisor.linear_seconds(8320, 384, 1536, advisor.gpu('h100'), slower_kernels)
   """
   # Of a format's peak, on a GEMM that fills the GPU: torchao's
   # `pct_achievable_gemm_tops` ("based on experimental observation with
@@ -93,7 +97,12 @@ NAMES = tuple(GPUS)
 
 
 def gpu(name: str) -> Gpu:
-  """The GPU called `name` (one of `NAMES`); a ConfigError naming `name`."""
+  """The GPU called `name` (one of `NAMES`); a ConfigError naming `name`.
+
+  Example:
+    h200 = advisor.gpu('h200')
+    h200.memory_bandwidth, h200.peaks['fp8']  # 4.8e12 bytes/s, FLOP/s.
+  """
   errors.check_choice('gpu', name, NAMES)
   return GPUS[name]
 

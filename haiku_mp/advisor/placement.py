@@ -20,7 +20,12 @@ TORCHAO_RULE = "torchao's shape rule"
 @dataclasses.dataclass(frozen=True)
 class LinearShape:
   """A Linear layer as its GEMMs see it: M tokens (per device and step), K
-  inputs, N outputs, and the bytes of a value in its compute dtype."""
+  inputs, N outputs, and the bytes of a value in its compute dtype.
+
+  Example:
+    fc1 = advisor.LinearShape('vit/encoder_block_0/mlp_block/fc1', 128 * 65,
+                              384, 1536)
+  """
   path: str
   m: int
   k: int
@@ -51,7 +56,12 @@ def torchao_pays(k: int, n: int) -> bool:
   1024`, where its code reads `K, N = weight.shape` of a torch Linear, that
   is (out_features, in_features); here K is the inputs and N the outputs,
   so a Linear stays unless N <= 4096 and K <= 1024. Both dimensions must be
-  multiples of 16, as torchao requires too."""
+  multiples of 16, as torchao requires too.
+
+  Example:
+    advisor.torchao_pays(1536, 384)  # True: more than 1024 inputs.
+    advisor.torchao_pays(384, 1536)  # False: small both ways.
+  """
   if k % 16 or n % 16:
     return False
   return not (n <= 4096 and k <= 1024)
@@ -69,9 +79,16 @@ def low_bit_format(scaling: str, four_bit: str = '') -> str:
 def choose(linears: Sequence[LinearShape], fmt: str, gpu_name: str = '',
            assumptions: gpus.Assumptions = gpus.Assumptions()
            ) -> list[Choice]:
-  """Each Linear's choice for low-bit format `fmt` on GPU `gpu_name` (''
-  for none named: torchao's rule). A GPU without the format's tensor cores
-  runs none of them in it."""
+  """Each Linear's choice for low-bit format `fmt` (`speed.LOW_BIT_FORMATS`)
+  on GPU `gpu_name` ('' for none named: torchao's rule). A GPU without the
+  format's tensor cores runs none of them in it.
+
+  Example:
+    choices = advisor.choose_low_bit(
+        [advisor.LinearShape('mlp/~/linear_0', 65536, 4096, 16384)],
+        'fp8_current', 'h100')
+    paths = [c.linear.path for c in choices if c.low_bit]  # LowBit(paths)
+  """
   errors.check_choice('fmt', fmt, tuple(speed.LOW_BIT_FORMATS))
   if not gpu_name:
     return [Choice(l, torchao_pays(l.k, l.n), None, TORCHAO_RULE)

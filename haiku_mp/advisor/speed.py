@@ -252,8 +252,14 @@ def linear_seconds(m: int, k: int, n: int, gpu: gpus.Gpu,
                    recipe: str = 'haiku_mp'
                    ) -> dict[str, dict[str, Optional[float]]]:
   """{pass: {format: seconds}} of a Linear (M tokens, K in, N out) on `gpu`,
-  every format of `FORMATS`; `baselines`: {pass: Gemm} as the program
-  runs them."""
+  every format of `FORMATS` (None where `gpu` has no tensor cores for it);
+  `baselines`: {pass: Gemm} as the program runs them; `recipe`: whose fp8
+  casts (`RECIPES`).
+
+  Example:
+    seconds = advisor.linear_seconds(8320, 384, 1536, advisor.gpu('h100'))
+    seconds['wgrad']['fp8_current']  # With its casts, on paper.
+  """
   baselines = baselines or {}
   return {p: {f: linear_pass_seconds(p, m, k, n, f, gpu, assumptions,
                                      compute_bytes, baselines.get(p), recipe)
@@ -271,7 +277,12 @@ def gain(m: int, k: int, n: int, fmt: str, gpu: gpus.Gpu,
          compute_bytes: float = 2.0, recipe: str = 'haiku_mp'
          ) -> Optional[float]:
   """A Linear's three GEMMs in bf16 over the same in `fmt`: above 1, the
-  format pays; None where `gpu` has no tensor cores for `fmt`."""
+  format pays; None where `gpu` has no tensor cores for `fmt`.
+
+  Example:
+    h100 = advisor.gpu('h100')
+    advisor.low_bit_gain(65536, 4096, 16384, 'fp8_delayed', h100)  # > 1.
+  """
   seconds = linear_seconds(m, k, n, gpu, assumptions, compute_bytes,
                            recipe=recipe)
   low = [seconds[p][fmt] for p in PASSES]

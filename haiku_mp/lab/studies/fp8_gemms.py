@@ -217,7 +217,9 @@ def run(settings: settings_lib.Settings, compile_step: bool = True,
       fp8_linears=sum(1 for p, c in classes.items()
                       if exp.precision.runs_low_bit(c, p)),
       low_bit_format=fp4_config.format if fp4_config else 'fp8',
-      fp4_matmuls=sum(1 for r in rows if r['format'] in fp4.FORMATS))
+      fp4_matmuls=sum(1 for r in rows if r['format'] in fp4.FORMATS),
+      # modules='auto': which Linears the speed model chose, and why.
+      placement=exp.low_bit_lines())
   if fp4_config is not None:
     result['scaling'] = fp4_config.describe()
   if compiled_matmuls is not None:
@@ -272,4 +274,6 @@ def summary(result: dict[str, Any]) -> str:
   if 'fp8_gemms' in result:
     line += (f'; the compiled program ({result["backend"]}, '
              f'{result["device"]}) holds {result["fp8_gemms"]} fp8 GEMMs')
+  if result.get('placement'):
+    line = '\n'.join([*result['placement'], line])
   return line

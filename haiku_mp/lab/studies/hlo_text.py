@@ -3,8 +3,9 @@
 jax hands out a compiled program as text (`as_text()`, XLA's dumps), not as
 a structure one can walk through a public API, so the studies that prove
 what a program does (`fp8_gemms`: which kernel runs each matmul;
-`collectives`: what goes on the wire) read that text. The grammar they
-share lives here, once.
+`collectives`: what goes on the wire; `step_program`: what a GPU would run)
+read that text. The grammar they share lives here, once: instructions,
+computations, and the element types and shapes of arrays.
 """
 
 import re
