@@ -73,8 +73,18 @@ def _dtypes(tree):
 class AnyOptimizerTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*OPTIMIZERS.items())
-  def test_as_it_is_with_bfloat16_params(self, make):
-    start, state, losses = _train(make())
+  def test_as_it_is_with_bfloat16_params_is_one_line_naming_the_fix(self, make):
+    # Its updates would be rounded to nearest into bfloat16 without a word.
+    with self.assertRaisesRegex(
+        TypeError, r"^train_step: \d+ params are half precision .* "
+        r"haiku_mp.float32_master\(opt\), haiku_mp.without_master\(opt, "
+        r"'stochastic'\) or 'kahan', or without_master\(opt, 'nearest'\) "
+        r'for round-to-nearest$'):
+      _train(make())
+
+  @parameterized.named_parameters(*OPTIMIZERS.items())
+  def test_rounded_to_nearest_when_asked(self, make):
+    start, state, losses = _train(haiku_mp.without_master(make(), 'nearest'))
     self.assertLess(losses[-1], losses[0])
     self.assertEqual(int(state.skipped_steps), 0)
     # The params and every leaf of the optimizer's state keep their dtypes.

@@ -360,10 +360,15 @@ class TrainingTest(parameterized.TestCase):
     self.assertEqual(set(metrics), {'loss', 'accuracy', 'num_examples',
                                     'loss_scale', 'grads_finite', 'grad_norm',
                                     'skipped_steps', 'consecutive_skips',
-                                    'nonfinite_grads', 'updates_lost'})
+                                    'nonfinite_grads', 'updates_lost',
+                                    'state_finite', 'nonfinite_state',
+                                    'applied'})
     self.assertEqual(metrics['nonfinite_grads'].shape,
                      (len(jax.tree.leaves(state.params)),))
     self.assertFalse(metrics['nonfinite_grads'].any())
+    # The ViT has no Haiku state: no flag, and every step applied.
+    self.assertEqual(metrics['nonfinite_state'].shape, (0,))
+    self.assertTrue(bool(metrics['applied']) and bool(metrics['state_finite']))
     param_dtype = policies.parse_policy(policy).param_dtype
     for path, p in jax.tree_util.tree_leaves_with_path(state.params):
       name = jax.tree_util.keystr(path)

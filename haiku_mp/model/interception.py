@@ -54,19 +54,31 @@ def apply(precision: policies.Precision, observer: Optional[Observer] = None):
   modules: set[tuple[str, str]] = set()
   outside: list[tuple[str, str]] = []
 
-  def creator(next_creator, shape, dtype, init, context):
-    # Params and Haiku state alike, in the policy's param dtype; fp8 amax
-    # histories stay float32 whatever the policy (`meta_params.META_NAMES`).
+  # The dtype Haiku state is kept in, per policy on `stack`: float32 (a
+  # moving average in half precision loses its small steps, the VQ-VAE's
+  # codebook counts their epsilon), or an override's param dtype where one
+  # applies (`Precision.overrides`).
+  state_dtypes: list = []
+
+  def param_creator(next_creator, shape, dtype, init, context):
+    # Params in the policy's param dtype; fp8 amax histories stay float32
+    # whatever the policy (`meta_params.META_NAMES`).
     if jnp.issubdtype(dtype, jnp.floating) and context.name not in _META:
       dtype = stack[-1].param_dtype
     return next_creator(shape, dtype, init)
 
+  def state_creator(next_creator, shape, dtype, init, context):
+    del context
+    if jnp.issubdtype(dtype, jnp.floating):
+      dtype = state_dtypes[-1]
+    return next_creator(shape, dtype, init)
+
   def setter(next_setter, value, context):
-    # State keeps the dtype it was created in (`creator`): a module that
-    # computes in half precision sets it from half values.
+    # State keeps the dtype it was created in (`state_creator`): a module
+    # that computes in half precision sets it from half values.
     del context
     if jnp.issubdtype(jnp.result_type(value), jnp.floating):
-      value = jnp.asarray(value).astype(stack[-1].param_dtype)
+      value = jnp.asarray(value).astype(state_dtypes[-1])
     return next_setter(value)
 
   def getter(next_getter, value, context):
@@ -92,11 +104,17 @@ def apply(precision: policies.Precision, observer: Optional[Observer] = None):
     with contextlib.ExitStack() as ctx:
       if rule is not None:
         if not stack:
-          ctx.enter_context(hk.custom_creator(creator, state=True))
+          ctx.enter_context(hk.custom_creator(param_creator))
+          ctx.enter_context(hk.custom_creator(state_creator, params=False,
+                                              state=True))
           ctx.enter_context(hk.custom_getter(getter, state=True))
           ctx.enter_context(hk.custom_setter(setter))
         stack.append(rule.policy)
         ctx.callback(stack.pop)
+        state_dtypes.append(
+            rule.policy.param_dtype
+            if any(rule is o for o in precision.overrides) else jnp.float32)
+        ctx.callback(state_dtypes.pop)
         args, kwargs = rule.policy.cast_to_compute((args, kwargs))
       out = matmul_modules.intercepted(matmuls, next_f, args, kwargs, context)
       if rule is not None:

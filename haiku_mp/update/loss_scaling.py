@@ -13,7 +13,7 @@ dtype mismatch, jmp issue #47).
 """
 
 import dataclasses
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ import jmp
 import numpy as np
 
 from haiku_mp import errors
+from haiku_mp.update import state_check
 
 KINDS = ('none', 'static', 'dynamic')
 T = TypeVar('T')
@@ -177,37 +178,76 @@ class LossScaler:
     scale = jnp.where(held, state.scale, new.loss_scale)
     return type(state)(scale, new.counter, overflows, left.astype(jnp.int32))
 
-  def check_metrics(self, step: int, metrics: dict) -> None:
+  def check_metrics(self, step: int, metrics: dict, state: Any = None
+                    ) -> None:
     """`check` after one train step, from its `metrics` (read on the host):
-    the trainer's guard, for a loop of your own.
+    the trainer's guard, for a loop of your own. With the step's `state`
+    (a `TrainState`), a step skipped for its Haiku state names the module
+    whose state was not finite and the override that computes it in
+    float32.
 
     Example:
       state, metrics = train_step(state, batch)
-      scaler.check_metrics(int(state.step), metrics)
+      scaler.check_metrics(int(state.step), metrics, state)
     """
+    applied = bool(metrics.get('applied', metrics['grads_finite']))
+    why = ''
+    if not applied and not bool(metrics['grads_finite']):
+      why = 'non-finite gradients'
+    elif not applied:
+      why = _nonfinite_state(metrics, state)
     self.check(step, float(metrics['loss_scale']),
-               int(metrics['consecutive_skips']),
-               int(not metrics['grads_finite']))
+               int(metrics['consecutive_skips']), int(not applied), why)
 
   def check(self, step: int, scale: float, consecutive_skips: int,
-            skipped_in_window: int) -> None:
+            skipped_in_window: int, why: str = '') -> None:
     """Raises when a run cannot go on (called on the host at log points).
 
     Dynamic scaling: after `max_consecutive_skips` consecutive overflows with
     the scale at its floor. No or static scaling: at any non-finite step, since
-    nothing would change on the next one.
+    nothing would change on the next one. `why`: what the last skip was
+    for, where it was not the gradients (`check_metrics` says).
     """
+    state = why and why != 'non-finite gradients'
     if self.kind == 'dynamic':
       if (consecutive_skips >= self.max_consecutive_skips and
           scale <= self.minimum):
+        if state:
+          raise LossScaleError(
+              f'loss_scale.max_consecutive_skips: {consecutive_skips} '
+              f'consecutive steps up to step {step} were skipped with the '
+              f'loss scale at its floor loss_scale.minimum={self.minimum:g}; '
+              f'the last because {why}')
         raise LossScaleError(
             f'loss_scale.max_consecutive_skips: {consecutive_skips} consecutive '
             f'steps up to step {step} had non-finite gradients with the loss '
             f'scale at its floor loss_scale.minimum={self.minimum:g}; the '
             'model diverged or float16 overflows even unscaled')
     elif skipped_in_window:
+      if state:
+        raise LossScaleError(
+            f'loss_scale.kind={self.kind}: a step before step {step} was '
+            f'skipped (params are intact) because {why}')
       raise LossScaleError(
           f'loss_scale.kind={self.kind}: non-finite loss or gradients before '
           f'step {step} (the update was skipped, params are intact); the last '
           'checkpoint is kept. Lower the learning rate, or use float16 with '
           'dynamic loss scaling')
+
+
+def _nonfinite_state(metrics: dict, state: Any) -> str:
+  """Why a step with finite gradients was skipped: the Haiku state it would
+  have written, its modules named where the step's `state` is given."""
+  if state is None or not getattr(state, 'model_state', None):
+    return ('the new Haiku state was not finite (pass the TrainState to '
+            'check_metrics to name its module)')
+  modules = state_check.modules_of(state.model_state,
+                                   np.asarray(metrics['nonfinite_state']))
+  if not modules:
+    return 'the new Haiku state was not finite'
+  first = modules[0]
+  more = f' (and {len(modules) - 1} more)' if len(modules) > 1 else ''
+  return (f'the new Haiku state of {first!r}{more} was not finite: a module that computes its state in float16 (an epsilon '
+          'that underflows to 0)? compute it in float32 with the override '
+          f"'{first}:p=f32,c=f32,o=f16' (haiku_mp.advisor's float16 pass "
+          'finds such modules)')

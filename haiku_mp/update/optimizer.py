@@ -363,6 +363,13 @@ def _nested_layout(opt_state: optax.OptState) -> Optional[str]:
   return _LAYOUT_NAMES[type(found[0])] if found else None
 
 
+def has_layout(opt_state: optax.OptState) -> bool:
+  """Whether `opt_state` is a layout's (`float32_master`, `without_master`):
+  an optimizer that says how half-precision params take their updates."""
+  return isinstance(opt_state, _LAYOUT_STATES) or _nested_layout(
+      opt_state) is not None
+
+
 def ema_decay_for(decay: float, horizon: float, total_steps: int) -> float:
   """`decay`, or with `horizon` > 0 the decay whose time constant
   (1 / (1 - decay) steps) is that share of `total_steps`: a fixed decay

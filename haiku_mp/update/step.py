@@ -22,6 +22,7 @@ from haiku_mp.model import meta_params
 from haiku_mp.update import data_parallel
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import state_check
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -139,13 +140,35 @@ def _cross_replica_mean(tree, axis_name):
               jax.lax.pmean(v, axis_name)) for k, v in tree.items()}
 
 
+def _returned(result: Any, stateful: bool) -> tuple:
+  """A loss's result as the step takes it, or one line naming what it
+  should return: `(loss, metrics)`, with the new Haiku state third for a
+  `LossWithState`."""
+  expected = ('(loss, metrics, new_model_state)' if stateful else
+              '(loss, metrics)')
+  size = 3 if stateful else 2
+  if not isinstance(result, tuple) or len(result) != size:
+    if isinstance(result, tuple):
+      got = f'a tuple of {len(result)}'
+    elif hasattr(result, 'shape'):
+      got = f'an array of shape {tuple(result.shape)}'
+    else:
+      got = f'a {type(result).__name__}'
+    raise TypeError(
+        f'train_step: loss_fn returned {got}, not {expected}; return '
+        f'{"(loss, {}, new_model_state)" if stateful else "(loss, {})"} '
+        'for a loss without metrics')
+  return result
+
+
 def _stateful(loss_fn: AnyLoss) -> LossWithState:
-  """`loss_fn` as a loss with state: a stateless one passes the state on."""
+  """`loss_fn` as a loss with state: a stateless one passes the state on;
+  either's result checked (`_returned`)."""
   if isinstance(loss_fn, LossWithState):
-    return loss_fn
+    return LossWithState(lambda *args: _returned(loss_fn(*args), True))
 
   def fn(params, model_state, rng, batch):
-    return (*loss_fn(params, rng, batch), model_state)
+    return (*_returned(loss_fn(params, rng, batch), False), model_state)
 
   return LossWithState(fn)
 
@@ -270,11 +293,53 @@ def _check_state(state: Any, optimizer: optax.GradientTransformation,
         '); build the state with init_train_state and the optimizer the '
         'step takes')
   loss_scaler.check_state(state.loss_scale, 'train_step: state.loss_scale')
+  _check_half_params(split_fp8(state.params)[1], state.opt_state)
   if not stateful and state.model_state:
     raise TypeError(
         'train_step: state.model_state holds Haiku state but the loss takes '
         'none; make the loss from the hk.transform_with_state model '
         '(make_classification_loss, or LossWithState)')
+
+
+def _check_half_params(params: hk.Params, opt_state: optax.OptState) -> None:
+  """Half-precision params take their updates only through an optimizer
+  that says how (`float32_master`, `without_master`): a plain optax one's
+  updates would be rounded to nearest into them, and those below half an ulp
+  lost without a word (docs/precision.md#training-state-layouts)."""
+  half = [(path, p.dtype) for path, p in
+          jax.tree_util.tree_flatten_with_path(params)[0]
+          if jnp.issubdtype(p.dtype, jnp.floating)
+          and jnp.finfo(p.dtype).bits < 32]
+  if half and not optimizer_lib.has_layout(opt_state):
+    path, dtype = half[0]
+    raise TypeError(
+        f'train_step: {len(half)} params are half precision (e.g. '
+        f'{jax.tree_util.keystr(path)}, {jnp.dtype(dtype).name}) and the '
+        'optimizer keeps no float32 master: every update would be rounded to '
+        'nearest and those under half an ulp lost. Wrap it: '
+        'haiku_mp.float32_master(opt), haiku_mp.without_master(opt, '
+        "'stochastic') or 'kahan', or without_master(opt, 'nearest') for "
+        'round-to-nearest')
+
+
+def _check_model_state(new: hk.State, old: hk.State) -> None:
+  """The loss's new Haiku state has the layout of the state it was given:
+  a model with state needs the one its `init` made (`init_train_state`'s
+  `model_state`), checked at trace time in one line."""
+  if jax.tree.structure(new) == jax.tree.structure(old):
+    return
+  if not old:
+    modules = sorted(new)
+    raise TypeError(
+        f'train_step: the model has Haiku state ({len(modules)} modules, e.g. '
+        f'{modules[0] if modules else "?"}) but state.model_state is empty; '
+        "pass what hk.transform_with_state's init returned: params, "
+        'model_state = forward.init(...); init_train_state(params, '
+        'optimizer, scaler, rng, model_state)')
+  raise TypeError(
+      'train_step: the loss returned Haiku state of another layout than '
+      f'state.model_state (modules {sorted(new)} against {sorted(old)}); '
+      'build the state from the same model\'s init')
 
 
 def _outline(tree: Any, depth: int = 2) -> str:
@@ -336,10 +401,15 @@ def make_train_step(loss_fn: Optional[AnyLoss],
   every replica. `gradients_fn` takes the step's key as it is on every
   replica.
 
-  At its first trace the step checks the state it is given (a TrainState of
-  this optimizer and loss scaler): a mismatch is one line, not an error deep
-  in optax. It does not stop a run; call `loss_scaler.check_metrics` at your
-  log points for the trainer's guard against endless skipped steps.
+  A step is skipped (params, optimizer state and Haiku state kept, the
+  loss scale lowered, `skipped_steps` counted) where its gradients or the
+  new Haiku state are not finite; its metrics say which (`grads_finite`,
+  `state_finite`, `applied`). At its first trace the step checks the state
+  it is given (a TrainState of this optimizer and loss scaler, half params
+  only with an optimizer that keeps a master or says how it rounds, the
+  Haiku state the model returns): a mismatch is one line, not an error deep
+  in optax. Call `loss_scaler.check_metrics(step, metrics, state)` after
+  each step, as the trainer does, to stop a run that only skips.
   """
   if (loss_fn is None) == (gradients_fn is None):
     raise ValueError('make_train_step: give a loss_fn, or gradients_fn '
@@ -371,6 +441,7 @@ def make_train_step(loss_fn: Optional[AnyLoss],
     grads, loss, aux, model_state = gradients_fn(
         state.loss_scale, state.params, step_rng, batch, axis_name,
         state.model_state)
+    _check_model_state(model_state, state.model_state)
     # fp8 amax histories are written over on every step, skipped or not: a
     # skipped step's amaxes are real observations (non-finite ones are not
     # recorded, fp8_scales.roll_history), and the next step's scales need them.
@@ -387,6 +458,14 @@ def make_train_step(loss_fn: Optional[AnyLoss],
     squares = [jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)]
     nonfinite = ~jnp.isfinite(jnp.stack(squares))
     grads_finite = ~nonfinite.any()
+    # The new Haiku state, checked like the gradients: a step whose
+    # gradients are finite can still write inf or NaN into it (a float16
+    # epsilon that underflows to 0 in an EMA's denominator), and every step
+    # after it would train on that. Its sum per leaf: inf or NaN wherever a
+    # value is, and no false alarm from large finite state.
+    nonfinite_state = state_check.flags(model_state)
+    state_finite = ~nonfinite_state.any()
+    applied = grads_finite & state_finite
     # The rounding of bfloat16 state (optimizer.py): the same on every
     # replica and shard, from the state's key, so a resume redraws it.
     round_key = jax.random.fold_in(state.rng, ROUNDING_DRAW)
@@ -396,27 +475,32 @@ def make_train_step(loss_fn: Optional[AnyLoss],
                                              round_key)
     updates_lost = _updates_lost(trained, new_params, updates)
     params, opt_state, model_state = _kept_if_skipped(
-        grads_finite, (new_params, new_opt_state, model_state),
+        applied, (new_params, new_opt_state, model_state),
         (trained, state.opt_state, state.model_state))
     params = meta_params.merge_meta(params, histories)
-    skipped_steps = state.skipped_steps + (~grads_finite).astype(jnp.int32)
+    skipped_steps = state.skipped_steps + (~applied).astype(jnp.int32)
     new_state = TrainState(
         step=state.step + 1,
         params=params,
         opt_state=opt_state,
-        loss_scale=loss_scaler.adjust(state.loss_scale, grads_finite),
+        loss_scale=loss_scaler.adjust(state.loss_scale, applied),
         rng=rng,
         skipped_steps=skipped_steps,
         model_state=model_state)
     metrics = dict(
         aux, loss=loss,
         nonfinite_grads=nonfinite,  # In the order of jax.tree.leaves.
+        # In the order of `state_check.leaves(state.model_state)`.
+        nonfinite_state=nonfinite_state,
         consecutive_skips=new_state.loss_scale.overflows,
         loss_scale=state.loss_scale.scale,
         grads_finite=grads_finite,
+        state_finite=state_finite,
+        # The step's update was applied: its gradients and new state finite.
+        applied=applied,
         grad_norm=jnp.sqrt(sum(squares)),
         # NaN at a skipped step (a log window averages the others).
-        updates_lost=jnp.where(grads_finite, updates_lost, jnp.nan),
+        updates_lost=jnp.where(applied, updates_lost, jnp.nan),
         skipped_steps=skipped_steps)
     return new_state, metrics
 
@@ -505,14 +589,40 @@ def _applied(forward: Any) -> Callable[..., Any]:
   return lambda params, rng, *args: forward.apply(params, *args)
 
 
+class BatchKeyError(KeyError):
+  """A key the loss reads that the batch lacks; its message is one line."""
+
+  def __str__(self) -> str:
+    return str(self.args[0])
+
+
+def _keyed(batch: Batch, image_key: str, label_key: str) -> Batch:
+  """`batch` with its images and labels under the names the loss reads, or
+  one line naming the keys it has and the arguments that name them."""
+  missing = [k for k in (image_key, label_key) if k not in batch]
+  if missing:
+    raise BatchKeyError(
+        f'make_classification_loss: the batch has keys {sorted(batch)}, no '
+        f'{missing[0]!r}; it reads the images at image_key={image_key!r} and '
+        f'the labels at label_key={label_key!r}: name yours, '
+        "make_classification_loss(forward, image_key=..., label_key=...)")
+  renamed = {k: v for k, v in batch.items() if k not in (image_key, label_key)}
+  return dict(renamed, image=batch[image_key], label=batch[label_key])
+
+
 def make_classification_loss(forward: Union[hk.Transformed,
                                             hk.TransformedWithState],
-                             label_smoothing: float = 0.0) -> AnyLoss:
+                             label_smoothing: float = 0.0, *,
+                             image_key: str = 'image',
+                             label_key: str = 'label') -> AnyLoss:
   """The training loss of a classifier `forward(images, is_training)`:
-  cross-entropy in float32, its targets smoothed by `label_smoothing`.
-  `forward` is `hk.transform`'s (with or without `hk.without_apply_rng`) or
-  `hk.transform_with_state`'s; then the loss is a `LossWithState`, which
-  the train step gives the state in `TrainState.model_state`.
+  cross-entropy in float32, its targets smoothed by `label_smoothing`,
+  the images and integer labels read from the batch at `image_key` and
+  `label_key` (mixing's soft `targets` and a `mask`, where present, by
+  those names). `forward` is `hk.transform`'s (with or without
+  `hk.without_apply_rng`) or `hk.transform_with_state`'s; then the loss is
+  a `LossWithState`, which the train step gives the state in
+  `TrainState.model_state`.
 
   Example:
     loss_fn = haiku_mp.make_classification_loss(hk.transform(forward), 0.1)
@@ -528,6 +638,7 @@ def make_classification_loss(forward: Union[hk.Transformed,
   if isinstance(forward, hk.TransformedWithState):
 
     def loss_with_state(params, model_state, rng, batch):
+      batch = _keyed(batch, image_key, label_key)
       logits, model_state = apply(params, model_state, rng, batch['image'],
                                   True)
       return (*metrics_of(logits, batch), model_state)
@@ -535,6 +646,7 @@ def make_classification_loss(forward: Union[hk.Transformed,
     return LossWithState(loss_with_state)
 
   def loss_fn(params, rng, batch):
+    batch = _keyed(batch, image_key, label_key)
     return metrics_of(apply(params, rng, batch['image'], True), batch)
 
   return loss_fn

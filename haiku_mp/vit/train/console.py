@@ -14,9 +14,14 @@ from absl import logging
 
 def log_overflows(window, first_step: int, param_names: list[str],
                    most: int = 5) -> None:
-  """Names the parameters whose gradients were not finite at skipped steps."""
+  """Names the parameters whose gradients were not finite at skipped steps
+  (or says the Haiku state was not)."""
   for i, m in enumerate(window):
+    if bool(m.get('applied', m['grads_finite'])):
+      continue
     if bool(m['grads_finite']):
+      logging.warning('step %d skipped (loss scale %g): the new Haiku state '
+                      'is not finite', first_step + i, float(m['loss_scale']))
       continue
     bad = [n for n, flag in zip(param_names, m['nonfinite_grads']) if flag]
     more = f' and {len(bad) - most} more' if len(bad) > most else ''

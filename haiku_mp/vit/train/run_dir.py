@@ -307,7 +307,7 @@ def window_summary(window: list[dict[str, Any]], means: Sequence[str]
   summary['loss_scale'] = float(last['loss_scale'])
   summary['skipped_steps'] = int(last['skipped_steps'])
   summary['window_skipped_steps'] = int(
-      sum(not bool(m['grads_finite']) for m in window))
+      sum(not bool(m.get('applied', m['grads_finite'])) for m in window))
   return summary
 
 
