@@ -9,7 +9,7 @@ trainer's ViT, from its workdirs and checkpoints.
 """
 
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import haiku as hk
 import jax
@@ -25,6 +25,8 @@ from haiku_mp.advisor import verdicts
 from haiku_mp.model import fp8
 from haiku_mp.model import half_dot
 from haiku_mp.model import policies
+from haiku_mp.update import state_check
+from haiku_mp.update import step as step_lib
 
 # The low-bit formats the advisor knows, by name: a new one is one more
 # entry (a `matmul_formats.MatmulFormat`).
@@ -95,8 +97,11 @@ def module_classes_of(loss_fn: probes.LossFn, params, rng: jax.Array,
 
 def _all_finite(tree) -> jax.Array:
   """Whether every floating value in `tree` is finite (True for none)."""
+  # Arrays only: a module's arguments may hold dtypes (an average's), or
+  # other values jax cannot read as one.
   flags = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
-           if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+           if isinstance(x, (jax.Array, np.ndarray))
+           and jnp.issubdtype(x.dtype, jnp.floating)]
   return jnp.stack(flags).all() if flags else jnp.bool_(True)
 
 
@@ -133,10 +138,23 @@ def nonfinite_sources(loss_fn: probes.LossFn, params, rng: jax.Array,
   return sources
 
 
+def nonfinite_state_sources(loss_fn: step_lib.LossWithState, params,
+                            model_state, rng: jax.Array, batch
+                            ) -> jax.Array:
+  """Per floating leaf of the Haiku state (`state_check.leaves`' order),
+  whether `loss_fn`'s forward pass wrote it not finite: run on the model's
+  float16 loss, it finds the module whose state a float16 step would
+  corrupt while its gradients stay finite (an average's epsilon that is 0
+  in float16, then a division by it)."""
+  _, _, new_state = loss_fn(params, model_state, rng, batch)
+  return state_check.flags(new_state)
+
+
 def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
                   loss_scale: float = 1.0, *,
-                  float16_loss_fn: Optional[probes.LossFn] = None
-                  ) -> list[verdicts.Module]:
+                  float16_loss_fn: Optional[Union[
+                      probes.LossFn, step_lib.LossWithState]] = None,
+                  model_state=None) -> list[verdicts.Module]:
   """The statistics `verdicts.judge` reads, for any Haiku model: each module
   call's output and output gradient, and each param's gradient, over
   `batches` at fixed `params`, the float16 shares taken at `loss_scale`.
@@ -147,7 +165,10 @@ def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
   batches). Given `float16_loss_fn`, the same model's loss under a float16
   policy, it also runs a float16 forward pass on each batch
   (`nonfinite_sources`): a module that makes inf or NaN there is kept in
-  float32 whatever its float32 statistics say.
+  float32 whatever its float32 statistics say. A model with Haiku state
+  gives `float16_loss_fn` as a `LossWithState` and its `model_state`: a
+  module whose state the float16 pass leaves not finite is kept in float32
+  too (`nonfinite_state_sources`), the outermost where several are.
 
   Example:
     modules = advisor.measure_model(loss_fn, params, batches, jax.random.key(0))
@@ -161,14 +182,29 @@ def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
                          loss_scale))
   modules = totals.modules(classes, stats.aliases)
   if float16_loss_fn is not None:
-    sources = jax.jit(functools.partial(nonfinite_sources, float16_loss_fn))
-    made = set()
+    stateful = isinstance(float16_loss_fn, step_lib.LossWithState)
+    stateless = float16_loss_fn
+    if stateful:
+      stateless = lambda p, rng, batch: float16_loss_fn(
+          p, model_state, rng, batch)[:2]
+    sources = jax.jit(functools.partial(nonfinite_sources, stateless))
+    states = jax.jit(functools.partial(nonfinite_state_sources,
+                                       float16_loss_fn))
+    made, corrupted = set(), set()
     for i, batch in enumerate(batches):
-      found = jax.device_get(sources(params, jax.random.fold_in(key, i),
-                                     batch))
+      rng = jax.random.fold_in(key, i)
+      found = jax.device_get(sources(params, rng, batch))
       made |= {p for p, bad in found.items() if bad}
+      if stateful:
+        corrupted |= set(state_check.modules_of(
+            model_state, jax.device_get(states(params, model_state, rng,
+                                               batch))))
+    outermost = {c for c in corrupted
+                 if not any(c.startswith(o + '/') for o in corrupted)}
     for m in modules:
       m.float16_nonfinite = m.path in made
+      if stateful:
+        m.float16_state_nonfinite = m.path in outermost
   return modules
 
 

@@ -77,6 +77,9 @@ class Module:
   # Whether a float16 forward pass made inf or NaN inside it
   # (`measurement.nonfinite_sources`); None: no such pass was run.
   float16_nonfinite: Optional[bool] = None
+  # Whether the Haiku state it writes was not finite after a float16
+  # forward pass (`measurement.nonfinite_state_sources`); None: not run.
+  float16_state_nonfinite: Optional[bool] = None
 
 
 def lowest_scale_exponent(stats: np.ndarray, error: float) -> Optional[int]:
@@ -138,6 +141,10 @@ def _bf16_reason(module: Module, t: Thresholds) -> Optional[str]:
 
 
 def _f16_output_reason(module: Module, t: Thresholds) -> Optional[str]:
+  if module.float16_state_nonfinite:
+    return ('the Haiku state it writes is not finite after a float16 step '
+            '(an epsilon that underflows to 0 in an average, a division by '
+            'it)')
   if module.float16_nonfinite:
     return ('a float16 forward pass makes inf or NaN inside it from finite '
             'inputs (a mask value or an exp beyond 65504)')
@@ -183,7 +190,10 @@ def judge(modules: Sequence[Module], thresholds: Thresholds) -> Advice:
   """
   verdicts = {}
   for m in modules:
-    if m.same_as is not None and not m.param_gradients:
+    # What a float16 pass saw a module do is its own, whoever's values its
+    # outputs repeat.
+    seen_in_float16 = bool(m.float16_nonfinite or m.float16_state_nonfinite)
+    if m.same_as is not None and not m.param_gradients and not seen_in_float16:
       continue
     reasons = {}
     own = m.same_as is None  # Else its outputs are judged as the other's.
@@ -191,7 +201,8 @@ def judge(modules: Sequence[Module], thresholds: Thresholds) -> Advice:
     if bf16:
       reasons['bfloat16'] = bf16
     lo, hi = window(m, thresholds)
-    f16 = _f16_output_reason(m, thresholds) if own else None
+    f16 = (_f16_output_reason(m, thresholds) if own or seen_in_float16
+           else None)
     if f16 is None and lo is not None and hi is not None and lo > hi:
       f16 = (f'no loss scale keeps its gradients in float16: they need '
              f'>= 2^{lo} and overflow above 2^{hi}')

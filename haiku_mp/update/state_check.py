@@ -33,6 +33,10 @@ def flags(model_state: hk.State) -> jax.Array:
 
 def modules_of(model_state: hk.State, nonfinite: Any) -> list[str]:
   """The modules (a leaf's path but its last part) whose leaves `nonfinite`
-  (`flags`' values, read on the host) marks, in order."""
+  (`flags`' values, read on the host) marks, outermost first: a module's
+  state is often made by the module around it (a VQ-VAE's codebook
+  averages, by its quantizer), which an override of the outer one
+  covers."""
   bad = [n for n, flag in zip(leaves(model_state), nonfinite) if flag]
-  return list(dict.fromkeys(n.rsplit('/', 1)[0] for n in bad))
+  modules = list(dict.fromkeys(n.rsplit('/', 1)[0] for n in bad))
+  return sorted(modules, key=lambda m: m.count('/'))
