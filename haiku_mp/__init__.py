@@ -12,6 +12,7 @@ __version__ = '0.1.0'  # docs/CHANGELOG.md says what each version changed.
 
 from haiku_mp.model import apply_precision
 from haiku_mp.model import Conv2D
+from haiku_mp.model import describe
 from haiku_mp.model import Dots
 from haiku_mp.model import Fp4
 from haiku_mp.model import Fp8
@@ -38,7 +39,7 @@ from haiku_mp.update import without_master
 
 __all__ = ('Conv2D', 'DataParallel', 'Dots', 'Fp4', 'Fp8', 'Linear',
            'LossScaler', 'LossWithState', 'LowBit', 'Matmuls', 'Precision',
-           'TrainState', 'apply_precision',
+           'TrainState', 'apply_precision', 'describe',
            'float32_master', 'init_train_state', 'learning_rate_schedule',
            'make_classification_loss', 'make_eval_step', 'make_optimizer',
            'make_precision', 'make_train_step', 'ordinary_gradients',

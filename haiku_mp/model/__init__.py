@@ -1,6 +1,7 @@
 """Precision decided per Haiku module class and path, and matmuls that really
 run in it: the names a user's own model imports."""
 
+from haiku_mp.model.module_runs import describe
 from haiku_mp.model.fp4 import Fp4
 from haiku_mp.model.fp8 import Fp8
 from haiku_mp.model.half_dot import Dots
@@ -14,4 +15,5 @@ from haiku_mp.model.policies import parse_policy
 from haiku_mp.model.policies import Precision
 
 __all__ = ('Conv2D', 'Dots', 'Fp4', 'Fp8', 'Linear', 'LowBit', 'Matmuls',
-           'Precision', 'apply_precision', 'make_precision', 'parse_policy')
+           'Precision', 'apply_precision', 'describe', 'make_precision',
+           'parse_policy')

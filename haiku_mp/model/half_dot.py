@@ -46,6 +46,7 @@ from haiku_mp import errors
 from haiku_mp.model import cpu_features
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import recording
 
 FORMS = ('auto', 'native', 'upcast', 'plain')
 # Backends a program may be traced for (`Matmuls.platform`); '' is JAX's own.
@@ -209,6 +210,7 @@ class Matmuls:
     `out_dtype` (default: the operands' dtype)."""
     dtype = jnp.result_type(a, b)
     form = form_for(self.form, dtype, self.backend, _is_batched(spec))
+    recording.ran_here('float32' if jnp.finfo(dtype).bits >= 32 else form)
     if form == 'plain':
       if out_dtype is None:
         return jnp.einsum(spec, a, b)

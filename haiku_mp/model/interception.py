@@ -15,6 +15,7 @@ import jmp
 from haiku_mp.model import matmul_modules
 from haiku_mp.model import meta_params
 from haiku_mp.model import policies
+from haiku_mp.model import recording
 
 _META = frozenset(meta_params.META_NAMES)
 
@@ -41,12 +42,17 @@ def apply(precision: policies.Precision, observer: Optional[Observer] = None):
   Use inside a function passed to `hk.transform`. `observer`, if given, is
   called once per module method call with the cast inputs and outputs.
   Every `hk.Linear` and `hk.Conv2D` called inside, stock or haiku_mp's, runs
-  its matmul as `precision.matmuls` says (`matmul_modules.intercepted`).
+  its matmul as `precision.matmuls` says (`matmul_modules.intercepted`;
+  a convolution other than a patch embedding runs Haiku's own, as does a
+  subclass that overrides `__call__`: `describe` names them). Haiku state
+  is kept in float32 whatever the policy's param dtype, unless an override
+  sets the module's.
 
   Example:
     with haiku_mp.apply_precision(precision):
       logits = hk.nets.MLP([64, 10])(images.reshape(len(images), -1))
   """
+  recording.applied(precision)
   stack: list[jmp.Policy] = []
   matmuls = precision.matmuls
   # What the first forward pass called, for `Precision.check`: (class,

@@ -21,14 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
+from haiku_mp.model.half_dot import FP8_CLASS
+from haiku_mp.model.half_dot import Matmuls
+from haiku_mp.model.half_dot import form_for
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import meta_params
+from haiku_mp.model import recording
 from haiku_mp.model import remat
 from haiku_mp.model import stock_attention
-from haiku_mp.model.half_dot import Matmuls
-from haiku_mp.model.half_dot import form_for
-from haiku_mp.model.half_dot import FP8_CLASS
 
 
 def _either(matmuls: Optional[Matmuls], dots: Optional[Matmuls]
@@ -61,6 +62,8 @@ def linear(module: hk.Linear, matmuls: Matmuls, plain: Callable[..., jax.Array],
   dtypes and initializers."""
   fp8 = matmuls.runs_low_bit(FP8_CLASS, module.module_name)
   if not fp8 and form_for(matmuls.form, inputs.dtype, matmuls.backend) == 'plain':
+    recording.ran(module.module_name, 'float32' if jnp.finfo(
+        inputs.dtype).bits >= 32 else 'plain')
     return remat.tag_matmul_output(plain(inputs, precision=precision))
   if not inputs.shape:
     raise ValueError('Input must not be scalar.')  # hk.Linear's own check.
@@ -72,8 +75,10 @@ def linear(module: hk.Linear, matmuls: Matmuls, plain: Callable[..., jax.Array],
                        init=w_init)
   x = inputs.reshape(-1, input_size)
   if fp8 and matmuls.runs_fp4(FP8_CLASS, module.module_name):
+    recording.ran(module.module_name, matmuls.fp4.format)
     sums = fp4_lib.linear_sums(matmuls.fp4, module.module_name, x, w)
   elif fp8:
+    recording.ran(module.module_name, 'fp8')
     sums = _fp8_sums(matmuls, x, w)
   else:
     sums = matmuls.einsum('ni,io->no', x, w, out_dtype=jnp.float32)

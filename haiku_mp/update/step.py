@@ -8,9 +8,11 @@ transform, so it sees unscaled gradients) -> if any gradient is not finite,
 params and optimizer state stay exactly as they were -> loss scale adjusted.
 """
 
+import collections
 import dataclasses
 import functools
 import inspect
+import logging
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import haiku as hk
@@ -19,6 +21,8 @@ import jax.numpy as jnp
 import optax
 
 from haiku_mp.model import meta_params
+from haiku_mp.model import module_runs
+from haiku_mp.model import recording
 from haiku_mp.update import data_parallel
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
@@ -322,6 +326,52 @@ def _check_half_params(params: hk.Params, opt_state: optax.OptState) -> None:
         'round-to-nearest')
 
 
+# Below this share of the forward's matmul FLOPs, a low-bit precision that
+# reaches so few is noted at the step's first trace.
+LOW_BIT_REACH_NOTED = 0.5
+_LOG = logging.getLogger('haiku_mp')
+
+
+def _note_precision(record: recording.Record, loss: Optional[LossWithState],
+                    args: tuple) -> None:
+  """One warning line each, at a step's first trace: when no haiku_mp
+  precision was applied while its loss was traced (the model runs in its
+  params' dtype; `apply_precision` forgotten), and when a low-bit
+  precision's matmuls reach under `LOW_BIT_REACH_NOTED` of the forward's
+  matmul FLOPs, naming what runs the rest (`haiku_mp.describe`)."""
+  if not record.precisions:
+    _LOG.warning(
+        'train_step: no haiku_mp precision was applied while the loss was '
+        'traced, so the model computes in its params\' dtype; enter '
+        'haiku_mp.apply_precision(precision) around the model inside the '
+        'transformed function')
+    return
+  if loss is None or not any(p.fp8 is not None for p in record.precisions):
+    return
+  params, model_state, rng, batch = args
+  with recording.recording() as forward:
+    jaxpr = jax.make_jaxpr(lambda p, s, r, b: loss(p, s, r, b)[0])(
+        params, model_state, rng, batch)
+  low_bit = {module_runs.scope_of(path) for path, forms in
+             forward.matmuls.items() if forms & module_runs.LOW_BIT_FORMS}
+  found = module_runs.matmuls_of(jaxpr.jaxpr)
+  total = sum(m.flops for m in found)
+  reached = sum(m.flops for m in found
+                if module_runs.within(m.scope, low_bit))
+  if not total or reached / total >= LOW_BIT_REACH_NOTED:
+    return
+  rest = collections.Counter()
+  for m in found:
+    if not module_runs.within(m.scope, low_bit):
+      rest[module_runs.module_scope(m.scope)] += m.flops
+  most = ', '.join(f'{scope or "(outside any module)"} {flops / total:.0%}'
+                   for scope, flops in rest.most_common(3))
+  _LOG.warning(
+      'train_step: low-bit matmuls reach %.0f%% of the forward pass\'s matmul '
+      'FLOPs; most of the rest: %s (haiku_mp.describe(forward, *inputs) says '
+      'what each module runs)', 100 * reached / total, most)
+
+
 def _check_model_state(new: hk.State, old: hk.State) -> None:
   """The loss's new Haiku state has the layout of the state it was given:
   a model with state needs the one its `init` made (`init_train_state`'s
@@ -418,11 +468,11 @@ def make_train_step(loss_fn: Optional[AnyLoss],
     raise TypeError(f'make_train_step: loss_fn is a {type(loss_fn).__name__}, '
                     'not a function of (params, rng, batch)')
   stateful = isinstance(loss_fn, LossWithState)
+  stateful_loss = None if loss_fn is None else _stateful(loss_fn)
   if gradients_fn is None:
-    loss = _stateful(loss_fn)
 
     def gradients_fn(loss_scale, params, rng, batch, axis_name, model_state):
-      return _state_gradients(loss, loss_scaler, loss_scale, params,
+      return _state_gradients(stateful_loss, loss_scaler, loss_scale, params,
                               model_state, rng, batch, axis_name)
   else:
     brought = gradients_fn
@@ -433,15 +483,21 @@ def make_train_step(loss_fn: Optional[AnyLoss],
 
   optimizer = optax.with_extra_args_support(optimizer)
   axis = data_parallel.of(axis_name)
+  noted = []  # Whether a trace has noted the precision (`_note_precision`).
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     _check_state(state, optimizer, loss_scaler, stateful)
     rng, step_rng, inputs_rng = jax.random.split(state.rng, 3)
     batch = inputs(inputs_rng, batch, axis and axis.axis_name, state.step)
-    grads, loss, aux, model_state = gradients_fn(
-        state.loss_scale, state.params, step_rng, batch, axis_name,
-        state.model_state)
+    with recording.recording() as record:
+      grads, loss, aux, model_state = gradients_fn(
+          state.loss_scale, state.params, step_rng, batch, axis_name,
+          state.model_state)
     _check_model_state(model_state, state.model_state)
+    if not noted:  # The first trace says what it saw, once.
+      noted.append(True)
+      _note_precision(record, stateful_loss,
+                      (state.params, state.model_state, step_rng, batch))
     # fp8 amax histories are written over on every step, skipped or not: a
     # skipped step's amaxes are real observations (non-finite ones are not
     # recorded, fp8_scales.roll_history), and the next step's scales need them.

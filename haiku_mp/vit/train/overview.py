@@ -13,12 +13,14 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from haiku_mp.model import module_runs
 from haiku_mp.model import half_dot
 from haiku_mp.model import interception
 from haiku_mp.model import meta_params
 from haiku_mp.model import policies
 from haiku_mp.update import state_layout
 from haiku_mp.vit.data import pipeline
+from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.train import console
 from haiku_mp.vit.train import experiment
@@ -29,7 +31,8 @@ _COLUMNS = (('path', 'path'), ('class', 'class'), ('policy', 'policy'),
             ('rule', 'policy_source'), ('params', 'param_count'),
             ('bytes', 'param_bytes'), ('param dtypes', 'param_dtypes'),
             ('in', 'input_dtypes'), ('out', 'output_dtypes'),
-            ('matmul', 'matmul'))
+            ('matmul', 'matmul'), ('FLOPs', 'matmul_flops_share'),
+            ('runs', 'matmul_runs'))
 
 
 def _dtype_names(tree: Any) -> list[str]:
@@ -53,6 +56,10 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
   precision = exp.precision
   shardings = exp.strategy.state_shardings
   specs = shardings and shardings.params
+  # What each module's own matmuls run, and their share of the forward's
+  # FLOPs (haiku_mp.describe: one abstract trace).
+  described = {r.path: r for r in module_runs.describe(
+      exp.forward, forward_lib.dummy_images(exp.settings.model), True)}
   rows = {}
   for call in calls:
     if call.method != '__call__' or call.path in rows:
@@ -76,8 +83,20 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
         'output_dtypes': _dtype_names(call.output),
         'matmul': (_low_bit(precision, call.class_name, call.path)
                    if precision.runs_low_bit(call.class_name, call.path) else '-'),
+        'matmul_flops_share': (described[call.path].share
+                               if call.path in described else None),
+        'matmul_runs': _runs(described.get(call.path)),
     }
   return sorted(rows.values(), key=lambda r: _preorder_key(r['path'], calls))
+
+
+def _runs(row: Optional[module_runs.ModuleMatmuls]) -> str:
+  """What a module's own matmuls run: haiku_mp's forms, or not its."""
+  if row is None:
+    return '-'
+  if not row.haiku_mp:
+    return "not haiku_mp's"
+  return ','.join(row.haiku_mp)
 
 
 def _low_bit(precision: policies.Precision, class_name: str,
@@ -111,6 +130,10 @@ def _sharding_cell(row: dict[str, Any]) -> str:
 def _cell(value: Any) -> str:
   if isinstance(value, list):
     return ','.join(sorted(set(value))) if value else '-'
+  if isinstance(value, float):  # A share of the FLOPs.
+    return f'{value:.1%}'
+  if value is None:
+    return '-'
   return str(value)
 
 
@@ -122,7 +145,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
   total_count = sum(r['param_count'] for r in rows)
   total_bytes = sum(r['param_bytes'] for r in rows)
   body.append(['total', '', '', '', str(total_count), str(total_bytes),
-               '', '', '', '', ''])
+               '', '', '', '', '', '', ''])
   widths = [max(len(line[i]) for line in [header] + body)
             for i in range(len(header))]
   fmt = lambda line: '  '.join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
