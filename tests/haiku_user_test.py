@@ -101,6 +101,7 @@ class Counter(hk.Module):
     return hk.Linear(1)(x)
 
 
+@helpers.long_running
 class StateCheckTest(absltest.TestCase):
 
   def test_a_step_whose_new_state_is_not_finite_is_skipped(self):

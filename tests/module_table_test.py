@@ -21,7 +21,7 @@ from tests import helpers
 
 FIELDS = {'path', 'class', 'policy', 'policy_source', 'params', 'param_dtypes',
           'input_dtypes', 'output_dtypes', 'param_count', 'param_bytes',
-          'matmul'}
+          'matmul', 'matmul_flops_share', 'matmul_runs'}
 
 
 
