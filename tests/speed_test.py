@@ -71,9 +71,7 @@ def _tiny(**changes):
 
 
 def _lowered(fn, *args) -> str:
-  return jax.jit(fn).trace(*args).lower(
-      lowering_platforms=('cuda',)).compiler_ir('hlo').get_hlo_module(
-          ).to_string()
+  return step_time.lower_for_gpu(jax.jit(fn), *args)
 
 
 class GpusTest(parameterized.TestCase):

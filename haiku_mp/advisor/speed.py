@@ -224,15 +224,11 @@ def linear_gemm(pass_: str, m: int, k: int, n: int) -> tuple[int, int, int]:
 def linear_pass_seconds(pass_: str, m: int, k: int, n: int, fmt: str,
                         gpu: gpus.Gpu, assumptions: gpus.Assumptions,
                         compute_bytes: float = 2.0,
-                        baseline: Optional[Gemm] = None,
                         recipe: str = 'haiku_mp') -> Optional[float]:
   """Seconds of one pass of a Linear in `fmt` (`FORMATS`), what the format
-  adds included; None where `gpu` has no tensor cores for it. `baseline`:
-  the pass's GEMM as the program runs it, which `bf16` then is."""
+  adds included; None where `gpu` has no tensor cores for it."""
   gm, gk, gn = linear_gemm(pass_, m, k, n)
   if fmt == BASELINE:
-    if baseline is not None:
-      return baseline.seconds
     return gemm(gm, gk, gn, 'bf16', gpu, assumptions, compute_bytes,
                 compute_bytes).seconds
   tensor_cores = LOW_BIT_FORMATS[fmt]
@@ -247,22 +243,18 @@ def linear_pass_seconds(pass_: str, m: int, k: int, n: int, fmt: str,
 
 def linear_seconds(m: int, k: int, n: int, gpu: gpus.Gpu,
                    assumptions: gpus.Assumptions = gpus.Assumptions(),
-                   compute_bytes: float = 2.0,
-                   baselines: Optional[Mapping[str, Gemm]] = None,
-                   recipe: str = 'haiku_mp'
+                   compute_bytes: float = 2.0, recipe: str = 'haiku_mp'
                    ) -> dict[str, dict[str, Optional[float]]]:
   """{pass: {format: seconds}} of a Linear (M tokens, K in, N out) on `gpu`,
   every format of `FORMATS` (None where `gpu` has no tensor cores for it);
-  `baselines`: {pass: Gemm} as the program runs them; `recipe`: whose fp8
-  casts (`RECIPES`).
+  `recipe`: whose fp8 casts (`RECIPES`).
 
   Example:
     seconds = advisor.linear_seconds(8320, 384, 1536, advisor.gpu('h100'))
     seconds['wgrad']['fp8_current']  # With its casts, on paper.
   """
-  baselines = baselines or {}
   return {p: {f: linear_pass_seconds(p, m, k, n, f, gpu, assumptions,
-                                     compute_bytes, baselines.get(p), recipe)
+                                     compute_bytes, recipe)
               for f in FORMATS} for p in PASSES}
 
 

@@ -15,6 +15,7 @@ are named instead. The matmuls are read from the forward pass's jaxpr, by
 the Haiku module scopes of its equations.
 """
 
+import collections
 import dataclasses
 import functools
 import math
@@ -45,10 +46,13 @@ class Matmul:
 
   @property
   def form(self) -> str:
-    """'fp8', 'half x half -> float32', 'half x half -> half' or 'float32'."""
+    """'fp8', 'half x half -> float32', 'half x half -> half', 'float32'
+    or 'integer'."""
     a, b = self.operands
     if a.startswith('float8') or b.startswith('float8'):
       return 'fp8'
+    if not all(jnp.issubdtype(d, jnp.floating) for d in (a, b, self.result)):
+      return 'integer'
     if all(jnp.finfo(d).bits < 32 for d in self.operands):
       if jnp.finfo(self.result).bits >= 32:
         return 'half x half -> float32'
@@ -149,6 +153,23 @@ def within(scope: str, scopes) -> bool:
   (`scope_of`'s) or inside one."""
   scope = stripped(scope)
   return any(scope == s or scope.startswith(s + '/') for s in scopes)
+
+
+def low_bit_reach(matmuls: Sequence[Matmul], record: recording.Record
+                  ) -> tuple[float, list[tuple[str, float]]]:
+  """The share of `matmuls`' FLOPs in modules that `record` saw haiku_mp
+  run low-bit, and each other module scope's share, largest first."""
+  low_bit = {scope_of(path) for path, forms in record.matmuls.items()
+             if forms & LOW_BIT_FORMS}
+  total = sum(m.flops for m in matmuls) or 1.0
+  reached, rest = 0.0, collections.Counter()
+  for m in matmuls:
+    if within(m.scope, low_bit):
+      reached += m.flops
+    else:
+      rest[module_scope(m.scope)] += m.flops
+  return reached / total, [(scope, flops / total)
+                           for scope, flops in rest.most_common()]
 
 
 def owner(matmul: Matmul, paths: Sequence[str]) -> Optional[str]:

@@ -190,14 +190,11 @@ class LossScaler:
       state, metrics = train_step(state, batch)
       scaler.check_metrics(int(state.step), metrics, state)
     """
-    applied = bool(metrics.get('applied', metrics['grads_finite']))
-    why = ''
-    if not applied and not bool(metrics['grads_finite']):
-      why = 'non-finite gradients'
-    elif not applied:
-      why = _nonfinite_state(metrics, state)
+    applied = state_check.applied(metrics)
+    state_skip = not applied and bool(metrics['grads_finite'])
     self.check(step, float(metrics['loss_scale']),
-               int(metrics['consecutive_skips']), int(not applied), why)
+               int(metrics['consecutive_skips']), int(not applied),
+               _nonfinite_state(metrics, state) if state_skip else '')
 
   def check(self, step: int, scale: float, consecutive_skips: int,
             skipped_in_window: int, why: str = '') -> None:
@@ -206,13 +203,13 @@ class LossScaler:
     Dynamic scaling: after `max_consecutive_skips` consecutive overflows with
     the scale at its floor. No or static scaling: at any non-finite step, since
     nothing would change on the next one. `why`: what the last skip was
-    for, where it was not the gradients (`check_metrics` says).
+    for where it was not the gradients (its Haiku state, `check_metrics`
+    says); '' for the gradients.
     """
-    state = why and why != 'non-finite gradients'
     if self.kind == 'dynamic':
       if (consecutive_skips >= self.max_consecutive_skips and
           scale <= self.minimum):
-        if state:
+        if why:
           raise LossScaleError(
               f'loss_scale.max_consecutive_skips: {consecutive_skips} '
               f'consecutive steps up to step {step} were skipped with the '
@@ -224,7 +221,7 @@ class LossScaler:
             f'scale at its floor loss_scale.minimum={self.minimum:g}; the '
             'model diverged or float16 overflows even unscaled')
     elif skipped_in_window:
-      if state:
+      if why:
         raise LossScaleError(
             f'loss_scale.kind={self.kind}: a step before step {step} was '
             f'skipped (params are intact) because {why}')
@@ -247,7 +244,8 @@ def _nonfinite_state(metrics: dict, state: Any) -> str:
     return 'the new Haiku state was not finite'
   first = modules[0]
   more = f' (and {len(modules) - 1} more)' if len(modules) > 1 else ''
-  return (f'the new Haiku state of {first!r}{more} was not finite: a module that computes its state in float16 (an epsilon '
-          'that underflows to 0)? compute it in float32 with the override '
+  return (f'the new Haiku state of {first!r}{more} was not finite: a module '
+          'that computes its state in float16 (an epsilon that underflows to '
+          '0)? compute it in float32 with the override '
           f"'{first}:p=f32,c=f32,o=f16' (haiku_mp.advisor's float16 pass "
           'finds such modules)')

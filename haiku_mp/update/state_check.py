@@ -40,3 +40,10 @@ def modules_of(model_state: hk.State, nonfinite: Any) -> list[str]:
   bad = [n for n, flag in zip(leaves(model_state), nonfinite) if flag]
   modules = list(dict.fromkeys(n.rsplit('/', 1)[0] for n in bad))
   return sorted(modules, key=lambda m: m.count('/'))
+
+
+def applied(metrics: Any) -> bool:
+  """Whether a train step's update was applied, from its metrics read on
+  the host: its `applied`, or for a step logged before that metric existed
+  (a checkpoint's window of steps), its `grads_finite`."""
+  return bool(metrics.get('applied', metrics['grads_finite']))

@@ -4,11 +4,11 @@ One step: forward in the compute dtype -> float32 loss -> x loss scale ->
 gradients -> cast to float32 and unscaled -> finite check -> optax update on the
 float32 master params (the params themselves, or a copy the optimizer keeps when
 the policy stores params in half precision) (clipping, if configured, is the optimizer's first
-transform, so it sees unscaled gradients) -> if any gradient is not finite,
-params and optimizer state stay exactly as they were -> loss scale adjusted.
+transform, so it sees unscaled gradients) -> if any gradient or the new Haiku
+state is not finite, params, optimizer state and Haiku state stay exactly as
+they were -> loss scale adjusted.
 """
 
-import collections
 import dataclasses
 import functools
 import inspect
@@ -352,24 +352,16 @@ def _note_precision(record: recording.Record, loss: Optional[LossWithState],
   with recording.recording() as forward:
     jaxpr = jax.make_jaxpr(lambda p, s, r, b: loss(p, s, r, b)[0])(
         params, model_state, rng, batch)
-  low_bit = {module_runs.scope_of(path) for path, forms in
-             forward.matmuls.items() if forms & module_runs.LOW_BIT_FORMS}
   found = module_runs.matmuls_of(jaxpr.jaxpr)
-  total = sum(m.flops for m in found)
-  reached = sum(m.flops for m in found
-                if module_runs.within(m.scope, low_bit))
-  if not total or reached / total >= LOW_BIT_REACH_NOTED:
+  reached, rest = module_runs.low_bit_reach(found, forward)
+  if not found or reached >= LOW_BIT_REACH_NOTED:
     return
-  rest = collections.Counter()
-  for m in found:
-    if not module_runs.within(m.scope, low_bit):
-      rest[module_runs.module_scope(m.scope)] += m.flops
-  most = ', '.join(f'{scope or "(outside any module)"} {flops / total:.0%}'
-                   for scope, flops in rest.most_common(3))
+  most = ', '.join(f'{scope or "(outside any module)"} {share:.0%}'
+                   for scope, share in rest[:3])
   _LOG.warning(
       'train_step: low-bit matmuls reach %.0f%% of the forward pass\'s matmul '
       'FLOPs; most of the rest: %s (haiku_mp.describe(forward, *inputs) says '
-      'what each module runs)', 100 * reached / total, most)
+      'what each module runs)', 100 * reached, most)
 
 
 def _check_model_state(new: hk.State, old: hk.State) -> None:

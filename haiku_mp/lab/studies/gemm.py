@@ -155,13 +155,12 @@ def run(settings: settings_lib.Settings, gpu_name: str = '',
         if variant != 'bf16':
           proof[variant] = _proof(fn, args[variant], backend)
       rows.append(dict(
-          shape=[m, k, n], linears=paths, pass_=pass_, gemm=[gm, gk, gn],
+          shape=[m, k, n], linears=paths, gemm=[gm, gk, gn],
           measured=measured, predicted=predicted,
           measured_over_predicted=None if backend == 'cpu' else {
               v: measured[v] / predicted[v] for v in VARIANTS},
           fp8_gemm=proof))
-  for row in rows:
-    row['pass'] = row.pop('pass_')
+      rows[-1]['pass'] = pass_  # A keyword `pass` is not Python.
   return dict(experiment='gemm', backend=backend, device=device,
               jax_version=jax.__version__, predicted_for=gpu.name,
               note=CPU_NOTE if backend == 'cpu' else '', repeats=repeats,

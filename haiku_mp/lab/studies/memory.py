@@ -37,7 +37,6 @@ from haiku_mp.vit.train import experiment
 
 OUTSIDE_MODEL = '(loss, outside the model)'
 _TRANSFORM = re.compile(r'^\w+\((.*)\)$')  # 'jvp(vit)' -> 'vit'.
-_BLOCK_INDEX = re.compile(r'_\d+(?=/|$)')  # 'encoder_block_3' -> 'encoder_block_*'.
 
 
 def module_path(name_stack: str) -> str:
@@ -49,10 +48,6 @@ def module_path(name_stack: str) -> str:
     if part:
       parts.append(part)
   return '/'.join(parts)
-
-
-def merge_block_indices(path: str) -> str:
-  return _BLOCK_INDEX.sub('_*', path)
 
 
 def _nbytes(aval) -> int:
@@ -123,7 +118,7 @@ def residual_summary(exp: experiment.Experiment,
   classes = {c.path: c.class_name for c in exp.module_calls}
   kept = [r for r in rows if r['source'] != 'param']
   by_class = lambda r: classes.get(r['module'], OUTSIDE_MODEL)
-  by_module = lambda r: merge_block_indices(r['module']) or OUTSIDE_MODEL
+  by_module = lambda r: forward_lib.merge_block_indices(r['module']) or OUTSIDE_MODEL
   return dict(
       count=len(rows),
       bytes=sum(r['bytes'] for r in rows),

@@ -34,6 +34,7 @@ from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.lab.studies import memory
 from haiku_mp.vit import settings as settings_lib
+from haiku_mp.vit.model import forward as forward_lib
 
 STEP_NAME = 'train'
 TOP_OPS = 20
@@ -214,7 +215,7 @@ def _module_of(op_name: str, modules: set[str]) -> str:
   parts = memory.module_path(op_name).split('/')
   prefixes = ('/'.join(parts[1:i]) for i in range(len(parts), 1, -1))
   path = next((p for p in prefixes if p in modules), OUTSIDE_MODEL)
-  return memory.merge_block_indices(path)
+  return forward_lib.merge_block_indices(path)
 
 
 def ms_per_step_by_module(ops, num_steps) -> dict[str, float]:

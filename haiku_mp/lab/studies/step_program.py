@@ -1,5 +1,5 @@
 """What a train step asks of a GPU, read from its program as JAX lowers it for
-CUDA (`lower_for_gpu`: no GPU and no compilation needed): every matmul, with
+CUDA (`step_time.lower_for_gpu`: no GPU and no compilation needed): every matmul, with
 its shapes, dtypes, module and pass, and for everything else the bytes that
 go through memory and the kernels that move them.
 
@@ -138,15 +138,26 @@ class _Node:
 
 
 class _Program:
-  """A lowered module's computations, inlined from its entry."""
+  """One computation of a lowered module, its calls inlined: the entry
+  (its parameters arrays in memory), or a loop's body (its one parameter,
+  the loop's state of `parameter_shape`, in memory too)."""
 
-  def __init__(self, text: str):
-    self.computations = {c.name: c for c in hlo_text.computations(text)}
-    self.entry = next(c for c in self.computations.values() if c.entry)
+  def __init__(self, computations: dict[str, hlo_text.Computation],
+               name: str, parameter_shape: Optional[str] = None):
+    self.computations = computations
     self.nodes: list[_Node] = []
     self.loops: list[tuple[_Node, str, int]] = []  # (node, body, trips)
     self.exact = True
-    self.roots = self._inline(self.entry.name, None)
+    arguments = (None if parameter_shape is None else
+                 [self._new('parameter', parameter_shape)])
+    self.roots = self._inline(name, arguments)
+
+  @classmethod
+  def of(cls, text: str) -> '_Program':
+    """The entry computation of a module's text."""
+    computations = {c.name: c for c in hlo_text.computations(text)}
+    entry = next(c for c in computations.values() if c.entry)
+    return cls(computations, entry.name)
 
   def _new(self, *args, **kwargs) -> _Node:
     node = _Node(*args, **kwargs)
@@ -264,31 +275,31 @@ class StepProgram:
 
 def read(text: str) -> StepProgram:
   """The matmuls and the traffic of a lowered module's text."""
-  program = _Program(text)
-  nodes = _graph(program)
-  epilogues = {id(n): _epilogue(n) for n in nodes
-               if n.opcode in MATMUL_OPCODES}
-  found = [_matmul(n, epilogues[id(n)][-1]) for n in nodes
-           if n.opcode in MATMUL_OPCODES]
+  found: list[Matmul] = []
   totals = collections.defaultdict(lambda: {'bytes': 0.0, 'kernels': 0})
-  _count(nodes, program.roots, epilogues, totals, 1)
-  exact = program.exact
-  for loop, body, trips in program.loops:
-    inner = _Program.__new__(_Program)
-    inner.computations = program.computations
-    inner.nodes, inner.loops, inner.exact = [], [], True
-    inner.roots = inner._inline(body, [inner._new('parameter', loop.shape)])
-    inner_nodes = _graph(inner)
-    inner_epilogues = {id(n): _epilogue(n) for n in inner_nodes
-                       if n.opcode in MATMUL_OPCODES}
-    found += [_matmul(n, inner_epilogues[id(n)][-1]) for n in inner_nodes
-              if n.opcode in MATMUL_OPCODES] * trips
-    _count(inner_nodes, inner.roots, inner_epilogues, totals, trips)
-    exact = exact and inner.exact
+  exact = _measure(_Program.of(text), 1, found, totals)
   return StepProgram(found, Traffic(
       bytes=sum(t['bytes'] for t in totals.values()),
       kernels=sum(t['kernels'] for t in totals.values()),
       by_kind={k: dict(v) for k, v in totals.items()}, exact=exact))
+
+
+def _measure(program: _Program, times: int, found: list[Matmul],
+             totals) -> bool:
+  """Adds `program`'s matmuls to `found` and its traffic to `totals`, each
+  `times` over, and its loops' bodies as often as they run; whether every
+  loop's trip count was read."""
+  nodes = _graph(program)
+  epilogues = {id(n): _epilogue(n) for n in nodes
+               if n.opcode in MATMUL_OPCODES}
+  found += [_matmul(n, epilogues[id(n)][-1]) for n in nodes
+            if n.opcode in MATMUL_OPCODES] * times
+  _count(nodes, program.roots, epilogues, totals, times)
+  exact = program.exact
+  for loop, body, trips in program.loops:
+    exact &= _measure(_Program(program.computations, body, loop.shape),
+                      times * trips, found, totals)
+  return exact
 
 
 # Elementwise ops a GEMM's epilogue may hold.

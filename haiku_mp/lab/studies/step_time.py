@@ -31,11 +31,11 @@ from haiku_mp.advisor import speed as speed_lib
 from haiku_mp.lab import charts
 from haiku_mp.lab.studies import collectives
 from haiku_mp.lab.studies import hlo_text
-from haiku_mp.lab.studies import memory
 from haiku_mp.lab.studies import step_program
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
 from haiku_mp.vit import settings as settings_lib
+from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.train import experiment
 
 # The baseline's name by the dtype the Linears' GEMMs take.
@@ -45,10 +45,10 @@ _LOW_BIT_FORMATS = tuple(speed_lib.LOW_BIT_FORMATS)
 WIRE_LINKS = ('nvlink_8gpu', 'ib_16node')
 
 
-def lower_for_gpu(exp: experiment.Experiment) -> str:
-  """The train step's HLO as JAX lowers it for CUDA, on any machine."""
-  lowered = exp.strategy.train_step.trace(*exp.abstract_inputs()).lower(
-      lowering_platforms=('cuda',))
+def lower_for_gpu(jitted: Callable[..., Any], *args) -> str:
+  """A jitted function's HLO as JAX lowers it for CUDA on `args` (arrays or
+  their shapes), on any machine: nothing is compiled."""
+  lowered = jitted.trace(*args).lower(lowering_platforms=('cuda',))
   return lowered.compiler_ir('hlo').get_hlo_module().to_string()
 
 
@@ -130,7 +130,8 @@ def run(settings: settings_lib.Settings, gpu_name: str,
   exp = experiment.build_without_data(program_settings)
   log(f'speed: lowering the train step for CUDA (batch '
       f'{program_settings.batch_size}) ...')
-  program = step_program.read(lower_for_gpu(exp))
+  program = step_program.read(lower_for_gpu(exp.strategy.train_step,
+                                             *exp.abstract_inputs()))
   paths = sorted({c.path for c in exp.module_calls})
   linears = {c.path for c in exp.module_calls
              if c.class_name == half_dot.FP8_CLASS and c.method == '__call__'}
@@ -286,9 +287,8 @@ def one_gemm(shape: tuple[int, int, int], gpu_name: str,
   row = dict(name=f'{m}x{k}x{n}', m=m, k=k, n=n, batch=1, lhs=compute_dtype,
              rhs=compute_dtype, out=compute_dtype, flops=fprop.flops,
              bytes=fprop.bytes, bound=fprop.bound, linear=True, low_bit=True,
-             seconds={f: seconds['fprop'][f] for f in formats},
-             pass_='fprop')
-  row['pass'] = row.pop('pass_')
+             seconds={f: seconds['fprop'][f] for f in formats})
+  row['pass'] = 'fprop'  # A keyword `pass` is not Python.
   total = {f: sum(seconds[p][f] for p in speed_lib.PASSES) for f in formats}
   return dict(experiment='speed', prediction=True, gpu=gpu.name,
               gpu_about=gpu.about,
@@ -367,7 +367,7 @@ def table(result: dict[str, Any]) -> str:
     return '\n'.join(lines)
   merged = collections.OrderedDict()
   for row in result['matmuls']:
-    key = (_merge_blocks(row['name']), row['pass'],
+    key = (forward_lib.merge_block_indices(row['name']), row['pass'],
            (row['batch'], row['m'], row['k'], row['n']))
     entry = merged.setdefault(key, dict(count=0, seconds=collections.Counter(),
                                         low_bit=row['low_bit']))
@@ -400,10 +400,6 @@ def table(result: dict[str, Any]) -> str:
                  f'{len(result["linears"])} Linears, step '
                  f'{_us(placed["seconds"])} ({placed["speedup"]:.2f}x)')
   return '\n'.join(lines)
-
-
-def _merge_blocks(path: str) -> str:
-  return memory.merge_block_indices(path)
 
 
 def _us(seconds: Optional[float]) -> str:

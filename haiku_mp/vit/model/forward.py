@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 from typing import Optional
 
 import haiku as hk
@@ -47,6 +48,23 @@ def precision_from_config(config: Settings,
           modules,
           fp8_lib.Fp8(low_bit.scaling, low_bit.history_length, low_bit.margin),
           make_fp4(low_bit), low_bit.keep_fp8))
+
+
+_BLOCK_INDEX = re.compile(r'_\d+(?=/|$)')  # 'encoder_block_3' -> 'encoder_block_*'.
+
+
+def merge_block_indices(path: str) -> str:
+  """'vit/encoder_block_3/mlp_block/fc1' -> 'vit/encoder_block_*/mlp_block/fc1':
+  the modules of every block as one, for lines and tables."""
+  return _BLOCK_INDEX.sub('_*', path)
+
+
+def low_bit_format(low_bit: LowBitSettings) -> str:
+  """The speed model's format (`placement.low_bit_format`) of
+  `precision.low_bit`: fp8 at its scaling, or its 4-bit format."""
+  return placement.low_bit_format(
+      low_bit.scaling, '' if low_bit.format == precision_settings.FP8_FORMAT
+      else low_bit.format)
 
 
 def make_fp4(low_bit: LowBitSettings) -> Optional[fp4_lib.Fp4]:
@@ -149,10 +167,8 @@ def low_bit_choices(config: Settings, calls: list[interception.ModuleCall],
   those predicted faster in it on `precision.low_bit.gpu`, at the
   `batch_size` one device runs (docs/speed.md)."""
   low_bit = config.precision.low_bit
-  fmt = placement.low_bit_format(
-      low_bit.scaling, '' if low_bit.format == precision_settings.FP8_FORMAT
-      else low_bit.format)
-  return placement.choose(linear_shapes(calls, batch_size), fmt, low_bit.gpu)
+  return placement.choose(linear_shapes(calls, batch_size),
+                          low_bit_format(low_bit), low_bit.gpu)
 
 
 def _check_fp4_tokens(precision: policies.Precision,

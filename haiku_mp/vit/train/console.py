@@ -11,13 +11,15 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from absl import logging
 
+from haiku_mp.update import state_check
+
 
 def log_overflows(window, first_step: int, param_names: list[str],
                    most: int = 5) -> None:
   """Names the parameters whose gradients were not finite at skipped steps
   (or says the Haiku state was not)."""
   for i, m in enumerate(window):
-    if bool(m.get('applied', m['grads_finite'])):
+    if state_check.applied(m):
       continue
     if bool(m['grads_finite']):
       logging.warning('step %d skipped (loss scale %g): the new Haiku state '

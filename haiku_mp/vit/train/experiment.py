@@ -8,7 +8,6 @@ together, so what is measured is what is trained.
 
 import dataclasses
 import functools
-import re
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from absl import logging
@@ -176,8 +175,7 @@ class Experiment:
     if not self.low_bit_choices:
       return []
     low_bit = self.settings.precision.low_bit
-    fmt = placement.low_bit_format(
-        low_bit.scaling, '' if low_bit.format == 'fp8' else low_bit.format)
+    fmt = forward_lib.low_bit_format(low_bit)
     chosen = sum(c.low_bit for c in self.low_bit_choices)
     where = (f'predicted on the {low_bit.gpu}' if low_bit.gpu else
              f'{placement.TORCHAO_RULE}, no precision.low_bit.gpu named')
@@ -186,7 +184,8 @@ class Experiment:
              f'{len(self.low_bit_choices)} Linears']
     merged: dict[tuple, list[placement.Choice]] = {}
     for c in self.low_bit_choices:
-      key = (_merged_path(c.linear.path), c.linear.m, c.linear.k,
+      key = (forward_lib.merge_block_indices(c.linear.path), c.linear.m,
+             c.linear.k,
              c.linear.n, c.low_bit)
       merged.setdefault(key, []).append(c)
     compute = np.dtype(self.precision.policy.compute_dtype).name
@@ -201,11 +200,6 @@ class Experiment:
       lines.append(f'  No Linear pays: the run has no low-bit matmul '
                    f'(everything in {compute})')
     return lines
-
-
-def _merged_path(path: str) -> str:
-  """'vit/encoder_block_3/mlp_block/fc1' -> 'vit/encoder_block_*/mlp_block/fc1'."""
-  return re.sub(r'_\d+(?=/|$)', '_*', path)
 
 
 def total_train_steps(settings: settings_lib.Settings,

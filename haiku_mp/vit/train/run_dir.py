@@ -22,6 +22,7 @@ from tensorboardX.proto import event_pb2
 from tensorboardX.proto import summary_pb2
 
 from haiku_mp import errors
+from haiku_mp.update import state_check
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.train import compilation
@@ -307,7 +308,7 @@ def window_summary(window: list[dict[str, Any]], means: Sequence[str]
   summary['loss_scale'] = float(last['loss_scale'])
   summary['skipped_steps'] = int(last['skipped_steps'])
   summary['window_skipped_steps'] = int(
-      sum(not bool(m.get('applied', m['grads_finite'])) for m in window))
+      sum(not state_check.applied(m) for m in window))
   return summary
 
 
