@@ -364,8 +364,8 @@ def main(argv):
     json.dump(result, f, indent=1)
   if command in TABLES and not _JSON.value:
     print(TABLES[command](result), flush=True)
-    for written in [path, *result['plots']]:
-      print(f'wrote {os.path.join(_OUT.value, os.path.basename(written))}')
+    for written in [os.path.basename(path), *result['plots']]:
+      print(f'wrote {os.path.join(_OUT.value, written)}')
     return
   print(json.dumps(result))
 

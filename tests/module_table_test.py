@@ -33,6 +33,7 @@ def _tabulate_json(config: str, *flags: str):
       '--config.model.num_layers=1', *flags, check=True)
   return {r['path']: r for r in json.loads(result.stdout)}, result
 
+@helpers.long_running
 class TabulateTest(parameterized.TestCase):
 
   def test_rows_for_the_reference_fp16_model(self):

@@ -174,14 +174,8 @@ def low_bit_reach(matmuls: Sequence[Matmul], record: recording.Record
 
 def owner(matmul: Matmul, paths: Sequence[str]) -> Optional[str]:
   """The innermost module of `paths` whose scope `matmul` ran in."""
-  scope = stripped(matmul.scope)
-  best = None
-  for path in paths:
-    key = scope_of(path)
-    if (scope == key or scope.startswith(key + '/')) and (
-        best is None or len(key) > len(scope_of(best))):
-      best = path
-  return best
+  inside = [p for p in paths if within(matmul.scope, (scope_of(p),))]
+  return max(inside, key=lambda p: len(scope_of(p)), default=None)
 
 
 def _inputs_split(inputs):

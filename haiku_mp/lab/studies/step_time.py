@@ -71,11 +71,10 @@ def low_bit_targets(settings: settings_lib.Settings) -> tuple[str, ...]:
   """The targets whose Linears low-bit matmuls would reach: the config's,
   every Linear for 'auto', fp8's default encoder blocks where it names
   none."""
-  modules = settings.precision.low_bit.modules.strip()
-  if modules == 'auto':
+  low_bit = settings.precision.low_bit
+  if low_bit.chooses_modules:
     return (half_dot.FP8_CLASS,)
-  if not modules:
-    modules = fp8_lib.DEFAULT_MODULES
+  modules = low_bit.modules.strip() or fp8_lib.DEFAULT_MODULES
   return tuple(t.strip() for t in modules.split(';') if t.strip())
 
 
@@ -248,7 +247,7 @@ def linear_gains(result: dict[str, Any], gpu: gpus.Gpu,
       for fmt, s in row['seconds'].items():
         by_linear[row['name']][fmt] += s or 0.0
   layers = [placement.LinearShape(name, *shapes[name][:3],
-                             _bytes(shapes[name][3]))
+                                  _bytes(shapes[name][3]))
             for name in sorted(by_linear) if name in shapes]
   gains = {l.path: {} for l in layers}
   for fmt in result['formats'][1:]:

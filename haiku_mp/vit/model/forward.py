@@ -33,7 +33,7 @@ def precision_from_config(config: Settings,
   modules = low_bit.modules
   if low_bit_modules is not None:
     modules = low_bit_modules
-  elif modules.strip() == precision_settings.AUTO:
+  elif low_bit.chooses_modules:
     modules = ''
   return policies.make_precision(
       config.precision.policy, config.precision.overrides,
@@ -134,11 +134,12 @@ def checked_precision(config: Settings,
   precision = precision or precision_from_config(config)
   calls, _ = trace_modules(config.model, precision)
   choices = []
-  if config.precision.low_bit.modules.strip() == precision_settings.AUTO:
+  if config.precision.low_bit.chooses_modules:
     choices = low_bit_choices(config, calls, config.batch_size // batch_devices)
+    # The calls stay those traced: which Linears run low-bit changes no
+    # module's inputs or outputs, only the GEMMs inside.
     precision = precision_from_config(config, ';'.join(
         c.linear.path for c in choices if c.low_bit))
-    calls, _ = trace_modules(config.model, precision)
   modules = {(c.class_name, c.path) for c in calls}
   precision.check_overrides(modules)
   precision.check_fp8(modules)
@@ -148,7 +149,7 @@ def checked_precision(config: Settings,
 
 
 def linear_shapes(calls: list[interception.ModuleCall],
-            batch_size: int) -> list[placement.LinearShape]:
+                  batch_size: int) -> list[placement.LinearShape]:
   """Every Linear of a forward pass traced at batch 1, as its GEMMs see it
   at `batch_size`."""
   found = []

@@ -60,6 +60,11 @@ class LowBitSettings:
       "4 bits: 'TARGET;...' among `modules` whose Linears keep fp8 (E4M3 "
       "/ E5M2, current scaling), as the advisor suggests; '': none.")
 
+  @property
+  def chooses_modules(self) -> bool:
+    """Whether the speed model chooses the Linears (`modules='auto'`)."""
+    return self.modules.strip() == AUTO
+
 
 @fields.frozen
 class PrecisionSettings:

@@ -73,7 +73,7 @@ def _check_model(config: settings_lib.Settings) -> policies.Precision:
   # fp8.Fp8 checks its own settings.
   precision = forward_lib.precision_from_config(config)
   _check_state_layout(config.precision, precision)
-  if low_bit.gpu and low_bit.modules.strip() != 'auto':
+  if low_bit.gpu and not low_bit.chooses_modules:
     raise errors.ConfigError(
         f'precision.low_bit.gpu={low_bit.gpu} chooses the low-bit Linears '
         "only with precision.low_bit.modules='auto' (now "

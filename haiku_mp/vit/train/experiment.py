@@ -185,8 +185,7 @@ class Experiment:
     merged: dict[tuple, list[placement.Choice]] = {}
     for c in self.low_bit_choices:
       key = (forward_lib.merge_block_indices(c.linear.path), c.linear.m,
-             c.linear.k,
-             c.linear.n, c.low_bit)
+             c.linear.k, c.linear.n, c.low_bit)
       merged.setdefault(key, []).append(c)
     compute = np.dtype(self.precision.policy.compute_dtype).name
     for (path, *_, low), group in merged.items():
