@@ -35,6 +35,7 @@ from haiku_mp.lab.studies import step_program
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
 from haiku_mp.vit import settings as settings_lib
+from haiku_mp.vit.settings import precision as precision_settings
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.train import experiment
 
@@ -72,7 +73,7 @@ def low_bit_targets(settings: settings_lib.Settings) -> tuple[str, ...]:
   every Linear for 'auto', fp8's default encoder blocks where it names
   none."""
   low_bit = settings.precision.low_bit
-  if low_bit.chooses_modules:
+  if precision_settings.chooses_modules(low_bit):
     return (half_dot.FP8_CLASS,)
   modules = low_bit.modules.strip() or fp8_lib.DEFAULT_MODULES
   return tuple(t.strip() for t in modules.split(';') if t.strip())

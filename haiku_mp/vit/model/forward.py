@@ -33,7 +33,7 @@ def precision_from_config(config: Settings,
   modules = low_bit.modules
   if low_bit_modules is not None:
     modules = low_bit_modules
-  elif low_bit.chooses_modules:
+  elif precision_settings.chooses_modules(low_bit):
     modules = ''
   return policies.make_precision(
       config.precision.policy, config.precision.overrides,
@@ -134,7 +134,7 @@ def checked_precision(config: Settings,
   precision = precision or precision_from_config(config)
   calls, _ = trace_modules(config.model, precision)
   choices = []
-  if config.precision.low_bit.chooses_modules:
+  if precision_settings.chooses_modules(config.precision.low_bit):
     choices = low_bit_choices(config, calls, config.batch_size // batch_devices)
     # The calls stay those traced: which Linears run low-bit changes no
     # module's inputs or outputs, only the GEMMs inside.

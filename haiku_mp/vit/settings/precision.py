@@ -15,6 +15,12 @@ FORMATS = (FP8_FORMAT,) + fp4_lib.FORMATS
 AUTO = 'auto'
 
 
+def chooses_modules(low_bit) -> bool:
+  """Whether `precision.low_bit` (its settings, or a config's ConfigDict)
+  lets the speed model choose the Linears (`modules='auto'`)."""
+  return low_bit.modules.strip() == AUTO
+
+
 @fields.frozen
 class LowBitSettings:
   """Low-bit matmuls: which Linears, their format (fp8, or 4 bits) and
@@ -59,11 +65,6 @@ class LowBitSettings:
       '',
       "4 bits: 'TARGET;...' among `modules` whose Linears keep fp8 (E4M3 "
       "/ E5M2, current scaling), as the advisor suggests; '': none.")
-
-  @property
-  def chooses_modules(self) -> bool:
-    """Whether the speed model chooses the Linears (`modules='auto'`)."""
-    return self.modules.strip() == AUTO
 
 
 @fields.frozen

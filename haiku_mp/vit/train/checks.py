@@ -27,6 +27,7 @@ from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.settings import fields as settings_fields
+from haiku_mp.vit.settings import precision as precision_settings
 from haiku_mp.vit.train import compilation
 
 _shown = settings_fields.shown
@@ -73,7 +74,7 @@ def _check_model(config: settings_lib.Settings) -> policies.Precision:
   # fp8.Fp8 checks its own settings.
   precision = forward_lib.precision_from_config(config)
   _check_state_layout(config.precision, precision)
-  if low_bit.gpu and not low_bit.chooses_modules:
+  if low_bit.gpu and not precision_settings.chooses_modules(low_bit):
     raise errors.ConfigError(
         f'precision.low_bit.gpu={low_bit.gpu} chooses the low-bit Linears '
         "only with precision.low_bit.modules='auto' (now "
