@@ -6,10 +6,13 @@ python -m launch.train --config=configs/vit_fp16.py --workdir=runs/fp16 \
 Many hosts: start one process per host with the same flags plus
 --coordinator_address=HOST:PORT --num_processes=N --process_id=I (or
 --distributed on clusters where jax.distributed.initialize() finds them).
+Each then trains in a child process of its own, so that a lost process ends
+every other with one line (`lost_process.py`, exit status 75).
 """
 
 import os
 import sys
+import time
 
 from absl import app
 from absl import flags
@@ -22,6 +25,7 @@ from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import in_flight
 from haiku_mp.vit.train import loop
 from launch import cli
+from launch import lost_process
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
                                           lock_config=True)
@@ -40,16 +44,40 @@ _DISTRIBUTED = flags.DEFINE_bool(
     'arguments (clusters that provide them, e.g. SLURM, Cloud TPU).')
 
 
-def _initialize_distributed() -> None:
-  if _COORDINATOR.value is None and not _DISTRIBUTED.value:
-    return
+def _many_processes() -> bool:
+  return _COORDINATOR.value is not None or _DISTRIBUTED.value
+
+
+def _initialize_distributed(heartbeat_sec: int) -> None:
   # CPU devices of different processes talk through gloo; GPUs ignore this.
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   if _DISTRIBUTED.value:
-    jax.distributed.initialize()
+    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_sec)
   else:
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
-                               _PROCESS_ID.value)
+                               _PROCESS_ID.value,
+                               heartbeat_timeout_seconds=heartbeat_sec)
+
+
+def _supervised(heartbeat_sec: int) -> lost_process.Reporter:
+  """The trainer's side of `lost_process.supervised`: this process's
+  parent waits for it, and says what a lost process leaves."""
+  return lost_process.supervised(
+      _WORKDIR.value, _PROCESS_ID.value or 0, _NUM_PROCESSES.value or 0,
+      heartbeat_sec, lost_process.restart_command(sys.argv), sys.exit)
+
+
+def _train(settings, reporter: lost_process.Reporter, heartbeat_sec: int):
+  """Trains; a collective that fails (a peer's connection closed) waits
+  for the runtime to name the lost process, which ends this one within the
+  heartbeat timeout; an error it does not end is raised after that."""
+  try:
+    return loop.train_and_evaluate(
+        settings, _WORKDIR.value, log_module_table=_MODULES_TABLE.value,
+        on_built=_log_config, hooks=loop.Hooks(finished=reporter.finished))
+  except jax.errors.JaxRuntimeError:
+    time.sleep(2 * heartbeat_sec)
+    raise
 
 
 def _log_config() -> None:
@@ -68,10 +96,15 @@ def main(argv):
   settings = settings_lib.parse(_CONFIG.value)
   os.environ['XLA_FLAGS'] = in_flight.xla_flags(
       os.environ.get('XLA_FLAGS', ''), settings.stall_timeout_sec)
-  _initialize_distributed()
-  result = loop.train_and_evaluate(
-      settings, _WORKDIR.value, log_module_table=_MODULES_TABLE.value,
-      on_built=_log_config)
+  if _many_processes():
+    heartbeat_sec = settings.parallel.heartbeat_timeout_sec
+    reporter = _supervised(heartbeat_sec)  # Returns in the child only.
+    _initialize_distributed(heartbeat_sec)
+    result = _train(settings, reporter, heartbeat_sec)
+  else:
+    result = loop.train_and_evaluate(
+        settings, _WORKDIR.value, log_module_table=_MODULES_TABLE.value,
+        on_built=_log_config)
   if result.get('signal') == 'SIGINT':  # Saved, but stopped by Ctrl-C.
     sys.exit(cli.EXIT_INTERRUPTED)
 

@@ -11,6 +11,11 @@ STRATEGIES = ('single', 'pmap', 'pjit', 'fsdp')
 # (haiku_mp/vit/parallel/wire_dtypes.py).
 GATHER_DTYPES = ('float32', 'compute', data_parallel.FP8_WIRE)
 REDUCE_DTYPES = ('float32', 'compute')
+# The bounds of heartbeat_timeout_sec. Below 5 s a busy host or a network
+# hiccup would end healthy runs (JAX sends heartbeats from a thread of its
+# runtime, never held up by Python); past 10 minutes every other host of a
+# many-host run idles that long before a lost one is named.
+MIN_HEARTBEAT_SEC, MAX_HEARTBEAT_SEC = 5, 600
 
 
 _MESH_SHAPE = ('two positive integers (batch, model) like (4,2); one may be '
@@ -50,6 +55,16 @@ class ParallelSettings:
       "'float32' | 'compute': the dtype gradients are reduced in over "
       "'batch' (all-reduce, or reduce-scatter under fsdp); float16 goes "
       'through the loss scale.', check=fields.one_of(REDUCE_DTYPES))
+  heartbeat_timeout_sec: int = setting(
+      30,
+      'Many processes: one that sends JAX\'s coordination service no '
+      'heartbeat this long (killed, stopped, its host lost) is lost, and '
+      'every other ends with one line naming it, the last step and the '
+      'newest checkpoint (docs/parallelism.md).',
+      check=fields.rule(
+          lambda s: MIN_HEARTBEAT_SEC <= s <= MAX_HEARTBEAT_SEC,
+          f'an integer number of seconds in [{MIN_HEARTBEAT_SEC}, '
+          f'{MAX_HEARTBEAT_SEC}]'))
 
 
 __all__ = ['ParallelSettings', 'STRATEGIES', 'GATHER_DTYPES', 'REDUCE_DTYPES']

@@ -32,14 +32,21 @@ def _call(step, state, batch):
   return step(state, batch)
 
 
+def _ignore(step: int) -> None:
+  del step
+
+
 class Hooks(NamedTuple):
   """Where the loop's traffic with the device can be seen (by a tracer, or a
   test of what the host does between log points). `dispatch(step, state,
   batch)` runs one compiled train step and returns its (state, metrics) as
   the loop will hold them; `wait(metrics)` blocks until a step's metrics
-  are ready, and returns them."""
+  are ready, and returns them; `finished(step)` is told the newest train
+  step known finished, after each step is dispatched (a many-process run's
+  parent names it if a process is lost)."""
   dispatch: Callable[[Callable, Any, Any], tuple[Any, Any]] = _call
   wait: in_flight.Wait = jax.block_until_ready
+  finished: Callable[[int], None] = _ignore
 
 
 def _due(step: int, every: int, total: int) -> bool:
@@ -259,6 +266,8 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
         # resumed from it logs the window an uninterrupted run does.
         fetched, window = _on_host(exp, fetched, window), []
         run.save(step, fetched, wait=stop)  # The files written before a stop.
+    # Steps finish in order: all but those still in flight have.
+    run.hooks.finished(step - len(run.steps))
     if stop:
       received = run.interruption.received or 'SIGTERM'  # Or another process's.
       logging.warning('%s', checkpoint.stop_line(received, step))
