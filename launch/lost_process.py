@@ -237,7 +237,8 @@ def _verdict(held: bytes, status: int, last_step: Optional[int],
   if lost is None:
     line = (f'error: process {process} of {num_processes} was killed '
             f'(SIGKILL) {_step_text(last_step)}; {resume}. The others end '
-            f'once its heartbeats are missed ({heartbeat_sec}s). {restart}')
+            f'with a line naming it within {heartbeat_sec}s (its missed '
+            f'heartbeats). {restart}')
     code = 128 + signal.SIGKILL
   else:
     names = ', '.join(map(str, lost))

@@ -75,9 +75,20 @@ def _train(settings, reporter: lost_process.Reporter, heartbeat_sec: int):
     return loop.train_and_evaluate(
         settings, _WORKDIR.value, log_module_table=_MODULES_TABLE.value,
         on_built=_log_config, hooks=loop.Hooks(finished=reporter.finished))
-  except jax.errors.JaxRuntimeError:
-    time.sleep(2 * heartbeat_sec)
+  except Exception as e:  # pylint: disable=broad-except
+    if _from_the_runtime(e):
+      time.sleep(2 * heartbeat_sec)
     raise
+
+
+def _from_the_runtime(error: BaseException) -> bool:
+  """Whether `error` is, or was raised over, a JAX runtime error (a save's
+  gather that failed is reported as the save's error)."""
+  while error is not None:
+    if isinstance(error, jax.errors.JaxRuntimeError):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def _log_config() -> None:

@@ -181,6 +181,16 @@ def run_modules_together(commands, timeout: float = 240
   return results
 
 
+def start_module(module: str, args, env, output) -> subprocess.Popen:
+  """`python -m module *args` started afresh in a session of its own (so
+  that a test can signal the command and what it started), stdout and
+  stderr to the file `output`: for a test that must see a command end, or
+  not, while another runs on."""
+  return subprocess.Popen([sys.executable, '-m', module, *args], cwd=ROOT,
+                          env=_command_env(env), text=True, stdout=output,
+                          stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def advisor_settings(advisor) -> settings_lib.AdvisorSettings:
   """`config.advisor` parsed as every command parses it."""
   return fields.parse(settings_lib.AdvisorSettings, advisor, 'advisor.')

@@ -12,9 +12,12 @@ if __name__ == '__main__':  # `python tests/x_test.py`: `tests` from the root.
 import contextlib
 import json
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import time
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -32,6 +35,7 @@ from haiku_mp.vit.parallel import sharding as sharding_lib
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import overview
+from launch import lost_process
 import tests
 from tests import helpers
 from tests import signal_at_step
@@ -486,6 +490,120 @@ class MultiProcessTest(parameterized.TestCase):
       self.assertIn(f'Resuming from {tmp}/run/checkpoints at step {step}.',
                     out)
       self.assertIn('test at step 6:', out)
+
+
+# What every test of a lost process runs: 20 steps, a checkpoint at 10,
+# JAX's shortest heartbeat timeout, one compilation cache for all the runs.
+_LOST_FLAGS = (*MULTI_FLAGS, '--config.num_train_steps=20',
+               '--config.eval_every_steps=20',
+               '--config.checkpoint_every_steps=10',
+               '--config.parallel.heartbeat_timeout_sec=5')
+# The issue's bound on a survivor's end after the loss, on CPU (gloo).
+_LOST_BOUND_SEC = 60
+
+
+def _lose_one(flags, workdir, victim, how, at_step):
+  """Runs launch.train as 2 processes of 4 devices, process `victim` sent
+  SIG`how` after step `at_step`. Returns the survivor's (returncode,
+  output), the victim's, and the survivor's seconds from the signal to its
+  end. A stopped victim is killed once the survivor ended."""
+  with _reserved_port() as port, contextlib.ExitStack() as stack:
+    procs, outputs = [], []
+    for i in range(2):
+      env, module = {'XLA_FLAGS': tests.xla_flags(4)}, 'launch.train'
+      if i == victim:
+        env[signal_at_step.ENV] = f'{how}:{at_step}'
+        module = 'tests.signal_at_step'
+      outputs.append(stack.enter_context(tempfile.TemporaryFile('w+')))
+      procs.append(helpers.start_module(module, [
+          *flags, f'--workdir={workdir}',
+          f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+          f'--process_id={i}'], env, outputs[-1]))
+    survivor = procs[1 - victim]
+    try:
+      survivor.wait(timeout=240)
+      ended = time.time()
+      if how != 'STOP':
+        procs[victim].wait(timeout=60)
+    finally:
+      for proc in procs:
+        proc.kill()
+        proc.wait()
+    texts = []
+    for out in outputs:
+      out.seek(0)
+      texts.append(out.read())
+  mark = re.search(r'signal_at_step: SIG\w+ at ([\d.]+)', texts[victim])
+  return ((survivor.returncode, texts[1 - victim]),
+          (procs[victim].returncode, texts[victim]),
+          ended - float(mark.group(1)))
+
+
+def _losses(workdir):
+  return [(e['step'], e['split'], e['loss'], e['accuracy'])
+          for e in _events(workdir)]
+
+
+def _errors(output):
+  return [line for line in output.splitlines() if line.startswith('error:')]
+
+
+@helpers.long_running
+class LostProcessTest(parameterized.TestCase):
+  """A process lost (killed, or stopped without dying) ends every other in
+  one line within the bound; the restart resumes from the newest complete
+  checkpoint, its losses those of a run never interrupted, bit for bit."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = tempfile.mkdtemp()
+    cls.addClassCleanup(shutil.rmtree, cls.tmp)
+    cls.flags = [*_LOST_FLAGS,
+                 f'--config.compilation_cache_dir={cls.tmp}/cache']
+    for returncode, out in _two_processes(cls.flags, f'{cls.tmp}/reference'):
+      assert returncode == 0, out[-3000:]
+    cls.reference = _losses(f'{cls.tmp}/reference')
+
+  @parameterized.named_parameters(
+      # Killed as step 10 ends: process 0's save of step 10 (whose gather
+      # needs process 1) never completes, and no step 10 is left behind.
+      ('kill_process_1_as_process_0_saves', 1, 'KILL', 10),
+      ('kill_process_0_the_coordinator', 0, 'KILL', 15),
+      ('stop_process_1', 1, 'STOP', 15))
+  def test_one_line_on_the_survivor_and_the_restart_loses_nothing(
+      self, victim, how, at_step):
+    workdir = f'{self.tmp}/{victim}{how}'
+    (code, out), (victim_code, victim_out), seconds = _lose_one(
+        self.flags, workdir, victim, how, at_step)
+    self.assertEqual(code, lost_process.EXIT_PROCESS_LOST, out[-3000:])
+    [line] = _errors(out)
+    newest = 10 if at_step > 10 else None
+    self.assertStartsWith(line, f'error: process {victim} of 2 was lost (')
+    self.assertIn(f'process {1 - victim} stopped after step {at_step};',
+                  line)
+    self.assertIn(
+        f'the newest complete checkpoint is step {newest}' if newest else
+        'there is no complete checkpoint yet', line)
+    self.assertIn('Restart: run the same command on every process again '
+                  '(here: python -m launch.train --config=', line)
+    for crash in ('Traceback', 'Fatal Python error', 'Check failure',
+                  'coordination_service'):
+      self.assertNotIn(crash, out)
+    self.assertLess(seconds, _LOST_BOUND_SEC)
+    if how == 'KILL':  # The killed process's own parent says so too.
+      self.assertEqual(victim_code, 128 + signal.SIGKILL, victim_out[-3000:])
+      self.assertIn(f'error: process {victim} of 2 was killed (SIGKILL)',
+                    victim_out)
+    # Only complete checkpoints carry a step's name: a save cut short is a
+    # temporary directory, which the restart passes over.
+    self.assertEqual(lost_process.newest_checkpoint(f'{workdir}/checkpoints'),
+                     newest)
+    for returncode, restarted in _two_processes(self.flags, workdir):
+      self.assertEqual(returncode, 0, restarted[-3000:])
+      if newest:
+        self.assertIn(f'at step {newest}.', restarted)
+    self.assertEqual(_losses(workdir), self.reference)
 
 
 if __name__ == '__main__':

@@ -7,14 +7,17 @@ machine: a signal sent from the test process races the run, which may finish
 first on a fast or idle machine, or later than expected on a loaded one.
 `KILL:23+flush` first flushes the writer, as its background flush may have
 done before a real kill: the killed run's last points are then on disk.
-`INT:23+again` sends a second SIGINT as the checkpoint the first one asked for
+`STOP:23` stops the process (a frozen host), as the tests of a lost
+process do. `INT:23+again` sends a second SIGINT as the checkpoint the first one asked for
 starts saving (a user pressing Ctrl-C twice).
 """
 
 import os
 import runpy
 import signal
+import sys
 import threading
+import time
 
 from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import run_dir
@@ -24,9 +27,17 @@ ENV = 'SIGNAL_AT_STEP'
 MODULE_ENV = 'SIGNAL_AT_STEP_MODULE'
 
 
+# The line on stderr before each signal: its wall-clock time (a test's
+# bound on what follows the signal starts there).
+MARK = 'signal_at_step: {name} at {time:.3f}'
+
+
 def _signal_main_thread(signum: int) -> None:
   # To the main thread, whose Python handler (if any) then runs before the
   # loop's next statement.
+  sys.stderr.write(MARK.format(name=signal.Signals(signum).name,
+                               time=time.time()) + '\n')
+  sys.stderr.flush()
   signal.pthread_kill(threading.main_thread().ident, signum)
 
 

@@ -63,6 +63,8 @@ def _restore_or_init(exp, checkpointer, workdir: str, is_writer: bool):
   restored = checkpointer.restore_latest(abstract,
                                          set_aside_unrestorable=True)
   if restored is None:
+    if is_writer:  # A run stopped before its first checkpoint: redone.
+      run_dir.truncate_after(workdir, 0)
     return 0, strategy.init_state(), {}
   start_step, state = restored
   console.info('Resuming from %s at step %d.', checkpointer.directory,
@@ -82,10 +84,12 @@ def _ema_params(state: step_lib.TrainState):
   return meta_params.merge_meta(ema, step_lib.split_fp8(state.params)[0])
 
 
-def _settle(steps: in_flight.InFlight, finished):
-  """Waits for every step in flight; the (label, metrics) of the newest
-  finished step: the last of those, or `finished` if none was in flight."""
-  done = steps.drain()
+def _settle(run: '_Run', finished, step: int):
+  """Waits for every step in flight (up to `step`); the (label, metrics) of
+  the newest finished step: the last of those, or `finished` if none was in
+  flight."""
+  done = run.steps.drain()
+  run.hooks.finished(step)
   return done[-1] if done else finished
 
 
@@ -247,20 +251,20 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
     window.append(step_metrics)
     finished = run.steps.push(f'step {step}', step_metrics)
     if _due(step, settings.log_every_steps, total_steps):
-      finished = _settle(run.steps, finished)  # The window, waited for.
+      finished = _settle(run, finished, step)  # The window, waited for.
       _log_window(exp, fetched, window, step, run.writer, run.progress,
                   run.learning_rate)
       fetched, window = [], []
       run.checkpointer.poll()  # A save written meanwhile: logged, or its error.
     if _due(step, settings.eval_every_steps, total_steps):
       # Evaluation waits for the steps still queued.
-      finished = _settle(run.steps, finished)
+      finished = _settle(run, finished, step)
       with _clock_stopped(run.progress, step):
         run.evaluate_val(step)
     stop = step < total_steps and run.interruption.stop_after(
         finished and finished[1])
     if _due(step, settings.checkpoint_every_steps, total_steps) or stop:
-      finished = _settle(run.steps, finished)
+      finished = _settle(run, finished, step)
       with _clock_stopped(run.progress, step):
         # The steps since the last log point go into the checkpoint: a run
         # resumed from it logs the window an uninterrupted run does.
