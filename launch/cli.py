@@ -8,7 +8,8 @@ seconds after its last line and changes no output.
 
 Exit status: 2 for a usage error (a flag, a config file or setting, an input;
 `errors.ConfigError`), 1 for a failure of the environment (`errors.RunError`,
-or a file the disk had no room for), 130 for Ctrl-C (a `KeyboardInterrupt`,
+or a file the disk had no room for), 75 for a lost process of a
+many-process run (`lost_process.py`), 130 for Ctrl-C (a `KeyboardInterrupt`,
 whose message may say what the command did about it). None of them prints a traceback; anything else is a bug and
 keeps its own.
 """

@@ -324,6 +324,10 @@ class BadInputTest(parameterized.TestCase):
        'steps_in_flight=40 must be an integer in [1, 16]'),
       ('negative_stall_timeout', ['--config.stall_timeout_sec=-1'],
        'stall_timeout_sec=-1 must be a finite number of seconds >= 0'),
+      ('heartbeat_timeout_below_its_range',
+       ['--config.parallel.heartbeat_timeout_sec=2'],
+       'parallel.heartbeat_timeout_sec=2 must be an integer number of '
+       'seconds in [5, 600]'),
       ('loss_scale_period_of_a_static_scale',
        ['--config.loss_scale.kind=static', '--config.loss_scale.period=0'],
        'loss_scale.period: must be a positive integer, got 0'),
