@@ -82,15 +82,20 @@ def lost_processes(runtime_text: bytes) -> Optional[list[int]]:
 
 
 class Reporter:
-  """The child's side: tells the parent each step known finished."""
+  """The child's side: tells the parent which process it is (known once
+  JAX's runtime started: `--distributed` finds it) and each step known
+  finished."""
 
   def __init__(self, fd: int):
     self._fd, self._step = fd, None
 
+  def started(self, process: int, num_processes: int) -> None:
+    os.write(self._fd, b'process %d %d\n' % (process, num_processes))
+
   def finished(self, step: int) -> None:
     if step != self._step:
       self._step = step
-      os.write(self._fd, b'%d\n' % step)
+      os.write(self._fd, b'step %d\n' % step)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -109,6 +114,7 @@ class _Parent:
 
   def __init__(self, child: int, out: int, err: int, status: int):
     self.child, self.last_step = child, None
+    self.process = self.num_processes = None
     self._err_line = b''
     self._held, self._held_since = [], None
     self._selector = selectors.DefaultSelector()
@@ -124,8 +130,12 @@ class _Parent:
   def _status(self, data: bytes) -> None:
     lines = (self._status_line + data).split(b'\n')
     self._status_line = lines.pop()
-    if lines:
-      self.last_step = int(lines[-1])
+    for line in lines:
+      kind, *values = line.split()
+      if kind == b'step':
+        self.last_step = int(values[0])
+      else:
+        self.process, self.num_processes = map(int, values)
 
   def _err(self, data: bytes) -> None:
     lines = (self._err_line + data).split(b'\n')
@@ -178,8 +188,7 @@ def _step_text(step: Optional[int]) -> str:
   return f'after step {step}' if step else 'before its first step'
 
 
-def supervised(workdir: str, process: int, num_processes: int,
-               heartbeat_sec: int, command: str,
+def supervised(workdir: str, heartbeat_sec: int, command: str,
                on_exit: Callable[[int], None]) -> Reporter:
   """Forks. In the child (which trains) returns its `Reporter`; in the
   parent waits for the child and calls `on_exit(status)` (which exits):
@@ -210,13 +219,11 @@ def supervised(workdir: str, process: int, num_processes: int,
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
-  on_exit(_verdict(held, status, watched.last_step, workdir, process,
-                   num_processes, heartbeat_sec, command))
+  on_exit(_verdict(held, status, watched, workdir, heartbeat_sec, command))
   raise AssertionError('on_exit returned')
 
 
-def _verdict(held: bytes, status: int, last_step: Optional[int],
-             workdir: str, process: int, num_processes: int,
+def _verdict(held: bytes, status: int, watched: _Parent, workdir: str,
              heartbeat_sec: int, command: str) -> int:
   """The exit status, after the one line if the child was lost or killed;
   held lines that say neither go out as they are."""
@@ -227,33 +234,37 @@ def _verdict(held: bytes, status: int, last_step: Optional[int],
     if os.WIFSIGNALED(status):
       return 128 + os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
+  process, of = watched.process, f' of {watched.num_processes}'
+  this = f'process {process}' if process is not None else 'this process'
   directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
   newest = newest_checkpoint(directory)
   resume = (f'the newest complete checkpoint is step {newest} in {directory}'
             if newest is not None else
             'there is no complete checkpoint yet (a restart starts at step 0)')
-  restart = (f'Restart: run the same command on every process again (here: '
+  restart = ('Restart: run the same command on every process again (here: '
              f'{command}).')
+  stopped = _step_text(watched.last_step)
   if lost is None:
-    line = (f'error: process {process} of {num_processes} was killed '
-            f'(SIGKILL) {_step_text(last_step)}; {resume}. The others end '
-            f'with a line naming it within {heartbeat_sec}s (its missed '
-            f'heartbeats). {restart}')
+    line = (f'error: {this}{of if process is not None else ""} was killed '
+            f'(SIGKILL) {stopped}; {resume}. The others end with a line '
+            f'naming it within {heartbeat_sec}s (its missed heartbeats). '
+            f'{restart}')
     code = 128 + signal.SIGKILL
   else:
-    names = ', '.join(map(str, lost))
+    names = (f'process {lost[0]}{of} was' if len(lost) == 1 else
+             f'processes {", ".join(map(str, lost))}{of} were')
     why = ('it cannot be reached: it ran the coordination service'
-           if lost == [0] and process != 0 else
-           f'no heartbeat for {heartbeat_sec}s')
-    log = os.path.join(workdir, RUNTIME_LOG.format(process=process))
+           if lost == [0] else f'no heartbeat for {heartbeat_sec}s')
+    log = os.path.join(workdir, RUNTIME_LOG.format(
+        process=process if process is not None else os.getpid()))
     try:
       with open(log, 'wb') as f:
         f.write(held)
       where = f" (the runtime's messages: {log})"
-    except OSError:
+    except OSError:  # The workdir's disk: the line matters more.
       where = ''
-    line = (f'error: process {names} of {num_processes} was lost ({why}); '
-            f'process {process} stopped {_step_text(last_step)}; {resume}. {restart}{where}')
+    line = (f'error: {names} lost ({why}); {this} stopped {stopped}; '
+            f'{resume}. {restart}{where}')
     code = EXIT_PROCESS_LOST
   os.write(sys.stderr.fileno(), (line + '\n').encode())
   return code

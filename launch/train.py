@@ -63,8 +63,8 @@ def _supervised(heartbeat_sec: int) -> lost_process.Reporter:
   """The trainer's side of `lost_process.supervised`: this process's
   parent waits for it, and says what a lost process leaves."""
   return lost_process.supervised(
-      _WORKDIR.value, _PROCESS_ID.value or 0, _NUM_PROCESSES.value or 0,
-      heartbeat_sec, lost_process.restart_command(sys.argv), sys.exit)
+      _WORKDIR.value, heartbeat_sec, lost_process.restart_command(sys.argv),
+      sys.exit)
 
 
 def _train(settings, reporter: lost_process.Reporter, heartbeat_sec: int):
@@ -111,6 +111,7 @@ def main(argv):
     heartbeat_sec = settings.parallel.heartbeat_timeout_sec
     reporter = _supervised(heartbeat_sec)  # Returns in the child only.
     _initialize_distributed(heartbeat_sec)
+    reporter.started(jax.process_index(), jax.process_count())
     result = _train(settings, reporter, heartbeat_sec)
   else:
     result = loop.train_and_evaluate(
