@@ -599,11 +599,19 @@ class LostProcessTest(parameterized.TestCase):
     # temporary directory, which the restart passes over.
     self.assertEqual(lost_process.newest_checkpoint(f'{workdir}/checkpoints'),
                      newest)
+    # What a process lost while writing step 20 would leave: passed over,
+    # and step 20 saved anew.
+    cut_short = f'{workdir}/checkpoints/20.orbax-checkpoint-tmp-1764650000'
+    os.makedirs(f'{cut_short}/default')
+    with open(f'{cut_short}/default/half_written', 'w') as f:
+      f.write('{')
     for returncode, restarted in _two_processes(self.flags, workdir):
       self.assertEqual(returncode, 0, restarted[-3000:])
       if newest:
         self.assertIn(f'at step {newest}.', restarted)
     self.assertEqual(_losses(workdir), self.reference)
+    self.assertEqual(lost_process.newest_checkpoint(f'{workdir}/checkpoints'),
+                     20)
 
 
 if __name__ == '__main__':
