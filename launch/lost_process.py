@@ -98,6 +98,18 @@ class Reporter:
       os.write(self._fd, b'step %d\n' % step)
 
 
+def _write(stream, data: bytes) -> None:
+  """All of `data` to `stream`'s file; nothing once its reader is gone (a
+  pipe into `head`): the child's output is still drained, so it never
+  blocks."""
+  view = memoryview(data)
+  try:
+    while view:
+      view = view[os.write(stream.fileno(), view):]
+  except (BrokenPipeError, ValueError):
+    pass
+
+
 def _die_with_parent(parent: int) -> None:
   try:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG,
@@ -112,8 +124,8 @@ class _Parent:
   """Passes the child's output through, holding back the runtime's lines;
   keeps the last step the child reported."""
 
-  def __init__(self, child: int, out: int, err: int, status: int):
-    self.child, self.last_step = child, None
+  def __init__(self, out: int, err: int, status: int):
+    self.last_step = None
     self.process = self.num_processes = None
     self._err_line = b''
     self._held, self._held_since = [], None
@@ -125,7 +137,7 @@ class _Parent:
 
   @staticmethod
   def _out(data: bytes) -> None:
-    os.write(sys.stdout.fileno(), data)
+    _write(sys.stdout, data)
 
   def _status(self, data: bytes) -> None:
     lines = (self._status_line + data).split(b'\n')
@@ -149,14 +161,14 @@ class _Parent:
         self._held_since = time.monotonic()
       self._held.append(line)
     else:
-      os.write(sys.stderr.fileno(), line)
+      _write(sys.stderr, line)
 
   def _release_stale(self) -> None:
     """Held lines with no fatal error after them were only warnings."""
     if (self._held and time.monotonic() - self._held_since > _HOLD_SEC and
         _FATAL not in b''.join(self._held)):
       held, self._held = self._held, []
-      os.write(sys.stderr.fileno(), b''.join(held))
+      _write(sys.stderr, b''.join(held))
 
   def pass_through(self) -> bytes:
     """Until the child's output ends; then what was held back."""
@@ -213,7 +225,7 @@ def supervised(workdir: str, heartbeat_sec: int, command: str,
   previous = {s: signal.signal(s, lambda signum, _: os.kill(child, signum))
               for s in _FORWARDED}
   try:
-    watched = _Parent(child, out_r, err_r, status_r)
+    watched = _Parent(out_r, err_r, status_r)
     held = watched.pass_through()
     status = _wait(child)
   finally:
@@ -230,7 +242,7 @@ def _verdict(held: bytes, status: int, watched: _Parent, workdir: str,
   lost = lost_processes(held)
   killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
   if lost is None and not killed:
-    os.write(sys.stderr.fileno(), held)
+    _write(sys.stderr, held)
     if os.WIFSIGNALED(status):
       return 128 + os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
@@ -266,5 +278,5 @@ def _verdict(held: bytes, status: int, watched: _Parent, workdir: str,
     line = (f'error: {names} lost ({why}); {this} stopped {stopped}; '
             f'{resume}. {restart}{where}')
     code = EXIT_PROCESS_LOST
-  os.write(sys.stderr.fileno(), (line + '\n').encode())
+  _write(sys.stderr, (line + '\n').encode())
   return code
