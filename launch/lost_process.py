@@ -49,6 +49,11 @@ _RUNTIME_LINE = re.compile(
 _FATAL = b'Terminating process because the JAX distributed service'
 _UNHEALTHY = re.compile(
     rb'tasks are unhealthy \(stopped sending heartbeats\):\s*([\d,\s]+)')
+# This process's own calls to the service (in process 0) failing: closed,
+# or its heartbeats unanswered.
+_SERVICE_GONE = re.compile(
+    rb'Failed to send RPC to coordination service|'
+    rb'CoordinationService/(Heartbeat|PollForError)')
 # Held lines that turn out not to end the process go out after this long.
 _HOLD_SEC = 5.0
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -72,13 +77,14 @@ def newest_checkpoint(directory: str) -> Optional[int]:
 def lost_processes(runtime_text: bytes) -> Optional[list[int]]:
   """The processes the runtime's last words name as lost: those that sent
   no heartbeat, or [0] when the coordination service (process 0) could not
-  be reached; None when the text is not a lost process's."""
+  be reached; [] when they name none (a lost process all the same); None
+  when the text is not a lost process's."""
   if _FATAL not in runtime_text:
     return None
   unhealthy = _UNHEALTHY.search(runtime_text)
   if unhealthy:
     return sorted({int(i) for i in re.findall(rb'\d+', unhealthy.group(1))})
-  return [0]  # This process lost the service: its host is process 0.
+  return [0] if _SERVICE_GONE.search(runtime_text) else []
 
 
 class Reporter:
@@ -264,7 +270,8 @@ def _verdict(held: bytes, status: int, watched: _Parent, workdir: str,
     code = 128 + signal.SIGKILL
   else:
     names = (f'process {lost[0]}{of} was' if len(lost) == 1 else
-             f'processes {", ".join(map(str, lost))}{of} were')
+             f'processes {", ".join(map(str, lost))}{of} were' if lost else
+             'a process of the run was')
     why = ('it cannot be reached: it ran the coordination service'
            if lost == [0] else f'no heartbeat for {heartbeat_sec}s')
     log = os.path.join(workdir, RUNTIME_LOG.format(

@@ -247,6 +247,12 @@ _OUT_OF_RANGE = (
      'steps_in_flight=0 must be an integer in [1, 16]'),
     ('stall_timeout_sec', {'stall_timeout_sec': -1.0},
      'stall_timeout_sec=-1 must be a finite number of seconds >= 0'),
+    ('heartbeat_timeout_below', {'parallel.heartbeat_timeout_sec': 4},
+     'parallel.heartbeat_timeout_sec=4 must be an integer number of seconds '
+     'in [5, 600]'),
+    ('heartbeat_timeout_above', {'parallel.heartbeat_timeout_sec': 601},
+     'parallel.heartbeat_timeout_sec=601 must be an integer number of '
+     'seconds in [5, 600]'),
     ('compilation_cache_dir', {'compilation_cache_dir': 'README.md'},
      'compilation_cache_dir=README.md is a file, not a directory'),
     ('matmul_precision', {'precision.matmul_precision': 'fastest'},

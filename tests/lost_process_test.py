@@ -29,8 +29,10 @@ class LostProcessesTest(parameterized.TestCase):
        b'are unhealthy (stopped sending heartbeats):\n3\n1\nThe tasks', [1, 3]),
       ('the_service_unreachable', _FATAL + b'UNAVAILABLE: Failed to send RPC '
        b'to coordination service. Either the leader task was preempted', [0]),
-      ('the_service_frozen', _FATAL + b'DEADLINE_EXCEEDED: Deadline Exceeded',
-       [0]))
+      ('the_service_frozen', _FATAL + b'DEADLINE_EXCEEDED: Deadline '
+       b'Exceeded\n\nRPC: /xla.coordination.CoordinationService/Heartbeat',
+       [0]),
+      ('none_named', _FATAL + b'INTERNAL: something new', []))
   def test_the_lost_processes_named(self, text, lost):
     self.assertEqual(lost_process.lost_processes(text), lost)
 
