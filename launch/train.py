@@ -11,6 +11,7 @@ every other with one line (`lost_process.py`, exit status 75).
 """
 
 import os
+import re
 import sys
 import time
 
@@ -42,6 +43,10 @@ _MODULES_TABLE = flags.DEFINE_bool(
 _DISTRIBUTED = flags.DEFINE_bool(
     'distributed', False, 'Call jax.distributed.initialize() with no '
     'arguments (clusters that provide them, e.g. SLURM, Cloud TPU).')
+
+
+# What a collective that lost its peer raises (gloo on CPUs, NCCL on GPUs).
+_COLLECTIVE_FAILED = re.compile(r'Gloo \w+ failed|NCCL|Connection (reset|closed)')
 
 
 def _many_processes() -> bool:
@@ -82,10 +87,13 @@ def _train(settings, reporter: lost_process.Reporter, heartbeat_sec: int):
 
 
 def _from_the_runtime(error: BaseException) -> bool:
-  """Whether `error` is, or was raised over, a JAX runtime error (a save's
-  gather that failed is reported as the save's error)."""
+  """Whether `error` is, or was raised over, a failed collective: a JAX
+  runtime error, or one that carries its message (a save's gather that
+  failed is reported as the save's error, over a ValueError on one device
+  per process)."""
   while error is not None:
-    if isinstance(error, jax.errors.JaxRuntimeError):
+    if (isinstance(error, jax.errors.JaxRuntimeError) or
+        _COLLECTIVE_FAILED.search(str(error))):
       return True
     error = error.__cause__ or error.__context__
   return False

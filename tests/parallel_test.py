@@ -405,12 +405,13 @@ MULTI_FLAGS = ('--config=configs/vit_fp16.py', '--config.data.source=synthetic',
                '--config.parallel.mesh_shape=(4,2)')
 
 
-def _two_processes(flags, workdir, signal_at_process_1=None):
-  """Runs launch.train as 2 processes of 4 devices; their (returncode, log)."""
+def _two_processes(flags, workdir, signal_at_process_1=None, devices=4):
+  """Runs launch.train as 2 processes of `devices` devices each; their
+  (returncode, log)."""
   with _reserved_port() as port:
     commands = []
     for i in range(2):
-      env, module = {'XLA_FLAGS': tests.xla_flags(4)}, 'launch.train'
+      env, module = {'XLA_FLAGS': tests.xla_flags(devices)}, 'launch.train'
       if i == 1 and signal_at_process_1:
         env[signal_at_step.ENV] = signal_at_process_1
         module = 'tests.signal_at_step'
@@ -492,9 +493,12 @@ class MultiProcessTest(parameterized.TestCase):
       self.assertIn('test at step 6:', out)
 
 
-# What every test of a lost process runs: 20 steps, a checkpoint at 10,
-# JAX's shortest heartbeat timeout, one compilation cache for all the runs.
-_LOST_FLAGS = (*MULTI_FLAGS, '--config.num_train_steps=20',
+# What every test of a lost process runs: one device per process (a lost
+# process is the same with more), 20 steps, a checkpoint at 10, JAX's
+# shortest heartbeat timeout, one compilation cache for all the runs.
+_LOST_FLAGS = (*(f for f in MULTI_FLAGS if '.parallel.mesh_shape' not in f),
+               '--config.parallel.mesh_shape=(2,1)',
+               '--config.num_train_steps=20',
                '--config.eval_every_steps=20',
                '--config.checkpoint_every_steps=10',
                '--config.parallel.heartbeat_timeout_sec=5')
@@ -503,14 +507,14 @@ _LOST_BOUND_SEC = 60
 
 
 def _lose_one(flags, workdir, victim, how, at_step):
-  """Runs launch.train as 2 processes of 4 devices, process `victim` sent
+  """Runs launch.train as 2 processes of 1 device, process `victim` sent
   SIG`how` after step `at_step`. Returns the survivor's (returncode,
   output), the victim's, and the survivor's seconds from the signal to its
   end. A stopped victim is killed once the survivor ended."""
   with _reserved_port() as port, contextlib.ExitStack() as stack:
     procs, outputs = [], []
     for i in range(2):
-      env, module = {'XLA_FLAGS': tests.xla_flags(4)}, 'launch.train'
+      env, module = {'XLA_FLAGS': tests.xla_flags(1)}, 'launch.train'
       if i == victim:
         env[signal_at_step.ENV] = f'{how}:{at_step}'
         module = 'tests.signal_at_step'
@@ -561,7 +565,8 @@ class LostProcessTest(parameterized.TestCase):
     cls.addClassCleanup(shutil.rmtree, cls.tmp)
     cls.flags = [*_LOST_FLAGS,
                  f'--config.compilation_cache_dir={cls.tmp}/cache']
-    for returncode, out in _two_processes(cls.flags, f'{cls.tmp}/reference'):
+    for returncode, out in _two_processes(cls.flags, f'{cls.tmp}/reference',
+                                          devices=1):
       assert returncode == 0, out[-3000:]
     cls.reference = _losses(f'{cls.tmp}/reference')
 
@@ -605,7 +610,8 @@ class LostProcessTest(parameterized.TestCase):
     os.makedirs(f'{cut_short}/default')
     with open(f'{cut_short}/default/half_written', 'w') as f:
       f.write('{')
-    for returncode, restarted in _two_processes(self.flags, workdir):
+    for returncode, restarted in _two_processes(self.flags, workdir,
+                                                devices=1):
       self.assertEqual(returncode, 0, restarted[-3000:])
       if newest:
         self.assertIn(f'at step {newest}.', restarted)
