@@ -30,7 +30,7 @@ import shlex
 import signal
 import sys
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import orbax.checkpoint as ocp
 
@@ -192,25 +192,14 @@ class _Parent:
     return b''.join(self._held)
 
 
-def _wait(child: int) -> int:
-  while True:
-    try:
-      return os.waitpid(child, 0)[1]
-    except ChildProcessError:
-      return 0
-    except InterruptedError:
-      continue
-
-
 def _step_text(step: Optional[int]) -> str:
   return f'after step {step}' if step else 'before its first step'
 
 
-def supervised(workdir: str, heartbeat_sec: int, command: str,
-               on_exit: Callable[[int], None]) -> Reporter:
-  """Forks. In the child (which trains) returns its `Reporter`; in the
-  parent waits for the child and calls `on_exit(status)` (which exits):
-  the child's own status, or `EXIT_PROCESS_LOST` after the one line."""
+def supervised(workdir: str, heartbeat_sec: int, command: str) -> Reporter:
+  """Forks. In the child (which trains) returns its `Reporter`; the parent
+  waits for the child and exits (`sys.exit`) with the child's own status,
+  or `EXIT_PROCESS_LOST` after the one line."""
   for stream in (sys.stdout, sys.stderr):
     stream.flush()
   out_r, out_w = os.pipe()
@@ -233,12 +222,11 @@ def supervised(workdir: str, heartbeat_sec: int, command: str,
   try:
     watched = _Parent(out_r, err_r, status_r)
     held = watched.pass_through()
-    status = _wait(child)
+    status = os.waitpid(child, 0)[1]  # Retried over signals (PEP 475).
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
-  on_exit(_verdict(held, status, watched, workdir, heartbeat_sec, command))
-  raise AssertionError('on_exit returned')
+  sys.exit(_verdict(held, status, watched, workdir, heartbeat_sec, command))
 
 
 def _verdict(held: bytes, status: int, watched: _Parent, workdir: str,

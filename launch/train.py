@@ -46,7 +46,8 @@ _DISTRIBUTED = flags.DEFINE_bool(
 
 
 # What a collective that lost its peer raises (gloo on CPUs, NCCL on GPUs).
-_COLLECTIVE_FAILED = re.compile(r'Gloo \w+ failed|NCCL|Connection (reset|closed)')
+_COLLECTIVE_FAILED = re.compile(
+    r'Gloo \w+ failed|NCCL|Connection (reset|closed)')
 
 
 def _many_processes() -> bool:
@@ -68,8 +69,7 @@ def _supervised(heartbeat_sec: int) -> lost_process.Reporter:
   """The trainer's side of `lost_process.supervised`: this process's
   parent waits for it, and says what a lost process leaves."""
   return lost_process.supervised(
-      _WORKDIR.value, heartbeat_sec, lost_process.restart_command(sys.argv),
-      sys.exit)
+      _WORKDIR.value, heartbeat_sec, lost_process.restart_command(sys.argv))
 
 
 def _train(settings, reporter: lost_process.Reporter, heartbeat_sec: int):

@@ -8,8 +8,8 @@ first on a fast or idle machine, or later than expected on a loaded one.
 `KILL:23+flush` first flushes the writer, as its background flush may have
 done before a real kill: the killed run's last points are then on disk.
 `STOP:23` stops the process (a frozen host), as the tests of a lost
-process do. `INT:23+again` sends a second SIGINT as the checkpoint the first one asked for
-starts saving (a user pressing Ctrl-C twice).
+process do. `INT:23+again` sends a second SIGINT as the checkpoint the first
+one asked for starts saving (a user pressing Ctrl-C twice).
 """
 
 import os

@@ -250,6 +250,8 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
                            time.perf_counter() - before_step)
     window.append(step_metrics)
     finished = run.steps.push(f'step {step}', step_metrics)
+    # Steps finish in order: all but those still in flight have.
+    run.hooks.finished(step - len(run.steps))
     if _due(step, settings.log_every_steps, total_steps):
       finished = _settle(run, finished, step)  # The window, waited for.
       _log_window(exp, fetched, window, step, run.writer, run.progress,
@@ -270,8 +272,6 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
         # resumed from it logs the window an uninterrupted run does.
         fetched, window = _on_host(exp, fetched, window), []
         run.save(step, fetched, wait=stop)  # The files written before a stop.
-    # Steps finish in order: all but those still in flight have.
-    run.hooks.finished(step - len(run.steps))
     if stop:
       received = run.interruption.received or 'SIGTERM'  # Or another process's.
       logging.warning('%s', checkpoint.stop_line(received, step))
