@@ -6,10 +6,44 @@ input (exit status 1). Anything else is a bug and keeps its traceback.
 """
 
 import os
+import string
+from typing import Mapping
 
 
 class ConfigError(ValueError):
   """A setting, input or file that cannot be used; the message names it."""
+
+
+class ArgumentError(ConfigError):
+  """A library argument that cannot be used, in the library's own words.
+
+  The message is a `string.Template` whose `$name`s are the arguments it
+  speaks of; as raised it names them as a library caller wrote them
+  (`initial: must be ...`). An application that passed its settings as those
+  arguments re-raises `named(...)`, the same message naming its setting
+  paths (`loss_scale.initial: must be ...`), so the library never learns the
+  application's words and a user still reads their own.
+  """
+
+  def __init__(self, template: str):
+    self.template = string.Template(template)
+    super().__init__(self.template.safe_substitute(
+        {name: name for name in self.arguments}))
+
+  @property
+  def arguments(self) -> tuple[str, ...]:
+    """The argument names the message speaks of."""
+    return tuple(self.template.get_identifiers())
+
+  def named(self, paths: Mapping[str, str] = (), prefix: str = '') -> ConfigError:
+    """The message with each argument named by `paths`, or `prefix` + its
+    name where `paths` lacks it; a ConfigError of the same class."""
+    paths = dict(paths)
+    names = {name: paths.get(name, prefix + name) for name in self.arguments}
+    renamed = ConfigError.__new__(type(self))
+    ConfigError.__init__(renamed, self.template.safe_substitute(names))
+    renamed.template = string.Template(renamed.args[0].replace('$', '$$'))
+    return renamed
 
 
 class DataError(ConfigError):
