@@ -14,11 +14,17 @@ class ConfigError(ValueError):
   """A setting, input or file that cannot be used; the message names it."""
 
 
+class _Arguments(string.Template):
+  """`$name` or `$group.name` (a dotted argument, ending in no dot)."""
+  idpattern = r'(?a:[_a-z][_a-z0-9]*(?:\.[_a-z][_a-z0-9]*)*)'
+
+
 class ArgumentError(ConfigError):
   """A library argument that cannot be used, in the library's own words.
 
-  The message is a `string.Template` whose `$name`s are the arguments it
-  speaks of; as raised it names them as a library caller wrote them
+  The message is a `string.Template` whose `$name`s (`$initial`, or dotted:
+  `$low_bit.modules`) are the arguments it speaks of; as raised it names them
+  as a library caller wrote them
   (`initial: must be ...`). An application that passed its settings as those
   arguments re-raises `named(...)`, the same message naming its setting
   paths (`loss_scale.initial: must be ...`), so the library never learns the
@@ -26,7 +32,7 @@ class ArgumentError(ConfigError):
   """
 
   def __init__(self, template: str):
-    self.template = string.Template(template)
+    self.template = _Arguments(template)
     super().__init__(self.template.safe_substitute(
         {name: name for name in self.arguments}))
 
@@ -42,7 +48,7 @@ class ArgumentError(ConfigError):
     names = {name: paths.get(name, prefix + name) for name in self.arguments}
     renamed = ConfigError.__new__(type(self))
     ConfigError.__init__(renamed, self.template.safe_substitute(names))
-    renamed.template = string.Template(renamed.args[0].replace('$', '$$'))
+    renamed.template = _Arguments(renamed.args[0].replace('$', '$$'))
     return renamed
 
 
