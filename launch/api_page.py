@@ -1,5 +1,5 @@
 """Writes docs/api.md, the library's public names with their signatures,
-summaries and examples, from the code itself (tests/api_page_test.py fails
+summaries and examples, from the code itself (tests/commands/api_page_test.py fails
 when the page is out of date).
 
 python -m launch.api_page            # rewrite docs/api.md

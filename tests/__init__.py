@@ -11,7 +11,7 @@ XLA's elemental emitters instead of its MLIR fusion emitters halve what is
 left (a tiny train step: 2.1 s, then 1.1 s on two cores), and one LLVM
 module per program instead of parts compiled on a thread pool saves a fifth
 of the CPU time that is left (on two busy cores the parts never ran side by
-side anyway; tests/step_test.py and mixed_precision_test.py: 62 s of CPU,
+side anyway; tests/library/step_test.py and mixed_precision_test.py: 62 s of CPU,
 then 54). The elemental
 emitters fuse some multiply-adds into one rounding (FMA), so two programs of
 the same arithmetic (a device's part and the whole batch, say) may differ in

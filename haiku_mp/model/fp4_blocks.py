@@ -22,7 +22,7 @@ Both formats hold E2M1 values (sign, 2 exponent bits, 1 mantissa bit: 0,
 
 Rounding to E2M1 is the cast to `float4_e2m1fn` (ml_dtypes' dtype): XLA:CPU
 (jaxlib 0.10.2) converts float32 to it round-to-nearest-even and saturating
-at 6, the same bit for bit as ml_dtypes (tests/fp4_test.py checks it on this
+at 6, the same bit for bit as ml_dtypes (tests/library/fp4_test.py checks it on this
 machine), but it turns NaN into -0; `round_e2m1` keeps non-finite values
 as they are, so that a step's finite check still sees them. Stochastic
 rounding (`stochastic_round_e2m1`) picks one of the two grid points around a

@@ -1,0 +1,232 @@
+"""The settings' schema: every field typed and documented, the config files
+and a run's config.json parsed into frozen settings, and a value of the
+wrong type named in one line."""
+
+import os
+import sys
+
+if __name__ == '__main__':  # `python tests/WING/x_test.py`: `tests` from the root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import dataclasses
+import glob
+import importlib
+import json
+import typing
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import ml_collections
+
+from configs import base
+from configs import vit_cpu
+from haiku_mp import errors
+from haiku_mp.vit import settings
+from haiku_mp.vit.settings import fields
+from tests import helpers
+
+# A run's config.json written before the schema existed, and before
+# `ema_horizon`, `model.patch_init`, the 4-bit and 8-bit settings and
+# `data.mixing_*` did (its `data.data_dir` blanked).
+_OLD_CONFIG = os.path.join(helpers.ROOT, 'tests', 'data',
+                           'config_before_settings.json')
+
+
+# Every config file, and each variant of those that take one.
+_CONFIGS = [
+    (os.path.basename(path)[:-3], ())
+    for path in sorted(glob.glob(os.path.join(helpers.ROOT, 'configs', '*.py')))
+    if not path.endswith('__init__.py')
+] + [(name, (variant,)) for name in ('vit_cpu', 'vit_cpu_recipe', 'vit_recipe')
+     for variant in vit_cpu.VARIANTS]
+
+
+class SchemaTest(absltest.TestCase):
+
+  def test_every_field_has_a_type_its_default_has_and_a_doc(self):
+    for path, doc, is_group in fields.documented(settings.Settings):
+      self.assertTrue(doc, path)
+    for kind in (settings.Settings, settings.DataSettings,
+                 settings.PrecisionSettings, settings.LowBitSettings):
+      hints = typing.get_type_hints(kind)
+      for field in dataclasses.fields(kind):
+        default = getattr(kind(), field.name)
+        hint = hints[field.name]
+        want = typing.get_origin(hint) or hint
+        self.assertIsInstance(default, want, f'{kind.__name__}.{field.name}')
+
+  def test_base_is_the_schemas_defaults(self):
+    config = base.get_config()
+    self.assertIsInstance(config, ml_collections.ConfigDict)
+    self.assertEqual(settings.parse(config), settings.Settings())
+    with self.assertRaises(AttributeError):  # Locked: no new field.
+      config.batch_sise = 2
+
+  def test_settings_are_frozen(self):
+    parsed = settings.parse(base.get_config())
+    with self.assertRaises(dataclasses.FrozenInstanceError):
+      parsed.data.mixup_alpha = 0.5
+    changed = dataclasses.replace(
+        parsed, data=dataclasses.replace(parsed.data, mixup_alpha=0.5))
+    self.assertEqual(changed.data.mixup_alpha, 0.5)
+    self.assertEqual(parsed.data.mixup_alpha, 0.0)
+
+
+class ParseTest(parameterized.TestCase):
+
+  def test_a_flag_value_takes_the_fields_type(self):
+    config = base.get_config()
+    config.learning_rate = 1  # ml_collections keeps an int given to a float.
+    config.data.crop_area = [0.5, 1]
+    parsed = settings.parse(config)
+    self.assertIsInstance(parsed.learning_rate, float)
+    self.assertEqual(parsed.data.crop_area, (0.5, 1.0))
+    self.assertIsInstance(parsed.data.crop_area[1], float)
+
+  def test_a_json_round_trip_gives_the_same_settings(self):
+    """config.json holds lists where the settings hold tuples."""
+    config = base.get_config()
+    config.parallel.mesh_shape = (4, 2)
+    again = json.loads(json.dumps(config.to_dict()))
+    self.assertEqual(again['parallel']['mesh_shape'], [4, 2])
+    self.assertEqual(settings.parse(again), settings.parse(config))
+    self.assertEqual(settings.parse(again).parallel.mesh_shape, (4, 2))
+
+  def test_a_config_json_from_before_the_schema_parses(self):
+    with open(_OLD_CONFIG) as f:
+      old = json.load(f)
+    self.assertNotIn('patch_init', old['model'])
+    parsed = settings.parse(old)
+    # Its own values, and the defaults of the fields it lacks.
+    self.assertEqual(parsed.batch_size, old['batch_size'])
+    self.assertEqual(parsed.data.mixup_alpha, old['data']['mixup_alpha'])
+    self.assertEqual(parsed.data.crop_area, tuple(old['data']['crop_area']))
+    self.assertEqual(parsed.model.patch_init,
+                     settings.ModelSettings().patch_init)
+    self.assertEqual(parsed.data.mixing_off_share, 0.0)
+
+  @parameterized.named_parameters(
+      ('string_for_int', {'batch_size': '128'},
+       "batch_size='128' must be an integer"),
+      ('bool_for_float', {'learning_rate': True},
+       'learning_rate=True must be a number'),
+      ('fraction_for_int', {'model': {'num_layers': 2.5}},
+       'model.num_layers=2.5 must be an integer'),
+      ('item_of_a_tuple', {'parallel': {'mesh_shape': [4, 'x']}},
+       "parallel.mesh_shape=(4, 'x'): expected two positive integers"),
+      ('item_of_the_mean', {'data': {'mean': [0.5, 'x', 0.5]}},
+       "data.mean=(0.5, 'x', 0.5): expected 3 numbers, one per channel"),
+      ('int_for_tuple', {'data': {'crop_area': 8}},
+       'data.crop_area=8: expected (min, max) fractions of the image area'),
+      # A field that says what it takes says so.
+      ('word_for_a_mesh', {'parallel': {'mesh_shape': ('4x2',)}},
+       "parallel.mesh_shape='4x2': expected two positive integers (batch, "
+       'model) like (4,2)'),
+      ('int_for_bool', {'data': {'flip': 1}},
+       'data.flip=1 must be true or false'),
+      ('unknown_name', {'precision': {'fp8': {'scalling': 'mx'}}},
+       'precision.low_bit.scalling: no such setting'),
+  )
+  def test_a_wrong_value_is_named_in_one_line(self, values, message):
+    with self.assertRaises(errors.ConfigError) as raised:
+      settings.parse(values)
+    self.assertStartsWith(str(raised.exception), message)
+    self.assertNotIn('\n', str(raised.exception))
+
+  def test_a_field_that_says_nothing_is_told_its_type(self):
+
+    @fields.frozen
+    class Pair:
+      sizes: tuple[int, ...] = fields.setting((1, 2), 'Two sizes.')
+
+    with self.assertRaises(errors.ConfigError) as raised:
+      fields.parse(Pair, {'sizes': [1, 'x']}, 'pair.')
+    self.assertEqual(str(raised.exception),
+                     "pair.sizes[1]='x' must be an integer")
+    with self.assertRaises(errors.ConfigError) as raised:
+      fields.parse(Pair, {'sizes': 3}, 'pair.')
+    self.assertEqual(str(raised.exception),
+                     'pair.sizes=3 must be a tuple of integers')
+
+  def test_an_old_group_name_reads_as_the_new_one_with_a_note(self):
+    with self.assertLogs('absl', 'WARNING') as logs:
+      parsed = settings.parse({'precision': {'fp8': {
+          'modules': 'Linear', 'format': 'nvfp4', 'margin': 0.0}}})
+    self.assertEqual(parsed.precision.low_bit.modules, 'Linear')
+    self.assertEqual(parsed.precision.low_bit.format, 'nvfp4')
+    # One note per name moved; a value left at its default moves nothing.
+    self.assertEqual([r.getMessage() for r in logs.records], [
+        'precision.fp8.modules is now precision.low_bit.modules (the old name '
+        'still works)',
+        'precision.fp8.format is now precision.low_bit.format (the old name '
+        'still works)'])
+
+  def test_the_config_files_take_the_old_group_name(self):
+    config = base.get_config()
+    config.precision.fp8.scaling = 'delayed'
+    self.assertEqual(settings.parse(config).precision.low_bit.scaling,
+                     'delayed')
+    self.assertNotIn('fp8', fields.to_dict(settings.parse(config).precision))
+
+  def test_a_misspelt_field_under_the_old_name_is_only_the_error(self):
+    with self.assertNoLogs('absl', 'WARNING'):
+      with self.assertRaisesRegex(errors.ConfigError,
+                                  'precision.low_bit.scalling: no such'):
+        settings.parse({'precision': {'fp8': {'scalling': 'mx'}}})
+
+  def test_an_old_and_a_new_name_that_disagree_are_an_error(self):
+    with self.assertRaises(errors.ConfigError) as raised:
+      settings.parse({'precision': {'fp8': {'scaling': 'delayed'},
+                                    'low_bit': {'scaling': 'mx'}}})
+    self.assertEqual(
+        str(raised.exception),
+        "precision.fp8.scaling='delayed' and precision.low_bit.scaling='mx': "
+        'precision.fp8 is the old name of precision.low_bit; set '
+        'precision.low_bit.scaling only')
+
+  def test_an_integral_float_is_an_integer(self):
+    self.assertEqual(settings.parse({'batch_size': 256.0}).batch_size, 256)
+
+  @parameterized.named_parameters(
+      ('parse', lambda: settings.parse({'parallel': {'strategy': 'dp'}})),
+      ('replace', lambda: settings.replace(settings.Settings(),
+                                           parallel=dict(strategy='dp'))),
+  )
+  def test_a_choice_is_checked_by_its_field(self, make):
+    with self.assertRaises(errors.ConfigError) as raised:
+      make()
+    self.assertEqual(
+        str(raised.exception),
+        "parallel.strategy: unknown value 'dp'; expected one of ('single', "
+        "'pmap', 'pjit', 'fsdp')")
+
+  def test_the_choices_a_field_declares_are_those_the_code_makes(self):
+    """The names a field accepts are the ones the module above it builds
+    (declared in the settings, which import no application module)."""
+    # Imported here: the module under test is the settings, which stand
+    # below these.
+    from haiku_mp.vit.model import vit  # pylint: disable=g-import-not-at-top
+    from haiku_mp.vit.parallel import strategies  # pylint: disable=g-import-not-at-top
+    self.assertEqual(settings.model.PATCH_INITS, tuple(vit.PATCH_INITS))
+    self.assertEqual(settings.parallel.STRATEGIES,
+                     tuple(strategies.STRATEGIES))
+
+
+class ConfigFilesTest(parameterized.TestCase):
+
+  @parameterized.parameters(*_CONFIGS)
+  def test_every_config_file_and_variant_parses(self, name, variant):
+    module = importlib.import_module(f'configs.{name}')
+    config = module.get_config(*variant)
+    parsed = settings.parse(config)
+    tree = config.to_dict()
+    # The low-bit group's old name, beside it, left at the defaults: the
+    # config files write the new names.
+    self.assertEqual(tree['precision'].pop('fp8'),
+                     fields.to_dict(settings.LowBitSettings()))
+    self.assertEqual(fields.to_dict(parsed), tree)
+    self.assertEqual(settings.parse(fields.to_config_dict(parsed)), parsed)
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -1,0 +1,1 @@
+"""The commands wing's tests."""

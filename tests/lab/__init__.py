@@ -1,0 +1,1 @@
+"""The lab wing's tests."""

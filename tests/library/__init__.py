@@ -1,0 +1,1 @@
+"""The library wing's tests."""
