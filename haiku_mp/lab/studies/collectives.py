@@ -29,10 +29,8 @@ at a peak. It is planning on paper, under these assumptions:
 """
 
 import glob
-import math
 import os
 import random
-import re
 import tempfile
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -40,24 +38,6 @@ from haiku_mp.lab.studies import hlo_text
 
 KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
          'collective-permute')
-_IOTA_GROUPS = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
-_LIST_GROUPS = re.compile(r'replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}')
-# `replica_groups=mesh['a'=4,'b'=2] {'b'}`: groups along the named axes (a
-# sub-axis written 'b':(1)2 is of size 2); without the braces, all of them.
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:\s*\{([^}]*)\})?")
-_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
-_MESH_USED = re.compile(r"'([^']+)'(?::\(\d+\)(\d+))?")
-_PAIRS = re.compile(r'source_target_pairs=\{')
-_OPERAND = re.compile(r'\(%?([\w.-]+)')
-_CALLED = re.compile(r'\b(?:calls|to_apply|condition|true_computation|'
-                     r'false_computation)=%?([\w.-]+)')
-_CALLED_LISTS = re.compile(r'\b(?:branch_computations|called_computations)='
-                           r'\{([^}]*)\}')
-_BODY = re.compile(r'\bbody=%?([\w.-]+)')
-_CONDITION = re.compile(r'\bcondition=%?([\w.-]+)')
-_KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_INT_CONSTANT = re.compile(r'=\s*[su]\d+\[\]\S*\s+constant\((\d+)\)')
-_HEADER_COUNT = re.compile(r'\b(replica_count|num_partitions)=(\d+)')
 
 
 class Collective(NamedTuple):
@@ -99,37 +79,6 @@ def _start_outputs(kind: str, arrays: list[tuple[str, float]]
   return arrays
 
 
-def _group_size(line: str, devices: int) -> int:
-  match = _IOTA_GROUPS.search(line)
-  if match:
-    return int(match.group(2))
-  match = _MESH_GROUPS.search(line)
-  if match:
-    sizes = {a: int(n) for a, n in _MESH_AXIS.findall(match.group(1))}
-    if match.group(2) is None:
-      return math.prod(sizes.values())
-    return math.prod(int(sub) if sub else sizes.get(axis, 1)
-                     for axis, sub in _MESH_USED.findall(match.group(2)))
-  match = _LIST_GROUPS.search(line)
-  if match:
-    return len(match.group(1).split('},{')[0].strip('{}').split(','))
-  # A collective-permute sends to one peer (its group: the pair).
-  if _PAIRS.search(line):
-    return 2
-  # `replica_groups={}`, or none: one group of every device.
-  return devices
-
-
-def _devices(text: str) -> int:
-  """Devices of the module, from its header (1 where it names none)."""
-  counts = {'replica_count': 1, 'num_partitions': 1}
-  for line in text.splitlines():
-    if line.startswith('HloModule'):
-      counts.update((k, int(v)) for k, v in _HEADER_COUNT.findall(line))
-      break
-  return counts['replica_count'] * counts['num_partitions']
-
-
 def _calls_per_computation(text: str
                            ) -> tuple[dict[str, int], dict[str, bool]]:
   """How many times one call of the module runs each computation, and
@@ -146,15 +95,17 @@ def _calls_per_computation(text: str
     if computation.entry:
       entry = computation.name
 
-  def trip_count(line: str) -> int | None:
-    match = _KNOWN_TRIP_COUNT.search(line)
-    if match:
-      return int(match.group(1))
-    condition = _CONDITION.search(line)
-    body = computations.get(condition.group(1), []) if condition else []
-    bounds = {int(m.group(1)) for l in body for m in [_INT_CONSTANT.search(l)]
-              if m}
-    compares = [l for l in body if ' compare(' in l and 'direction=LT' in l]
+  def trip_count(op: hlo_text.Instruction) -> int | None:
+    known = hlo_text.known_trip_count(op.rest)
+    if known is not None:
+      return known
+    condition = hlo_text.called(op.rest, 'condition')
+    body = [o for o in map(hlo_text.instruction,
+                           computations.get(condition, [])) if o]
+    bounds = {n for o in body
+              if (n := hlo_text.integer_constant(o)) is not None}
+    compares = [o for o in body if o.opcode == 'compare' and
+                hlo_text.direction(o.rest) == 'LT']
     if len(bounds) == 1 and len(compares) == 1:
       return bounds.pop()
     return None
@@ -166,18 +117,13 @@ def _calls_per_computation(text: str
       op = hlo_text.instruction(line)
       if not op or op.opcode in ('async-done', 'async-update'):
         continue  # An async pair calls its computation once, at its start.
-      if op.opcode == 'while':
-        body = _BODY.search(line)
-        if body:
-          n = trip_count(line)
-          sites.append((body.group(1), caller, 1 if n is None else n,
-                        n is not None))
-      for callee in _CALLED.findall(line):
-        sites.append((callee, caller, 1, True))
-      for listed in _CALLED_LISTS.findall(line):
-        for callee in filter(None, (c.strip().lstrip('%')
-                                    for c in listed.split(','))):
+      for attribute, callee in hlo_text.called_computations(op.rest):
+        if attribute != 'body':
           sites.append((callee, caller, 1, True))
+        elif op.opcode == 'while':
+          n = trip_count(op)
+          sites.append((callee, caller, 1 if n is None else n,
+                        n is not None))
 
   calls: dict[str, int] = {}
   exact: dict[str, bool] = {}
@@ -207,27 +153,27 @@ def parse_collectives(text: str) -> list[Collective]:
   also hold its operands). A tuple-shaped one counts as one, of the dtype
   of its first array, its bytes summed. `calls` multiplies in the trip
   counts of the loops around it: the text lists a loop's body once."""
-  devices = _devices(text)
+  devices = hlo_text.module_devices(text)
   calls, exact = _calls_per_computation(text)
   done_shapes = {}
   for line in text.splitlines():
     op = hlo_text.instruction(line)
     if op and op.opcode.endswith('-done'):
-      operand = _OPERAND.search('(' + op.rest)
-      if operand:
-        done_shapes[operand.group(1)] = op.shape
+      operands = hlo_text.operands(op.rest)
+      if operands:
+        done_shapes[operands[0]] = op.shape
   found = []
   for computation in hlo_text.computations(text):
     for line in computation.lines:
       op = hlo_text.instruction(line)
       if op:
-        found.extend(_collective(op, line, devices, done_shapes,
+        found.extend(_collective(op, devices, done_shapes,
                                  calls.get(computation.name, 1),
                                  exact.get(computation.name, True)))
   return found
 
 
-def _collective(op: hlo_text.Instruction, line: str, devices: int,
+def _collective(op: hlo_text.Instruction, devices: int,
                 done_shapes: dict[str, str], calls: int, exact: bool
                 ) -> list[Collective]:
   """The collective an instruction is, as a list of one, or none."""
@@ -243,7 +189,8 @@ def _collective(op: hlo_text.Instruction, line: str, devices: int,
   if not arrays:
     return []
   return [Collective(kind, arrays[0][0], sum(b for _, b in arrays),
-                     _group_size(line, devices), name, calls, exact)]
+                     hlo_text.group_size(op.rest, devices), name, calls,
+                     exact)]
 
 
 def wire_bytes(c: Collective) -> float:

@@ -36,7 +36,6 @@ them, `haiku_mp.advisor.speed`); `traffic` counts the rest.
 import collections
 import dataclasses
 import math
-import re
 from typing import Any, Iterable, Optional
 
 from haiku_mp.lab.studies import fp8_gemms
@@ -65,20 +64,6 @@ _NO_OP_TARGETS = frozenset(('Sharding', 'SPMDFullToShardShape',
 # Ops without memory reads of their own.
 _SOURCES = frozenset(('constant', 'iota', 'partition-id', 'replica-id',
                       'after-all', 'rng-get-and-update-state'))
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_TO_APPLY = re.compile(r'\bto_apply=%?([\w.\-]+)')
-_BODY = re.compile(r'\bbody=%?([\w.\-]+)')
-_BRANCHES = re.compile(r'\b(?:true_computation|false_computation)='
-                       r'%?([\w.\-]+)|branch_computations=\{([^}]*)\}')
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_INDEX = re.compile(r'\bindex=(\d+)')
-_OP_NAME = re.compile(r'op_name="([^"]+)"')
-_DIMS = re.compile(r'\b(lhs_batch_dims|lhs_contracting_dims|rhs_batch_dims|'
-                   r'rhs_contracting_dims)=\{([\d,]*)\}')
-_HIGHEST = re.compile(r'operand_precision=\{highest')
-_WINDOW = re.compile(r'dim_labels=(\w+)_(\w+)->(\w+)')
-_GROUPS = re.compile(r'feature_group_count=(\d+)')
-
 
 @dataclasses.dataclass(frozen=True)
 class Matmul:
@@ -132,8 +117,7 @@ class _Node:
     self.users = []
     self.rest = rest
     self.kind = None  # Set by `_classify`.
-    match = _OP_NAME.search(rest)
-    self.op_name = match.group(1) if match else ''
+    self.op_name = hlo_text.op_name(rest)
     self.elements = None  # A tuple's members.
 
 
@@ -173,7 +157,8 @@ class _Program:
       op = hlo_text.instruction(line)
       if op is None:
         continue
-      operands = [values[o] for o in _operand_names(op.rest) if o in values]
+      operands = [values[o] for o in hlo_text.operands(op.rest)
+                  if o in values]
       values[op.name] = node = self._instruction(op, operands, arguments)
       if line.lstrip().startswith('ROOT'):
         root = node
@@ -183,7 +168,7 @@ class _Program:
                    arguments: Optional[list]):
     opcode = op.opcode
     if opcode == 'parameter':
-      index = int(re.match(r'\s*(\d+)', op.rest).group(1))
+      index = hlo_text.parameter_number(op.rest)
       if arguments is not None:
         return arguments[index]
       return self._new('parameter', op.shape)
@@ -193,40 +178,26 @@ class _Program:
       return node
     if opcode == 'get-tuple-element':
       source = operands[0]
-      index = int(_INDEX.search(op.rest).group(1))
+      index = hlo_text.tuple_index(op.rest)
       if source.elements is not None:
         return source.elements[index]
       return self._new('get-tuple-element', op.shape, [source], op.rest)
     if opcode == 'optimization-barrier':
       return operands[0]
     if opcode == 'call':
-      return self._inline(_TO_APPLY.search(op.rest).group(1), operands)
+      return self._inline(hlo_text.called(op.rest, 'to_apply'), operands)
     if opcode == 'custom-call':
-      target = _TARGET.search(op.rest)
-      if target and target.group(1) in _NO_OP_TARGETS and operands:
+      if (hlo_text.custom_call_target(op.rest) in _NO_OP_TARGETS
+          and operands):
         return operands[0]
     node = self._new(opcode, op.shape, operands, op.rest)
     if opcode == 'while':
-      trips = _TRIP_COUNT.search(op.rest)
+      trips = hlo_text.known_trip_count(op.rest)
       if trips is None:
         self.exact = False
-      self.loops.append((node, _BODY.search(op.rest).group(1),
-                         int(trips.group(1)) if trips else 1))
+      self.loops.append((node, hlo_text.called(op.rest, 'body'),
+                         1 if trips is None else trips))
     return node
-
-
-def _operand_names(rest: str) -> list[str]:
-  """The operands of an instruction (`%a, %b), attributes...`)."""
-  depth, end = 0, len(rest)
-  for i, ch in enumerate(rest):
-    if ch in '({':
-      depth += 1
-    elif ch in ')}':
-      if depth == 0:
-        end = i
-        break
-      depth -= 1
-  return re.findall(r'%([\w.\-]+)', rest[:end])
 
 
 def _resolve(node: _Node) -> _Node:
@@ -340,8 +311,7 @@ def _matmul(node: _Node, written: _Node) -> Matmul:
   """`node`'s shapes as a GEMM, writing `written` (its epilogue's end)."""
   (lhs_type, lhs), (rhs_type, rhs) = node.operand_types[:2]
   if node.opcode == 'dot':
-    dims = {k: [int(d) for d in v.split(',') if d]
-            for k, v in _DIMS.findall(node.rest)}
+    dims = hlo_text.dot_dimensions(node.rest)
     lb = dims.get('lhs_batch_dims', [])
     lc = dims.get('lhs_contracting_dims', [])
     rb = dims.get('rhs_batch_dims', [])
@@ -351,10 +321,8 @@ def _matmul(node: _Node, written: _Node) -> Matmul:
     m = math.prod(s for d, s in enumerate(lhs) if d not in lb + lc)
     n = math.prod(s for d, s in enumerate(rhs) if d not in rb + rc)
   else:  # A convolution as the GEMM its im2col form runs.
-    labels = _WINDOW.search(node.rest)
-    _, kernel_labels, out_labels = labels.groups() if labels else ('', '', '')
-    groups_match = _GROUPS.search(node.rest)
-    groups = int(groups_match.group(1)) if groups_match else 1
+    _, kernel_labels, out_labels = hlo_text.dim_labels(node.rest)
+    groups = hlo_text.feature_group_count(node.rest)
     out_features = node.dims[out_labels.index('f')] if 'f' in out_labels else 1
     n = rhs[kernel_labels.index('o')] if 'o' in kernel_labels else 1
     k = math.prod(rhs) // max(n, 1)
@@ -362,7 +330,7 @@ def _matmul(node: _Node, written: _Node) -> Matmul:
     batch = groups
     n //= groups
   return Matmul(node.op_name, batch, m, k, n, lhs_type, rhs_type,
-                written.dtype, bool(_HIGHEST.search(node.rest)),
+                written.dtype, hlo_text.highest_precision(node.rest),
                 tuple(lhs), tuple(rhs), tuple(node.dims))
 
 
