@@ -32,7 +32,7 @@ operands' formats and, compiled, whether it runs as an fp8 GEMM
 layout and GATHER/REDUCE dtypes and lists every collective's kind, count,
 dtype and bytes per device, per-device memory, and the bytes' time on paper
 for NVLink and InfiniBand links (haiku_mp/lab/studies/communication.py,
-collectives.py). `report` runs several parts on whatever backend JAX finds and writes their
+collectives.py, partitioned_step.py, wire_time.py). `report` runs several parts on whatever backend JAX finds and writes their
 JSON, plots and one report.md (haiku_mp/lab/report/report.py). `advise` says which
 precision each module can run in and which float16 loss scale, and prints the
 flags to paste; it writes advise.json, advise.md and a plot

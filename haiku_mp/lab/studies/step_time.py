@@ -29,9 +29,9 @@ from haiku_mp.advisor import gpus
 from haiku_mp.advisor import placement
 from haiku_mp.advisor import speed as speed_lib
 from haiku_mp.lab import charts
-from haiku_mp.lab.studies import collectives
 from haiku_mp.lab.studies import hlo_text
 from haiku_mp.lab.studies import step_program
+from haiku_mp.lab.studies import wire_time
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
 from haiku_mp.vit import settings as settings_lib
@@ -339,7 +339,7 @@ def with_wire(result: dict[str, Any], path: str) -> dict[str, Any]:
       wire = paper['comm_seconds']
       joined.append(dict(
           layout=v['layout'], wire=v['wire'], link=link,
-          devices=collectives.LINKS[link]['devices'],
+          devices=wire_time.LINKS[link]['devices'],
           batch_per_device=per_device, wire_seconds=wire,
           overlapped={f: max(s, wire)
                       for f, s in result['step']['seconds'].items()},
