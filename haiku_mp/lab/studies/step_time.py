@@ -203,7 +203,7 @@ def describe_assumptions(gpu: gpus.Gpu,
               tile=assumptions.tile,
               split_k='K split over idle SMs where the output tiles fill '
                       'under a quarter of them',
-              fusion='haiku_mp/lab/studies/step_program.py (module '
+              fusion='haiku_mp/lab/studies/gpu_traffic.py (module '
                      'docstring)')
 
 
