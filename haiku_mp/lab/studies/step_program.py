@@ -1,5 +1,5 @@
 """What a train step asks of a GPU, read from its program as JAX lowers it
-for CUDA (`step_time.lower_for_gpu`: no GPU and no compilation needed):
+for CUDA (`lower_for_gpu`: no GPU and no compilation needed):
 every matmul, with its shapes, dtypes, module and pass, and for everything
 else the bytes that go through memory and the kernels that move them, under
 the rule that stands in for XLA:GPU's fusion (`gpu_traffic`).
@@ -11,7 +11,7 @@ Each loop's body counts as often as the loop runs: its trip count from XLA's
 import collections
 import dataclasses
 import math
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from haiku_mp.lab.studies import fp8_gemms
 from haiku_mp.lab.studies import gpu_traffic
@@ -19,6 +19,13 @@ from haiku_mp.lab.studies import hlo_text
 from haiku_mp.lab.studies import lowered_graph
 
 MATMUL_OPCODES = ('dot', 'convolution')
+
+
+def lower_for_gpu(jitted: Callable[..., Any], *args) -> str:
+  """A jitted function's HLO as JAX lowers it for CUDA on `args` (arrays or
+  their shapes), on any machine: nothing is compiled."""
+  lowered = jitted.trace(*args).lower(lowering_platforms=('cuda',))
+  return lowered.compiler_ir('hlo').get_hlo_module().to_string()
 
 
 @dataclasses.dataclass(frozen=True)
