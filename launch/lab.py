@@ -36,7 +36,8 @@ collectives.py, partitioned_step.py, wire_time.py). `report` runs several parts 
 JSON, plots and one report.md (haiku_mp/lab/report/report.py). `advise` says which
 precision each module can run in and which float16 loss scale, and prints the
 flags to paste; it writes advise.json, advise.md and a plot
-(haiku_mp/lab/advisor/driver.py, advisor_files.py).
+(haiku_mp/lab/advisor/driver.py, module_statistics.py, low_bit_advice.py,
+knockout.py, advisor_files.py).
 
 Each study prints its result as one JSON line and writes
 `<study>.json` and its plots into --out.

@@ -28,7 +28,7 @@ from haiku_mp import errors
 from haiku_mp.advisor import gpus
 from haiku_mp.advisor import placement
 from haiku_mp.advisor import speed
-from haiku_mp.lab.advisor import driver as advisor_driver
+from haiku_mp.lab.advisor import low_bit_advice
 from haiku_mp.lab.studies import gemm as gemm_study
 from haiku_mp.lab.studies import one_linear
 from haiku_mp.lab.studies import step_program
@@ -401,7 +401,7 @@ class AutoPlacementTest(absltest.TestCase):
                   modules=[dict(path=p, verdicts=dict(
                       current='keep-bf16' if p == unsafe else 'fp8-ok'))
                            for p in paths])
-    timed = advisor_driver.with_predicted_time(judged, settings, exp, 'h100')
+    timed = low_bit_advice.with_predicted_time(judged, settings, exp, 'h100')
     faster = {r['path'] for r in timed['modules'] if r['speed']['faster']}
     self.assertIn('vit/encoder_block_0/mlp_block/fc1', faster)
     self.assertEqual(set(timed['fp8_modules'].split(';')),

@@ -22,6 +22,8 @@ from haiku_mp.advisor import numerics
 from haiku_mp.advisor import verdicts
 from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.lab.advisor import driver as advisor
+from haiku_mp.lab.advisor import knockout
+from haiku_mp.lab.advisor import module_statistics
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
@@ -118,7 +120,7 @@ class AdvisorTest(absltest.TestCase):
   def _judge(cls, params=None, loss_fn=None, inputs=None):
     state = cls.exp.strategy.init_state()._replace(
         params=copy.deepcopy(params or cls.params))
-    modules, _, _, _ = advisor.gather_statistics(
+    modules, _, _, _ = module_statistics.gather_statistics(
         cls.exp, state, inputs or cls.inputs, lambda line: None,
         loss_fn=loss_fn)
     return modules, verdicts.judge(modules, THRESHOLDS)
@@ -153,9 +155,9 @@ class AdvisorTest(absltest.TestCase):
     config.precision.overrides = overrides
     experiment.build_without_data(settings_lib.parse(config))
     # Knockout: the head alone in float16 is what breaks the logits.
-    rows = advisor.knockout(self.exp.settings, params, self.inputs[:1],
-                           ['vit/head', FC1], ['float16'],
-                           lambda line: None)['float16']
+    rows = knockout.knockout(self.exp.settings, params, self.inputs[:1],
+                             ['vit/head', FC1], ['float16'],
+                             lambda line: None)['float16']
     self.assertEqual(rows[0]['path'], 'vit/head')
     self.assertFalse(rows[0]['finite'])
     self.assertTrue(rows[1]['finite'])
