@@ -30,7 +30,7 @@ import optax
 
 from haiku_mp import errors
 from haiku_mp.update import rounding
-from haiku_mp.update import step as step_lib
+from haiku_mp.update import train_state
 from haiku_mp.vit.parallel import sharding as sharding_lib
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
@@ -194,7 +194,7 @@ class StrategiesAgreeTest(parameterized.TestCase):
       config.precision.low_bit.update(modules='*/encoder_block_*',
                                   scaling='delayed', history_length=4)
       metrics, par, state = _steps(config, _float_batch_without_inf, 3)
-      histories, _ = step_lib.split_fp8(
+      histories, _ = train_state.split_fp8(
           jax.device_get(par.unreplicate(state).params))
       results[strategy] = (_column(metrics, 'loss'), histories)
     want_losses, want_histories = results['single']

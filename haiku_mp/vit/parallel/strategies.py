@@ -28,13 +28,16 @@ import optax
 
 from haiku_mp import errors
 from haiku_mp.model import meta_params
+from haiku_mp.update import classification
+from haiku_mp.update import gradients as gradients_lib
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
+from haiku_mp.update import train_state
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import stop_request
 from haiku_mp.vit.parallel import wire_dtypes as communication_lib
 
-TrainState = step_lib.TrainState
+TrainState = train_state.TrainState
 
 
 class StepParts(NamedTuple):
@@ -47,9 +50,9 @@ class StepParts(NamedTuple):
   init_state: Callable[[], TrainState]
   # Host batch -> model inputs, inside the compiled steps (augmentation).
   train_inputs: step_lib.TrainInputs
-  eval_inputs: step_lib.EvalInputs
+  eval_inputs: classification.EvalInputs
   # The train step's gradients: ordinary, or DP-SGD's.
-  gradients: step_lib.GradientsFn
+  gradients: gradients_lib.GradientsFn
   # The precision of the collectives, for gradients that take a
   # DataParallel (ordinary ones); None: float32 reductions as the gradients
   # make them (DP-SGD's), under jit over the mesh as the compiler places them.
@@ -88,11 +91,11 @@ class Strategy(abc.ABC):
             inputs=parts.train_inputs,
             gradients_fn=self._gradients(parts, rules)),
         self.axis_name)
-    self._eval_step = step_lib.make_eval_step(
+    self._eval_step = classification.make_eval_step(
         parts.forward, axis_name=self.axis_name, inputs=parts.eval_inputs)
 
   def _gradients(self, parts: StepParts,
-                 rules: Sequence[tuple[str, str]]) -> step_lib.GradientsFn:
+                 rules: Sequence[tuple[str, str]]) -> gradients_lib.GradientsFn:
     """The train step's gradients as this strategy runs them. `rules`:
     (parameter pattern, spec) pairs, read by a strategy that shards
     parameters."""
@@ -289,7 +292,7 @@ class Pjit(Strategy):
     """Each parameter's PartitionSpec (fp8 histories included), and the
     dimension split over `batch` of each trained one (None: none)."""
     specs = sharding.param_specs(self.abstract_state.params, rules, self.mesh)
-    _, trained = step_lib.split_fp8(specs)
+    _, trained = train_state.split_fp8(specs)
     return specs, jax.tree.map(lambda _: None, trained,
                                is_leaf=lambda x: isinstance(x, P))
 
@@ -299,7 +302,7 @@ class Pjit(Strategy):
       # Placed by the compiler: DP-SGD's, or a mesh with one device on
       # 'batch', where nothing is reduced.
       return parts.gradients
-    _, trained = step_lib.split_fp8(self.abstract_state.params)
+    _, trained = train_state.split_fp8(self.abstract_state.params)
     parallel = parts.communication.data_parallel(self._dims, trained)
     is_spec = lambda x: isinstance(x, P)
     specs = jax.tree.map(sharding.batch_part, self._param_specs,
@@ -320,7 +323,7 @@ class Pjit(Strategy):
 
   def __init__(self, mesh, parts, rules=()):
     super().__init__(mesh, parts, rules)
-    _, trained_specs = step_lib.split_fp8(self._param_specs)
+    _, trained_specs = train_state.split_fp8(self._param_specs)
     self.state_shardings = sharding.state_shardings(
         self.abstract_state, self._param_specs, trained_specs,
         parts.optimizer, mesh)
@@ -366,7 +369,7 @@ class Pjit(Strategy):
   def _whole_params(self) -> list[Any]:
     """The trained parameters (abstract) that no device splits over
     `batch`."""
-    _, abstract = step_lib.split_fp8(self.abstract_state.params)
+    _, abstract = train_state.split_fp8(self.abstract_state.params)
     return [v for v, d in zip(jax.tree.leaves(abstract), self._dim_leaves())
             if d is None]
 
@@ -399,8 +402,8 @@ class Fsdp(Pjit):
 
   def _specs(self, rules):
     specs, _ = super()._specs(rules)
-    histories, trained = step_lib.split_fp8(specs)
-    _, abstract = step_lib.split_fp8(self.abstract_state.params)
+    histories, trained = train_state.split_fp8(specs)
+    _, abstract = train_state.split_fp8(self.abstract_state.params)
     trained, dims = sharding.fsdp_specs(abstract, trained, self.mesh)
     return meta_params.merge_meta(trained, histories), dims
 

@@ -37,12 +37,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from haiku_mp import errors
-from haiku_mp.update import step as step_lib
+from haiku_mp.update import train_state
 from haiku_mp.vit.parallel import stop_request
 from haiku_mp.vit.train import console
 
 
-TrainState = step_lib.TrainState
+TrainState = train_state.TrainState
 # The suffix of a step directory that could not be restored and was set aside.
 UNRESTORABLE = '.unrestorable'
 _STATE, _RUN = 'default', 'run'

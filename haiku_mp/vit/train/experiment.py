@@ -21,9 +21,13 @@ from haiku_mp import errors
 from haiku_mp.advisor import placement
 from haiku_mp.model import interception
 from haiku_mp.model import policies
+from haiku_mp.update import classification
+from haiku_mp.update import gradients as gradients_lib
 from haiku_mp.update import loss_scaling
+from haiku_mp.update import losses
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
+from haiku_mp.update import train_state
 from haiku_mp.vit.data import augment
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import sampling
@@ -47,7 +51,7 @@ class Experiment:
   # Every module call of one forward pass (path, class, policy, dtypes).
   module_calls: list[interception.ModuleCall]
   forward: hk.Transformed
-  loss_fn: step_lib.LossFn
+  loss_fn: losses.LossFn
   # (key, uint8 batch[, axis_name]) -> the batch the model trains on: the
   # augmentation and mixing the train step runs first.
   train_inputs: step_lib.TrainInputs
@@ -65,8 +69,8 @@ class Experiment:
   # DP-SGD's settings (noise calibrated, batch padding), or None.
   privacy: Optional[dp_sgd.DpSgd]
   # A no-argument function that builds the initial TrainState from the seed.
-  init_state: Callable[[], step_lib.TrainState]
-  abstract_state: step_lib.TrainState  # jax.ShapeDtypeStruct leaves.
+  init_state: Callable[[], train_state.TrainState]
+  abstract_state: train_state.TrainState  # jax.ShapeDtypeStruct leaves.
   strategy: strategies.Strategy
   # With precision.low_bit.modules='auto', each Linear's choice and why.
   low_bit_choices: tuple[placement.Choice, ...] = ()
@@ -75,7 +79,7 @@ class Experiment:
   def param_names(self) -> list[str]:
     """'module/path/param' per trained parameter (fp8 amax histories left
     out), in the `jax.tree.leaves` order of their gradients."""
-    _, trained = step_lib.split_fp8(self.abstract_state.params)
+    _, trained = train_state.split_fp8(self.abstract_state.params)
     return [sharding.param_name(path) for path, _ in
             jax.tree_util.tree_flatten_with_path(trained)[0]]
 
@@ -233,12 +237,12 @@ def _init_state_fn(settings, forward, optimizer, scaler):
   """Takes no arrays, so a strategy can run it under jit with the state's
   shardings as outputs (nothing is ever gathered on one device)."""
 
-  def init_state() -> step_lib.TrainState:
+  def init_state() -> train_state.TrainState:
     init_rng, state_rng = jax.random.split(jax.random.key(settings.seed))
     images = forward_lib.dummy_images(settings.model)
     params = forward.init(init_rng, images, True)
-    return step_lib.init_train_state(params, optimizer, scaler,
-                                           state_rng)
+    return train_state.init_train_state(params, optimizer, scaler,
+                                        state_rng)
 
   return init_state
 
@@ -302,8 +306,8 @@ def build(settings: settings_lib.Settings, *,
     step_forward = forward_lib.make_forward(
         settings.model, precision.under_pmap(sharding.BATCH),
         remat=settings.remat)
-  loss_fn = step_lib.make_classification_loss(step_forward,
-                                              settings.label_smoothing)
+  loss_fn = classification.make_classification_loss(step_forward,
+                                                    settings.label_smoothing)
   communication = None if settings.privacy.enabled else (
       communication_lib.Communication(
           settings.parallel.gather_dtype, settings.parallel.reduce_dtype,
@@ -314,7 +318,7 @@ def build(settings: settings_lib.Settings, *,
       settings.privacy, settings.batch_size, num_train_examples, total_steps,
       batch_devices=batch_devices,
       num_processes=jax.process_count()) if settings.privacy.enabled else None
-  gradients = (step_lib.scaled_gradients(loss_fn, scaler)
+  gradients = (gradients_lib.scaled_gradients(loss_fn, scaler)
                if private is None else
                dp_sgd.make_gradients(loss_fn, scaler, private))
   train_inputs = functools.partial(augment.train_inputs, settings.data,
