@@ -24,7 +24,7 @@ from haiku_mp.update import data_parallel
 from haiku_mp.update import gradients as gradients_lib
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import losses
-from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import param_updates
 from haiku_mp.update import state_check
 from haiku_mp.update import train_state
 
@@ -206,12 +206,13 @@ def make_train_step(loss_fn: Optional[losses.AnyLoss],
     nonfinite_state = state_check.flags(model_state)
     state_finite = ~nonfinite_state.any()
     applied = grads_finite & state_finite
-    # The rounding of bfloat16 state (optimizer.py): the same on every
-    # replica and shard, from the state's key, so a resume redraws it.
+    # The rounding of bfloat16 state (param_updates.py, optimizer.py): the
+    # same on every replica and shard, from the state's key, so a resume
+    # redraws it.
     round_key = jax.random.fold_in(state.rng, ROUNDING_DRAW)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, trained,
                                               key=round_key)
-    new_params = optimizer_lib.apply_updates(trained, updates, new_opt_state,
+    new_params = param_updates.apply_updates(trained, updates, new_opt_state,
                                              round_key)
     updates_lost = _updates_lost(trained, new_params, updates)
     params, opt_state, model_state = _kept_if_skipped(

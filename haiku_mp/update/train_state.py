@@ -10,7 +10,7 @@ import optax
 
 from haiku_mp.model import meta_params
 from haiku_mp.update import loss_scaling
-from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import param_updates
 
 
 class TrainState(NamedTuple):
@@ -121,7 +121,7 @@ def _check_half_params(params: hk.Params, opt_state: optax.OptState) -> None:
           jax.tree_util.tree_flatten_with_path(params)[0]
           if jnp.issubdtype(p.dtype, jnp.floating)
           and jnp.finfo(p.dtype).bits < 32]
-  if half and not optimizer_lib.has_layout(opt_state):
+  if half and not param_updates.has_layout(opt_state):
     path, dtype = half[0]
     raise TypeError(
         f'train_step: {len(half)} params are half precision (e.g. '

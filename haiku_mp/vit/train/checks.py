@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from haiku_mp import errors
 from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
-from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import param_updates
 from haiku_mp.vit.data import augment
 from haiku_mp.vit.data import auto_augment
 from haiku_mp.vit.data import pipeline
@@ -92,7 +92,7 @@ def _check_state_layout(precision_config: settings_lib.PrecisionSettings,
                         precision: policies.Precision) -> None:
   """Rounding into params only where they are bfloat16."""
   update = precision_config.param_update
-  if update == optimizer_lib.MASTER:
+  if update == param_updates.MASTER:
     return
   half = sorted(d for d in precision.param_dtypes if d != 'float32')
   if not half:

@@ -25,7 +25,9 @@ from haiku_mp.update import classification
 from haiku_mp.update import gradients as gradients_lib
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import losses
+from haiku_mp.update import moving_average
 from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import schedule as schedule_lib
 from haiku_mp.update import step as step_lib
 from haiku_mp.update import train_state
 from haiku_mp.vit.data import augment
@@ -281,10 +283,10 @@ def build(settings: settings_lib.Settings, *,
         'warmup_steps=%d is not shorter than the run\'s %d steps: the '
         'learning rate rises for the whole run and never decays',
         settings.warmup_steps, total_steps)
-  schedule = optimizer_lib.learning_rate_schedule(
+  schedule = schedule_lib.learning_rate_schedule(
       settings.learning_rate, settings.warmup_steps, total_steps)
-  ema_decay = optimizer_lib.ema_decay_for(settings.ema_decay,
-                                          settings.ema_horizon, total_steps)
+  ema_decay = moving_average.ema_decay_for(settings.ema_decay,
+                                           settings.ema_horizon, total_steps)
   optimizer = optimizer_lib.make_optimizer(
       schedule, weight_decay=settings.weight_decay,
       grad_clip_norm=settings.grad_clip_norm, ema_decay=ema_decay,

@@ -14,7 +14,7 @@ from absl import logging
 import jax
 
 from haiku_mp.model import meta_params
-from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import moving_average
 from haiku_mp.update import train_state
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import prefetch
@@ -78,7 +78,7 @@ def _restore_or_init(exp, checkpointer, workdir: str, is_writer: bool):
 def _ema_params(state: train_state.TrainState):
   """The params' moving average with the run's fp8 amax histories (which
   the optimizer, and so the average, never holds), or None."""
-  ema = optimizer_lib.ema_params(state.opt_state)
+  ema = moving_average.ema_params(state.opt_state)
   if ema is None:
     return None
   return meta_params.merge_meta(ema, train_state.split_fp8(state.params)[0])
