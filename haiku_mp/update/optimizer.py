@@ -1,8 +1,9 @@
-"""The optax optimizer from config: AdamW with warmup + cosine decay and clipping,
-on the training-state layout the precision config names (`param_updates.py`).
+"""The optax optimizer of a run: AdamW on a learning-rate schedule, with
+clipping, on the training-state layout its `param_update` names
+(`param_updates.py`).
 
-Adam's moments are float32, bfloat16 or 8-bit each (`precision.mu_dtype`,
-`precision.nu_dtype`): bfloat16 moments are rounded stochastically, because
+Adam's moments are float32, bfloat16 or 8-bit each (`mu_dtype`,
+`nu_dtype`): bfloat16 moments are rounded stochastically, because
 to nearest the second moment's small steps vanish (rounding.py); 8-bit ones
 are float8 codes with a scale per block, also rounded stochastically
 (block_moments.py).

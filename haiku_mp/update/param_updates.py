@@ -2,7 +2,8 @@
 optimizer, and the new params they make.
 
 The optimizer always computes in float32 from float32 (unscaled) gradients.
-Where its results are kept (`precision.param_update`, docs/precision.md):
+Where its results are kept (`make_optimizer`'s `param_update`,
+docs/precision.md):
 
 - `master` (the default): float32 params are their own master; when the
   policy stores params in half precision, `float32_master` keeps the float32

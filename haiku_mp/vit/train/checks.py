@@ -175,7 +175,10 @@ def check(settings: settings_lib.Settings) -> Checked:
   it built to check them (each built once)."""
   _check_training(settings)
   precision = _check_model(settings)
-  scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
+  try:
+    scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
+  except errors.ArgumentError as error:
+    raise error.named(prefix='loss_scale.') from None
   _check_parallel(settings.parallel)
   _check_communication(settings, precision)
   _check_data(settings.data, settings.model.image_size)

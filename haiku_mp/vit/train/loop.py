@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 from absl import logging
 import jax
 
+from haiku_mp import errors
 from haiku_mp.model import meta_params
 from haiku_mp.update import moving_average
 from haiku_mp.update import train_state
@@ -117,6 +118,8 @@ def _log_window(exp, fetched, window, step, writer, progress,
     exp.scaler.check(step, summary['loss_scale'],
                      int(host_window[-1]['consecutive_skips']),
                      summary['window_skipped_steps'])
+  except errors.ArgumentError as error:
+    raise error.named(prefix='loss_scale.') from None
   finally:
     writer.write(step, 'train', summary)
   console.info(
