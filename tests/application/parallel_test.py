@@ -402,10 +402,12 @@ MULTI_FLAGS = ('--config=configs/vit_fp16.py', '--config.data.source=synthetic',
                # fsdp is pjit with the state split over 'batch' as well: one
                # test of both across processes (gathers in float16).
                '--config.parallel.strategy=fsdp',
-               '--config.parallel.mesh_shape=(4,2)')
+               # Two devices per process: both axes of the mesh, over both
+               # processes, in the smallest programs that have them.
+               '--config.parallel.mesh_shape=(2,2)')
 
 
-def _two_processes(flags, workdir, signal_at_process_1=None, devices=4):
+def _two_processes(flags, workdir, signal_at_process_1=None, devices=2):
   """Runs launch.train as 2 processes of `devices` devices each; their
   (returncode, log)."""
   with _reserved_port() as port:
@@ -454,7 +456,7 @@ class MultiProcessTest(parameterized.TestCase):
       self.assertEqual(returncode, 0, out[-3000:])
       self.assertIn(f'at step {saved[0]}.', out)
     one = f'{tmp}/one'
-    helpers.run_module('launch.train', *flags, f'--workdir={one}', devices=8,
+    helpers.run_module('launch.train', *flags, f'--workdir={one}', devices=4,
                        check=True)
     # One shared workdir (as on a cluster's shared filesystem); only process 0
     # writes metrics, so no event is there twice; the stop and the resume
@@ -475,10 +477,11 @@ class MultiProcessTest(parameterized.TestCase):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
     flags = [*(f for f in MULTI_FLAGS if '.parallel.' not in f),
              '--config.parallel.strategy=pmap',
-             '--config.parallel.mesh_shape=(8,1)',
+             '--config.parallel.mesh_shape=(2,1)',
              '--config.num_train_steps=6', '--config.eval_every_steps=6',
              '--config.checkpoint_every_steps=6']
-    results = _two_processes(flags, f'{tmp}/run', signal_at_process_1='TERM:3')
+    results = _two_processes(flags, f'{tmp}/run', signal_at_process_1='TERM:3',
+                             devices=1)
     saved = set()
     for returncode, out in results:
       self.assertEqual(returncode, 0, out[-3000:])
@@ -486,7 +489,7 @@ class MultiProcessTest(parameterized.TestCase):
                               out))
     self.assertLen(saved, 1)  # The same step on both processes.
     step = saved.pop()
-    for returncode, out in _two_processes(flags, f'{tmp}/run'):
+    for returncode, out in _two_processes(flags, f'{tmp}/run', devices=1):
       self.assertEqual(returncode, 0, out[-3000:])
       self.assertIn(f'Resuming from {tmp}/run/checkpoints at step {step}.',
                     out)
