@@ -4,7 +4,6 @@ scaling, the optimizer on the state's layout, the step itself."""
 from haiku_mp.update.classification import make_classification_loss
 from haiku_mp.update.classification import make_eval_step
 from haiku_mp.update.data_parallel import DataParallel
-from haiku_mp.update.gradients import ordinary_gradients
 from haiku_mp.update.gradients import scaled_gradients
 from haiku_mp.update.loss_scaling import LossScaler
 from haiku_mp.update.losses import LossWithState
@@ -19,5 +18,5 @@ from haiku_mp.update.train_state import TrainState
 __all__ = ('DataParallel', 'LossScaler', 'LossWithState', 'TrainState', 'float32_master',
            'init_train_state', 'learning_rate_schedule',
            'make_classification_loss', 'make_eval_step', 'make_optimizer',
-           'make_train_step', 'ordinary_gradients', 'scaled_gradients',
+           'make_train_step', 'scaled_gradients',
            'without_master')

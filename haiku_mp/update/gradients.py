@@ -111,7 +111,3 @@ def scaled_gradients(loss_fn: losses.LossFn,
     raise TypeError('scaled_gradients: loss_fn has Haiku state '
                     '(LossWithState); pass it to make_train_step itself')
   return functools.partial(gradients, loss_fn, loss_scaler)
-
-
-# 0.1's name, kept for its users: "ordinary" meant "not DP-SGD's".
-ordinary_gradients = scaled_gradients
