@@ -26,6 +26,7 @@ from haiku_mp.vit.train import compilation
 from haiku_mp.vit.train import console
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import in_flight
+from haiku_mp.vit.train import interruption
 from haiku_mp.vit.train import overview
 from haiku_mp.vit.train import run_dir
 
@@ -149,7 +150,7 @@ class _Run:
     # schedule's ops run eagerly were seven, each compiled in every process.
     self.learning_rate = jax.jit(exp.schedule)
     self.shard = pipeline.Shard.current()
-    self.interruption = stack.enter_context(checkpoint.Interruption())
+    self.interruption = stack.enter_context(interruption.Interruption())
     self.checkpointer = stack.enter_context(
         closed_on_exit(
             checkpoint.Checkpointer(workdir, settings.keep_checkpoints)))
@@ -277,7 +278,7 @@ def _train(run: _Run) -> Optional[dict[str, Any]]:
         run.save(step, fetched, wait=stop)  # The files written before a stop.
     if stop:
       received = run.interruption.received or 'SIGTERM'  # Or another process's.
-      logging.warning('%s', checkpoint.stop_line(received, step))
+      logging.warning('%s', interruption.stop_line(received, step))
       return dict(preempted_at_step=step, signal=received)
   return None
 
