@@ -141,10 +141,10 @@ class Experiment:
     ordinary = ('loss', 'accuracy', 'grad_norm', 'updates_lost')
     return ordinary + (() if self.privacy is None else dp_sgd.MEAN_METRICS)
 
-  def spent(self, step: int, skipped_steps: int) -> dict[str, float]:
-    """{'epsilon': spent by the steps taken up to `step`} under DP-SGD (a
-    skipped step released nothing), for the logs beside the metrics; else
-    {}."""
+  def log_fields(self, step: int, skipped_steps: int) -> dict[str, float]:
+    """What the logs show at `step` beside the metrics: under DP-SGD
+    {'epsilon': spent by the steps taken up to it} (a skipped step released
+    nothing); else {}."""
     if self.privacy is None:
       return {}
     return dict(epsilon=self.privacy.epsilon(step - skipped_steps))
