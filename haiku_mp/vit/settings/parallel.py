@@ -4,8 +4,8 @@ from haiku_mp.update import data_parallel
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import setting
 
-# The strategies' names (haiku_mp/vit/parallel/strategies.py's classes
-# carry them).
+# The strategies' names (the classes of haiku_mp/vit/parallel/replicated.py
+# and sharded.py carry them).
 STRATEGIES = ('single', 'pmap', 'pjit', 'fsdp')
 # What parameters are all-gathered in and gradients reduced in
 # (haiku_mp/vit/parallel/wire_dtypes.py).

@@ -21,21 +21,22 @@ from haiku_mp import errors
 from haiku_mp.advisor import placement
 from haiku_mp.model import interception
 from haiku_mp.model import policies
+from haiku_mp.update import loss_scaling
+from haiku_mp.update import moving_average
+from haiku_mp.update import schedule as schedule_lib
+from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import classification
 from haiku_mp.update import gradients as gradients_lib
-from haiku_mp.update import loss_scaling
 from haiku_mp.update import losses
-from haiku_mp.update import moving_average
-from haiku_mp.update import optimizer as optimizer_lib
-from haiku_mp.update import schedule as schedule_lib
-from haiku_mp.update import step as step_lib
 from haiku_mp.update import train_state
+from haiku_mp.update import step as step_lib
 from haiku_mp.vit.data import augment
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.data import sampling
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import strategies
+from haiku_mp.vit.parallel import strategy as strategy_lib
 from haiku_mp.vit.parallel import wire_dtypes as communication_lib
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit import settings as settings_lib
@@ -73,7 +74,7 @@ class Experiment:
   # A no-argument function that builds the initial TrainState from the seed.
   init_state: Callable[[], train_state.TrainState]
   abstract_state: train_state.TrainState  # jax.ShapeDtypeStruct leaves.
-  strategy: strategies.Strategy
+  strategy: strategy_lib.Strategy
   # With precision.low_bit.modules='auto', each Linear's choice and why.
   low_bit_choices: tuple[placement.Choice, ...] = ()
 
@@ -244,7 +245,7 @@ def _init_state_fn(settings, forward, optimizer, scaler):
     images = forward_lib.dummy_images(settings.model)
     params = forward.init(init_rng, images, True)
     return train_state.init_train_state(params, optimizer, scaler,
-                                        state_rng)
+                                           state_rng)
 
   return init_state
 
@@ -286,7 +287,7 @@ def build(settings: settings_lib.Settings, *,
   schedule = schedule_lib.learning_rate_schedule(
       settings.learning_rate, settings.warmup_steps, total_steps)
   ema_decay = moving_average.ema_decay_for(settings.ema_decay,
-                                           settings.ema_horizon, total_steps)
+                                          settings.ema_horizon, total_steps)
   optimizer = optimizer_lib.make_optimizer(
       schedule, weight_decay=settings.weight_decay,
       grad_clip_norm=settings.grad_clip_norm, ema_decay=ema_decay,
@@ -309,7 +310,7 @@ def build(settings: settings_lib.Settings, *,
         settings.model, precision.under_pmap(sharding.BATCH),
         remat=settings.remat)
   loss_fn = classification.make_classification_loss(step_forward,
-                                                    settings.label_smoothing)
+                                              settings.label_smoothing)
   communication = None if settings.privacy.enabled else (
       communication_lib.Communication(
           settings.parallel.gather_dtype, settings.parallel.reduce_dtype,
@@ -327,7 +328,7 @@ def build(settings: settings_lib.Settings, *,
                                    num_classes=settings.model.num_classes,
                                    total_steps=total_steps)
   strategy = strategies.make_strategy(
-      settings.parallel.strategy, mesh, strategies.StepParts(
+      settings.parallel.strategy, mesh, strategy_lib.StepParts(
           # The eval step's: under pmap it names the axis too; pjit's and
           # fsdp's is a plain jit, whose forward names none.
           step_forward if settings.parallel.strategy == 'pmap' else forward,
