@@ -77,9 +77,6 @@ class Attention(hk.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, tokens, dim = x.shape
-    if dim % self.num_heads:
-      raise errors.ConfigError(f'model.embed_dim={dim} is not divisible by '
-                               f'model.num_heads={self.num_heads}')
     head_dim = dim // self.num_heads
 
     def project(name):
@@ -195,16 +192,9 @@ class VisionTransformer(hk.Module):
     option; by default the stream is in the compute dtype.
     `dots` says how the matmuls run (`half_dot.Dots`); `remat` what each
     encoder block keeps for the backward pass (`remat.CHOICES`);
-    `patch_init` the patch embedding's kernel init (`PATCH_INITS`)."""
+    `patch_init` the patch embedding's kernel init (`PATCH_INITS`). The
+    values are those of `ModelSettings`, checked when parsed."""
     super().__init__(name=name)
-    if image_size % patch_size:
-      raise errors.ConfigError(
-          f'model.image_size={image_size} is not divisible by '
-          f'model.patch_size={patch_size}')
-    dropout.check_rate(dropout_rate)
-    if not layer_norm_epsilon > 0:
-      raise errors.ConfigError(
-          f'model.layer_norm_epsilon={layer_norm_epsilon:g} must be positive')
     self.image_size = image_size
     self.patch_size = patch_size
     self.num_classes = num_classes

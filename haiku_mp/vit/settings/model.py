@@ -1,5 +1,6 @@
 """The reference ViT's shape and regularization (haiku_mp/vit/model/vit.py)."""
 
+from haiku_mp import errors
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import setting
 
@@ -48,6 +49,17 @@ class ModelSettings:
       "ViT's and big_vision's) or 'xavier_uniform' (before 2026-11-26: 8x "
       'too small for a convolution; kept to reproduce old runs).',
       check=fields.one_of(PATCH_INITS))
+
+  def check_rules(self, path: str) -> None:
+    """Patches that tile the image, heads that split the tokens' width."""
+    if self.image_size % self.patch_size:
+      raise errors.ConfigError(
+          f'{path}image_size={self.image_size} is not divisible by '
+          f'{path}patch_size={self.patch_size}')
+    if self.embed_dim % self.num_heads:
+      raise errors.ConfigError(
+          f'{path}embed_dim={self.embed_dim} is not divisible by '
+          f'{path}num_heads={self.num_heads}')
 
 
 __all__ = ['ModelSettings', 'PATCH_INITS']

@@ -61,15 +61,6 @@ def _check_training(config: settings_lib.Settings) -> None:
 
 
 def _check_model(config: settings_lib.Settings) -> policies.Precision:
-  model = config.model
-  if model.image_size % model.patch_size:
-    raise errors.ConfigError(
-        f'model.image_size={model.image_size} is not divisible by '
-        f'model.patch_size={model.patch_size}')
-  if model.embed_dim % model.num_heads:
-    raise errors.ConfigError(
-        f'model.embed_dim={model.embed_dim} is not divisible by '
-        f'model.num_heads={model.num_heads}')
   low_bit = config.precision.low_bit
   # fp8.Fp8 checks its own settings.
   precision = forward_lib.precision_from_config(config)
