@@ -24,7 +24,6 @@ from haiku_mp.vit.data import auto_augment
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.parallel import sharding
-from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.settings import precision as precision_settings
@@ -173,7 +172,6 @@ def check(settings: settings_lib.Settings) -> Checked:
   _check_parallel(settings.parallel)
   _check_communication(settings, precision)
   _check_data(settings.data, settings.model.image_size)
-  dp_sgd.check_settings(settings.privacy)
   compilation.check(settings.compilation_cache_dir)
   return Checked(precision, scaler)
 
