@@ -1,6 +1,7 @@
 """Precision: jmp policies, matmul forms, the training state's layout and
 the low-bit matmuls (haiku_mp/model/policies.py, fp8.py, fp4.py)."""
 
+from haiku_mp import errors
 from haiku_mp.advisor import gpus
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.update import optimizer as optimizer_lib
@@ -66,6 +67,14 @@ class LowBitSettings:
       '',
       "4 bits: 'TARGET;...' among `modules` whose Linears keep fp8 (E4M3 "
       "/ E5M2, current scaling), as the advisor suggests; '': none.")
+
+  def check_rules(self, path: str) -> None:
+    """A GPU chooses the Linears only where the speed model may."""
+    if self.gpu and not chooses_modules(self):
+      raise errors.ConfigError(
+          f'{path}gpu={self.gpu} chooses the low-bit Linears only with '
+          f"{path}modules='auto' (now {self.modules!r}); set modules=auto, "
+          "or gpu=''")
 
 
 @fields.frozen

@@ -10,8 +10,7 @@ their own arguments, and `check` asks them; what needs data or files (splits,
 a checkpoint) is checked where it is read.
 """
 
-import numbers
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
@@ -19,62 +18,16 @@ from haiku_mp import errors
 from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import param_updates
-from haiku_mp.vit.data import augment
-from haiku_mp.vit.data import auto_augment
-from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit import settings as settings_lib
-from haiku_mp.vit.settings import fields as settings_fields
-from haiku_mp.vit.settings import precision as precision_settings
+from haiku_mp.vit.settings import dataset as data_settings
 from haiku_mp.vit.train import compilation
 
-_shown = settings_fields.shown
-
-
-def _require(ok: bool, setting: str, value: Any, valid: str) -> None:
-  if not ok:
-    raise errors.ConfigError(f'{setting}={_shown(value)} must be {valid}')
-
-
-def _is_int(value: Any) -> bool:
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_training(config: settings_lib.Settings) -> None:
-  steps = config.num_train_steps
-  if steps == -1:
-    _require(config.num_epochs > 0, 'num_epochs', config.num_epochs,
-             'positive (or set num_train_steps)')
-  if config.ema_decay > 0 and config.ema_horizon > 0:
-    raise errors.ConfigError(
-        f'ema_decay={config.ema_decay:g} and ema_horizon='
-        f'{config.ema_horizon:g} both set the moving average; set one, the '
-        'other 0')
-  if config.privacy.enabled and augment.mixes(config.data):
-    raise errors.ConfigError(
-        f'data.mixup_alpha={config.data.mixup_alpha:g} / data.cutmix_alpha='
-        f'{config.data.cutmix_alpha:g} with privacy.enabled: a mixed example '
-        'holds two, so DP-SGD\'s per-example clipping bounds neither; set '
-        'both to 0')
-
-
 def _check_model(config: settings_lib.Settings) -> policies.Precision:
-  low_bit = config.precision.low_bit
   # fp8.Fp8 checks its own settings.
   precision = forward_lib.precision_from_config(config)
   _check_state_layout(config.precision, precision)
-  if low_bit.gpu and not precision_settings.chooses_modules(low_bit):
-    raise errors.ConfigError(
-        f'precision.low_bit.gpu={low_bit.gpu} chooses the low-bit Linears '
-        "only with precision.low_bit.modules='auto' (now "
-        f'{low_bit.modules!r}); set modules=auto, or gpu=\'\'')
-  if config.privacy.enabled and low_bit.modules.strip():
-    raise errors.ConfigError(
-        f'precision.low_bit.modules={low_bit.modules!r} with privacy.enabled: '
-        "DP-SGD clips per-example gradients that fp8's per-tensor scales do "
-        "not follow (untested); set precision.low_bit.modules='' for a "
-        'private run')
   return precision
 
 
@@ -108,13 +61,7 @@ def _check_communication(settings: settings_lib.Settings,
   """`parallel.gather_dtype` and `reduce_dtype`, against the strategy, the
   precision, loss scaling and DP-SGD."""
   parallel = settings.parallel
-  fp8_gathers = parallel.gather_dtype == 'fp8'
-  if fp8_gathers and parallel.strategy != 'fsdp':
-    raise errors.ConfigError(
-        f'parallel.gather_dtype=fp8: parallel.strategy={parallel.strategy} '
-        'gathers no parameters (every device holds them whole); only fsdp '
-        "splits them over 'batch'")
-  if fp8_gathers and precision.fp8 is None:
+  if parallel.gather_dtype == 'fp8' and precision.fp8 is None:
     raise errors.ConfigError(
         'parallel.gather_dtype=fp8 gathers the fp8 Linears\' kernels in fp8, '
         'and no Linear runs in fp8 (precision.low_bit.modules is empty): use '
@@ -127,28 +74,6 @@ def _check_communication(settings: settings_lib.Settings,
         'parallel.reduce_dtype=compute sums float16 gradients without a loss '
         "scale (loss_scale.kind='none'): small ones flush to zero; set "
         "loss_scale.kind='dynamic', or reduce in 'float32'")
-  if settings.privacy.enabled and parallel.strategy == 'fsdp':
-    raise errors.ConfigError(
-        'parallel.strategy=fsdp with privacy.enabled: DP-SGD computes its '
-        'gradients per example in its own step, which does not gather '
-        'parameters; use pjit or pmap')
-  if settings.privacy.enabled and half_reduce:
-    raise errors.ConfigError(
-        'parallel.reduce_dtype=compute with privacy.enabled: DP-SGD sums its '
-        "clipped gradients in float32; use 'float32'")
-
-
-def _check_data(data: settings_lib.DataSettings, image_size: int) -> None:
-  pipeline.check_settings(data)
-  ops = len(auto_augment.RANDAUGMENT_OPS)
-  _require(data.randaugment_ops <= ops, 'data.randaugment_ops',
-           data.randaugment_ops, f'in [1, {ops}] (operations applied to each '
-           f'image, drawn among RandAugment\'s {ops})')
-  # A crop from beyond half the image's side would be mostly padding.
-  most = image_size // 2
-  _require(_is_int(data.crop_padding) and 0 <= data.crop_padding <= most,
-           'data.crop_padding', data.crop_padding,
-           f'an integer in [0, {most}] (half of model.image_size={image_size})')
 
 
 class Checked(NamedTuple):
@@ -163,15 +88,10 @@ def check(settings: settings_lib.Settings) -> Checked:
   (each field's own rule ran when the settings were parsed), its value and
   what would be valid; else returns the objects the settings describe that
   it built to check them (each built once)."""
-  _check_training(settings)
   precision = _check_model(settings)
-  try:
-    scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
-  except errors.ArgumentError as error:
-    raise error.named(prefix='loss_scale.') from None
+  scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
   _check_parallel(settings.parallel)
   _check_communication(settings, precision)
-  _check_data(settings.data, settings.model.image_size)
   compilation.check(settings.compilation_cache_dir)
   return Checked(precision, scaler)
 
@@ -190,7 +110,8 @@ def check_batches(config: settings_lib.Settings, batch_devices: int,
       raise sharding.ShardingError(
           f'{name}={size} is not divisible by the {batch_devices} devices '
           "of the mesh's 'batch' axis")
-  if augment.mixes(config.data) and (config.batch_size // batch_devices) % 2:
+  if (data_settings.mixes(config.data) and
+      (config.batch_size // batch_devices) % 2):
     raise errors.ConfigError(
         f'batch_size={config.batch_size} gives each of the {batch_devices} '
         'devices of the batch axis an odd batch, and mixup / CutMix mix its '
