@@ -1,40 +1,30 @@
-"""The rules between settings, and those a field's own check cannot say.
+"""The rules between the settings and what they build, and where they meet
+the machine.
 
-Each field's own rule (a positive count, a rate in [0, 1)) is declared with
-it in `settings/` and runs when the settings are parsed. `experiment.build`
-runs `check` first, before a dataset is opened, anything
-is compiled or a file is written (a bad setting then costs a second, not a
-run), then `check_batches` once the mesh is known. Modules whose objects a
-library user builds directly (the loss scaler, DP-SGD's settings) validate
-their own arguments, and `check` asks them; what needs data or files (splits,
-a checkpoint) is checked where it is read.
+Each field's own rule and the rules between fields are declared in
+`settings/` and run when the settings are parsed. `experiment.build` builds
+the Precision the settings describe, once, and runs `check` against it
+before a dataset is opened, anything is compiled or a file is written (a bad
+setting then costs a second, not a run), then `check_batches` once the mesh
+is known. What needs data or files (splits, a checkpoint) is checked where
+it is read.
 """
-
-from typing import NamedTuple
 
 import jax.numpy as jnp
 
 from haiku_mp import errors
 from haiku_mp.model import policies
-from haiku_mp.update import loss_scaling
 from haiku_mp.update import param_updates
-from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.settings import dataset as data_settings
 from haiku_mp.vit.train import compilation
 
-def _check_model(config: settings_lib.Settings) -> policies.Precision:
-  # fp8.Fp8 checks its own settings.
-  precision = forward_lib.precision_from_config(config)
-  _check_state_layout(config.precision, precision)
-  return precision
 
-
-def _check_state_layout(precision_config: settings_lib.PrecisionSettings,
+def _check_state_layout(precision_settings: settings_lib.PrecisionSettings,
                         precision: policies.Precision) -> None:
   """Rounding into params only where they are bfloat16."""
-  update = precision_config.param_update
+  update = precision_settings.param_update
   if update == param_updates.MASTER:
     return
   half = sorted(d for d in precision.param_dtypes if d != 'float32')
@@ -52,14 +42,10 @@ def _check_state_layout(precision_config: settings_lib.PrecisionSettings,
         "params=bfloat16, or param_update='master'")
 
 
-def _check_parallel(parallel_config: settings_lib.ParallelSettings) -> None:
-  sharding.parse_rules(parallel_config.sharding_rules)
-
-
 def _check_communication(settings: settings_lib.Settings,
                          precision: policies.Precision) -> None:
-  """`parallel.gather_dtype` and `reduce_dtype`, against the strategy, the
-  precision, loss scaling and DP-SGD."""
+  """`parallel.gather_dtype` and `reduce_dtype`, against the precision and
+  loss scaling (against the strategy and DP-SGD: when parsed)."""
   parallel = settings.parallel
   if parallel.gather_dtype == 'fp8' and precision.fp8 is None:
     raise errors.ConfigError(
@@ -76,32 +62,23 @@ def _check_communication(settings: settings_lib.Settings,
         "loss_scale.kind='dynamic', or reduce in 'float32'")
 
 
-class Checked(NamedTuple):
-  """What the check built on its way, for `experiment.build` to use: the
-  objects the settings describe."""
-  precision: policies.Precision
-  scaler: loss_scaling.LossScaler
-
-
-def check(settings: settings_lib.Settings) -> Checked:
-  """Raises `errors.ConfigError` naming the first setting out of its range
-  (each field's own rule ran when the settings were parsed), its value and
-  what would be valid; else returns the objects the settings describe that
-  it built to check them (each built once)."""
-  precision = _check_model(settings)
-  scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
-  _check_parallel(settings.parallel)
+def check(settings: settings_lib.Settings,
+          precision: policies.Precision) -> None:
+  """Raises `errors.ConfigError` naming the first setting that the
+  `precision` built from `settings` refuses (the training state's layout,
+  the dtypes of the collectives), or a compilation cache that cannot be a
+  directory; its value and what would be valid."""
+  _check_state_layout(settings.precision, precision)
   _check_communication(settings, precision)
   compilation.check(settings.compilation_cache_dir)
-  return Checked(precision, scaler)
 
 
-def check_batches(config: settings_lib.Settings, batch_devices: int,
+def check_batches(settings: settings_lib.Settings, batch_devices: int,
                   process_count: int) -> None:
   """The global batches split evenly over the processes and over the mesh's
   `batch` axis (and, for mixup / CutMix, in pairs on each device)."""
   for name in ('batch_size', 'eval_batch_size'):
-    size = getattr(config, name)
+    size = getattr(settings, name)
     if size % process_count:
       raise errors.ConfigError(
           f'{name}={size} is not divisible by the number of processes '
@@ -110,9 +87,9 @@ def check_batches(config: settings_lib.Settings, batch_devices: int,
       raise sharding.ShardingError(
           f'{name}={size} is not divisible by the {batch_devices} devices '
           "of the mesh's 'batch' axis")
-  if (data_settings.mixes(config.data) and
-      (config.batch_size // batch_devices) % 2):
+  if (data_settings.mixes(settings.data) and
+      (settings.batch_size // batch_devices) % 2):
     raise errors.ConfigError(
-        f'batch_size={config.batch_size} gives each of the {batch_devices} '
+        f'batch_size={settings.batch_size} gives each of the {batch_devices} '
         'devices of the batch axis an odd batch, and mixup / CutMix mix its '
         'examples in pairs: make it an even number per device')

@@ -1,9 +1,10 @@
 """The one place that turns a run's settings into its parts.
 
 The trainer, the benchmark, tabulate, every lab experiment and the tests ask
-`build`; nothing else checks settings against each other, makes the device mesh, or puts
-precision, forward, loss, optimizer, loss scaling, initial state and strategy
-together, so what is measured is what is trained.
+`build`; nothing else checks settings against what they build, makes the
+device mesh, or puts precision, forward, loss, optimizer, loss scaling,
+initial state and strategy together, so what is measured is what is
+trained.
 """
 
 import dataclasses
@@ -256,15 +257,21 @@ def build(settings: settings_lib.Settings, *,
           check_data: bool = False) -> Experiment:
   """The run `settings` describe, on `devices` (all of them by default).
 
-  `settings_lib.parse` checked each field on its own. Checks the rules
-  between settings first (`checks`: run here and nowhere else), then
-  that the batches split over the mesh's devices and the processes. With `check_data` (the trainer's), or where the schedule or
-  DP-SGD needs the train split's size, it then checks that the data is there
-  (a DataError names what is missing; a TFDS download runs here where
+  `settings_lib.parse` checked each field and the rules between them. Builds
+  what the settings describe first, once each (the precision, the sharding
+  rules, the loss scaler: a bad policy, rule or scale is named now), and
+  checks the settings against them (`checks`: run here and nowhere else),
+  then that the batches split over the mesh's devices and the processes.
+  With `check_data` (the trainer's), or where the schedule or DP-SGD needs
+  the train split's size, it then checks that the data is there (a
+  DataError names what is missing; a TFDS download runs here where
   `data.download` allows one). `total_steps` (the learning-rate schedule's
   length) defaults to the settings'. Compiles nothing and writes nothing.
   """
-  checked = checks.check(settings)
+  precision = forward_lib.precision_from_config(settings)
+  checks.check(settings, precision)
+  rules = sharding.rules(settings.parallel)
+  scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
   mesh = sharding.mesh_for(settings.parallel, devices)
   batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
   checks.check_batches(settings, batch_devices, jax.process_count())
@@ -273,7 +280,7 @@ def build(settings: settings_lib.Settings, *,
   num_train_examples = (pipeline.check_available(settings.data)
                         if check_data or needs_size else None)
   precision, calls, choices = forward_lib.checked_precision(
-      settings, checked.precision, batch_devices)
+      settings, precision, batch_devices)
   forward = forward_lib.make_forward(settings.model, precision,
                                      remat=settings.remat)
   if total_steps is None:
@@ -296,7 +303,6 @@ def build(settings: settings_lib.Settings, *,
       mu_dtype=settings.precision.mu_dtype,
       nu_dtype=settings.precision.nu_dtype,
       moment_block_size=settings.precision.moment_block_size)
-  scaler = checked.scaler
   init_state = _init_state_fn(settings, forward, optimizer, scaler)
   # The steps' forward: where the step names the batch axis (pmap, and the
   # shard_map of pjit and fsdp over more than one device), fp8 scales from
@@ -336,7 +342,7 @@ def build(settings: settings_lib.Settings, *,
           train_inputs=train_inputs,
           eval_inputs=functools.partial(augment.eval_inputs, settings.data),
           gradients=gradients, communication=communication),
-      rules=sharding.rules(settings.parallel))
+      rules=rules)
   return Experiment(
       settings=settings, mesh=mesh,
       precision=precision, module_calls=calls,
