@@ -125,12 +125,15 @@ def checked_precision(config: Settings,
                       ) -> tuple[policies.Precision,
                                  list[interception.ModuleCall],
                                  list[placement.Choice]]:
-  """`config`'s Precision (`precision`, where already built from it), every
-  override checked against the module calls of one (abstract) forward
-  pass, those calls, and with `precision.low_bit.modules='auto'` each
-  Linear's choice (`low_bit_choices`; else none). A Linear's tokens are
-  those of one device of the `batch_devices` the batch is split over: each
-  runs the GEMMs of its own examples."""
+  """`config`'s Precision (`precision`, where already built from it), the
+  module calls of one (abstract) forward pass, whose end checks every
+  override and low-bit target against them (`interception.apply`, once per
+  Precision), and with `precision.low_bit.modules='auto'` each Linear's
+  choice (`low_bit_choices`; else none), the Precision then the one that
+  runs them (checked at its own first forward pass: the run's initial
+  state, as `build` makes it). A Linear's tokens are those of one device of
+  the `batch_devices` the batch is split over: each runs the GEMMs of its
+  own examples."""
   precision = precision or precision_from_config(config)
   calls, _ = trace_modules(config.model, precision)
   choices = []
@@ -140,9 +143,6 @@ def checked_precision(config: Settings,
     # module's inputs or outputs, only the GEMMs inside.
     precision = precision_from_config(config, ';'.join(
         c.linear.path for c in choices if c.low_bit))
-  modules = {(c.class_name, c.path) for c in calls}
-  precision.check_overrides(modules)
-  precision.check_fp8(modules)
   if precision.fp4 is not None:
     _check_fp4_tokens(precision, calls, config.batch_size // batch_devices)
   return precision, calls, choices
