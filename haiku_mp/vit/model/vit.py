@@ -17,30 +17,17 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from haiku_mp import errors
 from haiku_mp.model import dropout
 from haiku_mp.model import half_dot
 from haiku_mp.model import matmul_modules
 from haiku_mp.model import remat as remat_lib
+from haiku_mp.vit.settings import model as model_settings
 
 
 def _linear_init():
   """Xavier uniform: the original ViT's and big_vision's attention and MLP
   kernels."""
   return hk.initializers.VarianceScaling(1.0, 'fan_avg', 'uniform')
-
-
-# The patch embedding's kernel initializers (`model.patch_init`). LeCun
-# normal (truncated) is how the original ViT and big_vision start it. Xavier
-# uniform was used here before 2026-11-26: Haiku counts a convolution's
-# fan-out as kh * kw * out, so it gave a 384-wide embedding of 4x4 patches a
-# std of 0.018 instead of 0.144, and the reference ViT's output tokens started
-# nearly collapsed (docs/training.md). Kept to reproduce older runs.
-PATCH_INITS = {
-    'lecun_normal': lambda: hk.initializers.VarianceScaling(
-        1.0, 'fan_in', 'truncated_normal'),
-    'xavier_uniform': _linear_init,
-}
 
 
 class PatchEmbed(hk.Module):
@@ -50,7 +37,6 @@ class PatchEmbed(hk.Module):
                matmuls: half_dot.Matmuls = half_dot.Matmuls(),
                init: str = 'lecun_normal', name: Optional[str] = None):
     super().__init__(name=name)
-    errors.check_choice('model.patch_init', init, tuple(PATCH_INITS))
     self.patch_size = patch_size
     self.embed_dim = embed_dim
     self.matmuls = matmuls
@@ -60,7 +46,8 @@ class PatchEmbed(hk.Module):
     x = matmul_modules.Conv2D(self.embed_dim, matmuls=self.matmuls,
                               kernel_shape=self.patch_size,
                               stride=self.patch_size, padding='VALID',
-                              w_init=PATCH_INITS[self.init](),
+                              w_init=hk.initializers.VarianceScaling(
+                                  *model_settings.PATCH_INITS[self.init]),
                               name='conv')(images)
     batch, height, width, dim = x.shape
     return x.reshape(batch, height * width, dim)
@@ -192,7 +179,8 @@ class VisionTransformer(hk.Module):
     option; by default the stream is in the compute dtype.
     `dots` says how the matmuls run (`half_dot.Dots`); `remat` what each
     encoder block keeps for the backward pass (`remat.CHOICES`);
-    `patch_init` the patch embedding's kernel init (`PATCH_INITS`). The
+    `patch_init` the patch embedding's kernel init
+    (`model_settings.PATCH_INITS`). The
     values are those of `ModelSettings`, checked when parsed."""
     super().__init__(name=name)
     self.image_size = image_size
