@@ -21,9 +21,9 @@ def make_strategy(name: str, mesh: Optional[Mesh],
                   parts: strategy_lib.StepParts,
                   rules: Sequence[tuple[str, str]] = ()
                   ) -> strategy_lib.Strategy:
-  """The strategy `name` (`parallel.strategy`) on `mesh` (None for
-  `single`); `rules` place the parameters of a strategy that shards them."""
-  errors.check_choice('parallel.strategy', name, STRATEGIES)
+  """The strategy `name` (`parallel.strategy`, checked when parsed) on
+  `mesh` (None for `single`); `rules` place the parameters of a strategy
+  that shards them."""
   if name != 'single' and mesh is None:
     raise errors.ConfigError(f'parallel.strategy={name} needs a device mesh')
   return STRATEGIES[name](mesh, parts, rules)
