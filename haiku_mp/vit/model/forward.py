@@ -23,26 +23,26 @@ from haiku_mp.vit.settings import precision as precision_settings
 from haiku_mp.vit.settings import Settings
 
 
-def precision_from_config(config: Settings,
+def precision_from_config(settings: Settings,
                           low_bit_modules: Optional[str] = None
                           ) -> policies.Precision:
-  """The `Precision` that `config.precision` describes for the ViT, its
+  """The `Precision` that `settings.precision` describes for the ViT, its
   low-bit Linears `low_bit_modules` where given (`modules='auto'` without
   them: none; `checked_precision` chooses them)."""
-  low_bit = config.precision.low_bit
+  low_bit = settings.precision.low_bit
   modules = low_bit.modules
   if low_bit_modules is not None:
     modules = low_bit_modules
   elif precision_settings.chooses_modules(low_bit):
     modules = ''
   return policies.make_precision(
-      config.precision.policy, config.precision.overrides,
+      settings.precision.policy, settings.precision.overrides,
       model_class=vit.MODEL_CLASS,
-      float32_layer_norm=config.precision.float32_layer_norm,
-      matmul_precision=config.precision.matmul_precision,
-      residual_stream=config.precision.residual_stream,
-      dot_form=config.precision.dot_form,
-      dot_platform=config.precision.dot_platform,
+      float32_layer_norm=settings.precision.float32_layer_norm,
+      matmul_precision=settings.precision.matmul_precision,
+      residual_stream=settings.precision.residual_stream,
+      dot_form=settings.precision.dot_form,
+      dot_platform=settings.precision.dot_platform,
       # fp8's scaling is built (and checked) whether or not a Linear runs it.
       low_bit=low_bit_lib.from_parts(
           modules,
@@ -119,13 +119,13 @@ def trace_modules(model_config: ModelSettings,
   return calls, params
 
 
-def checked_precision(config: Settings,
+def checked_precision(settings: Settings,
                       precision: Optional[policies.Precision] = None,
                       batch_devices: int = 1
                       ) -> tuple[policies.Precision,
                                  list[interception.ModuleCall],
                                  list[placement.Choice]]:
-  """`config`'s Precision (`precision`, where already built from it), the
+  """The Precision `settings` describe (`precision`, where already built), the
   module calls of one (abstract) forward pass, whose end checks every
   override and low-bit target against them (`interception.apply`, once per
   Precision), and with `precision.low_bit.modules='auto'` each Linear's
@@ -134,17 +134,19 @@ def checked_precision(config: Settings,
   state, as `build` makes it). A Linear's tokens are those of one device of
   the `batch_devices` the batch is split over: each runs the GEMMs of its
   own examples."""
-  precision = precision or precision_from_config(config)
-  calls, _ = trace_modules(config.model, precision)
+  precision = precision or precision_from_config(settings)
+  calls, _ = trace_modules(settings.model, precision)
   choices = []
-  if precision_settings.chooses_modules(config.precision.low_bit):
-    choices = low_bit_choices(config, calls, config.batch_size // batch_devices)
+  if precision_settings.chooses_modules(settings.precision.low_bit):
+    choices = low_bit_choices(settings, calls,
+                              settings.batch_size // batch_devices)
     # The calls stay those traced: which Linears run low-bit changes no
     # module's inputs or outputs, only the GEMMs inside.
-    precision = precision_from_config(config, ';'.join(
+    precision = precision_from_config(settings, ';'.join(
         c.linear.path for c in choices if c.low_bit))
   if precision.fp4 is not None:
-    _check_fp4_tokens(precision, calls, config.batch_size // batch_devices)
+    _check_fp4_tokens(precision, calls,
+                      settings.batch_size // batch_devices)
   return precision, calls, choices
 
 
@@ -162,12 +164,12 @@ def linear_shapes(calls: list[interception.ModuleCall],
   return found
 
 
-def low_bit_choices(config: Settings, calls: list[interception.ModuleCall],
+def low_bit_choices(settings: Settings, calls: list[interception.ModuleCall],
                     batch_size: int) -> list[placement.Choice]:
   """Which Linears `precision.low_bit.modules='auto'` runs in its format:
   those predicted faster in it on `precision.low_bit.gpu`, at the
   `batch_size` one device runs (docs/speed.md)."""
-  low_bit = config.precision.low_bit
+  low_bit = settings.precision.low_bit
   return placement.choose(linear_shapes(calls, batch_size),
                           low_bit_format(low_bit), low_bit.gpu)
 
@@ -185,10 +187,10 @@ def _check_fp4_tokens(precision: policies.Precision,
       fp4_lib.check_dims(precision.fp4, c.path, rows, x.shape[-1], w_out)
 
 
-def checked_forward(config: Settings
+def checked_forward(settings: Settings
                     ) -> tuple[hk.Transformed, policies.Precision]:
-  """The forward function for `config` and its Precision, the overrides
+  """The forward function for `settings` and its Precision, the overrides
   checked (the model alone; a whole run is `experiment.build`)."""
-  precision, _, _ = checked_precision(config)
-  return (make_forward(config.model, precision, remat=config.remat),
+  precision, _, _ = checked_precision(settings)
+  return (make_forward(settings.model, precision, remat=settings.remat),
           precision)
