@@ -3,7 +3,7 @@
 import dataclasses
 import math
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
 import haiku as hk
 import jax
@@ -172,6 +172,39 @@ def low_bit_choices(settings: Settings, calls: list[interception.ModuleCall],
   low_bit = settings.precision.low_bit
   return placement.choose(linear_shapes(calls, batch_size),
                           low_bit_format(low_bit), low_bit.gpu)
+
+
+def choice_lines(low_bit: LowBitSettings,
+                 choices: Sequence[placement.Choice],
+                 compute_dtype) -> list[str]:
+  """For a run's start, with `precision.low_bit.modules='auto'`: the
+  choice for each Linear and why, Linears of one shape and choice in
+  encoder blocks merged into one line; none without choices."""
+  if not choices:
+    return []
+  fmt = low_bit_format(low_bit)
+  chosen = sum(c.low_bit for c in choices)
+  where = (f'predicted on the {low_bit.gpu}' if low_bit.gpu else
+           f'{placement.TORCHAO_RULE}, no precision.low_bit.gpu named')
+  lines = [f'Low-bit matmuls where they pay (precision.low_bit.modules='
+           f"auto, {fmt}, {where}): {chosen} of {len(choices)} Linears"]
+  merged: dict[tuple, list[placement.Choice]] = {}
+  for c in choices:
+    key = (merge_block_indices(c.linear.path), c.linear.m, c.linear.k,
+           c.linear.n, c.low_bit)
+    merged.setdefault(key, []).append(c)
+  compute = jnp.dtype(compute_dtype).name
+  for (path, *_, low), group in merged.items():
+    if len(group) > 1:
+      path = f'{path} (x{len(group)})'
+    else:
+      path = group[0].linear.path
+    runs = fmt if low else f'stays {compute}'
+    lines.append(f'  {path}: {runs}; {group[0].why(fmt)}')
+  if not chosen:
+    lines.append(f'  No Linear pays: the run has no low-bit matmul '
+                 f'(everything in {compute})')
+  return lines
 
 
 def _check_fp4_tokens(precision: policies.Precision,

@@ -178,35 +178,11 @@ class Experiment:
     return lines + self.low_bit_lines() + self.strategy.describe()
 
   def low_bit_lines(self) -> list[str]:
-    """modules='auto': the choice for each Linear and why, Linears of one
-    shape and choice in encoder blocks merged into one line."""
-    if not self.low_bit_choices:
-      return []
-    low_bit = self.settings.precision.low_bit
-    fmt = forward_lib.low_bit_format(low_bit)
-    chosen = sum(c.low_bit for c in self.low_bit_choices)
-    where = (f'predicted on the {low_bit.gpu}' if low_bit.gpu else
-             f'{placement.TORCHAO_RULE}, no precision.low_bit.gpu named')
-    lines = [f'Low-bit matmuls where they pay (precision.low_bit.modules='
-             f"auto, {fmt}, {where}): {chosen} of "
-             f'{len(self.low_bit_choices)} Linears']
-    merged: dict[tuple, list[placement.Choice]] = {}
-    for c in self.low_bit_choices:
-      key = (forward_lib.merge_block_indices(c.linear.path), c.linear.m,
-             c.linear.k, c.linear.n, c.low_bit)
-      merged.setdefault(key, []).append(c)
-    compute = np.dtype(self.precision.policy.compute_dtype).name
-    for (path, *_, low), group in merged.items():
-      if len(group) > 1:
-        path = f'{path} (x{len(group)})'
-      else:
-        path = group[0].linear.path
-      runs = fmt if low else f'stays {compute}'
-      lines.append(f'  {path}: {runs}; {group[0].why(fmt)}')
-    if not chosen:
-      lines.append(f'  No Linear pays: the run has no low-bit matmul '
-                   f'(everything in {compute})')
-    return lines
+    """modules='auto': the choice for each Linear and why
+    (`forward_lib.choice_lines`)."""
+    return forward_lib.choice_lines(
+        self.settings.precision.low_bit, self.low_bit_choices,
+        self.precision.policy.compute_dtype)
 
 
 def total_train_steps(settings: settings_lib.Settings,
