@@ -23,12 +23,12 @@ class Interruption:
   steps ahead of the devices, the save holds that many steps more than the
   one running when the signal came. Several processes agree without a host
   sync of their own: each train batch carries its process's flag, set as the
-  step is dispatched (`tag`), the step reduces the flags of the whole global batch into its
-  `stop_requested` metric, and every process reads that metric from the same
-  finished step, so all stop after the same step; a scheduler may signal only
-  some of them, and one that stopped to save alone would leave the others
-  waiting in the next step's collectives. A context manager: the previous
-  handlers are back on every exit path.
+  step is dispatched (`tag`), the step reduces the flags of the whole global
+  batch into its `stop_requested` metric, and every process reads that
+  metric from the same finished step, so all stop after the same step; a
+  scheduler may signal only some of them, and one that stopped to save alone
+  would leave the others waiting in the next step's collectives. A context
+  manager: the previous handlers are back on every exit path.
   """
 
   _SIGNALS = (signal.SIGTERM, signal.SIGINT)
