@@ -19,7 +19,7 @@ from haiku_mp.lab.studies import partitioned_step
 from haiku_mp.lab.studies import wire_time
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.parallel import sharding
-from haiku_mp.vit.parallel import wire_dtypes as communication_lib
+from haiku_mp.vit.parallel import wire_dtypes
 from haiku_mp.vit.train import experiment
 
 LAYOUTS = ('pjit:8x1', 'fsdp:8x1')
@@ -34,9 +34,9 @@ def parse_wire(text: str) -> tuple[str, str]:
     raise errors.ConfigError(
         f"--wires: {text!r} is not GATHER/REDUCE, e.g. 'compute/float32'")
   errors.check_choice('--wires (gather)', gather,
-                      communication_lib.GATHER_DTYPES)
+                      wire_dtypes.GATHER_DTYPES)
   errors.check_choice('--wires (reduce)', reduce,
-                      communication_lib.REDUCE_DTYPES)
+                      wire_dtypes.REDUCE_DTYPES)
   return gather, reduce
 
 

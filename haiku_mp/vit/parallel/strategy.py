@@ -24,7 +24,7 @@ from haiku_mp.update import train_state
 from haiku_mp.update import step as step_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import stop_request
-from haiku_mp.vit.parallel import wire_dtypes as communication_lib
+from haiku_mp.vit.parallel import wire_dtypes
 
 TrainState = train_state.TrainState
 
@@ -45,7 +45,7 @@ class StepParts(NamedTuple):
   # The precision of the collectives, for gradients that take a
   # DataParallel (ordinary ones); None: float32 reductions as the gradients
   # make them (DP-SGD's), under jit over the mesh as the compiler places them.
-  communication: Optional[communication_lib.Communication] = None
+  communication: Optional[wire_dtypes.Communication] = None
 
 
 class Strategy(abc.ABC):

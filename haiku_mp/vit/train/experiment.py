@@ -38,7 +38,7 @@ from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import strategies
 from haiku_mp.vit.parallel import strategy as strategy_lib
-from haiku_mp.vit.parallel import wire_dtypes as communication_lib
+from haiku_mp.vit.parallel import wire_dtypes
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checks
@@ -247,7 +247,10 @@ def build(settings: settings_lib.Settings, *,
   precision = forward_lib.precision_from_config(settings)
   checks.check(settings, precision)
   rules = sharding.rules(settings.parallel)
-  scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
+  try:  # What the library says of its arguments, in the settings' paths.
+    scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
+  except errors.ArgumentError as error:
+    raise error.named(prefix='loss_scale.') from None
   mesh = sharding.mesh_for(settings.parallel, devices)
   batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
   checks.check_batches(settings, batch_devices, jax.process_count())
@@ -270,7 +273,7 @@ def build(settings: settings_lib.Settings, *,
   schedule = schedule_lib.learning_rate_schedule(
       settings.learning_rate, settings.warmup_steps, total_steps)
   ema_decay = moving_average.ema_decay_for(settings.ema_decay,
-                                          settings.ema_horizon, total_steps)
+                                           settings.ema_horizon, total_steps)
   optimizer = optimizer_lib.make_optimizer(
       schedule, weight_decay=settings.weight_decay,
       grad_clip_norm=settings.grad_clip_norm, ema_decay=ema_decay,
@@ -294,7 +297,7 @@ def build(settings: settings_lib.Settings, *,
   loss_fn = classification.make_classification_loss(step_forward,
                                               settings.label_smoothing)
   communication = None if settings.privacy.enabled else (
-      communication_lib.Communication(
+      wire_dtypes.Communication(
           settings.parallel.gather_dtype, settings.parallel.reduce_dtype,
           precision.policy.compute_dtype,
           frozenset(c.path for c in calls
