@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from haiku_mp.vit import settings
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings import renamed
-from tests.library import your_model_test
+from tests.commands import your_model_test
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The README is a first screen: what haiku_mp is, install, a first run, the

@@ -12,7 +12,7 @@ import json
 from absl.testing import absltest
 
 from tests import helpers
-from tests.library import your_model_test
+from tests.commands import your_model_test
 
 PAGE = os.path.join(helpers.ROOT, 'docs', 'transformer_and_resnet.md')
 # Appended to the page's script: what the test reads of the run, as JSON.

@@ -25,6 +25,7 @@ BF16 = 'params=float32,compute=bfloat16,output=float32'
 _SIGNS = jnp.ones([fp4_blocks.NVFP4_BLOCK], jnp.float32)
 
 
+@helpers.long_running
 class Fp4NumericsTest(absltest.TestCase):
 
   def test_an_outlier_flushes_its_block_and_only_it(self):

@@ -103,6 +103,7 @@ def _core_import() -> dict:
   return json.loads(out.stdout.splitlines()[-1])
 
 
+@helpers.long_running
 class PackageTest(absltest.TestCase):
 
   @classmethod

@@ -136,6 +136,7 @@ def _pairs(matmuls) -> collections.Counter:
   return pairs
 
 
+@helpers.long_running
 class StockModulesTest(parameterized.TestCase):
 
   # Per model, the dots of its hk.Linear (and patch-embedding hk.Conv2D)
@@ -394,6 +395,7 @@ def _next_token_loss(forward, params):
       logits[:, :-1], _TOKENS[:, 1:]).mean()
 
 
+@helpers.long_running
 class HalfPrecisionAttentionTest(parameterized.TestCase):
 
   @parameterized.parameters(F16, BF16)
