@@ -23,7 +23,7 @@ from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
 from haiku_mp.advisor import verdicts
 from haiku_mp.model import fp8
-from haiku_mp.model import half_dot
+from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import policies
 from haiku_mp.update import state_check
 from haiku_mp.update import step as step_lib
@@ -244,7 +244,7 @@ def fp8_linears(classes: dict[str, str],
   """
   selected = policies.parse_targets(targets)
   return [p for p, c in classes.items()
-          if c == half_dot.FP8_CLASS and half_dot.selects(selected, c, p)]
+          if c == low_bit_lib.FP8_CLASS and low_bit_lib.selects(selected, c, p)]
 
 
 def measure_matmuls(loss_fn: probes.LossFn, params, batches: Sequence,

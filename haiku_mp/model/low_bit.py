@@ -4,6 +4,7 @@ format, where 0.1 took four arguments (`fp8_modules`, `fp8`, `fp4`,
 `keep_fp8`; still read, `from_old_arguments`)."""
 
 import dataclasses
+import fnmatch
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from haiku_mp import errors
@@ -14,6 +15,17 @@ from haiku_mp.model import fp8 as fp8_lib
 Targets = Union[str, Sequence[Any]]
 # 0.1's arguments of `make_precision` that `LowBit` replaces.
 OLD_ARGUMENTS = ('fp8_modules', 'fp8', 'fp4', 'keep_fp8')
+FP8_CLASS = 'Linear'  # The only module whose matmul runs in fp8.
+
+
+def selects(targets: tuple[str, ...], class_name: str, path: str) -> bool:
+  """Whether `targets` (class names or path globs) select a module: its class
+  is one, or a glob matches its path or the path of a module around it."""
+  if class_name in targets:
+    return True
+  parts = path.split('/')
+  prefixes = ['/'.join(parts[:i]) for i in range(1, len(parts) + 1)]
+  return any(fnmatch.fnmatchcase(p, t) for t in targets for p in prefixes)
 
 
 @dataclasses.dataclass(frozen=True)

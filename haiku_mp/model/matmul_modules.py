@@ -1,4 +1,4 @@
-"""Haiku's `Linear` and `Conv2D` with haiku_mp's matmuls (`half_dot.Matmuls`).
+"""Haiku's `Linear` and `Conv2D` with haiku_mp's matmuls (`matmuls.Matmuls`).
 
 `Linear` and `Conv2D` are Haiku's modules (same class names, param names,
 shapes and initializers, so checkpoints, sharding rules and overrides keep
@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.model.half_dot import FP8_CLASS
-from haiku_mp.model.half_dot import Matmuls
 from haiku_mp.model.half_dot import form_for
+from haiku_mp.model.low_bit import FP8_CLASS
+from haiku_mp.model.matmuls import Matmuls
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import meta_params

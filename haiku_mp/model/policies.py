@@ -56,6 +56,7 @@ from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
 from haiku_mp.model import low_bit as low_bit_lib
+from haiku_mp.model import matmuls as matmuls_lib
 
 LAYER_NORM_CLASS = 'LayerNorm'
 BATCH_NORM_CLASS = 'BatchNorm'
@@ -179,13 +180,13 @@ class Precision:
       default_factory=list, init=False, compare=False, repr=False)
 
   @property
-  def matmuls(self) -> half_dot.Matmuls:
-    return half_dot.Matmuls(self.dot_form, self.matmul_precision, self.fp8,
+  def matmuls(self) -> matmuls_lib.Matmuls:
+    return matmuls_lib.Matmuls(self.dot_form, self.matmul_precision, self.fp8,
                          self.fp8_targets, self.fp8_axis, self.dot_platform,
                          self.fp4, self.fp8_kept)
 
   @property
-  def dots(self) -> half_dot.Matmuls:
+  def dots(self) -> matmuls_lib.Matmuls:
     """0.1's name of `matmuls`, kept for its users."""
     return self.matmuls
 
@@ -213,21 +214,21 @@ class Precision:
     if self.fp8 is None:
       return
     for t in self.fp8_targets:
-      selected = [(c, p) for c, p in modules if half_dot.selects((t,), c, p)]
+      selected = [(c, p) for c, p in modules if low_bit_lib.selects((t,), c, p)]
       if not selected:
         raise unmatched('precision.low_bit.modules', t, modules)
-      if not any(c == half_dot.FP8_CLASS for c, _ in selected):
+      if not any(c == low_bit_lib.FP8_CLASS for c, _ in selected):
         raise PrecisionError(
             f'precision.low_bit.modules: target {t!r} selects no '
-            f'{half_dot.FP8_CLASS} ({", ".join(sorted({c for c, _ in selected}))}'
-            f'): only {half_dot.FP8_CLASS} layers run fp8 matmuls (the patch '
+            f'{low_bit_lib.FP8_CLASS} ({", ".join(sorted({c for c, _ in selected}))}'
+            f'): only {low_bit_lib.FP8_CLASS} layers run fp8 matmuls (the patch '
             "embedding's convolution and attention's batched dots cannot)")
     for t in self.fp8_kept:
-      if not any(half_dot.selects((t,), c, p) and self.runs_low_bit(c, p)
+      if not any(low_bit_lib.selects((t,), c, p) and self.runs_low_bit(c, p)
                  for c, p in modules):
         raise PrecisionError(
             f'precision.low_bit.keep_fp8: target {t!r} selects no '
-            f'{half_dot.FP8_CLASS} that precision.low_bit.modules runs in 4 bits')
+            f'{low_bit_lib.FP8_CLASS} that precision.low_bit.modules runs in 4 bits')
 
   def rule_for(self, class_name: str, path: str) -> Optional[Rule]:
     """The module's own rule, or None when it inherits its caller's policy."""

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from haiku_mp.advisor import placement
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
-from haiku_mp.model import half_dot
 from haiku_mp.model import interception
 from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import policies
@@ -154,7 +153,7 @@ def linear_shapes(calls: list[interception.ModuleCall],
   at `batch_size`."""
   found = []
   for c in calls:
-    if c.class_name == half_dot.FP8_CLASS and c.method == '__call__':
+    if c.class_name == low_bit_lib.FP8_CLASS and c.method == '__call__':
       x = c.args[0][0]
       found.append(placement.LinearShape(
           c.path, math.prod(x.shape[:-1]) * batch_size, x.shape[-1],
