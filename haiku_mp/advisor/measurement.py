@@ -24,7 +24,7 @@ from haiku_mp.advisor import probes
 from haiku_mp.advisor import verdicts
 from haiku_mp.model import fp8
 from haiku_mp.model import low_bit as low_bit_lib
-from haiku_mp.model import policies
+from haiku_mp.model import targets as targets_lib
 from haiku_mp.update import state_check
 from haiku_mp.update import step as step_lib
 
@@ -242,7 +242,7 @@ def fp8_linears(classes: dict[str, str],
     classes = advisor.module_classes_of(loss_fn, params, jax.random.key(0), batch)
     paths = advisor.fp8_linears(classes, '*/linear_0;*/linear_1')
   """
-  selected = policies.parse_targets(targets)
+  selected = targets_lib.parse_targets(targets)
   return [p for p, c in classes.items()
           if c == low_bit_lib.FP8_CLASS and low_bit_lib.selects(selected, c, p)]
 

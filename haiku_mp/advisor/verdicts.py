@@ -41,7 +41,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from haiku_mp.advisor import numerics
-from haiku_mp.model import policies
+from haiku_mp.model import policy_strings
 
 KEEP = 'keep-f32'
 BF16_OK = 'bf16-ok'
@@ -261,7 +261,7 @@ def _close_window(verdicts: dict[str, Verdict]):
 
 def policy(main_policy: str, compute: str, output: str) -> str:
   """`main_policy`'s params with `compute` and `output` dtypes."""
-  return policies.with_dtypes(main_policy, compute=compute, output=output)
+  return policy_strings.with_dtypes(main_policy, compute=compute, output=output)
 
 
 def loss_scale(fmt: str, scale_window: tuple[Optional[int], Optional[int]]
@@ -312,7 +312,7 @@ def overrides(modules: Sequence[Module], advice: Advice, fmt: str,
     if inherits is None:
       inherits = {m.path: precision.rule_for(m.class_name, m.path) is None
                   for m in modules}
-    half = half or policies.policy_str(precision.policy)
+    half = half or policy_strings.policy_str(precision.policy)
   inherits = inherits or {}
   kept = {p for p, v in advice.verdicts.items()
           if getattr(v, fmt) == KEEP}

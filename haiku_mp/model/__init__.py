@@ -11,7 +11,7 @@ from haiku_mp.model.low_bit import LowBit
 from haiku_mp.model.matmul_modules import Conv2D
 from haiku_mp.model.matmul_modules import Linear
 from haiku_mp.model.policies import make_precision
-from haiku_mp.model.policies import parse_policy
+from haiku_mp.model.policy_strings import parse_policy
 from haiku_mp.model.policies import Precision
 
 __all__ = ('Conv2D', 'Dots', 'Fp4', 'Fp8', 'Linear', 'LowBit', 'Matmuls',

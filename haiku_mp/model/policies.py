@@ -43,9 +43,8 @@ Every place a dtype is decided in a step:
 """
 
 import dataclasses
-import difflib
 import fnmatch
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -57,36 +56,16 @@ from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
 from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import matmuls as matmuls_lib
+from haiku_mp.model.policy_strings import as_policy
+from haiku_mp.model.policy_strings import PolicyLike
+from haiku_mp.model.precision_error import PrecisionError
+from haiku_mp.model.targets import parse_targets
+from haiku_mp.model.targets import Target
+from haiku_mp.model.targets import target_name
+from haiku_mp.model.targets import unmatched
 
 LAYER_NORM_CLASS = 'LayerNorm'
 BATCH_NORM_CLASS = 'BatchNorm'
-_GLOB_CHARS = frozenset('*?[')
-# How alike a class or path end must be to a target to be offered for it
-# (difflib's ratio).
-_NEAREST_CUTOFF = 0.6
-
-
-class PrecisionError(errors.ConfigError):
-  """A policy string or override that cannot be used; names the setting."""
-
-
-def parse_policy(text: str, setting: str = 'precision.policy') -> jmp.Policy:
-  """Parses a jmp policy string (``params=float32,compute=bfloat16,...``),
-  with an error that names `setting`.
-
-  Example:
-    policy = haiku_mp.parse_policy('p=f32,c=bf16,o=f32')
-    policy.compute_dtype  # bfloat16
-  """
-  if not isinstance(text, str) or not text.strip():
-    raise PrecisionError(f'{setting}: empty policy string {text!r}')
-  try:
-    return jmp.get_policy(text.strip())
-  except (ValueError, KeyError) as e:
-    raise PrecisionError(
-        f'{setting}: invalid policy string {text!r} ({e}); expected e.g. '
-        "'params=float32,compute=bfloat16,output=float32' or 'p=f32,c=f16,o=f32'"
-    ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,34 +76,12 @@ class Rule:
   source: str  # 'override' or 'default', shown by launch.tabulate.
 
 
-# What a module target may be: a class name or path glob, or the class.
-Target = Union[str, type]
-# A policy: a jmp policy string, or the jmp.Policy itself.
-PolicyLike = Union[str, jmp.Policy]
-
-
-def _as_policy(policy: PolicyLike, setting: str) -> jmp.Policy:
-  if isinstance(policy, jmp.Policy):
-    return policy
-  return parse_policy(policy, setting)
-
-
-def _target_name(target: Target, setting: str) -> str:
-  """A target as the rules match it: a module class by its name."""
-  if isinstance(target, type):
-    return target.__name__
-  if not isinstance(target, str) or not target.strip():
-    raise PrecisionError(f'{setting}: a target must be a module class, a '
-                         f'class name or a path glob, not {target!r}')
-  return target.strip()
-
-
 def parse_overrides(overrides: Union[str, Mapping[Target, PolicyLike]]
                     ) -> tuple[Rule, ...]:
   """Override rules from ``'TARGET:POLICY;TARGET:POLICY'`` (the configs'
   form) or a mapping {target: policy}, targets as classes or strings."""
   if isinstance(overrides, Mapping):
-    items = [(_target_name(t, 'precision.overrides'), p)
+    items = [(target_name(t, 'precision.overrides'), p)
              for t, p in overrides.items()]
   else:
     items = []
@@ -143,7 +100,7 @@ def parse_overrides(overrides: Union[str, Mapping[Target, PolicyLike]]
   for target, policy in items:
     if any(r.target == target for r in rules):
       raise PrecisionError(f'precision.overrides: target {target!r} given twice')
-    rules.append(Rule(target, _as_policy(
+    rules.append(Rule(target, as_policy(
         policy, f'precision.overrides[{target!r}]'), 'override'))
   return tuple(rules)
 
@@ -278,43 +235,7 @@ class Precision:
     self.check_fp8(modules)
 
 
-def _nearest(target: str, modules: set[tuple[str, str]]) -> list[str]:
-  """The module classes and path ends closest in spelling to `target`, as
-  targets (a path end as a glob, '*/linear_1')."""
-  key = target.rsplit('/', 1)[-1].strip('*?')
-  classes = {c for c, _ in modules}
-  ends = {p.rsplit('/', 1)[-1] for _, p in modules} - classes
-  close = difflib.get_close_matches(key, sorted(classes | ends), n=3,
-                                    cutoff=_NEAREST_CUTOFF)
-  return [c if c in classes else f'*/{c}' for c in close]
-
-
-def unmatched(setting: str, target: str, modules: set[tuple[str, str]],
-              why: str = '') -> PrecisionError:
-  """The error for a `setting` target that matches no module: one line
-  naming it, the targets nearest to it and the model's classes."""
-  paths = {p for _, p in modules}
-  hint = ''
-  if (not _GLOB_CHARS & set(target)
-      and any(p.rsplit('/', 1)[-1] == target for p in paths)):
-    hint = f" (for a module path ending in it, write '*/{target}')"
-  nearest = _nearest(target, modules)
-  near = f' Nearest: {", ".join(nearest)}.' if nearest else ''
-  classes = ', '.join(sorted({c for c, _ in modules}))
-  return PrecisionError(
-      f'{setting}: target {target!r} matches no module class or module '
-      f'path{hint}{why}.{near} Classes: {classes}')
-
-
 RESIDUAL_STREAMS = ('compute', 'float32')
-
-
-def parse_targets(targets: Union[str, Sequence[Target]]) -> tuple[str, ...]:
-  """``'TARGET;...'`` (`precision.low_bit.modules`), or a sequence of classes and
-  strings, as the rules' targets."""
-  if isinstance(targets, str) or targets is None:
-    return tuple(t.strip() for t in (targets or '').split(';') if t.strip())
-  return tuple(_target_name(t, 'precision.low_bit.modules') for t in targets)
 
 
 def _check_matmul_precision(name: str) -> Optional[str]:
@@ -373,8 +294,8 @@ def make_precision(policy: PolicyLike,
                       f'{", ".join(sorted(old_low_bit))}= both given; pass '
                       'low_bit= only')
     low_bit = low_bit_lib.from_old_arguments(old_low_bit)
-  main = _as_policy(policy, 'precision.policy')
-  model_class = _target_name(model_class, 'model_class')
+  main = as_policy(policy, 'precision.policy')
+  model_class = target_name(model_class, 'model_class')
   errors.check_choice('precision.residual_stream', residual_stream,
                       RESIDUAL_STREAMS, PrecisionError)
   defaults = {model_class: Rule(model_class, main, 'default')}
@@ -407,29 +328,3 @@ def make_precision(policy: PolicyLike,
                    low_bit.fp8 if targets else None, targets, fp4=fp4,
                    fp8_kept=kept,
                    model_class=model_class)
-
-
-def with_dtypes(policy: PolicyLike, setting: str = 'precision.policy',
-                **dtypes: Optional[str]) -> str:
-  """`policy` as a string, with the dtypes named (`params`, `compute`,
-  `output`; None keeps one) changed: the one way to write a policy that
-  differs from another in a dtype. Checked as `setting`."""
-  unknown = set(dtypes) - {'params', 'compute', 'output'}
-  if unknown:
-    raise TypeError(f'with_dtypes: no dtype {sorted(unknown)}')
-  policy = _as_policy(policy, setting)
-  names = dict(params=policy.param_dtype, compute=policy.compute_dtype,
-               output=policy.output_dtype)
-  names = {part: jnp.dtype(dtype).name for part, dtype in names.items()}
-  names.update({part: d for part, d in dtypes.items() if d is not None})
-  text = ','.join(f'{part}={d}' for part, d in names.items())
-  parse_policy(text, setting)
-  return text
-
-
-def policy_str(policy: Optional[jmp.Policy]) -> str:
-  """jmp's own description of a policy, e.g. ``p=f32,c=bf16,o=f32``, with
-  float32 written as in policy strings (jmp writes it `full`)."""
-  if policy is None:
-    return 'none'
-  return str(policy).replace('=full', '=f32')

@@ -18,6 +18,7 @@ from haiku_mp.model import half_dot
 from haiku_mp.model import interception
 from haiku_mp.model import meta_params
 from haiku_mp.model import policies
+from haiku_mp.model import policy_strings
 from haiku_mp.update import state_layout
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.model import forward as forward_lib
@@ -74,7 +75,7 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
     rows[call.path] = {
         'path': call.path,
         'class': call.class_name,
-        'policy': policies.policy_str(call.policy),
+        'policy': policy_strings.policy_str(call.policy),
         'policy_source': _source(call.rule),
         'params': {name: dict(shape=list(p.shape), dtype=p.dtype.name,
                               sharding=_spec(specs, call.path, name))
