@@ -1,6 +1,7 @@
 """Which Linear layers run low-bit matmuls, and in what format: the one value
-`make_precision` takes for them (`low_bit=`), fp8 at a scaling or a 4-bit
-format, where 0.1 took four arguments (`fp8_modules`, `fp8`, `fp4`,
+`make_precision` takes for them (`low_bit=`) and a `Precision` and its
+`Matmuls` hold, fp8 at a scaling or a 4-bit format, where 0.1 took four
+arguments (`fp8_modules`, `fp8`, `fp4`,
 `keep_fp8`; still read, `from_old_arguments`)."""
 
 import dataclasses
@@ -10,6 +11,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from haiku_mp import errors
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
+from haiku_mp.model import targets as targets_lib
 
 # A module target: a class name or path glob, or the class itself.
 Targets = Union[str, Sequence[Any]]
@@ -33,7 +35,9 @@ class LowBit:
   """The Linear layers of `modules` (``'TARGET;...'`` or a sequence of
   classes, class names and path globs) on low-bit matmuls in `format`: fp8
   scaled as an `Fp8` says, or 4 bits, emulated (an `Fp4`), with those that
-  `keep_fp8` selects among them in fp8 at current scaling.
+  `keep_fp8` selects among them in fp8 at current scaling. Its targets are
+  held in one form, a tuple of names (``LowBit([hk.Linear]).modules ==
+  ('Linear',)``): the value a `Precision` and its `Matmuls` hold.
 
   Example:
     precision = haiku_mp.make_precision(
@@ -43,6 +47,11 @@ class LowBit:
   modules: Targets
   format: Union[fp8_lib.Fp8, fp4_lib.Fp4] = fp8_lib.Fp8()
   keep_fp8: Targets = ''
+
+  def __post_init__(self):
+    object.__setattr__(self, 'modules', targets_lib.parse_targets(self.modules))
+    object.__setattr__(self, 'keep_fp8',
+                       targets_lib.parse_targets(self.keep_fp8))
 
   @property
   def fp8(self) -> fp8_lib.Fp8:

@@ -75,8 +75,9 @@ def linear(module: hk.Linear, matmuls: Matmuls, plain: Callable[..., jax.Array],
                        init=w_init)
   x = inputs.reshape(-1, input_size)
   if fp8 and matmuls.runs_fp4(FP8_CLASS, module.module_name):
-    recording.ran(module.module_name, matmuls.fp4.format)
-    sums = fp4_lib.linear_sums(matmuls.fp4, module.module_name, x, w)
+    fp4 = matmuls.low_bit.fp4
+    recording.ran(module.module_name, fp4.format)
+    sums = fp4_lib.linear_sums(fp4, module.module_name, x, w)
   elif fp8:
     recording.ran(module.module_name, 'fp8')
     sums = _fp8_sums(matmuls, x, w)
@@ -93,14 +94,15 @@ def _fp8_sums(matmuls: Matmuls, x: jax.Array, w: jax.Array) -> jax.Array:
   """`x @ w` in float32 from fp8 operands (`fp8.matmul`); delayed scaling
   keeps its amax histories as the calling module's params
   (`meta_params.META_NAMES`)."""
-  config = matmuls.fp8
+  config = matmuls.low_bit.fp8
   histories = None
   if config.scaling == 'delayed':
     histories = tuple(
         hk.get_parameter(name, [config.history_length], jnp.float32,
                          init=jnp.zeros)
         for name in meta_params.HISTORY_NAMES)
-  return fp8_lib.matmul(config, x, w, jnp.float32, histories, matmuls.fp8_axis)
+  return fp8_lib.matmul(config, x, w, jnp.float32, histories,
+                        matmuls.amax_axis)
 
 
 class Linear(hk.Linear):

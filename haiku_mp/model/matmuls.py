@@ -10,10 +10,9 @@ from typing import Optional
 
 import jax
 
-from haiku_mp.model import fp4 as fp4_lib
-from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
 from haiku_mp.model.low_bit import FP8_CLASS
+from haiku_mp.model.low_bit import LowBit
 from haiku_mp.model.low_bit import selects
 
 
@@ -22,8 +21,7 @@ class Matmuls:
   """How a model's matmuls run: the form for half operands and the
   `jax.default_matmul_precision` name in force (None: JAX's default), which
   the backward pass, traced later and outside it, must use as well; and which
-  `Linear` layers run low-bit matmuls (`fp8_targets`): fp8 with what scaling,
-  or 4 bits (`fp4`).
+  `Linear` layers run low-bit matmuls, in what format (`low_bit`).
   A `Precision` makes them (`precision.matmuls`) for every Linear it applies to.
 
   Example:
@@ -33,16 +31,12 @@ class Matmuls:
   """
   form: str = 'auto'
   matmul_precision: Optional[str] = None
-  fp8: Optional[fp8_lib.Fp8] = None
-  fp8_targets: tuple[str, ...] = ()
-  # The pmap axis over which fp8 amaxes are reduced (`Precision.under_pmap`).
-  fp8_axis: Optional[str] = None
   # The backend the forms are chosen for; '': the one JAX runs on.
   platform: str = ''
-  # The fp8 targets' matmuls in 4 bits instead (`fp4.Fp4`); None: fp8.
-  fp4: Optional[fp4_lib.Fp4] = None
-  # Under `fp4`, the fp8 targets whose Linears keep fp8.
-  fp8_kept: tuple[str, ...] = ()
+  # The Linears on low-bit matmuls and their format; None: none.
+  low_bit: Optional[LowBit] = None
+  # The pmap axis over which fp8 amaxes are reduced (`Precision.under_pmap`).
+  amax_axis: Optional[str] = None
 
   @property
   def backend(self) -> str:
@@ -51,16 +45,17 @@ class Matmuls:
   def runs_low_bit(self, class_name: str, path: str) -> bool:
     """Whether the Linear runs low-bit matmuls: fp8, or 4 bits where
     `runs_fp4` says so."""
-    return (self.fp8 is not None and class_name == FP8_CLASS
-            and selects(self.fp8_targets, class_name, path))
+    return (self.low_bit is not None and class_name == FP8_CLASS
+            and selects(self.low_bit.modules, class_name, path))
 
   # 0.1's name, kept for its users: it is true for 4-bit Linears too.
   runs_fp8 = runs_low_bit
 
   def runs_fp4(self, class_name: str, path: str) -> bool:
     """Whether the Linear's low-bit matmuls are 4-bit ones."""
-    return (self.fp4 is not None and self.runs_low_bit(class_name, path)
-            and not selects(self.fp8_kept, class_name, path))
+    return (self.runs_low_bit(class_name, path)
+            and self.low_bit.fp4 is not None
+            and not selects(self.low_bit.keep_fp8, class_name, path))
 
   def einsum(self, spec: str, a: jax.Array, b: jax.Array,
              out_dtype=None) -> jax.Array:

@@ -51,15 +51,12 @@ import jax.numpy as jnp
 import jmp
 
 from haiku_mp import errors
-from haiku_mp.model import fp4 as fp4_lib
-from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
 from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import matmuls as matmuls_lib
 from haiku_mp.model.policy_strings import as_policy
 from haiku_mp.model.policy_strings import PolicyLike
 from haiku_mp.model.precision_error import PrecisionError
-from haiku_mp.model.targets import parse_targets
 from haiku_mp.model.targets import Target
 from haiku_mp.model.targets import target_name
 from haiku_mp.model.targets import unmatched
@@ -122,13 +119,9 @@ class Precision:
   float32_residual: bool = False  # Residual stream in float32 (see vit.py).
   dot_form: str = 'auto'  # How half matmuls run (see half_dot.py).
   dot_platform: str = ''  # The backend they are traced for; '': JAX's.
-  fp8: Optional[fp8_lib.Fp8] = None  # fp8 matmuls' scaling; None: no fp8.
-  fp8_targets: tuple[str, ...] = ()  # The modules whose Linears run fp8.
-  fp8_axis: Optional[str] = None  # See `under_pmap`.
-  # The fp8 targets' matmuls in 4 bits (NVFP4, MXFP4) instead; None: fp8.
-  fp4: Optional[fp4_lib.Fp4] = None
-  # Under `fp4`, the fp8 targets that keep fp8 (the advisor's overrides).
-  fp8_kept: tuple[str, ...] = ()
+  # The Linears on low-bit matmuls and their format; None: none.
+  low_bit: Optional[low_bit_lib.LowBit] = None
+  amax_axis: Optional[str] = None  # See `under_pmap`.
   # The model's outermost module class: every module runs inside it.
   model_class: str = ''
   # Whether a forward pass under `apply` has checked the targets (`check`):
@@ -138,9 +131,9 @@ class Precision:
 
   @property
   def matmuls(self) -> matmuls_lib.Matmuls:
-    return matmuls_lib.Matmuls(self.dot_form, self.matmul_precision, self.fp8,
-                         self.fp8_targets, self.fp8_axis, self.dot_platform,
-                         self.fp4, self.fp8_kept)
+    return matmuls_lib.Matmuls(self.dot_form, self.matmul_precision,
+                               self.dot_platform, self.low_bit,
+                               self.amax_axis)
 
   @property
   def dots(self) -> matmuls_lib.Matmuls:
@@ -152,9 +145,9 @@ class Precision:
     `axis_name`: fp8 amaxes are reduced over its replicas, so that each
     scales as one device would (a forward outside pmap, as `init`, cannot
     name the axis)."""
-    if self.fp8 is None:
+    if self.low_bit is None:
       return self
-    return dataclasses.replace(self, fp8_axis=axis_name)
+    return dataclasses.replace(self, amax_axis=axis_name)
 
   def runs_low_bit(self, class_name: str, path: str) -> bool:
     return self.matmuls.runs_low_bit(class_name, path)
@@ -168,9 +161,9 @@ class Precision:
   def check_fp8(self, modules: set[tuple[str, str]]) -> None:
     """Raises unless every fp8 target selects at least one Linear among the
     `(class, path)` modules, and every `keep_fp8` target one of those."""
-    if self.fp8 is None:
+    if self.low_bit is None:
       return
-    for t in self.fp8_targets:
+    for t in self.low_bit.modules:
       selected = [(c, p) for c, p in modules if low_bit_lib.selects((t,), c, p)]
       if not selected:
         raise unmatched('precision.low_bit.modules', t, modules)
@@ -180,7 +173,7 @@ class Precision:
             f'{low_bit_lib.FP8_CLASS} ({", ".join(sorted({c for c, _ in selected}))}'
             f'): only {low_bit_lib.FP8_CLASS} layers run fp8 matmuls (the patch '
             "embedding's convolution and attention's batched dots cannot)")
-    for t in self.fp8_kept:
+    for t in self.low_bit.keep_fp8:
       if not any(low_bit_lib.selects((t,), c, p) and self.runs_low_bit(c, p)
                  for c, p in modules):
         raise PrecisionError(
@@ -308,23 +301,26 @@ def make_precision(policy: PolicyLike,
                            (float32_batch_norm, BATCH_NORM_CLASS)):
     if keep:
       defaults[class_name] = Rule(class_name, normalized, 'default')
-  targets = parse_targets(low_bit.modules if low_bit else '')
-  fp4 = low_bit.fp4 if targets else None
-  if targets and jnp.dtype(main.compute_dtype) == jnp.float16:
+  if low_bit is not None and not low_bit.modules:
+    if low_bit.keep_fp8:
+      raise _keeps_fp8_without_4_bits()
+    low_bit = None  # No Linear runs low-bit matmuls.
+  if low_bit is not None and jnp.dtype(main.compute_dtype) == jnp.float16:
     raise PrecisionError(
         'precision.low_bit.modules: fp8 matmuls need a bfloat16 or float32 '
         'compute dtype, not float16 (the float16 loss scale on top of fp8 '
         "scales is not supported); use a 'compute=bfloat16' policy")
-  kept = parse_targets(low_bit.keep_fp8 if low_bit else '')
-  if kept and fp4 is None:
-    raise PrecisionError(
-        'precision.low_bit.keep_fp8: keeps fp8 among 4-bit Linears; set '
-        "precision.low_bit.format to 'nvfp4' or 'mxfp4' and "
-        'precision.low_bit.modules')
+  if low_bit is not None and low_bit.keep_fp8 and low_bit.fp4 is None:
+    raise _keeps_fp8_without_4_bits()
   return Precision(main, defaults, parse_overrides(overrides),
                    _check_matmul_precision(matmul_precision),
                    residual_stream == 'float32', half_dot.check_form(dot_form),
-                   half_dot.check_platform(dot_platform),
-                   low_bit.fp8 if targets else None, targets, fp4=fp4,
-                   fp8_kept=kept,
+                   half_dot.check_platform(dot_platform), low_bit,
                    model_class=model_class)
+
+
+def _keeps_fp8_without_4_bits() -> PrecisionError:
+  return PrecisionError(
+      'precision.low_bit.keep_fp8: keeps fp8 among 4-bit Linears; set '
+      "precision.low_bit.format to 'nvfp4' or 'mxfp4' and "
+      'precision.low_bit.modules')

@@ -26,12 +26,14 @@ def target_name(target: Target, setting: str) -> str:
   return target.strip()
 
 
-def parse_targets(targets: Union[str, Sequence[Target]]) -> tuple[str, ...]:
+def parse_targets(targets: Union[str, Sequence[Target]],
+                  setting: str = 'precision.low_bit.modules'
+                  ) -> tuple[str, ...]:
   """``'TARGET;...'`` (`precision.low_bit.modules`), or a sequence of classes and
-  strings, as the rules' targets."""
+  strings, as the rules' targets; a bad one named as `setting`'s."""
   if isinstance(targets, str) or targets is None:
     return tuple(t.strip() for t in (targets or '').split(';') if t.strip())
-  return tuple(target_name(t, 'precision.low_bit.modules') for t in targets)
+  return tuple(target_name(t, setting) for t in targets)
 
 
 def _nearest(target: str, modules: set[tuple[str, str]]) -> list[str]:

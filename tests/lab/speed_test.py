@@ -369,7 +369,7 @@ class AutoPlacementTest(absltest.TestCase):
     exp = experiment.build_without_data(settings_lib.parse(
         vit_fp8.get_config()))
     self.assertFalse(any(c.low_bit for c in exp.low_bit_choices))
-    self.assertEqual(exp.precision.fp8_targets, ())
+    self.assertIsNone(exp.precision.low_bit)
     self.assertIn('No Linear pays', exp.low_bit_lines()[-1])
     blocks = experiment.build_without_data(settings_lib.parse(
         vit_fp8.get_config('blocks')))

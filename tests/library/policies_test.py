@@ -171,8 +171,8 @@ class JmpAndHaikuTest(absltest.TestCase):
         'p=f32,c=bf16,o=f32', model_class='MLP', fp8_modules='Linear',
         fp8=haiku_mp.Fp8(), fp4=nvfp4, keep_fp8='*/linear_1')
     self.assertEqual(old, new)
-    self.assertEqual(new.fp4, nvfp4)
-    self.assertEqual((new.fp8_targets, new.fp8_kept),
+    self.assertEqual(new.low_bit.fp4, nvfp4)
+    self.assertEqual((new.low_bit.modules, new.low_bit.keep_fp8),
                      (('Linear',), ('*/linear_1',)))
     self.assertTrue(new.runs_fp8('Linear', 'mlp/~/linear_0'))
     self.assertEqual(new.runs_fp8('Linear', 'mlp/~/linear_0'),

@@ -142,7 +142,7 @@ def checked_precision(config: Settings,
   modules = {(c.class_name, c.path) for c in calls}
   precision.check_overrides(modules)
   precision.check_fp8(modules)
-  if precision.fp4 is not None:
+  if precision.low_bit is not None and precision.low_bit.fp4 is not None:
     _check_fp4_tokens(precision, calls, config.batch_size // batch_devices)
   return precision, calls, choices
 
@@ -181,7 +181,8 @@ def _check_fp4_tokens(precision: policies.Precision,
       x = c.args[0][0]
       rows = math.prod(x.shape[:-1]) * batch_size
       w_out = c.output.shape[-1]
-      fp4_lib.check_dims(precision.fp4, c.path, rows, x.shape[-1], w_out)
+      fp4_lib.check_dims(precision.low_bit.fp4, c.path, rows, x.shape[-1],
+                         w_out)
 
 
 def checked_forward(config: Settings

@@ -124,7 +124,7 @@ def _check_communication(settings: settings_lib.Settings,
         f'parallel.gather_dtype=fp8: parallel.strategy={parallel.strategy} '
         'gathers no parameters (every device holds them whole); only fsdp '
         "splits them over 'batch'")
-  if fp8_gathers and precision.fp8 is None:
+  if fp8_gathers and precision.low_bit is None:
     raise errors.ConfigError(
         'parallel.gather_dtype=fp8 gathers the fp8 Linears\' kernels in fp8, '
         'and no Linear runs in fp8 (precision.low_bit.modules is empty): use '

@@ -109,8 +109,8 @@ def _low_bit(precision: policies.Precision, class_name: str,
   """A low-bit Linear's matmul as the table names it: 'fp8 current', ...,
   or its 4-bit format."""
   if precision.runs_fp4(class_name, path):
-    return precision.fp4.format
-  return f'fp8 {precision.fp8.scaling}'
+    return precision.low_bit.fp4.format
+  return f'fp8 {precision.low_bit.fp8.scaling}'
 
 
 def _preorder_key(path: str, calls: list[interception.ModuleCall]):
@@ -174,16 +174,17 @@ def summary_line(rows: list[dict[str, Any]], overrides: str,
           f'({megabytes:.2f} MB); policies (modules): {in_force}; '
           f'overrides: {overrides or "none"}')
   fp8_rows = [r for r in rows if r['matmul'] != '-']
-  if precision is not None and precision.fp4 is not None:
+  low_bit = precision.low_bit if precision is not None else None
+  if low_bit is not None and low_bit.fp4 is not None:
     kept = sum(1 for r in fp8_rows if r['matmul'].startswith('fp8'))
     line += (f'; 4-bit matmuls: {len(fp8_rows) - kept} Linear'
              + (f' ({kept} kept in fp8)' if kept else '') + ', '
-             f'{precision.fp4.describe()} (emulated: dequantized float32 '
+             f'{low_bit.fp4.describe()} (emulated: dequantized float32 '
              'GEMMs)')
-  elif precision is not None and precision.fp8 is not None:
-    emulation = precision.fp8.emulation(jax.default_backend())
+  elif low_bit is not None:
+    emulation = low_bit.fp8.emulation(jax.default_backend())
     line += (f'; fp8 matmuls: {len(fp8_rows)} Linear, E4M3 forward, E5M2 '
-             f'gradients, {precision.fp8.describe()} scaling'
+             f'gradients, {low_bit.fp8.describe()} scaling'
              + (f' ({emulation})' if emulation else ''))
   return line
 
