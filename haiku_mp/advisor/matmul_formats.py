@@ -150,8 +150,9 @@ def judge(totals: Mapping[str, Sequence[np.ndarray]], fmt: MatmulFormat,
                                      advisor.Fp8Matmuls())
     judged = advisor.judge_matmuls(totals, advisor.Fp8Matmuls(), 'current',
                                    fp8_limits, 'Linear')
-    precision = haiku_mp.make_precision(BF16, model_class=hk.nets.MLP,
-                                        fp8_modules=judged['fp8_modules'])
+    precision = haiku_mp.make_precision(
+        BF16, model_class=hk.nets.MLP,
+        low_bit=haiku_mp.LowBit(judged['low_bit_modules']))
   """
   wider = {}
   if fallback is not None:
@@ -177,5 +178,6 @@ def judge(totals: Mapping[str, Sequence[np.ndarray]], fmt: MatmulFormat,
   return dict(format=fmt.name, choice=choice, options=fmt.options(),
               fallback=fallback['format'] if fallback else None,
               modules=rows, keep_bf16=keep_bf16, keep_fp8=keep_wider,
-              fp8_modules=modules_setting(list(totals), keep_bf16, targets),
+              low_bit_modules=modules_setting(list(totals), keep_bf16,
+                                              targets),
               keep_fp8_setting=';'.join(keep_wider))

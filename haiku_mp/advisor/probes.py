@@ -167,7 +167,7 @@ def linear_statistics_fn(loss_fn: LossFn, paths: Iterable[str],
   def interceptor(vectors, extra):
     def intercept(next_f, args, kwargs, context: hk.MethodContext):
       if (context.method_name != '__call__'
-          or type(context.module).__name__ != low_bit_lib.FP8_CLASS
+          or type(context.module).__name__ != low_bit_lib.LOW_BIT_CLASS
           or context.module.module_name not in vectors):
         return next_f(*args, **kwargs)
       path = context.module.module_name

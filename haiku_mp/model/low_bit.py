@@ -17,7 +17,8 @@ from haiku_mp.model import targets as targets_lib
 Targets = Union[str, Sequence[Any]]
 # 0.1's arguments of `make_precision` that `LowBit` replaces.
 OLD_ARGUMENTS = ('fp8_modules', 'fp8', 'fp4', 'keep_fp8')
-FP8_CLASS = 'Linear'  # The only module whose matmul runs in fp8.
+# The only module whose matmul runs low-bit (fp8 or 4 bits).
+LOW_BIT_CLASS = 'Linear'
 
 
 def selects(targets: tuple[str, ...], class_name: str, path: str) -> bool:

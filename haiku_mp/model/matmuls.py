@@ -11,7 +11,7 @@ from typing import Optional
 import jax
 
 from haiku_mp.model import half_dot
-from haiku_mp.model.low_bit import FP8_CLASS
+from haiku_mp.model.low_bit import LOW_BIT_CLASS
 from haiku_mp.model.low_bit import LowBit
 from haiku_mp.model.low_bit import selects
 
@@ -45,7 +45,7 @@ class Matmuls:
   def runs_low_bit(self, class_name: str, path: str) -> bool:
     """Whether the Linear runs low-bit matmuls: fp8, or 4 bits where
     `runs_fp4` says so."""
-    return (self.low_bit is not None and class_name == FP8_CLASS
+    return (self.low_bit is not None and class_name == LOW_BIT_CLASS
             and selects(self.low_bit.modules, class_name, path))
 
   # 0.1's name, kept for its users: it is true for 4-bit Linears too.

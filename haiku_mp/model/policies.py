@@ -158,27 +158,29 @@ class Precision:
   def runs_fp4(self, class_name: str, path: str) -> bool:
     return self.matmuls.runs_fp4(class_name, path)
 
-  def check_fp8(self, modules: set[tuple[str, str]]) -> None:
-    """Raises unless every fp8 target selects at least one Linear among the
-    `(class, path)` modules, and every `keep_fp8` target one of those."""
+  def check_low_bit(self, modules: set[tuple[str, str]]) -> None:
+    """Raises unless every low-bit target selects at least one Linear among
+    the `(class, path)` modules, and every `keep_fp8` target one of those."""
     if self.low_bit is None:
       return
     for t in self.low_bit.modules:
       selected = [(c, p) for c, p in modules if low_bit_lib.selects((t,), c, p)]
       if not selected:
         raise unmatched('precision.low_bit.modules', t, modules)
-      if not any(c == low_bit_lib.FP8_CLASS for c, _ in selected):
+      if not any(c == low_bit_lib.LOW_BIT_CLASS for c, _ in selected):
         raise PrecisionError(
             f'precision.low_bit.modules: target {t!r} selects no '
-            f'{low_bit_lib.FP8_CLASS} ({", ".join(sorted({c for c, _ in selected}))}'
-            f'): only {low_bit_lib.FP8_CLASS} layers run fp8 matmuls (the patch '
+            f'{low_bit_lib.LOW_BIT_CLASS} '
+            f'({", ".join(sorted({c for c, _ in selected}))}): only '
+            f'{low_bit_lib.LOW_BIT_CLASS} layers run fp8 matmuls (the patch '
             "embedding's convolution and attention's batched dots cannot)")
     for t in self.low_bit.keep_fp8:
       if not any(low_bit_lib.selects((t,), c, p) and self.runs_low_bit(c, p)
                  for c, p in modules):
         raise PrecisionError(
             f'precision.low_bit.keep_fp8: target {t!r} selects no '
-            f'{low_bit_lib.FP8_CLASS} that precision.low_bit.modules runs in 4 bits')
+            f'{low_bit_lib.LOW_BIT_CLASS} that precision.low_bit.modules runs in '
+            '4 bits')
 
   def rule_for(self, class_name: str, path: str) -> Optional[Rule]:
     """The module's own rule, or None when it inherits its caller's policy."""
@@ -213,8 +215,8 @@ class Precision:
 
   def check(self, modules: set[tuple[str, str]]) -> None:
     """Raises one line naming the first target that matches none of the
-    `(class name, path)` modules: `model_class`, an override, an fp8 or
-    4-bit target. `apply` runs it at the end of its first forward pass;
+    `(class name, path)` modules: `model_class`, an override, a low-bit
+    target. `apply` runs it at the end of its first forward pass;
     call it yourself to check a precision against another model's modules.
 
     Example:
@@ -225,7 +227,7 @@ class Precision:
                       ' (its policy would reach no module: the model would '
                       'run in float32)')
     self.check_overrides(modules)
-    self.check_fp8(modules)
+    self.check_low_bit(modules)
 
 
 RESIDUAL_STREAMS = ('compute', 'float32')

@@ -402,7 +402,7 @@ class AutoPlacementTest(absltest.TestCase):
     timed = advisor_driver.with_predicted_time(judged, settings, exp, 'h100')
     faster = {r['path'] for r in timed['modules'] if r['speed']['faster']}
     self.assertIn('vit/encoder_block_0/mlp_block/fc1', faster)
-    self.assertEqual(set(timed['fp8_modules'].split(';')),
+    self.assertEqual(set(timed['low_bit_modules'].split(';')),
                      faster - {unsafe})
     self.assertEqual(set(timed['slower']), set(paths) - faster - {unsafe})
 

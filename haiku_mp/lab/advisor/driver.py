@@ -146,12 +146,12 @@ def _suggestion(settings, exp, modules, judged: verdicts.Advice, fmt: str
               keep_f32=kept, flags=flags)
 
 
-def fp8_candidates(settings: settings_schema.Settings,
-                   exp: experiment.Experiment) -> list[str]:
-  """The Linear layers the low-bit advice judges: those the config's fp8
-  modules select, or `fp8.DEFAULT_MODULES`'s when it runs none."""
-  return measurement.fp8_linears(module_classes(exp),
-                                 _candidates_setting(settings))
+def low_bit_candidates(settings: settings_schema.Settings,
+                       exp: experiment.Experiment) -> list[str]:
+  """The Linear layers the low-bit advice judges: those the config's
+  low-bit modules select, or `fp8.DEFAULT_MODULES`'s when it runs none."""
+  return measurement.low_bit_linears(module_classes(exp),
+                                     _candidates_setting(settings))
 
 
 def _candidates_setting(settings: settings_schema.Settings) -> str:
@@ -186,12 +186,13 @@ def matmul_advice(settings: settings_schema.Settings,
   predicted time, and the flags keep fp8 only where it is safe and
   faster."""
   totals = measurement.measure_matmuls(
-      exp.loss_fn, params, inputs, fp8_candidates(settings, exp), fmt, log)
+      exp.loss_fn, params, inputs, low_bit_candidates(settings, exp), fmt,
+      log)
   judged = matmul_formats.judge(totals, fmt, choice, limits,
                                 _candidates_setting(settings), fallback)
   if gpu and fmt.name == fp8_numerics.Fp8Matmuls.name:
     judged = with_predicted_time(judged, settings, exp, gpu)
-  modules = judged['fp8_modules']
+  modules = judged['low_bit_modules']
   flags = [f"--config.precision.low_bit.modules='{modules}'", *fmt.flags(choice)]
   if judged['keep_fp8_setting']:
     flags.append(f"--config.precision.low_bit.keep_fp8='"
@@ -210,7 +211,7 @@ def with_predicted_time(judged: dict[str, Any],
   """fp8's verdicts (`matmul_formats.judge`) with each Linear's predicted
   gain on `gpu` at the config's batch and compute dtype
   (`placement.choose`): a Linear safe in fp8 but slower keeps bfloat16
-  (`slower`), and `fp8_modules` runs fp8 where it is both."""
+  (`slower`), and `low_bit_modules` runs fp8 where it is both."""
   fmt = placement.low_bit_format(judged['choice'])
   compute = np.dtype(variants.compute_dtype(settings)).itemsize
   linears = {l.path: dataclasses.replace(l, compute_bytes=compute)
@@ -229,7 +230,7 @@ def with_predicted_time(judged: dict[str, Any],
           if r['verdicts'][judged['choice']] == passed]
   slower = [p for p in safe if not choices[p].low_bit]
   return dict(judged, modules=rows, speed_gpu=gpu, speed_format=fmt,
-              slower=slower, fp8_modules=matmul_formats.modules_setting(
+              slower=slower, low_bit_modules=matmul_formats.modules_setting(
                   paths, judged['keep_bf16'] + slower,
                   _candidates_setting(settings)))
 

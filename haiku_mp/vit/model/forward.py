@@ -141,7 +141,7 @@ def checked_precision(config: Settings,
         c.linear.path for c in choices if c.low_bit))
   modules = {(c.class_name, c.path) for c in calls}
   precision.check_overrides(modules)
-  precision.check_fp8(modules)
+  precision.check_low_bit(modules)
   if precision.low_bit is not None and precision.low_bit.fp4 is not None:
     _check_fp4_tokens(precision, calls, config.batch_size // batch_devices)
   return precision, calls, choices
@@ -153,7 +153,8 @@ def linear_shapes(calls: list[interception.ModuleCall],
   at `batch_size`."""
   found = []
   for c in calls:
-    if c.class_name == low_bit_lib.FP8_CLASS and c.method == '__call__':
+    if (c.class_name == low_bit_lib.LOW_BIT_CLASS
+        and c.method == '__call__'):
       x = c.args[0][0]
       found.append(placement.LinearShape(
           c.path, math.prod(x.shape[:-1]) * batch_size, x.shape[-1],

@@ -173,17 +173,17 @@ def summary_line(rows: list[dict[str, Any]], overrides: str,
   line = (f'Model: {len(rows)} modules, {count:,} parameters '
           f'({megabytes:.2f} MB); policies (modules): {in_force}; '
           f'overrides: {overrides or "none"}')
-  fp8_rows = [r for r in rows if r['matmul'] != '-']
+  low_bit_rows = [r for r in rows if r['matmul'] != '-']
   low_bit = precision.low_bit if precision is not None else None
   if low_bit is not None and low_bit.fp4 is not None:
-    kept = sum(1 for r in fp8_rows if r['matmul'].startswith('fp8'))
-    line += (f'; 4-bit matmuls: {len(fp8_rows) - kept} Linear'
+    kept = sum(1 for r in low_bit_rows if r['matmul'].startswith('fp8'))
+    line += (f'; 4-bit matmuls: {len(low_bit_rows) - kept} Linear'
              + (f' ({kept} kept in fp8)' if kept else '') + ', '
              f'{low_bit.fp4.describe()} (emulated: dequantized float32 '
              'GEMMs)')
   elif low_bit is not None:
     emulation = low_bit.fp8.emulation(jax.default_backend())
-    line += (f'; fp8 matmuls: {len(fp8_rows)} Linear, E4M3 forward, E5M2 '
+    line += (f'; fp8 matmuls: {len(low_bit_rows)} Linear, E4M3 forward, E5M2 '
              f'gradients, {low_bit.fp8.describe()} scaling'
              + (f' ({emulation})' if emulation else ''))
   return line
