@@ -43,7 +43,7 @@ def _state(layout: optimizer_lib.StateLayout) -> dict[str, str]:
 def compute_dtype(settings: settings_lib.Settings) -> str:
   """The name of the settings' main compute dtype."""
   return jnp.dtype(policy_strings.parse_policy(
-      settings.precision.policy).compute_dtype).name
+      settings.precision.policy, 'precision.policy').compute_dtype).name
 
 
 def variant_name(settings: settings_lib.Settings) -> str:
@@ -54,7 +54,8 @@ def variant_name(settings: settings_lib.Settings) -> str:
     if low_bit.format in FP4_VARIANTS:
       return low_bit.format
     return fp8.VARIANT_PREFIX + low_bit.scaling
-  policy = policy_strings.parse_policy(settings.precision.policy)
+  policy = policy_strings.parse_policy(settings.precision.policy,
+                                      'precision.policy')
   if jnp.dtype(policy.param_dtype) == jnp.bfloat16:
     for name, layout in ((PURE_BF16, optimizer_lib.PURE_BF16),
                          (PURE_BF16_8BIT, optimizer_lib.PURE_BF16_8BIT)):

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from haiku_mp import errors
 from haiku_mp.model import cpu_features
 from haiku_mp.model import recording
+from haiku_mp.model.precision_error import PrecisionError
 
 FORMS = ('auto', 'native', 'upcast', 'plain')
 # Backends a program may be traced for (`Matmuls.platform`); '' is JAX's own.
@@ -62,12 +63,12 @@ _TRANSPOSE_FOR_KERNEL = ('cpu',)
 
 
 def check_form(form: str) -> str:
-  errors.check_choice('precision.dot_form', form, FORMS)
+  errors.check_choice('$dot_form', form, FORMS, PrecisionError)
   return form
 
 
 def check_platform(platform: str) -> str:
-  errors.check_choice('precision.dot_platform', platform, PLATFORMS)
+  errors.check_choice('$dot_platform', platform, PLATFORMS, PrecisionError)
   return platform
 
 
@@ -113,16 +114,18 @@ def form_for(form: str, dtype, platform: str, batched: bool = False) -> str:
   return form
 
 
-def matmuls_line(form: str, dtypes, platform: str) -> str:
+def matmuls_line(form: str, dtypes, platform: str,
+                 setting: str = 'dot_form') -> str:
   """The console's `Matmuls:` line: the form the dots of each compute dtype
-  in `dtypes` take on `platform` under `precision.dot_form=form`, and why."""
+  in `dtypes` take on `platform` under `form`, and why (a form asked for
+  named as `setting`)."""
   parts = []
   for name in dict.fromkeys(jnp.dtype(d).name for d in dtypes):
     chosen = form_for(form, name, platform)
     if form == 'auto' or jnp.finfo(name).bits >= 32:
       why = auto_form(name, platform)[1]
     else:
-      why = f'precision.dot_form={form!r}'
+      why = f'{setting}={form!r}'
     batched = form_for(form, name, platform, batched=True)
     if batched != chosen:
       why += f'; batched dots {batched}'

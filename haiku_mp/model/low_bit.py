@@ -8,10 +8,10 @@ import dataclasses
 import fnmatch
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from haiku_mp import errors
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import targets as targets_lib
+from haiku_mp.model.precision_error import PrecisionError
 
 # A module target: a class name or path glob, or the class itself.
 Targets = Union[str, Sequence[Any]]
@@ -50,9 +50,10 @@ class LowBit:
   keep_fp8: Targets = ''
 
   def __post_init__(self):
-    object.__setattr__(self, 'modules', targets_lib.parse_targets(self.modules))
+    object.__setattr__(self, 'modules',
+                       targets_lib.parse_targets(self.modules, '$modules'))
     object.__setattr__(self, 'keep_fp8',
-                       targets_lib.parse_targets(self.keep_fp8))
+                       targets_lib.parse_targets(self.keep_fp8, '$keep_fp8'))
 
   @property
   def fp8(self) -> fp8_lib.Fp8:
@@ -72,15 +73,15 @@ def from_parts(modules: Targets = '', fp8: Optional[fp8_lib.Fp8] = None,
   """A `LowBit` from its parts as 0.1's `make_precision` and the configs
   give them: the modules, fp8's scaling, a 4-bit format (None: fp8) and the
   modules kept in fp8; None where neither modules nor kept ones are given.
-  A 4-bit format with fp8's delayed or MX scaling is a ConfigError."""
+  A 4-bit format with fp8's delayed or MX scaling is a PrecisionError
+  naming both (`$fp8.scaling`, `$fp4.format`)."""
   if not _given(modules) and not _given(keep_fp8):
     return None
   if (_given(modules) and fp4 is not None and fp8 is not None
       and fp8.scaling != 'current'):
-    raise errors.ConfigError(
-        f'precision.low_bit.scaling={fp8.scaling} with '
-        f'precision.low_bit.format={fp4.format}: 4-bit formats scale per '
-        "block themselves; leave precision.low_bit.scaling at 'current'")
+    raise PrecisionError(
+        f'$fp8.scaling={fp8.scaling} with $fp4.format={fp4.format}: 4-bit '
+        "formats scale per block themselves; leave $fp8.scaling at 'current'")
   return LowBit(modules, fp4 or fp8 or fp8_lib.Fp8(), keep_fp8)
 
 

@@ -3,10 +3,10 @@
 A `Precision` maps modules to jmp policies. Its rules are resolved for every
 module call, in this order:
 
-1. a path override: the first `precision.overrides` target that is an fnmatch
-   glob matching the module's full path (e.g. ``*/head``);
-2. a class override: a `precision.overrides` target equal to the module's class
-   name (e.g. ``Linear``, ``Attention``);
+1. a path override: the first `overrides` target that is an fnmatch glob
+   matching the module's full path (e.g. ``*/head``);
+2. a class override: an `overrides` target equal to the module's class name
+   (e.g. ``Linear``, ``Attention``);
 3. a class default: the main policy on the model's class, and a float32 policy
    on ``LayerNorm`` (statistics in float32, output cast back to the compute
    dtype so that the next matmul runs in half precision);
@@ -29,8 +29,8 @@ Every place a dtype is decided in a step:
 
 - `interception.apply`: params, module inputs and outputs (the policies);
 - `half_dot`: every matmul takes compute-dtype operands and sums in float32,
-  forward and backward, rounded once to the compute dtype (`precision.dot_form`
-  picks the form per backend);
+  forward and backward, rounded once to the compute dtype (`dot_form` picks
+  the form per backend);
 - `vit.Attention`: logits and softmax in float32 (at least), their backward
   matmuls back in the operands' dtype;
 - `vit.EncoderBlock`: each branch cast to the residual stream's dtype before
@@ -56,7 +56,9 @@ from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import matmuls as matmuls_lib
 from haiku_mp.model.policy_strings import as_policy
 from haiku_mp.model.policy_strings import PolicyLike
+from haiku_mp.model.precision_error import literal
 from haiku_mp.model.precision_error import PrecisionError
+from haiku_mp.model.precision_error import quoted
 from haiku_mp.model.targets import Target
 from haiku_mp.model.targets import target_name
 from haiku_mp.model.targets import unmatched
@@ -78,7 +80,7 @@ def parse_overrides(overrides: Union[str, Mapping[Target, PolicyLike]]
   """Override rules from ``'TARGET:POLICY;TARGET:POLICY'`` (the configs'
   form) or a mapping {target: policy}, targets as classes or strings."""
   if isinstance(overrides, Mapping):
-    items = [(target_name(t, 'precision.overrides'), p)
+    items = [(target_name(t, '$overrides'), p)
              for t, p in overrides.items()]
   else:
     items = []
@@ -89,16 +91,17 @@ def parse_overrides(overrides: Union[str, Mapping[Target, PolicyLike]]
       target, sep, policy_text = item.rpartition(':')
       if not sep or not target.strip():
         raise PrecisionError(
-            f'precision.overrides: malformed entry {item!r}; expected '
+            f'$overrides: malformed entry {quoted(item)}; expected '
             "'TARGET:POLICY', e.g. '*/head:float32' or "
             "'Attention:p=f32,c=f32,o=bf16'")
       items.append((target.strip(), policy_text))
   rules = []
   for target, policy in items:
     if any(r.target == target for r in rules):
-      raise PrecisionError(f'precision.overrides: target {target!r} given twice')
+      raise PrecisionError(
+          f'$overrides: target {quoted(target)} given twice')
     rules.append(Rule(target, as_policy(
-        policy, f'precision.overrides[{target!r}]'), 'override'))
+        policy, f'$overrides[{quoted(target)}]'), 'override'))
   return tuple(rules)
 
 
@@ -166,21 +169,20 @@ class Precision:
     for t in self.low_bit.modules:
       selected = [(c, p) for c, p in modules if low_bit_lib.selects((t,), c, p)]
       if not selected:
-        raise unmatched('precision.low_bit.modules', t, modules)
+        raise unmatched('$low_bit.modules', t, modules)
       if not any(c == low_bit_lib.LOW_BIT_CLASS for c, _ in selected):
         raise PrecisionError(
-            f'precision.low_bit.modules: target {t!r} selects no '
+            f'$low_bit.modules: target {quoted(t)} selects no '
             f'{low_bit_lib.LOW_BIT_CLASS} '
-            f'({", ".join(sorted({c for c, _ in selected}))}): only '
+            f'({literal(", ".join(sorted({c for c, _ in selected})))}): only '
             f'{low_bit_lib.LOW_BIT_CLASS} layers run fp8 matmuls (the patch '
             "embedding's convolution and attention's batched dots cannot)")
     for t in self.low_bit.keep_fp8:
       if not any(low_bit_lib.selects((t,), c, p) and self.runs_low_bit(c, p)
                  for c, p in modules):
         raise PrecisionError(
-            f'precision.low_bit.keep_fp8: target {t!r} selects no '
-            f'{low_bit_lib.LOW_BIT_CLASS} that precision.low_bit.modules runs in '
-            '4 bits')
+            f'$low_bit.keep_fp8: target {quoted(t)} selects no '
+            f'{low_bit_lib.LOW_BIT_CLASS} that $low_bit.modules runs in 4 bits')
 
   def rule_for(self, class_name: str, path: str) -> Optional[Rule]:
     """The module's own rule, or None when it inherits its caller's policy."""
@@ -211,7 +213,7 @@ class Precision:
       t = rule.target
       if t not in classes and not any(fnmatch.fnmatchcase(p, t)
                                       for p in paths):
-        raise unmatched('precision.overrides', t, modules)
+        raise unmatched('$overrides', t, modules)
 
   def check(self, modules: set[tuple[str, str]]) -> None:
     """Raises one line naming the first target that matches none of the
@@ -223,7 +225,7 @@ class Precision:
       precision.check({('MLP', 'mlp'), ('Linear', 'mlp/~/linear_0')})
     """
     if self.model_class and self.model_class not in {c for c, _ in modules}:
-      raise unmatched('model_class', self.model_class, modules,
+      raise unmatched('$model_class', self.model_class, modules,
                       ' (its policy would reach no module: the model would '
                       'run in float32)')
     self.check_overrides(modules)
@@ -241,7 +243,7 @@ def _check_matmul_precision(name: str) -> Optional[str]:
       pass
   except ValueError:
     raise PrecisionError(
-        f'precision.matmul_precision: unknown value {name!r}; expected one of '
+        f'$matmul_precision: unknown value {quoted(name)}; expected one of '
         "'default', 'high', 'highest', 'bfloat16', 'tensorfloat32', 'float32' "
         "(or a jax dot algorithm name such as 'BF16_BF16_F32'), or '' for "
         "JAX's default") from None
@@ -289,9 +291,9 @@ def make_precision(policy: PolicyLike,
                       f'{", ".join(sorted(old_low_bit))}= both given; pass '
                       'low_bit= only')
     low_bit = low_bit_lib.from_old_arguments(old_low_bit)
-  main = as_policy(policy, 'precision.policy')
-  model_class = target_name(model_class, 'model_class')
-  errors.check_choice('precision.residual_stream', residual_stream,
+  main = as_policy(policy, '$policy')
+  model_class = target_name(model_class, '$model_class')
+  errors.check_choice('$residual_stream', residual_stream,
                       RESIDUAL_STREAMS, PrecisionError)
   defaults = {model_class: Rule(model_class, main, 'default')}
   # Normalization in float32: its statistics (and BatchNorm's moving
@@ -309,7 +311,7 @@ def make_precision(policy: PolicyLike,
     low_bit = None  # No Linear runs low-bit matmuls.
   if low_bit is not None and jnp.dtype(main.compute_dtype) == jnp.float16:
     raise PrecisionError(
-        'precision.low_bit.modules: fp8 matmuls need a bfloat16 or float32 '
+        '$low_bit.modules: fp8 matmuls need a bfloat16 or float32 '
         'compute dtype, not float16 (the float16 loss scale on top of fp8 '
         "scales is not supported); use a 'compute=bfloat16' policy")
   if low_bit is not None and low_bit.keep_fp8 and low_bit.fp4 is None:
@@ -323,6 +325,5 @@ def make_precision(policy: PolicyLike,
 
 def _keeps_fp8_without_4_bits() -> PrecisionError:
   return PrecisionError(
-      'precision.low_bit.keep_fp8: keeps fp8 among 4-bit Linears; set '
-      "precision.low_bit.format to 'nvfp4' or 'mxfp4' and "
-      'precision.low_bit.modules')
+      '$low_bit.keep_fp8: keeps fp8 among 4-bit Linears; set '
+      "$low_bit.format to 'nvfp4' or 'mxfp4' and $low_bit.modules")

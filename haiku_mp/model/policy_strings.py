@@ -6,29 +6,33 @@ from typing import Optional, Union
 import jax.numpy as jnp
 import jmp
 
+from haiku_mp.model.precision_error import literal
 from haiku_mp.model.precision_error import PrecisionError
+from haiku_mp.model.precision_error import quoted
 
 # A policy: a jmp policy string, or the jmp.Policy itself.
 PolicyLike = Union[str, jmp.Policy]
 
 
-def parse_policy(text: str, setting: str = 'precision.policy') -> jmp.Policy:
+def parse_policy(text: str, setting: str = '$policy') -> jmp.Policy:
   """Parses a jmp policy string (``params=float32,compute=bfloat16,...``),
-  with an error that names `setting`.
+  with an error that names `setting`: a `PrecisionError` template, by
+  default the argument `$policy` (a caller's name for it stays as written
+  where it has no `$`).
 
   Example:
     policy = haiku_mp.parse_policy('p=f32,c=bf16,o=f32')
     policy.compute_dtype  # bfloat16
   """
   if not isinstance(text, str) or not text.strip():
-    raise PrecisionError(f'{setting}: empty policy string {text!r}')
+    raise PrecisionError(f'{setting}: empty policy string {quoted(text)}')
   try:
     return jmp.get_policy(text.strip())
   except (ValueError, KeyError) as e:
     raise PrecisionError(
-        f'{setting}: invalid policy string {text!r} ({e}); expected e.g. '
-        "'params=float32,compute=bfloat16,output=float32' or 'p=f32,c=f16,o=f32'"
-    ) from None
+        f'{setting}: invalid policy string {quoted(text)} ({literal(str(e))}); '
+        "expected e.g. 'params=float32,compute=bfloat16,output=float32' or "
+        "'p=f32,c=f16,o=f32'") from None
 
 
 def as_policy(policy: PolicyLike, setting: str) -> jmp.Policy:
@@ -38,11 +42,12 @@ def as_policy(policy: PolicyLike, setting: str) -> jmp.Policy:
   return parse_policy(policy, setting)
 
 
-def with_dtypes(policy: PolicyLike, setting: str = 'precision.policy',
+def with_dtypes(policy: PolicyLike, setting: str = '$policy',
                 **dtypes: Optional[str]) -> str:
   """`policy` as a string, with the dtypes named (`params`, `compute`,
   `output`; None keeps one) changed: the one way to write a policy that
-  differs from another in a dtype. Checked as `setting`."""
+  differs from another in a dtype. Checked as `setting` (as
+  `parse_policy` names it)."""
   unknown = set(dtypes) - {'params', 'compute', 'output'}
   if unknown:
     raise TypeError(f'with_dtypes: no dtype {sorted(unknown)}')

@@ -125,7 +125,7 @@ class EinsumTest(parameterized.TestCase):
       self.assertEqual(str(got(a, b)), str(want(a, b)), (dtype, form))
 
   def test_unknown_form_names_the_setting(self):
-    with self.assertRaisesRegex(errors.ConfigError, 'precision.dot_form'):
+    with self.assertRaisesRegex(errors.ConfigError, '^dot_form: '):
       half_dot.check_form('fast')
 
 
@@ -193,10 +193,10 @@ class AutoFormTest(parameterized.TestCase):
         + "); float32 dots plain (float32 operands: JAX's own dots)")
     self.assertEqual(
         half_dot.matmuls_line('native', [jnp.float16], 'gpu'),
-        "Matmuls: float16 dots native (precision.dot_form='native')")
+        "Matmuls: float16 dots native (dot_form='native')")
     self.assertEqual(
         half_dot.matmuls_line('native', [jnp.bfloat16], 'cpu'),
-        "Matmuls: bfloat16 dots native (precision.dot_form='native'; "
+        "Matmuls: bfloat16 dots native (dot_form='native'; "
         'batched dots upcast)')
     self.assertEqual(
         half_dot.matmuls_line('auto', [jnp.bfloat16], 'gpu'),

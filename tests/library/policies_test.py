@@ -61,7 +61,7 @@ class ParseTest(parameterized.TestCase):
   def test_invalid_policy_names_string_and_setting(self, text):
     with self.assertRaises(PrecisionError) as cm:
       policy_strings.parse_policy(text)
-    self.assertIn('precision.policy', str(cm.exception))
+    self.assertStartsWith(str(cm.exception), 'policy: ')
     self.assertIn(repr(text), str(cm.exception))
 
   def test_overrides_parse_in_order(self):
@@ -77,7 +77,7 @@ class ParseTest(parameterized.TestCase):
     with self.assertRaises(PrecisionError) as cm:
       policies.parse_overrides(text)
     message = str(cm.exception)
-    self.assertIn('precision.overrides', message)
+    self.assertStartsWith(message, 'overrides')
 
   def test_bad_override_policy_names_its_target(self):
     with self.assertRaisesRegex(PrecisionError,
@@ -190,8 +190,8 @@ class JmpAndHaikuTest(absltest.TestCase):
   def test_delayed_scaling_with_a_4_bit_format_names_both_settings(self):
     with self.assertRaisesRegex(
         errors.ConfigError,
-        'precision.low_bit.scaling=delayed with precision.low_bit.format='
-        'nvfp4: 4-bit formats scale per block themselves'):
+        '^fp8.scaling=delayed with fp4.format=nvfp4: 4-bit formats scale per '
+        'block themselves'):
       policies.make_precision('p=f32,c=bf16,o=f32', model_class='MLP',
                               fp8_modules='Linear',
                               fp8=haiku_mp.Fp8('delayed'),
@@ -199,10 +199,10 @@ class JmpAndHaikuTest(absltest.TestCase):
 
   def test_a_target_that_is_neither_class_nor_string_names_the_setting(self):
     with self.assertRaisesRegex(PrecisionError,
-                                'precision.overrides: a target must be'):
+                                '^overrides: a target must be'):
       policies.make_precision('float32', {3: 'float32'}, model_class='MLP')
     with self.assertRaisesRegex(PrecisionError,
-                                'precision.low_bit.modules: a target must be'):
+                                '^modules: a target must be'):
       policies.make_precision('p=f32,c=bf16,o=f32', model_class='MLP',
                               low_bit=haiku_mp.LowBit([None]))
 

@@ -31,7 +31,8 @@ def layout_config(settings: settings_lib.Settings, name: str
   """`settings` in the layout `name` (one of `LAYOUTS`)."""
   params, update, mu, nu = LAYOUTS[name]
   return settings_lib.replace(settings, precision=dict(
-      policy=policy_strings.with_dtypes(settings.precision.policy, params=params),
+      policy=policy_strings.with_dtypes(settings.precision.policy,
+                                        'precision.policy', params=params),
       param_update=update, mu_dtype=mu, nu_dtype=nu))
 
 

@@ -1,5 +1,6 @@
 """The model as pure functions: a ViT forward pass under a precision policy."""
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -9,6 +10,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from haiku_mp import errors
 from haiku_mp.advisor import placement
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
@@ -20,6 +22,24 @@ from haiku_mp.vit.settings import LowBitSettings
 from haiku_mp.vit.settings import ModelSettings
 from haiku_mp.vit.settings import precision as precision_settings
 from haiku_mp.vit.settings import Settings
+
+# The settings a precision's library arguments come from: `make_precision`'s
+# are `precision.` and the argument's name; those of the low-bit parts
+# (`Fp8`, `Fp4` and its `check_dims`, `LowBit`, `from_parts`) these.
+_LOW_BIT_PATHS = {
+    name: 'precision.low_bit.' + name.rpartition('.')[2] for name in (
+        'scaling', 'history_length', 'margin', 'format', 'modules',
+        'keep_fp8', 'fp8.scaling', 'fp4.format')}
+
+
+@contextlib.contextmanager
+def _named_as_settings():
+  """The library's errors about what the settings passed it (`ArgumentError`
+  in its own words) with the settings' paths."""
+  try:
+    yield
+  except errors.ArgumentError as error:
+    raise error.named(_LOW_BIT_PATHS, prefix='precision.') from None
 
 
 def precision_from_config(config: Settings,
@@ -34,19 +54,19 @@ def precision_from_config(config: Settings,
     modules = low_bit_modules
   elif precision_settings.chooses_modules(low_bit):
     modules = ''
-  return policies.make_precision(
-      config.precision.policy, config.precision.overrides,
-      model_class=vit.MODEL_CLASS,
-      float32_layer_norm=config.precision.float32_layer_norm,
-      matmul_precision=config.precision.matmul_precision,
-      residual_stream=config.precision.residual_stream,
-      dot_form=config.precision.dot_form,
-      dot_platform=config.precision.dot_platform,
-      # fp8's scaling is built (and checked) whether or not a Linear runs it.
-      low_bit=low_bit_lib.from_parts(
-          modules,
-          fp8_lib.Fp8(low_bit.scaling, low_bit.history_length, low_bit.margin),
-          make_fp4(low_bit), low_bit.keep_fp8))
+  with _named_as_settings():
+    # fp8's scaling is built (and checked) whether or not a Linear runs it.
+    fp8 = fp8_lib.Fp8(low_bit.scaling, low_bit.history_length, low_bit.margin)
+    return policies.make_precision(
+        config.precision.policy, config.precision.overrides,
+        model_class=vit.MODEL_CLASS,
+        float32_layer_norm=config.precision.float32_layer_norm,
+        matmul_precision=config.precision.matmul_precision,
+        residual_stream=config.precision.residual_stream,
+        dot_form=config.precision.dot_form,
+        dot_platform=config.precision.dot_platform,
+        low_bit=low_bit_lib.from_parts(modules, fp8, make_fp4(low_bit),
+                                       low_bit.keep_fp8))
 
 
 _BLOCK_INDEX = re.compile(r'_\d+(?=/|$)')  # 'encoder_block_3' -> 'encoder_block_*'.
@@ -131,7 +151,8 @@ def checked_precision(config: Settings,
   those of one device of the `batch_devices` the batch is split over: each
   runs the GEMMs of its own examples."""
   precision = precision or precision_from_config(config)
-  calls, _ = trace_modules(config.model, precision)
+  with _named_as_settings():  # The first trace checks the targets too.
+    calls, _ = trace_modules(config.model, precision)
   choices = []
   if precision_settings.chooses_modules(config.precision.low_bit):
     choices = low_bit_choices(config, calls, config.batch_size // batch_devices)
@@ -140,10 +161,11 @@ def checked_precision(config: Settings,
     precision = precision_from_config(config, ';'.join(
         c.linear.path for c in choices if c.low_bit))
   modules = {(c.class_name, c.path) for c in calls}
-  precision.check_overrides(modules)
-  precision.check_low_bit(modules)
-  if precision.low_bit is not None and precision.low_bit.fp4 is not None:
-    _check_fp4_tokens(precision, calls, config.batch_size // batch_devices)
+  with _named_as_settings():
+    precision.check_overrides(modules)
+    precision.check_low_bit(modules)
+    if precision.low_bit is not None and precision.low_bit.fp4 is not None:
+      _check_fp4_tokens(precision, calls, config.batch_size // batch_devices)
   return precision, calls, choices
 
 

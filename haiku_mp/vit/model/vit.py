@@ -201,7 +201,10 @@ class VisionTransformer(hk.Module):
       raise errors.ConfigError(
           f'model.image_size={image_size} is not divisible by '
           f'model.patch_size={patch_size}')
-    dropout.check_rate(dropout_rate)
+    try:
+      dropout.check_rate(dropout_rate)
+    except errors.ArgumentError as error:
+      raise error.named({'rate': 'model.dropout_rate'}) from None
     if not layer_norm_epsilon > 0:
       raise errors.ConfigError(
           f'model.layer_norm_epsilon={layer_norm_epsilon:g} must be positive')

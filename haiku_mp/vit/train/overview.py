@@ -232,7 +232,7 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
       precision.dot_form,
       [precision.policy.compute_dtype,
        *(rule.policy.compute_dtype for rule in precision.overrides)],
-      precision.matmuls.backend))
+      precision.matmuls.backend, 'precision.dot_form'))
   rows = module_rows(exp)
   table = format_table(rows)
   path = os.path.join(workdir, MODULES_FILE)
