@@ -70,9 +70,6 @@ class HalfMatmuls(advisor.MatmulFormat):
     loss = operands['weight'][choice]
     return [f'weight loses {loss:.3g} of its norm'] if loss > self.limit else []
 
-  def flags(self, choice):
-    return [f'--half={choice}']
-
   def cells(self, row, choice):
     return [f'{row["weight"][choice]:.3g}']
 

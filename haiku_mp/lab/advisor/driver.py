@@ -18,16 +18,15 @@ a few real batches.
    the format would hold them (`matmul_formats`): fp8 as E4M3 / E5M2 under
    current, delayed and MX scaling, then 4 bits as NVFP4 and MXFP4 would
    block them; a verdict per choice (4 bits fall back on fp8, fp8 on
-   bfloat16) and the `precision.low_bit.modules` and `keep_fp8` to paste.
-3. `--level=knockout`: one module at a time in the half format (a path
-   override on the float32 model), its loss and logits against float32's
-   on the same batches, ranked.
+   bfloat16) and the `precision.low_bit.modules` and `keep_fp8` to paste
+   (`advice_flags`).
+3. `--level=knockout`: one module at a time in the half format
+   (`knockout`).
 4. Cost: the statistics pass against the config's own train step, timed on
    the same batch in this process.
 """
 
 import dataclasses
-import math
 import os
 import time
 from typing import Any, Callable, Optional
@@ -48,8 +47,9 @@ from haiku_mp.lab import hardware
 from haiku_mp.lab import run_inputs
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
+from haiku_mp.lab.advisor import advice_flags
+from haiku_mp.lab.advisor import knockout as knockout_lib
 from haiku_mp.model import fp4 as fp4_lib
-from haiku_mp.update import step as step_lib
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit import settings as settings_schema
 from haiku_mp.vit.settings import fields as settings_fields
@@ -139,7 +139,7 @@ def _suggestion(settings, exp, modules, judged: verdicts.Advice, fmt: str
   flags = [f'--config.precision.policy={policy}',
            f"--config.precision.overrides='{overrides}'"]
   loss_scale = verdicts.loss_scale(fmt, judged.scale_window)
-  flags += verdicts.loss_scale_flags(loss_scale)
+  flags += advice_flags.loss_scale_flags(loss_scale)
   kept = [p for p, v in judged.verdicts.items() if getattr(v, fmt) ==
           verdicts.KEEP]
   return dict(policy=policy, overrides=overrides, loss_scale=loss_scale,
@@ -193,7 +193,8 @@ def matmul_advice(settings: settings_schema.Settings,
   if gpu and fmt.name == fp8_numerics.Fp8Matmuls.name:
     judged = with_predicted_time(judged, settings, exp, gpu)
   modules = judged['low_bit_modules']
-  flags = [f"--config.precision.low_bit.modules='{modules}'", *fmt.flags(choice)]
+  flags = [f"--config.precision.low_bit.modules='{modules}'",
+           *advice_flags.low_bit_flags(fmt, choice)]
   if judged['keep_fp8_setting']:
     flags.append(f"--config.precision.low_bit.keep_fp8='"
                  f"{judged['keep_fp8_setting']}'")
@@ -233,42 +234,6 @@ def with_predicted_time(judged: dict[str, Any],
               slower=slower, low_bit_modules=matmul_formats.modules_setting(
                   paths, judged['keep_bf16'] + slower,
                   _candidates_setting(settings)))
-
-
-def knockout(settings: settings_schema.Settings, params, inputs,
-             paths: list[str], dtypes: list[str], log: Callable[[str], None]
-             ) -> dict[str, list[dict[str, Any]]]:
-  """Per dtype, each module alone in it (a path override on the float32
-  model): its eval loss and logits against the float32 model's, over
-  `inputs`, most sensitive first."""
-
-  def logits_and_loss(variant):
-    precision = forward_lib.precision_from_config(variant)
-    step = jax.jit(step_lib.make_eval_step(
-        forward_lib.make_forward(variant.model, precision)))
-    outs = [step(params, batch) for batch in inputs]
-    return (np.concatenate([np.asarray(o['logits'], np.float64) for o in outs]),
-            float(np.mean([float(o['loss']) for o in outs])))
-
-  ref_logits, ref_loss = logits_and_loss(settings)
-  norm = np.linalg.norm(ref_logits)
-  ranked = {}
-  for dtype in dtypes:
-    half = verdicts.policy(settings.precision.policy, dtype, dtype)
-    rows = []
-    for i, path in enumerate(paths):
-      variant = settings_schema.replace(
-          settings, precision=dict(overrides=f'{path}:{half}'))
-      logits, loss = logits_and_loss(variant)
-      finite = bool(np.all(np.isfinite(logits)))
-      error = (float(np.linalg.norm(logits - ref_logits) / norm)
-               if finite and norm else math.inf)
-      rows.append(dict(path=path, loss=loss, loss_change=loss - ref_loss,
-                       logits_relative_error=error, finite=finite))
-      log(f'advise: knockout {dtype} {i + 1}/{len(paths)} {path}: logits '
-          f'error {error:.3g}')
-    ranked[dtype] = sorted(rows, key=lambda r: -r['logits_relative_error'])
-  return ranked
 
 
 def _time(fn, repeats: int) -> float:
@@ -366,8 +331,8 @@ def run(settings: settings_schema.Settings, checkpoint: str = '',
         fallback, log, gpu)
   if level == 'knockout':
     paths = [m.path for m in modules if m.same_as is None]
-    result['knockout'] = knockout(reference, state.params, inputs, paths,
-                                  formats, log)
+    result['knockout'] = knockout_lib.knockout(
+        reference, state.params, inputs, paths, formats, log)
   result['cost'] = cost(settings, stats, state, inputs[0], repeats)
   log(f'advise: statistics pass {result["cost"]["statistics_pass_sec"]:.3f} s '
       f'= {result["cost"]["ratio"]:.2f}x the train step')
