@@ -52,7 +52,8 @@ def compute_dtypes(name: str, dtypes: Sequence[str]) -> list[str]:
     if dtype.startswith(fp8.VARIANT_PREFIX):
       errors.check_choice(f'--{name}', dtype, variants.FP8_VARIANTS)
       continue
-    policy_strings.parse_policy(f'compute={dtype}', setting=f'--{name} ({dtype})')
+    policy_strings.parse_policy(f'compute={dtype}',
+                                setting=f'--{name} ({dtype})')
   return list(dtypes)
 
 

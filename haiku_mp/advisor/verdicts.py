@@ -284,7 +284,8 @@ def loss_scale(fmt: str, scale_window: tuple[Optional[int], Optional[int]]
 def overrides(modules: Sequence[Module], advice: Advice, fmt: str,
               inherits: Optional[Mapping[str, bool]] = None, half: str = '',
               *, precision=None) -> str:
-  """`make_precision`'s `overrides` that keep exactly the modules judged `keep-f32`
+  """`make_precision`'s `overrides` that keep exactly the modules judged
+  `keep-f32`
   under `fmt` in float32: a class name when every module of the class is
   kept, else their paths; a kept module's direct children that were fine in
   half precision and would inherit float32 from it (`inherits[path]`: no

@@ -56,12 +56,14 @@ def _agreed(matmuls: Optional[Matmuls], in_force: Matmuls,
 def linear(module: hk.Linear, matmuls: Matmuls, plain: Callable[..., jax.Array],
            inputs: jax.Array, *, precision=None) -> jax.Array:
   """`module`'s call with its matmul as `matmuls` says: low-bit (fp8 or 4
-  bits) where its targets select it, half operands with float32 sums otherwise, and `plain` (Haiku's
+  bits) where its targets select it, half operands with float32 sums
+  otherwise, and `plain` (Haiku's
   own call) for float32 operands or the ``plain`` form. Runs in the module's
   own scope: any `hk.Linear`, stock or not, keeps its params' names, shapes,
   dtypes and initializers."""
   low_bit = matmuls.runs_low_bit(LOW_BIT_CLASS, module.module_name)
-  if not low_bit and form_for(matmuls.form, inputs.dtype, matmuls.backend) == 'plain':
+  if not low_bit and form_for(matmuls.form, inputs.dtype,
+                              matmuls.backend) == 'plain':
     recording.ran(module.module_name, 'float32' if jnp.finfo(
         inputs.dtype).bits >= 32 else 'plain')
     return remat.tag_matmul_output(plain(inputs, precision=precision))

@@ -120,7 +120,8 @@ class EinsumTest(parameterized.TestCase):
   def test_float32_and_plain_are_jax_own_einsum(self):
     for dtype, form in (('float32', 'native'), ('bfloat16', 'plain')):
       a, b = _operands(DENSE, dtype)
-      got = jax.make_jaxpr(lambda a, b: matmuls_lib.Matmuls(form).einsum(DENSE, a, b))
+      got = jax.make_jaxpr(
+          lambda a, b: matmuls_lib.Matmuls(form).einsum(DENSE, a, b))
       want = jax.make_jaxpr(lambda a, b: jnp.einsum(DENSE, a, b))
       self.assertEqual(str(got(a, b)), str(want(a, b)), (dtype, form))
 

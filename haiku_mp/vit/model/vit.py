@@ -69,7 +69,8 @@ class PatchEmbed(hk.Module):
 class Attention(hk.Module):
   """Multi-head self-attention with float32 logits and softmax."""
 
-  def __init__(self, num_heads: int, matmuls: matmuls_lib.Matmuls = matmuls_lib.Matmuls(),
+  def __init__(self, num_heads: int,
+               matmuls: matmuls_lib.Matmuls = matmuls_lib.Matmuls(),
                name: Optional[str] = None):
     super().__init__(name=name)
     self.num_heads = num_heads
