@@ -32,7 +32,6 @@ from haiku_mp.update import make_classification_loss
 from haiku_mp.update import make_eval_step
 from haiku_mp.update import make_optimizer
 from haiku_mp.update import make_train_step
-from haiku_mp.update import ordinary_gradients
 from haiku_mp.update import scaled_gradients
 from haiku_mp.update import TrainState
 from haiku_mp.update import without_master
@@ -42,5 +41,5 @@ __all__ = ('Conv2D', 'DataParallel', 'Dots', 'Fp4', 'Fp8', 'Linear',
            'TrainState', 'apply_precision', 'describe',
            'float32_master', 'init_train_state', 'learning_rate_schedule',
            'make_classification_loss', 'make_eval_step', 'make_optimizer',
-           'make_precision', 'make_train_step', 'ordinary_gradients',
+           'make_precision', 'make_train_step',
            'parse_policy', 'scaled_gradients', 'without_master')

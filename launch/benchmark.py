@@ -95,11 +95,11 @@ _LAYOUT_RATIO_FIELDS = ('temp_size_in_bytes', 'argument_size_in_bytes',
                         'params_bytes', 'opt_state_bytes', 'compile_sec')
 
 
-def _layouts(config):
+def _layouts(settings):
   results = []
   for layout in _LAYOUTS.value:
     result = dict(layout=layout, **timing.compiled_step_stats(
-        variants.with_layout(config, layout)))
+        variants.with_layout(settings, layout)))
     results.append(result)
     print(json.dumps(result), flush=True)
   compare.add_ratios(results, 'ratios', _LAYOUT_RATIO_FIELDS,
@@ -112,7 +112,7 @@ def _layouts(config):
 _LEAST = ((_STEPS, 1), (_WARMUP, 0), (_CEILING, 1), (_ROUNDS, 1))
 
 
-def _check_flags(config) -> None:
+def _check_flags(settings) -> None:
   """Every flag's range, before anything is compiled."""
   flag_checks.at_least((f.name, f.value, least) for f, least in _LEAST)
   if _DTYPES.value:
@@ -128,18 +128,18 @@ def _check_flags(config) -> None:
                              'add --loop')
   flag_checks.ints_in('steps_in_flight', _STEPS_IN_FLIGHT.value, 1,
                  in_flight.MAX_LIMIT)
-  if _LOOP.value and _STEPS.value < 2 * config.log_every_steps:
+  if _LOOP.value and _STEPS.value < 2 * settings.log_every_steps:
     raise errors.ConfigError(
         f'--steps={_STEPS.value} is less than two log windows '
-        f'(log_every_steps={config.log_every_steps}): a --loop round is '
+        f'(log_every_steps={settings.log_every_steps}): a --loop round is '
         'timed over its windows after the first; use at least '
-        f'{2 * config.log_every_steps} steps')
+        f'{2 * settings.log_every_steps} steps')
   for layout in _LAYOUTS.value:
-    sharding.mesh_for(variants.with_layout(config, layout).parallel)
+    sharding.mesh_for(variants.with_layout(settings, layout).parallel)
 
 
-def _pipeline(config):
-  result = pipeline_benchmark.run(config, _STEPS.value, _ROUNDS.value)
+def _pipeline(settings):
+  result = pipeline_benchmark.run(settings, _STEPS.value, _ROUNDS.value)
   step = result['step_time_s']
   print(f'{result["source"]} data, batch {result["batch_size"]}: host '
         f'{result["host_images_per_sec"]:.0f} img/s, augmentation '
@@ -155,9 +155,10 @@ def _pipeline(config):
     print(json.dumps(result))
 
 
-def _loop(config, dtypes):
+def _loop(settings, dtypes):
   limits = [int(v) for v in _STEPS_IN_FLIGHT.value]
-  rows = loop_benchmark.run_dtypes(config, dtypes, _STEPS.value, _ROUNDS.value,
+  rows = loop_benchmark.run_dtypes(settings, dtypes, _STEPS.value,
+                                   _ROUNDS.value,
                                    log=lambda line: print(line, flush=True),
                                    steps_in_flight=limits)
   name = lambda row: row['dtype'] + (
@@ -200,23 +201,23 @@ def _line(row) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  config = settings_lib.parse(_CONFIG.value)
-  _check_flags(config)
+  settings = settings_lib.parse(_CONFIG.value)
+  _check_flags(settings)
   print(hardware.host_line(), flush=True)
   if _LAYOUTS.value:
-    _layouts(config)
+    _layouts(settings)
     return
   if _PIPELINE.value:
-    _pipeline(config)
+    _pipeline(settings)
     return
-  dtypes = _DTYPES.value or [variants.variant_name(config)]
+  dtypes = _DTYPES.value or [variants.variant_name(settings)]
   if _LOOP.value:
     # Each round is a run (which uses the config's compilation cache): from
     # its second on, it loads its compiled steps.
-    _loop(config, dtypes)
+    _loop(settings, dtypes)
     return
   rows = step_benchmark.run_dtypes(
-      config, dtypes, _STEPS.value, log=lambda row: print(_line(row),
+      settings, dtypes, _STEPS.value, log=lambda row: print(_line(row),
                                                           flush=True),
       warmup_steps=_WARMUP.value, ceiling_size=_CEILING.value,
       dp_vs_ordinary=_DP_VS_ORDINARY.value)

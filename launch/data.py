@@ -8,7 +8,7 @@ order) as uint8 arrays in one `.npz` (haiku_mp/vit/data/npz_source.py), which Nu
 reads without TensorFlow. Where the data dir lacks it and `data.download`
 allows, TFDS downloads and prepares it first (its progress shown once the
 server answers); a download that fails is one `error:` line and leaves the data
-dir as it was (haiku_mp/vit/data/tfds_source.py).
+dir as it was (haiku_mp/vit/data/tfds_download.py).
 """
 
 import os

@@ -24,7 +24,7 @@ python -m launch.lab advise --config=configs/vit_fp16.py [--checkpoint=WORKDIR] 
 `speed` predicts the train step's time on a named GPU per matmul format
 (bf16, fp8 current and delayed, MXFP8 and NVFP4 where the GPU has them), per
 matmul and for the whole step, and which Linears fp8 pays in, on paper
-(haiku_mp/lab/studies/step_time.py, docs/speed.md); `gemm` times each Linear
+(haiku_mp/lab/studies/step_time.py, one_linear.py, docs/speed.md); `gemm` times each Linear
 shape's three GEMMs in bf16, fp8 alone and fp8 with its casts beside that
 prediction (haiku_mp/lab/studies/gemm.py). `fp8` lists every matmul of the train step (forward and backward) with its
 operands' formats and, compiled, whether it runs as an fp8 GEMM
@@ -32,11 +32,12 @@ operands' formats and, compiled, whether it runs as an fp8 GEMM
 layout and GATHER/REDUCE dtypes and lists every collective's kind, count,
 dtype and bytes per device, per-device memory, and the bytes' time on paper
 for NVLink and InfiniBand links (haiku_mp/lab/studies/communication.py,
-collectives.py). `report` runs several parts on whatever backend JAX finds and writes their
+collectives.py, partitioned_step.py, wire_time.py). `report` runs several parts on whatever backend JAX finds and writes their
 JSON, plots and one report.md (haiku_mp/lab/report/report.py). `advise` says which
 precision each module can run in and which float16 loss scale, and prints the
 flags to paste; it writes advise.json, advise.md and a plot
-(haiku_mp/lab/advisor/driver.py, advisor_files.py).
+(haiku_mp/lab/advisor/driver.py, module_statistics.py, low_bit_advice.py,
+knockout.py, advisor_files.py).
 
 Each study prints its result as one JSON line and writes
 `<study>.json` and its plots into --out.
@@ -66,10 +67,12 @@ from haiku_mp.lab.studies import lost_updates
 from haiku_mp.lab.studies import matmul
 from haiku_mp.lab.studies import matmul_precision as precision_lab
 from haiku_mp.lab.studies import memory
+from haiku_mp.lab.studies import one_linear
 from haiku_mp.lab.studies import params
 from haiku_mp.lab.studies import profile
 from haiku_mp.lab.studies import step_compile
 from haiku_mp.lab.studies import step_time
+from haiku_mp.lab.studies import step_time_report
 from haiku_mp.lab.studies import sweep
 from haiku_mp.lab import variants
 from haiku_mp.vit import settings as settings_lib
@@ -170,7 +173,7 @@ def _check_flags(command: str) -> None:
   if _GPU.value:
     errors.check_choice('--gpu', _GPU.value, gpus.NAMES)
   if _SHAPE.value:
-    step_time.parse_shape(_SHAPE.value)
+    one_linear.parse_shape(_SHAPE.value)
   if command == 'speed' and not _GPU.value:
     raise errors.ConfigError(f'--gpu: speed predicts for a named GPU; give '
                              f'one of {gpus.NAMES}, e.g. --gpu=h100')
@@ -238,12 +241,13 @@ def _fp8(settings):
 def _speed(settings):
   """The step (or with --shape, one Linear) on paper for --gpu."""
   if _SHAPE.value:
-    result = step_time.one_gemm(step_time.parse_shape(_SHAPE.value), _GPU.value)
+    result = one_linear.one_gemm(one_linear.parse_shape(_SHAPE.value),
+                                 _GPU.value)
   else:
     result = step_time.run(settings, _GPU.value, _BATCH.value or None, log=_log)
     if _COMMUNICATION.value:
       result['with_wire'] = step_time.with_wire(result, _COMMUNICATION.value)
-  return result, step_time.plot
+  return result, step_time_report.plot
 
 
 def _gemm(settings):
@@ -299,7 +303,7 @@ STUDIES = {'params': _params, 'sweep': _sweep, 'memory': _memory,
            'rounding': _rounding, 'ladder': _ladder,
            'communication': _communication, 'speed': _speed, 'gemm': _gemm}
 # The studies whose result is a table unless --json asks for the JSON.
-TABLES = {'speed': step_time.table, 'gemm': gemm.table}
+TABLES = {'speed': step_time_report.table, 'gemm': gemm.table}
 BARE_STUDIES = {'matmul': _matmul, 'dot_algorithms': _dot_algorithms,
                 'step_compile': _step_compile}
 # Every command: the studies, the report that runs several of them, and

@@ -25,8 +25,8 @@ from haiku_mp.advisor import verdicts
 from haiku_mp.model import fp8
 from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import targets as targets_lib
+from haiku_mp.update import losses
 from haiku_mp.update import state_check
-from haiku_mp.update import step as step_lib
 
 # The low-bit formats the advisor knows, by name: a new one is one more
 # entry (a `matmul_formats.MatmulFormat`).
@@ -138,7 +138,7 @@ def nonfinite_sources(loss_fn: probes.LossFn, params, rng: jax.Array,
   return sources
 
 
-def nonfinite_state_sources(loss_fn: step_lib.LossWithState, params,
+def nonfinite_state_sources(loss_fn: losses.LossWithState, params,
                             model_state, rng: jax.Array, batch
                             ) -> jax.Array:
   """Per floating leaf of the Haiku state (`state_check.leaves`' order),
@@ -153,7 +153,7 @@ def nonfinite_state_sources(loss_fn: step_lib.LossWithState, params,
 def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
                   loss_scale: float = 1.0, *,
                   float16_loss_fn: Optional[Union[
-                      probes.LossFn, step_lib.LossWithState]] = None,
+                      probes.LossFn, losses.LossWithState]] = None,
                   model_state=None) -> list[verdicts.Module]:
   """The statistics `verdicts.judge` reads, for any Haiku model: each module
   call's output and output gradient, and each param's gradient, over
@@ -182,7 +182,7 @@ def measure_model(loss_fn: probes.LossFn, params, batches, key: jax.Array,
                          loss_scale))
   modules = totals.modules(classes, stats.aliases)
   if float16_loss_fn is not None:
-    stateful = isinstance(float16_loss_fn, step_lib.LossWithState)
+    stateful = isinstance(float16_loss_fn, losses.LossWithState)
     stateless = float16_loss_fn
     if stateful:
       stateless = lambda p, rng, batch: float16_loss_fn(

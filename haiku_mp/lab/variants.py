@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from haiku_mp.model import fp4
 from haiku_mp.model import fp8
 from haiku_mp.model import policy_strings
-from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import state_layout
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.parallel import sharding
 
@@ -33,7 +33,7 @@ PURE_BF16 = 'pure_bf16'
 PURE_BF16_8BIT = 'pure_bf16_8bit'
 
 
-def _state(layout: optimizer_lib.StateLayout) -> dict[str, str]:
+def _state(layout: state_layout.StateLayout) -> dict[str, str]:
   """The `precision` settings of a layout's state (its params are the
   policy's)."""
   return dict(param_update=layout.param_update, mu_dtype=layout.mu_dtype,
@@ -57,8 +57,8 @@ def variant_name(settings: settings_lib.Settings) -> str:
   policy = policy_strings.parse_policy(settings.precision.policy,
                                       'precision.policy')
   if jnp.dtype(policy.param_dtype) == jnp.bfloat16:
-    for name, layout in ((PURE_BF16, optimizer_lib.PURE_BF16),
-                         (PURE_BF16_8BIT, optimizer_lib.PURE_BF16_8BIT)):
+    for name, layout in ((PURE_BF16, state_layout.PURE_BF16),
+                         (PURE_BF16_8BIT, state_layout.PURE_BF16_8BIT)):
       if all(getattr(settings.precision, k) == v
              for k, v in _state(layout).items()):
         return name
@@ -88,7 +88,7 @@ def in_compute_dtype(settings: settings_lib.Settings, dtype: str
       settings.precision.policy, setting=f'sweep dtype {dtype!r}',
       params='bfloat16' if pure_bf16 else None, compute=dtype))
   if pure_bf16:
-    precision.update(_state(optimizer_lib.PURE_BF16))
+    precision.update(_state(state_layout.PURE_BF16))
   if scaling is None:
     precision['low_bit'] = dict(modules='')
   else:

@@ -1,8 +1,8 @@
-"""Loss scales from config, built on jmp, with guards for jmp 0.0.4's defects.
+"""Loss scales built on jmp, with guards for jmp 0.0.4's defects.
 
 The state that changes (scale and finite-step counter) is a plain NamedTuple in
 `TrainState`; the static settings (kind, period, factor, floor) live in a
-`LossScaler` built from the config, which makes jmp's `NoOpLossScale`,
+`LossScaler` built from its arguments, which makes jmp's `NoOpLossScale`,
 `StaticLossScale` or `DynamicLossScale` from the two for every operation.
 jmp's own classes make poor state: `DynamicLossScale` keeps `min_loss_scale`
 out of its pytree, so after `jax.jit` (or any flatten/unflatten) its floor
@@ -57,8 +57,15 @@ _STATE_TYPES = {'none': NoLossScaleState, 'static': StaticLossScaleState,
                 'dynamic': DynamicLossScaleState}
 
 
-class LossScaleError(errors.ConfigError):
-  """A loss-scale setting that cannot be used; names the setting."""
+class LossScaleError(errors.ArgumentError):
+  """A loss-scale argument that cannot be used, or a run it stops; names
+  the `LossScaler` argument (`$initial`), which an application that passed
+  its settings renames to its own (`named(prefix=...)`)."""
+
+
+def _shown(value: Any) -> str:
+  """`repr(value)` in a message template, a `$` in it kept as written."""
+  return repr(value).replace('$', '$$')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,39 +90,42 @@ class LossScaler:
   max_consecutive_skips: int = 50
 
   def __post_init__(self):
-    # Every setting in its range whichever kind reads it: a config's unused
-    # dynamic settings are checked too, before a change of kind meets them.
-    errors.check_choice('loss_scale.kind', self.kind, KINDS, LossScaleError)
+    # Every argument in its range whichever kind reads it: the dynamic ones a
+    # static scaler leaves unused are checked too, before a change of kind
+    # meets them.
+    if self.kind not in KINDS:
+      raise LossScaleError(f'$kind: unknown value {_shown(self.kind)}; '
+                           f'expected one of {KINDS}')
     if not np.isfinite(self.initial) or self.initial <= 0:
-      raise LossScaleError(
-          f'loss_scale.initial: must be a positive finite number, got {self.initial!r}')
+      raise LossScaleError('$initial: must be a positive finite number, got '
+                           + _shown(self.initial))
     if int(self.period) != self.period or self.period < 1:
-      raise LossScaleError(
-          f'loss_scale.period: must be a positive integer, got {self.period!r}')
+      raise LossScaleError('$period: must be a positive integer, got '
+                           + _shown(self.period))
     if self.factor <= 1:
-      raise LossScaleError(f'loss_scale.factor: must be > 1, got {self.factor!r}')
+      raise LossScaleError('$factor: must be > 1, got ' + _shown(self.factor))
     # The floor bounds a dynamic scale only; a static one may sit below it.
     if self.minimum <= 0 or (self.kind == 'dynamic' and
                              self.minimum > self.initial):
-      raise LossScaleError(
-          f'loss_scale.minimum: must be in (0, loss_scale.initial], got {self.minimum!r}')
+      raise LossScaleError('$minimum: must be in (0, $initial], got '
+                           + _shown(self.minimum))
     if int(self.hysteresis) != self.hysteresis or self.hysteresis < 1:
-      raise LossScaleError(
-          f'loss_scale.hysteresis: must be a positive integer, got {self.hysteresis!r}')
+      raise LossScaleError('$hysteresis: must be a positive integer, got '
+                           + _shown(self.hysteresis))
     if self.max_consecutive_skips < 1:
-      raise LossScaleError(
-          'loss_scale.max_consecutive_skips: must be positive, got '
-          f'{self.max_consecutive_skips!r}')
+      raise LossScaleError('$max_consecutive_skips: must be positive, got '
+                           + _shown(self.max_consecutive_skips))
 
   @classmethod
-  def from_config(cls, config) -> 'LossScaler':
-    """From a run's `loss_scale` settings (`LossScaleSettings`, or a
-    ConfigDict's `loss_scale` in a program of your own)."""
-    return cls(kind=config.kind, initial=float(config.initial),
-               period=int(config.period), factor=float(config.factor),
-               minimum=float(config.minimum),
-               hysteresis=int(config.hysteresis),
-               max_consecutive_skips=int(config.max_consecutive_skips))
+  def from_config(cls, settings) -> 'LossScaler':
+    """From `settings` that hold this class's fields by name (an
+    application's typed settings, or a ConfigDict in a program of your
+    own); an error names the field as this class does (`initial`)."""
+    return cls(kind=settings.kind, initial=float(settings.initial),
+               period=int(settings.period), factor=float(settings.factor),
+               minimum=float(settings.minimum),
+               hysteresis=int(settings.hysteresis),
+               max_consecutive_skips=int(settings.max_consecutive_skips))
 
   def init(self) -> LossScaleState:
     """The initial loss-scale state."""
@@ -133,10 +143,10 @@ class LossScaler:
     if made_by != self.kind:
       made = (f"LossScaler('{made_by}')" if made_by else
               f'a {type(state).__name__}, not a LossScaler')
-      raise LossScaleError(
-          f"{where} was made by {made}; this step's scaler is "
-          f"LossScaler('{self.kind}'): build the state with the scaler the "
-          'step takes')
+      message = (f"{where} was made by {made}; this step's scaler is "
+                 f"LossScaler('{self.kind}'): build the state with the scaler "
+                 'the step takes')
+      raise LossScaleError(message.replace('$', '$$'))
 
   def jmp_loss_scale(self, state: LossScaleState) -> jmp.LossScale:
     """jmp's loss scale for `state`, with the configured floor."""
@@ -206,31 +216,30 @@ class LossScaler:
     for where it was not the gradients (its Haiku state, `check_metrics`
     says); '' for the gradients.
     """
+    why = why.replace('$', '$$')
     if self.kind == 'dynamic':
       if (consecutive_skips >= self.max_consecutive_skips and
           scale <= self.minimum):
         if why:
           raise LossScaleError(
-              f'loss_scale.max_consecutive_skips: {consecutive_skips} '
-              f'consecutive steps up to step {step} were skipped with the '
-              f'loss scale at its floor loss_scale.minimum={self.minimum:g}; '
-              f'the last because {why}')
+              f'$max_consecutive_skips: {consecutive_skips} consecutive steps '
+              f'up to step {step} were skipped with the loss scale at its '
+              f'floor $minimum={self.minimum:g}; the last because {why}')
         raise LossScaleError(
-            f'loss_scale.max_consecutive_skips: {consecutive_skips} consecutive '
-            f'steps up to step {step} had non-finite gradients with the loss '
-            f'scale at its floor loss_scale.minimum={self.minimum:g}; the '
-            'model diverged or float16 overflows even unscaled')
+            f'$max_consecutive_skips: {consecutive_skips} consecutive steps up '
+            f'to step {step} had non-finite gradients with the loss scale at '
+            f'its floor $minimum={self.minimum:g}; the model diverged or '
+            'float16 overflows even unscaled')
     elif skipped_in_window:
       if why:
         raise LossScaleError(
-            f'loss_scale.kind={self.kind}: a step before step {step} was '
-            f'skipped (params are intact) because {why}')
+            f'$kind={self.kind}: a step before step {step} was skipped '
+            f'(params are intact) because {why}')
       raise LossScaleError(
-          f'loss_scale.kind={self.kind}: non-finite loss or gradients before '
-          f'step {step} (the update was skipped, params are intact); the last '
+          f'$kind={self.kind}: non-finite loss or gradients before step '
+          f'{step} (the update was skipped, params are intact); the last '
           'checkpoint is kept. Lower the learning rate, or use float16 with '
           'dynamic loss scaling')
-
 
 def _nonfinite_state(metrics: dict, state: Any) -> str:
   """Why a step with finite gradients was skipped: the Haiku state it would

@@ -23,6 +23,10 @@ from haiku_mp.model import random_bits
 # The float32 bits that bfloat16 drops: the low half of the 32.
 _DROPPED_BITS = 16
 _KEPT_MASK = 0xFFFF0000
+# The independent draws one step's rounding key gives (fold_in data): the
+# params' (param_updates.apply_updates) and Adam's moments'
+# (optimizer.scale_by_adam).
+PARAMS_DRAW, MU_DRAW, NU_DRAW = 0, 1, 2
 
 
 def stochastic_round(key: jax.Array, x: jax.Array, dtype) -> jax.Array:

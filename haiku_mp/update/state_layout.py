@@ -1,4 +1,5 @@
-"""What a TrainState holds, part by part, and how many bytes per parameter.
+"""The training state's layouts (`STATE_LAYOUTS`, the one table of them),
+and what a TrainState holds, part by part, and how many bytes per parameter.
 
 The training state's layout (float32 params, or bfloat16 params with or
 without a float32 master; Adam's moments in float32 or bfloat16; a Kahan
@@ -8,19 +9,56 @@ the optimizer's states), so that what is reported is what is stored.
 """
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 
 from haiku_mp.model import meta_params
+from haiku_mp.update import block_moments
+from haiku_mp.update import param_updates
+
+
+class StateLayout(NamedTuple):
+  """How a training state is kept: the params' dtype, how updates reach
+  them (`param_updates.PARAM_UPDATES`), and Adam's moments' dtypes
+  (`make_optimizer`'s `param_update`, `mu_dtype`, `nu_dtype`)."""
+  params: str
+  param_update: str
+  mu_dtype: str
+  nu_dtype: str
+
+
+# The layouts the docs and the lab name, from the default (float32 params)
+# to the least memory: the one table of them.
+STATE_LAYOUTS = {
+    'float32': StateLayout('float32', param_updates.MASTER, 'float32',
+                           'float32'),
+    'bf16+master': StateLayout('bfloat16', param_updates.MASTER, 'float32',
+                               'float32'),
+    'bf16 nearest': StateLayout('bfloat16', 'nearest', 'float32', 'float32'),
+    'bf16 stochastic': StateLayout('bfloat16', 'stochastic', 'float32',
+                                   'float32'),
+    'bf16 kahan': StateLayout('bfloat16', 'kahan', 'float32', 'float32'),
+    'bf16 kahan, bf16 moments': StateLayout('bfloat16', 'kahan', 'bfloat16',
+                                            'bfloat16'),
+    # configs/vit_pure_bf16.py's.
+    'bf16 stochastic, bf16 moments': StateLayout('bfloat16', 'stochastic',
+                                                 'bfloat16', 'bfloat16'),
+    # configs/vit_pure_bf16_8bit.py's.
+    'bf16 stochastic, 8-bit moments': StateLayout(
+        'bfloat16', 'stochastic', block_moments.FLOAT8_BLOCKS,
+        block_moments.FLOAT8_BLOCKS),
+}
+PURE_BF16 = STATE_LAYOUTS['bf16 stochastic, bf16 moments']
+PURE_BF16_8BIT = STATE_LAYOUTS['bf16 stochastic, 8-bit moments']
 
 # The parts, in the order a table shows them; `other` is the step, counts,
 # loss scale and key: a few bytes.
 PARTS = ('params', 'master', 'mu', 'nu', 'compensation', 'ema', 'fp8',
          'other')
 # The optimizer states' field names that hold one copy of the params each
-# (optimizer.MasterState, optax.ScaleByAdamState, optimizer.KahanState,
-# optimizer.EmaState).
+# (param_updates.MasterState, optax.ScaleByAdamState,
+# param_updates.KahanState, moving_average.EmaState).
 _FIELD_PARTS = {'master': 'master', 'mu': 'mu', 'nu': 'nu',
                 'compensation': 'compensation', 'ema_params': 'ema'}
 

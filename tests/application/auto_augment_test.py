@@ -15,9 +15,10 @@ import numpy as np
 
 from haiku_mp.vit.data import auto_augment
 from haiku_mp.vit.data import image_ops
+from haiku_mp.vit.settings import dataset as data_settings
 from tests.application import image_ops_test
 
-OPS = auto_augment.OPS
+OPS = data_settings.AUGMENT_OPS
 
 
 def _images(count):
@@ -113,7 +114,7 @@ class RandAugmentTest(absltest.TestCase):
     counts = {name: unique.count(name) for name in OPS}
     self.assertEqual(counts['invert'], 0)
     self.assertTrue(all(counts[name] > 5 for name in
-                        auto_augment.RANDAUGMENT_OPS), counts)
+                        data_settings.RANDAUGMENT_OPS), counts)
     self.assertLess(max(counts.values()), 3 * count / 14)
 
   def test_an_image_is_a_function_of_its_key(self):

@@ -32,8 +32,8 @@ import orbax.checkpoint as ocp
 
 from haiku_mp import errors
 from haiku_mp.update import loss_scaling
-from haiku_mp.update import optimizer as optimizer_lib
-from haiku_mp.update import step as step_lib
+from haiku_mp.update import param_updates
+from haiku_mp.update import train_state
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import experiment
@@ -85,7 +85,7 @@ def _train_events(workdir):
 
 def _tiny_state(width):
   params = {'linear': {'w': jnp.ones((3, width)), 'b': jnp.zeros((width,))}}
-  return step_lib.init_train_state(
+  return train_state.init_train_state(
       params, optax.adam(1e-3), loss_scaling.LossScaler('dynamic'),
       jax.random.key(0))
 
@@ -350,8 +350,8 @@ class CheckpointerTest(parameterized.TestCase):
 
   def test_half_params_and_their_master_copy_restore_exactly(self):
     params = {'w': jnp.linspace(-1, 1, 6, dtype=jnp.float32).reshape(2, 3)}
-    optimizer = optimizer_lib.float32_master(optax.adam(1e-3))
-    state = step_lib.init_train_state(
+    optimizer = param_updates.float32_master(optax.adam(1e-3))
+    state = train_state.init_train_state(
         jax.tree.map(lambda p: p.astype(jnp.bfloat16), params), optimizer,
         loss_scaling.LossScaler('none'), jax.random.key(0))
     state = state._replace(opt_state=state.opt_state._replace(
@@ -424,7 +424,7 @@ class CheckpointerTest(parameterized.TestCase):
     atexit.register(shutil.rmtree, workdir, ignore_errors=True)
     ckpt = checkpoint.Checkpointer(workdir, keep=3)
     # Random params: files that do not compress to nothing.
-    state = step_lib.init_train_state(
+    state = train_state.init_train_state(
         {'w': jax.random.normal(jax.random.key(1), (8, 1024))},
         optax.adam(1e-3), loss_scaling.LossScaler('dynamic'),
         jax.random.key(0))
@@ -681,7 +681,7 @@ class StateLayoutCheckpointTest(parameterized.TestCase):
     dtypes existed (two steps of `_layout_config()`): it restores into the
     default layout, every array equal to the one the fixture holds."""
     _, restored, stored = self._restore_fixture(_layout_config())
-    self.assertIsInstance(restored.opt_state, optimizer_lib.MasterState)
+    self.assertIsInstance(restored.opt_state, param_updates.MasterState)
     restored, stored = _by_name(_storable(restored)), _by_name(stored)
     self.assertSameElements(restored, stored)
     for name, array in restored.items():

@@ -1,5 +1,5 @@
-"""Every setting's range: `checks.check` accepts every config file and
-names each setting out of range, its value and what is valid."""
+"""Every setting's range: the parse and `checks.check` accept every config
+file and name each setting out of range, its value and what is valid."""
 
 import os
 import sys
@@ -17,6 +17,9 @@ import jax
 
 from configs import base
 from haiku_mp import errors
+from haiku_mp.update import loss_scaling
+from haiku_mp.vit.model import forward as forward_lib
+from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.settings import fields as settings_fields
 from haiku_mp.vit.train import checks
@@ -28,6 +31,18 @@ from tests import helpers
 def _config(**settings):
   """The base config with `settings` ('a.b' keys) set."""
   return helpers.with_settings(base.get_config(), settings)
+
+
+def _check(config):
+  """What `experiment.build` checks before it opens the data: the parse
+  (each field and the rules between them), then what the settings describe,
+  built (the precision, the sharding rules, the loss scaler), and the
+  settings against the precision."""
+  settings = settings_lib.parse(config)
+  precision = forward_lib.precision_from_config(settings)
+  checks.check(settings, precision)
+  sharding.rules(settings.parallel)
+  loss_scaling.LossScaler.from_config(settings.loss_scale)
 
 
 # (name, settings, message): one setting out of its range each.
@@ -370,22 +385,21 @@ class CheckTest(parameterized.TestCase):
     self.assertEmpty(sorted(unchecked), 'settings with no out-of-range case')
 
 
-  def test_the_check_returns_what_it_built(self):
+  def test_build_makes_what_the_settings_describe(self):
     """The scaler and the precision the settings describe, built once by
-    the check for `experiment.build`; a static scale may sit below the
-    floor, which bounds a dynamic one only."""
-    checked = checks.check(settings_lib.parse(_config(**{
+    `experiment.build`; a static scale may sit below the floor, which
+    bounds a dynamic one only."""
+    config = helpers.with_settings(helpers.tiny_config(), {
         'loss_scale.kind': 'static', 'loss_scale.initial': 0.25,
-        'precision.policy': 'params=float32,compute=bfloat16,output=float32'})))
-    self.assertEqual((checked.scaler.kind, checked.scaler.initial),
-                     ('static', 0.25))
-    self.assertEqual(checked.precision.policy.compute_dtype, jax.numpy.bfloat16)
+        'precision.policy': 'params=float32,compute=bfloat16,output=float32',
+        'data.source': 'synthetic'})
+    exp = experiment.build(settings_lib.parse(config), total_steps=1)
+    self.assertEqual((exp.scaler.kind, exp.scaler.initial), ('static', 0.25))
+    self.assertEqual(exp.precision.policy.compute_dtype, jax.numpy.bfloat16)
 
   @parameterized.parameters(*configs_test.CONFIG_NAMES)
   def test_every_config_file_passes(self, name):
-    checks.check(
-        settings_lib.parse(
-            importlib.import_module(f'configs.{name}').get_config()))
+    _check(importlib.import_module(f'configs.{name}').get_config())
 
   @parameterized.named_parameters(
       ('num_train_steps_from_epochs', {'num_train_steps': -1}),
@@ -413,12 +427,12 @@ class CheckTest(parameterized.TestCase):
        {'data.augment': False, 'data.mixup_alpha': 0.8,
         'privacy.enabled': True}))
   def test_valid(self, settings):
-    checks.check(settings_lib.parse(_config(**settings)))
+    _check(_config(**settings))
 
   @parameterized.named_parameters(*_OUT_OF_RANGE)
   def test_out_of_range(self, settings, message):
     with self.assertRaises(errors.ConfigError) as raised:
-      checks.check(settings_lib.parse(_config(**settings)))
+      _check(_config(**settings))
     self.assertIn(message, str(raised.exception))
     self.assertNotIn('\n', str(raised.exception))
 

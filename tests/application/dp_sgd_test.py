@@ -368,7 +368,7 @@ class AccountingTest(absltest.TestCase):
         ('l2_clip_norm', float('inf'), 'privacy.l2_clip_norm=inf bounds no')):
       config = _config(**{setting: value})
       with self.assertRaisesRegex(errors.ConfigError, message):
-        dp_sgd.check_settings(config.privacy)
+        settings_lib.parse(config)
     config = _config()
     config.batch_size = 200
     with self.assertRaisesRegex(errors.ConfigError, 'batch_size=200'):

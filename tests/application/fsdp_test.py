@@ -19,6 +19,7 @@ import optax
 
 import haiku_mp
 from haiku_mp.update import data_parallel
+from haiku_mp.update import train_state
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checkpoint
@@ -134,7 +135,7 @@ class LearnsTest(parameterized.TestCase):
     state = exp.strategy.init_state()
     state, losses = _steps(exp, config, state, 0, 2)
     self.assertTrue(np.all(np.isfinite(losses)))
-    histories, trained = haiku_mp.update.step.split_fp8(state.params)
+    histories, trained = train_state.split_fp8(state.params)
     self.assertNotEmpty(jax.tree.leaves(histories))
     for leaf in jax.tree.leaves(histories):
       self.assertEqual(leaf.sharding.spec, P())

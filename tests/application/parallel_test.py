@@ -30,7 +30,7 @@ import optax
 
 from haiku_mp import errors
 from haiku_mp.update import rounding
-from haiku_mp.update import step as step_lib
+from haiku_mp.update import train_state
 from haiku_mp.vit.parallel import sharding as sharding_lib
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
@@ -194,7 +194,7 @@ class StrategiesAgreeTest(parameterized.TestCase):
       config.precision.low_bit.update(modules='*/encoder_block_*',
                                   scaling='delayed', history_length=4)
       metrics, par, state = _steps(config, _float_batch_without_inf, 3)
-      histories, _ = step_lib.split_fp8(
+      histories, _ = train_state.split_fp8(
           jax.device_get(par.unreplicate(state).params))
       results[strategy] = (_column(metrics, 'loss'), histories)
     want_losses, want_histories = results['single']
@@ -402,10 +402,12 @@ MULTI_FLAGS = ('--config=configs/vit_fp16.py', '--config.data.source=synthetic',
                # fsdp is pjit with the state split over 'batch' as well: one
                # test of both across processes (gathers in float16).
                '--config.parallel.strategy=fsdp',
-               '--config.parallel.mesh_shape=(4,2)')
+               # Two devices per process: both axes of the mesh, over both
+               # processes, in the smallest programs that have them.
+               '--config.parallel.mesh_shape=(2,2)')
 
 
-def _two_processes(flags, workdir, signal_at_process_1=None, devices=4):
+def _two_processes(flags, workdir, signal_at_process_1=None, devices=2):
   """Runs launch.train as 2 processes of `devices` devices each; their
   (returncode, log)."""
   with _reserved_port() as port:
@@ -454,7 +456,7 @@ class MultiProcessTest(parameterized.TestCase):
       self.assertEqual(returncode, 0, out[-3000:])
       self.assertIn(f'at step {saved[0]}.', out)
     one = f'{tmp}/one'
-    helpers.run_module('launch.train', *flags, f'--workdir={one}', devices=8,
+    helpers.run_module('launch.train', *flags, f'--workdir={one}', devices=4,
                        check=True)
     # One shared workdir (as on a cluster's shared filesystem); only process 0
     # writes metrics, so no event is there twice; the stop and the resume
@@ -475,10 +477,11 @@ class MultiProcessTest(parameterized.TestCase):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
     flags = [*(f for f in MULTI_FLAGS if '.parallel.' not in f),
              '--config.parallel.strategy=pmap',
-             '--config.parallel.mesh_shape=(8,1)',
+             '--config.parallel.mesh_shape=(2,1)',
              '--config.num_train_steps=6', '--config.eval_every_steps=6',
              '--config.checkpoint_every_steps=6']
-    results = _two_processes(flags, f'{tmp}/run', signal_at_process_1='TERM:3')
+    results = _two_processes(flags, f'{tmp}/run', signal_at_process_1='TERM:3',
+                             devices=1)
     saved = set()
     for returncode, out in results:
       self.assertEqual(returncode, 0, out[-3000:])
@@ -486,7 +489,7 @@ class MultiProcessTest(parameterized.TestCase):
                               out))
     self.assertLen(saved, 1)  # The same step on both processes.
     step = saved.pop()
-    for returncode, out in _two_processes(flags, f'{tmp}/run'):
+    for returncode, out in _two_processes(flags, f'{tmp}/run', devices=1):
       self.assertEqual(returncode, 0, out[-3000:])
       self.assertIn(f'Resuming from {tmp}/run/checkpoints at step {step}.',
                     out)

@@ -20,6 +20,7 @@ from configs import base
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.model import vit
+from haiku_mp.vit import settings as settings_lib
 from tests import helpers
 
 
@@ -149,8 +150,10 @@ class VitTest(parameterized.TestCase):
       (dict(image_size=10, patch_size=4), 'model.image_size=10'),
       (dict(embed_dim=15, num_heads=2), 'model.embed_dim=15'))
   def test_bad_sizes_name_the_setting(self, sizes, message):
+    """Checked once, when the settings are parsed."""
     with self.assertRaisesRegex(ValueError, message):
-      forward_lib.checked_forward(helpers.tiny_config(**sizes))
+      forward_lib.checked_forward(
+          settings_lib.parse(helpers.tiny_config(**sizes)))
 
 
 def _encoder_outputs(forward, params, images):

@@ -71,11 +71,11 @@ class ProcessAloneTest(absltest.TestCase):
     from haiku_mp.vit.train import checkpoint  # pylint: disable=g-import-not-at-top
     from haiku_mp.lab import run_plots  # pylint: disable=g-import-not-at-top
     from haiku_mp.update import loss_scaling  # pylint: disable=g-import-not-at-top
-    from haiku_mp.update import step as step_lib  # pylint: disable=g-import-not-at-top
+    from haiku_mp.update import train_state  # pylint: disable=g-import-not-at-top
     workdir = tempfile.mkdtemp()
     # A failed save's writes may still land after it closed (checkpoint_test).
     atexit.register(shutil.rmtree, workdir, ignore_errors=True)
-    state = step_lib.init_train_state(
+    state = train_state.init_train_state(
         {'w': jax.random.normal(jax.random.key(1), (8, 1024))},
         optax.adam(1e-3), loss_scaling.LossScaler('dynamic'),
         jax.random.key(0))

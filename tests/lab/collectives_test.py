@@ -10,6 +10,8 @@ from jax.sharding import PartitionSpec as P
 from haiku_mp import errors
 from haiku_mp.lab.studies import collectives
 from haiku_mp.lab.studies import communication
+from haiku_mp.lab.studies import partitioned_step
+from haiku_mp.lab.studies import wire_time
 from haiku_mp.vit import settings as settings_lib
 from tests import helpers
 
@@ -79,7 +81,7 @@ class ParseTest(absltest.TestCase):
   def test_paper_time(self):
     rows = [dict(kind='all-gather', dtype='bfloat16', group_size=8, count=2,
                  bytes=8e6, wire_bytes=7e6)]
-    got = collectives.paper_time(rows, 989e9, 'ib_2node', 'h100_bf16')
+    got = wire_time.paper_time(rows, 989e9, 'ib_2node', 'h100_bf16')
     # 16 devices: a share of 15/16 where the compiled 8 sent 7/8.
     sent = 7e6 * (15 / 16) / (7 / 8)
     self.assertAlmostEqual(got['comm_seconds'], sent / 50e9 + 2 * 10e-6)
@@ -89,7 +91,7 @@ class ParseTest(absltest.TestCase):
     self.assertEqual(got['bound'], 'compute')
     # Many small collectives: bandwidth alone hides, their latencies not.
     many = [dict(rows[0], count=200, wire_bytes=7e3)]
-    got = collectives.paper_time(many, 989e9, 'ib_2node', 'h100_bf16')
+    got = wire_time.paper_time(many, 989e9, 'ib_2node', 'h100_bf16')
     self.assertEqual((got['bandwidth_bound'], got['bound']),
                      ('compute', 'communication'))
 
@@ -244,7 +246,7 @@ class StepTest(parameterized.TestCase):
                              sharding=NamedSharding(mesh, P('batch')))
     g = jax.ShapeDtypeStruct((32, 16), jnp.float32,
                              sharding=NamedSharding(mesh, P()))
-    result = collectives.step_collectives(fn, w, g)
+    result = partitioned_step.step_collectives(fn, w, g)
     self.assertEqual(result['source'], 'partitioned')
     gathers = [r for r in result['collectives'] if r['kind'] == 'all-gather']
     self.assertEqual([(r['dtype'], r['bytes'], r['group_size'])
@@ -278,7 +280,7 @@ class StepTest(parameterized.TestCase):
                               sharding=NamedSharding(mesh, P(None, 'batch')))
     x = jax.ShapeDtypeStruct((2, 16), jnp.float32,
                              sharding=NamedSharding(mesh, P()))
-    result = collectives.step_collectives(fn, ws, x)
+    result = partitioned_step.step_collectives(fn, ws, x)
     self.assertEqual(result['source'], 'partitioned')
     gather, = result['collectives']
     self.assertEqual((gather['kind'], gather['dtype'], gather['count'],

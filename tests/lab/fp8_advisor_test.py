@@ -16,7 +16,7 @@ import numpy as np
 from haiku_mp.advisor import fp8_numerics
 from haiku_mp.advisor import matmul_formats
 from haiku_mp.advisor import numerics
-from haiku_mp.lab.advisor import driver as advisor
+from haiku_mp.lab.advisor import low_bit_advice
 from haiku_mp.lab import variants
 from haiku_mp.model import fp8
 from haiku_mp.vit import settings as settings_lib
@@ -80,17 +80,18 @@ class Fp8AdviceTest(absltest.TestCase):
                                            w=jnp.asarray(w))})
     inputs = [helpers.random_batch(config, 8, seed=i) for i in range(2)]
     limits = helpers.advisor_settings(config.advisor).fp8
-    fmt, choice = advisor.matmul_formats_of(settings_lib.parse(config))[0]
+    fmt, choice = low_bit_advice.matmul_formats_of(
+        settings_lib.parse(config))[0]
     self.assertEqual((fmt.name, choice), ('fp8', 'current'))
-    result = advisor.matmul_advice(settings_lib.parse(config),
-                                   exp,
-                                   params,
-                                   inputs,
-                                   fmt,
-                                   choice,
-                                   limits,
-                                   None,
-                                   log=lambda _: None)
+    result = low_bit_advice.matmul_advice(settings_lib.parse(config),
+                                          exp,
+                                          params,
+                                          inputs,
+                                          fmt,
+                                          choice,
+                                          limits,
+                                          None,
+                                          log=lambda _: None)
     rows = {r['path']: r for r in result['modules']}
     self.assertLen(rows, 12)  # Six Linears in each of the two blocks.
     for path, row in rows.items():

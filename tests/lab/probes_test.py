@@ -15,7 +15,7 @@ import numpy as np
 
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
-from haiku_mp.lab.advisor import driver as advisor
+from haiku_mp.lab.advisor import module_statistics
 from haiku_mp.lab import variants
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
@@ -71,7 +71,7 @@ class StatisticsTest(absltest.TestCase):
     exp, params = tiny_reference()
     batch = helpers.random_batch(exp.settings, 8)
     rng = jax.random.key(3)
-    paths = list(advisor.module_classes(exp))
+    paths = list(module_statistics.module_classes(exp))
     stats = probes.statistics_fn(exp.loss_fn, paths)
     modules, param_stats = stats.fn(params, rng, batch, SCALE)
     self.assertEqual(stats.aliases, {

@@ -28,10 +28,12 @@ from haiku_mp import errors
 from haiku_mp.advisor import gpus
 from haiku_mp.advisor import placement
 from haiku_mp.advisor import speed
-from haiku_mp.lab.advisor import driver as advisor_driver
+from haiku_mp.lab.advisor import low_bit_advice
 from haiku_mp.lab.studies import gemm as gemm_study
+from haiku_mp.lab.studies import one_linear
 from haiku_mp.lab.studies import step_program
 from haiku_mp.lab.studies import step_time
+from haiku_mp.lab.studies import step_time_report
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
@@ -71,7 +73,7 @@ def _tiny(**changes):
 
 
 def _lowered(fn, *args) -> str:
-  return step_time.lower_for_gpu(jax.jit(fn), *args)
+  return step_program.lower_for_gpu(jax.jit(fn), *args)
 
 
 class GpusTest(parameterized.TestCase):
@@ -299,7 +301,7 @@ class SpeedStudyTest(parameterized.TestCase):
     self.assertEqual(a100['where_it_pays'], {})
 
   def test_one_linear_alone_and_the_table_and_plot(self):
-    one = step_time.one_gemm((4096, 8192, 16384), 'h100')
+    one = one_linear.one_gemm((4096, 8192, 16384), 'h100')
     [row] = one['matmuls']
     self.assertEqual((row['pass'], row['m'], row['k'], row['n']),
                      ('fprop', 4096, 8192, 16384))
@@ -310,11 +312,11 @@ class SpeedStudyTest(parameterized.TestCase):
     self.assertGreater(one['linear']['speedup']['fp8_current'], 1)
     out = self.enter_context(tempfile.TemporaryDirectory())
     for result in (self.result, one):
-      self.assertIn('speedup', step_time.table(result))
-      [path] = step_time.plot(result, out)
+      self.assertIn('speedup', step_time_report.table(result))
+      [path] = step_time_report.plot(result, out)
       self.assertGreater(os.path.getsize(path), 1000)
     with self.assertRaisesRegex(errors.ConfigError, r'^--shape=8,8: expected'):
-      step_time.parse_shape('8,8')
+      one_linear.parse_shape('8,8')
 
   def test_the_wire_joins_the_step(self):
     link = step_time.WIRE_LINKS[0]
@@ -399,7 +401,7 @@ class AutoPlacementTest(absltest.TestCase):
                   modules=[dict(path=p, verdicts=dict(
                       current='keep-bf16' if p == unsafe else 'fp8-ok'))
                            for p in paths])
-    timed = advisor_driver.with_predicted_time(judged, settings, exp, 'h100')
+    timed = low_bit_advice.with_predicted_time(judged, settings, exp, 'h100')
     faster = {r['path'] for r in timed['modules'] if r['speed']['faster']}
     self.assertIn('vit/encoder_block_0/mlp_block/fc1', faster)
     self.assertEqual(set(timed['low_bit_modules'].split(';')),

@@ -16,7 +16,7 @@ from absl.testing import absltest
 import jax
 
 from haiku_mp.lab.studies import step_compile
-from haiku_mp.update import step as step_lib
+from haiku_mp.update import train_state
 
 
 class StepCompileTest(absltest.TestCase):
@@ -45,7 +45,7 @@ class StepCompileTest(absltest.TestCase):
       step, args = step_compile._step_and_args('lm', variant)  # pylint: disable=protected-access
       out = jax.eval_shape(step, *args)
       if variant != 'plain':
-        self.assertIsInstance(out[0], step_lib.TrainState)
+        self.assertIsInstance(out[0], train_state.TrainState)
 
 
 if __name__ == '__main__':

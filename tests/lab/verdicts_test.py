@@ -24,6 +24,7 @@ from haiku_mp import errors as haiku_mp_errors
 from haiku_mp.lab.advisor import advice_flags
 from haiku_mp.lab.advisor import driver as advisor
 from haiku_mp.lab.advisor import knockout
+from haiku_mp.lab.advisor import module_statistics
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from tests import helpers
@@ -120,7 +121,7 @@ class AdvisorTest(absltest.TestCase):
   def _judge(cls, params=None, loss_fn=None, inputs=None):
     state = cls.exp.strategy.init_state()._replace(
         params=copy.deepcopy(params or cls.params))
-    modules, _, _, _ = advisor.gather_statistics(
+    modules, _, _, _ = module_statistics.gather_statistics(
         cls.exp, state, inputs or cls.inputs, lambda line: None,
         loss_fn=loss_fn)
     return modules, verdicts.judge(modules, THRESHOLDS)

@@ -26,7 +26,7 @@ from haiku_mp.lab.studies import fp8_gemms
 from haiku_mp.model import fp8
 from haiku_mp.model import fp8_scales
 from haiku_mp.model import meta_params
-from haiku_mp.update import step as step_lib
+from haiku_mp.update import train_state
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import overview
@@ -581,7 +581,7 @@ class ModelTest(parameterized.TestCase):
     exp = experiment.build_without_data(settings_lib.parse(config))
     strategy = exp.strategy
     state = strategy.init_state()
-    histories, trained = step_lib.split_fp8(state.params)
+    histories, trained = train_state.split_fp8(state.params)
     self.assertLen(histories, 12)  # Six Linears in each of two blocks.
     for module in histories.values():
       self.assertEqual(sorted(module), sorted(meta_params.HISTORY_NAMES))
@@ -598,7 +598,7 @@ class ModelTest(parameterized.TestCase):
       batch = helpers.random_batch(config, config.batch_size, seed=i)
       state, metrics = strategy.train_step(state, strategy.place_batch(batch))
       losses.append(float(metrics['loss']))
-    histories, _ = step_lib.split_fp8(state.params)
+    histories, _ = train_state.split_fp8(state.params)
     for module in histories.values():
       for name, h in module.items():
         h = np.asarray(h)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 
+from haiku_mp import errors
 from haiku_mp.update import loss_scaling
 
 OVERFLOW = jnp.asarray(False)
@@ -84,16 +85,28 @@ class LossScalerTest(parameterized.TestCase):
                      jax.tree.map(lambda x: x.dtype, abstract))
 
   @parameterized.parameters(
-      (dict(kind='dymanic'), 'loss_scale.kind'),
-      (dict(kind='static', initial=0.0), 'loss_scale.initial'),
-      (dict(kind='dynamic', initial=float('inf')), 'loss_scale.initial'),
-      (dict(kind='dynamic', factor=1.0), 'loss_scale.factor'),
-      (dict(kind='dynamic', period=0), 'loss_scale.period'),
-      (dict(kind='dynamic', minimum=0.0), 'loss_scale.minimum'),
-      (dict(kind='dynamic', initial=4.0, minimum=8.0), 'loss_scale.minimum'))
+      (dict(kind='dymanic'), '^kind: '),
+      (dict(kind='static', initial=0.0), '^initial: '),
+      (dict(kind='dynamic', initial=float('inf')), '^initial: '),
+      (dict(kind='dynamic', factor=1.0), '^factor: '),
+      (dict(kind='dynamic', period=0), '^period: '),
+      (dict(kind='dynamic', minimum=0.0), '^minimum: '),
+      (dict(kind='dynamic', initial=4.0, minimum=8.0), '^minimum: '))
   def test_bad_settings_name_the_setting(self, kwargs, setting):
     with self.assertRaisesRegex(loss_scaling.LossScaleError, setting):
       loss_scaling.LossScaler(**kwargs)
+
+  def test_an_error_names_the_argument_and_named_its_setting_path(self):
+    with self.assertRaises(errors.ArgumentError) as raised:
+      loss_scaling.LossScaler(initial=-1)
+    self.assertEqual(str(raised.exception),
+                     'initial: must be a positive finite number, got -1')
+    self.assertEqual(str(raised.exception.named(prefix='loss_scale.')),
+                     'loss_scale.initial: must be a positive finite number, '
+                     'got -1')
+    with self.assertRaises(loss_scaling.LossScaleError) as raised:
+      loss_scaling.LossScaler().check(3, 1.0, 1, 1)
+    self.assertStartsWith(str(raised.exception), 'kind=none: non-finite ')
 
 
 if __name__ == '__main__':

@@ -15,7 +15,10 @@ import numpy as np
 import optax
 
 from haiku_mp.model import policies
+from haiku_mp.update import moving_average
 from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import param_updates
+from haiku_mp.update import schedule as schedule_lib
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
@@ -32,7 +35,7 @@ def _run(optimizer, params, steps=STEPS):
   def step(params, state):
     grads = jax.tree.map(jnp.ones_like, params)
     updates, state = optimizer.update(grads, state, params)
-    return optimizer_lib.apply_updates(params, updates, state), state
+    return param_updates.apply_updates(params, updates, state), state
 
   for _ in range(steps):
     params, state = step(params, state)
@@ -49,7 +52,7 @@ class Float32MasterTest(parameterized.TestCase):
     np.testing.assert_array_equal(plain['w'], params['w'])
 
     mastered, state = _run(
-        optimizer_lib.float32_master(optax.sgd(LEARNING_RATE)), params)
+        param_updates.float32_master(optax.sgd(LEARNING_RATE)), params)
     chex.assert_trees_all_equal_dtypes(mastered, params)
     self.assertEqual(state.master['w'].dtype, jnp.float32)
     np.testing.assert_allclose(state.master['w'], 1 - STEPS * LEARNING_RATE,
@@ -63,7 +66,7 @@ class Float32MasterTest(parameterized.TestCase):
               'h': jnp.linspace(-1, 1, 5, dtype=jnp.bfloat16)}
     inner = optax.adamw(1e-2)
     plain, _ = _run(inner, {'w': params['w']})
-    mastered, state = _run(optimizer_lib.float32_master(inner), params)
+    mastered, state = _run(param_updates.float32_master(inner), params)
     np.testing.assert_allclose(mastered['w'], plain['w'], rtol=1e-6)
     np.testing.assert_array_equal(mastered['w'], state.master['w'])
     np.testing.assert_array_equal(mastered['h'],
@@ -80,7 +83,7 @@ class Float32MasterTest(parameterized.TestCase):
       state = optimizer_lib.make_optimizer(
           optax.constant_schedule(1e-3), half_params=plan.half_params).init(
               {'w': jnp.ones((2, 2))})
-      self.assertEqual(isinstance(state, optimizer_lib.MasterState), expected)
+      self.assertEqual(isinstance(state, param_updates.MasterState), expected)
 
 
 class WeightDecayTest(absltest.TestCase):
@@ -94,7 +97,7 @@ class WeightDecayTest(absltest.TestCase):
     # Every param non-zero, so that a decayed one moves.
     params = jax.tree.map(lambda p: jnp.full(p.shape, 0.1, p.dtype), shapes)
     optimizer = optimizer_lib.make_optimizer(
-        optimizer_lib.learning_rate_schedule(0.1, 0, total_steps=10),
+        schedule_lib.learning_rate_schedule(0.1, 0, total_steps=10),
         weight_decay=0.5)
     state = optimizer.init(params)
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -115,21 +118,21 @@ class WeightDecayTest(absltest.TestCase):
 class EmaTest(absltest.TestCase):
 
   def test_the_average_follows_the_params_in_float32(self):
-    schedule = optimizer_lib.learning_rate_schedule(0.01, 0, STEPS)
+    schedule = schedule_lib.learning_rate_schedule(0.01, 0, STEPS)
     params = {'m': {'w': jnp.ones(4, jnp.bfloat16)}}
     optimizer = optimizer_lib.make_optimizer(schedule, ema_decay=0.75,
                                              half_params=True)
-    self.assertIsNone(optimizer_lib.ema_params(
+    self.assertIsNone(moving_average.ema_params(
         optimizer_lib.make_optimizer(schedule).init(params)))
     state = optimizer.init(params)
     expected = np.ones(4, np.float32)
     for _ in range(3):
       grads = jax.tree.map(jnp.ones_like, params)
       updates, state = optimizer.update(grads, state, params)
-      params = optimizer_lib.apply_updates(params, updates, state)
+      params = param_updates.apply_updates(params, updates, state)
       master = np.asarray(state.master['m']['w'])
       expected = 0.75 * expected + 0.25 * master
-      ema = optimizer_lib.ema_params(state)['m']['w']
+      ema = moving_average.ema_params(state)['m']['w']
       chex.assert_type(ema, jnp.float32)
       np.testing.assert_allclose(ema, expected, rtol=1e-6)
     self.assertTrue(np.all(np.asarray(ema) > master))  # It lags behind.
@@ -140,33 +143,34 @@ class EmaHorizonTest(absltest.TestCase):
   def test_the_decay_follows_the_runs_length(self):
     # Its time constant, 1 / (1 - decay), is the horizon's share of the run.
     for steps in (200, 70_200):
-      decay = optimizer_lib.ema_decay_for(0.0, 0.05, steps)
+      decay = moving_average.ema_decay_for(0.0, 0.05, steps)
       self.assertAlmostEqual(1 / (1 - decay), 0.05 * steps, places=6)
-    self.assertLess(optimizer_lib.ema_decay_for(0.0, 0.05, 1_760),
-                    optimizer_lib.ema_decay_for(0.0, 0.05, 17_400))
-    self.assertEqual(optimizer_lib.ema_decay_for(0.9998, 0.0, 1_760), 0.9998)
-    self.assertEqual(optimizer_lib.ema_decay_for(0.0, 0.0, 1_760), 0.0)
-    self.assertEqual(optimizer_lib.ema_decay_for(0.0, 0.05, 3), 0.5)
+    self.assertLess(moving_average.ema_decay_for(0.0, 0.05, 1_760),
+                    moving_average.ema_decay_for(0.0, 0.05, 17_400))
+    self.assertEqual(moving_average.ema_decay_for(0.9998, 0.0, 1_760), 0.9998)
+    self.assertEqual(moving_average.ema_decay_for(0.0, 0.0, 1_760), 0.0)
+    self.assertEqual(moving_average.ema_decay_for(0.0, 0.05, 3), 0.5)
 
   def test_the_experiment_keeps_that_average_and_says_so(self):
     config = helpers.tiny_config()
     config.num_train_steps, config.ema_horizon = 400, 0.05
     exp = experiment.build_without_data(settings_lib.parse(config))
     self.assertAlmostEqual(exp.ema_decay, 0.95)
-    self.assertIsNotNone(optimizer_lib.ema_params(exp.abstract_state.opt_state))
+    self.assertIsNotNone(
+        moving_average.ema_params(exp.abstract_state.opt_state))
     self.assertIn('Moving average: decay 0.95 per step, a time constant of 20 '
                   "steps (5% of the run's 400)", '\n'.join(exp.describe()))
     config.ema_horizon = 0.0
     exp = experiment.build_without_data(settings_lib.parse(config))
     self.assertEqual((exp.ema_decay, exp.describe()), (0.0, []))
-    self.assertIsNone(optimizer_lib.ema_params(exp.abstract_state.opt_state))
+    self.assertIsNone(moving_average.ema_params(exp.abstract_state.opt_state))
 
 
 class ScheduleTest(absltest.TestCase):
 
   def test_warmup_then_cosine_to_zero(self):
-    schedule = optimizer_lib.learning_rate_schedule(1e-3, warmup_steps=10,
-                                                    total_steps=100)
+    schedule = schedule_lib.learning_rate_schedule(1e-3, warmup_steps=10,
+                                                   total_steps=100)
     self.assertEqual(float(schedule(0)), 0.0)
     self.assertAlmostEqual(float(schedule(10)), 1e-3, places=9)
     self.assertAlmostEqual(float(schedule(100)), 0.0, places=9)

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import param_updates
 from haiku_mp.update import rounding
 
 BF16_ULP_AT_ONE = 2.0**-7
@@ -86,14 +87,14 @@ class StochasticRoundTest(parameterized.TestCase):
 def _sum_updates(param_update, steps=10_000):
   """1.0 in bfloat16 after `steps` SGD updates of +TINY each, with no master
   copy, rounded as `param_update` says."""
-  optimizer = optimizer_lib.without_master(optax.sgd(1.0), param_update)
+  optimizer = param_updates.without_master(optax.sgd(1.0), param_update)
   params = {'w': jnp.ones((64,), jnp.bfloat16)}
   grads = {'w': jnp.full((64,), -TINY, jnp.float32)}
 
   def step(carry, key):
     params, state = carry
     updates, state = optimizer.update(grads, state, params, key=key)
-    return (optimizer_lib.apply_updates(params, updates, state, key),
+    return (param_updates.apply_updates(params, updates, state, key),
             state), None
 
   keys = jax.random.split(jax.random.key(0), steps)
@@ -142,19 +143,19 @@ class NoMasterTest(parameterized.TestCase):
   def test_no_float32_copy_and_float32_params_take_the_float32_result(self):
     params = {'h': jnp.ones((3,), jnp.bfloat16), 'f': jnp.ones((3,))}
     for update in ('nearest', 'stochastic', 'kahan'):
-      optimizer = optimizer_lib.without_master(optax.adam(1e-2), update)
+      optimizer = param_updates.without_master(optax.adam(1e-2), update)
       state = optimizer.init(params)
       shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
       # Adam's moments (float32 here) and the compensation: nothing else
       # the size of the params.
-      self.assertNotIsInstance(state, optimizer_lib.MasterState)
+      self.assertNotIsInstance(state, param_updates.MasterState)
       if update == 'kahan':
         self.assertEqual(shapes.compensation,
                          {'h': ((3,), jnp.bfloat16), 'f': ((3,), jnp.float32)})
       grads = jax.tree.map(jnp.ones_like, params)
       updates, state = optimizer.update(grads, state, params,
                                         key=jax.random.key(0))
-      new = optimizer_lib.apply_updates(params, updates, state,
+      new = param_updates.apply_updates(params, updates, state,
                                         jax.random.key(0))
       chex.assert_trees_all_equal_dtypes(new, params)
       np.testing.assert_allclose(new['f'], 1 - 1e-2, rtol=1e-6)

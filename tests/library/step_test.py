@@ -18,9 +18,12 @@ import optax
 from haiku_mp.model import interception
 from haiku_mp.model import policies
 from haiku_mp.model import policy_strings
+from haiku_mp.update import classification
+from haiku_mp.update import gradients as gradients_lib
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import step as step_lib
+from haiku_mp.update import train_state
 from haiku_mp.vit.parallel import stop_request
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
@@ -61,7 +64,7 @@ def _regression_batch():
 def _one_step(policy, scaler, optimizer, batch, loss_fn_and_forward=None):
   forward, loss_fn = loss_fn_and_forward or _linear_regression(policy)
   params = forward.init(jax.random.key(0), batch['x'])
-  state = step_lib.init_train_state(params, optimizer, scaler,
+  state = train_state.init_train_state(params, optimizer, scaler,
                                           jax.random.key(1))
   step = jax.jit(step_lib.make_train_step(loss_fn, optimizer, scaler))
   new_state, metrics = step(state, batch)
@@ -107,14 +110,14 @@ class MakeTrainStepTest(absltest.TestCase):
     forward, loss_fn = _linear_regression(FP32)
     scaler = loss_scaling.LossScaler('static', initial=2.0**4)
     optimizer = optax.sgd(0.1)
-    state = step_lib.init_train_state(
+    state = train_state.init_train_state(
         forward.init(jax.random.key(0), batch['x']), optimizer, scaler,
         jax.random.key(1))
     direct, _ = step_lib.make_train_step(loss_fn, optimizer, scaler)(
         state, batch)
     given, _ = step_lib.make_train_step(
         None, optimizer, scaler,
-        gradients_fn=step_lib.scaled_gradients(loss_fn, scaler))(
+        gradients_fn=gradients_lib.scaled_gradients(loss_fn, scaler))(
             state, batch)
     chex.assert_trees_all_equal(direct, given)
     self.assertFalse(np.array_equal(direct.params['linear']['w'],
@@ -126,7 +129,7 @@ class MakeTrainStepTest(absltest.TestCase):
     batch = _regression_batch()
     forward, loss_fn = _linear_regression(FP32)
     optimizer = optax.sgd(0.1)
-    state = step_lib.init_train_state(
+    state = train_state.init_train_state(
         forward.init(jax.random.key(0), batch['x']), optimizer,
         loss_scaling.LossScaler(), jax.random.key(1))
     library_step = step_lib.make_train_step(loss_fn, optimizer)
@@ -389,7 +392,7 @@ class SoftTargetsTest(parameterized.TestCase):
 
   def _loss(self, logits, batch, label_smoothing):
     forward = hk.transform(lambda images, is_training: logits)
-    loss_fn = step_lib.make_classification_loss(forward, label_smoothing)
+    loss_fn = classification.make_classification_loss(forward, label_smoothing)
     return loss_fn({}, jax.random.key(0), batch)
 
   def test_label_smoothing_spreads_the_target(self):
@@ -427,7 +430,7 @@ class EvalStepTest(parameterized.TestCase):
 
   def test_deterministic_and_masked(self):
     forward, batch, state, _ = _vit_setup(BF16, 'none')
-    eval_step = jax.jit(step_lib.make_eval_step(forward))
+    eval_step = jax.jit(classification.make_eval_step(forward))
     # A random head, so that the logits depend on the encoder and differ
     # between classes (a constant one ties them all, and argmax would then
     # be decided by the last bits of each program's matmul).
@@ -468,8 +471,8 @@ class StateCheckTest(parameterized.TestCase):
     return step_lib.make_train_step(self.loss_fn, optimizer, scaler)
 
   def _state(self, optimizer, scaler):
-    return step_lib.init_train_state(self.params, optimizer, scaler,
-                                     jax.random.key(1))
+    return train_state.init_train_state(self.params, optimizer, scaler,
+                                        jax.random.key(1))
 
   def test_the_params_instead_of_a_state(self):
     step = self._step(optax.sgd(0.1), loss_scaling.LossScaler())
@@ -528,16 +531,16 @@ class StateCheckTest(parameterized.TestCase):
     forward = hk.without_apply_rng(hk.transform(forward))
     batch = dict(image=self.batch['x'], label=jnp.arange(16) % 3)
     params = forward.init(jax.random.key(0), batch['image'], True)
-    loss_fn = step_lib.make_classification_loss(forward)
+    loss_fn = classification.make_classification_loss(forward)
     loss, _ = loss_fn(params, jax.random.key(1), batch)
     self.assertTrue(np.isfinite(float(loss)))
-    metrics = step_lib.make_eval_step(forward)(params, batch)
+    metrics = classification.make_eval_step(forward)(params, batch)
     np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-6)
 
   def test_a_function_that_is_not_transformed(self):
     with self.assertRaisesRegex(TypeError, 'forward is a function, not a '
                                 'transformed Haiku function'):
-      step_lib.make_classification_loss(lambda x, t: x)
+      classification.make_classification_loss(lambda x, t: x)
 
 
 if __name__ == '__main__':

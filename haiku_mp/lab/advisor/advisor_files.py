@@ -76,8 +76,8 @@ def matmul_flag_lines(result: dict[str, Any]) -> list[str]:
 
 
 def matmul_markdown(judged: dict[str, Any]) -> list[str]:
-  """One low-bit format's verdicts (`driver.matmul_advice`): the flags,
-  then a row per Linear with its verdict per choice and its format's
+  """One low-bit format's verdicts (`low_bit_advice.matmul_advice`): the
+  flags, then a row per Linear with its verdict per choice and its format's
   numbers at the advice's choice."""
   fmt = measurement.MATMUL_FORMATS[judged['format']](**judged['options'])
   choice = judged['choice']

@@ -1,6 +1,7 @@
-"""`launch.lab advise --level=knockout`: one module at a time in the half
-format (a path override on the float32 model), its loss and logits against
-float32's on the same batches, ranked."""
+"""The advisor's knockout (`--level=knockout`): one module at a time in a
+half format on the float32 model, ranked by how far its logits and loss
+move from float32's on the same batches.
+"""
 
 import math
 from typing import Any, Callable
@@ -9,7 +10,7 @@ import jax
 import numpy as np
 
 from haiku_mp.advisor import verdicts
-from haiku_mp.update import step as step_lib
+from haiku_mp.update import classification
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit import settings as settings_schema
 
@@ -23,7 +24,7 @@ def knockout(settings: settings_schema.Settings, params, inputs,
 
   def logits_and_loss(variant):
     precision = forward_lib.precision_from_config(variant)
-    step = jax.jit(step_lib.make_eval_step(
+    step = jax.jit(classification.make_eval_step(
         forward_lib.make_forward(variant.model, precision)))
     outs = [step(params, batch) for batch in inputs]
     return (np.concatenate([np.asarray(o['logits'], np.float64) for o in outs]),

@@ -1,13 +1,11 @@
-"""A compiled step's collectives, read from its program, and their time on
-paper.
+"""A program's collectives, read from its HLO text, and the bytes each
+device sends for them.
 
-`step_collectives` compiles a jitted function and lists every collective
-(all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute) of
-the program as partitioned: the SPMD partitioner's output, the collectives'
-dtypes as the step wrote them. It is read there because XLA:CPU's later
-passes widen half-precision collectives (bfloat16 and float16 to float32, fp8
-to float16: it has no narrower ones), which a GPU does not; the final
-program's collectives are listed beside them (`compiled`).
+`parse_collectives` lists every collective (all-gather, reduce-scatter,
+all-reduce, all-to-all, collective-permute) of a module's text, with its
+dtype, bytes and replica groups per device; `summarize` sums them into one
+row per kind, dtype and group size. `partitioned_step` reads them from a
+compiled step, and `wire_time` turns the rows into seconds on paper.
 
 Each collective counts as often as one call of the program runs it: once,
 or the trip counts of the loops around it (a scan over layers gathers each
@@ -15,49 +13,17 @@ layer's weights in one op of the loop's body). A loop whose trip count the
 text does not give (a `while_loop` on data) counts once, and the row says
 it is a lower bound (`exact`). Both branches of a conditional count.
 
-`paper_time` turns a step's bytes into seconds for a link, against its FLOPs
-at a peak. It is planning on paper, under these assumptions:
-- no overlap of communication with compute: the sum is an upper bound, and
-  the larger of the two a lower bound;
-- ring (bandwidth-optimal) algorithms: each device sends (g-1)/g of an
-  all-gather's output or a reduce-scatter's input, twice that for an
-  all-reduce (`wire_bytes`);
-- the link's nominal bandwidth per device, achieved, plus a fixed latency
-  per collective;
-- the per-device bytes and FLOPs of the partitioned program, for the mesh it
-  was compiled for.
+The bytes sent (`wire_bytes`) assume ring (bandwidth-optimal) algorithms:
+each device sends (g-1)/g of an all-gather's output or a reduce-scatter's
+input, twice that for an all-reduce.
 """
 
-import glob
-import math
-import os
-import random
-import re
-import tempfile
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from haiku_mp.lab.studies import hlo_text
 
 KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
          'collective-permute')
-_IOTA_GROUPS = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
-_LIST_GROUPS = re.compile(r'replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}')
-# `replica_groups=mesh['a'=4,'b'=2] {'b'}`: groups along the named axes (a
-# sub-axis written 'b':(1)2 is of size 2); without the braces, all of them.
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:\s*\{([^}]*)\})?")
-_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
-_MESH_USED = re.compile(r"'([^']+)'(?::\(\d+\)(\d+))?")
-_PAIRS = re.compile(r'source_target_pairs=\{')
-_OPERAND = re.compile(r'\(%?([\w.-]+)')
-_CALLED = re.compile(r'\b(?:calls|to_apply|condition|true_computation|'
-                     r'false_computation)=%?([\w.-]+)')
-_CALLED_LISTS = re.compile(r'\b(?:branch_computations|called_computations)='
-                           r'\{([^}]*)\}')
-_BODY = re.compile(r'\bbody=%?([\w.-]+)')
-_CONDITION = re.compile(r'\bcondition=%?([\w.-]+)')
-_KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_INT_CONSTANT = re.compile(r'=\s*[su]\d+\[\]\S*\s+constant\((\d+)\)')
-_HEADER_COUNT = re.compile(r'\b(replica_count|num_partitions)=(\d+)')
 
 
 class Collective(NamedTuple):
@@ -99,37 +65,6 @@ def _start_outputs(kind: str, arrays: list[tuple[str, float]]
   return arrays
 
 
-def _group_size(line: str, devices: int) -> int:
-  match = _IOTA_GROUPS.search(line)
-  if match:
-    return int(match.group(2))
-  match = _MESH_GROUPS.search(line)
-  if match:
-    sizes = {a: int(n) for a, n in _MESH_AXIS.findall(match.group(1))}
-    if match.group(2) is None:
-      return math.prod(sizes.values())
-    return math.prod(int(sub) if sub else sizes.get(axis, 1)
-                     for axis, sub in _MESH_USED.findall(match.group(2)))
-  match = _LIST_GROUPS.search(line)
-  if match:
-    return len(match.group(1).split('},{')[0].strip('{}').split(','))
-  # A collective-permute sends to one peer (its group: the pair).
-  if _PAIRS.search(line):
-    return 2
-  # `replica_groups={}`, or none: one group of every device.
-  return devices
-
-
-def _devices(text: str) -> int:
-  """Devices of the module, from its header (1 where it names none)."""
-  counts = {'replica_count': 1, 'num_partitions': 1}
-  for line in text.splitlines():
-    if line.startswith('HloModule'):
-      counts.update((k, int(v)) for k, v in _HEADER_COUNT.findall(line))
-      break
-  return counts['replica_count'] * counts['num_partitions']
-
-
 def _calls_per_computation(text: str
                            ) -> tuple[dict[str, int], dict[str, bool]]:
   """How many times one call of the module runs each computation, and
@@ -146,15 +81,17 @@ def _calls_per_computation(text: str
     if computation.entry:
       entry = computation.name
 
-  def trip_count(line: str) -> int | None:
-    match = _KNOWN_TRIP_COUNT.search(line)
-    if match:
-      return int(match.group(1))
-    condition = _CONDITION.search(line)
-    body = computations.get(condition.group(1), []) if condition else []
-    bounds = {int(m.group(1)) for l in body for m in [_INT_CONSTANT.search(l)]
-              if m}
-    compares = [l for l in body if ' compare(' in l and 'direction=LT' in l]
+  def trip_count(op: hlo_text.Instruction) -> int | None:
+    known = hlo_text.known_trip_count(op.rest)
+    if known is not None:
+      return known
+    condition = hlo_text.called(op.rest, 'condition')
+    body = [o for o in map(hlo_text.instruction,
+                           computations.get(condition, [])) if o]
+    bounds = {n for o in body
+              if (n := hlo_text.integer_constant(o)) is not None}
+    compares = [o for o in body if o.opcode == 'compare' and
+                hlo_text.direction(o.rest) == 'LT']
     if len(bounds) == 1 and len(compares) == 1:
       return bounds.pop()
     return None
@@ -166,18 +103,13 @@ def _calls_per_computation(text: str
       op = hlo_text.instruction(line)
       if not op or op.opcode in ('async-done', 'async-update'):
         continue  # An async pair calls its computation once, at its start.
-      if op.opcode == 'while':
-        body = _BODY.search(line)
-        if body:
-          n = trip_count(line)
-          sites.append((body.group(1), caller, 1 if n is None else n,
-                        n is not None))
-      for callee in _CALLED.findall(line):
-        sites.append((callee, caller, 1, True))
-      for listed in _CALLED_LISTS.findall(line):
-        for callee in filter(None, (c.strip().lstrip('%')
-                                    for c in listed.split(','))):
+      for attribute, callee in hlo_text.called_computations(op.rest):
+        if attribute != 'body':
           sites.append((callee, caller, 1, True))
+        elif op.opcode == 'while':
+          n = trip_count(op)
+          sites.append((callee, caller, 1 if n is None else n,
+                        n is not None))
 
   calls: dict[str, int] = {}
   exact: dict[str, bool] = {}
@@ -207,27 +139,27 @@ def parse_collectives(text: str) -> list[Collective]:
   also hold its operands). A tuple-shaped one counts as one, of the dtype
   of its first array, its bytes summed. `calls` multiplies in the trip
   counts of the loops around it: the text lists a loop's body once."""
-  devices = _devices(text)
+  devices = hlo_text.module_devices(text)
   calls, exact = _calls_per_computation(text)
   done_shapes = {}
   for line in text.splitlines():
     op = hlo_text.instruction(line)
     if op and op.opcode.endswith('-done'):
-      operand = _OPERAND.search('(' + op.rest)
-      if operand:
-        done_shapes[operand.group(1)] = op.shape
+      operands = hlo_text.operands(op.rest)
+      if operands:
+        done_shapes[operands[0]] = op.shape
   found = []
   for computation in hlo_text.computations(text):
     for line in computation.lines:
       op = hlo_text.instruction(line)
       if op:
-        found.extend(_collective(op, line, devices, done_shapes,
+        found.extend(_collective(op, devices, done_shapes,
                                  calls.get(computation.name, 1),
                                  exact.get(computation.name, True)))
   return found
 
 
-def _collective(op: hlo_text.Instruction, line: str, devices: int,
+def _collective(op: hlo_text.Instruction, devices: int,
                 done_shapes: dict[str, str], calls: int, exact: bool
                 ) -> list[Collective]:
   """The collective an instruction is, as a list of one, or none."""
@@ -243,7 +175,8 @@ def _collective(op: hlo_text.Instruction, line: str, devices: int,
   if not arrays:
     return []
   return [Collective(kind, arrays[0][0], sum(b for _, b in arrays),
-                     _group_size(line, devices), name, calls, exact)]
+                     hlo_text.group_size(op.rest, devices), name, calls,
+                     exact)]
 
 
 def wire_bytes(c: Collective) -> float:
@@ -288,125 +221,3 @@ def summarize(found: Sequence[Collective]) -> list[dict[str, Any]]:
     row['exact'] = row['exact'] and c.exact
   return sorted(rows.values(), key=lambda r: (KINDS.index(r['kind']),
                                               r['dtype'], r['group_size']))
-
-
-def _partitioned_text(lowered, options: dict[str, Any]
-                      ) -> tuple[Any, str, str]:
-  """(compiled, text, source): the program after SPMD partitioning, read
-  from XLA's dump of that pass into a temporary directory, or the final
-  program where no dump appears."""
-  with tempfile.TemporaryDirectory() as tmp:
-    dump = {'xla_dump_to': tmp, 'xla_dump_hlo_pass_re': 'spmd-partitioning'}
-    compiled = lowered.compile(compiler_options={**options, **dump})
-    dumps = glob.glob(os.path.join(tmp, '*after_spmd-partitioning*'))
-    if not dumps:
-      # Loaded from JAX's persistent compilation cache, which leaves dump
-      # options out of its key: no pass ran. Compiled again under a key no
-      # cached program has (the option only sizes a debug printout of
-      # XLA's; a value drawn at random, so that no earlier call's is met).
-      compiled = lowered.compile(compiler_options={
-          **options, **dump, 'xla_debug_buffer_assignment_show_max':
-              random.SystemRandom().randrange(2**20, 2**30)})
-      dumps = glob.glob(os.path.join(tmp, '*after_spmd-partitioning*'))
-    if dumps:
-      with open(sorted(dumps)[-1]) as f:
-        return compiled, f.read(), 'partitioned'
-  return compiled, compiled.as_text(), 'compiled'
-
-
-def _memory(compiled) -> dict[str, int]:
-  analysis = compiled.memory_analysis()
-  if analysis is None:
-    return {}
-  fields = ('argument_size_in_bytes', 'output_size_in_bytes',
-            'temp_size_in_bytes', 'alias_size_in_bytes',
-            'generated_code_size_in_bytes')
-  return {f.replace('_size_in_bytes', '_bytes'): int(getattr(analysis, f))
-          for f in fields if hasattr(analysis, f)}
-
-
-def _flops(compiled) -> float:
-  costs = compiled.cost_analysis()
-  if isinstance(costs, (list, tuple)):
-    costs = costs[0] if costs else {}
-  return float((costs or {}).get('flops', 0.0))
-
-
-def step_collectives(jitted: Callable[..., Any], *args,
-                     compiler_options: dict[str, Any] | None = None
-                     ) -> dict[str, Any]:
-  """`jitted` (a `jax.jit` or `jax.pmap` function) lowered on `args`
-  (arrays or ShapeDtypeStructs with shardings) and compiled: its
-  collectives as partitioned and as compiled, its per-device memory from
-  XLA's analysis, and its FLOPs per device. `compiler_options`: those the
-  function is compiled with (a dump's are added). XLA's cost analysis
-  counts a loop's body once (a scan of 5 matmuls: one matmul's FLOPs),
-  where the collectives count every trip."""
-  lowered = jitted.lower(*args)
-  compiled, text, source = _partitioned_text(lowered,
-                                             compiler_options or {})
-  return dict(source=source, collectives=summarize(parse_collectives(text)),
-              compiled_collectives=summarize(
-                  parse_collectives(compiled.as_text())),
-              memory=_memory(compiled), flops=_flops(compiled))
-
-
-# Links, per device, nominal (NVIDIA's and InfiniBand's figures).
-LINKS = {
-    'nvlink_8gpu': dict(
-        devices=8, bandwidth=450e9, latency=5e-6,
-        about='8 H100/H200 in one node, NVLink 4 through NVSwitch: 450 GB/s '
-              'per GPU each way'),
-    'ib_2node': dict(
-        devices=16, bandwidth=50e9, latency=10e-6,
-        about='2 nodes of 8 GPUs, NDR InfiniBand 400 Gb/s (50 GB/s) per GPU, '
-              'one NIC each; a ring over the nodes runs at the inter-node '
-              'link'),
-    'ib_16node': dict(
-        devices=128, bandwidth=50e9, latency=20e-6,
-        about='16 nodes of 8 GPUs, NDR InfiniBand 50 GB/s per GPU; a longer '
-              'ring, a larger latency per collective'),
-}
-# Dense peaks per GPU (NVIDIA's H100 SXM and H200 datasheets, the same
-# figures for both; without sparsity).
-PEAKS = {
-    'h100_bf16': dict(flops=989e12, about='H100/H200 SXM, bfloat16 dense'),
-    'h100_fp8': dict(flops=1979e12, about='H100/H200 SXM, fp8 dense'),
-    'h100_fp32': dict(flops=67e12, about='H100/H200 SXM, float32 (no tensor '
-                                         'cores)'),
-}
-
-
-def paper_time(rows: Sequence[dict[str, Any]], flops: float, link: str,
-               peak: str) -> dict[str, Any]:
-  """Seconds a step's collectives (`summarize` rows) take on `link`, and
-  its `flops` per device at `peak`: which of the two bounds the step (no
-  overlap assumed), with the latencies and on bandwidth alone. The rows' groups over the data axis are taken to span
-  the link's devices, each device keeping its batch (weak scaling): a
-  ring's (g-1)/g share is recomputed for them; other groups are kept.
-  `exact` is False where a row is a lower bound (a loop of unknown trip
-  count)."""
-  spec, compute_peak = LINKS[link], PEAKS[peak]['flops']
-  devices = spec['devices']
-  sent = 0.0
-  for row in rows:
-    g = row['group_size']
-    share = 1.0
-    if g == max(r['group_size'] for r in rows) and g > 1:
-      share = ((devices - 1) / devices) / ((g - 1) / g)
-    sent += row['wire_bytes'] * share
-  count = sum(r['count'] for r in rows if r['group_size'] > 1)
-  bandwidth = sent / spec['bandwidth']
-  # One latency per collective as the program has them: an upper bound
-  # where a backend's combiners merge them later.
-  latency = count * spec['latency']
-  comm = bandwidth + latency
-  compute = flops / compute_peak
-  return dict(comm_seconds=comm, bandwidth_seconds=bandwidth,
-              latency_seconds=latency, collectives=count,
-              compute_seconds=compute,
-              bound='communication' if comm > compute else 'compute',
-              bandwidth_bound=('communication' if bandwidth > compute
-                               else 'compute'),
-              comm_over_compute=comm / compute if compute else None,
-              exact=all(r.get('exact', True) for r in rows))

@@ -1,6 +1,6 @@
 """Bytes on the wire per train step: every collective of the compiled step
 for a mesh and a precision of communication, its per-device memory, and the
-time those bytes take on paper for given links (studies/collectives.py).
+time those bytes take on paper for given links (studies/wire_time.py).
 
 Each variant is the config with a layout (`pjit:8x1`, `fsdp:8x1`, ...) and a
 wire, `GATHER/REDUCE` (`parallel.gather_dtype` / `parallel.reduce_dtype`);
@@ -15,10 +15,11 @@ import jax
 from haiku_mp import errors
 from haiku_mp.lab import charts
 from haiku_mp.lab import variants
-from haiku_mp.lab.studies import collectives
+from haiku_mp.lab.studies import partitioned_step
+from haiku_mp.lab.studies import wire_time
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.parallel import sharding
-from haiku_mp.vit.parallel import wire_dtypes as communication_lib
+from haiku_mp.vit.parallel import wire_dtypes
 from haiku_mp.vit.train import experiment
 
 LAYOUTS = ('pjit:8x1', 'fsdp:8x1')
@@ -33,9 +34,9 @@ def parse_wire(text: str) -> tuple[str, str]:
     raise errors.ConfigError(
         f"--wires: {text!r} is not GATHER/REDUCE, e.g. 'compute/float32'")
   errors.check_choice('--wires (gather)', gather,
-                      communication_lib.GATHER_DTYPES)
+                      wire_dtypes.GATHER_DTYPES)
   errors.check_choice('--wires (reduce)', reduce,
-                      communication_lib.REDUCE_DTYPES)
+                      wire_dtypes.REDUCE_DTYPES)
   return gather, reduce
 
 
@@ -55,7 +56,7 @@ def _measured(settings: settings_lib.Settings, layout: str,
               wire: str) -> dict[str, Any]:
   exp = experiment.build(variant(settings, layout, wire))
   state, batch = exp.abstract_inputs()
-  result = collectives.step_collectives(
+  result = partitioned_step.step_collectives(
       exp.strategy.train_step, state, batch,
       compiler_options=exp.strategy.compiler_options)
   shardings = exp.strategy.state_shardings
@@ -103,16 +104,16 @@ def run(settings: settings_lib.Settings,
     row['bytes_ratio'] = (row['bytes'] / base['bytes']
                           if base and base['bytes'] else None)
     row['paper'] = {
-        link: collectives.paper_time(row['collectives'], row['flops'],
-                                     link, peak)
+        link: wire_time.paper_time(row['collectives'], row['flops'], link,
+                                   peak)
         for link, peak in _paper_pairs(row)}
-  return dict(variants=results, links=collectives.LINKS,
-              peaks=collectives.PEAKS)
+  return dict(variants=results, links=wire_time.LINKS,
+              peaks=wire_time.PEAKS)
 
 
 def _paper_pairs(row: dict[str, Any]):
   peak = 'h100_fp8' if row['fp8'] else 'h100_bf16'
-  return [(link, peak) for link in collectives.LINKS]
+  return [(link, peak) for link in wire_time.LINKS]
 
 
 def table(result: dict[str, Any]) -> str:

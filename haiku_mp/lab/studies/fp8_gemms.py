@@ -43,14 +43,7 @@ FP8_GEMM_TARGET = '__cublas$lt$matmul$f8'
 TRITON_GEMM = '__triton_gemm'
 TRITON_NESTED_GEMM = '__triton_nested_gemm_fusion'
 TRITON_KINDS = (TRITON_GEMM, TRITON_NESTED_GEMM)
-_TRITON_KIND = re.compile(
-    r'"kind":\s*"(' + '|'.join(re.escape(k) for k in TRITON_KINDS) + r')"')
 _PASSES = {fp8.FPROP: 'fprop', fp8.DGRAD: 'dgrad', fp8.WGRAD: 'wgrad'}
-_VALUE_TYPE = re.compile(r'^(\w+)\[')
-_OPERANDS = re.compile(r'%?([\w.\-]+)')
-_OP_NAME = re.compile(r'op_name="([^"]+)"')
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_CALLS = re.compile(r'calls=%?([\w.\-]+)')
 
 
 def hlo_matmuls(text: str) -> list[dict[str, Any]]:
@@ -62,10 +55,13 @@ def hlo_matmuls(text: str) -> list[dict[str, Any]]:
   triton_computations = {}
   for line in text.splitlines():
     op = hlo_text.instruction(line)
-    if (op and op.opcode == 'fusion'
-        and (kind := _TRITON_KIND.search(op.rest))
-        and (calls := _CALLS.search(op.rest))):
-      triton_computations[calls.group(1)] = kind.group(1)
+    if not op or op.opcode != 'fusion':
+      continue
+    kind = next((k for k in hlo_text.backend_kinds(op.rest)
+                 if k in TRITON_KINDS), None)
+    calls = hlo_text.called(op.rest, 'calls')
+    if kind and calls:
+      triton_computations[calls] = kind
   found = []
   for computation in hlo_text.computations(text):
     types = {}  # Each computation's names are its own.
@@ -80,27 +76,26 @@ def hlo_matmuls(text: str) -> list[dict[str, Any]]:
 
 def _value_type(op: hlo_text.Instruction) -> dict[str, str]:
   """{name: element type} of an array-shaped instruction."""
-  match = _VALUE_TYPE.match(op.shape)
-  return {op.name: match.group(1)} if match else {}
+  if op.shape.startswith('('):
+    return {}
+  element_type, _ = hlo_text.array_type(op.shape)
+  return {op.name: element_type} if element_type else {}
 
 
 def _matmul(op: hlo_text.Instruction, types: dict[str, str],
             triton_kind: str) -> list[dict[str, Any]]:
   """The matmul an instruction is, as a list of one, or none."""
   opcode, rest = op.opcode, op.rest
-  target = _TARGET.search(rest)
+  target = hlo_text.custom_call_target(rest)
   is_matmul = opcode == 'dot' or (
       opcode == 'custom-call' and target and
-      re.search(r'cublas|matmul|gemm', target.group(1)))
+      re.search(r'cublas|matmul|gemm', target))
   if not is_matmul:
     return []
-  args = rest.split(')', 1)[0]
-  op_name = _OP_NAME.search(rest)
-  return [dict(opcode=opcode,
-               target=target.group(1) if target else triton_kind,
+  return [dict(opcode=opcode, target=target or triton_kind,
                operands=[types.get(o, '?')
-                         for o in _OPERANDS.findall(args)[:2]],
-               op_name=op_name.group(1) if op_name else '')]
+                         for o in hlo_text.operands(rest)[:2]],
+               op_name=hlo_text.op_name(rest))]
 
 
 def is_fp8_gemm(matmul: dict[str, Any]) -> bool:

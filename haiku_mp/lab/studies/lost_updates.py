@@ -24,8 +24,9 @@ from haiku_mp import errors
 from haiku_mp.lab import charts
 from haiku_mp.lab import run_inputs
 from haiku_mp.lab import run_plots
+from haiku_mp.update import gradients as gradients_lib
 from haiku_mp.update import rounding as rounding_lib
-from haiku_mp.update import step as step_lib
+from haiku_mp.update import train_state
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.train import experiment
@@ -101,15 +102,15 @@ def run(settings: settings_lib.Settings, checkpoint: str = '',
   if init_steps:
     source += f' + {init_steps} steps'
   inputs = run_inputs.model_inputs(exp, batches[init_steps:], settings.seed)
-  _, trained = step_lib.split_fp8(state.params)
+  _, trained = train_state.split_fp8(state.params)
 
   @jax.jit
   def sums(state, batch, key):
-    grads, _, _ = step_lib.gradients(exp.loss_fn, exp.scaler,
-                                     state.loss_scale, state.params, key,
-                                     batch)
-    _, grads = step_lib.split_fp8(grads)
-    _, trained = step_lib.split_fp8(state.params)
+    grads, _, _ = gradients_lib.gradients(exp.loss_fn, exp.scaler,
+                                          state.loss_scale, state.params, key,
+                                          batch)
+    _, grads = train_state.split_fp8(grads)
+    _, trained = train_state.split_fp8(state.params)
     updates, new_opt_state = exp.optimizer.update(grads, state.opt_state,
                                                   trained, key=key)
     master = getattr(new_opt_state, 'master', None)

@@ -26,8 +26,8 @@ from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
 from haiku_mp.lab.studies import memory
+from haiku_mp.update import gradients as gradients_lib
 from haiku_mp.update import loss_scaling
-from haiku_mp.update import step as step_lib
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.model import forward as forward_lib
@@ -56,7 +56,7 @@ def _logits_and_grads(exp: experiment.Experiment, params, batch):
   @jax.jit
   def run(params, batch):
     logits = exp.forward.apply(params, None, batch['image'], False)
-    grads, loss, _ = step_lib.gradients(
+    grads, loss, _ = gradients_lib.gradients(
         exp.loss_fn, exp.scaler, exp.scaler.init(), params,
         jax.random.key(0), batch)
     return logits, loss, grads

@@ -3,7 +3,7 @@ and the whole training state per layout.
 
 The count and bytes per module come from an abstract trace (no memory used).
 Parameters are stored in the policy's param dtype; but what training keeps
-is the whole state: with a float32 master copy (`optimizer.float32_master`),
+is the whole state: with a float32 master copy (`param_updates.float32_master`),
 half params cost 4 more bytes per param, not fewer; without one (bfloat16
 params rounded stochastically or with a Kahan buffer, bfloat16 moments) the
 state halves. `state_layouts` measures every layout.

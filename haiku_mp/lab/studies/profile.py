@@ -32,6 +32,7 @@ import jax
 from haiku_mp.lab import charts
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
+from haiku_mp.lab.studies import hlo_text
 from haiku_mp.lab.studies import memory
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.model import forward as forward_lib
@@ -44,8 +45,6 @@ NO_OP_NAME = '(ops XLA made, no JAX op name)'
 LIBRARY_KERNEL = '(library kernels in CUDA graphs: the trace names no HLO op)'
 OUTSIDE_MODEL = '(outside the model: loss, optimizer, loss scale)'
 # `%fusion.3 = f32[...] fusion(...), ..., metadata={op_name="jit(...)/..."`.
-_HLO_OP = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = (.*)$', re.MULTILINE)
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def run(settings: settings_lib.Settings, out_dir: str, num_steps: int,
@@ -174,13 +173,14 @@ def nesting(ops) -> list[tuple[float, str]]:
   return result
 
 
-def hlo_op_names(hlo_text: str) -> dict[str, str]:
+def hlo_op_names(text: str) -> dict[str, str]:
   """Every HLO instruction's name -> the JAX op name (with module path) it
   came from, '' for the ones XLA made."""
   names = {}
-  for match in _HLO_OP.finditer(hlo_text):
-    op_name = _OP_NAME.search(match.group(2))
-    names.setdefault(match.group(1), op_name.group(1) if op_name else '')
+  for line in text.splitlines():
+    op = hlo_text.instruction(line)
+    if op:
+      names.setdefault(op.name, hlo_text.op_name(op.rest))
   return names
 
 

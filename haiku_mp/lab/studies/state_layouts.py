@@ -18,12 +18,11 @@ from haiku_mp.lab import charts
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
 from haiku_mp.model import policy_strings
-from haiku_mp.update import optimizer as optimizer_lib
 from haiku_mp.update import state_layout
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 
-LAYOUTS = optimizer_lib.STATE_LAYOUTS
+LAYOUTS = state_layout.STATE_LAYOUTS
 
 
 def layout_config(settings: settings_lib.Settings, name: str

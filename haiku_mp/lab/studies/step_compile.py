@@ -32,8 +32,10 @@ from haiku_mp.lab import charts
 from haiku_mp.lab import hardware
 from haiku_mp.model import interception
 from haiku_mp.model import policies
+from haiku_mp.update import classification
 from haiku_mp.update import loss_scaling
 from haiku_mp.update import step as step_lib
+from haiku_mp.update import train_state
 from haiku_mp.vit.train import compilation
 
 MODELS = ('resnet18', 'lm')
@@ -121,10 +123,10 @@ def _step_and_args(name: str, variant: str) -> tuple[Callable, tuple]:
             ((params, model_state, optimizer.init(params)), batch))
   kind = 'dynamic' if variant.endswith('dynamic') else 'none'
   scaler = loss_scaling.LossScaler(kind)
-  step = step_lib.make_train_step(step_lib.make_classification_loss(forward),
-                                  optimizer, scaler)
-  state = step_lib.init_train_state(params, optimizer, scaler,
-                                    jax.random.key(1), model_state)
+  step = step_lib.make_train_step(
+      classification.make_classification_loss(forward), optimizer, scaler)
+  state = train_state.init_train_state(params, optimizer, scaler,
+                                       jax.random.key(1), model_state)
   return step, (state, batch)
 
 

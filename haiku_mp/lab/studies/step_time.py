@@ -14,7 +14,8 @@ per format is the step; its ratio to the baseline, the speedup.
 
 Everything here is a prediction: `assumptions` in the result holds every
 peak, share and cost it used, and docs/speed.md what each was checked
-against.
+against. `--shape` times one Linear alone (`one_linear`); the table and the
+chart are `step_time_report`'s.
 """
 
 import collections
@@ -28,29 +29,19 @@ from haiku_mp import errors
 from haiku_mp.advisor import gpus
 from haiku_mp.advisor import placement
 from haiku_mp.advisor import speed as speed_lib
-from haiku_mp.lab import charts
-from haiku_mp.lab.studies import collectives
 from haiku_mp.lab.studies import hlo_text
 from haiku_mp.lab.studies import step_program
+from haiku_mp.lab.studies import wire_time
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.settings import precision as precision_settings
-from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.train import experiment
 
 # The baseline's name by the dtype the Linears' GEMMs take.
 _BASELINES = {'bf16': 'bf16', 'f16': 'fp16', 'f32': 'tf32'}
-_LOW_BIT_FORMATS = tuple(speed_lib.LOW_BIT_FORMATS)
 # Joined with `launch.lab communication`'s paper times for these links.
 WIRE_LINKS = ('nvlink_8gpu', 'ib_16node')
-
-
-def lower_for_gpu(jitted: Callable[..., Any], *args) -> str:
-  """A jitted function's HLO as JAX lowers it for CUDA on `args` (arrays or
-  their shapes), on any machine: nothing is compiled."""
-  lowered = jitted.trace(*args).lower(lowering_platforms=('cuda',))
-  return lowered.compiler_ir('hlo').get_hlo_module().to_string()
 
 
 def gpu_settings(settings: settings_lib.Settings,
@@ -79,7 +70,9 @@ def low_bit_targets(settings: settings_lib.Settings) -> tuple[str, ...]:
   return tuple(t.strip() for t in modules.split(';') if t.strip())
 
 
-def _bytes(element_type: str) -> float:
+def element_bytes(element_type: str) -> float:
+  """Bytes per element of an HLO element type ('bf16': 2), 4 for one it
+  does not know."""
   return hlo_text.ELEMENT_TYPES.get(element_type, ('', 4))[1]
 
 
@@ -130,8 +123,8 @@ def run(settings: settings_lib.Settings, gpu_name: str,
   exp = experiment.build_without_data(program_settings)
   log(f'speed: lowering the train step for CUDA (batch '
       f'{program_settings.batch_size}) ...')
-  program = step_program.read(lower_for_gpu(exp.strategy.train_step,
-                                             *exp.abstract_inputs()))
+  program = step_program.read(step_program.lower_for_gpu(
+      exp.strategy.train_step, *exp.abstract_inputs()))
   paths = sorted({c.path for c in exp.module_calls})
   linears = {c.path for c in exp.module_calls
              if c.class_name == low_bit_lib.LOW_BIT_CLASS
@@ -144,8 +137,8 @@ def run(settings: settings_lib.Settings, gpu_name: str,
   for m in program.matmuls:
     module, direction = step_program.module_of(m, paths)
     baseline = speed_lib.gemm(m.m, m.k, m.n, _tensor_cores(m), gpu,
-                              assumptions, _bytes(m.lhs), _bytes(m.out),
-                              m.batch)
+                              assumptions, element_bytes(m.lhs),
+                              element_bytes(m.out), m.batch)
     rows.append(dict(
         name=module, direction='backward' if direction == 'backward' else
         'forward', m=m.m, k=m.k, n=m.n, batch=m.batch, lhs=m.lhs, rhs=m.rhs,
@@ -164,7 +157,8 @@ def run(settings: settings_lib.Settings, gpu_name: str,
       if row['low_bit'] and row['name'] in shapes:
         m, k, n, compute = shapes[row['name']]
         row['seconds'][fmt] = speed_lib.linear_pass_seconds(
-            row['pass'], m, k, n, fmt, gpu, assumptions, _bytes(compute))
+            row['pass'], m, k, n, fmt, gpu, assumptions,
+            element_bytes(compute))
   rest = speed_lib.streamed(program.traffic.bytes, program.traffic.kernels,
                             gpu, assumptions)
   result = dict(
@@ -204,7 +198,7 @@ def describe_assumptions(gpu: gpus.Gpu,
               tile=assumptions.tile,
               split_k='K split over idle SMs where the output tiles fill '
                       'under a quarter of them',
-              fusion='haiku_mp/lab/studies/step_program.py (module '
+              fusion='haiku_mp/lab/studies/gpu_traffic.py (module '
                      'docstring)')
 
 
@@ -249,7 +243,7 @@ def linear_gains(result: dict[str, Any], gpu: gpus.Gpu,
       for fmt, s in row['seconds'].items():
         by_linear[row['name']][fmt] += s or 0.0
   layers = [placement.LinearShape(name, *shapes[name][:3],
-                                  _bytes(shapes[name][3]))
+                                  element_bytes(shapes[name][3]))
             for name in sorted(by_linear) if name in shapes]
   gains = {l.path: {} for l in layers}
   for fmt in result['formats'][1:]:
@@ -272,46 +266,6 @@ def where_it_pays(result: dict[str, Any]) -> dict[str, Any]:
                        seconds=timed['seconds'][fmt],
                        speedup=timed['speedup'][fmt])
   return placed
-
-
-def one_gemm(shape: tuple[int, int, int], gpu_name: str,
-             assumptions: gpus.Assumptions = gpus.Assumptions(),
-             compute_dtype: str = 'bf16') -> dict[str, Any]:
-  """`--shape=M,K,N`: one Linear of M tokens, K in and N out. `matmuls`
-  holds its forward GEMM's row; `linear`, its three GEMMs per format."""
-  gpu = gpus.gpu(gpu_name)
-  m, k, n = shape
-  c = _bytes(compute_dtype)
-  formats = list(speed_lib.formats_on(gpu))
-  seconds = speed_lib.linear_seconds(m, k, n, gpu, assumptions, c)
-  fprop = speed_lib.gemm(m, k, n, 'bf16', gpu, assumptions, c, c)
-  row = dict(name=f'{m}x{k}x{n}', m=m, k=k, n=n, batch=1, lhs=compute_dtype,
-             rhs=compute_dtype, out=compute_dtype, flops=fprop.flops,
-             bytes=fprop.bytes, bound=fprop.bound, linear=True, low_bit=True,
-             seconds={f: seconds['fprop'][f] for f in formats})
-  row['pass'] = 'fprop'  # A keyword `pass` is not Python.
-  total = {f: sum(seconds[p][f] for p in speed_lib.PASSES) for f in formats}
-  return dict(experiment='speed', prediction=True, gpu=gpu.name,
-              gpu_about=gpu.about,
-              assumptions=describe_assumptions(gpu, assumptions),
-              shape=list(shape), baseline=speed_lib.BASELINE, formats=formats,
-              matmuls=[row],
-              linear=dict(seconds=total,
-                          passes={p: {f: seconds[p][f] for f in formats}
-                                  for p in speed_lib.PASSES},
-                          speedup={f: total[speed_lib.BASELINE] / s
-                                   for f, s in total.items()}))
-
-
-def parse_shape(text: str) -> tuple[int, int, int]:
-  """'M,K,N' -> (M, K, N), each a positive integer."""
-  parts = text.split(',')
-  if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0
-                                for p in parts):
-    raise errors.ConfigError(
-        f'--shape={text}: expected M,K,N, three positive integers (tokens, '
-        'inputs, outputs of a Linear), e.g. --shape=8320,384,1536')
-  return tuple(int(p) for p in parts)
 
 
 def with_wire(result: dict[str, Any], path: str) -> dict[str, Any]:
@@ -340,102 +294,9 @@ def with_wire(result: dict[str, Any], path: str) -> dict[str, Any]:
       wire = paper['comm_seconds']
       joined.append(dict(
           layout=v['layout'], wire=v['wire'], link=link,
-          devices=collectives.LINKS[link]['devices'],
+          devices=wire_time.LINKS[link]['devices'],
           batch_per_device=per_device, wire_seconds=wire,
           overlapped={f: max(s, wire)
                       for f, s in result['step']['seconds'].items()},
           serial={f: s + wire for f, s in result['step']['seconds'].items()}))
   return joined
-
-
-def table(result: dict[str, Any]) -> str:
-  """The matmuls (merged over blocks), the rest, the step per format."""
-  formats = result['formats']
-  lines = []
-  if 'linear' in result:
-    m, k, n = result['shape']
-    lines.append(f'One Linear, {m} tokens x {k} in -> {n} out, on paper for '
-                 f'the {result["gpu"]}:')
-    lines.append('| GEMM | ' + ' | '.join(formats) + ' |')
-    lines.append('|---|' + '---|' * len(formats))
-    for p, per in result['linear']['passes'].items():
-      lines.append(f'| {p} | ' + ' | '.join(_us(per[f]) for f in formats) +
-                   ' |')
-    lines.append('| all three | ' + ' | '.join(
-        _us(result['linear']['seconds'][f]) for f in formats) + ' |')
-    lines.append('| speedup | ' + ' | '.join(
-        f'{result["linear"]["speedup"][f]:.2f}x' for f in formats) + ' |')
-    return '\n'.join(lines)
-  merged = collections.OrderedDict()
-  for row in result['matmuls']:
-    key = (forward_lib.merge_block_indices(row['name']), row['pass'],
-           (row['batch'], row['m'], row['k'], row['n']))
-    entry = merged.setdefault(key, dict(count=0, seconds=collections.Counter(),
-                                        low_bit=row['low_bit']))
-    entry['count'] += 1
-    for f in formats:
-      entry['seconds'][f] += row['seconds'][f] or 0.0
-  lines.append(f'The train step at batch {result["batch_size"]} on paper for '
-               f'the {result["gpu"]} (a prediction; docs/speed.md):')
-  lines.append('| matmul | pass | batch x M x K x N | count | ' +
-               ' | '.join(formats) + ' |')
-  lines.append('|---|---|---|---|' + '---|' * len(formats))
-  for (name, pass_, (b, m, k, n)), entry in merged.items():
-    shape = f'{m}x{k}x{n}' if b == 1 else f'{b}x{m}x{k}x{n}'
-    mark = '' if entry['low_bit'] else ' (stays)'
-    lines.append(f'| {name}{mark} | {pass_} | {shape} | {entry["count"]} | ' +
-                 ' | '.join(_us(entry['seconds'][f]) for f in formats) + ' |')
-  rest = result['rest']
-  lines.append(f'| the rest: {rest["bytes"] / 1e9:,.2f} GB, {rest["kernels"]:,} '
-               'kernels | | | | ' + ' | '.join(
-                   _us(rest['seconds']) for _ in formats) + ' |')
-  s = result['step']
-  lines.append('| **step** | | | | ' + ' | '.join(
-      f'**{_us(s["seconds"][f])}**' for f in formats) + ' |')
-  lines.append('| speedup | | | | ' + ' | '.join(
-      f'{s["speedup"][f]:.2f}x' for f in formats) + ' |')
-  lines.append('| images/s | | | | ' + ' | '.join(
-      f'{s["images_per_second"][f]:,.0f}' for f in formats) + ' |')
-  for fmt, placed in result['where_it_pays'].items():
-    lines.append(f'{fmt} where it pays: {len(placed["linears"])} of '
-                 f'{len(result["linears"])} Linears, step '
-                 f'{_us(placed["seconds"])} ({placed["speedup"]:.2f}x)')
-  return '\n'.join(lines)
-
-
-def _us(seconds: Optional[float]) -> str:
-  if seconds is None:
-    return '-'
-  if seconds >= 1e-3:
-    return f'{seconds * 1e3:,.2f} ms'
-  return f'{seconds * 1e6:,.1f} us'
-
-
-def plot(result: dict[str, Any], out_dir: str) -> list[str]:
-  """Where the step's time goes per format: the matmuls that stay, the
-  low-bit Linears (their casts included), the rest's bytes, its kernels."""
-  path = f'{out_dir}/speed.png'
-  formats = result['formats']
-  if 'linear' in result:
-    passes = result['linear']['passes']
-    charts.stacked_bar_chart(
-        path, formats, {p: [passes[p][f] * 1e6 for f in formats]
-                        for p in passes},
-        'microseconds (predicted)',
-        f'One Linear {"x".join(map(str, result["shape"]))} on the '
-        f'{result["gpu"]}, on paper', total_format='{:,.1f}')
-    return [path]
-  parts = result['step']['parts']
-  rest = result['rest']
-  kernels = rest['kernels'] * result['assumptions']['kernel_seconds']
-  charts.stacked_bar_chart(
-      path, formats,
-      {'matmuls in the baseline': [parts[f]['matmuls'] * 1e3 for f in formats],
-       'low-bit Linears (casts included)': [
-           parts[f]['low_bit_linears'] * 1e3 for f in formats],
-       'the rest: bytes': [(rest['seconds'] - kernels) * 1e3] * len(formats),
-       'the rest: kernel costs': [kernels * 1e3] * len(formats)},
-      'ms per step (predicted)',
-      f'The train step on the {result["gpu"]}, batch {result["batch_size"]}, '
-      'on paper', total_format='{:,.2f}')
-  return [path]

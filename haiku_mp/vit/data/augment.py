@@ -139,18 +139,11 @@ def _erase(key: jax.Array, image: jax.Array, probability: float
   return jnp.where(erase & inside[..., None], noise, image)
 
 
-def mixes(data_config: DataSettings) -> bool:
-  """Whether the train batch is mixed (mixup or CutMix): soft labels, and
-  examples in pairs."""
-  return data_config.augment and (data_config.mixup_alpha > 0 or
-                                  data_config.cutmix_alpha > 0)
-
-
 def mixing_off_step(data_config: DataSettings,
                     total_steps: int) -> Optional[int]:
   """The step from which a mixing run trains on whole examples (timm's
   `mixup_off_epoch`, as a share of the run): None when it never stops."""
-  if not mixes(data_config) or not data_config.mixing_off_share:
+  if not data_settings.mixes(data_config) or not data_config.mixing_off_share:
     return None
   return round(total_steps * (1 - data_config.mixing_off_share))
 
@@ -201,21 +194,22 @@ def train_inputs(data_config: DataSettings, key: jax.Array,
   """A train batch as the model takes it. uint8 pixels are augmented (if
   `data.augment`) and normalized here, on the device; float images are
   taken as already normalized model inputs (measurements feed those). A
-  mixed batch (`mixes`) gains 'targets', soft labels over `num_classes`;
-  from `mixing_off_step(data_config, total_steps)` on (given the train
-  state's `step`) its examples stay whole and its targets one-hot."""
+  mixed batch (`data_settings.mixes`) gains 'targets', soft labels over
+  `num_classes`; from `mixing_off_step(data_config, total_steps)` on (given
+  the train state's `step`) its examples stay whole and its targets
+  one-hot."""
   images = batch['image']
   if images.dtype != jnp.uint8:
     return batch
   if not data_config.augment:
     return dict(batch, image=normalize(images, data_config))
-  if mixes(data_config) and images.shape[0] % 2:
+  if data_settings.mixes(data_config) and images.shape[0] % 2:
     raise errors.ConfigError(
         f'mixup and CutMix pair the examples of a device\'s batch, and it '
         f'holds {images.shape[0]}: make batch_size an even number per device')
   keys = keys_lib.example_keys(key, images.shape[0], axis_name)
   images = augment(keys, images, data_config)
-  if not mixes(data_config):
+  if not data_settings.mixes(data_config):
     return dict(batch, image=images)
   mix_keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys)
   off_step = mixing_off_step(data_config, total_steps)

@@ -30,13 +30,6 @@ _MAX_TRANSLATE = 10.0 / 32.0
 _MAX_ENHANCE = 0.9
 _MAX_POSTERIZE_BITS = 4.0
 
-# The operations, by index. RandAugment draws from all but 'invert'
-# (AutoAugment's CIFAR-10 policy uses it; RandAugment's list does not).
-OPS = ('identity', 'autocontrast', 'equalize', 'rotate', 'solarize', 'color',
-       'posterize', 'contrast', 'brightness', 'sharpness', 'shear_x',
-       'shear_y', 'translate_x', 'translate_y', 'invert')
-RANDAUGMENT_OPS = OPS[:-1]
-
 
 def _affine_coefficients(op: jax.Array, amount: jax.Array, height: int,
                          width: int) -> jax.Array:
@@ -53,13 +46,15 @@ def _affine_coefficients(op: jax.Array, amount: jax.Array, height: int,
       shear_y=jnp.stack([1.0, 0.0, 0.0, shear, 1.0, 0.0]),
       translate_x=jnp.stack([1.0, 0.0, shift_x, 0.0, 1.0, 0.0]),
       translate_y=jnp.stack([1.0, 0.0, 0.0, 0.0, 1.0, shift_y]))
-  rows = jnp.stack([table.get(name, identity) for name in OPS])
+  rows = jnp.stack([table.get(name, identity)
+                    for name in data_settings.AUGMENT_OPS])
   return rows[op]
 
 
 def apply_op(image: jax.Array, op: jax.Array, level: jax.Array,
              sign: jax.Array) -> jax.Array:
-  """`OPS[op]` at `level` in [0, MAX_LEVEL], its direction `sign` (+-1)."""
+  """`data_settings.AUGMENT_OPS[op]` at `level` in [0, MAX_LEVEL], its
+  direction `sign` (+-1)."""
   height, width = image.shape[:2]
   fraction = level / MAX_LEVEL
   geometric = image_ops.affine(
@@ -78,7 +73,7 @@ def apply_op(image: jax.Array, op: jax.Array, level: jax.Array,
       invert=lambda: image_ops.invert(image))
   out = geometric
   for name, fn in pixel_ops.items():
-    out = jnp.where(op == OPS.index(name), fn(), out)
+    out = jnp.where(op == data_settings.AUGMENT_OPS.index(name), fn(), out)
   return out
 
 
@@ -89,11 +84,12 @@ def _sign(key: jax.Array) -> jax.Array:
 def randaugment(key: jax.Array, image: jax.Array, num_ops: int,
                 magnitude: float) -> jax.Array:
   """RandAugment (Cubuk et al., 2019): `num_ops` operations drawn uniformly
-  from `RANDAUGMENT_OPS` (identity included), each at `magnitude`."""
+  from `data_settings.RANDAUGMENT_OPS` (identity included), each at
+  `magnitude`."""
   image = jnp.round(image)
   for layer_key in jax.random.split(key, num_ops):
     k_op, k_sign = jax.random.split(layer_key)
-    op = jax.random.randint(k_op, (), 0, len(RANDAUGMENT_OPS))
+    op = jax.random.randint(k_op, (), 0, len(data_settings.RANDAUGMENT_OPS))
     image = apply_op(image, op, jnp.float32(magnitude), _sign(k_sign))
   return image
 
@@ -140,7 +136,7 @@ def autoaugment(key: jax.Array, image: jax.Array,
   """One sub-policy of `policy` drawn uniformly; each of its two steps
   applied with its probability."""
   image = jnp.round(image)
-  steps = [(OPS.index(name), prob, level)
+  steps = [(data_settings.AUGMENT_OPS.index(name), prob, level)
            for sub in policy for name, prob, level in sub]
   op, prob, level = (jnp.asarray(column).reshape(len(policy), 2)
                      for column in zip(*steps))

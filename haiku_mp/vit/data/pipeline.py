@@ -33,7 +33,6 @@ Batch = dict[str, np.ndarray]
 
 DataError = errors.DataError
 
-SOURCES = ('tfds', 'arrays', 'synthetic')
 SPLIT_SETTINGS = ('train_split', 'val_split', 'test_split')
 
 
@@ -91,11 +90,6 @@ def random_batch(model_config: ModelSettings, batch_size: int,
       image=rng.standard_normal((batch_size, size, size, 3), dtype),
       label=rng.integers(0, model_config.num_classes, batch_size,
                          dtype=np.int32))
-
-
-def _source(data_config: DataSettings) -> str:
-  errors.check_choice('data.source', data_config.source, SOURCES, DataError)
-  return data_config.source
 
 
 # ------------------------------------------------------------ split strings --
@@ -180,7 +174,7 @@ def load(data_config: DataSettings,
   """The train, val and test splits of `data_config`, in memory, checked
   against the model's image size and classes and the run's `batch_size`
   (synthetic splits are drawn from `seed`)."""
-  source = _source(data_config)
+  source = data_config.source
   if source == 'synthetic':
     splits = Splits(*(_synthetic_split(data_config, model_config, seed, s)
                       for s in SPLIT_SETTINGS))
@@ -206,18 +200,13 @@ def load(data_config: DataSettings,
   return splits
 
 
-def check_settings(data_config: DataSettings) -> None:
-  """The data settings this module reads that need no data to check."""
-  _source(data_config)
-
-
 def check_available(data_config: DataSettings) -> Optional[int]:
   """The train split's size (all processes: epochs, ETAs, DP-SGD's
   sampling), from the dataset's metadata read once (None where it has none:
   tfds.testing.mock_data); raises `DataError` now, before a run writes or
   loads anything, if data is missing or a split setting names examples the
-  dataset does not have. The settings were checked (`check_settings`)."""
-  source = _source(data_config)
+  dataset does not have. The settings were checked when parsed."""
+  source = data_config.source
   if source == 'synthetic':
     return data_config.synthetic_train_examples
   if source == 'arrays':

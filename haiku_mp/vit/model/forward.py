@@ -4,7 +4,7 @@ import contextlib
 import dataclasses
 import math
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
 import haiku as hk
 import jax
@@ -42,13 +42,13 @@ def _named_as_settings():
     raise error.named(_LOW_BIT_PATHS, prefix='precision.') from None
 
 
-def precision_from_config(config: Settings,
+def precision_from_config(settings: Settings,
                           low_bit_modules: Optional[str] = None
                           ) -> policies.Precision:
-  """The `Precision` that `config.precision` describes for the ViT, its
+  """The `Precision` that `settings.precision` describes for the ViT, its
   low-bit Linears `low_bit_modules` where given (`modules='auto'` without
   them: none; `checked_precision` chooses them)."""
-  low_bit = config.precision.low_bit
+  low_bit = settings.precision.low_bit
   modules = low_bit.modules
   if low_bit_modules is not None:
     modules = low_bit_modules
@@ -58,13 +58,13 @@ def precision_from_config(config: Settings,
     # fp8's scaling is built (and checked) whether or not a Linear runs it.
     fp8 = fp8_lib.Fp8(low_bit.scaling, low_bit.history_length, low_bit.margin)
     return policies.make_precision(
-        config.precision.policy, config.precision.overrides,
+        settings.precision.policy, settings.precision.overrides,
         model_class=vit.MODEL_CLASS,
-        float32_layer_norm=config.precision.float32_layer_norm,
-        matmul_precision=config.precision.matmul_precision,
-        residual_stream=config.precision.residual_stream,
-        dot_form=config.precision.dot_form,
-        dot_platform=config.precision.dot_platform,
+        float32_layer_norm=settings.precision.float32_layer_norm,
+        matmul_precision=settings.precision.matmul_precision,
+        residual_stream=settings.precision.residual_stream,
+        dot_form=settings.precision.dot_form,
+        dot_platform=settings.precision.dot_platform,
         low_bit=low_bit_lib.from_parts(modules, fp8, make_fp4(low_bit),
                                        low_bit.keep_fp8))
 
@@ -138,34 +138,36 @@ def trace_modules(model_config: ModelSettings,
   return calls, params
 
 
-def checked_precision(config: Settings,
+def checked_precision(settings: Settings,
                       precision: Optional[policies.Precision] = None,
                       batch_devices: int = 1
                       ) -> tuple[policies.Precision,
                                  list[interception.ModuleCall],
                                  list[placement.Choice]]:
-  """`config`'s Precision (`precision`, where already built from it), every
-  override checked against the module calls of one (abstract) forward
-  pass, those calls, and with `precision.low_bit.modules='auto'` each
-  Linear's choice (`low_bit_choices`; else none). A Linear's tokens are
-  those of one device of the `batch_devices` the batch is split over: each
-  runs the GEMMs of its own examples."""
-  precision = precision or precision_from_config(config)
-  with _named_as_settings():  # The first trace checks the targets too.
-    calls, _ = trace_modules(config.model, precision)
+  """The Precision `settings` describe (`precision`, where already built), the
+  module calls of one (abstract) forward pass, whose end checks every
+  override and low-bit target against them (`interception.apply`, once per
+  Precision), and with `precision.low_bit.modules='auto'` each Linear's
+  choice (`low_bit_choices`; else none), the Precision then the one that
+  runs them (checked at its own first forward pass: the run's initial
+  state, as `build` makes it). A Linear's tokens are those of one device of
+  the `batch_devices` the batch is split over: each runs the GEMMs of its
+  own examples."""
+  precision = precision or precision_from_config(settings)
+  with _named_as_settings():  # Its end checks the targets.
+    calls, _ = trace_modules(settings.model, precision)
   choices = []
-  if precision_settings.chooses_modules(config.precision.low_bit):
-    choices = low_bit_choices(config, calls, config.batch_size // batch_devices)
+  if precision_settings.chooses_modules(settings.precision.low_bit):
+    choices = low_bit_choices(settings, calls,
+                              settings.batch_size // batch_devices)
     # The calls stay those traced: which Linears run low-bit changes no
     # module's inputs or outputs, only the GEMMs inside.
-    precision = precision_from_config(config, ';'.join(
+    precision = precision_from_config(settings, ';'.join(
         c.linear.path for c in choices if c.low_bit))
-  modules = {(c.class_name, c.path) for c in calls}
-  with _named_as_settings():
-    precision.check_overrides(modules)
-    precision.check_low_bit(modules)
-    if precision.low_bit is not None and precision.low_bit.fp4 is not None:
-      _check_fp4_tokens(precision, calls, config.batch_size // batch_devices)
+  if precision.low_bit is not None and precision.low_bit.fp4 is not None:
+    with _named_as_settings():
+      _check_fp4_tokens(precision, calls,
+                        settings.batch_size // batch_devices)
   return precision, calls, choices
 
 
@@ -184,14 +186,47 @@ def linear_shapes(calls: list[interception.ModuleCall],
   return found
 
 
-def low_bit_choices(config: Settings, calls: list[interception.ModuleCall],
+def low_bit_choices(settings: Settings, calls: list[interception.ModuleCall],
                     batch_size: int) -> list[placement.Choice]:
   """Which Linears `precision.low_bit.modules='auto'` runs in its format:
   those predicted faster in it on `precision.low_bit.gpu`, at the
   `batch_size` one device runs (docs/speed.md)."""
-  low_bit = config.precision.low_bit
+  low_bit = settings.precision.low_bit
   return placement.choose(linear_shapes(calls, batch_size),
                           low_bit_format(low_bit), low_bit.gpu)
+
+
+def choice_lines(low_bit: LowBitSettings,
+                 choices: Sequence[placement.Choice],
+                 compute_dtype) -> list[str]:
+  """For a run's start, with `precision.low_bit.modules='auto'`: the
+  choice for each Linear and why, Linears of one shape and choice in
+  encoder blocks merged into one line; none without choices."""
+  if not choices:
+    return []
+  fmt = low_bit_format(low_bit)
+  chosen = sum(c.low_bit for c in choices)
+  where = (f'predicted on the {low_bit.gpu}' if low_bit.gpu else
+           f'{placement.TORCHAO_RULE}, no precision.low_bit.gpu named')
+  lines = [f'Low-bit matmuls where they pay (precision.low_bit.modules='
+           f"auto, {fmt}, {where}): {chosen} of {len(choices)} Linears"]
+  merged: dict[tuple, list[placement.Choice]] = {}
+  for c in choices:
+    key = (merge_block_indices(c.linear.path), c.linear.m, c.linear.k,
+           c.linear.n, c.low_bit)
+    merged.setdefault(key, []).append(c)
+  compute = jnp.dtype(compute_dtype).name
+  for (path, *_, low), group in merged.items():
+    if len(group) > 1:
+      path = f'{path} (x{len(group)})'
+    else:
+      path = group[0].linear.path
+    runs = fmt if low else f'stays {compute}'
+    lines.append(f'  {path}: {runs}; {group[0].why(fmt)}')
+  if not chosen:
+    lines.append(f'  No Linear pays: the run has no low-bit matmul '
+                 f'(everything in {compute})')
+  return lines
 
 
 def _check_fp4_tokens(precision: policies.Precision,
@@ -208,10 +243,10 @@ def _check_fp4_tokens(precision: policies.Precision,
                          w_out)
 
 
-def checked_forward(config: Settings
+def checked_forward(settings: Settings
                     ) -> tuple[hk.Transformed, policies.Precision]:
-  """The forward function for `config` and its Precision, the overrides
+  """The forward function for `settings` and its Precision, the overrides
   checked (the model alone; a whole run is `experiment.build`)."""
-  precision, _, _ = checked_precision(config)
-  return (make_forward(config.model, precision, remat=config.remat),
+  precision, _, _ = checked_precision(settings)
+  return (make_forward(settings.model, precision, remat=settings.remat),
           precision)

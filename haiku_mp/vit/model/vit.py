@@ -17,30 +17,17 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from haiku_mp import errors
 from haiku_mp.model import dropout
 from haiku_mp.model import matmul_modules
 from haiku_mp.model import matmuls as matmuls_lib
 from haiku_mp.model import remat as remat_lib
+from haiku_mp.vit.settings import model as model_settings
 
 
 def _linear_init():
   """Xavier uniform: the original ViT's and big_vision's attention and MLP
   kernels."""
   return hk.initializers.VarianceScaling(1.0, 'fan_avg', 'uniform')
-
-
-# The patch embedding's kernel initializers (`model.patch_init`). LeCun
-# normal (truncated) is how the original ViT and big_vision start it. Xavier
-# uniform was used here before 2026-11-26: Haiku counts a convolution's
-# fan-out as kh * kw * out, so it gave a 384-wide embedding of 4x4 patches a
-# std of 0.018 instead of 0.144, and the reference ViT's output tokens started
-# nearly collapsed (docs/training.md). Kept to reproduce older runs.
-PATCH_INITS = {
-    'lecun_normal': lambda: hk.initializers.VarianceScaling(
-        1.0, 'fan_in', 'truncated_normal'),
-    'xavier_uniform': _linear_init,
-}
 
 
 class PatchEmbed(hk.Module):
@@ -50,7 +37,6 @@ class PatchEmbed(hk.Module):
                matmuls: matmuls_lib.Matmuls = matmuls_lib.Matmuls(),
                init: str = 'lecun_normal', name: Optional[str] = None):
     super().__init__(name=name)
-    errors.check_choice('model.patch_init', init, tuple(PATCH_INITS))
     self.patch_size = patch_size
     self.embed_dim = embed_dim
     self.matmuls = matmuls
@@ -60,7 +46,8 @@ class PatchEmbed(hk.Module):
     x = matmul_modules.Conv2D(self.embed_dim, matmuls=self.matmuls,
                               kernel_shape=self.patch_size,
                               stride=self.patch_size, padding='VALID',
-                              w_init=PATCH_INITS[self.init](),
+                              w_init=hk.initializers.VarianceScaling(
+                                  *model_settings.PATCH_INITS[self.init]),
                               name='conv')(images)
     batch, height, width, dim = x.shape
     return x.reshape(batch, height * width, dim)
@@ -78,9 +65,6 @@ class Attention(hk.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, tokens, dim = x.shape
-    if dim % self.num_heads:
-      raise errors.ConfigError(f'model.embed_dim={dim} is not divisible by '
-                               f'model.num_heads={self.num_heads}')
     head_dim = dim // self.num_heads
 
     def project(name):
@@ -196,19 +180,10 @@ class VisionTransformer(hk.Module):
     option; by default the stream is in the compute dtype.
     `matmuls` says how the matmuls run (`matmuls.Matmuls`); `remat` what each
     encoder block keeps for the backward pass (`remat.CHOICES`);
-    `patch_init` the patch embedding's kernel init (`PATCH_INITS`)."""
+    `patch_init` the patch embedding's kernel init
+    (`model_settings.PATCH_INITS`). The
+    values are those of `ModelSettings`, checked when parsed."""
     super().__init__(name=name)
-    if image_size % patch_size:
-      raise errors.ConfigError(
-          f'model.image_size={image_size} is not divisible by '
-          f'model.patch_size={patch_size}')
-    try:
-      dropout.check_rate(dropout_rate)
-    except errors.ArgumentError as error:
-      raise error.named({'rate': 'model.dropout_rate'}) from None
-    if not layer_norm_epsilon > 0:
-      raise errors.ConfigError(
-          f'model.layer_norm_epsilon={layer_norm_epsilon:g} must be positive')
     self.image_size = image_size
     self.patch_size = patch_size
     self.num_classes = num_classes

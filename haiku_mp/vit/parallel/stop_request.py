@@ -1,6 +1,6 @@
 """A batch field by which a run's processes agree to stop, without a host
-sync of their own (`train.checkpoint.Interruption`): the trainer's, not the library
-step's."""
+sync of their own (`train.interruption.Interruption`): the trainer's, not the
+library step's."""
 
 import functools
 from typing import Callable, Optional

@@ -99,36 +99,6 @@ class DpSgd(NamedTuple):
 MEAN_METRICS = ('num_examples', 'example_grad_norm', 'clipped_fraction')
 
 
-def check_settings(privacy: PrivacySettings) -> None:
-  """DP-SGD's ranges, whether or not it is on (`checks` runs this)."""
-  if not privacy.l2_clip_norm > 0:
-    raise errors.ConfigError(
-        f'privacy.l2_clip_norm={privacy.l2_clip_norm} must be positive')
-  if not privacy.noise_multiplier >= 0:
-    raise errors.ConfigError(
-        f'privacy.noise_multiplier={privacy.noise_multiplier} must be >= 0')
-  noisy = privacy.noise_multiplier > 0 or privacy.target_epsilon > 0
-  if math.isinf(privacy.l2_clip_norm) and noisy:
-    raise errors.ConfigError(
-        'privacy.l2_clip_norm=inf bounds no gradient, so no noise can hide '
-        'one: set a finite clip norm, or noise_multiplier=0 and '
-        'target_epsilon=0 for per-example gradients without privacy')
-  if not 0 < privacy.delta < 1:
-    raise errors.ConfigError(f'privacy.delta={privacy.delta} must be in (0, 1)')
-  if not (privacy.target_epsilon >= 0 and math.isfinite(
-      privacy.target_epsilon)):
-    raise errors.ConfigError(
-        f'privacy.target_epsilon={privacy.target_epsilon} must be >= 0 '
-        '(0: use privacy.noise_multiplier)')
-  if privacy.microbatch_size < 0:
-    raise errors.ConfigError(
-        f'privacy.microbatch_size={privacy.microbatch_size} must be >= 0 '
-        '(0: every example of a device at once)')
-  if not privacy.padding_stddevs >= 0:
-    raise errors.ConfigError(
-        f'privacy.padding_stddevs={privacy.padding_stddevs} must be >= 0')
-
-
 def padded_batch_size(batch_size: int, num_examples: int, stddevs: float,
                       multiple: int) -> int:
   """The expected Poisson batch size plus `stddevs` of its standard
@@ -144,8 +114,8 @@ def from_config(privacy: PrivacySettings, batch_size: int,
   """`privacy` (the config's) as a run of expected batch `batch_size` on
   `batch_devices` data-parallel devices uses it. With `target_epsilon` > 0
   the noise multiplier is calibrated to spend it in `total_steps`. The
-  settings' ranges were checked with the rest of the config
-  (`check_settings`)."""
+  settings' ranges were checked when they were parsed
+  (`PrivacySettings`)."""
   if batch_size > num_examples:
     raise errors.ConfigError(
         f'batch_size={batch_size} (the expected Poisson batch) is '

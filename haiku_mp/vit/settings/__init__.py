@@ -1,9 +1,10 @@
 """The settings' schema: every field of a run's config with its type, default
 and doc, one frozen dataclass per area, parsed once from the ConfigDict that
 config files and flags build. Each field checks its own values when parsed
-(the choices a library module makes are read from it); the rules between
-fields are `vit/train/checks.py`'s. Every area below `build` takes
-its own group.
+(the choices a library module makes are read from it), and each group the
+rules between its fields (`check_rules`; the whole run's `Settings`, those
+between groups); `vit/train/checks.py` keeps the rules against what the
+settings build. Every area below `build` takes its own group.
 """
 
 from haiku_mp.vit.settings.advisor import AdvisorSettings

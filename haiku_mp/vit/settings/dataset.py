@@ -2,10 +2,13 @@
 (haiku_mp/vit/data/)."""
 
 import math
+from typing import Optional
 
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import setting
 
+# Where the images come from (haiku_mp/vit/data/pipeline.py reads each).
+SOURCES = ('tfds', 'arrays', 'synthetic')
 # The images' channels (RGB): one mean and one std each.
 CHANNELS = 3
 # The train crops and augmentation policies (haiku_mp/vit/data/augment.py).
@@ -13,6 +16,19 @@ CROPS = ('resized', 'pad', 'none')
 POLICIES = ('none', 'randaugment', 'autoaugment')
 # RandAugment's strongest magnitude (haiku_mp/vit/data/auto_augment.py).
 MAX_MAGNITUDE = 10.0
+# The augmentation operations of haiku_mp/vit/data/auto_augment.py, by index.
+# RandAugment draws from all but 'invert' (AutoAugment's CIFAR-10 policy
+# uses it; RandAugment's list does not).
+AUGMENT_OPS = ('identity', 'autocontrast', 'equalize', 'rotate', 'solarize',
+               'color', 'posterize', 'contrast', 'brightness', 'sharpness',
+               'shear_x', 'shear_y', 'translate_x', 'translate_y', 'invert')
+RANDAUGMENT_OPS = AUGMENT_OPS[:-1]
+
+
+def mixes(data) -> bool:
+  """Whether the train batch is mixed (mixup or CutMix): soft labels, and
+  examples in pairs. `data`: the data settings, or a config's ConfigDict."""
+  return data.augment and (data.mixup_alpha > 0 or data.cutmix_alpha > 0)
 
 
 def _finite(values: tuple[float, ...], count: int) -> bool:
@@ -30,6 +46,17 @@ def _range(low: float, high: float, valid: str) -> fields.Check:
       lambda v: _finite(v, 2) and low < v[0] <= v[1] <= high, valid)
 
 
+def _randaugment_ops(count: int) -> Optional[str]:
+  """Operations per image: at least one, at most RandAugment's."""
+  most = len(RANDAUGMENT_OPS)
+  if count < 1:
+    return 'must be positive'
+  if count > most:
+    return (f'must be in [1, {most}] (operations applied to each image, '
+            f"drawn among RandAugment's {most})")
+  return None
+
+
 @fields.frozen
 class DataSettings:
   """Where the images come from and how train images are augmented."""
@@ -39,7 +66,7 @@ class DataSettings:
       "'tfds' (TFDS, read once into memory), 'arrays' (a .npz from "
       "`python -m launch.data export`; no TensorFlow) or 'synthetic' "
       '(random pixels). Every split is held in memory and augmented on '
-      'the device.')
+      'the device.', check=fields.one_of(SOURCES))
   arrays_path: str = setting('', 'The .npz of the arrays source.')
   name: str = setting(
       'cifar10',
@@ -88,7 +115,8 @@ class DataSettings:
       check=fields.one_of(POLICIES))
   randaugment_ops: int = setting(
       2,
-      "'randaugment': operations per image (1-14).", check=fields.POSITIVE)
+      f"'randaugment': operations per image (1-{len(RANDAUGMENT_OPS)}).",
+      check=_randaugment_ops)
   randaugment_magnitude: float = setting(
       9.0, "'randaugment': strength, 0-10.",
       check=fields.between(0, MAX_MAGNITUDE))
@@ -140,4 +168,5 @@ class DataSettings:
       "'synthetic': val and test sizes.", check=fields.POSITIVE)
 
 
-__all__ = ['DataSettings', 'CROPS', 'POLICIES', 'MAX_MAGNITUDE']
+__all__ = ['DataSettings', 'SOURCES', 'CROPS', 'POLICIES', 'MAX_MAGNITUDE',
+           'AUGMENT_OPS', 'RANDAUGMENT_OPS', 'mixes']

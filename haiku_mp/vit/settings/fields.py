@@ -34,7 +34,9 @@ def setting(default: Any, doc: str, takes: str = '',
   """A field with its default and the one doc `--help` shows for it;
   `takes`, what a value of another type is told it should be (else its
   type's name); `check`, the rule its values keep, declared with it and
-  run once, when a config is parsed."""
+  run once, when a config is parsed. The rules between fields a settings
+  class declares in its `check_rules(self, path)`, run after its fields'
+  own checks."""
   return dataclasses.field(default=default, metadata={
       'doc': doc, 'takes': takes, 'check': check})
 
@@ -57,6 +59,13 @@ def at_least(low: float) -> Check:
 def between(low: float, high: float) -> Check:
   return lambda value: (None if low <= value <= high
                         else f'must be in [{low:g}, {high:g}]')
+
+
+def worded(ok: Callable[[Any], bool], words: Callable[[Any], str]) -> Check:
+  """The check whose message after the setting's name is `words(value)`,
+  whole, where `ok(value)` is false: for messages that show the value
+  themselves (`: must be > 1, got 1.0`, `=2.0 must be in (0, 1)`)."""
+  return lambda value: None if ok(value) else _AfterName(words(value))
 
 
 def one_of(choices: tuple[str, ...]) -> Check:
@@ -106,8 +115,9 @@ def parse(kind: type[T], values: Mapping[str, Any] | None,
   Each field takes its value converted to the field's type: an int where a
   float is asked, a list where a tuple is; a field `values` lacks keeps its
   default (a config written before the field existed still parses). A value
-  of another type, or a name the schema does not hold, raises a ConfigError
-  naming the setting.
+  of another type, a name the schema does not hold, a value its field's
+  check refuses, or settings a group's `check_rules` refuses, raises a
+  ConfigError naming the setting.
   """
   values = {} if values is None else values
   hints = _hints(kind)
@@ -124,7 +134,7 @@ def parse(kind: type[T], values: Mapping[str, Any] | None,
 
   given = {name: _value(field, hints[name], values[name], path, group)
            for name, field in fields.items() if name in values}
-  return kind(**given)
+  return _kept(kind(**given), path)
 
 
 def replace(settings: T, path: str = '', /, **changes: Any) -> T:
@@ -143,9 +153,19 @@ def replace(settings: T, path: str = '', /, **changes: Any) -> T:
     del kind  # The group's own kind is that of the settings it replaces.
     return replace(getattr(settings, name), inner_path, **values)
 
-  return dataclasses.replace(settings, **{
+  return _kept(dataclasses.replace(settings, **{
       name: _value(fields[name], hints[name], value, path, group)
-      for name, value in changes.items()})
+      for name, value in changes.items()}), path)
+
+
+def _kept(settings: T, path: str) -> T:
+  """`settings` once the rules between its fields hold: a settings class
+  declares them in `check_rules(self, path)`, which raises a ConfigError
+  naming the settings under `path` (each field's own check has passed)."""
+  check_rules = getattr(settings, 'check_rules', None)
+  if check_rules is not None:
+    check_rules(path)
+  return settings
 
 
 def _value(field: dataclasses.Field, hint: Any, value: Any, path: str,

@@ -1,11 +1,21 @@
 """The reference ViT's shape and regularization (haiku_mp/vit/model/vit.py)."""
 
+from haiku_mp import errors
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import setting
 
-# The patch embedding's kernel inits (haiku_mp/vit/model/vit.py's
-# `PATCH_INITS` makes them).
-PATCH_INITS = ('lecun_normal', 'xavier_uniform')
+# The patch embedding's kernel inits (`model.patch_init`), as the
+# (scale, mode, distribution) of the `hk.initializers.VarianceScaling`
+# haiku_mp/vit/model/vit.py makes. LeCun normal (truncated) is how the
+# original ViT and big_vision start it. Xavier uniform was used before
+# 2026-11-26: Haiku counts a convolution's fan-out as kh * kw * out, so it
+# gave a 384-wide embedding of 4x4 patches a std of 0.018 instead of 0.144,
+# and the reference ViT's output tokens started nearly collapsed
+# (docs/training.md). Kept to reproduce older runs.
+PATCH_INITS = {
+    'lecun_normal': (1.0, 'fan_in', 'truncated_normal'),
+    'xavier_uniform': (1.0, 'fan_avg', 'uniform'),
+}
 
 
 @fields.frozen
@@ -47,7 +57,18 @@ class ModelSettings:
       "The patch embedding's kernel init: 'lecun_normal' (the original "
       "ViT's and big_vision's) or 'xavier_uniform' (before 2026-11-26: 8x "
       'too small for a convolution; kept to reproduce old runs).',
-      check=fields.one_of(PATCH_INITS))
+      check=fields.one_of(tuple(PATCH_INITS)))
+
+  def check_rules(self, path: str) -> None:
+    """Patches that tile the image, heads that split the tokens' width."""
+    if self.image_size % self.patch_size:
+      raise errors.ConfigError(
+          f'{path}image_size={self.image_size} is not divisible by '
+          f'{path}patch_size={self.patch_size}')
+    if self.embed_dim % self.num_heads:
+      raise errors.ConfigError(
+          f'{path}embed_dim={self.embed_dim} is not divisible by '
+          f'{path}num_heads={self.num_heads}')
 
 
 __all__ = ['ModelSettings', 'PATCH_INITS']

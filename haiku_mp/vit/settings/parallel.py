@@ -1,11 +1,12 @@
 """How a run spreads over devices (haiku_mp/vit/parallel/)."""
 
+from haiku_mp import errors
 from haiku_mp.update import data_parallel
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import setting
 
-# The strategies' names (haiku_mp/vit/parallel/strategies.py's classes
-# carry them).
+# The strategies' names (the classes of haiku_mp/vit/parallel/replicated.py
+# and sharded.py carry them).
 STRATEGIES = ('single', 'pmap', 'pjit', 'fsdp')
 # What parameters are all-gathered in and gradients reduced in
 # (haiku_mp/vit/parallel/wire_dtypes.py).
@@ -65,6 +66,15 @@ class ParallelSettings:
           lambda s: MIN_HEARTBEAT_SEC <= s <= MAX_HEARTBEAT_SEC,
           f'an integer number of seconds in [{MIN_HEARTBEAT_SEC}, '
           f'{MAX_HEARTBEAT_SEC}]'))
+
+  def check_rules(self, path: str) -> None:
+    """Parameters gathered in fp8 only where they are gathered (fsdp)."""
+    if (self.gather_dtype == data_parallel.FP8_WIRE and
+        self.strategy != 'fsdp'):
+      raise errors.ConfigError(
+          f'{path}gather_dtype={self.gather_dtype}: {path}strategy='
+          f'{self.strategy} gathers no parameters (every device holds them '
+          "whole); only fsdp splits them over 'batch'")
 
 
 __all__ = ['ParallelSettings', 'STRATEGIES', 'GATHER_DTYPES', 'REDUCE_DTYPES']

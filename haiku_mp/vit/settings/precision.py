@@ -1,9 +1,11 @@
 """Precision: jmp policies, matmul forms, the training state's layout and
 the low-bit matmuls (haiku_mp/model/policies.py, fp8.py, fp4.py)."""
 
+from haiku_mp import errors
 from haiku_mp.advisor import gpus
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import param_updates
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings.fields import group
 from haiku_mp.vit.settings.fields import setting
@@ -66,6 +68,14 @@ class LowBitSettings:
       "4 bits: 'TARGET;...' among `modules` whose Linears keep fp8 (E4M3 "
       "/ E5M2, current scaling), as the advisor suggests; '': none.")
 
+  def check_rules(self, path: str) -> None:
+    """A GPU chooses the Linears only where the speed model may."""
+    if self.gpu and not chooses_modules(self):
+      raise errors.ConfigError(
+          f'{path}gpu={self.gpu} chooses the low-bit Linears only with '
+          f"{path}modules='auto' (now {self.modules!r}); set modules=auto, "
+          "or gpu=''")
+
 
 @fields.frozen
 class PrecisionSettings:
@@ -112,7 +122,7 @@ class PrecisionSettings:
       "(bfloat16 params), each step's float32 result rounded into them: "
       "'nearest', 'stochastic' (unbiased, drawn from the run's key) or "
       "'kahan' (to nearest, plus a bfloat16 buffer of what rounding "
-      'dropped).', check=fields.one_of(optimizer_lib.PARAM_UPDATES))
+      'dropped).', check=fields.one_of(param_updates.PARAM_UPDATES))
   mu_dtype: str = setting(
       'float32',
       "Adam's first moment: 'float32', 'bfloat16' (rounded "

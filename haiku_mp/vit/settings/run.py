@@ -10,7 +10,9 @@ import math
 from absl import logging
 import ml_collections
 
+from haiku_mp import errors
 from haiku_mp.model import remat as remat_lib
+from haiku_mp.vit.settings import dataset as data_settings
 from haiku_mp.vit.settings import fields
 from haiku_mp.vit.settings import renamed
 from haiku_mp.vit.settings.advisor import AdvisorSettings
@@ -148,6 +150,57 @@ class Settings:
   data: DataSettings = group(
       DataSettings,
       'The data, held in memory, and its augmentation on the device.')
+
+  def check_rules(self, path: str) -> None:
+    """The rules between the run's fields and its groups' (each group's own
+    have run)."""
+    del path  # The whole run's settings: the paths from the root.
+    shown = fields.shown
+    if self.num_train_steps == -1 and not self.num_epochs > 0:
+      raise errors.ConfigError(
+          f'num_epochs={shown(self.num_epochs)} must be positive (or set '
+          'num_train_steps)')
+    if self.ema_decay > 0 and self.ema_horizon > 0:
+      raise errors.ConfigError(
+          f'ema_decay={self.ema_decay:g} and ema_horizon='
+          f'{self.ema_horizon:g} both set the moving average; set one, the '
+          'other 0')
+    self._check_privacy()
+    # A crop from beyond half the image's side would be mostly padding.
+    size, padding = self.model.image_size, self.data.crop_padding
+    if not 0 <= padding <= size // 2:
+      raise errors.ConfigError(
+          f'data.crop_padding={shown(padding)} must be an integer in [0, '
+          f'{size // 2}] (half of model.image_size={size})')
+
+  def _check_privacy(self) -> None:
+    """What DP-SGD cannot run with: mixed examples, fp8 scales, fsdp's
+    gathers, half-precision sums."""
+    if not self.privacy.enabled:
+      return
+    data, parallel = self.data, self.parallel
+    if data_settings.mixes(data):
+      raise errors.ConfigError(
+          f'data.mixup_alpha={data.mixup_alpha:g} / data.cutmix_alpha='
+          f'{data.cutmix_alpha:g} with privacy.enabled: a mixed example '
+          'holds two, so DP-SGD\'s per-example clipping bounds neither; set '
+          'both to 0')
+    modules = self.precision.low_bit.modules
+    if modules.strip():
+      raise errors.ConfigError(
+          f'precision.low_bit.modules={modules!r} with privacy.enabled: '
+          "DP-SGD clips per-example gradients that fp8's per-tensor scales do "
+          "not follow (untested); set precision.low_bit.modules='' for a "
+          'private run')
+    if parallel.strategy == 'fsdp':
+      raise errors.ConfigError(
+          'parallel.strategy=fsdp with privacy.enabled: DP-SGD computes its '
+          'gradients per example in its own step, which does not gather '
+          'parameters; use pjit or pmap')
+    if parallel.reduce_dtype == 'compute':
+      raise errors.ConfigError(
+          'parallel.reduce_dtype=compute with privacy.enabled: DP-SGD sums its '
+          "clipped gradients in float32; use 'float32'")
 
 
 def default_config() -> ml_collections.ConfigDict:

@@ -1,4 +1,4 @@
-"""Compilation: JAX's persistent cache, where `config.compilation_cache_dir`
+"""Compilation: JAX's persistent cache, where `settings.compilation_cache_dir`
 puts it, and the train step compiled ahead of its first call
 (`CompiledSteps`).
 

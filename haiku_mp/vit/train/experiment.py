@@ -1,9 +1,10 @@
 """The one place that turns a run's settings into its parts.
 
 The trainer, the benchmark, tabulate, every lab experiment and the tests ask
-`build`; nothing else checks settings against each other, makes the device mesh, or puts
-precision, forward, loss, optimizer, loss scaling, initial state and strategy
-together, so what is measured is what is trained.
+`build`; nothing else checks settings against what they build, makes the
+device mesh, or puts precision, forward, loss, optimizer, loss scaling,
+initial state and strategy together, so what is measured is what is
+trained.
 """
 
 import dataclasses
@@ -22,7 +23,13 @@ from haiku_mp.advisor import placement
 from haiku_mp.model import interception
 from haiku_mp.model import policies
 from haiku_mp.update import loss_scaling
+from haiku_mp.update import moving_average
+from haiku_mp.update import schedule as schedule_lib
 from haiku_mp.update import optimizer as optimizer_lib
+from haiku_mp.update import classification
+from haiku_mp.update import gradients as gradients_lib
+from haiku_mp.update import losses
+from haiku_mp.update import train_state
 from haiku_mp.update import step as step_lib
 from haiku_mp.vit.data import augment
 from haiku_mp.vit.data import pipeline
@@ -30,7 +37,8 @@ from haiku_mp.vit.data import sampling
 from haiku_mp.vit.model import forward as forward_lib
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import strategies
-from haiku_mp.vit.parallel import wire_dtypes as communication_lib
+from haiku_mp.vit.parallel import strategy as strategy_lib
+from haiku_mp.vit.parallel import wire_dtypes
 from haiku_mp.vit.privacy import dp_sgd
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checks
@@ -47,7 +55,7 @@ class Experiment:
   # Every module call of one forward pass (path, class, policy, dtypes).
   module_calls: list[interception.ModuleCall]
   forward: hk.Transformed
-  loss_fn: step_lib.LossFn
+  loss_fn: losses.LossFn
   # (key, uint8 batch[, axis_name]) -> the batch the model trains on: the
   # augmentation and mixing the train step runs first.
   train_inputs: step_lib.TrainInputs
@@ -65,9 +73,9 @@ class Experiment:
   # DP-SGD's settings (noise calibrated, batch padding), or None.
   privacy: Optional[dp_sgd.DpSgd]
   # A no-argument function that builds the initial TrainState from the seed.
-  init_state: Callable[[], step_lib.TrainState]
-  abstract_state: step_lib.TrainState  # jax.ShapeDtypeStruct leaves.
-  strategy: strategies.Strategy
+  init_state: Callable[[], train_state.TrainState]
+  abstract_state: train_state.TrainState  # jax.ShapeDtypeStruct leaves.
+  strategy: strategy_lib.Strategy
   # With precision.low_bit.modules='auto', each Linear's choice and why.
   low_bit_choices: tuple[placement.Choice, ...] = ()
 
@@ -75,7 +83,7 @@ class Experiment:
   def param_names(self) -> list[str]:
     """'module/path/param' per trained parameter (fp8 amax histories left
     out), in the `jax.tree.leaves` order of their gradients."""
-    _, trained = step_lib.split_fp8(self.abstract_state.params)
+    _, trained = train_state.split_fp8(self.abstract_state.params)
     return [sharding.param_name(path) for path, _ in
             jax.tree_util.tree_flatten_with_path(trained)[0]]
 
@@ -135,10 +143,10 @@ class Experiment:
     ordinary = ('loss', 'accuracy', 'grad_norm', 'updates_lost')
     return ordinary + (() if self.privacy is None else dp_sgd.MEAN_METRICS)
 
-  def spent(self, step: int, skipped_steps: int) -> dict[str, float]:
-    """{'epsilon': spent by the steps taken up to `step`} under DP-SGD (a
-    skipped step released nothing), for the logs beside the metrics; else
-    {}."""
+  def log_fields(self, step: int, skipped_steps: int) -> dict[str, float]:
+    """What the logs show at `step` beside the metrics: under DP-SGD
+    {'epsilon': spent by the steps taken up to it} (a skipped step released
+    nothing); else {}."""
     if self.privacy is None:
       return {}
     return dict(epsilon=self.privacy.epsilon(step - skipped_steps))
@@ -170,35 +178,11 @@ class Experiment:
     return lines + self.low_bit_lines() + self.strategy.describe()
 
   def low_bit_lines(self) -> list[str]:
-    """modules='auto': the choice for each Linear and why, Linears of one
-    shape and choice in encoder blocks merged into one line."""
-    if not self.low_bit_choices:
-      return []
-    low_bit = self.settings.precision.low_bit
-    fmt = forward_lib.low_bit_format(low_bit)
-    chosen = sum(c.low_bit for c in self.low_bit_choices)
-    where = (f'predicted on the {low_bit.gpu}' if low_bit.gpu else
-             f'{placement.TORCHAO_RULE}, no precision.low_bit.gpu named')
-    lines = [f'Low-bit matmuls where they pay (precision.low_bit.modules='
-             f"auto, {fmt}, {where}): {chosen} of "
-             f'{len(self.low_bit_choices)} Linears']
-    merged: dict[tuple, list[placement.Choice]] = {}
-    for c in self.low_bit_choices:
-      key = (forward_lib.merge_block_indices(c.linear.path), c.linear.m,
-             c.linear.k, c.linear.n, c.low_bit)
-      merged.setdefault(key, []).append(c)
-    compute = np.dtype(self.precision.policy.compute_dtype).name
-    for (path, *_, low), group in merged.items():
-      if len(group) > 1:
-        path = f'{path} (x{len(group)})'
-      else:
-        path = group[0].linear.path
-      runs = fmt if low else f'stays {compute}'
-      lines.append(f'  {path}: {runs}; {group[0].why(fmt)}')
-    if not chosen:
-      lines.append(f'  No Linear pays: the run has no low-bit matmul '
-                   f'(everything in {compute})')
-    return lines
+    """modules='auto': the choice for each Linear and why
+    (`forward_lib.choice_lines`)."""
+    return forward_lib.choice_lines(
+        self.settings.precision.low_bit, self.low_bit_choices,
+        self.precision.policy.compute_dtype)
 
 
 def total_train_steps(settings: settings_lib.Settings,
@@ -233,11 +217,11 @@ def _init_state_fn(settings, forward, optimizer, scaler):
   """Takes no arrays, so a strategy can run it under jit with the state's
   shardings as outputs (nothing is ever gathered on one device)."""
 
-  def init_state() -> step_lib.TrainState:
+  def init_state() -> train_state.TrainState:
     init_rng, state_rng = jax.random.split(jax.random.key(settings.seed))
     images = forward_lib.dummy_images(settings.model)
     params = forward.init(init_rng, images, True)
-    return step_lib.init_train_state(params, optimizer, scaler,
+    return train_state.init_train_state(params, optimizer, scaler,
                                            state_rng)
 
   return init_state
@@ -249,15 +233,24 @@ def build(settings: settings_lib.Settings, *,
           check_data: bool = False) -> Experiment:
   """The run `settings` describe, on `devices` (all of them by default).
 
-  `settings_lib.parse` checked each field on its own. Checks the rules
-  between settings first (`checks`: run here and nowhere else), then
-  that the batches split over the mesh's devices and the processes. With `check_data` (the trainer's), or where the schedule or
-  DP-SGD needs the train split's size, it then checks that the data is there
-  (a DataError names what is missing; a TFDS download runs here where
+  `settings_lib.parse` checked each field and the rules between them. Builds
+  what the settings describe first, once each (the precision, the sharding
+  rules, the loss scaler: a bad policy, rule or scale is named now), and
+  checks the settings against them (`checks`: run here and nowhere else),
+  then that the batches split over the mesh's devices and the processes.
+  With `check_data` (the trainer's), or where the schedule or DP-SGD needs
+  the train split's size, it then checks that the data is there (a
+  DataError names what is missing; a TFDS download runs here where
   `data.download` allows one). `total_steps` (the learning-rate schedule's
   length) defaults to the settings'. Compiles nothing and writes nothing.
   """
-  checked = checks.check(settings)
+  precision = forward_lib.precision_from_config(settings)
+  checks.check(settings, precision)
+  rules = sharding.rules(settings.parallel)
+  try:  # What the library says of its arguments, in the settings' paths.
+    scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
+  except errors.ArgumentError as error:
+    raise error.named(prefix='loss_scale.') from None
   mesh = sharding.mesh_for(settings.parallel, devices)
   batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
   checks.check_batches(settings, batch_devices, jax.process_count())
@@ -266,7 +259,7 @@ def build(settings: settings_lib.Settings, *,
   num_train_examples = (pipeline.check_available(settings.data)
                         if check_data or needs_size else None)
   precision, calls, choices = forward_lib.checked_precision(
-      settings, checked.precision, batch_devices)
+      settings, precision, batch_devices)
   forward = forward_lib.make_forward(settings.model, precision,
                                      remat=settings.remat)
   if total_steps is None:
@@ -277,10 +270,10 @@ def build(settings: settings_lib.Settings, *,
         'warmup_steps=%d is not shorter than the run\'s %d steps: the '
         'learning rate rises for the whole run and never decays',
         settings.warmup_steps, total_steps)
-  schedule = optimizer_lib.learning_rate_schedule(
+  schedule = schedule_lib.learning_rate_schedule(
       settings.learning_rate, settings.warmup_steps, total_steps)
-  ema_decay = optimizer_lib.ema_decay_for(settings.ema_decay,
-                                          settings.ema_horizon, total_steps)
+  ema_decay = moving_average.ema_decay_for(settings.ema_decay,
+                                           settings.ema_horizon, total_steps)
   optimizer = optimizer_lib.make_optimizer(
       schedule, weight_decay=settings.weight_decay,
       grad_clip_norm=settings.grad_clip_norm, ema_decay=ema_decay,
@@ -289,7 +282,6 @@ def build(settings: settings_lib.Settings, *,
       mu_dtype=settings.precision.mu_dtype,
       nu_dtype=settings.precision.nu_dtype,
       moment_block_size=settings.precision.moment_block_size)
-  scaler = checked.scaler
   init_state = _init_state_fn(settings, forward, optimizer, scaler)
   # The steps' forward: where the step names the batch axis (pmap, and the
   # shard_map of pjit and fsdp over more than one device), fp8 scales from
@@ -302,10 +294,10 @@ def build(settings: settings_lib.Settings, *,
     step_forward = forward_lib.make_forward(
         settings.model, precision.under_pmap(sharding.BATCH),
         remat=settings.remat)
-  loss_fn = step_lib.make_classification_loss(step_forward,
+  loss_fn = classification.make_classification_loss(step_forward,
                                               settings.label_smoothing)
   communication = None if settings.privacy.enabled else (
-      communication_lib.Communication(
+      wire_dtypes.Communication(
           settings.parallel.gather_dtype, settings.parallel.reduce_dtype,
           precision.policy.compute_dtype,
           frozenset(c.path for c in calls
@@ -314,14 +306,14 @@ def build(settings: settings_lib.Settings, *,
       settings.privacy, settings.batch_size, num_train_examples, total_steps,
       batch_devices=batch_devices,
       num_processes=jax.process_count()) if settings.privacy.enabled else None
-  gradients = (step_lib.scaled_gradients(loss_fn, scaler)
+  gradients = (gradients_lib.scaled_gradients(loss_fn, scaler)
                if private is None else
                dp_sgd.make_gradients(loss_fn, scaler, private))
   train_inputs = functools.partial(augment.train_inputs, settings.data,
                                    num_classes=settings.model.num_classes,
                                    total_steps=total_steps)
   strategy = strategies.make_strategy(
-      settings.parallel.strategy, mesh, strategies.StepParts(
+      settings.parallel.strategy, mesh, strategy_lib.StepParts(
           # The eval step's: under pmap it names the axis too; pjit's and
           # fsdp's is a plain jit, whose forward names none.
           step_forward if settings.parallel.strategy == 'pmap' else forward,
@@ -329,7 +321,7 @@ def build(settings: settings_lib.Settings, *,
           train_inputs=train_inputs,
           eval_inputs=functools.partial(augment.eval_inputs, settings.data),
           gradients=gradients, communication=communication),
-      rules=sharding.rules(settings.parallel))
+      rules=rules)
   return Experiment(
       settings=settings, mesh=mesh,
       precision=precision, module_calls=calls,

@@ -8,25 +8,23 @@ import contextlib
 import itertools
 import os
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
+from typing import Any, Callable, NamedTuple, Optional
 
 from absl import logging
 import jax
 
-from haiku_mp.model import meta_params
-from haiku_mp.update import optimizer as optimizer_lib
-from haiku_mp.update import step as step_lib
-from haiku_mp.vit.data import pipeline
+from haiku_mp import errors
 from haiku_mp.vit.data import prefetch
-from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit import settings as settings_lib
-from haiku_mp.vit.train import checkpoint
 from haiku_mp.vit.train import compilation
 from haiku_mp.vit.train import console
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import in_flight
+from haiku_mp.vit.train import interruption
 from haiku_mp.vit.train import overview
 from haiku_mp.vit.train import run_dir
+from haiku_mp.vit.train import session as session_lib
+
 
 def _call(step, state, batch):
   return step(state, batch)
@@ -54,42 +52,12 @@ def _due(step: int, every: int, total: int) -> bool:
   return step % every == 0 or step == total
 
 
-def _restore_or_init(exp, checkpointer, workdir: str, is_writer: bool):
-  """(start step, state, run record): the newest checkpoint that restores
-  (newer ones that do not are set aside, to be saved again), or step 0."""
-  strategy = exp.strategy
-  abstract = sharding.with_shardings(exp.abstract_state,
-                                     strategy.checkpoint_shardings)
-  restored = checkpointer.restore_latest(abstract,
-                                         set_aside_unrestorable=True)
-  if restored is None:
-    if is_writer:  # A run stopped before its first checkpoint: redone.
-      run_dir.truncate_after(workdir, 0)
-    return 0, strategy.init_state(), {}
-  start_step, state = restored
-  console.info('Resuming from %s at step %d.', checkpointer.directory,
-                     start_step)
-  if is_writer:
-    run_dir.truncate_after(workdir, start_step)
-  return (start_step, strategy.place_state(state),
-          checkpointer.run_record(start_step))
-
-
-def _ema_params(state: step_lib.TrainState):
-  """The params' moving average with the run's fp8 amax histories (which
-  the optimizer, and so the average, never holds), or None."""
-  ema = optimizer_lib.ema_params(state.opt_state)
-  if ema is None:
-    return None
-  return meta_params.merge_meta(ema, step_lib.split_fp8(state.params)[0])
-
-
-def _settle(run: '_Run', finished, step: int):
+def _settle(session: session_lib.Session, hooks: Hooks, finished, step: int):
   """Waits for every step in flight (up to `step`); the (label, metrics) of
   the newest finished step: the last of those, or `finished` if none was in
   flight."""
-  done = run.steps.drain()
-  run.hooks.finished(step)
+  done = session.steps.drain()
+  hooks.finished(step)
   return done[-1] if done else finished
 
 
@@ -112,11 +80,13 @@ def _log_window(exp, fetched, window, step, writer, progress,
   rates = progress.update(step)
   summary.update(images_per_sec=rates['images_per_sec'],
                  learning_rate=float(learning_rate(step - 1)),
-                 **exp.spent(step, summary['skipped_steps']))
+                 **exp.log_fields(step, summary['skipped_steps']))
   try:
     exp.scaler.check(step, summary['loss_scale'],
                      int(host_window[-1]['consecutive_skips']),
                      summary['window_skipped_steps'])
+  except errors.ArgumentError as error:
+    raise error.named(prefix='loss_scale.') from None
   finally:
     writer.write(step, 'train', summary)
   console.info(
@@ -131,189 +101,85 @@ def _clock_stopped(progress: console.Progress, step: int):
   progress.start(step)
 
 
-class _Run:
-  """One run: its experiment and data, the resources owned by the ExitStack
-  it is opened in (the signal handlers, the checkpointer, the in-flight watch,
-  the metrics writer, later the batches), and where it stands: the step it
-  started from, the state, the last val metrics."""
-
-  def __init__(self, stack: contextlib.ExitStack, exp: experiment.Experiment,
-               splits: pipeline.Splits, workdir: str, is_writer: bool,
-               hooks: Hooks):
-    self.exp, self.splits, self.stack, self.hooks = exp, splits, stack, hooks
-    settings = exp.settings
-    # The learning rate each log line reports: one small program, where the
-    # schedule's ops run eagerly were seven, each compiled in every process.
-    self.learning_rate = jax.jit(exp.schedule)
-    self.shard = pipeline.Shard.current()
-    self.interruption = stack.enter_context(checkpoint.Interruption())
-    self.checkpointer = stack.enter_context(
-        closed_on_exit(
-            checkpoint.Checkpointer(workdir, settings.keep_checkpoints)))
-    self.on_stall = in_flight.exit_on_stall(
-        f'The newest checkpoint in {self.checkpointer.directory} is whole: '
-        'run the same command to resume (--config.stall_timeout_sec='
-        f'{settings.stall_timeout_sec:g} is how long a step may take).')
-    # At most steps_in_flight steps ahead of the devices, every wait watched.
-    self.steps = stack.enter_context(in_flight.InFlight(
-        settings.steps_in_flight, settings.stall_timeout_sec, self.on_stall,
-        hooks.wait))
-    self.start_step, self.state, record = _restore_or_init(
-        exp, self.checkpointer, workdir, is_writer)
-    if is_writer:
-      run_dir.record_config(exp.settings, workdir, self.start_step)
-    self.writer = stack.enter_context(
-        closed_on_exit(
-            run_dir.MetricsWriter(
-                workdir, enabled=is_writer, start_step=self.start_step)))
-    self.progress = console.Progress(exp.total_steps, settings.batch_size,
-                                          self.start_step, record)
-    self.evaluator = in_flight.Evaluator(exp, splits, self.shard, self.writer,
-                                          self.progress, self.on_stall)
-    self.last_val = record.get('last_val', {})
-    self.last_val_ema = record.get('last_val_ema', {})
-    # The steps between the last log point and the checkpoint resumed from
-    # (none in older checkpoints): the first log window starts with them.
-    self.log_window = run_dir.window_from_record(
-        record.get('log_window', []))
-
-  def evaluate_val(self, step: int) -> None:
-    """Val metrics of the params (with DP-SGD's epsilon spent) and of their
-    moving average, if kept."""
-    exp, state = self.exp, self.state
-    self.last_val = self.evaluator('val', step, state.params, **exp.spent(
-        step, int(exp.strategy.unreplicate(state.skipped_steps))))
-    ema = _ema_params(state)
-    if ema is not None:
-      self.last_val_ema = self.evaluator('val', step, ema, label='val_ema')
-
-  def save(self, step: int, log_window: list[dict[str, Any]],
-           wait: bool) -> None:
-    """A checkpoint of the state at `step`, with the run record (which keeps
-    `log_window`, the host metrics of the steps since the last log point);
-    returns once the state is off the device (the files are written while
-    training goes on) unless `wait`."""
-    self.writer.flush()  # What the checkpoint covers is on disk before it.
-    self.checkpointer.save(
-        step, self.exp.strategy.unreplicate(self.state),
-        dict(
-            self.progress.record(),
-            last_val=self.last_val,
-            last_val_ema=self.last_val_ema,
-            log_window=run_dir.window_record(log_window)))
-    if wait:
-      self.checkpointer.wait()
-
-
-def _train_batches(run: _Run):
+def _train_batches(session: session_lib.Session):
   """The batches from the run's start step on, each tagged with the
   processes' stop requests as it is placed, and the train step compiled for
   the first of them (off the clock)."""
-  exp = run.exp
+  exp = session.exp
   strategy = exp.strategy
   local_batch_shards = strategy.batch_devices // jax.process_count()
-  tag = lambda batch: run.interruption.tag(batch, strategy.place_batch,
-                                           local_batch_shards)
-  batches = run.stack.enter_context(prefetch.DevicePrefetch(
-      exp.train_batches(run.splits.train, run.shard, run.start_step),
+  tag = lambda batch: session.interruption.tag(batch, strategy.place_batch,
+                                               local_batch_shards)
+  batches = session.stack.enter_context(prefetch.DevicePrefetch(
+      exp.train_batches(session.splits.train, session.shard,
+                        session.start_step),
       strategy.place_batch, exp.settings.data.prefetch_batches))
   first = next(batches)
   train_step = compilation.CompiledSteps(strategy)
-  train_step.compile(run.state, tag(first))
+  train_step.compile(session.state, tag(first))
   # The schedule (run at every log point) compiles now, not on the clock.
-  run.learning_rate(run.start_step)
+  session.learning_rate(session.start_step)
   return map(tag, itertools.chain([first], batches)), train_step
 
 
-def _train(run: _Run) -> Optional[dict[str, Any]]:
+def _train(session: session_lib.Session,
+           hooks: Hooks) -> Optional[dict[str, Any]]:
   """The steps from the run's start to its end, with the log, eval and save
-  points; `{'preempted_at_step': N, 'signal': NAME}` if a signal stopped it,
-  else None."""
-  exp = run.exp
+  points, each step dispatched through `hooks`; `{'preempted_at_step': N,
+  'signal': NAME}` if a signal stopped it, else None."""
+  exp = session.exp
   settings, total_steps = exp.settings, exp.total_steps
-  if run.start_step >= total_steps:
+  if session.start_step >= total_steps:
     return None
-  batches, train_step = _train_batches(run)
-  run.progress.start(run.start_step)
+  batches, train_step = _train_batches(session)
+  session.progress.start(session.start_step)
   # The steps since the last log point: those whose metrics are on the host
   # (from the checkpoint the run resumed from, or fetched for a save), then
   # those still on the device.
-  fetched, window, finished = run.log_window, [], None
-  for step in range(run.start_step + 1, total_steps + 1):
+  fetched, window, finished = session.log_window, [], None
+  for step in range(session.start_step + 1, total_steps + 1):
     # Between log points the host only dispatches, and waits for the step
     # steps_in_flight back: no device value is read.
     before_batch = time.perf_counter()
     batch = next(batches)
     before_step = time.perf_counter()
-    run.state, step_metrics = run.hooks.dispatch(train_step, run.state, batch)
-    run.progress.host_time(before_step - before_batch,
-                           time.perf_counter() - before_step)
+    session.state, step_metrics = hooks.dispatch(train_step, session.state,
+                                                 batch)
+    session.progress.host_time(before_step - before_batch,
+                               time.perf_counter() - before_step)
     window.append(step_metrics)
-    finished = run.steps.push(f'step {step}', step_metrics)
+    finished = session.steps.push(f'step {step}', step_metrics)
     # Steps finish in order: all but those still in flight have.
-    run.hooks.finished(step - len(run.steps))
+    hooks.finished(step - len(session.steps))
     if _due(step, settings.log_every_steps, total_steps):
-      finished = _settle(run, finished, step)  # The window, waited for.
-      _log_window(exp, fetched, window, step, run.writer, run.progress,
-                  run.learning_rate)
+      # The window, waited for.
+      finished = _settle(session, hooks, finished, step)
+      _log_window(exp, fetched, window, step, session.writer,
+                  session.progress, session.learning_rate)
       fetched, window = [], []
-      run.checkpointer.poll()  # A save written meanwhile: logged, or its error.
+      # A save written meanwhile: logged, or its error.
+      session.checkpointer.poll()
     if _due(step, settings.eval_every_steps, total_steps):
       # Evaluation waits for the steps still queued.
-      finished = _settle(run, finished, step)
-      with _clock_stopped(run.progress, step):
-        run.evaluate_val(step)
-    stop = step < total_steps and run.interruption.stop_after(
+      finished = _settle(session, hooks, finished, step)
+      with _clock_stopped(session.progress, step):
+        session.evaluate_val(step)
+    stop = step < total_steps and session.interruption.stop_after(
         finished and finished[1])
     if _due(step, settings.checkpoint_every_steps, total_steps) or stop:
-      finished = _settle(run, finished, step)
-      with _clock_stopped(run.progress, step):
+      finished = _settle(session, hooks, finished, step)
+      with _clock_stopped(session.progress, step):
         # The steps since the last log point go into the checkpoint: a run
         # resumed from it logs the window an uninterrupted run does.
         fetched, window = _on_host(exp, fetched, window), []
-        run.save(step, fetched, wait=stop)  # The files written before a stop.
+        # The files written before a stop.
+        session.save(step, fetched, wait=stop)
     if stop:
-      received = run.interruption.received or 'SIGTERM'  # Or another process's.
-      logging.warning('%s', checkpoint.stop_line(received, step))
+      # The signal this process received, or another process's.
+      received = session.interruption.received or 'SIGTERM'
+      logging.warning('%s', interruption.stop_line(received, step))
       return dict(preempted_at_step=step, signal=received)
   return None
-
-
-def _summary(run: _Run) -> dict[str, Any]:
-  """The finished run's results (test and last val, of the params and of
-  their moving average), its costs and its settings: summary.json."""
-  exp, state = run.exp, run.state
-  strategy, total_steps = exp.strategy, exp.total_steps
-  test = run.evaluator('test', total_steps, state.params)
-  ema = _ema_params(state)
-  ema_summary = {}
-  if ema is not None:
-    test_ema = run.evaluator('test', total_steps, ema, label='test_ema')
-    ema_summary = dict(
-        ema_test_accuracy=test_ema['accuracy'], ema_test_loss=test_ema['loss'],
-        ema_val_accuracy=run.last_val_ema.get('accuracy'),
-        ema_val_loss=run.last_val_ema.get('loss'))
-  skipped_steps = int(strategy.unreplicate(state.skipped_steps))
-  progress = run.progress
-  return dict(
-      test_accuracy=test['accuracy'], test_loss=test['loss'],
-      val_accuracy=run.last_val.get('accuracy'),
-      val_loss=run.last_val.get('loss'),
-      steps=total_steps,
-      skipped_steps=skipped_steps,
-      final_loss_scale=float(strategy.unreplicate(state.loss_scale.scale)),
-      train_time_sec=progress.train_seconds,
-      eval_time_sec=progress.eval_seconds,
-      images_per_sec=progress.mean_images_per_sec,
-      host_ms_per_step=progress.host_ms_per_step(),
-      peak_memory_bytes=run_dir.peak_memory_bytes(),
-      devices=[str(d) for d in jax.devices()],
-      strategy=strategy.name,
-      mesh_shape=exp.mesh and list(exp.mesh.devices.shape),
-      precision_policy=exp.settings.precision.policy,
-      loss_scale_kind=exp.scaler.kind,
-      **ema_summary,
-      **exp.summary_fields(total_steps, skipped_steps))
 
 
 def unfinished(settings: settings_lib.Settings, workdir: str
@@ -356,13 +222,14 @@ def train(exp: experiment.Experiment, workdir: str,
     splits = overview.load_data(exp)
     if is_writer:
       run_dir.prepare(workdir)
-    run = _Run(stack, exp, splits, workdir, is_writer, hooks)
-    overview.log_startup(exp, run.state, workdir, is_writer,
+    session = session_lib.Session(stack, exp, splits, workdir, is_writer,
+                                  hooks.wait)
+    overview.log_startup(exp, session.state, workdir, is_writer,
                             log_module_table)
-    stopped = _train(run)
+    stopped = _train(session, hooks)
     if stopped is not None:
       return stopped
-    summary = _summary(run)
+    summary = session.summary()
   path = os.path.join(workdir, run_dir.SUMMARY_FILE)
   if is_writer:
     run_dir.write_json(path, summary)
@@ -388,26 +255,3 @@ def train_and_evaluate(settings: settings_lib.Settings, workdir: str,
   exp = experiment.build(settings, check_data=True)
   on_built()
   return train(exp, workdir, log_module_table, hooks)
-
-
-# A run's resources closed on leaving its ExitStack, the first failure kept.
-
-_Resource = TypeVar('_Resource')
-
-
-@contextlib.contextmanager
-def closed_on_exit(resource: _Resource) -> Iterator[_Resource]:
-  """Closes `resource` on leaving the block. Leaving on an error, an error
-  of the closing itself is dropped: the first failure is the one reported
-  (a full disk that failed a save fails the checkpoints' and the metrics'
-  closing too, and would replace the save's error with theirs)."""
-  try:
-    yield resource
-  except BaseException:
-    try:
-      resource.close()
-    except Exception:  # pylint: disable=broad-except
-      logging.debug('Closing %s after an error failed too.', resource,
-                    exc_info=True)
-    raise
-  resource.close()
