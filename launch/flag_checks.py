@@ -7,7 +7,7 @@ from typing import Iterable, Sequence
 from haiku_mp import errors
 from haiku_mp.lab import variants
 from haiku_mp.model import fp8
-from haiku_mp.model import policies
+from haiku_mp.model import policy_strings
 
 
 def at_least(flags: Iterable[tuple[str, int, int]]) -> None:
@@ -52,7 +52,8 @@ def compute_dtypes(name: str, dtypes: Sequence[str]) -> list[str]:
     if dtype.startswith(fp8.VARIANT_PREFIX):
       errors.check_choice(f'--{name}', dtype, variants.FP8_VARIANTS)
       continue
-    policies.parse_policy(f'compute={dtype}', setting=f'--{name} ({dtype})')
+    policy_strings.parse_policy(f'compute={dtype}',
+                                setting=f'--{name} ({dtype})')
   return list(dtypes)
 
 

@@ -13,7 +13,7 @@ from haiku_mp.advisor.gpus import Assumptions
 from haiku_mp.advisor.gpus import gpu
 from haiku_mp.advisor.matmul_formats import judge as judge_matmuls
 from haiku_mp.advisor.matmul_formats import MatmulFormat
-from haiku_mp.advisor.measurement import fp8_linears
+from haiku_mp.advisor.measurement import low_bit_linears
 from haiku_mp.advisor.measurement import measure_matmuls
 from haiku_mp.advisor.measurement import measure_model
 from haiku_mp.advisor.measurement import module_classes_of
@@ -29,7 +29,7 @@ from haiku_mp.advisor.verdicts import Thresholds
 
 __all__ = ('Advice', 'Assumptions', 'Fp4Matmuls', 'Fp4Thresholds',
            'Fp8Matmuls', 'Fp8Thresholds', 'LinearShape', 'MatmulFormat',
-           'Thresholds', 'choose_low_bit', 'fp8_linears', 'gpu', 'judge',
+           'Thresholds', 'choose_low_bit', 'low_bit_linears', 'gpu', 'judge',
            'judge_matmuls', 'linear_seconds', 'low_bit_gain',
            'measure_matmuls', 'measure_model', 'module_classes_of',
            'overrides', 'torchao_pays')

@@ -120,7 +120,7 @@ def as_dict(stats: np.ndarray, tensor: str) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Fp4Thresholds:
-  """How much of an operand a 4-bit format may lose (`config.advisor`'s fp4
+  """How much of an operand a 4-bit format may lose (the 4-bit
   limits): at most `max_flushed_share` of its blocks flushed by an outlier
   (a block whose other values an outlier pushes under E2M1's smallest step:
   the norm survives, the block's information does not) and at most
@@ -139,8 +139,8 @@ class Fp4Matmuls(matmul_formats.MatmulFormat):
   """4 bits in the advisor's matmul pipeline: a choice per format
   (`fp4.FORMATS`), each operand blocked as the train step blocks it
   (`CASES`), the weight gradient's inputs through the random Hadamard
-  transform when `hadamard` (the config's `precision.low_bit.hadamard`), with
-  the layer's own signs. A Linear that fails keeps fp8 where fp8's verdict
+  transform when `hadamard` (as `Fp4.hadamard` runs it), with the layer's
+  own signs. A Linear that fails keeps fp8 where fp8's verdict
   at current scaling, the one a 4-bit config's fp8 Linears run, passes.
 
   Example:
@@ -199,10 +199,6 @@ class Fp4Matmuls(matmul_formats.MatmulFormat):
                          f'{s["relative_error"]:.3g} of its norm (> '
                          f'{limits.max_relative_error:g})')
     return reasons
-
-  def flags(self, choice: str) -> list[str]:
-    return [f'--config.precision.low_bit.format={choice}',
-            f'--config.precision.low_bit.scaling={self.fallback_choice}']
 
   def cells(self, row: Mapping[str, Any], choice: str) -> list[str]:
     cell = lambda name, case: (

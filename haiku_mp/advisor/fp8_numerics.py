@@ -92,7 +92,7 @@ def as_dict(stats: np.ndarray) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Thresholds:
-  """How much of an operand E4M3 / E5M2 may lose (`config.advisor`'s fp8
+  """How much of an operand E4M3 / E5M2 may lose (the fp8
   limits): at most `max_relative_error` of its norm to rounding, at most
   `max_underflow_share` of its non-zero values flushed to zero (a tensor
   whose values span more binades than the format: its norm may survive
@@ -176,10 +176,6 @@ class Fp8Matmuls(matmul_formats.MatmulFormat):
                        f'values saturate in {fmt} (> '
                        f'{100 * limits.max_saturate_share:g}%)')
     return reasons
-
-  def flags(self, choice: str) -> list[str]:
-    return ['--config.precision.low_bit.format=fp8',
-            f'--config.precision.low_bit.scaling={choice}']
 
   def cells(self, row: Mapping[str, Any], choice: str) -> list[str]:
     cell = lambda name: (f'{row[name][choice]["relative_error"]:.3g} / '

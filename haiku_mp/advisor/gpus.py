@@ -4,7 +4,7 @@ for every GPU, never fitted per case).
 
 Peaks are dense (no 2:4 sparsity) and per GPU, in FLOP/s per matmul format:
 
-- ``float32``: CUDA cores, what `precision.matmul_precision='highest'` runs;
+- ``float32``: CUDA cores, what `matmul_precision='highest'` runs;
 - ``tf32``: tensor cores on float32 operands, what JAX's default matmul
   precision runs on these GPUs (an H100's `jnp.dot` in float32 ran at 234
   TFLOP/s, beyond its 67 of true float32: docs/benchmarks/gpu.md);

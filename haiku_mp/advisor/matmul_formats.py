@@ -15,7 +15,7 @@ format is one more. Everything else is shared: the probes
 A Linear runs a format well at a choice when `check` finds nothing: it gets
 `<name>-ok`. Otherwise it keeps the wider format judged before it (4 bits
 fall back on fp8 at current scaling: `keep-fp8`) where that one passes, and
-bfloat16 (`keep-bf16`, left out of `precision.low_bit.modules`) elsewhere.
+bfloat16 (`keep-bf16`, left out of the `LowBit`'s modules) elsewhere.
 """
 
 import abc
@@ -90,10 +90,6 @@ class MatmulFormat(abc.ABC):
     `choice` within `limits`; empty when it can."""
 
   @abc.abstractmethod
-  def flags(self, choice: str) -> list[str]:
-    """The flags beside `precision.low_bit.modules` that select `choice`."""
-
-  @abc.abstractmethod
   def cells(self, row: Mapping[str, Any], choice: str) -> list[str]:
     """A judged row's `columns`, for the advice's table."""
 
@@ -118,18 +114,18 @@ class MatmulFormat(abc.ABC):
 
 def modules_setting(candidates: Sequence[str], kept: Sequence[str],
                     configured: str) -> str:
-  """The `precision.low_bit.modules` value that runs low-bit matmuls in
-  `candidates` but `kept`: the configured one when nothing is kept, else
-  the paths left."""
+  """The `LowBit` modules (``'TARGET;...'``) that run low-bit matmuls in
+  `candidates` but `kept`: `configured` when nothing is kept, else the
+  paths left."""
   if not kept:
     return configured
   return ';'.join(p for p in candidates if p not in kept)
 
 
 def candidates_setting(modules: str) -> str:
-  """The modules the advice considers: the config's low-bit modules
-  (`precision.low_bit.modules`), or `fp8.DEFAULT_MODULES` when it runs none
-  or lets the speed model choose ('auto')."""
+  """The modules the advice considers: a model's low-bit `modules`, or
+  `fp8.DEFAULT_MODULES` when it runs none or lets the speed model choose
+  ('auto')."""
   modules = modules.strip()
   return fp8.DEFAULT_MODULES if modules in ('', 'auto') else modules
 
@@ -142,16 +138,17 @@ def judge(totals: Mapping[str, Sequence[np.ndarray]], fmt: MatmulFormat,
   that keep bfloat16 and those that keep `fallback`'s format (an earlier
   `judge`'s result: a Linear keeps it where its verdict at
   `fmt.fallback_choice` passes), and
-  the `precision.low_bit.modules` (from `targets`, the candidates' setting) and
-  `keep_fp8` values that run exactly that.
+  the `LowBit` `modules` (`low_bit_modules`, from `targets`, the
+  candidates') and `keep_fp8` (`keep_fp8_setting`) that run exactly that.
 
   Example:
     totals = advisor.measure_matmuls(loss_fn, params, batches, paths,
                                      advisor.Fp8Matmuls())
     judged = advisor.judge_matmuls(totals, advisor.Fp8Matmuls(), 'current',
                                    fp8_limits, 'Linear')
-    precision = haiku_mp.make_precision(BF16, model_class=hk.nets.MLP,
-                                        fp8_modules=judged['fp8_modules'])
+    precision = haiku_mp.make_precision(
+        BF16, model_class=hk.nets.MLP,
+        low_bit=haiku_mp.LowBit(judged['low_bit_modules']))
   """
   wider = {}
   if fallback is not None:
@@ -177,5 +174,6 @@ def judge(totals: Mapping[str, Sequence[np.ndarray]], fmt: MatmulFormat,
   return dict(format=fmt.name, choice=choice, options=fmt.options(),
               fallback=fallback['format'] if fallback else None,
               modules=rows, keep_bf16=keep_bf16, keep_fp8=keep_wider,
-              fp8_modules=modules_setting(list(totals), keep_bf16, targets),
+              low_bit_modules=modules_setting(list(totals), keep_bf16,
+                                              targets),
               keep_fp8_setting=';'.join(keep_wider))

@@ -23,8 +23,8 @@ from haiku_mp.advisor import numerics
 from haiku_mp.advisor import probes
 from haiku_mp.advisor import verdicts
 from haiku_mp.model import fp8
-from haiku_mp.model import half_dot
-from haiku_mp.model import policies
+from haiku_mp.model import low_bit as low_bit_lib
+from haiku_mp.model import targets as targets_lib
 from haiku_mp.update import losses
 from haiku_mp.update import state_check
 
@@ -77,7 +77,7 @@ def module_classes_of(loss_fn: probes.LossFn, params, rng: jax.Array,
 
   Example:
     classes = advisor.module_classes_of(loss_fn, params, jax.random.key(0), batch)
-    candidates = advisor.fp8_linears(classes, 'Linear')
+    candidates = advisor.low_bit_linears(classes, 'Linear')
   """
   classes = {}
 
@@ -232,19 +232,20 @@ def _mark_equal_containers(modules: list[verdicts.Module]) -> None:
         break
 
 
-def fp8_linears(classes: dict[str, str],
-                targets: str = fp8.DEFAULT_MODULES) -> list[str]:
+def low_bit_linears(classes: dict[str, str],
+                    targets: str = fp8.DEFAULT_MODULES) -> list[str]:
   """The paths of the Linear layers (stock or haiku_mp's) among `classes`
   (`module_classes_of`'s) that `targets` (``'TARGET;...'``, as
-  `make_precision`'s `fp8_modules`) select: the candidates for low-bit matmuls.
+  `LowBit`'s `modules`) select: the candidates for low-bit matmuls.
 
   Example:
     classes = advisor.module_classes_of(loss_fn, params, jax.random.key(0), batch)
-    paths = advisor.fp8_linears(classes, '*/linear_0;*/linear_1')
+    paths = advisor.low_bit_linears(classes, '*/linear_0;*/linear_1')
   """
-  selected = policies.parse_targets(targets)
+  selected = targets_lib.parse_targets(targets)
   return [p for p, c in classes.items()
-          if c == half_dot.FP8_CLASS and half_dot.selects(selected, c, p)]
+          if c == low_bit_lib.LOW_BIT_CLASS
+          and low_bit_lib.selects(selected, c, p)]
 
 
 def measure_matmuls(loss_fn: probes.LossFn, params, batches: Sequence,

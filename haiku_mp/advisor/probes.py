@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from haiku_mp.advisor import matmul_formats
 from haiku_mp.advisor import numerics
-from haiku_mp.model import half_dot
+from haiku_mp.model import low_bit as low_bit_lib
 
 # (params, rng, batch) -> (scalar loss, aux), as `train_step.LossFn`.
 LossFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
@@ -167,7 +167,7 @@ def linear_statistics_fn(loss_fn: LossFn, paths: Iterable[str],
   def interceptor(vectors, extra):
     def intercept(next_f, args, kwargs, context: hk.MethodContext):
       if (context.method_name != '__call__'
-          or type(context.module).__name__ != half_dot.FP8_CLASS
+          or type(context.module).__name__ != low_bit_lib.LOW_BIT_CLASS
           or context.module.module_name not in vectors):
         return next_f(*args, **kwargs)
       path = context.module.module_name

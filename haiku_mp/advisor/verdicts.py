@@ -41,7 +41,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from haiku_mp.advisor import numerics
-from haiku_mp.model import policies
+from haiku_mp.model import policy_strings
 
 KEEP = 'keep-f32'
 BF16_OK = 'bf16-ok'
@@ -54,7 +54,7 @@ _EXPONENTS = range(-64, 65)
 
 @dataclasses.dataclass(frozen=True)
 class Thresholds:
-  """How much of a tensor a format may lose (`config.advisor`'s limits).
+  """How much of a tensor a 16-bit format may lose: the advisor's limits.
 
   Example:
     limits = advisor.Thresholds(max_relative_error=0.01,
@@ -261,12 +261,13 @@ def _close_window(verdicts: dict[str, Verdict]):
 
 def policy(main_policy: str, compute: str, output: str) -> str:
   """`main_policy`'s params with `compute` and `output` dtypes."""
-  return policies.with_dtypes(main_policy, compute=compute, output=output)
+  return policy_strings.with_dtypes(main_policy, '$main_policy',
+                                    compute=compute, output=output)
 
 
 def loss_scale(fmt: str, scale_window: tuple[Optional[int], Optional[int]]
                ) -> dict[str, Any]:
-  """The `loss_scale` settings for half format `fmt`: none for bfloat16; for
+  """The `LossScaler` arguments for half format `fmt`: none for bfloat16; for
   float16 a dynamic scale that starts at the top of the window (2**hi) and
   never falls below its bottom (2**lo)."""
   if fmt != 'float16':
@@ -280,24 +281,11 @@ def loss_scale(fmt: str, scale_window: tuple[Optional[int], Optional[int]]
   return settings
 
 
-def _flag_value(value: Any) -> str:
-  """`value` as a command line gives it back exactly: a power of two
-  2.0**25 as 33554432, not `:g`'s 3.35544e+07 (which pastes as 33554400)."""
-  if isinstance(value, float):
-    return str(int(value)) if value.is_integer() else repr(value)
-  return str(value)
-
-
-def loss_scale_flags(settings: dict[str, Any]) -> list[str]:
-  """`--config.loss_scale.*` flags that set `settings` exactly."""
-  return [f'--config.loss_scale.{k}={_flag_value(v)}'
-          for k, v in settings.items()]
-
-
 def overrides(modules: Sequence[Module], advice: Advice, fmt: str,
               inherits: Optional[Mapping[str, bool]] = None, half: str = '',
               *, precision=None) -> str:
-  """`precision.overrides` that keep exactly the modules judged `keep-f32`
+  """`make_precision`'s `overrides` that keep exactly the modules judged
+  `keep-f32`
   under `fmt` in float32: a class name when every module of the class is
   kept, else their paths; a kept module's direct children that were fine in
   half precision and would inherit float32 from it (`inherits[path]`: no
@@ -312,7 +300,7 @@ def overrides(modules: Sequence[Module], advice: Advice, fmt: str,
     if inherits is None:
       inherits = {m.path: precision.rule_for(m.class_name, m.path) is None
                   for m in modules}
-    half = half or policies.policy_str(precision.policy)
+    half = half or policy_strings.policy_str(precision.policy)
   inherits = inherits or {}
   kept = {p for p, v in advice.verdicts.items()
           if getattr(v, fmt) == KEEP}

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from haiku_mp.model import fp4
 from haiku_mp.model import fp8
-from haiku_mp.model import policies
+from haiku_mp.model import policy_strings
 from haiku_mp.update import state_layout
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.parallel import sharding
@@ -42,8 +42,8 @@ def _state(layout: state_layout.StateLayout) -> dict[str, str]:
 
 def compute_dtype(settings: settings_lib.Settings) -> str:
   """The name of the settings' main compute dtype."""
-  return jnp.dtype(policies.parse_policy(
-      settings.precision.policy).compute_dtype).name
+  return jnp.dtype(policy_strings.parse_policy(
+      settings.precision.policy, 'precision.policy').compute_dtype).name
 
 
 def variant_name(settings: settings_lib.Settings) -> str:
@@ -54,7 +54,8 @@ def variant_name(settings: settings_lib.Settings) -> str:
     if low_bit.format in FP4_VARIANTS:
       return low_bit.format
     return fp8.VARIANT_PREFIX + low_bit.scaling
-  policy = policies.parse_policy(settings.precision.policy)
+  policy = policy_strings.parse_policy(settings.precision.policy,
+                                      'precision.policy')
   if jnp.dtype(policy.param_dtype) == jnp.bfloat16:
     for name, layout in ((PURE_BF16, state_layout.PURE_BF16),
                          (PURE_BF16_8BIT, state_layout.PURE_BF16_8BIT)):
@@ -83,7 +84,7 @@ def in_compute_dtype(settings: settings_lib.Settings, dtype: str
   pure_bf16 = dtype == PURE_BF16
   if pure_bf16:
     dtype = 'bfloat16'
-  precision = dict(policy=policies.with_dtypes(
+  precision = dict(policy=policy_strings.with_dtypes(
       settings.precision.policy, setting=f'sweep dtype {dtype!r}',
       params='bfloat16' if pure_bf16 else None, compute=dtype))
   if pure_bf16:

@@ -16,10 +16,14 @@ from haiku_mp.model import random_bits
 _LEVELS = 2**random_bits.BITS16
 
 
+class DropoutError(errors.ArgumentError):
+  """A dropout rate out of [0, 1); the message names the argument."""
+
+
 def check_rate(rate: float) -> float:
+  """`rate`, or a DropoutError naming it (`$rate`)."""
   if not 0.0 <= rate < 1.0:
-    raise errors.ConfigError(
-        f'model.dropout_rate={rate:g} must be in [0, 1)')
+    raise DropoutError(f'$rate={rate:g} must be in [0, 1)')
   return rate
 
 

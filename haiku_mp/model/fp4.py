@@ -28,6 +28,8 @@ from haiku_mp.model.fp8 import DGRAD
 from haiku_mp.model.fp8 import FPROP
 from haiku_mp.model.fp8 import WGRAD
 from haiku_mp.model.meta_params import FP4_SIGNS
+from haiku_mp.model.precision_error import literal
+from haiku_mp.model.precision_error import PrecisionError
 
 FORMATS = ('nvfp4', 'mxfp4')
 
@@ -66,7 +68,7 @@ class Fp4:
   stochastic_gradients: bool = True
 
   def __post_init__(self):
-    errors.check_choice('precision.low_bit.format', self.format, FORMATS)
+    errors.check_choice('$format', self.format, FORMATS, PrecisionError)
 
   @property
   def block(self) -> int:
@@ -92,7 +94,8 @@ class Fp4:
 
 def check_dims(config: Fp4, path: str, tokens: Optional[int], inputs: int,
                outputs: int) -> None:
-  """Raises, naming the setting, unless each of the three GEMMs' contracting
+  """Raises, naming `config`'s `$format` and the Linears' `$modules` (a
+  `LowBit`'s), unless each of the three GEMMs' contracting
   dimensions is a whole number of blocks (and the tokens of Hadamard
   blocks): the blocks are never padded. `tokens` None: not known yet (an
   init traced at another batch size)."""
@@ -109,10 +112,10 @@ def check_dims(config: Fp4, path: str, tokens: Optional[int], inputs: int,
                   NVFP4_BLOCK))
   for what, size, block in needs:
     if size % block:
-      raise errors.ConfigError(
-          f'precision.low_bit.format={config.format}: {path}: {what}: {size}, '
-          f'not a multiple of {block}; leave it out of '
-          'precision.low_bit.modules or pick sizes that blocks divide')
+      raise PrecisionError(
+          f'$format={config.format}: {literal(path)}: {what}: {size}, not a '
+          f'multiple of {block}; leave it out of $modules or pick sizes that '
+          'blocks divide')
 
 
 def _dot(a, b, dims):

@@ -1,6 +1,6 @@
 """fp8 matmuls: E4M3 operands forward, E5M2 gradients backward, float32 sums.
 
-A `Linear` that `precision.low_bit` selects computes `x @ w` as
+A `Linear` that a precision's `low_bit` selects computes `x @ w` as
 `dot_general(q(x), q(w), preferred_element_type=float32) * s_x * s_w`,
 rounded once to the compute dtype, where `q(t)` is `t / s_t` saturated to the
 format's largest finite value and rounded to nearest even. Its backward pass
@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp import errors
+from haiku_mp.model.precision_error import literal
+from haiku_mp.model.precision_error import PrecisionError
 from haiku_mp.model.fp8_scales import amax
 from haiku_mp.model.fp8_scales import E4M3
 from haiku_mp.model.fp8_scales import E5M2
@@ -87,16 +89,16 @@ class Fp8:
   margin: float = 0.0  # Headroom: the scale leaves amax * 2**margin in range.
 
   def __post_init__(self):
-    errors.check_choice('precision.low_bit.scaling', self.scaling, SCALINGS)
+    errors.check_choice('$scaling', self.scaling, SCALINGS, PrecisionError)
     length = self.history_length
     if not (isinstance(length, int) and not isinstance(length, bool)
             and length >= 1):
-      raise errors.ConfigError(
-          f'precision.low_bit.history_length={length} must be an integer >= 1 '
+      raise PrecisionError(
+          f'$history_length={literal(str(length))} must be an integer >= 1 '
           '(amaxes kept per tensor)')
     if not 0 <= self.margin < math.inf:
-      raise errors.ConfigError(
-          f'precision.low_bit.margin={self.margin:g} must be a finite number '
+      raise PrecisionError(
+          f'$margin={self.margin:g} must be a finite number '
           '>= 0 (a power of two of headroom)')
 
   def describe(self) -> str:

@@ -9,9 +9,9 @@ instructions, a GPU's tensor cores) and accumulates in float32, rounded once to
 the result dtype: the standard mixed-precision numerics on every backend.
 
 `einsum` is that dot with a custom VJP whose two backward dots take the
-cotangent in the operands' dtype and are written the same way. `Matmuls` says
-which form each dtype gets and which Linears run fp8 or 4 bits; the modules
-that run it are in `matmul_modules`.
+cotangent in the operands' dtype and are written the same way. A model's
+`matmuls.Matmuls` says which form it takes; the modules that run it are in
+`matmul_modules`.
 
 Which form a half dtype gets is decided in one place, `form_for`:
 
@@ -33,8 +33,6 @@ CPU names its form.
 """
 
 import contextlib
-import dataclasses
-import fnmatch
 import functools
 import math
 from typing import Optional
@@ -44,9 +42,8 @@ import jax.numpy as jnp
 
 from haiku_mp import errors
 from haiku_mp.model import cpu_features
-from haiku_mp.model import fp4 as fp4_lib
-from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import recording
+from haiku_mp.model.precision_error import PrecisionError
 
 FORMS = ('auto', 'native', 'upcast', 'plain')
 # Backends a program may be traced for (`Matmuls.platform`); '' is JAX's own.
@@ -66,12 +63,12 @@ _TRANSPOSE_FOR_KERNEL = ('cpu',)
 
 
 def check_form(form: str) -> str:
-  errors.check_choice('precision.dot_form', form, FORMS)
+  errors.check_choice('$dot_form', form, FORMS, PrecisionError)
   return form
 
 
 def check_platform(platform: str) -> str:
-  errors.check_choice('precision.dot_platform', platform, PLATFORMS)
+  errors.check_choice('$dot_platform', platform, PLATFORMS, PrecisionError)
   return platform
 
 
@@ -117,16 +114,18 @@ def form_for(form: str, dtype, platform: str, batched: bool = False) -> str:
   return form
 
 
-def matmuls_line(form: str, dtypes, platform: str) -> str:
+def matmuls_line(form: str, dtypes, platform: str,
+                 setting: str = 'dot_form') -> str:
   """The console's `Matmuls:` line: the form the dots of each compute dtype
-  in `dtypes` take on `platform` under `precision.dot_form=form`, and why."""
+  in `dtypes` take on `platform` under `form`, and why (a form asked for
+  named as `setting`)."""
   parts = []
   for name in dict.fromkeys(jnp.dtype(d).name for d in dtypes):
     chosen = form_for(form, name, platform)
     if form == 'auto' or jnp.finfo(name).bits >= 32:
       why = auto_form(name, platform)[1]
     else:
-      why = f'precision.dot_form={form!r}'
+      why = f'{setting}={form!r}'
     batched = form_for(form, name, platform, batched=True)
     if batched != chosen:
       why += f'; batched dots {batched}'
@@ -146,83 +145,25 @@ def _is_batched(spec: str) -> bool:
   return bool(set(a) & set(b) & set(out))
 
 
-FP8_CLASS = 'Linear'  # The only module whose matmul runs in fp8.
-
-
-def selects(targets: tuple[str, ...], class_name: str, path: str) -> bool:
-  """Whether `targets` (class names or path globs) select a module: its class
-  is one, or a glob matches its path or the path of a module around it."""
-  if class_name in targets:
-    return True
-  parts = path.split('/')
-  prefixes = ['/'.join(parts[:i]) for i in range(1, len(parts) + 1)]
-  return any(fnmatch.fnmatchcase(p, t) for t in targets for p in prefixes)
-
-
-@dataclasses.dataclass(frozen=True)
-class Matmuls:
-  """How a model's matmuls run: the form for half operands and the
-  `jax.default_matmul_precision` name in force (None: JAX's default), which
-  the backward pass, traced later and outside it, must use as well; and which
-  `Linear` layers run low-bit matmuls (`fp8_targets`): fp8 with what scaling,
-  or 4 bits (`fp4`).
-  A `Precision` makes them (`precision.matmuls`) for every Linear it applies to.
-
-  Example:
-    matmuls = haiku_mp.Matmuls('native')  # Half operands, float32 sums.
-    y = matmuls.einsum('ni,io->no', x.astype(jnp.bfloat16),
-                       w.astype(jnp.bfloat16))
-  """
-  form: str = 'auto'
-  matmul_precision: Optional[str] = None
-  fp8: Optional[fp8_lib.Fp8] = None
-  fp8_targets: tuple[str, ...] = ()
-  # The pmap axis over which fp8 amaxes are reduced (`Precision.under_pmap`).
-  fp8_axis: Optional[str] = None
-  # The backend the forms are chosen for; '': the one JAX runs on.
-  platform: str = ''
-  # The fp8 targets' matmuls in 4 bits instead (`fp4.Fp4`); None: fp8.
-  fp4: Optional[fp4_lib.Fp4] = None
-  # Under `fp4`, the fp8 targets whose Linears keep fp8.
-  fp8_kept: tuple[str, ...] = ()
-
-  @property
-  def backend(self) -> str:
-    return self.platform or jax.default_backend()
-
-  def runs_low_bit(self, class_name: str, path: str) -> bool:
-    """Whether the Linear runs low-bit matmuls: fp8, or 4 bits where
-    `runs_fp4` says so."""
-    return (self.fp8 is not None and class_name == FP8_CLASS
-            and selects(self.fp8_targets, class_name, path))
-
-  # 0.1's name, kept for its users: it is true for 4-bit Linears too.
-  runs_fp8 = runs_low_bit
-
-  def runs_fp4(self, class_name: str, path: str) -> bool:
-    """Whether the Linear's low-bit matmuls are 4-bit ones."""
-    return (self.fp4 is not None and self.runs_low_bit(class_name, path)
-            and not selects(self.fp8_kept, class_name, path))
-
-  def einsum(self, spec: str, a: jax.Array, b: jax.Array,
-             out_dtype=None) -> jax.Array:
-    """`jnp.einsum(spec, a, b)` accumulated in float32 (at least), returned in
-    `out_dtype` (default: the operands' dtype)."""
-    dtype = jnp.result_type(a, b)
-    form = form_for(self.form, dtype, self.backend, _is_batched(spec))
-    recording.ran_here('float32' if jnp.finfo(dtype).bits >= 32 else form)
-    if form == 'plain':
-      if out_dtype is None:
-        return jnp.einsum(spec, a, b)
-      # A result dtype asked for (attention's float32 logits): accumulated
-      # in it, the backward dots back in the operands' dtype.
-      form = 'native'
-    return _einsum(spec, form, self.matmul_precision,
-                   jnp.dtype(out_dtype or dtype), self.backend, a, b)
-
-
-# 0.1's name of `Matmuls`, kept for its users.
-Dots = Matmuls
+def einsum(spec: str, a: jax.Array, b: jax.Array, form: str,
+           matmul_precision: Optional[str], backend: str,
+           out_dtype=None) -> jax.Array:
+  """`jnp.einsum(spec, a, b)` accumulated in float32 (at least), returned in
+  `out_dtype` (default: the operands' dtype), in the form `form` takes for
+  the operands' dtype on `backend` (`form_for`), under the
+  `jax.default_matmul_precision` name `matmul_precision` (None: JAX's
+  default) forward and backward."""
+  dtype = jnp.result_type(a, b)
+  form = form_for(form, dtype, backend, _is_batched(spec))
+  recording.ran_here('float32' if jnp.finfo(dtype).bits >= 32 else form)
+  if form == 'plain':
+    if out_dtype is None:
+      return jnp.einsum(spec, a, b)
+    # A result dtype asked for (attention's float32 logits): accumulated
+    # in it, the backward dots back in the operands' dtype.
+    form = 'native'
+  return _einsum(spec, form, matmul_precision, jnp.dtype(out_dtype or dtype),
+                 backend, a, b)
 
 
 def _dot(spec, form, out_dtype, a, b):

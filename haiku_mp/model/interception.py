@@ -15,6 +15,9 @@ import jmp
 from haiku_mp.model import matmul_modules
 from haiku_mp.model import meta_params
 from haiku_mp.model import policies
+from haiku_mp.model.precision_error import literal
+from haiku_mp.model.precision_error import PrecisionError
+from haiku_mp.model.precision_error import quoted
 from haiku_mp.model import recording
 
 _META = frozenset(meta_params.META_NAMES)
@@ -157,8 +160,8 @@ def _check_first_pass(precision: policies.Precision, modules: set[tuple[str, str
   precision.check(modules)
   if outside and precision.model_class:
     class_name, path = outside[0]
-    raise policies.PrecisionError(
-        f'model_class: module {path!r} ({class_name}) is called outside '
-        f'{precision.model_class!r} and would run under no policy; make '
-        'model_class the outermost module, or give it its own rule in '
-        f"precision.overrides (e.g. '{path}:p=f32,c=bf16,o=f32')")
+    raise PrecisionError(
+        f'$model_class: module {quoted(path)} ({literal(class_name)}) is '
+        f'called outside {quoted(precision.model_class)} and would run under '
+        'no policy; make $model_class the outermost module, or give it its '
+        f"own rule in $overrides (e.g. '{literal(path)}:p=f32,c=bf16,o=f32')")

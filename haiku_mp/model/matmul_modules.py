@@ -1,4 +1,4 @@
-"""Haiku's `Linear` and `Conv2D` with haiku_mp's matmuls (`half_dot.Matmuls`).
+"""Haiku's `Linear` and `Conv2D` with haiku_mp's matmuls (`matmuls.Matmuls`).
 
 `Linear` and `Conv2D` are Haiku's modules (same class names, param names,
 shapes and initializers, so checkpoints, sharding rules and overrides keep
@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp import errors
-from haiku_mp.model.half_dot import FP8_CLASS
-from haiku_mp.model.half_dot import Matmuls
 from haiku_mp.model.half_dot import form_for
+from haiku_mp.model.low_bit import LOW_BIT_CLASS
+from haiku_mp.model.matmuls import Matmuls
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import meta_params
@@ -55,13 +55,15 @@ def _agreed(matmuls: Optional[Matmuls], in_force: Matmuls,
 
 def linear(module: hk.Linear, matmuls: Matmuls, plain: Callable[..., jax.Array],
            inputs: jax.Array, *, precision=None) -> jax.Array:
-  """`module`'s call with its matmul as `dots` says: fp8 where its targets
-  select it, half operands with float32 sums otherwise, and `plain` (Haiku's
+  """`module`'s call with its matmul as `matmuls` says: low-bit (fp8 or 4
+  bits) where its targets select it, half operands with float32 sums
+  otherwise, and `plain` (Haiku's
   own call) for float32 operands or the ``plain`` form. Runs in the module's
   own scope: any `hk.Linear`, stock or not, keeps its params' names, shapes,
   dtypes and initializers."""
-  fp8 = matmuls.runs_low_bit(FP8_CLASS, module.module_name)
-  if not fp8 and form_for(matmuls.form, inputs.dtype, matmuls.backend) == 'plain':
+  low_bit = matmuls.runs_low_bit(LOW_BIT_CLASS, module.module_name)
+  if not low_bit and form_for(matmuls.form, inputs.dtype,
+                              matmuls.backend) == 'plain':
     recording.ran(module.module_name, 'float32' if jnp.finfo(
         inputs.dtype).bits >= 32 else 'plain')
     return remat.tag_matmul_output(plain(inputs, precision=precision))
@@ -74,10 +76,11 @@ def linear(module: hk.Linear, matmuls: Matmuls, plain: Callable[..., jax.Array],
   w = hk.get_parameter('w', [input_size, module.output_size], inputs.dtype,
                        init=w_init)
   x = inputs.reshape(-1, input_size)
-  if fp8 and matmuls.runs_fp4(FP8_CLASS, module.module_name):
-    recording.ran(module.module_name, matmuls.fp4.format)
-    sums = fp4_lib.linear_sums(matmuls.fp4, module.module_name, x, w)
-  elif fp8:
+  if low_bit and matmuls.runs_fp4(LOW_BIT_CLASS, module.module_name):
+    fp4 = matmuls.low_bit.fp4
+    recording.ran(module.module_name, fp4.format)
+    sums = fp4_lib.linear_sums(fp4, module.module_name, x, w)
+  elif low_bit:
     recording.ran(module.module_name, 'fp8')
     sums = _fp8_sums(matmuls, x, w)
   else:
@@ -93,14 +96,15 @@ def _fp8_sums(matmuls: Matmuls, x: jax.Array, w: jax.Array) -> jax.Array:
   """`x @ w` in float32 from fp8 operands (`fp8.matmul`); delayed scaling
   keeps its amax histories as the calling module's params
   (`meta_params.META_NAMES`)."""
-  config = matmuls.fp8
+  config = matmuls.low_bit.fp8
   histories = None
   if config.scaling == 'delayed':
     histories = tuple(
         hk.get_parameter(name, [config.history_length], jnp.float32,
                          init=jnp.zeros)
         for name in meta_params.HISTORY_NAMES)
-  return fp8_lib.matmul(config, x, w, jnp.float32, histories, matmuls.fp8_axis)
+  return fp8_lib.matmul(config, x, w, jnp.float32, histories,
+                        matmuls.amax_axis)
 
 
 class Linear(hk.Linear):

@@ -3,10 +3,10 @@
 A `Precision` maps modules to jmp policies. Its rules are resolved for every
 module call, in this order:
 
-1. a path override: the first `precision.overrides` target that is an fnmatch
-   glob matching the module's full path (e.g. ``*/head``);
-2. a class override: a `precision.overrides` target equal to the module's class
-   name (e.g. ``Linear``, ``Attention``);
+1. a path override: the first `overrides` target that is an fnmatch glob
+   matching the module's full path (e.g. ``*/head``);
+2. a class override: an `overrides` target equal to the module's class name
+   (e.g. ``Linear``, ``Attention``);
 3. a class default: the main policy on the model's class, and a float32 policy
    on ``LayerNorm`` (statistics in float32, output cast back to the compute
    dtype so that the next matmul runs in half precision);
@@ -29,8 +29,8 @@ Every place a dtype is decided in a step:
 
 - `interception.apply`: params, module inputs and outputs (the policies);
 - `half_dot`: every matmul takes compute-dtype operands and sums in float32,
-  forward and backward, rounded once to the compute dtype (`precision.dot_form`
-  picks the form per backend);
+  forward and backward, rounded once to the compute dtype (`dot_form` picks
+  the form per backend);
 - `vit.Attention`: logits and softmax in float32 (at least), their backward
   matmuls back in the operands' dtype;
 - `vit.EncoderBlock`: each branch cast to the residual stream's dtype before
@@ -43,49 +43,28 @@ Every place a dtype is decided in a step:
 """
 
 import dataclasses
-import difflib
 import fnmatch
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import jmp
 
 from haiku_mp import errors
-from haiku_mp.model import fp4 as fp4_lib
-from haiku_mp.model import fp8 as fp8_lib
 from haiku_mp.model import half_dot
 from haiku_mp.model import low_bit as low_bit_lib
+from haiku_mp.model import matmuls as matmuls_lib
+from haiku_mp.model.policy_strings import as_policy
+from haiku_mp.model.policy_strings import PolicyLike
+from haiku_mp.model.precision_error import literal
+from haiku_mp.model.precision_error import PrecisionError
+from haiku_mp.model.precision_error import quoted
+from haiku_mp.model.targets import Target
+from haiku_mp.model.targets import target_name
+from haiku_mp.model.targets import unmatched
 
 LAYER_NORM_CLASS = 'LayerNorm'
 BATCH_NORM_CLASS = 'BatchNorm'
-_GLOB_CHARS = frozenset('*?[')
-# How alike a class or path end must be to a target to be offered for it
-# (difflib's ratio).
-_NEAREST_CUTOFF = 0.6
-
-
-class PrecisionError(errors.ConfigError):
-  """A policy string or override that cannot be used; names the setting."""
-
-
-def parse_policy(text: str, setting: str = 'precision.policy') -> jmp.Policy:
-  """Parses a jmp policy string (``params=float32,compute=bfloat16,...``),
-  with an error that names `setting`.
-
-  Example:
-    policy = haiku_mp.parse_policy('p=f32,c=bf16,o=f32')
-    policy.compute_dtype  # bfloat16
-  """
-  if not isinstance(text, str) or not text.strip():
-    raise PrecisionError(f'{setting}: empty policy string {text!r}')
-  try:
-    return jmp.get_policy(text.strip())
-  except (ValueError, KeyError) as e:
-    raise PrecisionError(
-        f'{setting}: invalid policy string {text!r} ({e}); expected e.g. '
-        "'params=float32,compute=bfloat16,output=float32' or 'p=f32,c=f16,o=f32'"
-    ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,34 +75,12 @@ class Rule:
   source: str  # 'override' or 'default', shown by launch.tabulate.
 
 
-# What a module target may be: a class name or path glob, or the class.
-Target = Union[str, type]
-# A policy: a jmp policy string, or the jmp.Policy itself.
-PolicyLike = Union[str, jmp.Policy]
-
-
-def _as_policy(policy: PolicyLike, setting: str) -> jmp.Policy:
-  if isinstance(policy, jmp.Policy):
-    return policy
-  return parse_policy(policy, setting)
-
-
-def _target_name(target: Target, setting: str) -> str:
-  """A target as the rules match it: a module class by its name."""
-  if isinstance(target, type):
-    return target.__name__
-  if not isinstance(target, str) or not target.strip():
-    raise PrecisionError(f'{setting}: a target must be a module class, a '
-                         f'class name or a path glob, not {target!r}')
-  return target.strip()
-
-
 def parse_overrides(overrides: Union[str, Mapping[Target, PolicyLike]]
                     ) -> tuple[Rule, ...]:
   """Override rules from ``'TARGET:POLICY;TARGET:POLICY'`` (the configs'
   form) or a mapping {target: policy}, targets as classes or strings."""
   if isinstance(overrides, Mapping):
-    items = [(_target_name(t, 'precision.overrides'), p)
+    items = [(target_name(t, '$overrides'), p)
              for t, p in overrides.items()]
   else:
     items = []
@@ -134,16 +91,17 @@ def parse_overrides(overrides: Union[str, Mapping[Target, PolicyLike]]
       target, sep, policy_text = item.rpartition(':')
       if not sep or not target.strip():
         raise PrecisionError(
-            f'precision.overrides: malformed entry {item!r}; expected '
+            f'$overrides: malformed entry {quoted(item)}; expected '
             "'TARGET:POLICY', e.g. '*/head:float32' or "
             "'Attention:p=f32,c=f32,o=bf16'")
       items.append((target.strip(), policy_text))
   rules = []
   for target, policy in items:
     if any(r.target == target for r in rules):
-      raise PrecisionError(f'precision.overrides: target {target!r} given twice')
-    rules.append(Rule(target, _as_policy(
-        policy, f'precision.overrides[{target!r}]'), 'override'))
+      raise PrecisionError(
+          f'$overrides: target {quoted(target)} given twice')
+    rules.append(Rule(target, as_policy(
+        policy, f'$overrides[{quoted(target)}]'), 'override'))
   return tuple(rules)
 
 
@@ -164,13 +122,9 @@ class Precision:
   float32_residual: bool = False  # Residual stream in float32 (see vit.py).
   dot_form: str = 'auto'  # How half matmuls run (see half_dot.py).
   dot_platform: str = ''  # The backend they are traced for; '': JAX's.
-  fp8: Optional[fp8_lib.Fp8] = None  # fp8 matmuls' scaling; None: no fp8.
-  fp8_targets: tuple[str, ...] = ()  # The modules whose Linears run fp8.
-  fp8_axis: Optional[str] = None  # See `under_pmap`.
-  # The fp8 targets' matmuls in 4 bits (NVFP4, MXFP4) instead; None: fp8.
-  fp4: Optional[fp4_lib.Fp4] = None
-  # Under `fp4`, the fp8 targets that keep fp8 (the advisor's overrides).
-  fp8_kept: tuple[str, ...] = ()
+  # The Linears on low-bit matmuls and their format; None: none.
+  low_bit: Optional[low_bit_lib.LowBit] = None
+  amax_axis: Optional[str] = None  # See `under_pmap`.
   # The model's outermost module class: every module runs inside it.
   model_class: str = ''
   # Whether a forward pass under `apply` has checked the targets (`check`):
@@ -179,13 +133,13 @@ class Precision:
       default_factory=list, init=False, compare=False, repr=False)
 
   @property
-  def matmuls(self) -> half_dot.Matmuls:
-    return half_dot.Matmuls(self.dot_form, self.matmul_precision, self.fp8,
-                         self.fp8_targets, self.fp8_axis, self.dot_platform,
-                         self.fp4, self.fp8_kept)
+  def matmuls(self) -> matmuls_lib.Matmuls:
+    return matmuls_lib.Matmuls(self.dot_form, self.matmul_precision,
+                               self.dot_platform, self.low_bit,
+                               self.amax_axis)
 
   @property
-  def dots(self) -> half_dot.Matmuls:
+  def dots(self) -> matmuls_lib.Matmuls:
     """0.1's name of `matmuls`, kept for its users."""
     return self.matmuls
 
@@ -194,9 +148,9 @@ class Precision:
     `axis_name`: fp8 amaxes are reduced over its replicas, so that each
     scales as one device would (a forward outside pmap, as `init`, cannot
     name the axis)."""
-    if self.fp8 is None:
+    if self.low_bit is None:
       return self
-    return dataclasses.replace(self, fp8_axis=axis_name)
+    return dataclasses.replace(self, amax_axis=axis_name)
 
   def runs_low_bit(self, class_name: str, path: str) -> bool:
     return self.matmuls.runs_low_bit(class_name, path)
@@ -207,27 +161,28 @@ class Precision:
   def runs_fp4(self, class_name: str, path: str) -> bool:
     return self.matmuls.runs_fp4(class_name, path)
 
-  def check_fp8(self, modules: set[tuple[str, str]]) -> None:
-    """Raises unless every fp8 target selects at least one Linear among the
-    `(class, path)` modules, and every `keep_fp8` target one of those."""
-    if self.fp8 is None:
+  def check_low_bit(self, modules: set[tuple[str, str]]) -> None:
+    """Raises unless every low-bit target selects at least one Linear among
+    the `(class, path)` modules, and every `keep_fp8` target one of those."""
+    if self.low_bit is None:
       return
-    for t in self.fp8_targets:
-      selected = [(c, p) for c, p in modules if half_dot.selects((t,), c, p)]
+    for t in self.low_bit.modules:
+      selected = [(c, p) for c, p in modules if low_bit_lib.selects((t,), c, p)]
       if not selected:
-        raise unmatched('precision.low_bit.modules', t, modules)
-      if not any(c == half_dot.FP8_CLASS for c, _ in selected):
+        raise unmatched('$low_bit.modules', t, modules)
+      if not any(c == low_bit_lib.LOW_BIT_CLASS for c, _ in selected):
         raise PrecisionError(
-            f'precision.low_bit.modules: target {t!r} selects no '
-            f'{half_dot.FP8_CLASS} ({", ".join(sorted({c for c, _ in selected}))}'
-            f'): only {half_dot.FP8_CLASS} layers run fp8 matmuls (the patch '
+            f'$low_bit.modules: target {quoted(t)} selects no '
+            f'{low_bit_lib.LOW_BIT_CLASS} '
+            f'({literal(", ".join(sorted({c for c, _ in selected})))}): only '
+            f'{low_bit_lib.LOW_BIT_CLASS} layers run fp8 matmuls (the patch '
             "embedding's convolution and attention's batched dots cannot)")
-    for t in self.fp8_kept:
-      if not any(half_dot.selects((t,), c, p) and self.runs_low_bit(c, p)
+    for t in self.low_bit.keep_fp8:
+      if not any(low_bit_lib.selects((t,), c, p) and self.runs_low_bit(c, p)
                  for c, p in modules):
         raise PrecisionError(
-            f'precision.low_bit.keep_fp8: target {t!r} selects no '
-            f'{half_dot.FP8_CLASS} that precision.low_bit.modules runs in 4 bits')
+            f'$low_bit.keep_fp8: target {quoted(t)} selects no '
+            f'{low_bit_lib.LOW_BIT_CLASS} that $low_bit.modules runs in 4 bits')
 
   def rule_for(self, class_name: str, path: str) -> Optional[Rule]:
     """The module's own rule, or None when it inherits its caller's policy."""
@@ -258,62 +213,26 @@ class Precision:
       t = rule.target
       if t not in classes and not any(fnmatch.fnmatchcase(p, t)
                                       for p in paths):
-        raise unmatched('precision.overrides', t, modules)
+        raise unmatched('$overrides', t, modules)
 
   def check(self, modules: set[tuple[str, str]]) -> None:
     """Raises one line naming the first target that matches none of the
-    `(class name, path)` modules: `model_class`, an override, an fp8 or
-    4-bit target. `apply` runs it at the end of its first forward pass;
+    `(class name, path)` modules: `model_class`, an override, a low-bit
+    target. `apply` runs it at the end of its first forward pass;
     call it yourself to check a precision against another model's modules.
 
     Example:
       precision.check({('MLP', 'mlp'), ('Linear', 'mlp/~/linear_0')})
     """
     if self.model_class and self.model_class not in {c for c, _ in modules}:
-      raise unmatched('model_class', self.model_class, modules,
+      raise unmatched('$model_class', self.model_class, modules,
                       ' (its policy would reach no module: the model would '
                       'run in float32)')
     self.check_overrides(modules)
-    self.check_fp8(modules)
-
-
-def _nearest(target: str, modules: set[tuple[str, str]]) -> list[str]:
-  """The module classes and path ends closest in spelling to `target`, as
-  targets (a path end as a glob, '*/linear_1')."""
-  key = target.rsplit('/', 1)[-1].strip('*?')
-  classes = {c for c, _ in modules}
-  ends = {p.rsplit('/', 1)[-1] for _, p in modules} - classes
-  close = difflib.get_close_matches(key, sorted(classes | ends), n=3,
-                                    cutoff=_NEAREST_CUTOFF)
-  return [c if c in classes else f'*/{c}' for c in close]
-
-
-def unmatched(setting: str, target: str, modules: set[tuple[str, str]],
-              why: str = '') -> PrecisionError:
-  """The error for a `setting` target that matches no module: one line
-  naming it, the targets nearest to it and the model's classes."""
-  paths = {p for _, p in modules}
-  hint = ''
-  if (not _GLOB_CHARS & set(target)
-      and any(p.rsplit('/', 1)[-1] == target for p in paths)):
-    hint = f" (for a module path ending in it, write '*/{target}')"
-  nearest = _nearest(target, modules)
-  near = f' Nearest: {", ".join(nearest)}.' if nearest else ''
-  classes = ', '.join(sorted({c for c, _ in modules}))
-  return PrecisionError(
-      f'{setting}: target {target!r} matches no module class or module '
-      f'path{hint}{why}.{near} Classes: {classes}')
+    self.check_low_bit(modules)
 
 
 RESIDUAL_STREAMS = ('compute', 'float32')
-
-
-def parse_targets(targets: Union[str, Sequence[Target]]) -> tuple[str, ...]:
-  """``'TARGET;...'`` (`precision.low_bit.modules`), or a sequence of classes and
-  strings, as the rules' targets."""
-  if isinstance(targets, str) or targets is None:
-    return tuple(t.strip() for t in (targets or '').split(';') if t.strip())
-  return tuple(_target_name(t, 'precision.low_bit.modules') for t in targets)
 
 
 def _check_matmul_precision(name: str) -> Optional[str]:
@@ -324,7 +243,7 @@ def _check_matmul_precision(name: str) -> Optional[str]:
       pass
   except ValueError:
     raise PrecisionError(
-        f'precision.matmul_precision: unknown value {name!r}; expected one of '
+        f'$matmul_precision: unknown value {quoted(name)}; expected one of '
         "'default', 'high', 'highest', 'bfloat16', 'tensorfloat32', 'float32' "
         "(or a jax dot algorithm name such as 'BF16_BF16_F32'), or '' for "
         "JAX's default") from None
@@ -372,9 +291,9 @@ def make_precision(policy: PolicyLike,
                       f'{", ".join(sorted(old_low_bit))}= both given; pass '
                       'low_bit= only')
     low_bit = low_bit_lib.from_old_arguments(old_low_bit)
-  main = _as_policy(policy, 'precision.policy')
-  model_class = _target_name(model_class, 'model_class')
-  errors.check_choice('precision.residual_stream', residual_stream,
+  main = as_policy(policy, '$policy')
+  model_class = target_name(model_class, '$model_class')
+  errors.check_choice('$residual_stream', residual_stream,
                       RESIDUAL_STREAMS, PrecisionError)
   defaults = {model_class: Rule(model_class, main, 'default')}
   # Normalization in float32: its statistics (and BatchNorm's moving
@@ -386,49 +305,25 @@ def make_precision(policy: PolicyLike,
                            (float32_batch_norm, BATCH_NORM_CLASS)):
     if keep:
       defaults[class_name] = Rule(class_name, normalized, 'default')
-  targets = parse_targets(low_bit.modules if low_bit else '')
-  fp4 = low_bit.fp4 if targets else None
-  if targets and jnp.dtype(main.compute_dtype) == jnp.float16:
+  if low_bit is not None and not low_bit.modules:
+    if low_bit.keep_fp8:
+      raise _keeps_fp8_without_4_bits()
+    low_bit = None  # No Linear runs low-bit matmuls.
+  if low_bit is not None and jnp.dtype(main.compute_dtype) == jnp.float16:
     raise PrecisionError(
-        'precision.low_bit.modules: fp8 matmuls need a bfloat16 or float32 '
+        '$low_bit.modules: fp8 matmuls need a bfloat16 or float32 '
         'compute dtype, not float16 (the float16 loss scale on top of fp8 '
         "scales is not supported); use a 'compute=bfloat16' policy")
-  kept = parse_targets(low_bit.keep_fp8 if low_bit else '')
-  if kept and fp4 is None:
-    raise PrecisionError(
-        'precision.low_bit.keep_fp8: keeps fp8 among 4-bit Linears; set '
-        "precision.low_bit.format to 'nvfp4' or 'mxfp4' and "
-        'precision.low_bit.modules')
+  if low_bit is not None and low_bit.keep_fp8 and low_bit.fp4 is None:
+    raise _keeps_fp8_without_4_bits()
   return Precision(main, defaults, parse_overrides(overrides),
                    _check_matmul_precision(matmul_precision),
                    residual_stream == 'float32', half_dot.check_form(dot_form),
-                   half_dot.check_platform(dot_platform),
-                   low_bit.fp8 if targets else None, targets, fp4=fp4,
-                   fp8_kept=kept,
+                   half_dot.check_platform(dot_platform), low_bit,
                    model_class=model_class)
 
 
-def with_dtypes(policy: PolicyLike, setting: str = 'precision.policy',
-                **dtypes: Optional[str]) -> str:
-  """`policy` as a string, with the dtypes named (`params`, `compute`,
-  `output`; None keeps one) changed: the one way to write a policy that
-  differs from another in a dtype. Checked as `setting`."""
-  unknown = set(dtypes) - {'params', 'compute', 'output'}
-  if unknown:
-    raise TypeError(f'with_dtypes: no dtype {sorted(unknown)}')
-  policy = _as_policy(policy, setting)
-  names = dict(params=policy.param_dtype, compute=policy.compute_dtype,
-               output=policy.output_dtype)
-  names = {part: jnp.dtype(dtype).name for part, dtype in names.items()}
-  names.update({part: d for part, d in dtypes.items() if d is not None})
-  text = ','.join(f'{part}={d}' for part, d in names.items())
-  parse_policy(text, setting)
-  return text
-
-
-def policy_str(policy: Optional[jmp.Policy]) -> str:
-  """jmp's own description of a policy, e.g. ``p=f32,c=bf16,o=f32``, with
-  float32 written as in policy strings (jmp writes it `full`)."""
-  if policy is None:
-    return 'none'
-  return str(policy).replace('=full', '=f32')
+def _keeps_fp8_without_4_bits() -> PrecisionError:
+  return PrecisionError(
+      '$low_bit.keep_fp8: keeps fp8 among 4-bit Linears; set '
+      "$low_bit.format to 'nvfp4' or 'mxfp4' and $low_bit.modules")

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_mp.model.half_dot import Matmuls
+from haiku_mp.model.matmuls import Matmuls
 
 # Haiku's mask value, now in float32 (where it is finite).
 MASKED_LOGIT = -1e30

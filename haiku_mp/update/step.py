@@ -68,7 +68,7 @@ def _note_precision(record: recording.Record,
         'haiku_mp.apply_precision(precision) around the model inside the '
         'transformed function')
     return
-  if loss is None or not any(p.fp8 is not None for p in record.precisions):
+  if loss is None or not any(p.low_bit is not None for p in record.precisions):
     return
   params, model_state, rng, batch = args
   with recording.recording() as forward:

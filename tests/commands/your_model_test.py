@@ -37,7 +37,7 @@ print(_json.dumps(dict(
                      scale=float(state.loss_scale.scale),
                      dtypes=sorted({str(v.dtype) for v in jax.tree.leaves(state.params)}))
           for name, (state, loss) in runs.items()},
-    overrides=f16_overrides, fp8_modules=fp8['fp8_modules'],
+    overrides=f16_overrides, low_bit_modules=fp8['low_bit_modules'],
     fp8_paths=[row['path'] for row in fp8['modules']],
     verdicts={p: [v.bfloat16, v.float16] for p, v in advice.verdicts.items()})))
 '''

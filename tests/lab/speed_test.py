@@ -371,7 +371,7 @@ class AutoPlacementTest(absltest.TestCase):
     exp = experiment.build_without_data(settings_lib.parse(
         vit_fp8.get_config()))
     self.assertFalse(any(c.low_bit for c in exp.low_bit_choices))
-    self.assertEqual(exp.precision.fp8_targets, ())
+    self.assertIsNone(exp.precision.low_bit)
     self.assertIn('No Linear pays', exp.low_bit_lines()[-1])
     blocks = experiment.build_without_data(settings_lib.parse(
         vit_fp8.get_config('blocks')))
@@ -404,7 +404,7 @@ class AutoPlacementTest(absltest.TestCase):
     timed = low_bit_advice.with_predicted_time(judged, settings, exp, 'h100')
     faster = {r['path'] for r in timed['modules'] if r['speed']['faster']}
     self.assertIn('vit/encoder_block_0/mlp_block/fc1', faster)
-    self.assertEqual(set(timed['fp8_modules'].split(';')),
+    self.assertEqual(set(timed['low_bit_modules'].split(';')),
                      faster - {unsafe})
     self.assertEqual(set(timed['slower']), set(paths) - faster - {unsafe})
 

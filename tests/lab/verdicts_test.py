@@ -21,6 +21,7 @@ from configs import base
 from haiku_mp.advisor import numerics
 from haiku_mp.advisor import verdicts
 from haiku_mp import errors as haiku_mp_errors
+from haiku_mp.lab.advisor import advice_flags
 from haiku_mp.lab.advisor import driver as advisor
 from haiku_mp.lab.advisor import knockout
 from haiku_mp.lab.advisor import module_statistics
@@ -226,17 +227,17 @@ class LossScaleFlagsTest(absltest.TestCase):
   def test_powers_of_two_paste_exactly(self):
     # `:g` printed 2^25 as 3.35544e+07, which pastes as 33554400.
     settings = verdicts.loss_scale('float16', (-10, 25))
-    self.assertEqual(verdicts.loss_scale_flags(settings), [
+    self.assertEqual(advice_flags.loss_scale_flags(settings), [
         '--config.loss_scale.kind=dynamic',
         '--config.loss_scale.initial=33554432',
         '--config.loss_scale.minimum=0.0009765625'])
     for exponent in range(-60, 61):
       settings = verdicts.loss_scale('float16', (exponent, exponent))
-      for flag in verdicts.loss_scale_flags(settings)[1:]:
+      for flag in advice_flags.loss_scale_flags(settings)[1:]:
         self.assertEqual(float(flag.partition('=')[2]), 2.0**exponent, flag)
 
   def test_no_loss_scale_for_bfloat16_nor_bounds_for_an_open_window(self):
-    self.assertEqual(verdicts.loss_scale_flags(
+    self.assertEqual(advice_flags.loss_scale_flags(
         verdicts.loss_scale('bfloat16', (-10, 25))),
                      ['--config.loss_scale.kind=none'])
     self.assertEqual(verdicts.loss_scale('float16', (None, None)),

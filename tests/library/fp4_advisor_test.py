@@ -104,7 +104,7 @@ class Fp4AdviceTest(absltest.TestCase):
     targets = '*/linear_0;*/linear_1'
     classes = advisor.module_classes_of(loss_fn, params, jax.random.key(1),
                                         batches[0])
-    paths = advisor.fp8_linears(classes, targets)
+    paths = advisor.low_bit_linears(classes, targets)
     self.assertEqual(paths, ['mlp/~/linear_0', 'mlp/~/linear_1'])
 
     def advise(params):
@@ -134,10 +134,10 @@ class Fp4AdviceTest(absltest.TestCase):
     self.assertRegex(reasons['mlp/~/linear_1']['nvfp4'][0],
                      r"^[\d.]+% of the input \(forward\)'s nvfp4 blocks are "
                      r'flushed by an outlier \(> 5%\)$')
-    self.assertEqual((judged['fp8_modules'], judged['keep_fp8_setting']),
+    self.assertEqual((judged['low_bit_modules'], judged['keep_fp8_setting']),
                      (targets, 'mlp/~/linear_1'))
     # The advice pasted in: linear_1 runs fp8, linear_0 4 bits.
-    _, precision = _mlp(judged['fp8_modules'], haiku_mp.Fp4('nvfp4'),
+    _, precision = _mlp(judged['low_bit_modules'], haiku_mp.Fp4('nvfp4'),
                         judged['keep_fp8_setting'])
     self.assertEqual({p: precision.runs_fp4('Linear', p) for p in paths},
                      {'mlp/~/linear_0': True, 'mlp/~/linear_1': False})

@@ -20,6 +20,8 @@ from haiku_mp import errors
 from haiku_mp.model import cpu_features
 from haiku_mp.model import half_dot
 from haiku_mp.model import matmul_modules
+from haiku_mp.model import matmuls as matmuls_lib
+from haiku_mp.vit import settings as settings_lib
 from tests import helpers
 
 LOGITS = 'bqhd,bkhd->bhqk'
@@ -61,7 +63,7 @@ class EinsumTest(parameterized.TestCase):
     expected = jax.grad(_loss(lambda a, b: jnp.einsum(spec, a, b)),
                         argnums=(0, 1))(a, b)
     out_dtype = jnp.float32 if spec == LOGITS else None
-    matmuls = half_dot.Matmuls(form)
+    matmuls = matmuls_lib.Matmuls(form)
     half = lambda a, b: matmuls.einsum(spec, a, b, out_dtype=out_dtype)
     a16, b16 = a.astype(dtype), b.astype(dtype)
     chex.assert_type(half(a16, b16), out_dtype or dtype)
@@ -72,7 +74,7 @@ class EinsumTest(parameterized.TestCase):
   @parameterized.parameters('bfloat16', 'float16')
   def test_native_dots_are_half_by_half_into_float32(self, dtype):
     a, b = _operands(DENSE, dtype)
-    matmuls = half_dot.Matmuls('native')
+    matmuls = matmuls_lib.Matmuls('native')
     eqns = helpers.eqns_of(jax.value_and_grad(
         _loss(lambda a, b: matmuls.einsum(DENSE, a, b)), argnums=(0, 1)), a, b)
     self.assertLen(eqns, 3)  # Forward, and one per operand's cotangent.
@@ -91,7 +93,7 @@ class EinsumTest(parameterized.TestCase):
       self.skipTest('auto is upcast on a CPU without bf16 instructions')
     a, b = (x.astype(jnp.bfloat16) for x in
             _operands(DENSE, jnp.float32, ((64, 16), (16, 32))))
-    matmuls = half_dot.Matmuls(form)
+    matmuls = matmuls_lib.Matmuls(form)
     grads = jax.jit(jax.grad(_loss(lambda a, b: matmuls.einsum(DENSE, a, b)),
                              argnums=(0, 1)))
     self.assertEqual(helpers.compiled_dot_operand_dtypes(
@@ -106,7 +108,7 @@ class EinsumTest(parameterized.TestCase):
 
   def test_upcast_dots_take_half_operands_converted_to_float32(self):
     a, b = _operands(DENSE, jnp.float16)
-    matmuls = half_dot.Matmuls('upcast')
+    matmuls = matmuls_lib.Matmuls('upcast')
     fn = jax.value_and_grad(_loss(lambda a, b: matmuls.einsum(DENSE, a, b)),
                             argnums=(0, 1))
     for eqn in helpers.eqns_of(fn, a, b):
@@ -116,12 +118,13 @@ class EinsumTest(parameterized.TestCase):
   def test_float32_and_plain_are_jax_own_einsum(self):
     for dtype, form in (('float32', 'native'), ('bfloat16', 'plain')):
       a, b = _operands(DENSE, dtype)
-      got = jax.make_jaxpr(lambda a, b: half_dot.Matmuls(form).einsum(DENSE, a, b))
+      got = jax.make_jaxpr(
+          lambda a, b: matmuls_lib.Matmuls(form).einsum(DENSE, a, b))
       want = jax.make_jaxpr(lambda a, b: jnp.einsum(DENSE, a, b))
       self.assertEqual(str(got(a, b)), str(want(a, b)), (dtype, form))
 
   def test_unknown_form_names_the_setting(self):
-    with self.assertRaisesRegex(errors.ConfigError, 'precision.dot_form'):
+    with self.assertRaisesRegex(errors.ConfigError, '^dot_form: '):
       half_dot.check_form('fast')
 
 
@@ -189,10 +192,10 @@ class AutoFormTest(parameterized.TestCase):
         + "); float32 dots plain (float32 operands: JAX's own dots)")
     self.assertEqual(
         half_dot.matmuls_line('native', [jnp.float16], 'gpu'),
-        "Matmuls: float16 dots native (precision.dot_form='native')")
+        "Matmuls: float16 dots native (dot_form='native')")
     self.assertEqual(
         half_dot.matmuls_line('native', [jnp.bfloat16], 'cpu'),
-        "Matmuls: bfloat16 dots native (precision.dot_form='native'; "
+        "Matmuls: bfloat16 dots native (dot_form='native'; "
         'batched dots upcast)')
     self.assertEqual(
         half_dot.matmuls_line('auto', [jnp.bfloat16], 'gpu'),
@@ -211,7 +214,7 @@ class LayersTest(parameterized.TestCase):
     x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
     theirs = hk.without_apply_rng(hk.transform(lambda x: haiku_module()(x)))
     native = hk.without_apply_rng(hk.transform(
-        lambda x: ours(half_dot.Matmuls('native'))(x)))
+        lambda x: ours(matmuls_lib.Matmuls('native'))(x)))
     for dtype in (jnp.float32, jnp.bfloat16):
       params = theirs.init(jax.random.key(0), x.astype(dtype))
       # The same names, shapes, dtypes and initial values as Haiku's.
@@ -236,7 +239,7 @@ class LayersTest(parameterized.TestCase):
     params = {'linear': {'w': jnp.asarray([[16.0], [1.0]], jnp.bfloat16),
                          'b': jnp.asarray([0.5], jnp.bfloat16)}}
     linear = hk.without_apply_rng(hk.transform(
-        lambda x: matmul_modules.Linear(1, half_dot.Matmuls(form))(x)))
+        lambda x: matmul_modules.Linear(1, matmuls_lib.Matmuls(form))(x)))
     chex.assert_trees_all_equal_shapes_and_dtypes(
         linear.init(jax.random.key(0), x), params)
     np.testing.assert_array_equal(np.float32(linear.apply(params, x)), 258.0)
@@ -254,7 +257,7 @@ class LayersTest(parameterized.TestCase):
                                                    primitive):
     x = jnp.zeros((2, 4, 4, 3), jnp.bfloat16)
     conv = hk.without_apply_rng(hk.transform(lambda x: matmul_modules.Conv2D(
-        5, half_dot.Matmuls('native'), kernel_shape=2, stride=stride,
+        5, matmuls_lib.Matmuls('native'), kernel_shape=2, stride=stride,
         padding=padding)(x)))
     params = conv.init(jax.random.key(0), x)
     eqns = helpers.eqns_of(conv.apply, params, x)

@@ -70,9 +70,6 @@ class HalfMatmuls(advisor.MatmulFormat):
     loss = operands['weight'][choice]
     return [f'weight loses {loss:.3g} of its norm'] if loss > self.limit else []
 
-  def flags(self, choice):
-    return [f'--half={choice}']
-
   def cells(self, row, choice):
     return [f'{row["weight"][choice]:.3g}']
 
@@ -106,7 +103,7 @@ class MatmulFormatsTest(absltest.TestCase):
     loss_fn = haiku_mp.make_classification_loss(model)
     classes = advisor.module_classes_of(loss_fn, params, jax.random.key(1),
                                         batches[0])
-    paths = advisor.fp8_linears(classes, 'Linear')
+    paths = advisor.low_bit_linears(classes, 'Linear')
     fmt = HalfMatmuls()
     totals = advisor.measure_matmuls(loss_fn, params, batches, paths, fmt)
 
@@ -125,7 +122,7 @@ class MatmulFormatsTest(absltest.TestCase):
             'float16': 'keep-bf16' if p == planted else 'half-ok'}
         for p in paths})
     self.assertEqual(judged['keep_bf16'], [planted])
-    self.assertEqual(judged['fp8_modules'].split(';'),
+    self.assertEqual(judged['low_bit_modules'].split(';'),
                      [p for p in paths if p != planted])
     reasons = {r['path']: r['reasons'] for r in judged['modules']}
     self.assertEqual(reasons[planted]['float16'],

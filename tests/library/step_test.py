@@ -17,6 +17,7 @@ import optax
 
 from haiku_mp.model import interception
 from haiku_mp.model import policies
+from haiku_mp.model import policy_strings
 from haiku_mp.update import classification
 from haiku_mp.update import gradients as gradients_lib
 from haiku_mp.update import loss_scaling
@@ -266,7 +267,7 @@ class TrainingTest(parameterized.TestCase):
     # The ViT has no Haiku state: no flag, and every step applied.
     self.assertEqual(metrics['nonfinite_state'].shape, (0,))
     self.assertTrue(bool(metrics['applied']) and bool(metrics['state_finite']))
-    param_dtype = policies.parse_policy(policy).param_dtype
+    param_dtype = policy_strings.parse_policy(policy).param_dtype
     for path, p in jax.tree_util.tree_leaves_with_path(state.params):
       name = jax.tree_util.keystr(path)
       self.assertEqual(p.dtype, jnp.float32 if 'ln_' in name else param_dtype,

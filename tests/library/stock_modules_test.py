@@ -293,22 +293,22 @@ class TargetsCheckedTest(parameterized.TestCase):
        '(its policy would reach no module: the model would run in float32). '
        'Nearest: MLP.'),
       ('override_of_nothing', dict(overrides='*/nothing:float32'),
-       "precision.overrides: target '*/nothing' matches no module class or "
+       "overrides: target '*/nothing' matches no module class or "
        'module path.'),
       ('override_of_a_bare_name', dict(overrides='linear_1:float32'),
-       "precision.overrides: target 'linear_1' matches no module class or "
+       "overrides: target 'linear_1' matches no module class or "
        "module path (for a module path ending in it, write '*/linear_1')"),
       ('override_class_typo', dict(overrides='Lienar:float32'),
-       "precision.overrides: target 'Lienar' matches no module class or "
+       "overrides: target 'Lienar' matches no module class or "
        'module path. Nearest: Linear.'),
       ('fp8_on_a_class_not_there', dict(fp8_modules='LayerNorm'),
-       "precision.low_bit.modules: target 'LayerNorm' matches no module class "
+       "low_bit.modules: target 'LayerNorm' matches no module class "
        'or module path.'),
       ('fp8_of_nothing', dict(fp8_modules='*/nothing'),
-       "precision.low_bit.modules: target '*/nothing' matches no module class or "
+       "low_bit.modules: target '*/nothing' matches no module class or "
        'module path.'),
       ('fp8_bare_name', dict(fp8_modules='linear_1'),
-       "precision.low_bit.modules: target 'linear_1' matches no module class or "
+       "low_bit.modules: target 'linear_1' matches no module class or "
        "module path (for a module path ending in it, write '*/linear_1')"))
   def test_a_target_that_matches_nothing(self, settings, message):
     settings = dict(dict(model_class=hk.nets.MLP), **settings)

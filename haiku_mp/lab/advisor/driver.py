@@ -39,6 +39,7 @@ from haiku_mp import errors
 from haiku_mp.lab import hardware
 from haiku_mp.lab import run_inputs
 from haiku_mp.lab import variants
+from haiku_mp.lab.advisor import advice_flags
 from haiku_mp.lab.advisor import knockout
 from haiku_mp.lab.advisor import low_bit_advice
 from haiku_mp.lab.advisor import module_statistics
@@ -94,7 +95,7 @@ def _suggestion(settings, exp, modules, judged: verdicts.Advice, fmt: str
   flags = [f'--config.precision.policy={policy}',
            f"--config.precision.overrides='{overrides}'"]
   loss_scale = verdicts.loss_scale(fmt, judged.scale_window)
-  flags += verdicts.loss_scale_flags(loss_scale)
+  flags += advice_flags.loss_scale_flags(loss_scale)
   kept = [p for p, v in judged.verdicts.items() if getattr(v, fmt) ==
           verdicts.KEEP]
   return dict(policy=policy, overrides=overrides, loss_scale=loss_scale,

@@ -1,7 +1,7 @@
 """The advisor's low-bit matmuls on the ViT: the Linears it judges, the
 formats it judges them in (fp8, then 4 bits), each Linear's verdicts at the
 measured params, the speed model's predicted gain where a GPU is named, and
-the `precision.low_bit` flags to paste.
+the `precision.low_bit` flags to paste (`advice_flags`).
 """
 
 import dataclasses
@@ -16,6 +16,7 @@ from haiku_mp.advisor import measurement
 from haiku_mp.advisor import placement
 from haiku_mp.advisor import verdicts
 from haiku_mp.lab import variants
+from haiku_mp.lab.advisor import advice_flags
 from haiku_mp.lab.advisor import module_statistics
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.vit.model import forward as forward_lib
@@ -23,12 +24,12 @@ from haiku_mp.vit import settings as settings_schema
 from haiku_mp.vit.train import experiment
 
 
-def fp8_candidates(settings: settings_schema.Settings,
-                   exp: experiment.Experiment) -> list[str]:
-  """The Linear layers the low-bit advice judges: those the config's fp8
-  modules select, or `fp8.DEFAULT_MODULES`'s when it runs none."""
-  return measurement.fp8_linears(module_statistics.module_classes(exp),
-                                 _candidates_setting(settings))
+def low_bit_candidates(settings: settings_schema.Settings,
+                       exp: experiment.Experiment) -> list[str]:
+  """The Linear layers the low-bit advice judges: those the config's
+  low-bit modules select, or `fp8.DEFAULT_MODULES`'s when it runs none."""
+  return measurement.low_bit_linears(module_statistics.module_classes(exp),
+                                     _candidates_setting(settings))
 
 
 def _candidates_setting(settings: settings_schema.Settings) -> str:
@@ -63,13 +64,15 @@ def matmul_advice(settings: settings_schema.Settings,
   predicted time, and the flags keep fp8 only where it is safe and
   faster."""
   totals = measurement.measure_matmuls(
-      exp.loss_fn, params, inputs, fp8_candidates(settings, exp), fmt, log)
+      exp.loss_fn, params, inputs, low_bit_candidates(settings, exp), fmt,
+      log)
   judged = matmul_formats.judge(totals, fmt, choice, limits,
                                 _candidates_setting(settings), fallback)
   if gpu and fmt.name == fp8_numerics.Fp8Matmuls.name:
     judged = with_predicted_time(judged, settings, exp, gpu)
-  modules = judged['fp8_modules']
-  flags = [f"--config.precision.low_bit.modules='{modules}'", *fmt.flags(choice)]
+  modules = judged['low_bit_modules']
+  flags = [f"--config.precision.low_bit.modules='{modules}'",
+           *advice_flags.low_bit_flags(fmt, choice)]
   if judged['keep_fp8_setting']:
     flags.append(f"--config.precision.low_bit.keep_fp8='"
                  f"{judged['keep_fp8_setting']}'")
@@ -87,7 +90,7 @@ def with_predicted_time(judged: dict[str, Any],
   """fp8's verdicts (`matmul_formats.judge`) with each Linear's predicted
   gain on `gpu` at the config's batch and compute dtype
   (`placement.choose`): a Linear safe in fp8 but slower keeps bfloat16
-  (`slower`), and `fp8_modules` runs fp8 where it is both."""
+  (`slower`), and `low_bit_modules` runs fp8 where it is both."""
   fmt = placement.low_bit_format(judged['choice'])
   compute = np.dtype(variants.compute_dtype(settings)).itemsize
   linears = {l.path: dataclasses.replace(l, compute_bytes=compute)
@@ -106,6 +109,6 @@ def with_predicted_time(judged: dict[str, Any],
           if r['verdicts'][judged['choice']] == passed]
   slower = [p for p in safe if not choices[p].low_bit]
   return dict(judged, modules=rows, speed_gpu=gpu, speed_format=fmt,
-              slower=slower, fp8_modules=matmul_formats.modules_setting(
+              slower=slower, low_bit_modules=matmul_formats.modules_setting(
                   paths, judged['keep_bf16'] + slower,
                   _candidates_setting(settings)))

@@ -30,6 +30,7 @@ from haiku_mp.lab import hardware
 from haiku_mp.lab import timing
 from haiku_mp.lab import variants
 from haiku_mp.model import half_dot
+from haiku_mp.model import matmuls as matmuls_lib
 from haiku_mp.vit import settings as settings_lib
 
 # Compared as ratios to the first dtype of a run.
@@ -58,7 +59,8 @@ def matmul_ceiling(dtype, form: str, size: int, repeats: int
   rng = np.random.default_rng(0)
   a, b = (jnp.asarray(rng.standard_normal((size, size)), dtype)
           for _ in range(2))
-  dot = jax.jit(lambda a, b: half_dot.Matmuls(form).einsum('ij,jk->ik', a, b))
+  dot = jax.jit(
+      lambda a, b: matmuls_lib.Matmuls(form).einsum('ij,jk->ik', a, b))
   jax.block_until_ready(dot(a, b))  # Compiles.
   times = timing.seconds(dot, (a, b), repeats)
   return 2.0 * size**3 / min(times), times

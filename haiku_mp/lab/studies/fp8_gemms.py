@@ -201,12 +201,13 @@ def run(settings: settings_lib.Settings, compile_step: bool = True,
       row['fp8_gemm'] = verdict(row, compiled, backend)
     rows.append({('pass' if k == 'pass_' else k): v for k, v in row.items()})
   fp8_rows = [r for r in rows if r['fp8_operands']]
-  fp4_config = exp.precision.fp4
+  low_bit = exp.precision.low_bit
+  fp4_config = low_bit.fp4 if low_bit is not None else None
   result = dict(
       experiment='fp8', backend=backend, jax_version=jax.__version__,
       device=str(jax.devices()[0].device_kind),
       batch_size=settings.batch_size,
-      scaling=exp.precision.fp8.describe() if exp.precision.fp8 else 'off',
+      scaling=low_bit.fp8.describe() if low_bit is not None else 'off',
       fp8_modules=settings.precision.low_bit.modules,
       matmuls=rows, fp8_matmuls=len(fp8_rows),
       fp8_linears=sum(1 for p, c in classes.items()
@@ -231,7 +232,7 @@ def _format(precision, runs_fp4: bool, pass_: str,
   three GEMMs take its dequantized values (float32 in the program, so only
   the module and pass tell), an fp8 one's fp8; '-' for the others."""
   if runs_fp4 and pass_ in _PASSES.values():
-    return precision.fp4.format
+    return precision.low_bit.fp4.format
   return 'fp8' if fp8_operands else '-'
 
 

@@ -17,7 +17,7 @@ import jax
 from haiku_mp.lab import charts
 from haiku_mp.lab import run_plots
 from haiku_mp.lab import timing
-from haiku_mp.model import policies
+from haiku_mp.model import policy_strings
 from haiku_mp.update import state_layout
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
@@ -30,7 +30,8 @@ def layout_config(settings: settings_lib.Settings, name: str
   """`settings` in the layout `name` (one of `LAYOUTS`)."""
   params, update, mu, nu = LAYOUTS[name]
   return settings_lib.replace(settings, precision=dict(
-      policy=policies.with_dtypes(settings.precision.policy, params=params),
+      policy=policy_strings.with_dtypes(settings.precision.policy,
+                                        'precision.policy', params=params),
       param_update=update, mu_dtype=mu, nu_dtype=nu))
 
 

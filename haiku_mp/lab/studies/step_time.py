@@ -33,7 +33,7 @@ from haiku_mp.lab.studies import hlo_text
 from haiku_mp.lab.studies import step_program
 from haiku_mp.lab.studies import wire_time
 from haiku_mp.model import fp8 as fp8_lib
-from haiku_mp.model import half_dot
+from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.settings import precision as precision_settings
 from haiku_mp.vit.train import experiment
@@ -65,7 +65,7 @@ def low_bit_targets(settings: settings_lib.Settings) -> tuple[str, ...]:
   none."""
   low_bit = settings.precision.low_bit
   if precision_settings.chooses_modules(low_bit):
-    return (half_dot.FP8_CLASS,)
+    return (low_bit_lib.LOW_BIT_CLASS,)
   modules = low_bit.modules.strip() or fp8_lib.DEFAULT_MODULES
   return tuple(t.strip() for t in modules.split(';') if t.strip())
 
@@ -127,10 +127,11 @@ def run(settings: settings_lib.Settings, gpu_name: str,
       exp.strategy.train_step, *exp.abstract_inputs()))
   paths = sorted({c.path for c in exp.module_calls})
   linears = {c.path for c in exp.module_calls
-             if c.class_name == half_dot.FP8_CLASS and c.method == '__call__'}
+             if c.class_name == low_bit_lib.LOW_BIT_CLASS
+             and c.method == '__call__'}
   targets = low_bit_targets(settings)
   candidates = {p for p in linears
-                if half_dot.selects(targets, half_dot.FP8_CLASS, p)}
+                if low_bit_lib.selects(targets, low_bit_lib.LOW_BIT_CLASS, p)}
   formats = [f for f in speed_lib.formats_on(gpu) if f != speed_lib.BASELINE]
   rows = []
   for m in program.matmuls:

@@ -1,5 +1,6 @@
 """The model as pure functions: a ViT forward pass under a precision policy."""
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -9,10 +10,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from haiku_mp import errors
 from haiku_mp.advisor import placement
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
-from haiku_mp.model import half_dot
 from haiku_mp.model import interception
 from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import policies
@@ -21,6 +22,24 @@ from haiku_mp.vit.settings import LowBitSettings
 from haiku_mp.vit.settings import ModelSettings
 from haiku_mp.vit.settings import precision as precision_settings
 from haiku_mp.vit.settings import Settings
+
+# The settings a precision's library arguments come from: `make_precision`'s
+# are `precision.` and the argument's name; those of the low-bit parts
+# (`Fp8`, `Fp4` and its `check_dims`, `LowBit`, `from_parts`) these.
+_LOW_BIT_PATHS = {
+    name: 'precision.low_bit.' + name.rpartition('.')[2] for name in (
+        'scaling', 'history_length', 'margin', 'format', 'modules',
+        'keep_fp8', 'fp8.scaling', 'fp4.format')}
+
+
+@contextlib.contextmanager
+def _named_as_settings():
+  """The library's errors about what the settings passed it (`ArgumentError`
+  in its own words) with the settings' paths."""
+  try:
+    yield
+  except errors.ArgumentError as error:
+    raise error.named(_LOW_BIT_PATHS, prefix='precision.') from None
 
 
 def precision_from_config(settings: Settings,
@@ -35,19 +54,19 @@ def precision_from_config(settings: Settings,
     modules = low_bit_modules
   elif precision_settings.chooses_modules(low_bit):
     modules = ''
-  return policies.make_precision(
-      settings.precision.policy, settings.precision.overrides,
-      model_class=vit.MODEL_CLASS,
-      float32_layer_norm=settings.precision.float32_layer_norm,
-      matmul_precision=settings.precision.matmul_precision,
-      residual_stream=settings.precision.residual_stream,
-      dot_form=settings.precision.dot_form,
-      dot_platform=settings.precision.dot_platform,
-      # fp8's scaling is built (and checked) whether or not a Linear runs it.
-      low_bit=low_bit_lib.from_parts(
-          modules,
-          fp8_lib.Fp8(low_bit.scaling, low_bit.history_length, low_bit.margin),
-          make_fp4(low_bit), low_bit.keep_fp8))
+  with _named_as_settings():
+    # fp8's scaling is built (and checked) whether or not a Linear runs it.
+    fp8 = fp8_lib.Fp8(low_bit.scaling, low_bit.history_length, low_bit.margin)
+    return policies.make_precision(
+        settings.precision.policy, settings.precision.overrides,
+        model_class=vit.MODEL_CLASS,
+        float32_layer_norm=settings.precision.float32_layer_norm,
+        matmul_precision=settings.precision.matmul_precision,
+        residual_stream=settings.precision.residual_stream,
+        dot_form=settings.precision.dot_form,
+        dot_platform=settings.precision.dot_platform,
+        low_bit=low_bit_lib.from_parts(modules, fp8, make_fp4(low_bit),
+                                       low_bit.keep_fp8))
 
 
 _BLOCK_INDEX = re.compile(r'_\d+(?=/|$)')  # 'encoder_block_3' -> 'encoder_block_*'.
@@ -135,7 +154,8 @@ def checked_precision(settings: Settings,
   the `batch_devices` the batch is split over: each runs the GEMMs of its
   own examples."""
   precision = precision or precision_from_config(settings)
-  calls, _ = trace_modules(settings.model, precision)
+  with _named_as_settings():  # Its end checks the targets.
+    calls, _ = trace_modules(settings.model, precision)
   choices = []
   if precision_settings.chooses_modules(settings.precision.low_bit):
     choices = low_bit_choices(settings, calls,
@@ -144,9 +164,10 @@ def checked_precision(settings: Settings,
     # module's inputs or outputs, only the GEMMs inside.
     precision = precision_from_config(settings, ';'.join(
         c.linear.path for c in choices if c.low_bit))
-  if precision.fp4 is not None:
-    _check_fp4_tokens(precision, calls,
-                      settings.batch_size // batch_devices)
+  if precision.low_bit is not None and precision.low_bit.fp4 is not None:
+    with _named_as_settings():
+      _check_fp4_tokens(precision, calls,
+                        settings.batch_size // batch_devices)
   return precision, calls, choices
 
 
@@ -156,7 +177,8 @@ def linear_shapes(calls: list[interception.ModuleCall],
   at `batch_size`."""
   found = []
   for c in calls:
-    if c.class_name == half_dot.FP8_CLASS and c.method == '__call__':
+    if (c.class_name == low_bit_lib.LOW_BIT_CLASS
+        and c.method == '__call__'):
       x = c.args[0][0]
       found.append(placement.LinearShape(
           c.path, math.prod(x.shape[:-1]) * batch_size, x.shape[-1],
@@ -217,7 +239,8 @@ def _check_fp4_tokens(precision: policies.Precision,
       x = c.args[0][0]
       rows = math.prod(x.shape[:-1]) * batch_size
       w_out = c.output.shape[-1]
-      fp4_lib.check_dims(precision.fp4, c.path, rows, x.shape[-1], w_out)
+      fp4_lib.check_dims(precision.low_bit.fp4, c.path, rows, x.shape[-1],
+                         w_out)
 
 
 def checked_forward(settings: Settings

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp.model import dropout
-from haiku_mp.model import half_dot
 from haiku_mp.model import matmul_modules
+from haiku_mp.model import matmuls as matmuls_lib
 from haiku_mp.model import remat as remat_lib
 from haiku_mp.vit.settings import model as model_settings
 
@@ -34,7 +34,7 @@ class PatchEmbed(hk.Module):
   """Cuts images into non-overlapping patches and projects each to a vector."""
 
   def __init__(self, patch_size: int, embed_dim: int,
-               matmuls: half_dot.Matmuls = half_dot.Matmuls(),
+               matmuls: matmuls_lib.Matmuls = matmuls_lib.Matmuls(),
                init: str = 'lecun_normal', name: Optional[str] = None):
     super().__init__(name=name)
     self.patch_size = patch_size
@@ -56,7 +56,8 @@ class PatchEmbed(hk.Module):
 class Attention(hk.Module):
   """Multi-head self-attention with float32 logits and softmax."""
 
-  def __init__(self, num_heads: int, matmuls: half_dot.Matmuls = half_dot.Matmuls(),
+  def __init__(self, num_heads: int,
+               matmuls: matmuls_lib.Matmuls = matmuls_lib.Matmuls(),
                name: Optional[str] = None):
     super().__init__(name=name)
     self.num_heads = num_heads
@@ -86,7 +87,7 @@ class MlpBlock(hk.Module):
   """Linear -> GELU -> Dropout -> Linear -> Dropout."""
 
   def __init__(self, mlp_dim: int, dropout_rate: float,
-               matmuls: half_dot.Matmuls = half_dot.Matmuls(),
+               matmuls: matmuls_lib.Matmuls = matmuls_lib.Matmuls(),
                name: Optional[str] = None):
     super().__init__(name=name)
     self.mlp_dim = mlp_dim
@@ -135,7 +136,7 @@ class EncoderBlock(hk.Module):
 
   def __init__(self, num_heads: int, mlp_dim: int, dropout_rate: float,
                layer_norm_epsilon: float,
-               matmuls: half_dot.Matmuls = half_dot.Matmuls(),
+               matmuls: matmuls_lib.Matmuls = matmuls_lib.Matmuls(),
                drop_path_rate: float = 0.0,
                name: Optional[str] = None):
     super().__init__(name=name)
@@ -171,13 +172,13 @@ class VisionTransformer(hk.Module):
                dropout_rate: float, layer_norm_epsilon: float,
                drop_path_rate: float = 0.0,
                float32_residual: bool = False,
-               matmuls: half_dot.Matmuls = half_dot.Matmuls(),
+               matmuls: matmuls_lib.Matmuls = matmuls_lib.Matmuls(),
                remat: str = 'none', patch_init: str = 'lecun_normal',
                name: Optional[str] = 'vit'):
     """`float32_residual` keeps the residual stream (the sum the blocks add
     into) in float32 whatever the compute dtype, as Megatron's fp32-residual
     option; by default the stream is in the compute dtype.
-    `dots` says how the matmuls run (`half_dot.Dots`); `remat` what each
+    `matmuls` says how the matmuls run (`matmuls.Matmuls`); `remat` what each
     encoder block keeps for the backward pass (`remat.CHOICES`);
     `patch_init` the patch embedding's kernel init
     (`model_settings.PATCH_INITS`). The

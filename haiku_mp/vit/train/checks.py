@@ -47,7 +47,7 @@ def _check_communication(settings: settings_lib.Settings,
   """`parallel.gather_dtype` and `reduce_dtype`, against the precision and
   loss scaling (against the strategy and DP-SGD: when parsed)."""
   parallel = settings.parallel
-  if parallel.gather_dtype == 'fp8' and precision.fp8 is None:
+  if parallel.gather_dtype == 'fp8' and precision.low_bit is None:
     raise errors.ConfigError(
         'parallel.gather_dtype=fp8 gathers the fp8 Linears\' kernels in fp8, '
         'and no Linear runs in fp8 (precision.low_bit.modules is empty): use '

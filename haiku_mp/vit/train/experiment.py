@@ -290,7 +290,7 @@ def build(settings: settings_lib.Settings, *,
   names_axis = settings.parallel.strategy == 'pmap' or (
       settings.parallel.strategy in ('pjit', 'fsdp') and
       not settings.privacy.enabled and batch_devices > 1)
-  if names_axis and precision.fp8 is not None:
+  if names_axis and precision.low_bit is not None:
     step_forward = forward_lib.make_forward(
         settings.model, precision.under_pmap(sharding.BATCH),
         remat=settings.remat)

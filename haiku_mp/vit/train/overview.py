@@ -18,6 +18,7 @@ from haiku_mp.model import half_dot
 from haiku_mp.model import interception
 from haiku_mp.model import meta_params
 from haiku_mp.model import policies
+from haiku_mp.model import policy_strings
 from haiku_mp.update import state_layout
 from haiku_mp.vit.data import pipeline
 from haiku_mp.vit.model import forward as forward_lib
@@ -74,7 +75,7 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
     rows[call.path] = {
         'path': call.path,
         'class': call.class_name,
-        'policy': policies.policy_str(call.policy),
+        'policy': policy_strings.policy_str(call.policy),
         'policy_source': _source(call.rule),
         'params': {name: dict(shape=list(p.shape), dtype=p.dtype.name,
                               sharding=_spec(specs, call.path, name))
@@ -108,8 +109,8 @@ def _low_bit(precision: policies.Precision, class_name: str,
   """A low-bit Linear's matmul as the table names it: 'fp8 current', ...,
   or its 4-bit format."""
   if precision.runs_fp4(class_name, path):
-    return precision.fp4.format
-  return f'fp8 {precision.fp8.scaling}'
+    return precision.low_bit.fp4.format
+  return f'fp8 {precision.low_bit.fp8.scaling}'
 
 
 def _preorder_key(path: str, calls: list[interception.ModuleCall]):
@@ -172,17 +173,18 @@ def summary_line(rows: list[dict[str, Any]], overrides: str,
   line = (f'Model: {len(rows)} modules, {count:,} parameters '
           f'({megabytes:.2f} MB); policies (modules): {in_force}; '
           f'overrides: {overrides or "none"}')
-  fp8_rows = [r for r in rows if r['matmul'] != '-']
-  if precision is not None and precision.fp4 is not None:
-    kept = sum(1 for r in fp8_rows if r['matmul'].startswith('fp8'))
-    line += (f'; 4-bit matmuls: {len(fp8_rows) - kept} Linear'
+  low_bit_rows = [r for r in rows if r['matmul'] != '-']
+  low_bit = precision.low_bit if precision is not None else None
+  if low_bit is not None and low_bit.fp4 is not None:
+    kept = sum(1 for r in low_bit_rows if r['matmul'].startswith('fp8'))
+    line += (f'; 4-bit matmuls: {len(low_bit_rows) - kept} Linear'
              + (f' ({kept} kept in fp8)' if kept else '') + ', '
-             f'{precision.fp4.describe()} (emulated: dequantized float32 '
+             f'{low_bit.fp4.describe()} (emulated: dequantized float32 '
              'GEMMs)')
-  elif precision is not None and precision.fp8 is not None:
-    emulation = precision.fp8.emulation(jax.default_backend())
-    line += (f'; fp8 matmuls: {len(fp8_rows)} Linear, E4M3 forward, E5M2 '
-             f'gradients, {precision.fp8.describe()} scaling'
+  elif low_bit is not None:
+    emulation = low_bit.fp8.emulation(jax.default_backend())
+    line += (f'; fp8 matmuls: {len(low_bit_rows)} Linear, E4M3 forward, E5M2 '
+             f'gradients, {low_bit.fp8.describe()} scaling'
              + (f' ({emulation})' if emulation else ''))
   return line
 
@@ -230,7 +232,7 @@ def log_startup(exp: experiment.Experiment, state, workdir: str,
       precision.dot_form,
       [precision.policy.compute_dtype,
        *(rule.policy.compute_dtype for rule in precision.overrides)],
-      precision.matmuls.backend))
+      precision.matmuls.backend, 'precision.dot_form'))
   rows = module_rows(exp)
   table = format_table(rows)
   path = os.path.join(workdir, MODULES_FILE)
