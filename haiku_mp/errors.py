@@ -48,8 +48,19 @@ class ArgumentError(ConfigError):
     names = {name: paths.get(name, prefix + name) for name in self.arguments}
     renamed = ConfigError.__new__(type(self))
     ConfigError.__init__(renamed, self.template.safe_substitute(names))
-    renamed.template = _Arguments(renamed.args[0].replace('$', '$$'))
+    renamed.template = _Arguments(literal(renamed.args[0]))
     return renamed
+
+
+def literal(text: str) -> str:
+  """`text` as an ArgumentError template's literal text: a `$` in it names
+  no argument."""
+  return text.replace('$', '$$')
+
+
+def quoted(value) -> str:
+  """`repr(value)` as an ArgumentError template's literal text."""
+  return literal(repr(value))
 
 
 class DataError(ConfigError):
@@ -62,10 +73,13 @@ class RunError(Exception):
 
 
 def check_choice(setting: str, value, choices, error=ConfigError) -> None:
-  """Raises `error` naming `setting` unless `value` is one of `choices`."""
+  """Raises `error` naming `setting` unless `value` is one of `choices`; an
+  ArgumentError's `setting` is its template's (`$dot_form`), the value and
+  choices its literal text."""
   if value not in choices:
-    raise error(f'{setting}: unknown value {value!r}; expected one of '
-                f'{tuple(choices)}')
+    shown = quoted if issubclass(error, ArgumentError) else repr
+    raise error(f'{setting}: unknown value {shown(value)}; expected one of '
+                f'{shown(tuple(choices))}')
 
 
 def check_given(setting: str, path: str) -> None:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp import errors
+from haiku_mp.errors import literal
 from haiku_mp.model.fp4_blocks import hadamard_transform
 from haiku_mp.model.fp4_blocks import mxfp4
 from haiku_mp.model.fp4_blocks import MXFP4_BLOCK
@@ -28,7 +29,6 @@ from haiku_mp.model.fp8 import DGRAD
 from haiku_mp.model.fp8 import FPROP
 from haiku_mp.model.fp8 import WGRAD
 from haiku_mp.model.meta_params import FP4_SIGNS
-from haiku_mp.model.precision_error import literal
 from haiku_mp.model.precision_error import PrecisionError
 
 FORMATS = ('nvfp4', 'mxfp4')

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from haiku_mp import errors
-from haiku_mp.model.precision_error import literal
+from haiku_mp.errors import literal
 from haiku_mp.model.precision_error import PrecisionError
 from haiku_mp.model.fp8_scales import amax
 from haiku_mp.model.fp8_scales import E4M3

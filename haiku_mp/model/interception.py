@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import jmp
 
+from haiku_mp.errors import literal
+from haiku_mp.errors import quoted
 from haiku_mp.model import matmul_modules
 from haiku_mp.model import meta_params
 from haiku_mp.model import policies
-from haiku_mp.model.precision_error import literal
 from haiku_mp.model.precision_error import PrecisionError
-from haiku_mp.model.precision_error import quoted
 from haiku_mp.model import recording
 
 _META = frozenset(meta_params.META_NAMES)

@@ -51,14 +51,14 @@ import jax.numpy as jnp
 import jmp
 
 from haiku_mp import errors
+from haiku_mp.errors import literal
+from haiku_mp.errors import quoted
 from haiku_mp.model import half_dot
 from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import matmuls as matmuls_lib
 from haiku_mp.model.policy_strings import as_policy
 from haiku_mp.model.policy_strings import PolicyLike
-from haiku_mp.model.precision_error import literal
 from haiku_mp.model.precision_error import PrecisionError
-from haiku_mp.model.precision_error import quoted
 from haiku_mp.model.targets import Target
 from haiku_mp.model.targets import target_name
 from haiku_mp.model.targets import unmatched

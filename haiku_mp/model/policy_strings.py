@@ -6,9 +6,9 @@ from typing import Optional, Union
 import jax.numpy as jnp
 import jmp
 
-from haiku_mp.model.precision_error import literal
+from haiku_mp.errors import literal
+from haiku_mp.errors import quoted
 from haiku_mp.model.precision_error import PrecisionError
-from haiku_mp.model.precision_error import quoted
 
 # A policy: a jmp policy string, or the jmp.Policy itself.
 PolicyLike = Union[str, jmp.Policy]

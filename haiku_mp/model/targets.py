@@ -6,9 +6,9 @@ with the nearest names the model has."""
 import difflib
 from typing import Sequence, Union
 
-from haiku_mp.model.precision_error import literal
+from haiku_mp.errors import literal
+from haiku_mp.errors import quoted
 from haiku_mp.model.precision_error import PrecisionError
-from haiku_mp.model.precision_error import quoted
 
 # What a module target may be: a class name or path glob, or the class.
 Target = Union[str, type]

@@ -63,11 +63,6 @@ class LossScaleError(errors.ArgumentError):
   its settings renames to its own (`named(prefix=...)`)."""
 
 
-def _shown(value: Any) -> str:
-  """`repr(value)` in a message template, a `$` in it kept as written."""
-  return repr(value).replace('$', '$$')
-
-
 @dataclasses.dataclass(frozen=True)
 class LossScaler:
   """Static loss-scale settings; creates and adjusts jmp loss-scale states.
@@ -93,28 +88,26 @@ class LossScaler:
     # Every argument in its range whichever kind reads it: the dynamic ones a
     # static scaler leaves unused are checked too, before a change of kind
     # meets them.
-    if self.kind not in KINDS:
-      raise LossScaleError(f'$kind: unknown value {_shown(self.kind)}; '
-                           f'expected one of {KINDS}')
+    errors.check_choice('$kind', self.kind, KINDS, LossScaleError)
     if not np.isfinite(self.initial) or self.initial <= 0:
       raise LossScaleError('$initial: must be a positive finite number, got '
-                           + _shown(self.initial))
+                           + errors.quoted(self.initial))
     if int(self.period) != self.period or self.period < 1:
       raise LossScaleError('$period: must be a positive integer, got '
-                           + _shown(self.period))
+                           + errors.quoted(self.period))
     if self.factor <= 1:
-      raise LossScaleError('$factor: must be > 1, got ' + _shown(self.factor))
+      raise LossScaleError('$factor: must be > 1, got ' + errors.quoted(self.factor))
     # The floor bounds a dynamic scale only; a static one may sit below it.
     if self.minimum <= 0 or (self.kind == 'dynamic' and
                              self.minimum > self.initial):
       raise LossScaleError('$minimum: must be in (0, $initial], got '
-                           + _shown(self.minimum))
+                           + errors.quoted(self.minimum))
     if int(self.hysteresis) != self.hysteresis or self.hysteresis < 1:
       raise LossScaleError('$hysteresis: must be a positive integer, got '
-                           + _shown(self.hysteresis))
+                           + errors.quoted(self.hysteresis))
     if self.max_consecutive_skips < 1:
       raise LossScaleError('$max_consecutive_skips: must be positive, got '
-                           + _shown(self.max_consecutive_skips))
+                           + errors.quoted(self.max_consecutive_skips))
 
   @classmethod
   def from_config(cls, settings) -> 'LossScaler':
@@ -146,7 +139,7 @@ class LossScaler:
       message = (f"{where} was made by {made}; this step's scaler is "
                  f"LossScaler('{self.kind}'): build the state with the scaler "
                  'the step takes')
-      raise LossScaleError(message.replace('$', '$$'))
+      raise LossScaleError(errors.literal(message))
 
   def jmp_loss_scale(self, state: LossScaleState) -> jmp.LossScale:
     """jmp's loss scale for `state`, with the configured floor."""
@@ -216,7 +209,7 @@ class LossScaler:
     for where it was not the gradients (its Haiku state, `check_metrics`
     says); '' for the gradients.
     """
-    why = why.replace('$', '$$')
+    why = errors.literal(why)
     if self.kind == 'dynamic':
       if (consecutive_skips >= self.max_consecutive_skips and
           scale <= self.minimum):

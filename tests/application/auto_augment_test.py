@@ -4,8 +4,8 @@ per image, and the CIFAR-10 policy's table."""
 import os
 import sys
 
-if __name__ == '__main__':  # `python tests/WING/x_test.py`: `tests` from the root.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if __name__ == '__main__':  # Run alone: `tests` from the repository's root.
+  sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..', '..')))
 
 from absl.testing import absltest
 from absl.testing import parameterized

@@ -3,8 +3,8 @@
 import os
 import sys
 
-if __name__ == '__main__':  # `python tests/WING/x_test.py`: `tests` from the root.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if __name__ == '__main__':  # Run alone: `tests` from the repository's root.
+  sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..', '..')))
 
 import glob
 import importlib
@@ -17,8 +17,9 @@ from configs import vit_cpu
 from haiku_mp import errors
 from haiku_mp.update import loss_scaling
 from haiku_mp.vit.model import forward as forward_lib
+from tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = helpers.ROOT
 CONFIG_NAMES = sorted(os.path.basename(p)[:-3]
                       for p in glob.glob(os.path.join(ROOT, 'configs', '*.py'))
                       if not p.endswith('__init__.py'))

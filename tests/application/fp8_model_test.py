@@ -3,8 +3,8 @@
 import os
 import sys
 
-if __name__ == '__main__':  # `python tests/WING/x_test.py`: `tests` from the root.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if __name__ == '__main__':  # Run alone: `tests` from the repository's root.
+  sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..', '..')))
 
 import json
 import signal
@@ -26,22 +26,10 @@ from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
 from haiku_mp.vit.train import overview
 from tests import helpers
+from tests.library import fp8_test
 
-BF16 = 'params=float32,compute=bfloat16,output=float32'
 BLOCK_LINEARS = ('attention/query', 'attention/key', 'attention/value',
                  'attention/out', 'mlp_block/fc1', 'mlp_block/fc2')
-
-
-def _config(modules='*/encoder_block_*', scaling='current', **settings):
-  config = helpers.tiny_config(BF16, dropout_rate=0.0, num_layers=2)
-  config.precision.low_bit.modules = modules
-  config.precision.low_bit.scaling = scaling
-  config.precision.low_bit.history_length = 4
-  config.batch_size = config.eval_batch_size = 8
-  return helpers.with_settings(config, settings)
-
-
-# ---- An independent float64 reference of docs/fp8.md's rules ---------------
 
 
 @helpers.long_running
@@ -57,7 +45,7 @@ class ModelTest(parameterized.TestCase):
        + ['vit/head']))
   def test_the_lowered_step_takes_fp8_exactly_in_the_configured_modules(
       self, modules, expected):
-    result = fp8_gemms.run(settings_lib.parse(_config(modules)),
+    result = fp8_gemms.run(settings_lib.parse(fp8_test.vit_config(modules)),
                            compile_step=False,
                            log=lambda _: None)
     fp8_rows = [r for r in result['matmuls'] if r['fp8_operands']]
@@ -78,7 +66,7 @@ class ModelTest(parameterized.TestCase):
       self.assertIn(r['lhs'], ('bf16', 'f32'), r)
 
   def test_the_listing_names_the_4_bit_matmuls(self):
-    config = _config(**{'precision.low_bit.format': 'nvfp4'})
+    config = fp8_test.vit_config(**{'precision.low_bit.format': 'nvfp4'})
     config.batch_size = 16  # Whole blocks of tokens.
     result = fp8_gemms.run(settings_lib.parse(config),
                            compile_step=True,
@@ -97,7 +85,7 @@ class ModelTest(parameterized.TestCase):
     self.assertIn('fp8_gemm', fp8_gemms.table(result))
 
   def test_delayed_histories_are_params_no_optimizer_sees_and_they_roll(self):
-    config = _config(scaling='delayed', learning_rate=1e-3)
+    config = fp8_test.vit_config(scaling='delayed', learning_rate=1e-3)
     exp = experiment.build_without_data(settings_lib.parse(config))
     strategy = exp.strategy
     state = strategy.init_state()
@@ -132,8 +120,9 @@ class ModelTest(parameterized.TestCase):
 
   def test_fp8_models_learn_a_batch_as_the_bfloat16_one_does(self):
     def losses(modules, scaling):
-      config = _config(modules, scaling=scaling, learning_rate=3e-3,
-                       **{'model.num_layers': 1})
+      config = fp8_test.vit_config(modules, scaling=scaling,
+                                   learning_rate=3e-3,
+                                   **{'model.num_layers': 1})
       strategy = experiment.build_without_data(
           settings_lib.parse(config)).strategy
       state = strategy.init_state()
@@ -169,7 +158,7 @@ class ModelLineTest(absltest.TestCase):
               'blocks quantized and dequantized, float32 dots)'}
     for scaling in fp8.SCALINGS:
       exp = experiment.build_without_data(
-          settings_lib.parse(_config(scaling=scaling)))
+          settings_lib.parse(fp8_test.vit_config(scaling=scaling)))
       line = overview.summary_line(overview.module_rows(exp), '',
                                        exp.precision)
       self.assertTrue(line.endswith(

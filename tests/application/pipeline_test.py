@@ -4,8 +4,8 @@ import functools
 import os
 import sys
 
-if __name__ == '__main__':  # `python tests/WING/x_test.py`: `tests` from the root.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if __name__ == '__main__':  # Run alone: `tests` from the repository's root.
+  sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..', '..')))
 
 import itertools
 import subprocess
@@ -24,7 +24,7 @@ from haiku_mp.vit.data import tfds_source
 from haiku_mp.vit.privacy import dp_sgd
 from tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = helpers.ROOT
 SIZES = dict(train=50, test=20)
 
 

@@ -3,8 +3,8 @@
 import os
 import sys
 
-if __name__ == '__main__':  # `python tests/WING/x_test.py`: `tests` from the root.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if __name__ == '__main__':  # Run alone: `tests` from the repository's root.
+  sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..', '..')))
 
 import glob
 import json
@@ -30,7 +30,7 @@ from haiku_mp.vit.train import loop
 from haiku_mp.vit.train import run_dir
 from tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = helpers.ROOT
 TRAIN_KEYS = {'step', 'split', 'loss', 'accuracy', 'loss_scale',
               'skipped_steps', 'images_per_sec', 'learning_rate', 'grad_norm',
               'window_skipped_steps', 'updates_lost'}

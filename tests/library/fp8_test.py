@@ -4,8 +4,8 @@ the lowered program's fp8 dots, training, resume and bad input."""
 import os
 import sys
 
-if __name__ == '__main__':  # `python tests/WING/x_test.py`: `tests` from the root.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if __name__ == '__main__':  # Run alone: `tests` from the repository's root.
+  sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..', '..')))
 
 import math
 
@@ -40,7 +40,8 @@ def _values(limit, seed=0):
   return np.concatenate([spread, edges]).astype(np.float32)
 
 
-def _config(modules='*/encoder_block_*', scaling='current', **settings):
+def vit_config(modules='*/encoder_block_*', scaling='current', **settings):
+  """The tiny two-block ViT in bfloat16 with fp8 Linears in `modules`."""
   config = helpers.tiny_config(BF16, dropout_rate=0.0, num_layers=2)
   config.precision.low_bit.modules = modules
   config.precision.low_bit.scaling = scaling
@@ -701,7 +702,7 @@ class BadTargetsTest(parameterized.TestCase):
        '(Conv2D)'))
   def test_one_line_before_anything_compiles(self, modules, message):
     with self.assertRaises(errors.ConfigError) as raised:
-      experiment.build_without_data(settings_lib.parse(_config(modules)))
+      experiment.build_without_data(settings_lib.parse(vit_config(modules)))
     self.assertIn(message, str(raised.exception))
     self.assertNotIn('\n', str(raised.exception))
 
