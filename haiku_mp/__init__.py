@@ -8,12 +8,11 @@ package (the ViT, its data, its trainer and lab) is the application built on
 them.
 """
 
-__version__ = '0.1.0'  # docs/CHANGELOG.md says what each version changed.
+__version__ = '0.2.0'  # docs/CHANGELOG.md says what each version changed.
 
 from haiku_mp.model import apply_precision
 from haiku_mp.model import Conv2D
 from haiku_mp.model import describe
-from haiku_mp.model import Dots
 from haiku_mp.model import Fp4
 from haiku_mp.model import Fp8
 from haiku_mp.model import Linear
@@ -36,7 +35,7 @@ from haiku_mp.update import scaled_gradients
 from haiku_mp.update import TrainState
 from haiku_mp.update import without_master
 
-__all__ = ('Conv2D', 'DataParallel', 'Dots', 'Fp4', 'Fp8', 'Linear',
+__all__ = ('Conv2D', 'DataParallel', 'Fp4', 'Fp8', 'Linear',
            'LossScaler', 'LossWithState', 'LowBit', 'Matmuls', 'Precision',
            'TrainState', 'apply_precision', 'describe',
            'float32_master', 'init_train_state', 'learning_rate_schedule',

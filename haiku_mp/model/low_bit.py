@@ -1,12 +1,10 @@
 """Which Linear layers run low-bit matmuls, and in what format: the one value
 `make_precision` takes for them (`low_bit=`) and a `Precision` and its
-`Matmuls` hold, fp8 at a scaling or a 4-bit format, where 0.1 took four
-arguments (`fp8_modules`, `fp8`, `fp4`,
-`keep_fp8`; still read, `from_old_arguments`)."""
+`Matmuls` hold, fp8 at a scaling or a 4-bit format."""
 
 import dataclasses
 import fnmatch
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from haiku_mp.model import fp4 as fp4_lib
 from haiku_mp.model import fp8 as fp8_lib
@@ -15,8 +13,6 @@ from haiku_mp.model.precision_error import PrecisionError
 
 # A module target: a class name or path glob, or the class itself.
 Targets = Union[str, Sequence[Any]]
-# 0.1's arguments of `make_precision` that `LowBit` replaces.
-OLD_ARGUMENTS = ('fp8_modules', 'fp8', 'fp4', 'keep_fp8')
 # The only module whose matmul runs low-bit (fp8 or 4 bits).
 LOW_BIT_CLASS = 'Linear'
 
@@ -70,8 +66,7 @@ class LowBit:
 def from_parts(modules: Targets = '', fp8: Optional[fp8_lib.Fp8] = None,
                fp4: Optional[fp4_lib.Fp4] = None,
                keep_fp8: Targets = '') -> Optional[LowBit]:
-  """A `LowBit` from its parts as 0.1's `make_precision` and the configs
-  give them: the modules, fp8's scaling, a 4-bit format (None: fp8) and the
+  """A `LowBit` from its parts as the configs give them: the modules, fp8's scaling, a 4-bit format (None: fp8) and the
   modules kept in fp8; None where neither modules nor kept ones are given.
   A 4-bit format with fp8's delayed or MX scaling is a PrecisionError
   naming both (`$fp8.scaling`, `$fp4.format`)."""
@@ -83,18 +78,6 @@ def from_parts(modules: Targets = '', fp8: Optional[fp8_lib.Fp8] = None,
         f'$fp8.scaling={fp8.scaling} with $fp4.format={fp4.format}: 4-bit '
         "formats scale per block themselves; leave $fp8.scaling at 'current'")
   return LowBit(modules, fp4 or fp8 or fp8_lib.Fp8(), keep_fp8)
-
-
-def from_old_arguments(arguments: Mapping[str, Any]) -> Optional[LowBit]:
-  """0.1's `fp8_modules`, `fp8`, `fp4` and `keep_fp8` of `make_precision`
-  as a `LowBit`; a name not among them is a TypeError, as for any unknown
-  argument."""
-  unknown = sorted(set(arguments) - set(OLD_ARGUMENTS))
-  if unknown:
-    raise TypeError(
-        f'make_precision() got an unexpected keyword argument {unknown[0]!r}')
-  return from_parts(arguments.get('fp8_modules', ''), arguments.get('fp8'),
-                    arguments.get('fp4'), arguments.get('keep_fp8', ''))
 
 
 def _given(targets: Targets) -> bool:

@@ -32,15 +32,6 @@ from haiku_mp.model import remat
 from haiku_mp.model import stock_attention
 
 
-def _either(matmuls: Optional[Matmuls], dots: Optional[Matmuls]
-            ) -> Optional[Matmuls]:
-  """`matmuls`, or 0.1's `dots=` for it; not both."""
-  if matmuls is not None and dots is not None:
-    raise TypeError('matmuls= and dots= (its 0.1 name) both given; pass '
-                    'matmuls= only')
-  return dots if matmuls is None else matmuls
-
-
 def _agreed(matmuls: Optional[Matmuls], in_force: Matmuls,
             module: hk.Module) -> Matmuls:
   """The matmuls a haiku_mp module runs: the precision's in force, which its
@@ -110,7 +101,7 @@ def _fp8_sums(matmuls: Matmuls, x: jax.Array, w: jax.Array) -> jax.Array:
 class Linear(hk.Linear):
   """`hk.Linear` whose matmul is `Matmuls.einsum` (half operands, float32 sums).
 
-  Inside `apply_precision` it takes the precision's dots (as a stock
+  Inside `apply_precision` it takes the precision's matmuls (as a stock
   `hk.Linear` does there); `matmuls=` is for a call outside one, and inside one
   must agree with the precision's.
 
@@ -120,10 +111,9 @@ class Linear(hk.Linear):
   """
 
   def __init__(self, output_size: int, matmuls: Optional[Matmuls] = None,
-               *, dots: Optional[Matmuls] = None, **kwargs):
-    """`dots`: 0.1's name of `matmuls`, kept for its users."""
+               **kwargs):
     super().__init__(output_size, **kwargs)
-    self.matmuls = _either(matmuls, dots)
+    self.matmuls = matmuls
 
   def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
     return linear(self, Matmuls() if self.matmuls is None else self.matmuls,
@@ -189,10 +179,9 @@ class Conv2D(hk.Conv2D):
   """
 
   def __init__(self, output_channels: int, matmuls: Optional[Matmuls] = None,
-               *, dots: Optional[Matmuls] = None, **kwargs):
-    """`dots`: 0.1's name of `matmuls`, kept for its users."""
+               **kwargs):
     super().__init__(output_channels, **kwargs)
-    self.matmuls = _either(matmuls, dots)
+    self.matmuls = matmuls
 
   def __call__(self, inputs: jax.Array, *, precision=None) -> jax.Array:
     return conv2d(self, Matmuls() if self.matmuls is None else self.matmuls,
@@ -201,7 +190,7 @@ class Conv2D(hk.Conv2D):
 
 def intercepted(matmuls: Matmuls, next_f: Callable[..., Any], args, kwargs,
                 context: hk.MethodContext) -> Any:
-  """A module method call inside `apply_precision`, its matmul as `dots`
+  """A module method call inside `apply_precision`, its matmul as `matmuls`
   says: Haiku's own `hk.Linear` and `hk.Conv2D` calls (a stock module's, a
   subclass's `super().__call__`) and haiku_mp's; Haiku's
   `hk.MultiHeadAttention` with float32 logits and softmax

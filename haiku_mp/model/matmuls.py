@@ -48,9 +48,6 @@ class Matmuls:
     return (self.low_bit is not None and class_name == LOW_BIT_CLASS
             and selects(self.low_bit.modules, class_name, path))
 
-  # 0.1's name, kept for its users: it is true for 4-bit Linears too.
-  runs_fp8 = runs_low_bit
-
   def runs_fp4(self, class_name: str, path: str) -> bool:
     """Whether the Linear's low-bit matmuls are 4-bit ones."""
     return (self.runs_low_bit(class_name, path)
@@ -65,6 +62,3 @@ class Matmuls:
     return half_dot.einsum(spec, a, b, self.form, self.matmul_precision,
                            self.backend, out_dtype)
 
-
-# 0.1's name of `Matmuls`, kept for its users.
-Dots = Matmuls

@@ -44,7 +44,7 @@ Every place a dtype is decided in a step:
 
 import dataclasses
 import fnmatch
-from typing import Any, Mapping, Optional, Union
+from typing import Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +108,7 @@ def parse_overrides(overrides: Union[str, Mapping[Target, PolicyLike]]
 @dataclasses.dataclass(frozen=True)
 class Precision:
   """Which jmp policy each module of a model runs under, and how its matmuls
-  run (`dots`); `make_precision` builds one.
+  run (`matmuls`); `make_precision` builds one.
 
   Example:
     precision = haiku_mp.make_precision(BF16, model_class=hk.nets.MLP)
@@ -138,11 +138,6 @@ class Precision:
                                self.dot_platform, self.low_bit,
                                self.amax_axis)
 
-  @property
-  def dots(self) -> matmuls_lib.Matmuls:
-    """0.1's name of `matmuls`, kept for its users."""
-    return self.matmuls
-
   def under_pmap(self, axis_name: str) -> 'Precision':
     """This precision for a forward pass traced inside `pmap` over
     `axis_name`: fp8 amaxes are reduced over its replicas, so that each
@@ -154,9 +149,6 @@ class Precision:
 
   def runs_low_bit(self, class_name: str, path: str) -> bool:
     return self.matmuls.runs_low_bit(class_name, path)
-
-  # 0.1's name, kept for its users: it is true for 4-bit Linears too.
-  runs_fp8 = runs_low_bit
 
   def runs_fp4(self, class_name: str, path: str) -> bool:
     return self.matmuls.runs_fp4(class_name, path)
@@ -257,8 +249,8 @@ def make_precision(policy: PolicyLike,
                    float32_batch_norm: bool = True, matmul_precision: str = '',
                    residual_stream: str = 'compute',
                    dot_form: str = 'auto', dot_platform: str = '',
-                   low_bit: Optional[low_bit_lib.LowBit] = None,
-                   **old_low_bit: Any) -> Precision:
+                   low_bit: Optional[low_bit_lib.LowBit] = None
+                   ) -> Precision:
   """Builds a `Precision` from jmp policies and module classes, or from the
   configs' strings.
 
@@ -282,15 +274,7 @@ def make_precision(policy: PolicyLike,
       '' the one JAX runs on).
     low_bit: the Linear layers on low-bit matmuls, and their format
       (`LowBit`: fp8, or 4 bits); None for none.
-    **old_low_bit: 0.1's `fp8_modules`, `fp8`, `fp4` and `keep_fp8`, read
-      as the `low_bit` they describe (`low_bit.from_old_arguments`).
   """
-  if old_low_bit:
-    if low_bit is not None:
-      raise TypeError('make_precision: low_bit= and 0.1\'s '
-                      f'{", ".join(sorted(old_low_bit))}= both given; pass '
-                      'low_bit= only')
-    low_bit = low_bit_lib.from_old_arguments(old_low_bit)
   main = as_policy(policy, '$policy')
   model_class = target_name(model_class, '$model_class')
   errors.check_choice('$residual_stream', residual_stream,

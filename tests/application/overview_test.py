@@ -95,17 +95,6 @@ class TabulateTest(parameterized.TestCase):
     self.assertEqual(rows['vit/encoder_block_0/mlp_block/fc1']['policy'],
                      'p=f32,c=f16,o=f32')
 
-  def test_the_old_name_of_the_low_bit_group_still_works_with_a_note(self):
-    rows, result = _tabulate_json('configs/vit_bf16.py',
-                                  '--config.precision.fp8.modules=*/mlp_block')
-    self.assertEqual(rows['vit/encoder_block_0/mlp_block/fc1']['matmul'],
-                     'fp8 current')
-    self.assertEqual(rows['vit/encoder_block_0/attention/query']['matmul'],
-                     '-')
-    note = ('precision.fp8.modules is now precision.low_bit.modules (the old '
-            'name still works)')
-    self.assertEqual(result.stderr.count(note), 1, result.stderr)
-
   def test_command_line_bad_override_is_a_one_line_error(self):
     result = helpers.run_module(
         'launch.tabulate', '--config=configs/vit_fp16.py',

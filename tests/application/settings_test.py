@@ -23,6 +23,7 @@ from configs import vit_cpu
 from haiku_mp import errors
 from haiku_mp.vit import settings
 from haiku_mp.vit.settings import fields
+from haiku_mp.vit.train import run_dir
 from tests import helpers
 
 # A run's config.json written before the schema existed, and before
@@ -39,6 +40,18 @@ _CONFIGS = [
     if not path.endswith('__init__.py')
 ] + [(name, (variant,)) for name in ('vit_cpu', 'vit_cpu_recipe', 'vit_recipe')
      for variant in vit_cpu.VARIANTS]
+
+
+def _nested(flat):
+  """Dotted settings as the tree `settings.parse` reads."""
+  tree = {}
+  for key, value in flat.items():
+    *groups, name = key.split('.')
+    holder = tree
+    for group in groups:
+      holder = holder.setdefault(group, {})
+    holder[name] = value
+  return tree
 
 
 class SchemaTest(absltest.TestCase):
@@ -96,7 +109,7 @@ class ParseTest(parameterized.TestCase):
     with open(_OLD_CONFIG) as f:
       old = json.load(f)
     self.assertNotIn('patch_init', old['model'])
-    parsed = settings.parse(old)
+    parsed = settings.parse(_nested(run_dir.flat_settings(old)))
     # Its own values, and the defaults of the fields it lacks.
     self.assertEqual(parsed.batch_size, old['batch_size'])
     self.assertEqual(parsed.data.mixup_alpha, old['data']['mixup_alpha'])
@@ -124,8 +137,11 @@ class ParseTest(parameterized.TestCase):
        'model) like (4,2)'),
       ('int_for_bool', {'data': {'flip': 1}},
        'data.flip=1 must be true or false'),
-      ('unknown_name', {'precision': {'fp8': {'scalling': 'mx'}}},
+      ('unknown_name', {'precision': {'low_bit': {'scalling': 'mx'}}},
        'precision.low_bit.scalling: no such setting'),
+      # 0.1's name of precision.low_bit, retired in 0.2.0.
+      ('retired_group', {'precision': {'fp8': {'scaling': 'mx'}}},
+       'precision.fp8: no such setting'),
   )
   def test_a_wrong_value_is_named_in_one_line(self, values, message):
     with self.assertRaises(errors.ConfigError) as raised:
@@ -148,41 +164,11 @@ class ParseTest(parameterized.TestCase):
     self.assertEqual(str(raised.exception),
                      'pair.sizes=3 must be a tuple of integers')
 
-  def test_an_old_group_name_reads_as_the_new_one_with_a_note(self):
-    with self.assertLogs('absl', 'WARNING') as logs:
-      parsed = settings.parse({'precision': {'fp8': {
-          'modules': 'Linear', 'format': 'nvfp4', 'margin': 0.0}}})
-    self.assertEqual(parsed.precision.low_bit.modules, 'Linear')
-    self.assertEqual(parsed.precision.low_bit.format, 'nvfp4')
-    # One note per name moved; a value left at its default moves nothing.
-    self.assertEqual([r.getMessage() for r in logs.records], [
-        'precision.fp8.modules is now precision.low_bit.modules (the old name '
-        'still works)',
-        'precision.fp8.format is now precision.low_bit.format (the old name '
-        'still works)'])
-
-  def test_the_config_files_take_the_old_group_name(self):
-    config = base.get_config()
-    config.precision.fp8.scaling = 'delayed'
-    self.assertEqual(settings.parse(config).precision.low_bit.scaling,
-                     'delayed')
-    self.assertNotIn('fp8', fields.to_dict(settings.parse(config).precision))
-
-  def test_a_misspelt_field_under_the_old_name_is_only_the_error(self):
-    with self.assertNoLogs('absl', 'WARNING'):
-      with self.assertRaisesRegex(errors.ConfigError,
-                                  'precision.low_bit.scalling: no such'):
-        settings.parse({'precision': {'fp8': {'scalling': 'mx'}}})
-
-  def test_an_old_and_a_new_name_that_disagree_are_an_error(self):
-    with self.assertRaises(errors.ConfigError) as raised:
-      settings.parse({'precision': {'fp8': {'scaling': 'delayed'},
-                                    'low_bit': {'scaling': 'mx'}}})
-    self.assertEqual(
-        str(raised.exception),
-        "precision.fp8.scaling='delayed' and precision.low_bit.scaling='mx': "
-        'precision.fp8 is the old name of precision.low_bit; set '
-        'precision.low_bit.scaling only')
+  def test_a_stored_config_reads_an_old_group_under_its_new_name(self):
+    saved = run_dir.flat_settings({'precision': {'fp8': {
+        'modules': 'Linear', 'format': 'nvfp4'}}})
+    self.assertEqual(saved, {'precision.low_bit.modules': 'Linear',
+                             'precision.low_bit.format': 'nvfp4'})
 
   def test_an_integral_float_is_an_integer(self):
     self.assertEqual(settings.parse({'batch_size': 256.0}).batch_size, 256)
@@ -217,12 +203,7 @@ class ConfigFilesTest(parameterized.TestCase):
     module = importlib.import_module(f'configs.{name}')
     config = module.get_config(*variant)
     parsed = settings.parse(config)
-    tree = config.to_dict()
-    # The low-bit group's old name, beside it, left at the defaults: the
-    # config files write the new names.
-    self.assertEqual(tree['precision'].pop('fp8'),
-                     fields.to_dict(settings.LowBitSettings()))
-    self.assertEqual(fields.to_dict(parsed), tree)
+    self.assertEqual(fields.to_dict(parsed), config.to_dict())
     self.assertEqual(settings.parse(fields.to_config_dict(parsed)), parsed)
 
 

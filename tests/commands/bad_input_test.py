@@ -212,12 +212,8 @@ class BadInputTest(parameterized.TestCase):
        "precision.dot_form: unknown value 'fast'"),
       ('unknown_dot_platform', ['--config.precision.dot_platform=cuda'],
        "precision.dot_platform: unknown value 'cuda'"),
-      ('old_and_new_name_disagree',
-       ['--config.precision.fp8.scaling=delayed',
-        '--config.precision.low_bit.scaling=mx'],
-       "precision.fp8.scaling='delayed' and precision.low_bit.scaling='mx': "
-       'precision.fp8 is the old name of precision.low_bit; set '
-       'precision.low_bit.scaling only'),
+      ('group_retired_in_0_2', ['--config.precision.fp8.scaling=delayed'],
+       '--config.precision.fp8: the config has no such setting'),
       ('unknown_fp8_scaling', ['--config.precision.low_bit.scaling=rowwise'],
        "precision.low_bit.scaling: unknown value 'rowwise'; expected one of "
        "('current', 'delayed', 'mx')"),

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 
 from haiku_mp.vit import settings
 from haiku_mp.vit.settings import fields
-from haiku_mp.vit.settings import renamed
 from tests.commands import your_model_test
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -154,13 +153,9 @@ def command_flags(module: str) -> set[str]:
 
 
 def setting_names() -> set[str]:
-  """Every field of the settings, dotted, and the old names still read."""
-  names = {'.'.join(path) for path, _, _ in
-           fields.documented(settings.Settings)}
-  for old, new in renamed.GROUPS.items():
-    names |= {name.replace(new, old, 1) for name in names
-              if name.startswith(new + '.')}
-  return names
+  """Every field of the settings, dotted."""
+  return {'.'.join(path) for path, _, _ in
+          fields.documented(settings.Settings)}
 
 
 def command_problems(words: list[str]) -> list[str]:

@@ -70,10 +70,10 @@ class Fp4NumericsTest(absltest.TestCase):
       self.assertEmpty(reasons)
 
 
-def _mlp(fp8_modules='', fp4_config=None, keep_fp8=''):
+def _mlp(modules='', fp4_config=None, keep_fp8=''):
   precision = haiku_mp.make_precision(
-      BF16, model_class=hk.nets.MLP, fp8_modules=fp8_modules, fp4=fp4_config,
-      keep_fp8=keep_fp8)
+      BF16, model_class=hk.nets.MLP, low_bit=haiku_mp.LowBit(
+          modules, fp4_config or haiku_mp.Fp8(), keep_fp8))
 
   def forward(images, is_training):
     del is_training

@@ -15,6 +15,7 @@ import jmp
 
 import haiku_mp
 from haiku_mp import errors
+from haiku_mp.model import low_bit as low_bit_lib
 from haiku_mp.model import policies
 from haiku_mp.model import policy_strings
 from haiku_mp.model.precision_error import PrecisionError
@@ -160,42 +161,13 @@ class JmpAndHaikuTest(absltest.TestCase):
         model_class=hk.nets.MLP, low_bit=haiku_mp.LowBit([hk.Linear]))
     self.assertEqual(from_objects, from_strings)
 
-  def test_the_old_low_bit_arguments_are_the_low_bit_they_describe(self):
-    """0.1's four arguments, kept for its users, and 0.1's names of
-    `Matmuls` and `runs_low_bit`."""
-    nvfp4 = haiku_mp.Fp4('nvfp4', hadamard=False)
-    new = policies.make_precision(
-        'p=f32,c=bf16,o=f32', model_class='MLP',
-        low_bit=haiku_mp.LowBit('Linear', nvfp4, keep_fp8='*/linear_1'))
-    old = policies.make_precision(
-        'p=f32,c=bf16,o=f32', model_class='MLP', fp8_modules='Linear',
-        fp8=haiku_mp.Fp8(), fp4=nvfp4, keep_fp8='*/linear_1')
-    self.assertEqual(old, new)
-    self.assertEqual(new.low_bit.fp4, nvfp4)
-    self.assertEqual((new.low_bit.modules, new.low_bit.keep_fp8),
-                     (('Linear',), ('*/linear_1',)))
-    self.assertTrue(new.runs_fp8('Linear', 'mlp/~/linear_0'))
-    self.assertEqual(new.runs_fp8('Linear', 'mlp/~/linear_0'),
-                     new.runs_low_bit('Linear', 'mlp/~/linear_0'))
-    self.assertIs(haiku_mp.Dots, haiku_mp.Matmuls)
-    self.assertEqual(new.dots, new.matmuls)
-    with self.assertRaisesRegex(TypeError, 'low_bit= and 0.1'):
-      policies.make_precision('float32', model_class='MLP',
-                              low_bit=haiku_mp.LowBit('Linear'),
-                              fp8_modules='Linear')
-    with self.assertRaisesRegex(TypeError, "argument 'fp8_module'"):
-      policies.make_precision('float32', model_class='MLP',
-                              fp8_module='Linear')
-
   def test_delayed_scaling_with_a_4_bit_format_names_both_settings(self):
     with self.assertRaisesRegex(
         errors.ConfigError,
         '^fp8.scaling=delayed with fp4.format=nvfp4: 4-bit formats scale per '
         'block themselves'):
-      policies.make_precision('p=f32,c=bf16,o=f32', model_class='MLP',
-                              fp8_modules='Linear',
-                              fp8=haiku_mp.Fp8('delayed'),
-                              fp4=haiku_mp.Fp4('nvfp4'))
+      low_bit_lib.from_parts('Linear', haiku_mp.Fp8('delayed'),
+                             haiku_mp.Fp4('nvfp4'))
 
   def test_a_target_that_is_neither_class_nor_string_names_the_setting(self):
     with self.assertRaisesRegex(PrecisionError,

@@ -86,12 +86,13 @@ def _transformed(name, precision=None):
   return hk.transform_with_state(forward)
 
 
-def _precision(name, fp8_modules='', **kwargs):
+def _precision(name, low_bit_modules='', fp8=haiku_mp.Fp8(), **kwargs):
   # Half operands into float32 sums whatever this CPU's `auto` form is.
   kwargs.setdefault('dot_form', 'native')
   _, model_class, overrides = MODELS[name]
   return haiku_mp.make_precision(BF16, overrides, model_class=model_class,
-                                 fp8_modules=fp8_modules, **kwargs)
+                                 low_bit=haiku_mp.LowBit(low_bit_modules, fp8),
+                                 **kwargs)
 
 
 def _train_step(forward, images):
@@ -238,7 +239,7 @@ class StockModulesTest(parameterized.TestCase):
     np.testing.assert_array_equal(logits, apply(theirs))
 
 
-class DotsInForceTest(absltest.TestCase):
+class MatmulsInForceTest(absltest.TestCase):
 
   def _call(self, matmuls, precision):
     def forward(x):
@@ -246,9 +247,9 @@ class DotsInForceTest(absltest.TestCase):
         return haiku_mp.Linear(4, matmuls=matmuls)(x)
     return hk.transform(forward).init(jax.random.key(0), jnp.ones((2, 3)))
 
-  def test_a_linear_without_dots_takes_the_precisions(self):
+  def test_a_linear_without_matmuls_takes_the_precisions(self):
     precision = haiku_mp.make_precision(BF16, model_class='Linear',
-                                        fp8_modules='Linear')
+                                        low_bit=haiku_mp.LowBit('Linear'))
     params = self._call(None, precision)
     apply = hk.transform(
         lambda x: _in(precision, lambda: haiku_mp.Linear(4)(x))).apply
@@ -256,13 +257,13 @@ class DotsInForceTest(absltest.TestCase):
     self.assertEqual([helpers.operand_dtypes(e) for e in eqns],
                      [('float8_e4m3fn', 'float8_e4m3fn')])
 
-  def test_dots_that_contradict_the_precision_are_an_error(self):
+  def test_matmuls_that_contradict_the_precision_are_an_error(self):
     precision = haiku_mp.make_precision(BF16, model_class='Linear',
-                                        fp8_modules='Linear')
+                                        low_bit=haiku_mp.LowBit('Linear'))
     with self.assertRaisesRegex(haiku_mp.errors.ConfigError,
                                 'linear: matmuls=.* contradicts the precision'):
       self._call(haiku_mp.Matmuls(), precision)
-    self._call(precision.matmuls, precision)  # Agreeing dots are fine.
+    self._call(precision.matmuls, precision)  # Agreeing matmuls are fine.
 
 
 def _in(precision, fn):
@@ -301,13 +302,13 @@ class TargetsCheckedTest(parameterized.TestCase):
       ('override_class_typo', dict(overrides='Lienar:float32'),
        "overrides: target 'Lienar' matches no module class or "
        'module path. Nearest: Linear.'),
-      ('fp8_on_a_class_not_there', dict(fp8_modules='LayerNorm'),
+      ('fp8_on_a_class_not_there', dict(low_bit=haiku_mp.LowBit('LayerNorm')),
        "low_bit.modules: target 'LayerNorm' matches no module class "
        'or module path.'),
-      ('fp8_of_nothing', dict(fp8_modules='*/nothing'),
+      ('fp8_of_nothing', dict(low_bit=haiku_mp.LowBit('*/nothing')),
        "low_bit.modules: target '*/nothing' matches no module class or "
        'module path.'),
-      ('fp8_bare_name', dict(fp8_modules='linear_1'),
+      ('fp8_bare_name', dict(low_bit=haiku_mp.LowBit('linear_1')),
        "low_bit.modules: target 'linear_1' matches no module class or "
        "module path (for a module path ending in it, write '*/linear_1')"))
   def test_a_target_that_matches_nothing(self, settings, message):
@@ -334,7 +335,7 @@ class TargetsCheckedTest(parameterized.TestCase):
   def test_targets_that_match_pass_and_check_is_public(self):
     precision = haiku_mp.make_precision(
         BF16, {'*/linear_1': F32}, model_class=hk.nets.MLP,
-        fp8_modules=[hk.Linear])
+        low_bit=haiku_mp.LowBit([hk.Linear]))
     _mlp_init(precision)  # No error.
     modules = {('MLP', 'mlp'), ('Linear', 'mlp/~/linear_0')}
     with self.assertRaisesRegex(haiku_mp.errors.ConfigError,

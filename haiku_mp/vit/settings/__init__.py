@@ -13,7 +13,6 @@ from haiku_mp.vit.settings.fields import replace
 from haiku_mp.vit.settings.loss_scale import LossScaleSettings
 from haiku_mp.vit.settings.model import ModelSettings
 from haiku_mp.vit.settings.parallel import ParallelSettings
-from haiku_mp.vit.settings.precision import Fp8Settings
 from haiku_mp.vit.settings.precision import LowBitSettings
 from haiku_mp.vit.settings.precision import PrecisionSettings
 from haiku_mp.vit.settings.privacy import PrivacySettings
@@ -21,7 +20,7 @@ from haiku_mp.vit.settings.run import default_config
 from haiku_mp.vit.settings.run import parse
 from haiku_mp.vit.settings.run import Settings
 
-__all__ = ['AdvisorSettings', 'DataSettings', 'Fp8Settings', 'LowBitSettings',
+__all__ = ['AdvisorSettings', 'DataSettings', 'LowBitSettings',
            'LossScaleSettings', 'ModelSettings', 'ParallelSettings',
            'PrecisionSettings', 'PrivacySettings', 'Settings',
            'default_config', 'parse', 'replace']

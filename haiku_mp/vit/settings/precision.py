@@ -140,11 +140,7 @@ class PrecisionSettings:
   low_bit: LowBitSettings = group(
       LowBitSettings,
       'Low-bit matmuls (docs/fp8.md) in the Linear layers of these modules: '
-      'fp8 with float32 sums, or 4 bits, emulated. Was precision.fp8 (that '
-      'name still works).')
+      'fp8 with float32 sums, or 4 bits, emulated.')
 
 
-# 0.1's name of `LowBitSettings`, kept for its users.
-Fp8Settings = LowBitSettings
-
-__all__ = ['Fp8Settings', 'LowBitSettings', 'PrecisionSettings']
+__all__ = ['LowBitSettings', 'PrecisionSettings']

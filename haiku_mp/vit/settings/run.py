@@ -7,14 +7,12 @@ the schema is the one definition of every field and of its doc.
 
 import math
 
-from absl import logging
 import ml_collections
 
 from haiku_mp import errors
 from haiku_mp.model import remat as remat_lib
 from haiku_mp.vit.settings import dataset as data_settings
 from haiku_mp.vit.settings import fields
-from haiku_mp.vit.settings import renamed
 from haiku_mp.vit.settings.advisor import AdvisorSettings
 from haiku_mp.vit.settings.dataset import DataSettings
 from haiku_mp.vit.settings.fields import group
@@ -204,21 +202,15 @@ class Settings:
 
 
 def default_config() -> ml_collections.ConfigDict:
-  """The schema's defaults as the locked ConfigDict config files change
-  (with the old names of renamed groups, `renamed.GROUPS`, beside them)."""
-  config = ml_collections.ConfigDict(
-      renamed.add_old_names(fields.to_dict(Settings())))
+  """The schema's defaults as the locked ConfigDict config files change."""
+  config = ml_collections.ConfigDict(fields.to_dict(Settings()))
   config.lock()
   return config
 
 
 def parse(config) -> Settings:
-  """A config (ConfigDict or the dict of a run's config.json) as Settings;
-  a setting given under its old name is read under the new one, with a
-  one-line warning that says it."""
-  values = renamed.to_new_names(config, fields.to_dict(Settings()),
-                                lambda note: logging.warning('%s', note))
-  return fields.parse(Settings, values)
+  """A config (ConfigDict or the dict of a run's config.json) as Settings."""
+  return fields.parse(Settings, config)
 
 
 __all__ = ['Settings', 'default_config', 'parse']

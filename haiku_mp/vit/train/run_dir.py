@@ -30,6 +30,10 @@ from haiku_mp.vit.train import compilation
 
 CONFIG_FILE = 'config.json'
 SUMMARY_FILE = 'summary.json'
+# Groups that a config.json of an older version holds under another name
+# (0.1's `precision.fp8`), read under today's: its run still compares, and
+# the lab still takes its settings, where flags take today's names only.
+STORED_GROUPS = {'precision.fp8.': 'precision.low_bit.'}
 
 
 def check_given(workdir: str) -> None:
@@ -97,9 +101,11 @@ def write_config(workdir: str, settings: settings_lib.Settings) -> None:
 
 
 def flat_settings(tree: Any, prefix: str = '') -> dict[str, Any]:
-  """A config.json's tree as dotted settings: {'model': {'embed_dim': 16}}
-  -> {'model.embed_dim': 16}."""
+  """A config.json's tree as dotted settings under today's names:
+  {'model': {'embed_dim': 16}} -> {'model.embed_dim': 16}."""
   if not isinstance(tree, dict):
+    for old, new in STORED_GROUPS.items():
+      prefix = new + prefix[len(old):] if prefix.startswith(old) else prefix
     return {prefix: tree}
   flat = {}
   for key, value in tree.items():
