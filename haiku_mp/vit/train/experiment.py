@@ -247,10 +247,8 @@ def build(settings: settings_lib.Settings, *,
   precision = forward_lib.precision_from_config(settings)
   checks.check(settings, precision)
   rules = sharding.rules(settings.parallel)
-  try:  # What the library says of its arguments, in the settings' paths.
-    scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
-  except errors.ArgumentError as error:
-    raise error.named(prefix='loss_scale.') from None
+  # Its arguments were held to the library's rules when parsed.
+  scaler = loss_scaling.LossScaler.from_config(settings.loss_scale)
   mesh = sharding.mesh_for(settings.parallel, devices)
   batch_devices = 1 if mesh is None else mesh.shape[sharding.BATCH]
   checks.check_batches(settings, batch_devices, jax.process_count())
