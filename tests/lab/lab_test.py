@@ -44,6 +44,19 @@ TINY_FLAGS = ('--config.model.num_layers=1', '--config.model.embed_dim=16',
               '--config.model.mlp_dim=16', '--config.model.image_size=8')
 
 
+def assert_writes_its_files(test, result, plot, experiment_name):
+  """What `launch.lab`'s main writes of a study's result, in-process: its
+  JSON (the experiment named) and its plots (and files such as a trace),
+  each more than 100 bytes."""
+  test.assertEqual(json.loads(json.dumps(result))['experiment'],
+                   experiment_name)
+  out = test.enter_context(tempfile.TemporaryDirectory())
+  written = [os.path.basename(p) for p in plot(result, out)]
+  test.assertNotEmpty(written)
+  for path in written:
+    test.assertGreater(os.path.getsize(os.path.join(out, path)), 100)
+
+
 class ParamsMatmulRatiosTest(parameterized.TestCase):
 
   def test_params_of_the_reference_model(self):
@@ -215,6 +228,7 @@ class SweepTest(parameterized.TestCase):
     # float32 8x8x3 image and int32 label on each device.
     self.assertEqual(rows[2]['argument_size_in_bytes'] -
                      rows[0]['argument_size_in_bytes'], 8 * 8 * 3 * 4 + 4)
+    assert_writes_its_files(self, result, sweep.plot, 'sweep')
 
 
 # The dtype names `jax.ad_checkpoint.print_saved_residuals` writes.
@@ -519,6 +533,7 @@ class StateLayoutsTest(parameterized.TestCase):
       self.assertTrue(all(os.path.getsize(p) > 0 for p in paths))
 
 
+@helpers.long_running
 class RoundingTest(absltest.TestCase):
 
   def test_nearest_drops_the_small_updates_stochastic_keeps_them(self):
@@ -553,6 +568,7 @@ class RoundingTest(absltest.TestCase):
                     0.5 * result['total']['lost_nearest'])
     self.assertLen(lines, 1 + len(groups))
     self.assertIn('| all params |', lost_updates.table(result))
+    assert_writes_its_files(self, result, lost_updates.plot, 'rounding')
 
 
 @helpers.long_running
@@ -636,7 +652,7 @@ class ProfileTest(parameterized.TestCase):
     self.assertLen(result['step_ms'], num_steps)
     self.assertTrue(any(f.endswith('.xplane.pb') for f in result['files']))
     for f in result['files']:
-      self.assertGreater(os.path.getsize(os.path.join(out, f)), 0)
+      self.assertGreater(os.path.getsize(os.path.join(out, f)), 100)
     self.assertIn(result['log_dir'], result['open_with'][0])
     top = result['top_ops']
     self.assertBetween(len(top), 1, profile.TOP_OPS)
@@ -665,6 +681,7 @@ class ProfileTest(parameterized.TestCase):
     self.assertLessEqual(result['busy_ms_per_step'],
                          result['op_ms_per_step'] + 1e-6)
     self.assertNotEmpty(profile.plot(result, out))
+    assert_writes_its_files(self, result, profile.plot, 'profile')
 
   def test_profile_self_time_of_nested_ops(self):
     def op(name, ts, dur, tid=1):
@@ -751,16 +768,12 @@ class CommandLineTest(parameterized.TestCase):
                   '--config.model.num_layers=1'],
                  ['matmul', '--rows=8', '--cols=32', '--repeats=1'],
                  ['dot_algorithms', '--size=8', '--repeats=1'],
-                 ['sweep', '--config=configs/vit_fp16.py', *TINY_FLAGS,
-                  '--batch_sizes=4', '--dtypes=float16', '--steps=1'],
-                 # Compiled variants and layouts: in-process, below.
+                 # Compiled variants and layouts, the sweep, the profile and
+                 # the rounding: their study's result, JSON and plots
+                 # in-process (SweepTest, ProfileTest, RoundingTest,
+                 # assert_writes_its_files); every command shares this main.
                  ['memory', *TINY_FLAGS, '--batch_sizes=2', '--dtypes=bfloat16',
-                  '--nocompile'],
-                 ['profile', *TINY_FLAGS, '--config.batch_size=4',
-                  '--steps=2'],
-                 ['rounding', *TINY_FLAGS, '--config.batch_size=4',
-                  '--config.data.source=synthetic',
-                  '--config.advisor.init_steps=1', '--batches=1']):
+                  '--nocompile']):
       done = helpers.run_module('launch.lab', *args, f'--out={out}',
                                 check=True)
       with open(os.path.join(out, f'{args[0]}.json')) as f:
