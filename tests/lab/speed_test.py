@@ -235,7 +235,10 @@ class SpeedStudyTest(parameterized.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.settings = _tiny()
-    cls.result = step_time.run(cls.settings, 'h100', log=lambda _: None)
+    # One lowering for every GPU: the program is the same on each.
+    cls.lowered = step_time.lower_step(cls.settings, log=lambda _: None)
+    cls.result = step_time.run(cls.settings, 'h100', log=lambda _: None,
+                               lowered=cls.lowered)
 
   def test_each_linear_has_its_three_passes_in_every_format(self):
     result = self.result
@@ -294,11 +297,17 @@ class SpeedStudyTest(parameterized.TestCase):
       self.assertEqual(choice.gain, g['gain']['fp8_current'])
 
   def test_blackwell_adds_its_block_formats_and_an_a100_only_bf16(self):
-    b200 = step_time.run(self.settings, 'b200', log=lambda _: None)
+    b200 = step_time.run(self.settings, 'b200', log=lambda _: None,
+                         lowered=self.lowered)
     self.assertEqual(b200['formats'], list(speed.formats_on(B200)))
-    a100 = step_time.run(self.settings, 'a100', log=lambda _: None)
+    a100 = step_time.run(self.settings, 'a100', log=lambda _: None,
+                         lowered=self.lowered)
     self.assertEqual(a100['formats'], ['bf16'])
     self.assertEqual(a100['where_it_pays'], {})
+    # A lowering is only read for the settings and batch it was made of.
+    with self.assertRaisesRegex(ValueError, '^lowered: not the step'):
+      step_time.run(self.settings, 'a100', 64, log=lambda _: None,
+                    lowered=self.lowered)
 
   def test_one_linear_alone_and_the_table_and_plot(self):
     one = one_linear.one_gemm((4096, 8192, 16384), 'h100')

@@ -21,7 +21,7 @@ chart are `step_time_report`'s.
 import collections
 import json
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 
@@ -112,19 +112,41 @@ def _linear_shapes(rows: list[dict[str, Any]]) -> dict[str, tuple]:
           if r['pass'] == 'fprop' and r['linear'] and r['batch'] == 1}
 
 
-def run(settings: settings_lib.Settings, gpu_name: str,
-        batch: Optional[int] = None,
-        assumptions: gpus.Assumptions = gpus.Assumptions(),
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-  """The step of `settings` (at `batch` if given) on GPU `gpu_name`, per
-  matmul and per format (module docstring)."""
-  gpu = gpus.gpu(gpu_name)
+class LoweredStep(NamedTuple):
+  """The program `run` reads, which no GPU changes: the settings it was
+  lowered from (`gpu_settings`), their experiment and the program."""
+  settings: settings_lib.Settings
+  exp: experiment.Experiment
+  program: step_program.StepProgram
+
+
+def lower_step(settings: settings_lib.Settings, batch: Optional[int] = None,
+               log: Callable[[str], None] = print) -> LoweredStep:
+  """The train step of `settings` (at `batch` if given) lowered for CUDA
+  and read (`step_program`)."""
   program_settings = gpu_settings(settings, batch)
   exp = experiment.build_without_data(program_settings)
   log(f'speed: lowering the train step for CUDA (batch '
       f'{program_settings.batch_size}) ...')
-  program = step_program.read(step_program.lower_for_gpu(
-      exp.strategy.train_step, *exp.abstract_inputs()))
+  return LoweredStep(program_settings, exp, step_program.read(
+      step_program.lower_for_gpu(exp.strategy.train_step,
+                                 *exp.abstract_inputs())))
+
+
+def run(settings: settings_lib.Settings, gpu_name: str,
+        batch: Optional[int] = None,
+        assumptions: gpus.Assumptions = gpus.Assumptions(),
+        log: Callable[[str], None] = print,
+        lowered: Optional[LoweredStep] = None) -> dict[str, Any]:
+  """The step of `settings` (at `batch` if given) on GPU `gpu_name`, per
+  matmul and per format (module docstring); `lowered`: its `lower_step`,
+  for predictions on several GPUs from one lowering."""
+  gpu = gpus.gpu(gpu_name)
+  if lowered is None:
+    lowered = lower_step(settings, batch, log)
+  elif lowered.settings != gpu_settings(settings, batch):
+    raise ValueError('lowered: not the step of these settings at this batch')
+  program_settings, exp, program = lowered
   paths = sorted({c.path for c in exp.module_calls})
   linears = {c.path for c in exp.module_calls
              if c.class_name == low_bit_lib.LOW_BIT_CLASS
