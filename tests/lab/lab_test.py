@@ -331,7 +331,6 @@ class MemoryTest(parameterized.TestCase):
                      row['alias_size_in_bytes'] + row['temp_size_in_bytes'])
 
 
-@helpers.long_running
 def _moment_bytes(config, kind: str, count: int) -> int:
   """A moment's bytes: `count` values of its dtype, or for 8-bit moments a
   byte per value and 4 per block of each param's rows."""

@@ -75,7 +75,6 @@ def _scaled_loss(loss_fn, factor):
   return scaled
 
 
-@helpers.long_running
 class AdvisorSettingsTest(parameterized.TestCase):
   """`config.advisor` parsed in one place, by one rule per kind of field."""
 
@@ -105,6 +104,7 @@ class AdvisorSettingsTest(parameterized.TestCase):
       helpers.advisor_settings(advisor)
 
 
+@helpers.long_running
 class AdvisorTest(absltest.TestCase):
 
   @classmethod
@@ -112,10 +112,11 @@ class AdvisorTest(absltest.TestCase):
     super().setUpClass()
     cls.config = helpers.tiny_config(FP16, loss_scale='dynamic')
     cls.exp, cls.params = probes_test.tiny_reference(cls.config)
-    cls.inputs = [helpers.random_batch(cls.config, 8, seed=s)
-                  for s in range(2)]
-    # The unplanted model's verdicts, which two tests read.
-    _, cls.plain = cls._judge()
+    # One batch: no train step between batches to compile (several batches,
+    # a step between each: lab_test's `advise --batches=2`).
+    cls.inputs = [helpers.random_batch(cls.config, 8, seed=0)]
+    # The unplanted model's statistics and verdicts, which three tests read.
+    cls.plain_modules, cls.plain = cls._judge()
 
   @classmethod
   def _judge(cls, params=None, loss_fn=None, inputs=None):
@@ -172,7 +173,7 @@ class AdvisorTest(absltest.TestCase):
     self.assertIn('need a loss scale', judged.verdicts[FC1].reasons['float16'])
     self.assertEqual(self._kept(judged, 'bfloat16'), set())
     # Its gradients really are 1e-9 of the unplanted ones, the rest equal.
-    plain = {m.path: m for m in self._judge(inputs=self.inputs[:1])[0]}
+    plain = {m.path: m for m in self.plain_modules}
     for m in modules:
       ratio = (numerics.as_dict(m.gradient)['amax'] /
                numerics.as_dict(plain[m.path].gradient)['amax'])
