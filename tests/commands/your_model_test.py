@@ -69,6 +69,7 @@ def run_page(page: str, name: str, report: str) -> list[str]:
   return run.stdout.splitlines()
 
 
+@helpers.long_running
 class YourModelPageTest(absltest.TestCase):
 
   @classmethod

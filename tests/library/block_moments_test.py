@@ -8,6 +8,8 @@ import sys
 if __name__ == '__main__':  # Run alone: `tests` from the repository's root.
   sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..', '..')))
 
+import functools
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -20,6 +22,13 @@ import optax
 from haiku_mp.update import block_moments
 from haiku_mp.update import optimizer as optimizer_lib
 from tests import helpers
+
+# The functions under test, each compiled whole: run op by op, their many
+# small operations are a program each, several times the CPU time.
+_stochastic_round_e4m3 = jax.jit(block_moments.stochastic_round_e4m3)
+_store = jax.jit(block_moments.store, static_argnums=2,
+                 static_argnames='square_root')
+_load = jax.jit(block_moments.load, static_argnums=1, static_argnames='square')
 
 # Every finite non-negative E4M3 value, from ml_dtypes' own format: the
 # reference the grid arithmetic is checked against.
@@ -47,7 +56,7 @@ class StochasticRoundingTest(absltest.TestCase):
     below, above = _neighbours(x)
     for seed in range(3):
       u = jax.random.uniform(jax.random.key(seed), x.shape)
-      got = np.asarray(block_moments.stochastic_round_e4m3(jnp.asarray(x), u))
+      got = np.asarray(_stochastic_round_e4m3(jnp.asarray(x), u))
       self.assertTrue(np.all((got == below) | (got == above)))
       # On the grid: E4M3 holds each result exactly.
       np.testing.assert_array_equal(
@@ -60,8 +69,8 @@ class StochasticRoundingTest(absltest.TestCase):
     x = jnp.asarray([0.3, -1.1, 5.7, 300.0, 0.0037, -0.0011], jnp.float32)
     draws = 20000
     u = jax.random.uniform(jax.random.key(0), (draws, x.size))
-    mean = jax.vmap(lambda v: block_moments.stochastic_round_e4m3(x, v))(
-        u).mean(0)
+    mean = jax.jit(jax.vmap(lambda v: block_moments.stochastic_round_e4m3(
+        x, v)))(u).mean(0)
     below, above = _neighbours(np.asarray(x))
     spacing = np.abs(above - below)
     # The mean of draws is within 4 standard errors of x (a draw's spread
@@ -111,12 +120,12 @@ class BlocksTest(absltest.TestCase):
   def test_a_square_root_never_codes_a_nonzero_value_as_zero(self):
     v = np.full((1, 256), 1e-30, np.float32)  # Far below the block's range.
     v[0, 0] = 1.0
-    stored = block_moments.store(jax.random.key(0), {'w': jnp.asarray(v)},
-                                 256, square_root=True)
-    back = np.asarray(block_moments.load(stored, 256, square=True)['w'])
+    stored = _store(jax.random.key(0), {'w': jnp.asarray(v)}, 256,
+                    square_root=True)
+    back = np.asarray(_load(stored, 256, square=True)['w'])
     self.assertTrue(np.all(back > 0))
     self.assertEqual(back[0, 0], 1.0)
-    plain = block_moments.store(jax.random.key(0), {'w': jnp.asarray(v)}, 256)
+    plain = _store(jax.random.key(0), {'w': jnp.asarray(v)}, 256)
     self.assertTrue(np.all(np.asarray(plain.codes['w'])[0, 1:] == 0))
 
   def test_scalars_and_vectors(self):
@@ -124,8 +133,7 @@ class BlocksTest(absltest.TestCase):
     zeros = block_moments.zeros_like(tree, 256)
     chex.assert_trees_all_equal_shapes(zeros.codes, tree)
     self.assertEqual(zeros.scales['s'].shape, (1,))
-    back = block_moments.load(block_moments.store(jax.random.key(1), tree,
-                                                  256), 256)
+    back = _load(_store(jax.random.key(1), tree, 256), 256)
     chex.assert_trees_all_close(back, tree, rtol=1 / 8)
 
 
@@ -145,6 +153,7 @@ class EightBitAdamTest(parameterized.TestCase):
     eight = optimizer_lib.scale_by_adam(mu_dtype='float8_blocks',
                                         nu_dtype='float8_blocks')
     ref_state, state = reference.init(params), eight.init(params)
+    ref_update = jax.jit(reference.update)
     self.assertEqual(state.mu.codes['w'].dtype, jnp.float8_e4m3fn)
     self.assertEqual(state.nu.scales['w'].shape, (64, 2))
     update = jax.jit(eight.update)
@@ -153,7 +162,7 @@ class EightBitAdamTest(parameterized.TestCase):
       size = 1.0 - 0.75 * step / 200
       grads = {'w': jnp.asarray(size * scales * (
           0.3 + rng.normal(0, 1, shape)).astype(np.float32))}
-      ref_updates, ref_state = reference.update(grads, ref_state)
+      ref_updates, ref_state = ref_update(grads, ref_state)
       updates, state = update(grads, state, key=jax.random.key(step))
       ref, got = np.asarray(ref_updates['w']), np.asarray(updates['w'])
       errors.append(np.linalg.norm(got - ref) / np.linalg.norm(ref))
@@ -170,24 +179,26 @@ class EightBitAdamTest(parameterized.TestCase):
     eight = optimizer_lib.scale_by_adam(mu_dtype='float8_blocks',
                                         nu_dtype='float8_blocks')
 
-    def run(state, size, first, steps, update):
-      for step in range(first, first + steps):
-        _, state = update({'w': size * grads}, state,
-                          key=jax.random.key(step))
-      return state
+    @functools.partial(jax.jit, static_argnums=(0, 4))
+    def run(update, state, size, first, steps):
+      """`steps` steps from step `first` on, in one program."""
+      def step(i, state):
+        return update({'w': size * grads}, state, key=jax.random.key(i))[1]
+      return jax.lax.fori_loop(first, first + steps, step, state)
 
     params = {'w': jnp.zeros(shape)}
     reference = optax.scale_by_adam()
-    ref_update = jax.jit(lambda g, s, key: reference.update(g, s))
-    update = jax.jit(eight.update)
-    ref_state = run(reference.init(params), 1.0, 0, 3000, ref_update)
-    state = run(eight.init(params), 1.0, 0, 3000, update)
+    ref_update = lambda g, s, key: reference.update(g, s)
+    update = eight.update
+    whole = jnp.ones(shape)
+    ref_state = run(ref_update, reference.init(params), whole, 0, 3000)
+    state = run(update, eight.init(params), whole, 0, 3000)
     peak = np.asarray(ref_state.nu['w'])[:, 1:].mean()
-    ref_state = run(ref_state, halved, 3000, 500, ref_update)
-    state = run(state, halved, 3000, 500, update)
+    ref_state = run(ref_update, ref_state, halved, 3000, 500)
+    state = run(update, state, halved, 3000, 500)
     want = np.asarray(ref_state.nu['w'])[:, 1:].mean()
     self.assertLess(want, 0.75 * peak)
-    got = np.asarray(block_moments.load(state.nu, 256, square=True)['w'])
+    got = np.asarray(_load(state.nu, 256, square=True)['w'])
     np.testing.assert_allclose(got[:, 1:].mean(), want, rtol=0.03)
 
   def test_the_key_is_required(self):

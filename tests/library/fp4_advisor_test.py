@@ -23,6 +23,9 @@ from tests import helpers
 
 BF16 = 'params=float32,compute=bfloat16,output=float32'
 _SIGNS = jnp.ones([fp4_blocks.NVFP4_BLOCK], jnp.float32)
+# Compiled whole: run op by op, its many small operations are a program
+# each, five times the CPU time.
+_tensor_stats = jax.jit(fp4_numerics.tensor_stats, static_argnums=1)
 
 
 @helpers.long_running
@@ -35,7 +38,7 @@ class Fp4NumericsTest(absltest.TestCase):
     # (MXFP4) neighbours to zero, and no other block loses a value.
     x = np.ones((4, 64), np.float32)
     x[0, 3] = 1000.0
-    stats = fp4_numerics.as_dict(np.asarray(fp4_numerics.tensor_stats(
+    stats = fp4_numerics.as_dict(np.asarray(_tensor_stats(
         jnp.asarray(x), 'input', _SIGNS)), 'input')
     self.assertEqual(stats['nonzero'], 256)
     nv, mx = stats['nvfp4']['forward'], stats['mxfp4']['forward']
@@ -54,7 +57,7 @@ class Fp4NumericsTest(absltest.TestCase):
     x = np.ones((16, 1), np.float32)
     x[5, 0] = 1000.0
     signs = fp4.initial_signs('layer')((fp4_blocks.NVFP4_BLOCK,), jnp.float32)
-    stats = fp4_numerics.as_dict(np.asarray(fp4_numerics.tensor_stats(
+    stats = fp4_numerics.as_dict(np.asarray(_tensor_stats(
         jnp.asarray(x), 'gradient', signs)), 'gradient')['nvfp4']
     self.assertEqual(stats['wgrad']['flushed_share'], 1.0)
     self.assertEqual(stats['wgrad_hadamard']['flushed_share'], 0.0)
@@ -62,7 +65,7 @@ class Fp4NumericsTest(absltest.TestCase):
 
   def test_gaussian_values_fit_the_default_limits(self):
     x = jax.random.normal(jax.random.key(0), (256, 64))
-    operands = {t: fp4_numerics.as_dict(np.asarray(fp4_numerics.tensor_stats(
+    operands = {t: fp4_numerics.as_dict(np.asarray(_tensor_stats(
         x, t, _SIGNS)), t) for t in ('input', 'gradient', 'weight')}
     for fmt in fp4.FORMATS:
       reasons = advisor.Fp4Matmuls(hadamard=True).check(

@@ -8,6 +8,8 @@ import sys
 if __name__ == '__main__':  # Run alone: `tests` from the repository's root.
   sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..', '..')))
 
+import functools
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
@@ -21,6 +23,14 @@ from haiku_mp.model import fp4
 from haiku_mp.model import fp4_blocks
 from haiku_mp.model import fp8_scales
 from tests import helpers
+
+# The functions under test, each compiled whole: run op by op, their many
+# small operations are a program each, five times the CPU time.
+_round_e2m1 = jax.jit(fp4_blocks.round_e2m1)
+_nvfp4 = jax.jit(fp4_blocks.nvfp4, static_argnames=('axis', 'two_d'))
+_mxfp4 = jax.jit(fp4_blocks.mxfp4, static_argnames=('axis', 'two_d'))
+_mx_quantize_dequantize = jax.jit(fp8_scales.mx_quantize_dequantize,
+                                  static_argnums=(1, 2))
 
 # E2M1's values and their codes' parity (ties go to the even code).
 _VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -165,7 +175,7 @@ class E2M1Test(absltest.TestCase):
                                                1e6, -1e6, 0.0], np.float32)
     rng = np.random.default_rng(0)
     x = np.concatenate([x, rng.normal(scale=3.0, size=500).astype(np.float32)])
-    got = np.asarray(fp4_blocks.round_e2m1(jnp.asarray(x)))
+    got = np.asarray(_round_e2m1(jnp.asarray(x)))
     np.testing.assert_array_equal(got, _round_reference(x))
     # The cast itself, on this backend, is ml_dtypes' (the module relies on it).
     np.testing.assert_array_equal(
@@ -173,7 +183,7 @@ class E2M1Test(absltest.TestCase):
         x.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
 
   def test_non_finite_values_stay(self):
-    got = np.asarray(fp4_blocks.round_e2m1(jnp.asarray([np.nan, np.inf, -np.inf])))
+    got = np.asarray(_round_e2m1(jnp.asarray([np.nan, np.inf, -np.inf])))
     self.assertTrue(np.isnan(got[0]))
     np.testing.assert_array_equal(got[1:], [np.inf, -np.inf])
 
@@ -181,7 +191,8 @@ class E2M1Test(absltest.TestCase):
     x = jnp.asarray([0.3, 1.2, 2.6, 3.9, 5.0, -0.7, 6.0, 0.0], jnp.float32)
     draws = 40_000
     keys = jax.random.split(jax.random.key(0), draws)
-    got = np.asarray(jax.vmap(lambda k: fp4_blocks.stochastic_round_e2m1(x, k))(keys))
+    got = np.asarray(jax.jit(jax.vmap(
+        lambda k: fp4_blocks.stochastic_round_e2m1(x, k)))(keys))
     for j, v in enumerate(np.asarray(x)):
       column = got[:, j]
       below = _VALUES[_VALUES <= abs(v)].max()
@@ -197,7 +208,7 @@ class BlocksTest(parameterized.TestCase):
     x = np.random.default_rng(1).normal(scale=2.0, size=(8, 64))
     x[3, 16:32] = 0.0  # A zero block.
     x[5, 0] = 300.0  # An outlier: its block's small values flush to zero.
-    got = np.asarray(fp4_blocks.nvfp4(jnp.asarray(x, jnp.float32)))
+    got = np.asarray(_nvfp4(jnp.asarray(x, jnp.float32)))
     np.testing.assert_array_equal(got, _nvfp4_reference(x))
     np.testing.assert_array_equal(got[3, 16:32], 0.0)
     self.assertEqual(np.count_nonzero(got[5, 1:16]), 0)
@@ -208,25 +219,25 @@ class BlocksTest(parameterized.TestCase):
     x = np.zeros((1, 32), np.float32)
     x[0, 0] = 6.0 * 448.0
     x[0, 16] = 55.8
-    got = np.asarray(fp4_blocks.nvfp4(jnp.asarray(x)))
+    got = np.asarray(_nvfp4(jnp.asarray(x)))
     self.assertEqual(got[0, 0], 6.0 * 448.0)
     self.assertEqual(got[0, 16], 54.0)
 
   def test_two_d_tiles_quantize_a_matrix_and_its_transpose_alike(self):
     w = jnp.asarray(np.random.default_rng(2).normal(size=(32, 48)),
                     jnp.float32)
-    np.testing.assert_array_equal(np.asarray(fp4_blocks.nvfp4(w, two_d=True)).T,
-                                  np.asarray(fp4_blocks.nvfp4(w.T, two_d=True)))
+    np.testing.assert_array_equal(np.asarray(_nvfp4(w, two_d=True)).T,
+                                  np.asarray(_nvfp4(w.T, two_d=True)))
     # A tile is one block: its 16 x 16 values share a scale.
     x = np.zeros((16, 16), np.float32)
     x[0, 0], x[15, 15] = 300.0, 1.0
-    self.assertEqual(float(fp4_blocks.nvfp4(jnp.asarray(x), two_d=True)[15, 15]), 0)
+    self.assertEqual(float(_nvfp4(jnp.asarray(x), two_d=True)[15, 15]), 0)
 
   def test_mxfp4_matches_the_reference_and_never_saturates(self):
     x = np.random.default_rng(3).normal(scale=5.0, size=(4, 96))
     x[1, 32:64] = 0.0
     x[2, 70] = 1e4
-    got = np.asarray(fp4_blocks.mxfp4(jnp.asarray(x, jnp.float32)))
+    got = np.asarray(_mxfp4(jnp.asarray(x, jnp.float32)))
     np.testing.assert_allclose(got, _mxfp4_reference(x), rtol=1e-6)
     blocks = x.reshape(4, 3, 32)
     held = got.reshape(4, 3, 32)
@@ -238,10 +249,10 @@ class BlocksTest(parameterized.TestCase):
   def test_blocks_along_another_axis(self):
     x = jnp.asarray(np.random.default_rng(4).normal(size=(64, 8)),
                     jnp.float32)
-    np.testing.assert_array_equal(np.asarray(fp4_blocks.nvfp4(x, axis=0)),
-                                  np.asarray(fp4_blocks.nvfp4(x.T)).T)
-    np.testing.assert_array_equal(np.asarray(fp4_blocks.mxfp4(x, axis=0)),
-                                  np.asarray(fp4_blocks.mxfp4(x.T)).T)
+    np.testing.assert_array_equal(np.asarray(_nvfp4(x, axis=0)),
+                                  np.asarray(_nvfp4(x.T)).T)
+    np.testing.assert_array_equal(np.asarray(_mxfp4(x, axis=0)),
+                                  np.asarray(_mxfp4(x.T)).T)
 
 
 class RangeEdgesTest(parameterized.TestCase):
@@ -256,13 +267,13 @@ class RangeEdgesTest(parameterized.TestCase):
     y = _tiny_test_tensor()
     x = y * np.float32(amax)
     self.assertGreaterEqual(np.abs(x[x != 0]).min(), _F32_TINY)
-    got = np.asarray(fp4_blocks.nvfp4(jnp.asarray(x)), np.float64) / amax
+    got = np.asarray(_nvfp4(jnp.asarray(x)), np.float64) / amax
     np.testing.assert_array_equal(got == 0, y == 0)
     np.testing.assert_allclose(got, _nvfp4_reference_f64(y), rtol=1e-6)
     # The other ends as they were: a zero tensor holds zeros, NaN stays.
-    np.testing.assert_array_equal(fp4_blocks.nvfp4(jnp.zeros_like(x)), 0.0)
+    np.testing.assert_array_equal(_nvfp4(jnp.zeros_like(x)), 0.0)
     x[3, 5] = np.nan
-    self.assertTrue(np.isnan(fp4_blocks.nvfp4(jnp.asarray(x))[3, 5]))
+    self.assertTrue(np.isnan(_nvfp4(jnp.asarray(x))[3, 5]))
 
   @parameterized.parameters((-115, False, False), (-123, True, False),
                             (-123, False, True))
@@ -270,7 +281,7 @@ class RangeEdgesTest(parameterized.TestCase):
       self, exponent, stochastic, two_d):
     y = jnp.asarray(_tiny_test_tensor())
     key = jax.random.key(13) if stochastic else None
-    quantize = lambda t: fp4_blocks.nvfp4(t, key=key, two_d=two_d)
+    quantize = lambda t: _nvfp4(t, key=key, two_d=two_d)
     scale = 2.0**exponent  # 2.4e-35 and 9.4e-38: exact, normal products.
     np.testing.assert_array_equal(quantize(y * scale), quantize(y) * scale)
 
@@ -291,7 +302,7 @@ class RangeEdgesTest(parameterized.TestCase):
   def test_mxfp4_near_float32s_largest_stays_finite(self, stochastic):
     x = self._near_the_top()
     key = jax.random.key(15) if stochastic else None
-    got = np.asarray(fp4_blocks.mxfp4(jnp.asarray(x), key=key), np.float64)
+    got = np.asarray(_mxfp4(jnp.asarray(x), key=key), np.float64)
     self.assertTrue(np.isfinite(got[0]).all(), got[0])
     if stochastic:  # One of the two E2M1 values around each: 2**126 apart
       # at most (E2M1's step of 1 from 2 to 4, under the scale 2**126).
@@ -311,13 +322,37 @@ class RangeEdgesTest(parameterized.TestCase):
     x = self._near_the_top()
     x[1] = 1.0  # MXFP8 saturates inf (`fp8_scales.quantize`): not this test's.
     x[1, 0] = np.nan
-    got = np.asarray(fp8_scales.mx_quantize_dequantize(jnp.asarray(x), dtype,
-                                                       1), np.float64)
+    got = np.asarray(_mx_quantize_dequantize(jnp.asarray(x), dtype, 1), np.float64)
     self.assertTrue(np.isfinite(got[0]).all(), got[0])
     np.testing.assert_allclose(got[0], _mx_reference_f64(x[:1], reference)[0],
                                rtol=2.0**-23)
     self.assertTrue(np.isnan(got[1, 0]))
     np.testing.assert_array_equal(got[2], 0.0)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _products(config, x, w, g, key_bits, signs):
+  """`fp4.matmul`'s product and gradients (given the output gradient `g`)."""
+  out, vjp = jax.vjp(
+      lambda x, w: fp4.matmul(config, jnp.float32, x, w, key_bits, signs),
+      x, w)
+  return (out, *vjp(g))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _reference_products(config, x, w, g, key_bits, signs):
+  """The three GEMMs of `_products` on the operands as `config` holds them,
+  written out: the weight in tiles, the gradients drawn from the step key's
+  two halves, the weight gradient's operands through the Hadamard
+  transform as a GEMM."""
+  dot = lambda a, b: jnp.dot(a, b, precision='highest')
+  qw = config.quantized(w, 0, two_d=True)
+  dgrad_key, wgrad_key = jax.random.split(jax.random.wrap_key_data(key_bits))
+  h = fp4_blocks.signed_hadamard(signs)
+  xt, gt = (_transform_blocks(t, h, 0) for t in (x, g))
+  return (dot(config.quantized(x, 1), qw),
+          dot(config.quantized(g, 1, dgrad_key), qw.T),
+          dot(config.quantized(xt, 0).T, config.quantized(gt, 0, wgrad_key)))
 
 
 @helpers.long_running
@@ -336,31 +371,22 @@ class MatmulTest(parameterized.TestCase):
   def test_every_gemm_takes_the_operands_as_the_format_holds_them(self, fmt):
     x, w, g, signs, key_bits = self._operands()
     config = fp4.Fp4(fmt)
-    out, vjp = jax.vjp(
-        lambda x, w: fp4.matmul(config, jnp.float32, x, w, key_bits, signs),
-        x, w)
-    dot = lambda a, b: jnp.dot(a, b, precision='highest')
-    qw = config.quantized(w, 0, two_d=True)
-    np.testing.assert_array_equal(out, dot(config.quantized(x, 1), qw))
-    dx, dw = vjp(g)
-    dgrad_key, wgrad_key = jax.random.split(jax.random.wrap_key_data(key_bits))
+    out, dx, dw = _products(config, x, w, g, key_bits, signs)
+    want_out, want_dx, want_dw = _reference_products(config, x, w, g,
+                                                     key_bits, signs)
+    np.testing.assert_array_equal(out, want_out)
     # The same operands; the sums' order may differ (XLA's dot of a
     # transposed operand), so within float32 rounding.
     close = lambda a, b: np.testing.assert_allclose(
         a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
-    close(dx, dot(config.quantized(g, 1, dgrad_key), qw.T))
-    h = fp4_blocks.signed_hadamard(signs)
-    xt, gt = (_transform_blocks(t, h, 0) for t in (x, g))
-    close(dw, dot(config.quantized(xt, 0).T,
-                  config.quantized(gt, 0, wgrad_key)))
+    close(dx, want_dx)
+    close(dw, want_dw)
 
   def test_the_step_key_draws_the_gradients_rounding(self):
     x, w, g, signs, key_bits = self._operands()
 
     def grads(config, bits):
-      _, vjp = jax.vjp(lambda x, w: fp4.matmul(config, jnp.float32, x, w,
-                                               bits, signs), x, w)
-      return vjp(g)
+      return _products(config, x, w, g, bits, signs)[1:]
 
     other = jax.random.key_data(jax.random.key(11))
     config = fp4.Fp4()
@@ -374,8 +400,8 @@ class MatmulTest(parameterized.TestCase):
 
   def test_the_signs_gradient_keeps_them(self):
     x, w, _, signs, key_bits = self._operands()
-    got = jax.grad(lambda s: jnp.sum(fp4.matmul(fp4.Fp4(), jnp.float32, x, w,
-                                                key_bits, s)))(signs)
+    got = jax.jit(jax.grad(lambda s: jnp.sum(fp4.matmul(
+        fp4.Fp4(), jnp.float32, x, w, key_bits, s))))(signs)
     np.testing.assert_array_equal(got, signs)
 
   @parameterized.parameters(
@@ -425,7 +451,7 @@ class HadamardTest(absltest.TestCase):
         jnp.square(y), axis=0)))
     self.assertGreater(peak(spike), 0.9999)
     self.assertLess(peak(spread), 0.3)
-    flushed = lambda y: int(jnp.sum(fp4_blocks.nvfp4(y, axis=0) == 0))
+    flushed = lambda y: int(jnp.sum(_nvfp4(y, axis=0) == 0))
     self.assertEqual(flushed(spike), 15 * 8)
     self.assertLess(flushed(spread), flushed(spike) / 2)
 

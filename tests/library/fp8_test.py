@@ -50,6 +50,11 @@ def vit_config(modules='*/encoder_block_*', scaling='current', **settings):
   return helpers.with_settings(config, settings)
 
 
+# Compiled whole: run op by op, its operations are a program each.
+_mx_quantize_dequantize = jax.jit(fp8_scales.mx_quantize_dequantize,
+                                  static_argnums=(1, 2))
+
+
 def _qdq(x, dtype, scale):
   """float64 of what `fp8_scales.quantize` keeps of `x`."""
   return np.asarray(fp8_scales.quantize(x, dtype, scale), np.float64) * float(scale)
@@ -232,8 +237,13 @@ class MatmulTest(parameterized.TestCase):
     return self._vjp_of(self.x, matmul)
 
   def _vjp_of(self, x, matmul):
-    out, vjp = jax.vjp(matmul, jnp.asarray(x), jnp.asarray(self.w))
-    dx, dw = vjp(jnp.asarray(self.g))
+    @jax.jit  # One program (op by op, each operation is one).
+    def products(x, w, g):
+      out, vjp = jax.vjp(matmul, x, w)
+      return (out, *vjp(g))
+
+    out, dx, dw = products(jnp.asarray(x), jnp.asarray(self.w),
+                           jnp.asarray(self.g))
     return (np.asarray(out, np.float64), np.asarray(dx, np.float64),
             np.asarray(dw, np.float64))
 
@@ -431,8 +441,8 @@ class DelayedTest(absltest.TestCase):
       return fp8.matmul(fp8.Fp8('delayed', 4), x, w, jnp.float32,
                         (hx, hw, hg))
 
-    _, vjp = jax.vjp(f, x, w, *old)
-    _, _, hx, hw, hg = vjp(g)
+    _, _, hx, hw, hg = jax.jit(lambda *args: jax.vjp(f, *args)[1](g))(
+        x, w, *old)
     for new, tensor, before in zip((hx, hw, hg), (x, w, g), old):
       np.testing.assert_array_equal(
           new, np.concatenate([[np.abs(tensor).max()], before[:3]]))
@@ -476,7 +486,8 @@ class MxTest(absltest.TestCase):
     np.testing.assert_array_equal(scales, want)
     # Rounded up: no block saturates, and each block's amax lands in the
     # format's top binade.
-    qdq = np.asarray(fp8_scales.mx_quantize_dequantize(jnp.asarray(x), fp8_scales.E4M3, 1))
+    qdq = np.asarray(_mx_quantize_dequantize(jnp.asarray(x), fp8_scales.E4M3,
+                                             1))
     kept = np.abs(x).reshape(4, 3, 32).max(-1) / scales
     self.assertTrue(((kept <= 448.0) & ((kept > 224.0) | (blocks == 0))).all())
     np.testing.assert_allclose(qdq, x, rtol=1 / 16)
@@ -490,8 +501,7 @@ class MxTest(absltest.TestCase):
     x = np.concatenate([_signed_uniform(rng, (2, 32), m) for m in magnitudes],
                        axis=1)
     x[:, 32] = 2.0**-126 * 448  # Exactly the amax of scale 2**-126.
-    got = jax.jit(fp8_scales.mx_quantize_dequantize, static_argnums=(1, 2))(
-        jnp.asarray(x), fp8_scales.E4M3, 1)
+    got = _mx_quantize_dequantize(jnp.asarray(x), fp8_scales.E4M3, 1)
     want = _ref_mx(x, fp8_scales.E4M3, 1)
     self.assertTrue((np.abs(want) >= TINY).all())
     np.testing.assert_array_equal(np.asarray(got, np.float64), want)
@@ -508,12 +518,13 @@ class MxTest(absltest.TestCase):
 
   def test_a_dimension_that_is_no_multiple_of_the_block_is_padded(self):
     x = jnp.linspace(-3.0, 5.0, 50).reshape(1, 50)
-    qdq = fp8_scales.mx_quantize_dequantize(x, fp8_scales.E4M3, axis=1)
+    qdq = _mx_quantize_dequantize(x, fp8_scales.E4M3, axis=1)
     chex.assert_shape(qdq, (1, 50))
     np.testing.assert_allclose(qdq, x, rtol=1 / 16, atol=1e-6)
     # The same values in a block of their own: the same result.
     np.testing.assert_array_equal(
-        qdq[:, 32:], fp8_scales.mx_quantize_dequantize(x[:, 32:], fp8_scales.E4M3, axis=1))
+        qdq[:, 32:], _mx_quantize_dequantize(x[:, 32:], fp8_scales.E4M3,
+                                             axis=1))
 
 
 # How XLA:GPU writes a matmul it made a cuBLASLt fp8 GEMM of, and one it left

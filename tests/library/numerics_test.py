@@ -17,6 +17,10 @@ import numpy as np
 from haiku_mp.advisor import numerics
 from tests import helpers
 
+# Compiled whole: run op by op, its many small operations are a program
+# each, several times the CPU time.
+_tensor_stats = jax.jit(numerics.tensor_stats)
+
 
 def _values() -> np.ndarray:
   """Magnitudes from 2^-40 to 2^20 (float16's subnormals, its overflow and
@@ -56,7 +60,7 @@ class TensorStatsTest(parameterized.TestCase):
   @parameterized.parameters(1.0, 2.0**10, 3.0)
   def test_stats_equal_a_direct_computation(self, scale):
     x = _values()
-    got = numerics.as_dict(np.asarray(jax.jit(numerics.tensor_stats)(
+    got = numerics.as_dict(np.asarray(_tensor_stats(
         jnp.asarray(x), scale)))
     want = helpers.numpy_stats(x, scale)
     self.assertEqual((want['zeros'], want['nonfinite']), (2, 3))
@@ -67,7 +71,7 @@ class TensorStatsTest(parameterized.TestCase):
 
   def test_norm_share_below_is_an_upper_bound_within_four_times(self):
     x = np.float32(np.exp2(np.random.default_rng(1).uniform(-30, 0, 5000)))
-    stats = np.asarray(numerics.tensor_stats(jnp.asarray(x)))
+    stats = np.asarray(_tensor_stats(jnp.asarray(x)))
     for exponent in (-25, -14, -5):
       small = x[x < 2.0**exponent].astype(np.float64)
       true = np.sum(small**2) / np.sum(x.astype(np.float64)**2)
@@ -77,10 +81,10 @@ class TensorStatsTest(parameterized.TestCase):
     self.assertEqual(numerics.norm_share_below(stats, 1), 1.0)
 
   def test_merge_adds_counts_and_keeps_the_larger_amax(self):
-    a = np.asarray(numerics.tensor_stats(jnp.asarray([1.0, 4.0])))
-    b = np.asarray(numerics.tensor_stats(jnp.asarray([-8.0, 0.0, 2.0])))
+    a = np.asarray(_tensor_stats(jnp.asarray([1.0, 4.0])))
+    b = np.asarray(_tensor_stats(jnp.asarray([-8.0, 0.0, 2.0])))
     both = numerics.as_dict(numerics.merge(a, b))
-    direct = numerics.as_dict(np.asarray(numerics.tensor_stats(
+    direct = numerics.as_dict(np.asarray(_tensor_stats(
         jnp.asarray([1.0, 4.0, -8.0, 0.0, 2.0]))))
     for field in ('count', 'zeros', 'amax', 'sum_squares', 'histogram'):
       self.assertEqual(both[field], direct[field], field)

@@ -196,7 +196,9 @@ class ScopeTest(parameterized.TestCase):
 
     theirs = hk.transform(haiku_forward)
     images = helpers.random_batch(config)['image']
-    params = ours.init(jax.random.key(0), images, True)
+    # The programs are traced, never run: the params' shapes are enough.
+    params = jax.eval_shape(lambda key: ours.init(key, images, True),
+                            jax.random.key(0))
     rng = jax.random.key(1)
     trace = lambda f: jax.make_jaxpr(
         lambda p, r, x: f.apply(p, r, x, True))(params, rng, images)

@@ -10,6 +10,7 @@ if __name__ == '__main__':  # Run alone: `tests` from the repository's root.
   sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..', '..')))
 
 import collections
+import functools
 import re
 
 from absl.testing import absltest
@@ -97,8 +98,9 @@ def _precision(name, low_bit_modules='', fp8=haiku_mp.Fp8(), **kwargs):
 
 def _train_step(forward, images):
   """A train step of `forward` (Adam, cross-entropy in float32) and its
-  arguments."""
-  params, state = forward.init(jax.random.key(0), images, True)
+  arguments' shapes (all that tracing it takes: no init is run)."""
+  params, state = jax.eval_shape(
+      lambda key: forward.init(key, images, True), jax.random.key(0))
   labels = jnp.arange(len(images)) % 10
   optimizer = optax.adam(1e-3)
 
@@ -113,7 +115,21 @@ def _train_step(forward, images):
     updates, opt_state = optimizer.update(grads, opt_state)
     return optax.apply_updates(params, updates), new_state, opt_state
 
-  return train_step, (params, state, optimizer.init(params))
+  return train_step, (params, state, jax.eval_shape(optimizer.init, params))
+
+
+def _model_images(name):
+  return _images(16 if name == 'resnet' else 8)
+
+
+@functools.cache
+def _traced_step(name, low_bit_modules=''):
+  """The train step of model `name` under its bf16 precision (fp8 on
+  `low_bit_modules`), traced once for every test that reads its jaxpr or
+  lowered program."""
+  forward = _transformed(name, _precision(name, low_bit_modules))
+  step, args = _train_step(forward, _model_images(name))
+  return jax.jit(step).trace(*args)
 
 
 # A dot of the lowered program: its operands' and result's element types.
@@ -121,12 +137,12 @@ _DOT = re.compile(r'stablehlo\.dot_general .*: \(tensor<(?:\d+x)*(\w+)>, '
                   r'tensor<(?:\d+x)*(\w+)>\) -> tensor<(?:\d+x)*(\w+)>')
 
 
-def _lowered_dots(forward, images) -> collections.Counter:
-  """(lhs, rhs, result) element types of every dot in the train step's
-  lowered program (what XLA receives: the backward's dots that nothing
-  uses, such as the images' gradient, are gone)."""
-  step, args = _train_step(forward, images)
-  text = jax.jit(step).lower(*args).as_text()
+def _lowered_dots(name, low_bit_modules='') -> collections.Counter:
+  """(lhs, rhs, result) element types of every dot in the lowered program
+  of `_traced_step(name, low_bit_modules)` (what XLA receives: the
+  backward's dots that nothing uses, such as the images' gradient, are
+  gone)."""
+  text = _traced_step(name, low_bit_modules).lower().as_text()
   return collections.Counter(m.groups() for m in _DOT.finditer(text))
 
 
@@ -150,8 +166,7 @@ class StockModulesTest(parameterized.TestCase):
                             ('block', 1 * 2 + (4 + 2 + 1) * 3, 2 * 3))
   def test_every_matmul_takes_bf16_operands_forward_and_backward(
       self, name, ours, attention):
-    matmuls = _lowered_dots(_transformed(name, _precision(name)),
-                         _images(16 if name == 'resnet' else 8))
+    matmuls = _lowered_dots(name)
     # Every matmul sums in float32.
     expected = {(BF, BF, F32): ours}
     if attention:
@@ -160,9 +175,8 @@ class StockModulesTest(parameterized.TestCase):
 
   def test_resnet_convolutions_stay_haikus_in_bf16(self):
     # Not a patch embedding: XLA's convolution, in the operands' dtype.
-    step, args = _train_step(_transformed('resnet', _precision('resnet')),
-                             _images(16))
-    eqns = helpers.eqns_of(step, *args, primitives=CONVOLUTION)
+    eqns = [e for e in helpers.iter_eqns(_traced_step('resnet').jaxpr.jaxpr)
+            if e.primitive.name in CONVOLUTION]
     self.assertEqual({helpers.operand_dtypes(e) for e in eqns},
                      {('bfloat16', 'bfloat16')})
     # ResNet18's 20 convolutions, forward and both gradients, but the
@@ -180,8 +194,7 @@ class StockModulesTest(parameterized.TestCase):
   def test_fp8_targets_run_fp8_forward_and_backward(self, name, targets,
                                                     fp8_layers, first,
                                                     bf16_dots, attention):
-    matmuls = _lowered_dots(_transformed(name, _precision(name, targets)),
-                         _images(16 if name == 'resnet' else 8))
+    matmuls = _lowered_dots(name, targets)
     for (lhs, rhs, out), count in matmuls.items():
       if lhs.startswith('f8'):
         self.assertEqual(out, F32)
@@ -196,19 +209,25 @@ class StockModulesTest(parameterized.TestCase):
 
   @parameterized.parameters('mlp', 'resnet', 'block')
   def test_params_are_haikus_own(self, name):
-    images = _images(16 if name == 'resnet' else 8)
-    stock, _ = _transformed(name).init(jax.random.key(0), images, True)
-    for fp8 in ('', 'Linear'):
-      ours, _ = _transformed(name, _precision(name, fp8)).init(
-          jax.random.key(0), images, True)
+    images = _model_images(name)
+    inits = [_transformed(name).init] + [
+        _transformed(name, _precision(name, fp8)).init
+        for fp8 in ('', 'Linear')]
+    # The stock model's params, then ours in bf16 and with fp8 Linears, in
+    # one program (run op by op, each init's forward pass compiled every
+    # operation in each dtype).
+    stock, *ours = jax.jit(lambda key: [init(key, images, True)[0]
+                                        for init in inits])(jax.random.key(0))
+    for params in ours:
       # A stock model's checkpoint restores either way.
-      chex.assert_trees_all_equal(ours, stock)
+      chex.assert_trees_all_equal(params, stock)
 
   def test_delayed_scaling_keeps_histories_in_the_layer(self):
     precision = _precision('mlp', '*/linear_1',
                            fp8=haiku_mp.Fp8('delayed', history_length=4))
-    params, _ = _transformed('mlp', precision).init(
-        jax.random.key(0), _images(), True)
+    params, _ = jax.eval_shape(
+        lambda key: _transformed('mlp', precision).init(key, _images(), True),
+        jax.random.key(0))
     self.assertEqual(
         sorted(params['mlp/~/linear_1']),
         ['b', 'fp8_g_amax_history', 'fp8_w_amax_history',
@@ -390,6 +409,12 @@ _TOKENS = jnp.array([[0, 0, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]])
 F16 = 'params=float32,compute=float16,output=float32'
 
 
+@functools.cache
+def _attention_params():
+  """`_Attend`'s params, initialized once under the float32 policy."""
+  return jax.jit(_masked_attention(F32).init)(jax.random.key(0), _TOKENS)
+
+
 def _next_token_loss(forward, params):
   logits = forward.apply(params, None, _TOKENS).astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(
@@ -402,11 +427,11 @@ class HalfPrecisionAttentionTest(parameterized.TestCase):
   @parameterized.parameters(F16, BF16)
   def test_masked_rows_stay_finite_and_losses_near_float32s(self, policy):
     reference = _masked_attention(F32)
-    params = reference.init(jax.random.key(0), _TOKENS)
-    expected = _next_token_loss(reference, params)
+    params = _attention_params()
+    expected = jax.jit(lambda p: _next_token_loss(reference, p))(params)
     half = _masked_attention(policy)
-    loss, grads = jax.value_and_grad(
-        lambda p: _next_token_loss(half, p))(params)
+    loss, grads = jax.jit(jax.value_and_grad(
+        lambda p: _next_token_loss(half, p)))(params)
     self.assertTrue(np.isfinite(float(loss)))
     self.assertTrue(all(bool(jnp.isfinite(g).all())
                         for g in jax.tree.leaves(grads)))
@@ -415,7 +440,7 @@ class HalfPrecisionAttentionTest(parameterized.TestCase):
   def test_logits_and_softmax_in_float32_projections_in_half(self):
     # The program a GPU runs: half operands into float32 sums.
     forward = _masked_attention(F16, dot_platform='gpu')
-    params = forward.init(jax.random.key(0), _TOKENS)
+    params = jax.eval_shape(forward.init, jax.random.key(0), _TOKENS)
     apply = lambda p: forward.apply(p, None, _TOKENS)
     exps = helpers.eqns_of(apply, params, primitives=('exp',))
     self.assertEqual({helpers.operand_dtypes(e) for e in exps},
@@ -428,10 +453,10 @@ class HalfPrecisionAttentionTest(parameterized.TestCase):
     self.assertLen(matmuls, 7)
 
   def test_a_float32_policy_runs_haikus_own_attention(self):
-    params = _masked_attention(F32).init(jax.random.key(0), _TOKENS)
-    ours = _masked_attention(F32).apply(params, None, _TOKENS)
+    params = _attention_params()
+    ours = jax.jit(_masked_attention(F32).apply)(params, None, _TOKENS)
     np.testing.assert_array_equal(
-        ours, _masked_attention().apply(params, None, _TOKENS))
+        ours, jax.jit(_masked_attention().apply)(params, None, _TOKENS))
 
 
 class InheritedInputTest(absltest.TestCase):
