@@ -513,14 +513,15 @@ class MultiProcessTest(parameterized.TestCase):
 
 
 # What every test of a lost process runs: one device per process (a lost
-# process is the same with more), 20 steps, a checkpoint at 10, JAX's
+# process is the same with more), 10 steps, a checkpoint at 5, JAX's
 # shortest heartbeat timeout, one compilation cache for all the runs.
 _LOST_FLAGS = (*(f for f in MULTI_FLAGS if '.parallel.mesh_shape' not in f),
                '--config.parallel.mesh_shape=(2,1)',
-               '--config.num_train_steps=20',
-               '--config.eval_every_steps=20',
-               '--config.checkpoint_every_steps=10',
+               '--config.num_train_steps=10',
+               '--config.eval_every_steps=10',
+               '--config.checkpoint_every_steps=5',
                '--config.parallel.heartbeat_timeout_sec=5')
+_LOST_STEPS, _LOST_CHECKPOINT = 10, 5
 # The issue's bound on a survivor's end after the loss, on CPU (gloo).
 _LOST_BOUND_SEC = 60
 
@@ -575,7 +576,12 @@ def _errors(output):
 class LostProcessTest(parameterized.TestCase):
   """A process lost (killed, or stopped without dying) ends every other in
   one line within the bound; the restart resumes from the newest complete
-  checkpoint, its losses those of a run never interrupted, bit for bit."""
+  checkpoint, its losses those of a run never interrupted, bit for bit.
+
+  The run lost before its first checkpoint restarts from step 0: its restart
+  is a run never interrupted (each step's metrics once), the reference that
+  the runs resumed from a checkpoint are held to, bit for bit (their steps
+  up to the checkpoint were taken before the loss, the rest after it)."""
 
   @classmethod
   def setUpClass(cls):
@@ -584,25 +590,50 @@ class LostProcessTest(parameterized.TestCase):
     cls.addClassCleanup(shutil.rmtree, cls.tmp)
     cls.flags = [*_LOST_FLAGS,
                  f'--config.compilation_cache_dir={cls.tmp}/cache']
-    for returncode, out in _two_processes(cls.flags, f'{cls.tmp}/reference',
-                                          devices=1):
-      assert returncode == 0, out[-3000:]
-    cls.reference = _losses(f'{cls.tmp}/reference')
+    cls.from_scratch = cls._lose_and_restart(*cls.FROM_SCRATCH)
+    cls.reference = cls.from_scratch['losses']
+
+  # Killed as step 5 ends: process 0's save of step 5 (whose gather needs
+  # process 1) never completes, and no step 5 is left behind.
+  FROM_SCRATCH = (1, 'KILL', _LOST_CHECKPOINT)
+
+  @classmethod
+  def _lose_and_restart(cls, victim, how, at_step):
+    """Loses process `victim` after `at_step`, then restarts both: what the
+    tests check of it."""
+    workdir = f'{cls.tmp}/{victim}{how}'
+    survivor, lost, seconds = _lose_one(cls.flags, workdir, victim, how,
+                                        at_step)
+    run = dict(survivor=survivor, victim=lost, seconds=seconds,
+               newest=lost_process.newest_checkpoint(
+                   f'{workdir}/checkpoints'))
+    # What a process lost while writing the last step's checkpoint would
+    # leave: passed over, and that step saved anew.
+    cut_short = (f'{workdir}/checkpoints/{_LOST_STEPS}'
+                 '.orbax-checkpoint-tmp-1764650000')
+    os.makedirs(f'{cut_short}/default')
+    with open(f'{cut_short}/default/half_written', 'w') as f:
+      f.write('{')
+    run['restarted'] = _two_processes(cls.flags, workdir, devices=1)
+    run['losses'] = _losses(workdir)
+    run['newest_restarted'] = lost_process.newest_checkpoint(
+        f'{workdir}/checkpoints')
+    return run
 
   @parameterized.named_parameters(
-      # Killed as step 10 ends: process 0's save of step 10 (whose gather
-      # needs process 1) never completes, and no step 10 is left behind.
-      ('kill_process_1_as_process_0_saves', 1, 'KILL', 10),
-      ('kill_process_0_the_coordinator', 0, 'KILL', 15),
-      ('stop_process_1', 1, 'STOP', 15))
+      ('kill_process_1_as_process_0_saves', *FROM_SCRATCH),
+      ('kill_process_0_the_coordinator', 0, 'KILL', 8),
+      ('stop_process_1', 1, 'STOP', 8))
   def test_one_line_on_the_survivor_and_the_restart_loses_nothing(
       self, victim, how, at_step):
-    workdir = f'{self.tmp}/{victim}{how}'
-    (code, out), (victim_code, victim_out), seconds = _lose_one(
-        self.flags, workdir, victim, how, at_step)
+    if (victim, how, at_step) == self.FROM_SCRATCH:
+      run = self.from_scratch
+    else:
+      run = self._lose_and_restart(victim, how, at_step)
+    (code, out), (victim_code, victim_out) = run['survivor'], run['victim']
     self.assertEqual(code, lost_process.EXIT_PROCESS_LOST, out[-3000:])
     [line] = _errors(out)
-    newest = 10 if at_step > 10 else None
+    newest = _LOST_CHECKPOINT if at_step > _LOST_CHECKPOINT else None
     self.assertStartsWith(line, f'error: process {victim} of 2 was lost (')
     self.assertIn(f'process {1 - victim} stopped after step {at_step};',
                   line)
@@ -614,29 +645,26 @@ class LostProcessTest(parameterized.TestCase):
     for crash in ('Traceback', 'Fatal Python error', 'Check failure',
                   'coordination_service'):
       self.assertNotIn(crash, out)
-    self.assertLess(seconds, _LOST_BOUND_SEC)
+    self.assertLess(run['seconds'], _LOST_BOUND_SEC)
     if how == 'KILL':  # The killed process's own parent says so too.
       self.assertEqual(victim_code, 128 + signal.SIGKILL, victim_out[-3000:])
       self.assertIn(f'error: process {victim} of 2 was killed (SIGKILL)',
                     victim_out)
     # Only complete checkpoints carry a step's name: a save cut short is a
     # temporary directory, which the restart passes over.
-    self.assertEqual(lost_process.newest_checkpoint(f'{workdir}/checkpoints'),
-                     newest)
-    # What a process lost while writing step 20 would leave: passed over,
-    # and step 20 saved anew.
-    cut_short = f'{workdir}/checkpoints/20.orbax-checkpoint-tmp-1764650000'
-    os.makedirs(f'{cut_short}/default')
-    with open(f'{cut_short}/default/half_written', 'w') as f:
-      f.write('{')
-    for returncode, restarted in _two_processes(self.flags, workdir,
-                                                devices=1):
+    self.assertEqual(run['newest'], newest)
+    for returncode, restarted in run['restarted']:
       self.assertEqual(returncode, 0, restarted[-3000:])
       if newest:
         self.assertIn(f'at step {newest}.', restarted)
-    self.assertEqual(_losses(workdir), self.reference)
-    self.assertEqual(lost_process.newest_checkpoint(f'{workdir}/checkpoints'),
-                     20)
+    # The run from step 0 (the reference) has each step's metrics once; a
+    # resumed run's steps up to its checkpoint are those it took before the
+    # loss, so its equal losses hold the reference to them too.
+    self.assertEqual([e[:2] for e in self.reference if e[1] == 'train'],
+                     [(step, 'train') for step in range(1, _LOST_STEPS + 1)])
+    self.assertLen(set(e[:2] for e in self.reference), len(self.reference))
+    self.assertEqual(run['losses'], self.reference)
+    self.assertEqual(run['newest_restarted'], _LOST_STEPS)
 
 
 if __name__ == '__main__':
