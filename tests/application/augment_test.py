@@ -247,6 +247,7 @@ def _two_devices(test_case):
   return jax.local_devices()[:2]
 
 
+@helpers.long_running
 class ModelInputsTest(parameterized.TestCase):
 
   def test_train_inputs_augment_uint8_and_keep_labels(self):

@@ -108,6 +108,7 @@ class StateTest(parameterized.TestCase):
                            r"divides by the 8 devices of 'batch'$")
 
 
+@helpers.long_running
 class LearnsTest(parameterized.TestCase):
   """On 2 and 4 of the devices: a (2, 1) mesh splits the state over 'batch'
   alone, a (2, 2) one over both axes; more devices split no other way."""
