@@ -238,6 +238,16 @@ class RecipeAugmentTest(parameterized.TestCase):
 
 
 @helpers.long_running
+def _two_devices(test_case):
+  """Two of the devices: a batch split in two shows what a split in eight
+  does (each device's part is keyed as on one device), in smaller programs."""
+  if jax.local_device_count() < 2:
+    test_case.skipTest('needs several devices (run under the suite\'s '
+                       'XLA_FLAGS)')
+  return jax.local_devices()[:2]
+
+
+@helpers.long_running
 class ModelInputsTest(parameterized.TestCase):
 
   def test_train_inputs_augment_uint8_and_keep_labels(self):
@@ -265,24 +275,22 @@ class ModelInputsTest(parameterized.TestCase):
     self.assertIs(out, batch)
 
   def test_every_replica_augments_its_part_as_one_device_would(self):
-    n = jax.local_device_count()
-    if n < 2:
-      self.skipTest('needs several devices (run under the suite\'s XLA_FLAGS)')
+    devices = _two_devices(self)
+    n = len(devices)
     images = _images(2 * n)
     key = jax.random.key(9)
     one = augment.augment(keys_lib.example_keys(key, 2 * n), images, DATA)
     per_replica = jax.pmap(
         lambda x: augment.augment(keys_lib.example_keys(key, 2, 'b'), x, DATA),
-        axis_name='b')(images.reshape(n, 2, SIZE, SIZE, 3))
+        axis_name='b', devices=devices)(images.reshape(n, 2, SIZE, SIZE, 3))
     # A device's part and the whole batch (here run op by op): two programs,
     # equal to float32 rounding (_SAME_DRAWS), not bit for bit.
     np.testing.assert_allclose(per_replica.reshape(one.shape), one,
                                **_SAME_DRAWS)
 
   def test_every_replica_mixes_its_pairs_as_one_device_would(self):
-    n = jax.local_device_count()
-    if n < 2:
-      self.skipTest('needs several devices (run under the suite\'s XLA_FLAGS)')
+    devices = _two_devices(self)
+    n = len(devices)
     # Mixing alone: the per-image operations are a function of each key
     # (RecipeAugmentTest), as the seeds' are across replicas (above).
     data = _recipe_data(policy='none', erasing_probability=0.0)
@@ -291,7 +299,7 @@ class ModelInputsTest(parameterized.TestCase):
     one = augment.train_inputs(data, key, batch, num_classes=10)
     per_replica = jax.pmap(
         lambda b: augment.train_inputs(data, key, b, 'b', num_classes=10),
-        axis_name='b')(jax.tree.map(lambda x: x.reshape(n, 4, *x.shape[1:]),
+        axis_name='b', devices=devices)(jax.tree.map(lambda x: x.reshape(n, 4, *x.shape[1:]),
                                     batch))
     for name in ('image', 'targets'):  # The same draws; see _SAME_DRAWS.
       np.testing.assert_allclose(
@@ -300,15 +308,14 @@ class ModelInputsTest(parameterized.TestCase):
 
   def test_a_batch_sharded_over_devices_is_augmented_as_on_one(self):
     """pjit's layout: the batch axis sharded, one program for all devices."""
-    n = jax.device_count()
-    if n < 2:
-      self.skipTest('needs several devices (run under the suite\'s XLA_FLAGS)')
+    devices = _two_devices(self)
+    n = len(devices)
     data = _recipe_data(policy='randaugment')
     batch = dict(image=_images(2 * n), label=jnp.arange(2 * n) % 10)
     key = jax.random.key(4)
     inputs = lambda k, b: augment.train_inputs(data, k, b, num_classes=10)
     one = jax.jit(inputs)(key, batch)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ('batch',))
+    mesh = jax.sharding.Mesh(np.array(devices), ('batch',))
     spread = jax.device_put(batch, jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec('batch')))
     sharded = jax.jit(inputs)(key, spread)
