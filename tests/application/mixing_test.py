@@ -110,20 +110,20 @@ class MixTest(parameterized.TestCase):
                                atol=1e-6)
 
   def test_an_inactive_batch_is_left_whole(self):
-    images = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4, 4, 3)),
-                         jnp.float32)
-    labels = jnp.arange(8) % CLASSES
-    keys = jax.random.split(jax.random.key(0), 8)
-    mix = _MIX
-    on = mix(keys, images, labels, CLASSES, 0.8, 1.0, 1.0, jnp.asarray(True))
-    off = mix(keys, images, labels, CLASSES, 0.8, 1.0, 1.0, jnp.asarray(False))
+    # The batch, keys and settings of `_mixed(0.8, 1.0)`: its draw is what no
+    # switch gives (one program for both).
+    images, _, plain_mixed, plain_targets, _ = _mixed(0.8, 1.0)
+    labels = jnp.arange(BATCH) % CLASSES
+    keys = jax.random.split(jax.random.key(0), BATCH)
+    on = _MIX(keys, images, labels, CLASSES, 0.8, 1.0, 1.0, jnp.asarray(True))
+    off = _MIX(keys, images, labels, CLASSES, 0.8, 1.0, 1.0,
+               jnp.asarray(False))
     np.testing.assert_array_equal(off[0], images)
     np.testing.assert_array_equal(off[1], jax.nn.one_hot(labels, CLASSES))
     # Active: what no switch gives, draw for draw (to float32 rounding: the
     # switch changes how XLA fuses the blend).
-    plain = mix(keys, images, labels, CLASSES, 0.8, 1.0, 1.0)
-    np.testing.assert_allclose(on[0], plain[0], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(on[1], plain[1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(on[0], plain_mixed, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(on[1], plain_targets, rtol=1e-6, atol=1e-6)
     self.assertGreater(np.count_nonzero(np.asarray(on[1]) % 1), 0)
 
 
