@@ -709,7 +709,7 @@ class StateLayoutCheckpointTest(parameterized.TestCase):
       with self.subTest(name):
         chex.assert_trees_all_equal_dtypes(restored[name], array)
         if jnp.issubdtype(array.dtype, jnp.floating):
-          largest = float(jnp.max(jnp.abs(array.astype(jnp.float32))))
+          largest = float(np.max(np.abs(np.asarray(array, np.float32))))
           ulp = float(jnp.finfo(array.dtype).eps) * largest
           chex.assert_trees_all_close(restored[name], array, rtol=0,
                                       atol=_FOREIGN_CPU_ULPS * ulp)
