@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp.vit.data import mixing
+from tests import helpers
 
 BATCH = 64
 CLASSES = 10
@@ -45,6 +46,7 @@ def _mixed(mixup_alpha, cutmix_alpha, seed=0, probability=1.0):
   return arrays
 
 
+@helpers.long_running  # Its five compiled mixes: over 10 s cold.
 class MixTest(parameterized.TestCase):
 
   def test_partners_are_neighbours(self):
