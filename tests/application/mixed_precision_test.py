@@ -4,6 +4,7 @@ Asserts the dtypes that reach every matmul and convolution, and that the
 numerically fragile parts (LayerNorm statistics, softmax, loss) are float32.
 """
 
+import functools
 import os
 import sys
 
@@ -31,7 +32,10 @@ POLICIES = dict(
 FLOAT32_ISLAND_PRIMITIVES = ('reduce_max', 'reduce_sum', 'exp', 'log', 'rsqrt')
 
 
+@functools.cache
 def _setup(policy, overrides='', **precision):
+  """(forward, params, batch, loss) of the two-block ViT: built once per
+  setting for every test that traces it (none changes them)."""
   config = helpers.tiny_config(policy, overrides, num_layers=2)
   config.precision.update(precision)
   exp = experiment.build_without_data(settings_lib.parse(config))

@@ -6,6 +6,8 @@ import sys
 if __name__ == '__main__':  # Run alone: `tests` from the repository's root.
   sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..', '..')))
 
+import functools
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -14,25 +16,37 @@ import jax.numpy as jnp
 import numpy as np
 
 from haiku_mp.vit.data import mixing
+from tests import helpers
 
 BATCH = 64
 CLASSES = 10
 
 
+# One jitted function: a setting's program is compiled once for every test
+# that draws with it.
+_MIX = jax.jit(mixing.mix, static_argnums=(3, 4, 5, 6))
+
+
+@functools.cache
 def _mixed(mixup_alpha, cutmix_alpha, seed=0, probability=1.0):
+  """(images, partners, mixed images, targets, own label's weight), as
+  read-only host arrays (shared by the tests that ask for the same)."""
   rng = np.random.default_rng(seed)
   images = jnp.asarray(rng.normal(size=(BATCH, 8, 8, 3)), jnp.float32)
   # Partners (2k, 2k + 1) always differ in label, so a weight is readable.
   labels = jnp.asarray(np.arange(BATCH) % CLASSES)
   keys = jax.random.split(jax.random.key(seed), BATCH)
-  mixed, targets = jax.jit(mixing.mix, static_argnums=(3, 4, 5, 6))(
-      keys, images, labels, CLASSES, mixup_alpha, cutmix_alpha, probability)
+  mixed, targets = _MIX(keys, images, labels, CLASSES, mixup_alpha,
+                        cutmix_alpha, probability)
   partner = np.asarray(mixing.partners(images))
   own = np.asarray(targets)[np.arange(BATCH), np.asarray(labels)]
-  return (np.asarray(images), partner, np.asarray(mixed), np.asarray(targets),
-          own)
+  arrays = (np.array(images), partner, np.array(mixed), np.array(targets), own)
+  for array in arrays:
+    array.flags.writeable = False
+  return arrays
 
 
+@helpers.long_running  # Its five compiled mixes: over 10 s cold.
 class MixTest(parameterized.TestCase):
 
   def test_partners_are_neighbours(self):
@@ -98,20 +112,20 @@ class MixTest(parameterized.TestCase):
                                atol=1e-6)
 
   def test_an_inactive_batch_is_left_whole(self):
-    images = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4, 4, 3)),
-                         jnp.float32)
-    labels = jnp.arange(8) % CLASSES
-    keys = jax.random.split(jax.random.key(0), 8)
-    mix = jax.jit(mixing.mix, static_argnums=(3, 4, 5, 6))
-    on = mix(keys, images, labels, CLASSES, 0.8, 1.0, 1.0, jnp.asarray(True))
-    off = mix(keys, images, labels, CLASSES, 0.8, 1.0, 1.0, jnp.asarray(False))
+    # The batch, keys and settings of `_mixed(0.8, 1.0)`: its draw is what no
+    # switch gives (one program for both).
+    images, _, plain_mixed, plain_targets, _ = _mixed(0.8, 1.0)
+    labels = jnp.arange(BATCH) % CLASSES
+    keys = jax.random.split(jax.random.key(0), BATCH)
+    on = _MIX(keys, images, labels, CLASSES, 0.8, 1.0, 1.0, jnp.asarray(True))
+    off = _MIX(keys, images, labels, CLASSES, 0.8, 1.0, 1.0,
+               jnp.asarray(False))
     np.testing.assert_array_equal(off[0], images)
     np.testing.assert_array_equal(off[1], jax.nn.one_hot(labels, CLASSES))
     # Active: what no switch gives, draw for draw (to float32 rounding: the
     # switch changes how XLA fuses the blend).
-    plain = mix(keys, images, labels, CLASSES, 0.8, 1.0, 1.0)
-    np.testing.assert_allclose(on[0], plain[0], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(on[1], plain[1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(on[0], plain_mixed, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(on[1], plain_targets, rtol=1e-6, atol=1e-6)
     self.assertGreater(np.count_nonzero(np.asarray(on[1]) % 1), 0)
 
 

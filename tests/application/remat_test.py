@@ -37,14 +37,21 @@ def _config(remat_setting, policy=helpers.tiny_config().precision.policy):
 
 
 @functools.cache
+def _reference_experiment(setting, dtype):
+  """The reference model itself, in `dtype` with `setting`: one build for
+  every batch size its residuals are traced at (the batch is the trace's)."""
+  config = base.get_config()
+  config.remat = setting
+  return experiment.build_without_data(variants.variant_settings(
+      settings_lib.parse(config), dtype, config.batch_size, 'single:1x1'))
+
+
+@functools.cache
 def _reference_kept_bytes(setting, dtype, batch_size):
   """The bytes the reference model's backward pass keeps, traced abstractly
   (no FLOPs, no memory): the reference model itself."""
-  config = base.get_config()
-  config.remat = setting
-  exp = experiment.build_without_data(variants.variant_settings(
-      settings_lib.parse(config), dtype, batch_size, 'single:1x1'))
-  return memory.residual_summary(exp, batch_size)['kept_bytes']
+  return memory.residual_summary(_reference_experiment(setting, dtype),
+                                 batch_size)['kept_bytes']
 
 
 @helpers.long_running
@@ -89,7 +96,8 @@ class RematTest(parameterized.TestCase):
     results = {}
     for setting in remat.CHOICES:
       exp = experiment.build_without_data(settings_lib.parse(_config(setting)))
-      params = exp.forward.init(jax.random.key(0), batch['image'], True)
+      params = jax.jit(lambda key, images, exp=exp: exp.forward.init(
+          key, images, True))(jax.random.key(0), batch['image'])
       loss = lambda p: exp.loss_fn(p, rng, batch)[0]
       results[setting] = jax.jit(jax.value_and_grad(loss))(params)
     for setting in ('dots', 'full'):

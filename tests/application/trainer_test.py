@@ -70,9 +70,11 @@ class TrainerTest(parameterized.TestCase):
     super().setUp()
     self.workdir = self.enter_context(tempfile.TemporaryDirectory())
 
-  def test_synthetic_run_writes_metrics_tensorboard_and_summary(self):
-    summary = loop.train_and_evaluate(settings_lib.parse(_tiny_run_config()),
-                                      self.workdir)
+  def test_synthetic_run_writes_its_files_and_is_recognized_as_finished(self):
+    config = _tiny_run_config()
+    self.assertIsNone(
+        run_dir.finished_summary(settings_lib.parse(config), self.workdir))
+    summary = loop.train_and_evaluate(settings_lib.parse(config), self.workdir)
     events = _read_jsonl(self.workdir)
     train = [e for e in events if e['split'] == 'train']
     self.assertEqual([e['step'] for e in train], [2, 4, 6])
@@ -92,12 +94,7 @@ class TrainerTest(parameterized.TestCase):
     with open(os.path.join(self.workdir, 'config.json')) as f:
       self.assertEqual(json.load(f)['precision']['policy'],
                        'params=float32,compute=float16,output=float32')
-
-  def test_a_finished_run_is_recognized_by_its_config(self):
-    config = _tiny_run_config()
-    self.assertIsNone(
-        run_dir.finished_summary(settings_lib.parse(config), self.workdir))
-    summary = loop.train_and_evaluate(settings_lib.parse(config), self.workdir)
+    # Finished: run again, it returns the summary, its data not loaded.
     on_disk = run_dir.finished_summary(settings_lib.parse(config), self.workdir)
     self.assertEqual(on_disk['test_accuracy'], summary['test_accuracy'])
     self.assertEqual(on_disk['steps'], 6)
