@@ -68,14 +68,21 @@ def _run(flags, signal_at=None, disk_full_at=None):
   if signal_at:
     env[signal_at_step.ENV] = signal_at
     module = 'tests.signal_at_step'
-  if disk_full_at:
-    env[disk_full_at_step.ENV] = str(disk_full_at)
-    # The file size limit that stands for the full disk would also cut the
-    # compilation cache's writes short, leaving partial entries in a cache
-    # other runs read: no persistent cache for this run.
-    env['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
-    module = 'tests.disk_full_at_step'
-  return helpers.run_module(module, *flags, devices=1, env=env, timeout=300)
+  if not disk_full_at:
+    return helpers.run_module(module, *flags, devices=1, env=env, timeout=300)
+  env[disk_full_at_step.ENV] = str(disk_full_at)
+  # The file size limit that stands for the full disk would also cut the
+  # compilation cache's writes short, leaving partial entries in a cache
+  # other runs read: this run reads and writes a copy of its own.
+  cache_flag = '--config.compilation_cache_dir='
+  [shared] = [f[len(cache_flag):] for f in flags if f.startswith(cache_flag)]
+  with tempfile.TemporaryDirectory() as own:
+    shutil.copytree(shared, f'{own}/cache')
+    flags = [f for f in flags if not f.startswith(cache_flag)]
+    env['JAX_COMPILATION_CACHE_DIR'] = f'{own}/cache'
+    return helpers.run_module('tests.disk_full_at_step', *flags,
+                              f'{cache_flag}{own}/cache', devices=1, env=env,
+                              timeout=300)
 
 
 def _train_events(workdir):
