@@ -66,8 +66,9 @@ class LowBit:
 def from_parts(modules: Targets = '', fp8: Optional[fp8_lib.Fp8] = None,
                fp4: Optional[fp4_lib.Fp4] = None,
                keep_fp8: Targets = '') -> Optional[LowBit]:
-  """A `LowBit` from its parts as the configs give them: the modules, fp8's scaling, a 4-bit format (None: fp8) and the
-  modules kept in fp8; None where neither modules nor kept ones are given.
+  """A `LowBit` from its parts as the configs give them: the modules, fp8's
+  scaling, a 4-bit format (None: fp8) and the modules kept in fp8; None
+  where neither modules nor kept ones are given.
   A 4-bit format with fp8's delayed or MX scaling is a PrecisionError
   naming both (`$fp8.scaling`, `$fp4.format`)."""
   if not _given(modules) and not _given(keep_fp8):

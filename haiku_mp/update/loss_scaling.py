@@ -96,7 +96,8 @@ class LossScaler:
       raise LossScaleError('$period: must be a positive integer, got '
                            + errors.quoted(self.period))
     if self.factor <= 1:
-      raise LossScaleError('$factor: must be > 1, got ' + errors.quoted(self.factor))
+      raise LossScaleError('$factor: must be > 1, got '
+                           + errors.quoted(self.factor))
     # The floor bounds a dynamic scale only; a static one may sit below it.
     if self.minimum <= 0 or (self.kind == 'dynamic' and
                              self.minimum > self.initial):

@@ -297,10 +297,10 @@ class ModelInputsTest(parameterized.TestCase):
     batch = dict(image=_images(4 * n), label=jnp.arange(4 * n) % 10)
     key = jax.random.key(9)
     one = augment.train_inputs(data, key, batch, num_classes=10)
+    split = jax.tree.map(lambda x: x.reshape(n, 4, *x.shape[1:]), batch)
     per_replica = jax.pmap(
         lambda b: augment.train_inputs(data, key, b, 'b', num_classes=10),
-        axis_name='b', devices=devices)(jax.tree.map(lambda x: x.reshape(n, 4, *x.shape[1:]),
-                                    batch))
+        axis_name='b', devices=devices)(split)
     for name in ('image', 'targets'):  # The same draws; see _SAME_DRAWS.
       np.testing.assert_allclose(
           per_replica[name].reshape(one[name].shape), one[name], **_SAME_DRAWS)

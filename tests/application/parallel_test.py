@@ -43,7 +43,6 @@ import tests
 from tests import helpers
 from tests import signal_at_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FP16 = 'params=float32,compute=float16,output=float32'
 BF16 = 'params=float32,compute=bfloat16,output=float32'
 # The layouts held to one device's steps: data parallel, and both axes.
@@ -229,8 +228,8 @@ class StrategiesAgreeTest(parameterized.TestCase):
       # Amaxes of the first two steps agree closely; the third step's
       # output gradients come from params that Adam already moved apart
       # where gradients are near zero (as in bfloat16 without fp8), so its
-      # amaxes are up to ~11% apart (pjit). A history in another unit (a replica's
-      # gradient is 2x the whole batch's) would be 100% off. The older ones:
+      # amaxes are up to ~11% apart (pjit). A history in another unit (a
+      # replica's gradient is 2x the whole batch's) would be 100% off. The older ones:
       # up to 2% (pjit, its bfloat16 sums of each replica's examples).
       older = lambda tree: jax.tree.map(lambda h: h[1:], tree)
       newest = lambda tree: jax.tree.map(lambda h: h[0], tree)

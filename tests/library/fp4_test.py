@@ -39,8 +39,8 @@ _EVEN = np.arange(8) % 2 == 0
 
 def _transform_blocks(x: jax.Array, matrix: jax.Array,
                      axis: int) -> jax.Array:
-  """The reference the butterflies (`fp4_blocks.hadamard_transform`) are held to:
-  each block of `matrix.shape[0]` values of `x` along `axis` (whose size it
+  """The reference the butterflies (`fp4_blocks.hadamard_transform`) are held
+  to: each block of `matrix.shape[0]` values of `x` along `axis` (whose size it
   divides) times `matrix`, as a GEMM. For the weight gradient's GEMM,
   `x.T @ g` = (H x).T @ (H g) blockwise along the tokens, exactly, before
   either is quantized."""
@@ -322,7 +322,8 @@ class RangeEdgesTest(parameterized.TestCase):
     x = self._near_the_top()
     x[1] = 1.0  # MXFP8 saturates inf (`fp8_scales.quantize`): not this test's.
     x[1, 0] = np.nan
-    got = np.asarray(_mx_quantize_dequantize(jnp.asarray(x), dtype, 1), np.float64)
+    got = np.asarray(_mx_quantize_dequantize(jnp.asarray(x), dtype, 1),
+                     np.float64)
     self.assertTrue(np.isfinite(got[0]).all(), got[0])
     np.testing.assert_allclose(got[0], _mx_reference_f64(x[:1], reference)[0],
                                rtol=2.0**-23)

@@ -21,7 +21,6 @@ from haiku_mp.model import cpu_features
 from haiku_mp.model import half_dot
 from haiku_mp.model import matmul_modules
 from haiku_mp.model import matmuls as matmuls_lib
-from haiku_mp.vit import settings as settings_lib
 from tests import helpers
 
 LOGITS = 'bqhd,bkhd->bhqk'
