@@ -1,6 +1,7 @@
-"""4-bit Linears in the ViT trainer: the model trains, its module table and checkpoints, a resume is bit exact."""
+"""4-bit Linears in the ViT trainer: the model trains, its module table, matmul listing and checkpoints, a resume is bit exact."""
 
 import contextlib
+import copy
 import os
 import sys
 import tempfile
@@ -16,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from haiku_mp import errors as haiku_mp_errors
+from haiku_mp.lab.studies import fp8_gemms
 from haiku_mp.model import fp4
 from haiku_mp.model import fp4_blocks
-from haiku_mp.update import step as step_lib
 from haiku_mp.vit.parallel import sharding as sharding_lib
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import checkpoint
@@ -27,27 +28,59 @@ from haiku_mp.vit.train import overview
 from tests import helpers
 
 
+BLOCK_LINEARS = ('attention/query', 'attention/key', 'attention/value',
+                 'attention/out', 'mlp_block/fc1', 'mlp_block/fc2')
+
+
+def _config(**fp8):
+  config = helpers.tiny_config('params=float32,compute=bfloat16,output=float32')
+  config.precision.low_bit.update(dict(dict(modules='*/encoder_block_*',
+                                            format='nvfp4'), **fp8))
+  return config
+
+
 @helpers.long_running
 class ModelTest(absltest.TestCase):
   """The tiny ViT with its encoder blocks' Linears in NVFP4, as a config
   asks for it."""
 
-  def _config(self, **fp8):
-    config = helpers.tiny_config(
-        'params=float32,compute=bfloat16,output=float32')
-    config.precision.low_bit.update(dict(dict(modules='*/encoder_block_*',
-                                          format='nvfp4'), **fp8))
-    return config
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    # One set of settings (dropout off, 16 images: whole blocks of tokens)
+    # for the step's jaxpr, its listing and the resume, so that they share
+    # one compiled train step.
+    cls.config = _config()
+    cls.config.model.dropout_rate = 0.0
+    cls.config.data.source = 'synthetic'
+    cls.config.batch_size = 16
+    cls.exp = experiment.build_without_data(settings_lib.parse(cls.config))
+    cls.batches = [helpers.random_batch(cls.config, 16, seed=s)
+                   for s in range(4)]
+    cls._traced = cls._compiled = None
+
+  @classmethod
+  def _traced_step(cls):
+    """The trainer's step traced on abstract inputs, as the `fp8` study
+    lowers it."""
+    if cls._traced is None:
+      cls._traced = cls.exp.strategy.train_step.trace(
+          *cls.exp.abstract_inputs())
+    return cls._traced
+
+  @classmethod
+  def _step(cls):
+    """That step compiled: one program for this class's one-device steps
+    and the study's listing (which then loads it from the persistent
+    cache)."""
+    if cls._compiled is None:
+      cls._compiled = cls._traced_step().lower().compile()
+    return cls._compiled
 
   def test_the_step_runs_every_gemm_of_the_chosen_linears_in_4_bits(self):
-    config = self._config()
-    exp = experiment.build_without_data(settings_lib.parse(config))
-    train_step = step_lib.make_train_step(exp.loss_fn, exp.optimizer,
-                                          exp.scaler)
-    state = exp.strategy.init_state()
-    batch = helpers.random_batch(config, 16)
-    eqns = list(helpers.iter_eqns(jax.make_jaxpr(train_step)(
-        state, batch).jaxpr))
+    """The trainer's step, its listing (`fp8` study) and its start line."""
+    exp = self.exp
+    eqns = list(helpers.iter_eqns(self._traced_step().jaxpr.jaxpr))
     linears = 6  # One block: query, key, value, out, fc1, fc2.
     dequantized = [e for e in eqns if e.primitive.name == 'dot_general'
                    and e.params['precision'] is not None]
@@ -63,24 +96,40 @@ class ModelTest(absltest.TestCase):
         '; 4-bit matmuls: 6 Linear, nvfp4 (blocks of 16), 16x16 weight tiles, '
         'Hadamard on the weight gradient, stochastic gradients (emulated: '
         'dequantized float32 GEMMs)'), line)
-    signs = {k: v for k, v in state.params.items() if fp4.SIGNS_NAME in v}
+    state = exp.strategy.init_state()
+    signs = {k: np.asarray(v[fp4.SIGNS_NAME]) for k, v in state.params.items()
+             if fp4.SIGNS_NAME in v}
     self.assertLen(signs, linears)
-    step = jax.jit(train_step)
+    step = self._step()
     losses = []
     for _ in range(4):
-      state, metrics = step(state, batch)
+      state, metrics = step(state, self.batches[0])
       losses.append(float(metrics['loss']))
     self.assertEqual(losses, sorted(losses, reverse=True))
-    for path, params in signs.items():  # Kept as they were drawn.
-      np.testing.assert_array_equal(state.params[path][fp4.SIGNS_NAME],
-                                    params[fp4.SIGNS_NAME])
+    for path, drawn in signs.items():  # Kept as they were drawn.
+      np.testing.assert_array_equal(state.params[path][fp4.SIGNS_NAME], drawn)
+    # The listing: each 4-bit Linear's three GEMMs (one block: the ViT's
+    # blocks are alike), compiled (the program above, from the cache).
+    result = fp8_gemms.run(settings_lib.parse(self.config), compile_step=True,
+                           log=lambda _: None)
+    low = [r for r in result['matmuls'] if r['format'] == 'nvfp4']
+    expected = [f'vit/encoder_block_0/{m}' for m in BLOCK_LINEARS]
+    self.assertEqual(sorted({r['module'] for r in low}), sorted(expected))
+    self.assertLen(low, 3 * len(expected))
+    for r in low:
+      self.assertEqual((r['lhs'], r['rhs']), ('f32', 'f32'), r)
+      self.assertStartsWith(r['fp8_gemm'], 'emulated: nvfp4 blocks')
+    self.assertEqual(result['fp4_matmuls'], len(low))
+    self.assertFalse(any(r['fp8_operands'] for r in result['matmuls']))
+    self.assertIn(f'{len(low)} on nvfp4 operands', fp8_gemms.summary(result))
+    self.assertIn('fp8_gemm', fp8_gemms.table(result))
 
   def test_kept_linears_run_fp8_beside_the_4_bit_ones(self):
     """`keep_fp8` (the advisor's override): fc1 and fc2 take E4M3 / E5M2
     operands, the attention's four Linears 4-bit ones."""
-    config = self._config(keep_fp8='*/mlp_block')
+    config = _config(keep_fp8='*/mlp_block')
     exp = experiment.build_without_data(settings_lib.parse(config))
-    state = exp.strategy.init_state()
+    state = exp.abstract_state  # Traced only: no state to compute.
     batch = helpers.random_batch(config, 16)
     eqns = list(helpers.iter_eqns(jax.make_jaxpr(exp.strategy.train_step)(
         state, batch).jaxpr))
@@ -106,16 +155,12 @@ class ModelTest(absltest.TestCase):
     order than the whole batch's, and a last-bit difference in a bfloat16
     activation flips one of its 4-bit roundings now and then; the draws
     themselves agree, `test_pjit_draws_and_mixes_as_one_device`.)"""
-    config = self._config()
-    config.model.dropout_rate = 0.0
-    config.data.source = 'synthetic'
-    exp = experiment.build(settings_lib.parse(config))
-    batches = [helpers.random_batch(config, 16, seed=s) for s in range(4)]
+    exp = self.exp
 
-    def steps(state, first, last, strategy=exp.strategy):
+    def steps(state, first, last, strategy=exp.strategy, step=self._step()):
       losses = []
-      for batch in batches[first:last]:
-        state, metrics = strategy.train_step(state, strategy.place_batch(batch))
+      for batch in self.batches[first:last]:
+        state, metrics = step(state, strategy.place_batch(batch))
         losses.append(float(metrics['loss']))
       return state, losses
 
@@ -131,9 +176,10 @@ class ModelTest(absltest.TestCase):
     chex.assert_trees_all_equal(storable(resumed), storable(straight))
     # The batch on one replica: a 4-bit Linear's token blocks are each
     # device's (16 examples of 5 tokens), the kernels split 8 ways.
+    config = copy.deepcopy(self.config)
     config.parallel.update(strategy='pjit', mesh_shape=(1, 8))
     pjit = experiment.build(settings_lib.parse(config)).strategy
-    _, pjit_losses = steps(pjit.init_state(), 0, 4, pjit)
+    _, pjit_losses = steps(pjit.init_state(), 0, 4, pjit, pjit.train_step)
     np.testing.assert_allclose(pjit_losses, losses, rtol=1e-4)
 
   def test_pjit_draws_and_mixes_as_one_device(self):
@@ -170,7 +216,7 @@ class ModelTest(absltest.TestCase):
         (dict(format='fp8', keep_fp8='*/fc1'), 'precision.low_bit.keep_fp8: keeps '
          'fp8 among 4-bit Linears')):
       with self.assertRaisesRegex(haiku_mp_errors.ConfigError, message):
-        experiment.build_without_data(settings_lib.parse(self._config(**fp8)))
+        experiment.build_without_data(settings_lib.parse(_config(**fp8)))
 
 
 if __name__ == '__main__':

@@ -127,7 +127,10 @@ class StateLayoutStepTest(parameterized.TestCase):
   def _assert_drawn_from_the_state_key(self, step, state, batch):
     one, _ = step(state, batch)
     chex.assert_trees_all_equal(one.params, step(state, batch)[0].params)
-    other, _ = step(state._replace(rng=jax.random.key(9)), batch)
+    # Another key, committed to the state's device as its own is (an
+    # uncommitted one would compile the step again).
+    key = jax.device_put(jax.random.key(9), state.rng.sharding)
+    other, _ = step(state._replace(rng=key), batch)
     # No dropout, no augmentation: the same gradients, rounded otherwise.
     chex.assert_trees_all_equal(one.opt_state, other.opt_state)
     differ = [not np.array_equal(a, b) for a, b in
