@@ -451,6 +451,8 @@ def _events(workdir):
 
 @helpers.long_running
 class MultiProcessTest(parameterized.TestCase):
+  """fsdp over two processes against one (pmap's two-process runs: in
+  LostProcessTest)."""
 
   def test_two_processes_match_one_through_a_sigterm_to_one_of_them(self):
     tmp = self.enter_context(tempfile.TemporaryDirectory())
@@ -470,9 +472,13 @@ class MultiProcessTest(parameterized.TestCase):
     for returncode, out in _two_processes(flags, multi):  # Resumed.
       self.assertEqual(returncode, 0, out[-3000:])
       self.assertIn(f'at step {saved[0]}.', out)
+    # One process of one device, the plainest program of these steps (and
+    # a smaller one to compile than fsdp's on four).
     one = f'{tmp}/one'
-    helpers.run_module('launch.train', *flags, f'--workdir={one}', devices=4,
-                       check=True)
+    helpers.run_module(
+        'launch.train', *(f for f in flags if '.parallel.' not in f),
+        '--config.parallel.strategy=single', f'--workdir={one}', devices=1,
+        check=True)
     # One shared workdir (as on a cluster's shared filesystem); only process 0
     # writes metrics, so no event is there twice; the stop and the resume
     # change nothing.
@@ -485,36 +491,14 @@ class MultiProcessTest(parameterized.TestCase):
     self.assertEqual([e['num_examples'] for e in multi_events
                       if e['split'] != 'train'], [20, 20])
 
-  def test_pmap_over_two_processes_stops_together_and_resumes(self):
-    # pmap's program compiled ahead expected the global replicas' shapes and
-    # refused every call of a process (its own): each process's first step
-    # was a traceback.
-    tmp = self.enter_context(tempfile.TemporaryDirectory())
-    flags = [*(f for f in MULTI_FLAGS if '.parallel.' not in f),
-             '--config.parallel.strategy=pmap',
-             '--config.parallel.mesh_shape=(2,1)',
-             '--config.num_train_steps=6', '--config.eval_every_steps=6',
-             '--config.checkpoint_every_steps=6']
-    results = _two_processes(flags, f'{tmp}/run', signal_at_process_1='TERM:3',
-                             devices=1)
-    saved = set()
-    for returncode, out in results:
-      self.assertEqual(returncode, 0, out[-3000:])
-      saved.update(re.findall(r'SIGTERM: saved a checkpoint at step (\d+)',
-                              out))
-    self.assertLen(saved, 1)  # The same step on both processes.
-    step = saved.pop()
-    for returncode, out in _two_processes(flags, f'{tmp}/run', devices=1):
-      self.assertEqual(returncode, 0, out[-3000:])
-      self.assertIn(f'Resuming from {tmp}/run/checkpoints at step {step}.',
-                    out)
-      self.assertIn('test at step 6:', out)
 
-
-# What every test of a lost process runs: one device per process (a lost
-# process is the same with more), 10 steps, a checkpoint at 5, JAX's
+# What every test of a lost process runs: pmap over two processes of one
+# device (a lost process is the same with more devices or with the state
+# split, MultiProcessTest's fsdp; pmap's own two-process runs are among
+# these, compiling nothing more), 10 steps, a checkpoint at 5, JAX's
 # shortest heartbeat timeout, one compilation cache for all the runs.
-_LOST_FLAGS = (*(f for f in MULTI_FLAGS if '.parallel.mesh_shape' not in f),
+_LOST_FLAGS = (*(f for f in MULTI_FLAGS if '.parallel.' not in f),
+               '--config.parallel.strategy=pmap',
                '--config.parallel.mesh_shape=(2,1)',
                '--config.num_train_steps=10',
                '--config.eval_every_steps=10',
@@ -529,36 +513,41 @@ def _lose_one(flags, workdir, victim, how, at_step):
   """Runs launch.train as 2 processes of 1 device, process `victim` sent
   SIG`how` after step `at_step`. Returns the survivor's (returncode,
   output), the victim's, and the survivor's seconds from the signal to its
-  end. A stopped victim is killed once the survivor ended."""
+  end (at most: to the end of both). Forked from the tests' launcher, as
+  `_two_processes` runs them, but for a stopped victim, which never ends:
+  started afresh, and killed once the survivor ended."""
   with _reserved_port() as port, contextlib.ExitStack() as stack:
-    procs, outputs = [], []
+    commands = []
     for i in range(2):
       env, module = {'XLA_FLAGS': tests.xla_flags(1)}, 'launch.train'
       if i == victim:
         env[signal_at_step.ENV] = f'{how}:{at_step}'
         module = 'tests.signal_at_step'
-      outputs.append(stack.enter_context(tempfile.TemporaryFile('w+')))
-      procs.append(helpers.start_module(module, [
+      commands.append((module, [
           *flags, f'--workdir={workdir}',
           f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-          f'--process_id={i}'], env, outputs[-1]))
-    survivor = procs[1 - victim]
-    try:
-      survivor.wait(timeout=240)
+          f'--process_id={i}'], env))
+    if how == 'STOP':
+      output = stack.enter_context(tempfile.TemporaryFile('w+'))
+      stopped = helpers.start_module(*commands[victim], output)
+      try:
+        module, args, env = commands[1 - victim]
+        done = {1 - victim: helpers.run_module(module, *args, env=env,
+                                               timeout=240)}
+        ended = time.time()
+      finally:
+        stopped.kill()
+        stopped.wait()
+      output.seek(0)
+      done[victim] = subprocess.CompletedProcess(
+          stopped.args, stopped.returncode, output.read(), '')
+    else:
+      done = dict(enumerate(helpers.run_modules_together(commands)))
       ended = time.time()
-      if how != 'STOP':
-        procs[victim].wait(timeout=60)
-    finally:
-      for proc in procs:
-        proc.kill()
-        proc.wait()
-    texts = []
-    for out in outputs:
-      out.seek(0)
-      texts.append(out.read())
+  texts = {i: d.stdout + d.stderr for i, d in done.items()}
   mark = re.search(r'signal_at_step: SIG\w+ at ([\d.]+)', texts[victim])
-  return ((survivor.returncode, texts[1 - victim]),
-          (procs[victim].returncode, texts[victim]),
+  return ((done[1 - victim].returncode, texts[1 - victim]),
+          (done[victim].returncode, texts[victim]),
           ended - float(mark.group(1)))
 
 
@@ -571,6 +560,19 @@ def _errors(output):
   return [line for line in output.splitlines() if line.startswith('error:')]
 
 
+# The losses, each (victim, SIG..., after step). Killed as step 5 ends:
+# process 0's save of step 5 (which waits for process 1) never completes, and
+# no step 5 is left behind.
+FROM_SCRATCH = (1, 'KILL', _LOST_CHECKPOINT)
+FROM_CHECKPOINT = (0, 'KILL', 8)
+NOT_RESTARTED = (1, 'STOP', 8)
+
+
+def _newest(at_step):
+  """The newest complete checkpoint after a loss after `at_step`."""
+  return _LOST_CHECKPOINT if at_step > _LOST_CHECKPOINT else None
+
+
 @helpers.long_running
 class LostProcessTest(parameterized.TestCase):
   """A process lost (killed, or stopped without dying) ends every other in
@@ -579,8 +581,18 @@ class LostProcessTest(parameterized.TestCase):
 
   The run lost before its first checkpoint restarts from step 0: its restart
   is a run never interrupted (each step's metrics once), the reference that
-  the runs resumed from a checkpoint are held to, bit for bit (their steps
-  up to the checkpoint were taken before the loss, the rest after it)."""
+  the run resumed from a checkpoint is held to, bit for bit (its steps up to
+  the checkpoint were taken before the loss, the rest after it).
+
+  The kill of process 0 and the stop of process 1, both after step 8, leave
+  the same for a restart to read: the run's config, no summary, checkpoint
+  5 complete and none under way (the next is 10), metrics.jsonl through
+  step 8 (process 0 writes each event as its step ends, before either
+  loss, and step 9 cannot end without both processes). So one restart from
+  a checkpoint holds that path to the reference: the kill's, whose run is
+  also pmap's resume after a SIGTERM (two runs of their own before). Every
+  loss's newest complete checkpoint, what a restart would resume from, is
+  checked on disk."""
 
   @classmethod
   def setUpClass(cls):
@@ -589,23 +601,39 @@ class LostProcessTest(parameterized.TestCase):
     cls.addClassCleanup(shutil.rmtree, cls.tmp)
     cls.flags = [*_LOST_FLAGS,
                  f'--config.compilation_cache_dir={cls.tmp}/cache']
-    cls.from_scratch = cls._lose_and_restart(*cls.FROM_SCRATCH)
-    cls.reference = cls.from_scratch['losses']
-
-  # Killed as step 5 ends: process 0's save of step 5 (whose gather needs
-  # process 1) never completes, and no step 5 is left behind.
-  FROM_SCRATCH = (1, 'KILL', _LOST_CHECKPOINT)
+    cls.runs = {FROM_SCRATCH: cls._lose(FROM_SCRATCH)}
+    cls._restart(cls.runs[FROM_SCRATCH])
+    cls.reference = cls.runs[FROM_SCRATCH]['losses']
+    # SIGTERM to process 1 after step 3: both stop at a step they agree on,
+    # before 5, with a checkpoint that the run losing process 0 resumes from.
+    cls.stopped = _two_processes(cls.flags, cls._workdir(FROM_CHECKPOINT),
+                                 signal_at_process_1='TERM:3', devices=1)
+    cls.runs[FROM_CHECKPOINT] = cls._lose(FROM_CHECKPOINT)
+    cls._restart(cls.runs[FROM_CHECKPOINT])
+    cls.runs[NOT_RESTARTED] = cls._lose(NOT_RESTARTED)
 
   @classmethod
-  def _lose_and_restart(cls, victim, how, at_step):
-    """Loses process `victim` after `at_step`, then restarts both: what the
-    tests check of it."""
-    workdir = f'{cls.tmp}/{victim}{how}'
+  def _workdir(cls, loss):
+    victim, how, _ = loss
+    return f'{cls.tmp}/{victim}{how}'
+
+  @classmethod
+  def _lose(cls, loss):
+    """Loses a process (`loss`: victim, how, after step): what the tests
+    check of it."""
+    victim, how, at_step = loss
+    workdir = cls._workdir(loss)
     survivor, lost, seconds = _lose_one(cls.flags, workdir, victim, how,
                                         at_step)
-    run = dict(survivor=survivor, victim=lost, seconds=seconds,
-               newest=lost_process.newest_checkpoint(
-                   f'{workdir}/checkpoints'))
+    return dict(workdir=workdir, survivor=survivor, victim=lost,
+                seconds=seconds, newest=lost_process.newest_checkpoint(
+                    f'{workdir}/checkpoints'))
+
+  @classmethod
+  def _restart(cls, run):
+    """Restarts both processes of the lost `run`; adds what the tests check
+    of it."""
+    workdir = run['workdir']
     # What a process lost while writing the last step's checkpoint would
     # leave: passed over, and that step saved anew.
     cut_short = (f'{workdir}/checkpoints/{_LOST_STEPS}'
@@ -617,22 +645,17 @@ class LostProcessTest(parameterized.TestCase):
     run['losses'] = _losses(workdir)
     run['newest_restarted'] = lost_process.newest_checkpoint(
         f'{workdir}/checkpoints')
-    return run
 
   @parameterized.named_parameters(
       ('kill_process_1_as_process_0_saves', *FROM_SCRATCH),
-      ('kill_process_0_the_coordinator', 0, 'KILL', 8),
-      ('stop_process_1', 1, 'STOP', 8))
-  def test_one_line_on_the_survivor_and_the_restart_loses_nothing(
-      self, victim, how, at_step):
-    if (victim, how, at_step) == self.FROM_SCRATCH:
-      run = self.from_scratch
-    else:
-      run = self._lose_and_restart(victim, how, at_step)
+      ('kill_process_0_the_coordinator', *FROM_CHECKPOINT),
+      ('stop_process_1', *NOT_RESTARTED))
+  def test_one_line_on_the_survivor(self, victim, how, at_step):
+    run = self.runs[victim, how, at_step]
     (code, out), (victim_code, victim_out) = run['survivor'], run['victim']
     self.assertEqual(code, lost_process.EXIT_PROCESS_LOST, out[-3000:])
     [line] = _errors(out)
-    newest = _LOST_CHECKPOINT if at_step > _LOST_CHECKPOINT else None
+    newest = _newest(at_step)
     self.assertStartsWith(line, f'error: process {victim} of 2 was lost (')
     self.assertIn(f'process {1 - victim} stopped after step {at_step};',
                   line)
@@ -650,8 +673,15 @@ class LostProcessTest(parameterized.TestCase):
       self.assertIn(f'error: process {victim} of 2 was killed (SIGKILL)',
                     victim_out)
     # Only complete checkpoints carry a step's name: a save cut short is a
-    # temporary directory, which the restart passes over.
+    # temporary directory, which a restart passes over.
     self.assertEqual(run['newest'], newest)
+
+  @parameterized.named_parameters(
+      ('from_step_0', *FROM_SCRATCH),
+      ('from_the_checkpoint', *FROM_CHECKPOINT))
+  def test_the_restart_loses_nothing(self, victim, how, at_step):
+    run = self.runs[victim, how, at_step]
+    newest = _newest(at_step)
     for returncode, restarted in run['restarted']:
       self.assertEqual(returncode, 0, restarted[-3000:])
       if newest:
@@ -664,6 +694,28 @@ class LostProcessTest(parameterized.TestCase):
     self.assertLen(set(e[:2] for e in self.reference), len(self.reference))
     self.assertEqual(run['losses'], self.reference)
     self.assertEqual(run['newest_restarted'], _LOST_STEPS)
+
+  def test_pmap_over_two_processes_stops_together_and_resumes(self):
+    """pmap's program compiled ahead expected the global replicas' shapes
+    and refused every call of a process (its own): each process's first
+    step was a traceback. Stopped by a SIGTERM to process 1, then resumed
+    by the run that loses process 0 after step 8; the restart of that ends
+    the run, its losses (the resumed run's steps to 5 among them) those of
+    the run never interrupted (`test_the_restart_loses_nothing`)."""
+    saved = set()
+    for returncode, out in self.stopped:
+      self.assertEqual(returncode, 0, out[-3000:])
+      saved.update(re.findall(r'SIGTERM: saved a checkpoint at step (\d+)',
+                              out))
+    self.assertLen(saved, 1)  # The same step on both processes.
+    step = saved.pop()
+    run = self.runs[FROM_CHECKPOINT]
+    self.assertLess(int(step), _LOST_CHECKPOINT)  # The resume saved 5.
+    for _, out in (run['survivor'], run['victim']):
+      self.assertIn(f'Resuming from {run["workdir"]}/checkpoints at step '
+                    f'{step}.', out)
+    for _, out in run['restarted']:
+      self.assertIn(f'test at step {_LOST_STEPS}:', out)
 
 
 if __name__ == '__main__':
