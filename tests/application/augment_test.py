@@ -15,7 +15,6 @@ import numpy as np
 
 from configs import base
 from configs import vit_recipe
-from haiku_mp.update import keys as keys_lib
 from haiku_mp.vit.data import augment
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
