@@ -75,12 +75,13 @@ class PrecisionRulesTest(parameterized.TestCase):
     # Traced for a GPU: XLA:CPU upcasts float16 matmuls.
     config.precision.dot_platform = 'gpu'
     exp = experiment.build_without_data(settings_lib.parse(config))
-    state = exp.strategy.init_state()
+    # Shapes and dtypes: a trace needs no values (no initialization compiled).
+    state = exp.abstract_state
     batch = _batch(exp.settings, exp.train_batch_size, BATCH)
     grads = dp_sgd.make_gradients(exp.loss_fn, exp.scaler, exp.privacy)
     closed, out = jax.make_jaxpr(
-        lambda p: grads(state.loss_scale, p, jax.random.key(0), batch)[0],
-        return_shape=True)(state.params)
+        lambda scale, p: grads(scale, p, jax.random.key(0), batch)[0],
+        return_shape=True)(state.loss_scale, state.params)
     jaxpr = closed.jaxpr
     self.assertEqual({x.dtype for x in jax.tree.leaves(out)},
                      {jnp.dtype(jnp.float32)})
