@@ -15,7 +15,6 @@ import numpy as np
 
 from configs import base
 from configs import vit_recipe
-from haiku_mp.update import keys as keys_lib
 from haiku_mp.vit.data import augment
 from haiku_mp.vit import settings as settings_lib
 from haiku_mp.vit.train import experiment
@@ -61,6 +60,21 @@ def _keys(seed, batch):
   return jax.random.split(jax.random.key(seed), batch)
 
 
+# The seeds' augmentation of (keys, images), jitted once for the tests that
+# run it (one program per batch shape; every caller passes uncommitted
+# arrays, so none compiles it again for committed ones).
+_augment_seeds = jax.jit(lambda keys, images: augment.augment(keys, images,
+                                                              DATA))
+# One image's window resized, jitted: one program serves every window (its
+# corner and size are arguments), not one program per operation.
+_crop_and_resize = jax.jit(augment.crop_and_resize)
+
+
+def _jitted_augment(data):
+  """`augment` under `data`, jitted: one program, not one per operation."""
+  return jax.jit(lambda keys, images: augment.augment(keys, images, data))
+
+
 def _windows(batch=2000, key=0, **ranges):
   data = dict(crop_area=DATA.crop_area, crop_aspect_ratio=DATA.crop_aspect_ratio,
               crop_max_attempts=DATA.crop_max_attempts)
@@ -103,7 +117,7 @@ class AugmentTest(parameterized.TestCase):
   def test_the_whole_window_is_the_image(self):
     image = _images(1)[0].astype(jnp.float32)
     whole = augment.Windows(*(jnp.int32(v) for v in (0, 0, SIZE, SIZE)))
-    np.testing.assert_allclose(augment.crop_and_resize(image, whole), image,
+    np.testing.assert_allclose(_crop_and_resize(image, whole), image,
                                atol=1e-4)
 
   def test_resize_matches_tensorflow_bilinear(self):
@@ -116,7 +130,7 @@ class AugmentTest(parameterized.TestCase):
                                      (2, 0, 30, 32)):
       window = augment.Windows(*(jnp.int32(v)
                                  for v in (top, left, height, width)))
-      ours = augment.crop_and_resize(jnp.asarray(image), window)
+      ours = _crop_and_resize(jnp.asarray(image), window)
       theirs = tf.image.resize(
           image[top:top + height, left:left + width], (SIZE, SIZE),
           method='bilinear').numpy()
@@ -126,8 +140,7 @@ class AugmentTest(parameterized.TestCase):
     data = base.get_config().data
     data.crop_area, data.crop_aspect_ratio = (1.0, 1.0), (1.0, 1.0)
     images = _images(1000)
-    out = np.asarray(jax.jit(lambda k, x: augment.augment(k, x, data))(
-        _keys(3, 1000), images))
+    out = np.asarray(_jitted_augment(data)(_keys(3, 1000), images))
     plain = np.asarray(augment.normalize(images, data))
     same = np.all(np.isclose(out, plain, atol=1e-5), axis=(1, 2, 3))
     flipped = np.all(np.isclose(out, plain[:, :, ::-1], atol=1e-5),
@@ -144,24 +157,22 @@ class AugmentTest(parameterized.TestCase):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
   def test_same_key_same_batch_in_and_out_of_jit(self):
-    images = _images(16)
-    run = lambda seed: augment.augment(_keys(seed, 16), images, DATA)
-    a = run(5)
+    images = _images(8)
+    a = augment.augment(_keys(5, 8), images, DATA)
     # Op by op and jitted: two programs, equal to float32 rounding.
-    np.testing.assert_allclose(a, jax.jit(run)(5), **_SAME_DRAWS)
-    self.assertFalse(np.allclose(a, run(6)))
+    np.testing.assert_allclose(a, _augment_seeds(_keys(5, 8), images),
+                               **_SAME_DRAWS)
+    self.assertFalse(np.allclose(a, _augment_seeds(_keys(6, 8), images)))
     chex.assert_shape(a, images.shape)
     chex.assert_type(a, jnp.float32)
 
-
   def test_an_image_depends_on_its_own_key_alone(self):
-    run = jax.jit(lambda keys, images: augment.augment(keys, images, DATA))
     images = _images(8)
     keys = _keys(2, 8)
-    whole = run(keys, images)
+    whole = _augment_seeds(keys, images)
     # The batch shuffled: each image still follows its key (one compile).
     order = np.array([3, 6, 0, 7, 2, 5, 1, 4])
-    np.testing.assert_array_equal(run(keys[order], images[order]),
+    np.testing.assert_array_equal(_augment_seeds(keys[order], images[order]),
                                   whole[order])
 
 
@@ -172,19 +183,17 @@ class RecipeAugmentTest(parameterized.TestCase):
     data = _recipe_data(policy='none', flip=False, erasing_probability=0.0)
     count = 800  # 81 offsets: each drawn (missing one: 1 in 300 seeds).
     images = jnp.tile(_images(1), (count, 1, 1, 1))
-    out = np.round(_pixels(augment.augment(_keys(4, count), images, data),
+    out = np.round(_pixels(_jitted_augment(data)(_keys(4, count), images),
                            data))
     pad = data.crop_padding
     padded = np.pad(np.asarray(images[0], np.float32),
                     ((pad, pad), (pad, pad), (0, 0)))
-    offsets = set()
-    for image in out:
-      found = [(dy, dx) for dy in range(2 * pad + 1)
-               for dx in range(2 * pad + 1)
-               if np.array_equal(image, padded[dy:dy + SIZE, dx:dx + SIZE])]
-      self.assertLen(found, 1)
-      offsets.add(found[0])
-    self.assertLen(offsets, (2 * pad + 1)**2)  # Every offset drawn.
+    # found[i, o]: image i is the padded image's window at offset o.
+    found = np.stack([
+        np.all(out == padded[dy:dy + SIZE, dx:dx + SIZE], axis=(1, 2, 3))
+        for dy in range(2 * pad + 1) for dx in range(2 * pad + 1)], axis=1)
+    np.testing.assert_array_equal(found.sum(axis=1), 1)  # One window each.
+    self.assertTrue(found.any(axis=0).all())  # Every offset drawn.
 
   def test_erasing_fills_one_box_per_image_at_its_probability(self):
     count = 400
@@ -194,8 +203,8 @@ class RecipeAugmentTest(parameterized.TestCase):
                           erasing_probability=0.5)
     images = _images(count)
     keys = _keys(5, count)
-    before = np.asarray(augment.augment(keys, images, plain))
-    after = np.asarray(augment.augment(keys, images, erased))
+    before = np.asarray(_jitted_augment(plain)(keys, images))
+    after = np.asarray(_jitted_augment(erased)(keys, images))
     changed = np.any(before != after, axis=-1)
     hit = changed.any(axis=(1, 2))
     self.assertAlmostEqual(hit.mean(), 0.5, delta=5 * 0.5 / np.sqrt(count))
@@ -228,16 +237,13 @@ class RecipeAugmentTest(parameterized.TestCase):
     keys = _keys(6, 8)
     data = base.get_config().data
     data.erasing_probability = 1.0
-    seeds, erased = (
-        np.asarray(jax.jit(lambda k, x: augment.augment(k, x, d))(keys,
-                                                                  images))
-        for d in (DATA, data))
+    seeds = np.asarray(_augment_seeds(keys, images))
+    erased = np.asarray(_jitted_augment(data)(keys, images))
     kept = np.all(erased == seeds, axis=-1)
     self.assertTrue(np.all(kept.mean(axis=(1, 2)) >= 2 / 3 - 0.01))
     self.assertFalse(kept.all())
 
 
-@helpers.long_running
 def _two_devices(test_case):
   """Two of the devices: a batch split in two shows what a split in eight
   does (each device's part is keyed as on one device), in smaller programs."""
@@ -247,14 +253,52 @@ def _two_devices(test_case):
   return jax.local_devices()[:2]
 
 
+# Steps of a 400-step run on either side of where its mixing stops (step
+# 300): mixed, then whole examples.
+_MIXED_STEP, _WHOLE_STEP = 299, 300
+
+
 @helpers.long_running
 class ModelInputsTest(parameterized.TestCase):
+  """The experiment's train inputs, with mixing (mixup and CutMix) on the
+  seeds' crop and flip until the last quarter of the run. Their programs on
+  one device, under pmap and sharded over devices each compile once for
+  the class: the step is an argument, so one program gives the mixed and
+  the whole batches."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    config = helpers.tiny_config()
+    config.num_train_steps = 400
+    config.data.update(mixup_alpha=0.8, cutmix_alpha=1.0,
+                       mixing_off_share=0.25)
+    cls.exp = experiment.build_without_data(settings_lib.parse(config))
+    # (key, batch, axis_name, step) -> the model's inputs.
+    cls.inputs = staticmethod(jax.jit(cls.exp.train_inputs))
+    # Two pairs per device when split over two.
+    cls.batch = dict(image=_images(8), label=jnp.arange(8) % 10)
+    cls.key = jax.random.key(9)
+
+  def _on_one_device(self, step):
+    # Uncommitted arrays, as every caller's: one program for the class.
+    return self.inputs(self.key, self.batch, None, jnp.int32(step))
+
+  def _assert_same_draws(self, got, step):
+    want = self._on_one_device(step)
+    for name in ('image', 'targets'):  # The same draws; see _SAME_DRAWS.
+      np.testing.assert_allclose(got[name].reshape(want[name].shape),
+                                 want[name], err_msg=f'{name}, step {step}',
+                                 **_SAME_DRAWS)
+    # Soft targets at the mixed step, one-hot ones at the whole step.
+    self.assertEqual(bool(np.count_nonzero(want['targets'] % 1)),
+                     step == _MIXED_STEP)
 
   def test_train_inputs_augment_uint8_and_keep_labels(self):
-    batch = dict(image=_images(4), label=jnp.arange(4))
+    batch = dict(image=_images(8), label=jnp.arange(8))
     out = augment.train_inputs(DATA, jax.random.key(1), batch)
     np.testing.assert_array_equal(
-        out['image'], augment.augment(jax.random.split(jax.random.key(1), 4),
+        out['image'], augment.augment(jax.random.split(jax.random.key(1), 8),
                                       batch['image'], DATA))
     np.testing.assert_array_equal(out['label'], batch['label'])
 
@@ -274,89 +318,51 @@ class ModelInputsTest(parameterized.TestCase):
            if kind == 'train' else augment.eval_inputs(DATA, batch))
     self.assertIs(out, batch)
 
-  def test_every_replica_augments_its_part_as_one_device_would(self):
+  def test_every_replica_augments_and_mixes_its_part_as_one_device_would(
+      self):
+    """The seeds' crop and flip of each example (whole examples) and the
+    mixing of its pair (mixed): each replica's part as on one device."""
     devices = _two_devices(self)
     n = len(devices)
-    images = _images(2 * n)
-    key = jax.random.key(9)
-    one = augment.augment(keys_lib.example_keys(key, 2 * n), images, DATA)
+    split = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]),
+                         self.batch)
     per_replica = jax.pmap(
-        lambda x: augment.augment(keys_lib.example_keys(key, 2, 'b'), x, DATA),
-        axis_name='b', devices=devices)(images.reshape(n, 2, SIZE, SIZE, 3))
-    # A device's part and the whole batch (here run op by op): two programs,
-    # equal to float32 rounding (_SAME_DRAWS), not bit for bit.
-    np.testing.assert_allclose(per_replica.reshape(one.shape), one,
-                               **_SAME_DRAWS)
-
-  def test_every_replica_mixes_its_pairs_as_one_device_would(self):
-    devices = _two_devices(self)
-    n = len(devices)
-    # Mixing alone: the per-image operations are a function of each key
-    # (RecipeAugmentTest), as the seeds' are across replicas (above).
-    data = _recipe_data(policy='none', erasing_probability=0.0)
-    batch = dict(image=_images(4 * n), label=jnp.arange(4 * n) % 10)
-    key = jax.random.key(9)
-    one = augment.train_inputs(data, key, batch, num_classes=10)
-    split = jax.tree.map(lambda x: x.reshape(n, 4, *x.shape[1:]), batch)
-    per_replica = jax.pmap(
-        lambda b: augment.train_inputs(data, key, b, 'b', num_classes=10),
-        axis_name='b', devices=devices)(split)
-    for name in ('image', 'targets'):  # The same draws; see _SAME_DRAWS.
-      np.testing.assert_allclose(
-          per_replica[name].reshape(one[name].shape), one[name], **_SAME_DRAWS)
-    self.assertGreater(np.count_nonzero(one['targets'] % 1), 0)  # Mixed.
+        lambda b, step: self.exp.train_inputs(self.key, b, 'b', step),
+        axis_name='b', in_axes=(0, None), devices=devices)
+    # A device's part and the whole batch: two programs, equal to float32
+    # rounding (_SAME_DRAWS), not bit for bit.
+    for step in (_MIXED_STEP, _WHOLE_STEP):
+      self._assert_same_draws(per_replica(split, jnp.int32(step)), step)
 
   def test_a_batch_sharded_over_devices_is_augmented_as_on_one(self):
     """pjit's layout: the batch axis sharded, one program for all devices."""
     devices = _two_devices(self)
-    n = len(devices)
-    data = _recipe_data(policy='randaugment')
-    batch = dict(image=_images(2 * n), label=jnp.arange(2 * n) % 10)
-    key = jax.random.key(4)
-    inputs = lambda k, b: augment.train_inputs(data, k, b, num_classes=10)
-    one = jax.jit(inputs)(key, batch)
     mesh = jax.sharding.Mesh(np.array(devices), ('batch',))
-    spread = jax.device_put(batch, jax.sharding.NamedSharding(
+    spread = jax.device_put(self.batch, jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec('batch')))
-    sharded = jax.jit(inputs)(key, spread)
-    self.assertLen(sharded['image'].sharding.device_set, n)
-    for name in ('image', 'targets'):
-      np.testing.assert_allclose(sharded[name], one[name], **_SAME_DRAWS)
+    for step in (_MIXED_STEP, _WHOLE_STEP):
+      sharded = self.inputs(self.key, spread, None, jnp.int32(step))
+      self.assertLen(sharded['image'].sharding.device_set, len(devices))
+      self._assert_same_draws(sharded, step)
 
-  def test_mixing_stops_for_the_last_share_of_the_run(self):
-    data = _recipe_data(policy='none', erasing_probability=0.0,
-                        mixing_off_share=0.25)
-    self.assertEqual(augment.mixing_off_step(data, 100), 75)
+  def test_mixing_stops_where_the_experiments_first_lines_say(self):
+    self.assertIn('Mixing: off from step 300 of 400',
+                  '\n'.join(self.exp.describe()))
+    self.assertEqual(augment.mixing_off_step(
+        _recipe_data(mixing_off_share=0.25), 100), 75)
     self.assertIsNone(augment.mixing_off_step(
         _recipe_data(mixing_off_share=0.0), 100))
-    batch = dict(image=_images(8), label=jnp.arange(8) % 10)
-    key = jax.random.key(3)
-    inputs = jax.jit(lambda step: augment.train_inputs(
-        data, key, batch, step=step, num_classes=10, total_steps=100))
-    mixed, whole = inputs(jnp.int32(74)), inputs(jnp.int32(75))
+    mixed = self._on_one_device(_MIXED_STEP)
+    whole = self._on_one_device(_WHOLE_STEP)
     self.assertGreater(np.count_nonzero(mixed['targets'] % 1), 0)
     np.testing.assert_array_equal(whole['targets'],
-                                  jax.nn.one_hot(batch['label'], 10))
-    unmixed = jax.jit(lambda: augment.train_inputs(
-        _recipe_data(policy='none', erasing_probability=0.0, mixup_alpha=0.0,
-                     cutmix_alpha=0.0), key, batch))()
-    np.testing.assert_allclose(whole['image'], unmixed['image'],
-                               **_SAME_DRAWS)
-
-  def test_the_experiment_stops_mixing_where_its_first_lines_say(self):
-    config = helpers.tiny_config()
-    config.num_train_steps = 400
-    config.data.update(mixup_alpha=0.8, mixing_off_share=0.25)
-    exp = experiment.build_without_data(settings_lib.parse(config))
-    self.assertIn('Mixing: off from step 300 of 400', '\n'.join(exp.describe()))
-    batch = dict(image=_images(8), label=jnp.arange(8) % 10)
-    inputs = jax.jit(exp.train_inputs)
-    key = jax.random.key(0)
-    self.assertGreater(np.count_nonzero(
-        inputs(key, batch, None, jnp.int32(299))['targets'] % 1), 0)
-    np.testing.assert_array_equal(
-        inputs(key, batch, None, jnp.int32(300))['targets'],
-        jax.nn.one_hot(batch['label'], 10))
+                                  jax.nn.one_hot(self.batch['label'], 10))
+    # Whole examples: the images as a run without mixing draws them (here
+    # op by op; see _SAME_DRAWS).
+    np.testing.assert_allclose(
+        whole['image'],
+        augment.train_inputs(DATA, self.key, self.batch)['image'],
+        **_SAME_DRAWS)
 
   def test_an_odd_batch_cannot_be_mixed(self):
     batch = dict(image=_images(3), label=jnp.arange(3))

@@ -75,12 +75,13 @@ class PrecisionRulesTest(parameterized.TestCase):
     # Traced for a GPU: XLA:CPU upcasts float16 matmuls.
     config.precision.dot_platform = 'gpu'
     exp = experiment.build_without_data(settings_lib.parse(config))
-    state = exp.strategy.init_state()
+    # Shapes and dtypes: a trace needs no values (no initialization compiled).
+    state = exp.abstract_state
     batch = _batch(exp.settings, exp.train_batch_size, BATCH)
     grads = dp_sgd.make_gradients(exp.loss_fn, exp.scaler, exp.privacy)
     closed, out = jax.make_jaxpr(
-        lambda p: grads(state.loss_scale, p, jax.random.key(0), batch)[0],
-        return_shape=True)(state.params)
+        lambda scale, p: grads(scale, p, jax.random.key(0), batch)[0],
+        return_shape=True)(state.loss_scale, state.params)
     jaxpr = closed.jaxpr
     self.assertEqual({x.dtype for x in jax.tree.leaves(out)},
                      {jnp.dtype(jnp.float32)})
@@ -190,10 +191,12 @@ class PrivateStepTest(absltest.TestCase):
         settings_lib.parse(ordinary_config))
     real = {k: v[:BATCH] for k, v in self.batch.items() if k != 'mask'}
     strategy = self.exp.strategy
+    # Both steps from the same state: one initialization compiled, run twice
+    # (each step takes its state's buffers).
     p_state, p_metrics = strategy.train_step(strategy.init_state(),
                                              self.batch)
-    o_state, o_metrics = ordinary.strategy.train_step(
-        ordinary.strategy.init_state(), real)
+    o_state, o_metrics = ordinary.strategy.train_step(strategy.init_state(),
+                                                      real)
     np.testing.assert_allclose(_flat(p_state.params), _flat(o_state.params),
                                rtol=1e-5, atol=1e-7)
     for name in ('loss', 'accuracy', 'grad_norm', 'num_examples'):
@@ -289,8 +292,9 @@ class StrategiesTest(parameterized.TestCase):
         state, metrics = strategy.train_step(
             strategy.init_state(), strategy.place_batch(
                 jax.tree.map(np.asarray, batch)))
-        runs.append((_flat(strategy.unreplicate(state.params)),
-                     float(strategy.unreplicate(metrics['grad_norm']))))
+        # Host copies (a replica's view under pmap): no device op per leaf.
+        params, norm = strategy.to_host((state.params, metrics['grad_norm']))
+        runs.append((_flat(params), float(norm)))
       results[name] = runs
     expected_noise_norm = 2.0 * 0.1 / 8 * np.sqrt(len(results['single'][0][0]))
     self.assertAlmostEqual(results['single'][0][1], expected_noise_norm,

@@ -34,15 +34,17 @@ FLOAT32_ISLAND_PRIMITIVES = ('reduce_max', 'reduce_sum', 'exp', 'log', 'rsqrt')
 
 @functools.cache
 def _setup(policy, overrides='', **precision):
-  """(forward, params, batch, loss) of the two-block ViT: built once per
-  setting for every test that traces it (none changes them)."""
+  """(experiment, params, batch, loss) of the two-block ViT: built once per
+  setting for every test that traces it (none changes them). The params
+  are abstract (shapes and dtypes, `exp.abstract_state`): a trace needs no
+  values, so no setting compiles its initialization."""
   config = helpers.tiny_config(policy, overrides, num_layers=2)
   config.precision.update(precision)
   exp = experiment.build_without_data(settings_lib.parse(config))
   batch = helpers.random_batch(config)
   rng = jax.random.key(1)
   loss = lambda p: exp.loss_fn(p, rng, batch)[0]
-  return exp.forward, exp.strategy.init_state().params, batch, loss
+  return exp, exp.abstract_state.params, batch, loss
 
 
 @helpers.long_running
@@ -109,13 +111,20 @@ class MatmulDtypeTest(parameterized.TestCase):
   @parameterized.named_parameters(('fp16', 'fp16'), ('bf16', 'bf16'))
   def test_params_and_gradients_float32_logits_float32(self, name):
     policy, _ = POLICIES[name]
-    forward, params, batch, loss = _setup(policy)
-    chex.assert_trees_all_equal_dtypes(
-        params, jax.tree.map(lambda p: p.astype(jnp.float32), params))
-    logits = forward.apply(params, None, batch['image'], False)
+    exp, _, batch, loss = _setup(policy)
+
+    def run():
+      params = exp.init_state().params
+      return (params, exp.forward.apply(params, None, batch['image'], False),
+              jax.grad(loss)(params))
+
+    # The dtypes and shapes a run returns, from one trace: no program
+    # compiled (op by op, the run was hundreds of one-op programs).
+    params, logits, grads = jax.eval_shape(run)
+    self.assertEqual({p.dtype for p in jax.tree.leaves(params)},
+                     {jnp.dtype(jnp.float32)})
     chex.assert_type(logits, jnp.float32)
     chex.assert_shape(logits, (8, 10))
-    grads = jax.grad(loss)(params)
     chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
 
   def test_overrides_change_only_the_named_matmuls(self):
