@@ -205,16 +205,27 @@ class LoopBenchmarkTest(parameterized.TestCase):
       loop_benchmark.steady_images_per_sec(events[:2], 8)
 
 
+# The --loop test's run (its bf16 variant is the config's own). The pipeline
+# and the SIGTERM tests run the same config, so that their train step is the
+# loop's bf16 one (a round's steps set its schedule): whichever test runs
+# first compiles it, the others load it from the tests' cache.
+LOOP_FLAGS = ('--config=configs/vit_bf16.py', '--config.batch_size=8',
+              '--config.eval_batch_size=8', '--config.log_every_steps=2',
+              '--config.data.source=synthetic',
+              '--config.data.synthetic_train_examples=64',
+              '--config.data.synthetic_eval_examples=8',
+              '--config.model.image_size=8', *helpers.TINY_MODEL_FLAGS)
+LOOP_STEPS = 4
+
+
 @helpers.long_running
 class CommandLineTest(parameterized.TestCase):
 
   def test_pipeline_from_the_command_line(self):
     result = helpers.run_module(
-        'launch.benchmark', '--config=configs/vit_bf16.py', '--pipeline',
-        '--steps=2', '--rounds=1', '--json', '--config.batch_size=8',
-        '--config.data.source=synthetic',
-        '--config.data.synthetic_train_examples=64',
-        '--config.model.patch_size=8', *helpers.TINY_MODEL_FLAGS)
+        'launch.benchmark', *LOOP_FLAGS,
+        f'--config.num_train_steps={LOOP_STEPS}', '--pipeline', '--steps=2',
+        '--rounds=1', '--json')
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     lines = result.stdout.strip().splitlines()
     self.assertRegex(lines.pop(0), r'^Machine: .*; allocator: ')
@@ -247,14 +258,9 @@ class CommandLineTest(parameterized.TestCase):
   def test_loop_against_its_step_per_dtype_and_bound_from_the_command_line(
       self):
     result = helpers.run_module(
-        'launch.benchmark', '--config=configs/vit_bf16.py', '--loop',
-        '--dtypes=float32,bfloat16', '--steps_in_flight=16,1', '--steps=4',
-        '--rounds=1', '--json', '--config.batch_size=8',
-        '--config.eval_batch_size=8', '--config.log_every_steps=2',
-        '--config.data.source=synthetic',
-        '--config.data.synthetic_train_examples=64',
-        '--config.data.synthetic_eval_examples=8',
-        '--config.model.image_size=8', *helpers.TINY_MODEL_FLAGS)
+        'launch.benchmark', *LOOP_FLAGS, '--loop', '--dtypes=float32,bfloat16',
+        '--steps_in_flight=16,1', f'--steps={LOOP_STEPS}', '--rounds=1',
+        '--json')
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     lines = result.stdout.strip().splitlines()
     self.assertRegex(lines.pop(0), r'^Machine: .*; allocator: ')
@@ -276,7 +282,7 @@ class CommandLineTest(parameterized.TestCase):
     self.assertNotIn('Compiled the train step', result.stderr)
     for row in rows:
       self.assertEqual((row['steps_per_round'], row['rounds'], row['source'],
-                        row['batch_size']), (4, 1, 'synthetic', 8))
+                        row['batch_size']), (LOOP_STEPS, 1, 'synthetic', 8))
       self.assertEqual(row['loop_rounds_images_per_sec'],
                        [row['loop_images_per_sec']])
       self.assertEqual(row['step_rounds_images_per_sec'],
@@ -295,19 +301,17 @@ class CommandLineTest(parameterized.TestCase):
 
   def test_a_loop_round_stopped_by_sigterm_stops_the_benchmark_in_one_line(
       self):
-    # It used to end in a ValueError traceback (a round with one window).
+    # It used to end in a ValueError traceback (a round with one window):
+    # stopped after its first log window of two.
     result = helpers.run_module(
-        'tests.signal_at_step', '--config=configs/vit_fp32.py', '--loop',
-        '--steps=100', '--rounds=1', '--config.data.source=synthetic',
-        '--config.batch_size=8', '--config.eval_batch_size=8',
-        '--config.data.synthetic_eval_examples=8',
-        '--config.compilation_cache_dir=', *helpers.TINY_MODEL_FLAGS,
-        env={signal_at_step.ENV: 'TERM:50',
+        'tests.signal_at_step', *LOOP_FLAGS, '--loop', f'--steps={LOOP_STEPS}',
+        '--rounds=1',
+        env={signal_at_step.ENV: 'TERM:2',
              signal_at_step.MODULE_ENV: 'launch.benchmark'}, timeout=300)
     self.assertEqual(result.returncode, 130, result.stderr[-3000:])
     self.assertNotIn('Traceback', result.stderr)
     self.assertEqual(result.stderr.strip().splitlines()[-1],
-                     'interrupted: SIGTERM in a --loop round (step 50): the '
+                     'interrupted: SIGTERM in a --loop round (step 2): the '
                      'benchmark stopped before its figures')
 
   @parameterized.parameters(

@@ -571,7 +571,9 @@ class RoundingTest(absltest.TestCase):
 class PrecisionExperimentTest(parameterized.TestCase):
 
   def test_precision_aliases_errors_and_residual_stream(self):
-    config = helpers.tiny_config(num_layers=1)
+    # No dropout: five train steps to compile, each smaller without its
+    # random bits (the errors are measured without it either way).
+    config = helpers.tiny_config(num_layers=1, dropout_rate=0.0)
     config.batch_size = 8
     result = precision_lab.run(settings_lib.parse(config),
                                ('float32', 'bfloat16'),
@@ -795,8 +797,18 @@ class CommandLineTest(parameterized.TestCase):
 
   def test_advise_from_init_and_from_a_run_leaves_the_run_as_it_was(self):
     out = self.enter_context(tempfile.TemporaryDirectory())
-    flags = ('--config=configs/vit_fp16.py', *TINY_FLAGS,
-             '--config.data.source=synthetic', '--config.batch_size=4')
+    # bfloat16 with a dynamic loss scale (from 2**15) and fp8 on one Linear:
+    # the low-bit advice judges the config's low-bit Linears, one here, not
+    # the six of a config that runs none (as float16 must), whose fp8 and
+    # 4-bit statistics programs were most of what the commands compiled.
+    # No dropout: smaller programs, and nothing here reads its noise. The
+    # run's 2 steps are every command's schedule: the advice from the run
+    # then loads the config's train step (its cost) the first compiled.
+    flags = ('--config=configs/vit_bf16.py', *TINY_FLAGS,
+             '--config.model.dropout_rate=0', '--config.data.source=synthetic',
+             '--config.batch_size=4', '--config.loss_scale.kind=dynamic',
+             '--config.precision.low_bit.modules=*/mlp_block/fc1',
+             '--config.num_train_steps=2')
     done = helpers.run_module('launch.lab', 'advise', *flags, '--batches=2',
                               '--level=knockout', '--steps=1',
                               '--config.advisor.init_steps=3',
@@ -809,7 +821,7 @@ class CommandLineTest(parameterized.TestCase):
     self.assertLessEqual(lo, hi)
     paths = {row['path'] for row in result['modules']}
     self.assertIn('vit/encoder_block_0/mlp_block/fc1', paths)
-    judged = [r['path'] for r in result['knockout']['float16']]
+    judged = [r['path'] for r in result['knockout']['bfloat16']]
     self.assertCountEqual(judged, [r['path'] for r in result['modules']
                                    if not r['same_as']])
     self.assertGreater(result['cost']['ratio'], 0)
@@ -820,6 +832,9 @@ class CommandLineTest(parameterized.TestCase):
     # One table and one line of flags per low-bit format, from one pipeline.
     self.assertEqual((result['fp8']['choice'], result['fp4']['choice']),
                      ('current', 'nvfp4'))
+    for name in ('fp8', 'fp4'):
+      self.assertEqual([r['path'] for r in result[name]['modules']],
+                       ['vit/encoder_block_0/mlp_block/fc1'])
     for name, title in (('fp8', 'fp8'), ('fp4', '4 bits')):
       flags_line = ' '.join(result[name]['suggestion']['flags'])
       self.assertIn(f"{title} ({result[name]['choice']}): {flags_line}",
@@ -829,12 +844,11 @@ class CommandLineTest(parameterized.TestCase):
     self.assertIn('| Linear | current | delayed | mx |', page)
     self.assertIn('| Linear | nvfp4 | mxfp4 |', page)
     # From a run's checkpoint: its params and loss scale, its files untouched;
-    # its config.json gives the model, data, batch and loss scale (no flag
-    # repeated), a flag on the command line wins (a threshold, which changes
-    # no program).
+    # its config.json gives the model, data, batch, loss scale and low-bit
+    # Linears (no flag repeated), a flag on the command line wins (a
+    # threshold, which changes no program).
     workdir = os.path.join(out, 'run')
     helpers.run_module('launch.train', *flags, f'--workdir={workdir}',
-                       '--config.num_train_steps=2',
                        '--config.loss_scale.initial=1024', check=True)
     before = {p: os.path.getmtime(os.path.join(root, p))
               for root, _, files in os.walk(workdir) for p in files}
@@ -854,7 +868,9 @@ class CommandLineTest(parameterized.TestCase):
                       result['config']['policy'],
                       result['config']['batch_size']),
                      (16, 'synthetic',
-                      'params=float32,compute=float16,output=float32', 4))
+                      'params=float32,compute=bfloat16,output=float32', 4))
+    self.assertEqual([r['path'] for r in result['fp4']['modules']],
+                     ['vit/encoder_block_0/mlp_block/fc1'])
     self.assertEqual(result['thresholds']['max_relative_error'], 0.02)
     after = {p: os.path.getmtime(os.path.join(root, p))
              for root, _, files in os.walk(workdir) for p in files}
