@@ -60,6 +60,37 @@ class Fp8NumericsTest(parameterized.TestCase):
                            (1000.0 - 448.0 * 2) / np.linalg.norm(x), places=3)
 
 
+class SuggestionFlagsTest(parameterized.TestCase):
+  """The low-bit flags to paste, per format; a float16 config, which no
+  low-bit format runs in, gets a bfloat16 policy first. (lab_test's
+  `advise` runs the whole pipeline on a bfloat16 config.)"""
+
+  @parameterized.parameters(
+      ('params=float32,compute=float16,output=float32',
+       ['--config.precision.policy=params=float32,compute=bfloat16,'
+        'output=float32']),
+      ('params=float32,compute=bfloat16,output=float32', []))
+  def test_flags_per_format_and_a_bfloat16_policy_for_float16(
+      self, policy, first):
+    settings = settings_lib.parse(helpers.tiny_config(policy))
+    (fp8_format, fp8_choice), (fp4_format, fp4_choice) = (
+        low_bit_advice.matmul_formats_of(settings))
+    self.assertEqual(
+        low_bit_advice.suggestion_flags(
+            settings, dict(low_bit_modules='*/fc1', keep_fp8_setting=''),
+            fp8_format, fp8_choice),
+        [*first, "--config.precision.low_bit.modules='*/fc1'",
+         '--config.precision.low_bit.format=fp8',
+         '--config.precision.low_bit.scaling=current'])
+    flags = low_bit_advice.suggestion_flags(
+        settings, dict(low_bit_modules='*/fc1', keep_fp8_setting='*/fc2'),
+        fp4_format, fp4_choice)
+    self.assertEqual(flags[:len(first) + 2],
+                     [*first, "--config.precision.low_bit.modules='*/fc1'",
+                      '--config.precision.low_bit.format=nvfp4'])
+    self.assertEqual(flags[-1], "--config.precision.low_bit.keep_fp8='*/fc2'")
+
+
 @helpers.long_running
 class Fp8AdviceTest(absltest.TestCase):
 

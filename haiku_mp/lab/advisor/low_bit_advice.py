@@ -70,8 +70,20 @@ def matmul_advice(settings: settings_schema.Settings,
                                 _candidates_setting(settings), fallback)
   if gpu and fmt.name == fp8_numerics.Fp8Matmuls.name:
     judged = with_predicted_time(judged, settings, exp, gpu)
-  modules = judged['low_bit_modules']
-  flags = [f"--config.precision.low_bit.modules='{modules}'",
+  return dict(judged, thresholds=dataclasses.asdict(limits),
+              suggestion=dict(modules=judged['low_bit_modules'],
+                              flags=suggestion_flags(settings, judged, fmt,
+                                                     choice)))
+
+
+def suggestion_flags(settings: settings_schema.Settings,
+                     judged: dict[str, Any],
+                     fmt: matmul_formats.MatmulFormat, choice: str
+                     ) -> list[str]:
+  """The flags to paste that run `choice` on `judged`'s low-bit modules
+  (keeping its fp8 ones, for 4 bits); a float16 config, which no low-bit
+  format runs in, gets a bfloat16 policy first."""
+  flags = [f"--config.precision.low_bit.modules='{judged['low_bit_modules']}'",
            *advice_flags.low_bit_flags(fmt, choice)]
   if judged['keep_fp8_setting']:
     flags.append(f"--config.precision.low_bit.keep_fp8='"
@@ -79,8 +91,7 @@ def matmul_advice(settings: settings_schema.Settings,
   if variants.compute_dtype(settings) == 'float16':
     flags.insert(0, '--config.precision.policy=' + verdicts.policy(
         settings.precision.policy, 'bfloat16', 'float32'))
-  return dict(judged, thresholds=dataclasses.asdict(limits),
-              suggestion=dict(modules=modules, flags=flags))
+  return flags
 
 
 def with_predicted_time(judged: dict[str, Any],
