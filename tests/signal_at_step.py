@@ -51,10 +51,12 @@ def _signal_after_train_write(signum: int, at_step: int, flush: bool) -> None:
     if split == 'train' and step == at_step:
       if flush:
         self.flush()
-      if signum == signal.SIGKILL:
-        # Killed past a checkpoint that is on disk: its files, written in
-        # the background, are finished first (a kill during the write would
-        # lose that checkpoint, and the run would resume from the one before).
+      if signum in (signal.SIGKILL, signal.SIGSTOP):
+        # Killed (or frozen) past a checkpoint that is on disk: its files,
+        # written in the background, are finished first (a kill or a stop
+        # during the write would lose that checkpoint, and the run would
+        # resume from the one before: a stopped process of a many-process
+        # run never joins the save's last barrier).
         for saver in checkpointers:
           saver.wait()
       _signal_main_thread(signum)
