@@ -60,19 +60,18 @@ def _keys(seed, batch):
   return jax.random.split(jax.random.key(seed), batch)
 
 
-# The seeds' augmentation of (keys, images), jitted once for the tests that
-# run it (one program per batch shape; every caller passes uncommitted
-# arrays, so none compiles it again for committed ones).
-_augment_seeds = jax.jit(lambda keys, images: augment.augment(keys, images,
-                                                              DATA))
-# One image's window resized, jitted: one program serves every window (its
-# corner and size are arguments), not one program per operation.
-_crop_and_resize = jax.jit(augment.crop_and_resize)
-
-
 def _jitted_augment(data):
   """`augment` under `data`, jitted: one program, not one per operation."""
   return jax.jit(lambda keys, images: augment.augment(keys, images, data))
+
+
+# The seeds' augmentation of (keys, images), jitted once for the tests that
+# run it (one program per batch shape; every caller passes uncommitted
+# arrays, so none compiles it again for committed ones).
+_augment_seeds = _jitted_augment(DATA)
+# One image's window resized, jitted: one program serves every window (its
+# corner and size are arguments), not one program per operation.
+_crop_and_resize = jax.jit(augment.crop_and_resize)
 
 
 def _windows(batch=2000, key=0, **ranges):

@@ -229,8 +229,9 @@ class StrategiesAgreeTest(parameterized.TestCase):
       # output gradients come from params that Adam already moved apart
       # where gradients are near zero (as in bfloat16 without fp8), so its
       # amaxes are up to ~11% apart (pjit). A history in another unit (a
-      # replica's gradient is 2x the whole batch's) would be 100% off. The older ones:
-      # up to 2% (pjit, its bfloat16 sums of each replica's examples).
+      # replica's gradient is 2x the whole batch's) would be 100% off. The
+      # older ones: up to 2% (pjit, its bfloat16 sums of each replica's
+      # examples).
       older = lambda tree: jax.tree.map(lambda h: h[1:], tree)
       newest = lambda tree: jax.tree.map(lambda h: h[0], tree)
       chex.assert_trees_all_close(older(histories), older(want_histories),
