@@ -60,7 +60,8 @@ def _capture(loss_fn, params, rng, batch, paths):
 
   shapes = jax.eval_shape(loss, {})[1]
   zeros = {p: jnp.zeros(s.shape, s.dtype) for p, s in shapes.items()}
-  grads, captured = jax.grad(loss, has_aux=True)(zeros)
+  # Jitted: one program, not a compile per op of the model's passes.
+  grads, captured = jax.jit(jax.grad(loss, has_aux=True))(zeros)
   return captured, grads
 
 
@@ -90,7 +91,8 @@ class StatisticsTest(absltest.TestCase):
           ulps=True)
       self.assertGreater(
           numerics.as_dict(vector[numerics.SIZE:])['nonzero'], 0, path)
-    param_grads = jax.grad(lambda p: exp.loss_fn(p, rng, batch)[0])(params)
+    param_grads = jax.jit(jax.grad(
+        lambda p: exp.loss_fn(p, rng, batch)[0]))(params)
     for module, names in param_grads.items():
       for name, grad in names.items():
         if module.endswith('/key') and name == 'b':
