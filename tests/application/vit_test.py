@@ -77,8 +77,10 @@ class VitTest(parameterized.TestCase):
     config = helpers.tiny_config(num_classes=7)
     forward, _ = forward_lib.checked_forward(config)
     images = helpers.random_batch(config, batch_size=3)['image']
-    params = forward.init(jax.random.key(0), images, True)
-    chex.assert_shape(forward.apply(params, None, images, False), (3, 7))
+    params = jax.jit(forward.init, static_argnums=2)(jax.random.key(0),
+                                                     images, True)
+    chex.assert_shape(jax.jit(forward.apply, static_argnums=3)(
+        params, None, images, False), (3, 7))
 
   def test_dropout_only_in_training(self):
     config = helpers.tiny_config(dropout_rate=0.5)
@@ -208,7 +210,8 @@ class TrainabilityTest(parameterized.TestCase):
       config.model.patch_init = patch_init
     forward, _ = forward_lib.checked_forward(config)
     images = jnp.asarray(pipeline.random_batch(config.model, 8, seed)['image'])
-    params = forward.init(jax.random.key(seed), images[:1], True)
+    params = jax.jit(forward.init, static_argnums=2)(
+        jax.random.key(seed), images[:1], True)
     outputs = jax.jit(functools.partial(_encoder_outputs, forward))(
         params, images)
     self.assertLen(outputs, config.model.num_layers)

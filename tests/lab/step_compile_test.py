@@ -40,7 +40,7 @@ class StepCompileTest(absltest.TestCase):
       self.assertTrue(all(os.path.getsize(p) > 0 for p in paths))
 
   def test_the_steps_trace(self):
-    # The transformer's (ResNet18's eager init alone takes seconds).
+    # The transformer's, traced from its arguments' shapes.
     for variant in step_compile.VARIANTS:
       step, args = step_compile._step_and_args('lm', variant)  # pylint: disable=protected-access
       out = jax.eval_shape(step, *args)
