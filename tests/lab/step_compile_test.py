@@ -1,6 +1,6 @@
 """The `step_compile` study: medians and ratios to the plain step of the same
-model, its plot, and steps that trace on both models (no compile here: the
-study's compiles are its measurement, minutes long)."""
+model, its plot, and the transformer's steps that trace (no compile here:
+the study's compiles are its measurement, minutes long)."""
 
 import os
 import sys
