@@ -280,12 +280,12 @@ class InterruptTest(parameterized.TestCase):
     self.assertEqual(proc.returncode, 1, proc.stderr[-3000:])
     self.assertNotIn('Traceback', proc.stderr)
     self.assertNotIn('Event loop is closed', proc.stderr)
+    error_lines = _error_lines(proc.stderr)
     self.assertEqual(
-        [line.split(' (')[0] for line in _error_lines(proc.stderr)],
+        [line.split(' (')[0] for line in error_lines],
         [f'error: --workdir={self.workdir}: could not save the checkpoint of '
          'step 30'])
-    self.assertIn('the last good checkpoint is step 20',
-                  _error_lines(proc.stderr)[0])
+    self.assertIn('the last good checkpoint is step 20', error_lines[0])
     self.assertLess(len(proc.stderr.splitlines()), 60,  # Not 1,381 lines.
                     proc.stderr[-3000:])
     # The write fails in the background; the next log point finds it, a step
