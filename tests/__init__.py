@@ -60,3 +60,8 @@ for _name, _value in (
     # (tests/library on two cores of an EPYC: 74 s, then 67).
     ('JAX_TRACEBACK_IN_LOCATIONS_LIMIT', '0')):
   os.environ.setdefault(_name, _value)
+
+# Where a run's JAX time goes, when asked (tests/jax_events.py).
+if os.environ.get('HAIKU_MP_TESTS_JAX_EVENTS'):
+  from tests import jax_events  # pylint: disable=g-import-not-at-top
+  jax_events.record(os.environ[jax_events.ENV])
