@@ -16,6 +16,7 @@ from absl.testing import absltest
 import jax
 import jax.numpy as jnp
 
+from tests import disk_full_at_step
 from tests import jax_events
 
 _SCOPE = 'tests/commands/jax_events_test.py::JaxEventsTest'
@@ -61,6 +62,23 @@ class JaxEventsTest(absltest.TestCase):
       self.assertEqual(jax_events.main([directory, '--top=5']), 0)
     self.assertIn('| `jit(_a_program_of_its_own)` | 1 |', out.getvalue())
     self.assertIn(f'| `{_SCOPE}` |', out.getvalue())
+
+  def test_an_event_that_finds_no_room_is_lost_not_raised(self):
+    directory = self.enter_context(tempfile.TemporaryDirectory())
+    x = jnp.arange(4.0)
+    stop = jax_events.record(directory)
+    try:
+      jax.jit(lambda y: y * 3)(x).block_until_ready()
+      give_room_back = disk_full_at_step.leave_no_room(directory)
+      try:
+        jax.jit(lambda y: y * 4)(x).block_until_ready()
+      finally:
+        give_room_back()
+      jax.jit(lambda y: y * 5)(x).block_until_ready()
+    finally:
+      stop()
+    result = jax_events.summary(jax_events.read(directory))
+    self.assertEqual(result['kinds']['trace']['count'], 2)
 
   def test_no_directory_is_one_line(self):
     err = io.StringIO()
