@@ -32,6 +32,7 @@ README_LINES = 200
 _LINK = re.compile(r'(?:\]\(|src=")([^)"\s#]*)(#[^)"\s]*)?[)"]')
 _FENCE = re.compile(r'^```')
 _HEADING = re.compile(r'^(#{1,6})\s+(.*?)\s*#*\s*$')
+_TEST_FILE = re.compile(r'\btests/[A-Za-z0-9_/]+\.py\b')
 
 
 def pages() -> list[pathlib.Path]:
@@ -91,6 +92,23 @@ def broken_links(path: pathlib.Path) -> list[str]:
             and anchor[1:] not in anchors(resolved)):
         broken.append(where)
   return broken
+
+
+def current_pages() -> list[pathlib.Path]:
+  """The pages that say what is true now: not the CHANGELOG, nor the
+  benchmark pages' rounds, which name the files of their day."""
+  return [_ROOT / 'README.md', _ROOT / 'BENCHMARKS.md',
+          *(p for p in sorted((_ROOT / 'docs').glob('*.md'))
+            if p.name != 'CHANGELOG.md')]
+
+
+def missing_test_files(path: pathlib.Path) -> list[str]:
+  """'page:line: path' of every test file `path` names that does not
+  exist."""
+  return [f'{path.relative_to(_ROOT)}:{number}: {name}'
+          for number, line in enumerate(path.read_text().splitlines(), 1)
+          for name in _TEST_FILE.findall(line)
+          if not (_ROOT / name).exists()]
 
 
 def section(path: pathlib.Path, anchor: str) -> str:
@@ -188,6 +206,10 @@ class DocsTest(absltest.TestCase):
     broken = [b for page in pages() for b in broken_links(page)]
     self.assertEqual(broken, [])
 
+  def test_every_test_file_a_page_names_exists(self):
+    missing = [m for page in current_pages() for m in missing_test_files(page)]
+    self.assertEqual(missing, [])
+
   def test_every_readme_command_parses(self):
     found = commands((_ROOT / 'README.md').read_text())
     self.assertNotEmpty(found)
@@ -231,6 +253,8 @@ class DocsTest(absltest.TestCase):
     self.assertLen(broken, 2, broken)
     self.assertIn('missing.png', broken[0])
     self.assertIn('#no-such-heading', broken[1])
+    self.assertEqual(missing_test_files(page), [
+        'tests/data/docs_test_page.md:6: tests/library/no_such_test.py'])
     problems = command_problems(commands(page.read_text())[0])
     self.assertEqual(problems, [
         '--config=configs/none.py: no such file',
