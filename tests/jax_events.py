@@ -39,8 +39,9 @@ def _scope() -> str:
   test = os.environ.get('PYTEST_CURRENT_TEST')
   if test:
     return '::'.join(test.split(' ')[0].split('::')[:2])
-  return ' '.join(os.path.basename(a) if i == 0 else a
-                  for i, a in enumerate(sys.argv[:2]))
+  # A forked command's argv[0] is its module's file (launch/train.py).
+  program = '/'.join(sys.argv[0].split(os.sep)[-2:]) if sys.argv else ''
+  return ' '.join([program, *sys.argv[1:2]])
 
 
 def record(directory: str) -> Callable[[], None]:
@@ -130,12 +131,12 @@ def _table(result: dict[str, Any], top: int) -> Iterator[str]:
 
 def main(argv: list[str]) -> int:
   args = [a for a in argv if not a.startswith('--top=')]
-  top = int(next((a[6:] for a in argv if a.startswith('--top=')), 25))
-  if len(args) != 1 or not os.path.isdir(args[0]):
+  top = next((a[6:] for a in argv if a.startswith('--top=')), '25')
+  if len(args) != 1 or not os.path.isdir(args[0]) or not top.isdigit():
     print('usage: python -m tests.jax_events DIR [--top=25] (DIR: the '
           f'{ENV} of a test run)', file=sys.stderr)
     return 2
-  for line in _table(summary(read(args[0])), top):
+  for line in _table(summary(read(args[0])), int(top)):
     print(line)
   return 0
 

@@ -13,6 +13,7 @@ import tempfile
 from unittest import mock
 
 from absl.testing import absltest
+from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 
@@ -26,7 +27,7 @@ def _a_program_of_its_own(x):
   return jnp.sin(x) * 2 + 1
 
 
-class JaxEventsTest(absltest.TestCase):
+class JaxEventsTest(parameterized.TestCase):
 
   def test_a_compile_is_counted_for_its_test_class_and_program(self):
     directory = self.enter_context(tempfile.TemporaryDirectory())
@@ -80,10 +81,27 @@ class JaxEventsTest(absltest.TestCase):
     result = jax_events.summary(jax_events.read(directory))
     self.assertEqual(result['kinds']['trace']['count'], 2)
 
-  def test_no_directory_is_one_line(self):
+  def test_a_forked_command_is_named_by_its_module_file_and_first_flag(self):
+    directory = self.enter_context(tempfile.TemporaryDirectory())
+    x = jnp.arange(5.0)
+    argv = ['/repo/launch/train.py', '--config=configs/vit_fp16.py',
+            '--workdir=runs/x']
+    with mock.patch.dict(os.environ), mock.patch.object(sys, 'argv', argv):
+      os.environ.pop('PYTEST_CURRENT_TEST', None)
+      stop = jax_events.record(directory)
+      try:
+        jax.jit(lambda y: y / 7)(x).block_until_ready()
+      finally:
+        stop()
+    result = jax_events.summary(jax_events.read(directory))
+    self.assertEqual(list(result['scopes']),
+                     ['launch/train.py --config=configs/vit_fp16.py'])
+
+  @parameterized.parameters((['/nonexistent'],), (['.', '--top=many'],), ([],))
+  def test_bad_arguments_are_one_line(self, argv):
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-      self.assertEqual(jax_events.main(['/nonexistent']), 2)
+      self.assertEqual(jax_events.main(argv), 2)
     self.assertLen(err.getvalue().splitlines(), 1)
     self.assertStartsWith(err.getvalue(), 'usage: python -m tests.jax_events')
 
