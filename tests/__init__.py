@@ -61,7 +61,8 @@ for _name, _value in (
     ('JAX_TRACEBACK_IN_LOCATIONS_LIMIT', '0')):
   os.environ.setdefault(_name, _value)
 
-# Where a run's JAX time goes, when asked (tests/jax_events.py).
-if os.environ.get('HAIKU_MP_TESTS_JAX_EVENTS'):
-  from tests import jax_events  # pylint: disable=g-import-not-at-top
+# Where a run's JAX time goes, when asked (tests/jax_events.py; it imports
+# JAX only when recording).
+from tests import jax_events  # pylint: disable=g-import-not-at-top,wrong-import-position
+if os.environ.get(jax_events.ENV):
   jax_events.record(os.environ[jax_events.ENV])

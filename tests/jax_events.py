@@ -90,7 +90,7 @@ def read(directory: str) -> Iterator[dict[str, Any]]:
 def summary(events) -> dict[str, Any]:
   """Seconds and counts per kind, per scope and per program compiled."""
   kinds = collections.defaultdict(lambda: [0, 0.0])
-  scopes = collections.defaultdict(lambda: collections.Counter())
+  scopes = collections.defaultdict(collections.Counter)
   programs = collections.defaultdict(lambda: [0, 0.0])
   for e in events:
     kind = e['kind']
