@@ -61,8 +61,9 @@ for _name, _value in (
     ('JAX_TRACEBACK_IN_LOCATIONS_LIMIT', '0')):
   os.environ.setdefault(_name, _value)
 
-# Where a run's JAX time goes, when asked (tests/jax_events.py; it imports
-# JAX only when recording).
-from tests import jax_events  # pylint: disable=g-import-not-at-top,wrong-import-position
-if os.environ.get(jax_events.ENV):
-  jax_events.record(os.environ[jax_events.ENV])
+# Where a run's JAX time goes, when asked (tests/jax_events.py). Imported
+# only then: `python -m tests.jax_events` runs it as a module of its own.
+JAX_EVENTS_ENV = 'HAIKU_MP_TESTS_JAX_EVENTS'
+if os.environ.get(JAX_EVENTS_ENV):
+  from tests import jax_events  # pylint: disable=g-import-not-at-top
+  jax_events.record(os.environ[JAX_EVENTS_ENV])

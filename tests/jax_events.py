@@ -21,7 +21,9 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
-ENV = 'HAIKU_MP_TESTS_JAX_EVENTS'
+import tests
+
+ENV = tests.JAX_EVENTS_ENV
 # The events counted, by the short name the summary gives them.
 KINDS = {
     '/jax/core/compile/jaxpr_trace_duration': 'trace',
