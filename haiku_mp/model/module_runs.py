@@ -184,13 +184,15 @@ def _inputs_split(inputs):
   return arrays, [x for x, a in zip(inputs, arrays) if a]
 
 
-def describe(forward: Any, *inputs, rng: Optional[jax.Array] = None
-             ) -> list[ModuleMatmuls]:
+def describe(forward: Any, *inputs, rng: Optional[jax.Array] = None,
+             init_shapes: Any = None) -> list[ModuleMatmuls]:
   """Every module that runs a matmul in `forward` (`hk.transform`'s or
   `hk.transform_with_state`'s) called on `inputs`: its rule under the
   precision the forward applies, its matmuls' count, FLOPs, share and
   forms, and the forms haiku_mp ran them in (none: `NOT_HAIKU_MP`).
-  Traced abstractly: no FLOPs run, no params are made.
+  Traced abstractly: no FLOPs run, no params are made. `init_shapes`: what
+  `forward.init` returns for these inputs (or its `jax.eval_shape`), where
+  the caller already has it; the init is then not traced a second time.
 
   Example:
     for row in haiku_mp.describe(hk.transform(forward), images):
@@ -204,8 +206,10 @@ def describe(forward: Any, *inputs, rng: Optional[jax.Array] = None
     return fn(*[next(it) if a else x for x, a in zip(inputs, is_array)])
 
   stateful = isinstance(forward, hk.TransformedWithState)
-  init = jax.eval_shape(lambda r, *a: call(
-      functools.partial(forward.init, r), *a), rng, *arrays)
+  init = init_shapes
+  if init is None:
+    init = jax.eval_shape(lambda r, *a: call(
+        functools.partial(forward.init, r), *a), rng, *arrays)
   params, state = init if stateful else (init, None)
   classes = {}
 

@@ -262,6 +262,23 @@ class DescribeTest(absltest.TestCase):
     self.assertIn("net/ws_conv2_d  WsConv2D", table)
     self.assertIn(module_runs.NOT_HAIKU_MP, table)
 
+  def test_describe_given_the_init_shapes_traces_no_init(self):
+    net = _net()
+    images = jnp.ones([2, 16, 16, 3])
+    inits = []
+
+    def init(*args):
+      inits.append(args)
+      return net.init(*args)
+
+    counted = hk.Transformed(init=init, apply=net.apply)
+    traced = haiku_mp.describe(counted, images)
+    self.assertLen(inits, 1)
+    shapes = jax.eval_shape(net.init, jax.random.key(0), images)
+    self.assertEqual(haiku_mp.describe(counted, images, init_shapes=shapes),
+                     traced)
+    self.assertLen(inits, 1)
+
   def test_the_first_trace_says_fp8_reaches_a_sliver_of_the_flops(self):
     forward = _net()
     x = jnp.ones([2, 16, 16, 3])

@@ -58,13 +58,14 @@ def module_rows(exp: experiment.Experiment) -> list[dict[str, Any]]:
   shardings = exp.strategy.state_shardings
   specs = shardings and shardings.params
   # What each module's own matmuls run, and their share of the forward's
-  # FLOPs (haiku_mp.describe: one abstract trace), at the batch a device
-  # runs (4-bit blocks need its tokens).
+  # FLOPs (haiku_mp.describe: one abstract trace of the forward, the params'
+  # shapes those of the state), at the batch a device runs (4-bit blocks
+  # need its tokens).
   devices = 1 if exp.mesh is None else exp.mesh.shape[sharding.BATCH]
   described = {r.path: r for r in module_runs.describe(
       exp.forward, forward_lib.dummy_images(
           exp.settings.model, max(exp.train_batch_size // devices, 1)),
-      True)}
+      True, init_shapes=params)}
   rows = {}
   for call in calls:
     if call.method != '__call__' or call.path in rows:
