@@ -2,6 +2,8 @@
 device, `jax.jit`) and `pmap` (data parallel over the mesh's `batch`
 axis)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -12,6 +14,14 @@ import numpy as np
 from haiku_mp import errors
 from haiku_mp.vit.parallel import sharding
 from haiku_mp.vit.parallel import strategy as strategy_lib
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _stacked(tree, n, layout):
+  """Each leaf of `tree` `n` times along a new leading axis, laid out as
+  `layout`."""
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+      jnp.broadcast_to(x, (n,) + x.shape), layout), tree)
 
 
 @jax.jit
@@ -81,9 +91,11 @@ class Pmap(strategy_lib.Strategy):
     self.compiles_ahead = jax.process_count() == 1
     self.eval_step = jax.pmap(self._eval_step, axis_name=self.axis_name,
                               devices=devices)
-    # One copy per local device, laid out the way pmap returns its outputs.
-    self._replicas = NamedSharding(Mesh(np.array(local), (sharding.BATCH,)),
-                                   P(sharding.BATCH))
+    # One copy per local device, laid out the way pmap returns its outputs,
+    # made from the whole value on each of them.
+    local_mesh = Mesh(np.array(local), (sharding.BATCH,))
+    self._replicas = NamedSharding(local_mesh, P(sharding.BATCH))
+    self._everywhere = NamedSharding(local_mesh, P())
     self._first = jax.sharding.SingleDeviceSharding(local[0])
     firsts = {}
     for d in devices:
@@ -101,9 +113,11 @@ class Pmap(strategy_lib.Strategy):
         lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
 
   def place_state(self, state):
-    n = self._n
-    return jax.tree.map(lambda x: jax.device_put(
-        jnp.broadcast_to(x, (n,) + x.shape), self._replicas), state)
+    # The state sent to every local device, then stacked there: one program
+    # for the whole state, where a broadcast per leaf compiled one per shape
+    # (a tiny state on 8 CPU devices, the first time: 0.70 s, then 0.10 s).
+    return _stacked(jax.device_put(state, self._everywhere), self._n,
+                    self._replicas)
 
   def unreplicate(self, tree):
     # The first local replica as it lies on its device, its axis of one
